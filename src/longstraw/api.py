@@ -1,0 +1,140 @@
+"""`backward_group`: one GRPO group's gradient, accumulated into the model's parameters.
+
+Read top to bottom, a training step is:
+  1. validate everything (nothing is computed or touched before the inputs are known good);
+  2. fix the group constants the loss needs (G, Σ|o_i|, L_max) so replays in any grouping add up;
+  3. by mode:
+     standard / standard_batched — full prompt+response forwards through the unmodified model;
+     detach — capture prompt[:-1] once (no grad), replay each response from a fork of the state;
+     exact  — the same with the state as grad-requiring leaves, then the reverse chunked prompt backward.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from longstraw.group import Group
+from longstraw.logprobs import DEFAULT_TOKEN_CHUNK
+from longstraw.loss import GroupTotals, make_loss_config, response_loss
+from longstraw.models import check_architecture
+from longstraw.plans.exact import prompt_backward
+from longstraw.plans.replay import replay_responses
+from longstraw.plans.standard import standard
+from longstraw.state import capture_prompt
+
+MODES = ("standard", "standard_batched", "detach", "exact")
+
+
+@dataclass
+class GroupResult:
+    """loss: the group loss (float); logprobs: detached (R_i,) per response; stats: sizes and phase times."""
+
+    loss: float
+    logprobs: list[torch.Tensor]
+    stats: dict[str, float | int | str] = field(default_factory=dict)
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def _validate(model: torch.nn.Module, group: Group, mode: str, beta: float) -> None:
+    if not isinstance(group, Group):
+        raise TypeError(f"group must be a longstraw.Group, got {type(group).__name__}")
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}: choose one of {', '.join(MODES)}")
+    total = group.prompt.numel() + max(group.lengths)
+    check_architecture(model, total)
+    vocab = model.get_input_embeddings().num_embeddings
+    if group.max_token_id() >= vocab:
+        raise ValueError(f"token id {group.max_token_id()} is out of the model's vocabulary (size {vocab})")
+    max_pos = getattr(model.config, "max_position_embeddings", None)
+    if max_pos is not None and total > max_pos:
+        raise ValueError(
+            f"prompt ({group.prompt.numel()}) + longest response ({max(group.lengths)}) = {total} tokens exceeds "
+            f"the model's max_position_embeddings ({max_pos}): shorten the prompt or use a longer-context model"
+        )
+    if beta and group.ref_logprobs is None:
+        raise ValueError("beta > 0 needs ref_logprobs in the Group (the reference model's log-probs)")
+
+
+def backward_group(
+    model: torch.nn.Module,
+    group: Group,
+    mode: str = "exact",
+    loss: str = "grpo",
+    chunk_size: int = 2048,
+    micro_batch: int = 1,
+    token_chunk: int = DEFAULT_TOKEN_CHUNK,
+    **loss_options: float | int | None,
+) -> GroupResult:
+    """Accumulate d(group loss)/d(params) into `.grad`, as `loss.backward()` would (never zeroes or steps).
+
+    mode: standard | standard_batched | detach | exact. chunk_size: prompt tokens per capture chunk (and per
+    prompt-backward chunk in exact mode). micro_batch: responses replayed at once (detach/exact).
+    token_chunk: rows per block of the chunked log-prob. loss_options: epsilon, epsilon_low, epsilon_high,
+    beta, max_tokens (see `longstraw.loss`).
+    """
+    try:
+        cfg = make_loss_config(loss, **loss_options)
+    except TypeError as err:
+        raise TypeError(f"{err}; valid loss options: epsilon, epsilon_low, epsilon_high, beta, max_tokens") from None
+    chunk_size = _positive_int("chunk_size", chunk_size)
+    micro_batch = _positive_int("micro_batch", micro_batch)
+    token_chunk = _positive_int("token_chunk", token_chunk)
+    _validate(model, group, mode, cfg.beta)
+
+    totals = GroupTotals.of(group.lengths, cfg)
+    device = model.get_input_embeddings().weight.device
+    dtype = model.get_input_embeddings().weight.dtype
+    prompt = group.prompt.to(device=device, dtype=torch.long)
+    responses = [r.to(device=device, dtype=torch.long) for r in group.responses]
+    advantages = group.advantages.to(device=device, dtype=dtype)
+
+    def padded(values: list[torch.Tensor] | None, idx: list[int], shape: torch.Size) -> torch.Tensor | None:
+        if values is None:
+            return None
+        out = torch.zeros(shape, dtype=dtype, device=device)
+        for row, i in enumerate(idx):
+            out[row, : values[i].numel()] = values[i].to(device=device, dtype=dtype)
+        return out
+
+    def loss_fn(logp: torch.Tensor, mask: torch.Tensor, idx: list[int]) -> torch.Tensor:
+        """This micro-batch's share of the group loss; logp/mask (k, T), idx: which responses."""
+        return response_loss(
+            logp, mask, advantages[idx], totals, cfg,
+            old_logp=padded(group.old_logprobs, idx, logp.shape),
+            ref_logp=padded(group.ref_logprobs, idx, logp.shape),
+        )
+
+    stats: dict[str, float | int | str] = {"mode": mode, "prompt_tokens": prompt.numel(), "group_size": group.size}
+    t0 = time.perf_counter()
+    if mode in ("standard", "standard_batched"):
+        total, logprobs = standard(model, prompt, responses, loss_fn, batched=mode == "standard_batched")
+        stats.update(prompt_state_bytes=0, capture_s=0.0, replay_s=time.perf_counter() - t0, prompt_backward_s=0.0)
+    else:
+        # The last prompt token is replayed with each response, so only prompt[:-1] is captured.
+        state = capture_prompt(model, prompt[:-1], chunk_size)
+        t1 = time.perf_counter()
+        if mode == "exact":
+            state = state.as_leaves()
+        total, logprobs = replay_responses(model, prompt, state, responses, loss_fn, micro_batch, token_chunk)
+        t2 = time.perf_counter()
+        if mode == "exact":
+            prompt_backward(model, prompt[:-1], state)
+        t3 = time.perf_counter()
+        stats.update(
+            prompt_state_bytes=state.nbytes(), capture_s=t1 - t0, replay_s=t2 - t1, prompt_backward_s=t3 - t2,
+        )
+    if not math.isfinite(total):
+        raise FloatingPointError(
+            f"group loss is {total}: gradients were accumulated from non-finite values; zero them and check "
+            "the inputs (advantages, old/ref log-probs) and the model's dtype"
+        )
+    return GroupResult(loss=total, logprobs=logprobs, stats=stats)

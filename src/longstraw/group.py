@@ -1,0 +1,80 @@
+"""`Group`: one shared prompt and its G sampled responses, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def _check_ids(name: str, ids: object) -> None:
+    if not isinstance(ids, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.LongTensor of token ids, got {type(ids).__name__}")
+    if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+        raise TypeError(f"{name} must hold integer token ids, got dtype {ids.dtype}: pass torch.long ids")
+    if ids.dim() != 1:
+        raise ValueError(f"{name} must be 1-D (one sequence of token ids), got shape {tuple(ids.shape)}")
+    if ids.numel() == 0:
+        raise ValueError(f"{name} is empty: it needs at least one token")
+    if int(ids.min()) < 0:
+        raise ValueError(f"{name} contains a negative token id ({int(ids.min())})")
+
+
+def _check_float(name: str, t: object, shape: tuple[int, ...]) -> None:
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+    if not torch.isfinite(t).all():
+        raise ValueError(f"{name} contains NaN or inf: fix the values before the training step")
+
+
+@dataclass
+class Group:
+    """A GRPO group: prompt (P,), responses [o_1..o_G] each (R_i,), advantages (G,).
+
+    old_logprobs / ref_logprobs, when given, are one (R_i,) tensor per response: the sampling policy's
+    log-probs (PPO clipping, GSPO) and a frozen reference model's (KL penalty).
+    """
+
+    prompt: torch.Tensor
+    responses: list[torch.Tensor]
+    advantages: torch.Tensor
+    old_logprobs: list[torch.Tensor] | None = None
+    ref_logprobs: list[torch.Tensor] | None = None
+
+    def __post_init__(self) -> None:
+        _check_ids("prompt", self.prompt)
+        if not isinstance(self.responses, (list, tuple)):
+            raise TypeError(f"responses must be a list of LongTensors, got {type(self.responses).__name__}")
+        if len(self.responses) == 0:
+            raise ValueError("responses is empty (G = 0): a group needs at least one response")
+        self.responses = list(self.responses)
+        for i, r in enumerate(self.responses):
+            _check_ids(f"responses[{i}]", r)
+        g = len(self.responses)
+        if not isinstance(self.advantages, torch.Tensor):
+            raise TypeError(f"advantages must be a FloatTensor of shape ({g},), got {type(self.advantages).__name__}")
+        _check_float("advantages", self.advantages, (g,))
+        for name in ("old_logprobs", "ref_logprobs"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not isinstance(value, (list, tuple)) or len(value) != g:
+                raise ValueError(f"{name} must be a list of {g} tensors, one per response")
+            for i, (lp, r) in enumerate(zip(value, self.responses)):
+                _check_float(f"{name}[{i}]", lp, (r.numel(),))
+                if (lp > 0).any():
+                    raise ValueError(f"{name}[{i}] has positive values: log-probs must be <= 0")
+
+    @property
+    def size(self) -> int:
+        """G, the number of responses."""
+        return len(self.responses)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [r.numel() for r in self.responses]
+
+    def max_token_id(self) -> int:
+        return max(int(self.prompt.max()), *(int(r.max()) for r in self.responses))

@@ -1,0 +1,62 @@
+"""Per-token log-probabilities of target ids without materialising the `[N, vocab]` logits.
+
+`chunked_logprobs` runs the output projection over blocks of `token_chunk` rows; forward keeps only the
+log-probs, backward recomputes each block's logits and softmax. Peak extra memory is one block of logits
+(`token_chunk x vocab`) instead of all of them (8k tokens x 150k vocab in fp32 would be 4.9 GB).
+`naive_logprobs` beside it is the plain reference the parity test compares with.
+"""
+
+from __future__ import annotations
+
+import torch
+
+DEFAULT_TOKEN_CHUNK = 1024
+
+
+class _ChunkedLogprobs(torch.autograd.Function):
+    """hidden (N, d), weight (V, d), targets (N,) -> logp (N,) = log_softmax(hidden @ weight.T)[n, targets[n]]."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, token_chunk: int):  # type: ignore[override]
+        out = torch.empty(hidden.shape[0], dtype=hidden.dtype, device=hidden.device)
+        for s in range(0, hidden.shape[0], token_chunk):
+            logits = hidden[s : s + token_chunk] @ weight.t()  # (c, V)
+            tgt = targets[s : s + token_chunk]
+            out[s : s + token_chunk] = logits.gather(1, tgt[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
+        ctx.token_chunk = token_chunk
+        ctx.save_for_backward(hidden, weight, targets)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
+        hidden, weight, targets = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        d_hidden = torch.empty_like(hidden) if need_h else None
+        d_weight = torch.zeros_like(weight) if need_w else None
+        c = ctx.token_chunk
+        for s in range(0, hidden.shape[0], c):
+            h = hidden[s : s + c]
+            logits = h @ weight.t()  # (c, V), recomputed
+            # d logp / d logits = onehot(target) - softmax(logits), scaled by the incoming gradient.
+            d_logits = torch.softmax(logits, dim=-1).mul_(-grad_out[s : s + c, None])
+            d_logits.scatter_add_(1, targets[s : s + c, None], grad_out[s : s + c, None])
+            if need_h:
+                d_hidden[s : s + c] = d_logits @ weight
+            if need_w:
+                d_weight.addmm_(d_logits.t(), h)
+        return d_hidden, d_weight, None, None
+
+
+def chunked_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, token_chunk: int = DEFAULT_TOKEN_CHUNK
+) -> torch.Tensor:
+    """hidden (..., d), weight (V, d), targets (...) -> log-probs (...). Differentiable in hidden and weight."""
+    shape = targets.shape
+    flat = _ChunkedLogprobs.apply(hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), token_chunk)
+    return flat.view(shape)
+
+
+def naive_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Reference: full logits, log_softmax, gather. Same shapes as `chunked_logprobs`."""
+    logits = hidden @ weight.t()
+    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)

@@ -1,0 +1,112 @@
+"""Loading models and checking that an architecture is one LongStraw handles correctly.
+
+`load_model` accepts a built-in preset (random init from a small config, seeded), a Hugging Face model id
+or local directory, or a `.gguf` file (transformers de-quantises it; needs the `gguf` extra).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qwen3Config
+
+# Model types whose every layer is full (causal, GQA/MQA) attention, handled by state/attention.py.
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def _tiny_llama() -> PretrainedConfig:
+    return LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=512, max_position_embeddings=2048, tie_word_embeddings=False,
+    )
+
+
+def _tiny_qwen3() -> PretrainedConfig:
+    return Qwen3Config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=16, vocab_size=512, max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    )
+
+
+def _b1_llama() -> PretrainedConfig:
+    """Bench B1 (DESIGN §5): 4 layers, hidden 256, 8 heads, 2 KV heads, intermediate 704, vocab 32000."""
+    return LlamaConfig(
+        hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=2, vocab_size=32000, max_position_embeddings=131072, tie_word_embeddings=False,
+    )
+
+
+PRESETS: dict[str, Callable[[], PretrainedConfig]] = {
+    "tiny-llama": _tiny_llama,
+    "tiny-qwen3": _tiny_qwen3,
+    "b1-llama": _b1_llama,
+}
+
+
+def _parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"float32": torch.float32, "fp32": torch.float32, "float64": torch.float64, "fp64": torch.float64,
+             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in names:
+        raise ValueError(f"unknown dtype {dtype!r}: use one of {', '.join(names)}")
+    return names[dtype]
+
+
+def load_model(
+    name_or_path: str, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu", seed: int = 0
+) -> torch.nn.Module:
+    """A causal LM in eval() mode (no dropout) with parameters requiring grad.
+
+    name_or_path: a preset (`tiny-llama`, `tiny-qwen3`, `b1-llama`), a local directory, a `.gguf` file,
+    or a Hugging Face model id. `seed` only affects presets (their random init).
+    """
+    dtype = _parse_dtype(dtype)
+    if name_or_path in PRESETS:
+        config = PRESETS[name_or_path]()
+        config._attn_implementation = "sdpa"
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = model.to(dtype)
+    elif name_or_path.endswith(".gguf"):
+        if not os.path.isfile(name_or_path):
+            raise FileNotFoundError(f"GGUF file not found: {name_or_path}")
+        folder, file = os.path.split(os.path.abspath(name_or_path))
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
+    model = model.to(device).eval()
+    for p in model.parameters():
+        p.requires_grad_(True)
+    return model
+
+
+def check_architecture(model: torch.nn.Module, max_length: int) -> None:
+    """Raise ValueError unless LongStraw's state adapters handle this model exactly for `max_length` positions."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"unsupported architecture {model_type!r} ({type(model).__name__}): LongStraw supports "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)} (full-attention decoders)"
+        )
+    layer_types = getattr(config, "layer_types", None) or []
+    other = sorted({t for t in layer_types if t != "full_attention"})
+    window = getattr(config, "sliding_window", None)
+    uses_window = getattr(config, "use_sliding_window", True) and window is not None
+    if other or (uses_window and window < max_length):
+        raise ValueError(
+            f"{model_type} with sliding-window attention (window {window}, layer types {other or 'all'}) is not "
+            f"supported for {max_length} positions: only full attention is handled; use a config without "
+            "sliding_window or sequences no longer than the window"
+        )
+    if not hasattr(model, "model") or model.get_output_embeddings() is None:
+        raise ValueError(f"{type(model).__name__} is not a causal LM with a decoder and an output projection")
+    if getattr(model.get_output_embeddings(), "bias", None) is not None:
+        raise ValueError("output projections with a bias are not supported")
+    if model.training:
+        raise ValueError("the model is in train() mode (dropout active): call model.eval() first")

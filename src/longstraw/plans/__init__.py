@@ -1,0 +1,1 @@
+"""Execution plans for one group's gradient: standard (reference), detach (the paper), exact (ours)."""

@@ -1,0 +1,61 @@
+"""Response replay from a captured prompt state: forward + backward of k responses at a time.
+
+Each response o_i is replayed as the segment `[x[-1]] + o_i[:-1]` at positions P-1 … P+R_i-2 with
+targets o_i: the last prompt token is part of the replayed segment, so the first response token's
+log-prob depends on live activations and carries gradient (DESIGN §2).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from longstraw.logprobs import chunked_logprobs
+from longstraw.replay import run_segment
+from longstraw.state.attention import KVState
+
+LossFn = Callable[[torch.Tensor, torch.Tensor, list[int]], torch.Tensor]
+
+
+def pad(seqs: list[torch.Tensor], value: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad 1-D id tensors to (B, T_max); returns (ids, mask) with mask True on real tokens."""
+    t = max(s.numel() for s in seqs)
+    ids = torch.full((len(seqs), t), value, dtype=torch.long, device=seqs[0].device)
+    mask = torch.zeros((len(seqs), t), dtype=torch.bool, device=seqs[0].device)
+    for i, s in enumerate(seqs):
+        ids[i, : s.numel()] = s
+        mask[i, : s.numel()] = True
+    return ids, mask
+
+
+def replay_responses(
+    model: torch.nn.Module,
+    prompt: torch.Tensor,
+    state: KVState,
+    responses: list[torch.Tensor],
+    loss_fn: LossFn,
+    micro_batch: int,
+    token_chunk: int,
+) -> tuple[float, list[torch.Tensor]]:
+    """Forward+backward every response from a fork of `state` (which holds prompt[:-1]).
+
+    Gradients accumulate into the parameters and, when the state's tensors require grad (exact plan),
+    into their `.grad`. Returns (summed loss, per-response detached logp).
+    """
+    p = prompt.numel()
+    weight = model.get_output_embeddings().weight  # (V, d)
+    total, logprobs = 0.0, [None] * len(responses)
+    for first in range(0, len(responses), micro_batch):
+        idx = list(range(first, min(first + micro_batch, len(responses))))
+        segments = [torch.cat([prompt[-1:], responses[i][:-1]]) for i in idx]
+        inputs, mask = pad(segments)  # (k, R_max)
+        targets, _ = pad([responses[i] for i in idx])
+        hidden = run_segment(model, inputs, p - 1, state.fork())  # (k, R_max, d)
+        logp = chunked_logprobs(hidden, weight, targets, token_chunk)  # (k, R_max)
+        loss = loss_fn(logp, mask, idx)
+        loss.backward()
+        total += float(loss.detach())
+        for row, i in enumerate(idx):
+            logprobs[i] = logp[row, : responses[i].numel()].detach()
+    return total, logprobs

@@ -1,0 +1,43 @@
+"""The standard plan, the ground truth: every response scored as a full `prompt + response` sequence
+through the unmodified transformers model (its own attention, its own logits), as TRL/verl/OpenRLHF do.
+
+`standard` runs one sequence at a time with gradient accumulation; `standard_batched` puts all G
+sequences in one right-padded batch (a trainer with per-device batch G).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from longstraw.plans.replay import pad
+
+LossFn = Callable[[torch.Tensor, torch.Tensor, list[int]], torch.Tensor]
+
+
+def _score(model: torch.nn.Module, prompt: torch.Tensor, responses: list[torch.Tensor]):
+    """Full forward of prompt + each response, right-padded. Returns logp (B, R_max) and mask (B, R_max)."""
+    targets, mask = pad(responses)  # (B, R_max)
+    r_max = targets.shape[1]
+    inputs = torch.cat([prompt.expand(len(responses), -1), targets], dim=1)  # (B, P + R_max)
+    attention_mask = torch.cat([torch.ones_like(prompt).expand(len(responses), -1), mask.long()], dim=1)
+    # Position P-1+t predicts response token t: keep the last R_max+1 logits and drop the final one.
+    logits = model(input_ids=inputs, attention_mask=attention_mask, logits_to_keep=r_max + 1, use_cache=False).logits
+    logits = logits[:, :-1]  # (B, R_max, V)
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return logp, mask
+
+
+def standard(model, prompt, responses, loss_fn: LossFn, batched: bool) -> tuple[float, list[torch.Tensor]]:
+    """Accumulate the group gradient into the parameters; return (loss, per-response detached logp)."""
+    batches = [list(range(len(responses)))] if batched else [[i] for i in range(len(responses))]
+    total, logprobs = 0.0, [None] * len(responses)
+    for idx in batches:
+        logp, mask = _score(model, prompt, [responses[i] for i in idx])
+        loss = loss_fn(logp, mask, idx)
+        loss.backward()
+        total += float(loss.detach())
+        for row, i in enumerate(idx):
+            logprobs[i] = logp[row, : responses[i].numel()].detach()
+    return total, logprobs
