@@ -1,0 +1,90 @@
+"""Bad input gets a clear error before anything is computed; the model is left untouched."""
+
+import pytest
+import torch
+from conftest import random_group, tiny_model
+from transformers import GPT2Config, GPT2LMHeadModel, MistralConfig, MistralForCausalLM
+
+from longstraw import Group, backward_group
+
+ADV = torch.zeros(2, dtype=torch.float64)
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = tiny_model("llama")
+    for p in m.parameters():  # pre-existing gradients that a rejected call must not touch
+        p.grad = torch.full_like(p, 0.5)
+    return m
+
+
+def _snapshot(m):
+    return [(p.detach().clone(), p.grad.clone()) for p in m.parameters()]
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(prompt=torch.tensor([], dtype=torch.long)), ValueError, "prompt is empty"),
+    (dict(responses=[torch.tensor([1, 2]), torch.tensor([], dtype=torch.long)]), ValueError,
+     r"responses\[1\] is empty"),
+    (dict(responses=[], advantages=torch.zeros(0)), ValueError, "G = 0"),
+    (dict(advantages=torch.zeros(3)), ValueError, r"advantages must have shape \(2,\)"),
+    (dict(prompt=torch.tensor([1.0, 2.0])), TypeError, "integer token ids"),
+    (dict(responses=[[1, 2], [3]]), TypeError, "LongTensor"),
+    (dict(advantages=torch.tensor([1.0, float("nan")])), ValueError, "NaN or inf"),
+    (dict(advantages=torch.tensor([float("inf"), 0.0])), ValueError, "NaN or inf"),
+    (dict(advantages=[1.0, 2.0]), TypeError, "FloatTensor"),
+    (dict(prompt=torch.tensor([[1, 2]])), ValueError, "1-D"),
+    (dict(prompt=torch.tensor([-1, 2])), ValueError, "negative"),
+    (dict(old_logprobs=[torch.zeros(2)]), ValueError, "list of 2 tensors"),
+    (dict(ref_logprobs=[torch.zeros(2), torch.ones(1)]), ValueError, "positive"),
+])
+def test_group_rejects_bad_input(kwargs, error, match):
+    base = dict(prompt=torch.tensor([1, 2, 3]), responses=[torch.tensor([4, 5]), torch.tensor([6])], advantages=ADV)
+    with pytest.raises(error, match=match):
+        Group(**{**base, **kwargs})
+
+
+def _good():
+    return random_group(10, [3, 2], seed=0)
+
+
+@pytest.mark.parametrize("group_fn,kwargs,error,match", [
+    (lambda: Group(torch.tensor([1, 600]), [torch.tensor([2])], torch.zeros(1)), {}, ValueError,
+     "out of the model's vocab"),
+    (lambda: Group(torch.tensor([1]), [torch.tensor([512])], torch.zeros(1)), {}, ValueError, "id 512 is out"),
+    (lambda: random_group(1020, [5], seed=0), {}, ValueError, "max_position_embeddings"),
+    (_good, dict(mode="fast"), ValueError, "unknown mode 'fast'"),
+    (_good, dict(loss="ppo"), ValueError, "unknown loss 'ppo'"),
+    (_good, dict(micro_batch=0), ValueError, "micro_batch must be an integer >= 1"),
+    (_good, dict(micro_batch=1.5), ValueError, "micro_batch"),
+    (_good, dict(chunk_size=0), ValueError, "chunk_size"),
+    (_good, dict(gamma=0.9), TypeError, "valid loss options"),
+    (_good, dict(beta=0.1), ValueError, "ref_logprobs"),
+    (lambda: "not a group", {}, TypeError, "longstraw.Group"),
+])
+def test_backward_group_rejects_and_leaves_model_untouched(model, group_fn, kwargs, error, match):
+    before = _snapshot(model)
+    with pytest.raises(error, match=match):
+        backward_group(model, group_fn(), **kwargs)
+    for (w, g), p in zip(before, model.parameters()):
+        assert torch.equal(w, p.detach()) and torch.equal(g, p.grad)
+
+
+def test_unsupported_architecture_is_named():
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100)).eval()
+    with pytest.raises(ValueError, match=r"unsupported architecture 'gpt2'.*llama, qwen2, qwen3, mistral"):
+        backward_group(gpt2, Group(torch.tensor([1, 2]), [torch.tensor([3])], torch.zeros(1)))
+
+
+def test_sliding_window_shorter_than_sequence_is_refused():
+    cfg = MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                        num_key_value_heads=1, vocab_size=100, sliding_window=8)
+    model = MistralForCausalLM(cfg).eval()
+    with pytest.raises(ValueError, match="sliding-window"):
+        backward_group(model, Group(torch.arange(10), [torch.tensor([3])], torch.zeros(1)))
+
+
+def test_train_mode_is_refused():
+    model = tiny_model("llama").train()
+    with pytest.raises(ValueError, match=r"eval\(\)"):
+        backward_group(model, _good())
