@@ -16,13 +16,22 @@ def _inputs(b, h, hkv, t, chunks, d=8, seed=0):
     return q, k, v, pk, pv
 
 
+@pytest.fixture(params=["fused", "portable"])
+def kernel(request, monkeypatch):
+    """Run a test on the fused CPU flash path and on the portable blocked kernel."""
+    if request.param == "fused" and attention._FLASH_CPU is None:
+        pytest.skip("this torch build has no fused CPU flash-attention op")
+    monkeypatch.setattr(attention, "USE_FUSED", request.param == "fused")
+    monkeypatch.setattr(attention, "KEY_BLOCK", 4)  # several key blocks per chunk, one ragged
+    return request.param
+
+
 @pytest.mark.parametrize("b,h,hkv", [(1, 4, 4), (2, 4, 2), (3, 8, 1)])
 @pytest.mark.parametrize("chunks", [[], [1], [3, 7], [5, 2, 11]])
-def test_prefix_attention_matches_naive_with_gradients(monkeypatch, b, h, hkv, chunks):
-    monkeypatch.setattr(attention, "KEY_BLOCK", 4)  # several key blocks per chunk, one ragged
-    q, k, v, pk, pv = _inputs(b, h, hkv, 5, chunks)
+def test_prefix_attention_matches_naive_with_gradients(kernel, b, h, hkv, chunks):
+    q, k, v, pk, pv = _inputs(b, h, hkv, 9, chunks)
     inputs = [q, k, v, *pk, *pv]
-    weight = torch.randn(b, h, 5, 8, dtype=torch.float64)
+    weight = torch.randn(b, h, 9, 8, dtype=torch.float64)
     fast = prefix_attention(q, k, v, pk, pv, 0.35)
     ref = naive_attention(q, k, v, pk, pv, 0.35)
     assert (fast - ref).abs().max() < 1e-13
@@ -32,7 +41,7 @@ def test_prefix_attention_matches_naive_with_gradients(monkeypatch, b, h, hkv, c
         assert (a - r).abs().max() < 1e-12
 
 
-def test_prefix_gradients_skip_when_state_is_constant():
+def test_prefix_gradients_skip_when_state_is_constant(kernel):
     """Detach plan: the state does not require grad, the kernel must still give dq exactly."""
     q, k, v, pk, pv = _inputs(2, 4, 2, 6, [4, 4])
     pk = [t.detach() for t in pk]
@@ -43,7 +52,15 @@ def test_prefix_gradients_skip_when_state_is_constant():
         assert (a - r).abs().max() < 1e-12
 
 
-def test_gradcheck_prefix_kernel():
+def test_gradcheck_prefix_kernel(kernel):
     q, k, v, pk, pv = _inputs(1, 2, 1, 3, [2, 3], d=4)
     fn = lambda q, k, v, a, b, c, d: prefix_attention(q, k, v, [a, b], [c, d], 0.5)  # noqa: E731
     assert torch.autograd.gradcheck(fn, (q, k, v, *pk, *pv))
+
+
+def test_fused_path_is_used_on_cpu():
+    """The fast path must actually be taken where available, or the benchmarks measure the slow one."""
+    q, k, v, pk, pv = _inputs(1, 2, 1, 3, [2])
+    if attention._FLASH_CPU is None:
+        pytest.skip("this torch build has no fused CPU flash-attention op")
+    assert attention._fused(q)

@@ -7,113 +7,164 @@ A replayed segment (a response, or one prompt chunk during capture) attends to t
 * its **own** tokens: causal attention within the segment.
 
 The two partial softmaxes are merged exactly with their log-sum-exp. Both parts run through one custom
-autograd function (flash-attention style: blocks of keys, online softmax, recomputation in backward), so
-neither a `[T, P]` nor a `[T, T]` score matrix nor a copy of the prefix K/V is ever held; its
-log-sum-exp output is differentiable, which the merge needs (torch's SDPA does not offer that). `naive_attention` beside it is the plain reference the parity tests compare with.
+autograd function, `ChunkAttention` (flash-attention style: online softmax over chunks, recomputation in
+backward), so neither a `[T, P]` nor a `[T, T]` score matrix nor a copy of the prefix K/V is held. Its
+log-sum-exp output is differentiable, which the merge needs and torch's SDPA does not offer.
+`naive_attention` at the end is the plain reference the parity tests compare with.
 
 Shapes: B sequences, H query heads, Hkv key/value heads (GQA: H = Hkv * g), T new tokens, P prefix tokens,
-D head dim. Queries of all B sequences and all g heads of a KV group are folded into one row set
-`M = B * g * T` so the prefix K/V of shape (Hkv, P, D) is read once for all of them.
+D head dim. For the prefix, queries of all B sequences and all g heads of a KV group are folded into one
+row set `M = B * g * T`, so the prefix K/V of shape (Hkv, P, D) is read once for all of them.
 """
 
 from __future__ import annotations
 
 import torch
 
-# Keys per block inside the kernel: bounds the transient score block to (N, M, KEY_BLOCK).
+
+def _aten_op(name: str):
+    try:
+        return getattr(torch.ops.aten, name)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+# Fused CPU flash-attention op that also returns the log-sum-exp (private ATen op, present in torch >= 2.2).
+_FLASH_CPU = _aten_op("_scaled_dot_product_flash_attention_for_cpu")
+_FLASH_CPU_BWD = _aten_op("_scaled_dot_product_flash_attention_for_cpu_backward")
+# Set False to force the portable kernel everywhere (the parity tests run both).
+USE_FUSED = True
+# Keys per block in the portable kernel: bounds its transient score block to (N, M, KEY_BLOCK).
 KEY_BLOCK = 512
 
 
-def _key_blocks(chunks: list[torch.Tensor]) -> list[tuple[int, int, int, int]]:
-    """(chunk index, start in chunk, global key position, length) of every key block; blocks are views."""
-    blocks, offset = [], 0
-    for i, chunk in enumerate(chunks):
-        n = chunk.shape[-2]
-        for s in range(0, n, KEY_BLOCK):
-            blocks.append((i, s, offset + s, min(KEY_BLOCK, n - s)))
-        offset += n
-    return blocks
+def _fused(q: torch.Tensor) -> bool:
+    return USE_FUSED and _FLASH_CPU is not None and _FLASH_CPU_BWD is not None and q.device.type == "cpu"
 
 
-def _visible(causal_group: int, rows: int, row0: int, key0: int, length: int, device) -> torch.Tensor | None:
-    """Causal mask of one block: row r (position r // causal_group) sees key j iff j <= r // causal_group."""
-    if not causal_group:
-        return None
-    pos = torch.arange(row0, row0 + rows, device=device) // causal_group
+def _portable_forward(q, k, v, scale: float, causal: bool):
+    """One key chunk, key blocks with an online softmax. q (N, M, D), k/v (N, c, D) -> out (N, M, D), lse (N, M).
+
+    causal (own tokens, M == c): row r sees keys 0 … r; a key block starting at key0 only touches rows >= key0,
+    so every processed row sees at least one key of every block it is in (no all-masked rows, no NaN).
+    """
+    n, m, d = q.shape
+    run_max = torch.full((n, m), float("-inf"), dtype=q.dtype, device=q.device)
+    run_sum = torch.zeros((n, m), dtype=q.dtype, device=q.device)
+    acc = torch.zeros((n, m, d), dtype=q.dtype, device=q.device)
+    for key0 in range(0, k.shape[1], KEY_BLOCK):
+        length = min(KEY_BLOCK, k.shape[1] - key0)
+        r0 = key0 if causal else 0
+        scores = torch.matmul(q[:, r0:], k[:, key0 : key0 + length].transpose(-1, -2)) * scale  # (N, M', c)
+        if causal:
+            scores = scores.masked_fill(~_causal_mask(m - r0, r0, key0, length, q.device), float("-inf"))
+        new_max = torch.maximum(run_max[:, r0:], scores.amax(-1))
+        correction = torch.exp(run_max[:, r0:] - new_max)
+        p = torch.exp(scores - new_max.unsqueeze(-1))
+        run_sum[:, r0:] = run_sum[:, r0:] * correction + p.sum(-1)
+        acc[:, r0:] = acc[:, r0:] * correction.unsqueeze(-1) + torch.matmul(p, v[:, key0 : key0 + length])
+        run_max[:, r0:] = new_max
+    return acc / run_sum.unsqueeze(-1), run_max + torch.log(run_sum)
+
+
+def _causal_mask(rows: int, row0: int, key0: int, length: int, device) -> torch.Tensor:
+    """(rows, length) bool: row row0+i sees key key0+j iff key0+j <= row0+i."""
     keys = torch.arange(key0, key0 + length, device=device)
-    return keys[None, :] <= pos[:, None]  # (M', c)
+    return keys[None, :] <= torch.arange(row0, row0 + rows, device=device)[:, None]
 
 
-class BlockAttention(torch.autograd.Function):
+def _portable_backward(d_out, row, q, k, v, lse, scale: float, causal: bool, need_kv: bool):
+    """Gradients of one key chunk given the *global* out/lse: p = exp(s − lse) is this chunk's slice of the
+    full softmax, and dS = p * (dP − row) with row = rowsum(dO * O) − dLSE. Returns dq, dk, dv (dk/dv None
+    unless need_kv)."""
+    m = q.shape[1]
+    dq = torch.zeros_like(q)
+    dk = torch.zeros_like(k) if need_kv else None
+    dv = torch.zeros_like(v) if need_kv else None
+    for key0 in range(0, k.shape[1], KEY_BLOCK):
+        length = min(KEY_BLOCK, k.shape[1] - key0)
+        r0 = key0 if causal else 0
+        kb, vb = k[:, key0 : key0 + length], v[:, key0 : key0 + length]
+        qb, dob = q[:, r0:], d_out[:, r0:]
+        scores = torch.matmul(qb, kb.transpose(-1, -2)) * scale  # (N, M', c)
+        if causal:
+            scores = scores.masked_fill(~_causal_mask(m - r0, r0, key0, length, q.device), float("-inf"))
+        p = torch.exp(scores - lse[:, r0:].unsqueeze(-1))
+        ds = p * (torch.matmul(dob, vb.transpose(-1, -2)) - row[:, r0:].unsqueeze(-1))
+        dq[:, r0:].add_(torch.matmul(ds, kb), alpha=scale)
+        if need_kv:
+            dk[:, key0 : key0 + length].add_(torch.matmul(ds.transpose(-1, -2), qb), alpha=scale)
+            dv[:, key0 : key0 + length].add_(torch.matmul(p.transpose(-1, -2), dob))
+    return dq, dk, dv
+
+
+def _fused_backward(d_out, d_lse, q, k, v, out, lse, scale: float, causal: bool):
+    """The fused op's backward with a log-sum-exp gradient folded in.
+
+    Flash backward forms dS = P * (dP − rowsum(dO * O)). Appending one column — dO' = [dO, 1],
+    O' = [O, −dLSE], and zero columns to q, k, v — leaves P and dP unchanged and turns the row sum into
+    rowsum(dO * O) − dLSE, which is exactly the gradient with dLSE included. The scale is passed explicitly
+    because the head dim grew by one.
+    """
+    zero_col = lambda t: torch.cat([t, t.new_zeros(*t.shape[:-1], 1)], dim=-1)[None]  # noqa: E731
+    d_out_aug = torch.cat([d_out, d_out.new_ones(*d_out.shape[:-1], 1)], dim=-1)[None]
+    out_aug = torch.cat([out, -d_lse.unsqueeze(-1).to(out.dtype)], dim=-1)[None]
+    dq, dk, dv = _FLASH_CPU_BWD(
+        d_out_aug, zero_col(q), zero_col(k), zero_col(v), out_aug, lse[None], 0.0, causal, scale=scale
+    )
+    return dq[0, ..., :-1], dk[0, ..., :-1], dv[0, ..., :-1]
+
+
+class ChunkAttention(torch.autograd.Function):
     """softmax(q K^T * scale) V over a list of key/value chunks, returning the output and its log-sum-exp.
 
-    Inputs: q (N, M, D); scale; causal_group; n; then n key chunks and n value chunks, each (1, N, c_j, D).
-    causal_group = 0: every key is visible (the prompt prefix). causal_group = g > 0: rows are ordered
-    (time, group) so row r sits at position r // g and sees keys 0 … r // g (a segment's own tokens); key
-    blocks then only touch the rows at or after their first key, which skips the masked upper triangle.
-    Outputs: out (N, M, D), lse (N, M). Key blocks are processed with an online softmax (flash-attention
-    style); backward recomputes each block's probabilities from the saved lse.
+    Inputs: q (N, M, D); scale; causal; n; then n key chunks and n value chunks, each (1, N, c_j, D).
+    causal = False: every key is visible (the prompt prefix). causal = True (one chunk, M == c): the
+    segment's own tokens. Outputs: out (N, M, D), lse (N, M), both differentiable.
+
+    Chunks are combined with an online softmax, so only the final out/lse are saved; backward runs each
+    chunk's backward against the global out/lse. Per chunk the fused CPU flash op is used where available,
+    else the portable blocked kernel above (same math; the parity tests compare both with `naive_attention`).
     """
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, scale: float, causal_group: int, n: int, *kv: torch.Tensor):  # type: ignore[override]
-        ks, vs = kv[:n], kv[n:]
-        nh, m, d = q.shape
-        run_max = torch.full((nh, m), float("-inf"), dtype=q.dtype, device=q.device)
-        run_sum = torch.zeros((nh, m), dtype=q.dtype, device=q.device)
-        acc = torch.zeros((nh, m, d), dtype=q.dtype, device=q.device)
-        for i, s, key0, length in _key_blocks(list(ks)):
-            r0 = key0 * causal_group  # rows before r0 see none of these keys
-            k = ks[i][0].narrow(-2, s, length)  # (N, c, D), a view
-            v = vs[i][0].narrow(-2, s, length)
-            scores = torch.matmul(q[:, r0:], k.transpose(-1, -2)) * scale  # (N, M', c)
-            mask = _visible(causal_group, m - r0, r0, key0, length, q.device)
-            if mask is not None:
-                scores = scores.masked_fill(~mask, float("-inf"))
-            new_max = torch.maximum(run_max[:, r0:], scores.amax(-1))
-            correction = torch.exp(run_max[:, r0:] - new_max)
-            p = torch.exp(scores - new_max.unsqueeze(-1))
-            run_sum[:, r0:] = run_sum[:, r0:] * correction + p.sum(-1)
-            acc[:, r0:] = acc[:, r0:] * correction.unsqueeze(-1) + torch.matmul(p, v)
-            run_max[:, r0:] = new_max
-        out = acc / run_sum.unsqueeze(-1)
-        lse = run_max + torch.log(run_sum)
-        ctx.scale, ctx.causal_group, ctx.n = scale, causal_group, n
+    def forward(ctx, q: torch.Tensor, scale: float, causal: bool, n: int, *kv: torch.Tensor):  # type: ignore[override]
+        fused = _fused(q)
+        out = lse = None
+        for k, v in zip(kv[:n], kv[n:]):
+            if fused:
+                o, l = _FLASH_CPU(q[None], k, v, 0.0, causal, scale=scale)
+                o, l = o[0], l[0].to(q.dtype)
+            else:
+                o, l = _portable_forward(q, k[0], v[0], scale, causal)
+            if out is None:
+                out, lse = o, l
+            else:
+                new = torch.logaddexp(lse, l)
+                out = out * torch.exp(lse - new).unsqueeze(-1) + o * torch.exp(l - new).unsqueeze(-1)
+                lse = new
+        ctx.scale, ctx.causal, ctx.n, ctx.fused = scale, causal, n, fused
         ctx.save_for_backward(q, out, lse, *kv)
         return out, lse
 
     @staticmethod
     def backward(ctx, d_out: torch.Tensor | None, d_lse: torch.Tensor | None):  # type: ignore[override]
         q, out, lse, *kv = ctx.saved_tensors
-        n, scale, causal_group = ctx.n, ctx.scale, ctx.causal_group
-        ks, vs = kv[:n], kv[n:]
-        need_q, need_kv = ctx.needs_input_grad[0], any(ctx.needs_input_grad[4:])
-        m = q.shape[1]
-        if d_out is None:
-            d_out = torch.zeros_like(out)
-        # dS = P * (dP - rowsum(dO * O) + dLSE): the softmax backward plus d(lse)/d(s_j) = p_j.
-        row = (d_out * out).sum(-1)  # (N, M)
-        if d_lse is not None:
-            row = row - d_lse
-        dq = torch.zeros_like(q) if need_q else None
-        dks = [torch.zeros_like(k) if need_kv else None for k in ks]
-        dvs = [torch.zeros_like(v) if need_kv else None for v in vs]
-        for i, s, key0, length in _key_blocks(list(ks)):
-            r0 = key0 * causal_group
-            k = ks[i][0].narrow(-2, s, length)  # (N, c, D)
-            v = vs[i][0].narrow(-2, s, length)
-            qb, dob = q[:, r0:], d_out[:, r0:]
-            scores = torch.matmul(qb, k.transpose(-1, -2)) * scale  # (N, M', c)
-            mask = _visible(causal_group, m - r0, r0, key0, length, q.device)
-            if mask is not None:
-                scores = scores.masked_fill(~mask, float("-inf"))
-            p = torch.exp(scores - lse[:, r0:].unsqueeze(-1))
-            ds = p * (torch.matmul(dob, v.transpose(-1, -2)) - row[:, r0:].unsqueeze(-1))
-            if need_q:
-                dq[:, r0:].add_(torch.matmul(ds, k), alpha=scale)
-            if need_kv:
-                dks[i][0].narrow(-2, s, length).add_(torch.matmul(ds.transpose(-1, -2), qb), alpha=scale)
-                dvs[i][0].narrow(-2, s, length).add_(torch.matmul(p.transpose(-1, -2), dob))
+        n, scale, causal = ctx.n, ctx.scale, ctx.causal
+        need_kv = any(ctx.needs_input_grad[4:])
+        d_out = torch.zeros_like(out) if d_out is None else d_out.contiguous()
+        d_lse = torch.zeros_like(lse) if d_lse is None else d_lse
+        row = (d_out * out).sum(-1) - d_lse  # (N, M), used by the portable kernel
+        dq = torch.zeros_like(q)
+        dks, dvs = [], []
+        for k, v in zip(kv[:n], kv[n:]):
+            if ctx.fused:
+                dq_j, dk_j, dv_j = _fused_backward(d_out, d_lse, q, k[0], v[0], out, lse, scale, causal)
+            else:
+                dq_j, dk_j, dv_j = _portable_backward(d_out, row, q, k[0], v[0], lse, scale, causal, need_kv)
+            dq += dq_j
+            dks.append(dk_j[None] if need_kv else None)
+            dvs.append(dv_j[None] if need_kv else None)
         return (dq, None, None, None, *dks, *dvs)
 
 
@@ -134,21 +185,19 @@ def prefix_attention(
     b, h, t, d = query.shape
     hkv = key.shape[1]
     g = h // hkv
-    q5 = query.view(b, hkv, g, t, d)  # heads of one KV group are adjacent in transformers' layout
-    # Own tokens: rows ordered (time, group) per (sequence, kv head): (B, Hkv, g, T, D) -> (B*Hkv, T*g, D).
-    q_own = q5.transpose(2, 3).reshape(b * hkv, t * g, d)
-    k_own = key.reshape(1, b * hkv, t, d)
-    v_own = value.reshape(1, b * hkv, t, d)
-    out, lse = BlockAttention.apply(q_own, scale, g, 1, k_own, v_own)
-    out = out.view(b, hkv, t, g, d).transpose(2, 3)  # (B, Hkv, g, T, D)
-    lse = lse.view(b, hkv, t, g).transpose(2, 3)  # (B, Hkv, g, T)
+    # Own tokens: repeat the segment's own K/V to H heads (small: T tokens) and fold (B, H) into N.
+    q_own = query.reshape(b * h, t, d)
+    k_own = key.repeat_interleave(g, dim=1).reshape(1, b * h, t, d)
+    v_own = value.repeat_interleave(g, dim=1).reshape(1, b * h, t, d)
+    out, lse = ChunkAttention.apply(q_own, scale, True, 1, k_own, v_own)
+    out, lse = out.view(b, hkv, g, t, d), lse.view(b, hkv, g, t)
     if not prefix_keys:
         return out.reshape(b, h, t, d)
     # Prefix: fold batch, group and time into one row set, (B, Hkv, g, T, D) -> (Hkv, B*g*T, D), so the
-    # shared prefix K/V (Hkv, P, D) is read once for all sequences and heads.
-    q_rows = q5.permute(1, 0, 2, 3, 4).reshape(hkv, b * g * t, d)
+    # shared prefix K/V (Hkv, P, D) is read once for all sequences and heads, never expanded or copied.
+    q_rows = query.view(b, hkv, g, t, d).permute(1, 0, 2, 3, 4).reshape(hkv, b * g * t, d)
     n = len(prefix_keys)
-    p_out, p_lse = BlockAttention.apply(q_rows, scale, 0, n, *prefix_keys, *prefix_values)
+    p_out, p_lse = ChunkAttention.apply(q_rows, scale, False, n, *prefix_keys, *prefix_values)
     p_out = p_out.view(hkv, b, g, t, d).permute(1, 0, 2, 3, 4)  # (B, Hkv, g, T, D)
     p_lse = p_lse.view(hkv, b, g, t).permute(1, 0, 2, 3)  # (B, Hkv, g, T)
     total = torch.logaddexp(lse, p_lse)
