@@ -24,7 +24,8 @@ from longstraw.models import check_architecture
 from longstraw.plans.exact import prompt_backward
 from longstraw.plans.replay import replay_responses
 from longstraw.plans.standard import standard
-from longstraw.state import capture_prompt
+from longstraw.state.attention import KVState
+from longstraw.state.capture import capture_prompt
 
 MODES = ("standard", "standard_batched", "detach", "exact")
 
@@ -72,14 +73,16 @@ def backward_group(
     chunk_size: int = 2048,
     micro_batch: int = 1,
     token_chunk: int = DEFAULT_TOKEN_CHUNK,
+    prompt_state: KVState | None = None,
     **loss_options: float | int | None,
 ) -> GroupResult:
     """Accumulate d(group loss)/d(params) into `.grad`, as `loss.backward()` would (never zeroes or steps).
 
     mode: standard | standard_batched | detach | exact. chunk_size: prompt tokens per capture chunk (and per
     prompt-backward chunk in exact mode). micro_batch: responses replayed at once (detach/exact).
-    token_chunk: rows per block of the chunked log-prob. loss_options: epsilon, epsilon_low, epsilon_high,
-    beta, max_tokens (see `longstraw.loss`).
+    token_chunk: rows per block of the chunked log-prob. prompt_state: a state already captured for this
+    prompt (e.g. by the sampler, `Rollout.state`) to reuse instead of capturing again (detach/exact).
+    loss_options: epsilon, epsilon_low, epsilon_high, beta, max_tokens (see `longstraw.loss`).
     """
     try:
         cfg = make_loss_config(loss, **loss_options)
@@ -89,6 +92,11 @@ def backward_group(
     micro_batch = _positive_int("micro_batch", micro_batch)
     token_chunk = _positive_int("token_chunk", token_chunk)
     _validate(model, group, mode, cfg.beta)
+    if prompt_state is not None and prompt_state.length != group.prompt.numel() - 1:
+        raise ValueError(
+            f"prompt_state holds {prompt_state.length} positions but this prompt needs {group.prompt.numel() - 1} "
+            "(all but its last token): pass the state captured for this prompt, or none"
+        )
 
     totals = GroupTotals.of(group.lengths, cfg)
     device = model.get_input_embeddings().weight.device
@@ -120,7 +128,7 @@ def backward_group(
         stats.update(prompt_state_bytes=0, capture_s=0.0, replay_s=time.perf_counter() - t0, prompt_backward_s=0.0)
     else:
         # The last prompt token is replayed with each response, so only prompt[:-1] is captured.
-        state = capture_prompt(model, prompt[:-1], chunk_size)
+        state = prompt_state if prompt_state is not None else capture_prompt(model, prompt[:-1], chunk_size)
         t1 = time.perf_counter()
         if mode == "exact":
             state = state.as_leaves()

@@ -175,21 +175,25 @@ def prefix_attention(
     prefix_keys: list[torch.Tensor],
     prefix_values: list[torch.Tensor],
     scale: float,
+    causal: bool = True,
 ) -> torch.Tensor:
-    """Attention of new tokens over [prefix ; own causal], exactly merged.
+    """Attention of new tokens over [prefix ; own tokens], exactly merged.
 
-    query (B, H, T, D); key/value (B, Hkv, T, D); prefix chunks (1, Hkv, c_j, D) shared by all B.
-    Returns (B, H, T, D). Right padding needs no mask beyond causality: a real token never sees a later
-    (padding) position.
+    query (B, H, T, D); key/value (B, Hkv, S, D); prefix chunks (1, Hkv, c_j, D) shared by all B.
+    causal=True (training, capture): S == T and token t sees own tokens 0 … t. Right padding needs no mask
+    beyond causality: a real token never sees a later (padding) position. causal=False (decoding one token
+    per sequence, T == 1): the query sees all S own tokens. Returns (B, H, T, D).
     """
     b, h, t, d = query.shape
-    hkv = key.shape[1]
+    hkv, s = key.shape[1], key.shape[2]
+    if causal and s != t:
+        raise ValueError(f"causal own attention needs as many keys as queries, got {s} keys for {t} queries")
     g = h // hkv
-    # Own tokens: repeat the segment's own K/V to H heads (small: T tokens) and fold (B, H) into N.
+    # Own tokens: repeat the segment's own K/V to H heads (small: S tokens) and fold (B, H) into N.
     q_own = query.reshape(b * h, t, d)
-    k_own = key.repeat_interleave(g, dim=1).reshape(1, b * h, t, d)
-    v_own = value.repeat_interleave(g, dim=1).reshape(1, b * h, t, d)
-    out, lse = ChunkAttention.apply(q_own, scale, True, 1, k_own, v_own)
+    k_own = key.repeat_interleave(g, dim=1).reshape(1, b * h, s, d)
+    v_own = value.repeat_interleave(g, dim=1).reshape(1, b * h, s, d)
+    out, lse = ChunkAttention.apply(q_own, scale, causal, 1, k_own, v_own)
     out, lse = out.view(b, hkv, g, t, d), lse.view(b, hkv, g, t)
     if not prefix_keys:
         return out.reshape(b, h, t, d)

@@ -21,7 +21,7 @@ from transformers import AttentionInterface
 from longstraw.attention import prefix_attention
 
 if TYPE_CHECKING:  # state/ imports this module to capture; avoid the cycle at run time
-    from longstraw.state.attention import KVState
+    from longstraw.state.attention import KVState, ResponseKV
 
 ATTN_NAME = "longstraw"
 
@@ -32,6 +32,7 @@ class SegmentContext:
 
     state: KVState
     collect: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+    generated: ResponseKV | None = None  # sampling: earlier generated tokens' K/V, one token per step
 
 
 def _longstraw_attention(
@@ -55,7 +56,12 @@ def _longstraw_attention(
         longstraw.collect[layer] = (key, value)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     state = longstraw.state
-    out = prefix_attention(query, key, value, state.keys[layer], state.values[layer], scale)
+    causal = True
+    if longstraw.generated is not None:
+        # One new token per sequence sees every token generated before it: no causal mask among them.
+        key, value = longstraw.generated.write(layer, key, value)
+        causal = False
+    out = prefix_attention(query, key, value, state.keys[layer], state.values[layer], scale, causal=causal)
     return out.transpose(1, 2), None
 
 
@@ -80,14 +86,21 @@ def run_segment(
     start: int,
     state: KVState,
     collect: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+    generated: ResponseKV | None = None,
 ) -> torch.Tensor:
     """Hidden states after the final norm for `input_ids` (B, T) at positions start..start+T-1.
 
-    Every sequence of the batch continues the same prompt state (batch 1, shared). Returns (B, T, hidden).
+    Every sequence of the batch continues the same prompt state (batch 1, shared). With `generated`
+    (sampling), T must be 1 and the step also attends to, and appends to, the sequences' generated K/V.
+    Returns (B, T, hidden).
     """
     b, t = input_ids.shape
+    if generated is not None and t != 1:
+        raise ValueError(f"decoding takes one token per sequence per step, got {t}")
     position_ids = (torch.arange(t, device=input_ids.device) + start).unsqueeze(0).expand(b, t)
-    ctx = SegmentContext(state=state, collect=collect)
+    ctx = SegmentContext(state=state, collect=collect, generated=generated)
     with replay_attention(model):
         out = model.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, longstraw=ctx)
+    if generated is not None:
+        generated.advance(t)
     return out.last_hidden_state

@@ -1,6 +1,5 @@
-"""Architecture-aware prompt state: what later tokens need from the prompt, captured once."""
+"""Architecture-aware prompt state: what later tokens need from the prompt, captured once.
 
-from longstraw.state.attention import KVState
-from longstraw.state.capture import capture_prompt
-
-__all__ = ["KVState", "capture_prompt"]
+`attention.py` holds the full-attention K/V state (and the sampler's per-sequence buffer); `capture.py` the
+chunked no-grad prefill that fills it.
+"""

@@ -88,3 +88,32 @@ class KVState:
     def expected_nbytes(num_layers: int, kv_heads: int, head_dim: int, positions: int, dtype: torch.dtype) -> int:
         """DESIGN §4 formula: 2 * Hkv * D * bytes per token per layer."""
         return 2 * kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size() * positions * num_layers
+
+
+class ResponseKV:
+    """Per-sequence K/V of tokens generated so far, for sampling (no grad): preallocated, written in place.
+
+    keys[l] / values[l]: (B, Hkv, max_len, D); `length` positions are filled. Unlike the prompt state, this
+    buffer belongs to one rollout and is never shared, so in-place writes are safe here.
+    """
+
+    def __init__(self, num_layers: int, batch: int, kv_heads: int, head_dim: int, max_len: int,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        shape = (batch, kv_heads, max_len, head_dim)
+        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.length = 0
+
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this step's K/V (B, Hkv, T, D) after the filled part; return all filled K/V of the layer."""
+        t = key.shape[2]
+        end = self.length + t
+        if end > self.keys[layer].shape[2]:
+            raise RuntimeError(f"response buffer full: {end} > {self.keys[layer].shape[2]} positions")
+        self.keys[layer][:, :, self.length : end] = key
+        self.values[layer][:, :, self.length : end] = value
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+    def advance(self, t: int) -> None:
+        """Mark t more positions filled, once every layer has written them."""
+        self.length += t
