@@ -76,3 +76,13 @@ def test_filters_and_bad_config():
     for bad in (dict(max_new_tokens=0), dict(temperature=0.0), dict(top_p=0.0), dict(top_k=-1)):
         with pytest.raises(ValueError):
             SamplingConfig(**bad)
+
+
+def test_score_responses_equals_full_forward():
+    model = tiny_model("qwen3")
+    prompt = torch.randint(0, 512, (21,), generator=torch.Generator().manual_seed(2))
+    responses = [torch.tensor([5, 6, 7]), torch.tensor([9])]
+    scored = rollout.score_responses(model, prompt, responses, chunk_size=8, micro_batch=2)
+    with torch.no_grad():
+        for lp, r in zip(scored, responses):
+            assert (lp - _full_logprobs(model, prompt, r)).abs().max() < 1e-10

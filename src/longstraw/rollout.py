@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from longstraw.logprobs import DEFAULT_TOKEN_CHUNK
+from longstraw.plans.replay import replay_responses
 from longstraw.replay import run_segment
 from longstraw.state.attention import KVState, ResponseKV
 from longstraw.state.capture import capture_prompt
@@ -120,6 +122,26 @@ def sample_group(
     responses = [ids[i, : int(lengths[i])].clone() for i in range(group_size)]
     logprobs = [lp[i, : int(lengths[i])].clone() for i in range(group_size)]
     return Rollout(responses=responses, logprobs=logprobs, state=state)
+
+
+@torch.no_grad()
+def score_responses(
+    model: torch.nn.Module,
+    prompt: torch.Tensor,
+    responses: list[torch.Tensor],
+    chunk_size: int = 2048,
+    micro_batch: int = 1,
+    state: KVState | None = None,
+) -> list[torch.Tensor]:
+    """Per-token log-probs (R_i,) of each response under `model`, from one prompt capture (e.g. the frozen
+    reference model's log-probs for the KL term). Same replay path as training, without backward."""
+    device = model.get_input_embeddings().weight.device
+    prompt = prompt.to(device=device, dtype=torch.long)
+    if state is None:
+        state = capture_prompt(model, prompt[:-1], chunk_size)
+    responses = [r.to(device=device, dtype=torch.long) for r in responses]
+    _, logprobs = replay_responses(model, prompt, state, responses, None, micro_batch, DEFAULT_TOKEN_CHUNK)
+    return logprobs
 
 
 def stop_ids_of(model: torch.nn.Module, tokenizer: object | None = None) -> tuple[int, ...]:

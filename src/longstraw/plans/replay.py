@@ -34,14 +34,15 @@ def replay_responses(
     prompt: torch.Tensor,
     state: KVState,
     responses: list[torch.Tensor],
-    loss_fn: LossFn,
+    loss_fn: LossFn | None,
     micro_batch: int,
     token_chunk: int,
 ) -> tuple[float, list[torch.Tensor]]:
     """Forward+backward every response from a fork of `state` (which holds prompt[:-1]).
 
     Gradients accumulate into the parameters and, when the state's tensors require grad (exact plan),
-    into their `.grad`. Returns (summed loss, per-response detached logp).
+    into their `.grad`. With loss_fn=None it only scores (run it under no_grad: reference/old log-probs).
+    Returns (summed loss, per-response detached logp).
     """
     p = prompt.numel()
     weight = model.get_output_embeddings().weight  # (V, d)
@@ -53,9 +54,10 @@ def replay_responses(
         targets, _ = pad([responses[i] for i in idx])
         hidden = run_segment(model, inputs, p - 1, state.fork())  # (k, R_max, d)
         logp = chunked_logprobs(hidden, weight, targets, token_chunk)  # (k, R_max)
-        loss = loss_fn(logp, mask, idx)
-        loss.backward()
-        total += float(loss.detach())
+        if loss_fn is not None:
+            loss = loss_fn(logp, mask, idx)
+            loss.backward()
+            total += float(loss.detach())
         for row, i in enumerate(idx):
             logprobs[i] = logp[row, : responses[i].numel()].detach()
     return total, logprobs

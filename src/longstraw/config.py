@@ -1,0 +1,160 @@
+"""`TrainConfig`: every training option as a typed field with help text, validated on construction.
+
+Loadable from a TOML file (flat keys, the field names) and overridable on the command line: each field
+becomes `--field-name` (booleans: `--flag` / `--no-flag`). `__post_init__` rejects bad values and bad
+combinations with a message that says what to change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import tomllib
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from longstraw.api import MODES
+from longstraw.loss import ADVANTAGES, LOSSES
+
+TASKS = ("passkey", "multikey", "kv", "jsonl")
+
+
+def _f(default: Any, help: str) -> Any:  # noqa: A002 - mirrors argparse's name
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class TrainConfig:
+    # model
+    model: str = _f("tiny-qwen3", "preset (tiny-llama, tiny-qwen3), Hugging Face id, local directory or .gguf file")
+    dtype: str = _f("float32", "parameter dtype: float32, bfloat16, float64")
+    device: str = _f("cpu", "torch device, e.g. cpu or cuda")
+    # task
+    task: str = _f("passkey", f"task: {', '.join(TASKS)}")
+    prompt_tokens: int = _f(256, "approximate prompt length in tokens (passkey, multikey, kv)")
+    digits: int = _f(5, "digits of the hidden key (passkey, multikey)")
+    num_keys: int = _f(4, "named keys in the prompt, one asked for (multikey) / pairs (kv)")
+    data: str = _f("", "jsonl file of {prompt, answer} lines (task jsonl)")
+    reward_fn: str = _f("", "python reward 'module:function' called as fn(completion, answer) (task jsonl)")
+    # group and sampling
+    group_size: int = _f(8, "responses sampled per prompt (G)")
+    prompts_per_step: int = _f(1, "prompts (groups) per optimizer step")
+    max_new_tokens: int = _f(16, "tokens sampled per response at most")
+    temperature: float = _f(1.0, "sampling temperature")
+    top_p: float = _f(1.0, "nucleus sampling mass (1.0 = off)")
+    top_k: int = _f(0, "top-k sampling (0 = off)")
+    # objective
+    loss: str = _f("grpo", f"loss: {', '.join(LOSSES)}")
+    advantage: str = _f("grpo", f"advantage estimator: {', '.join(ADVANTAGES)}")
+    epsilon_low: float = _f(-1.0, "lower clip (ratio >= 1 - eps); negative = the loss's default")
+    epsilon_high: float = _f(-1.0, "upper clip (ratio <= 1 + eps); negative = the loss's default")
+    beta: float = _f(0.0, "KL coefficient against a frozen copy of the initial model (k3 estimator)")
+    num_iterations: int = _f(1, "optimizer updates per rollout (>1 reuses it with PPO clipping)")
+    dynamic_sampling: bool = _f(False, "drop groups whose rewards are all equal (DAPO)")
+    # plan
+    plan: str = _f("exact", "gradient plan: exact (= standard GRPO), detach (the paper's), standard")
+    chunk_size: int = _f(2048, "prompt tokens per capture / prompt-backward chunk")
+    micro_batch: int = _f(1, "responses replayed at once")
+    # optimizer
+    steps: int = _f(20, "optimizer steps in total")
+    lr: float = _f(1e-5, "AdamW learning rate")
+    weight_decay: float = _f(0.0, "AdamW weight decay")
+    warmup_steps: int = _f(0, "linear LR warm-up steps")
+    lr_schedule: str = _f("constant", "after warm-up: constant or cosine")
+    max_grad_norm: float = _f(1.0, "gradient clipping norm (0 = off)")
+    seed: int = _f(0, "seed for data, sampling and presets' init")
+    # run
+    run_dir: str = _f("runs/latest", "directory for metrics.jsonl, checkpoints and plots")
+    save_every: int = _f(0, "checkpoint every N steps (0 = only at the end)")
+    resume: bool = _f(False, "continue from the checkpoint in run_dir")
+    eval_prompts: int = _f(8, "held-out prompts scored greedily before and after training (0 = skip)")
+    tensorboard: bool = _f(False, "also log to TensorBoard under run_dir/tb (needs the tensorboard package)")
+    plot: bool = _f(True, "write run_dir/progress.png at the end (needs matplotlib)")
+
+    def __post_init__(self) -> None:
+        def need(cond: bool, message: str) -> None:
+            if not cond:
+                raise ValueError(message)
+
+        need(self.task in TASKS, f"task {self.task!r} is unknown: choose one of {', '.join(TASKS)}")
+        need(self.loss in LOSSES, f"loss {self.loss!r} is unknown: choose one of {', '.join(LOSSES)}")
+        need(self.advantage in ADVANTAGES, f"advantage {self.advantage!r} is unknown: choose one of {', '.join(ADVANTAGES)}")
+        need(self.plan in MODES, f"plan {self.plan!r} is unknown: choose one of {', '.join(MODES)}")
+        need(self.lr_schedule in ("constant", "cosine"), "lr_schedule must be constant or cosine")
+        need(self.dtype in ("float32", "bfloat16", "float64", "float16"), f"dtype {self.dtype!r} is unknown")
+        for name in ("group_size", "prompts_per_step", "max_new_tokens", "num_iterations", "chunk_size",
+                     "micro_batch", "steps", "prompt_tokens", "digits", "num_keys"):
+            need(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("save_every", "eval_prompts", "warmup_steps", "top_k"):
+            need(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
+        need(self.group_size >= 2 or self.advantage == "mean_centered",
+             f"group_size {self.group_size} is too small: GRPO compares responses within a group; use >= 2")
+        for name in ("lr", "temperature", "top_p", "beta", "weight_decay", "max_grad_norm"):
+            value = getattr(self, name)
+            need(math.isfinite(value) and value >= 0, f"{name} must be a finite number >= 0, got {value}")
+        need(self.lr > 0 and self.temperature > 0, "lr and temperature must be > 0")
+        need(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        if self.task == "jsonl":
+            need(bool(self.data), "task jsonl needs --data FILE.jsonl")
+        else:
+            need(not self.data and not self.reward_fn, "--data and --reward-fn only apply to --task jsonl")
+
+    def loss_options(self) -> dict[str, float]:
+        """Options for `backward_group`; clip values < 0 mean "the loss's own default"."""
+        opts: dict[str, float] = {"beta": self.beta}
+        if self.epsilon_low >= 0:
+            opts["epsilon_low"] = self.epsilon_low
+        if self.epsilon_high >= 0:
+            opts["epsilon_high"] = self.epsilon_high
+        return opts
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    """Flat `key = value` pairs of a TOML file, checked against the fields."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file not found: {path}")
+    with path.open("rb") as f:
+        try:
+            data = tomllib.load(f)
+        except tomllib.TOMLDecodeError as err:
+            raise ValueError(f"{path}: not valid TOML: {err}") from None
+    known = {f.name for f in fields(TrainConfig)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"{path}: unknown option(s) {', '.join(unknown)}; valid options: {', '.join(sorted(known))}")
+    types = {f.name: (f.type if isinstance(f.type, str) else f.type.__name__) for f in fields(TrainConfig)}
+    accepts = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
+    for key, value in data.items():
+        kind = types[key]
+        if not isinstance(value, accepts[kind]) or (kind != "bool" and isinstance(value, bool)):
+            raise ValueError(f"{path}: {key} must be a {kind}, got {value!r}")
+    return data
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`config` (optional TOML path) plus one `--field-name` per field, defaulting to None (= not given)."""
+    parser.add_argument("config", nargs="?", help="TOML file of options; command-line flags override it")
+    for f in fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default if f.default is not MISSING else None
+        help_text = f"{f.metadata.get('help', '')} (default: {default!r})"
+        if f.type in ("bool", bool):
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        else:
+            kind = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
+            parser.add_argument(flag, dest=f.name, type=kind, default=None, help=help_text)
+
+
+def from_args(args: argparse.Namespace) -> TrainConfig:
+    """Defaults, then the TOML file, then command-line flags."""
+    values: dict[str, Any] = load_toml(args.config) if getattr(args, "config", None) else {}
+    for f in fields(TrainConfig):
+        given = getattr(args, f.name, None)
+        if given is not None:
+            values[f.name] = given
+    return TrainConfig(**values)

@@ -1,0 +1,65 @@
+"""Peak-memory measurement as DESIGN §5 defines it.
+
+CPU: the process's high-water RSS (VmHWM), reset to the current RSS through /proc/self/clear_refs before
+the measured region (Linux >= 4.0), minus the RSS just before it. CUDA: `torch.cuda.max_memory_allocated`
+after a reset, minus what was allocated before.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def proc_status_bytes(name: str) -> int | None:
+    """A `kB` line of /proc/self/status (VmRSS, VmHWM) in bytes; None off Linux."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(name + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def reset_cpu_peak() -> bool:
+    """Reset VmHWM to the current RSS. False when the kernel or sandbox refuses (the peak then includes
+    anything earlier in the process)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    hwm, rss = proc_status_bytes("VmHWM"), proc_status_bytes("VmRSS")
+    return hwm is not None and rss is not None and hwm <= rss + 1024 * 1024
+
+
+class PeakMemory:
+    """Measure the peak of a region: `start()` before it, `peak_bytes()` after (bytes above the start)."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.cuda = torch.device(device).type == "cuda"
+        self.base = 0
+        self.reset_ok = True
+
+    def start(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+        else:
+            self.reset_ok = reset_cpu_peak()
+            self.base = proc_status_bytes("VmRSS") or 0
+
+    def peak_absolute_bytes(self) -> int:
+        """The region's peak in absolute terms: VmHWM (whole process RSS) or CUDA max allocated."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated()
+        return proc_status_bytes("VmHWM") or 0
+
+    def peak_bytes(self) -> int:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated() - self.base
+        return (proc_status_bytes("VmHWM") or 0) - self.base

@@ -1,0 +1,42 @@
+"""Tokenizers: the model's own (Hugging Face directory, hub id or .gguf), or a byte tokenizer for presets.
+
+The built-in presets are random-init models with no tokenizer of their own; `ByteTokenizer` maps UTF-8
+bytes to ids 0–255 (the presets' vocabularies are larger), so tasks and the trainer run end to end on them.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from longstraw.models import PRESETS
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids 0–255; EOS 256. No chat template (tasks then encode plain text)."""
+
+    eos_token_id = 256
+    pad_token_id = 256
+    chat_template = None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Any, skip_special_tokens: bool = True) -> str:
+        ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+    def __call__(self, text: str) -> dict[str, list[int]]:
+        return {"input_ids": self.encode(text)}
+
+
+def load_tokenizer(name_or_path: str) -> Any:
+    """The tokenizer that goes with `load_model(name_or_path)`."""
+    if name_or_path in PRESETS:
+        return ByteTokenizer()
+    from transformers import AutoTokenizer
+
+    if name_or_path.endswith(".gguf"):
+        folder, file = os.path.split(os.path.abspath(name_or_path))
+        return AutoTokenizer.from_pretrained(folder, gguf_file=file)
+    return AutoTokenizer.from_pretrained(name_or_path)

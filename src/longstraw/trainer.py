@@ -1,0 +1,364 @@
+"""The GRPO training loop, top to bottom.
+
+One step, for each of `prompts_per_step` prompts:
+  rollout   — capture the prompt once, sample G responses from that state (`rollout.sample_group`);
+  rewards   — decode, score with the task, drop the group if all rewards are equal (dynamic sampling);
+  advantages— `compute_advantages` (grpo / mean_centered / rloo);
+  reference — with beta > 0, the frozen initial model scores the responses from its own prompt capture;
+then, `num_iterations` times: `backward_group` on every kept group (the first pass reuses the rollout's
+prompt state, later passes recapture because the weights moved), average over groups, clip the gradient
+norm, refuse a non-finite norm before the optimizer touches the weights, AdamW step. Then the LR schedule.
+
+Data is a pure function of (seed, step, prompt index), so resuming only needs the step number; the
+checkpoint also keeps every RNG state.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from longstraw.api import backward_group
+from longstraw.checkpoint import load_checkpoint, save_checkpoint
+from longstraw.config import TrainConfig
+from longstraw.group import Group
+from longstraw.loss import compute_advantages
+from longstraw.memory import PeakMemory
+from longstraw.models import load_model
+from longstraw.rollout import SamplingConfig, sample_group, score_responses, stop_ids_of
+from longstraw.tasks import Example, Task, format_prompt, make_task
+from longstraw.tokenizer import load_tokenizer
+
+EVAL_SEED_OFFSET = 1_000_003  # held-out prompts come from a seed stream training never draws from
+
+
+def _derive_seed(*parts: int) -> int:
+    """A stable 63-bit seed from integers (Python's hash() of ints is stable, but mixing keeps streams apart)."""
+    x = 0x9E3779B97F4A7C15
+    for p in parts:
+        x = (x ^ (p + 0x632BE59BD9B4E019 + (x << 6) + (x >> 2))) & 0x7FFFFFFFFFFFFFFF
+    return x
+
+
+def build_task(cfg: TrainConfig, tokenizer: Any) -> Task:
+    """The configured task; options that do not apply to it are not passed."""
+    if cfg.task == "passkey":
+        return make_task("passkey", tokenizer=tokenizer, prompt_tokens=cfg.prompt_tokens, digits=cfg.digits)
+    elif cfg.task == "multikey":
+        return make_task("multikey", tokenizer=tokenizer, prompt_tokens=cfg.prompt_tokens, digits=cfg.digits,
+                         n_keys=cfg.num_keys)
+    elif cfg.task == "kv":
+        return make_task("kv", tokenizer=tokenizer, prompt_tokens=cfg.prompt_tokens)
+    elif cfg.task == "jsonl":
+        options: dict[str, Any] = {"path": cfg.data}
+        if cfg.reward_fn:
+            options["reward_fn"] = cfg.reward_fn
+        return make_task("jsonl", **options)
+    else:
+        raise ValueError(f"unknown task {cfg.task!r}")
+
+
+def _lr_lambda(cfg: TrainConfig):
+    def factor(step: int) -> float:
+        if cfg.warmup_steps and step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.lr_schedule == "cosine":
+            done = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+            return 0.5 * (1.0 + math.cos(math.pi * min(1.0, done)))
+        return 1.0
+
+    return factor
+
+
+@dataclass
+class Rollout:
+    """One prompt's sampled group, ready for the gradient passes."""
+
+    prompt: torch.Tensor
+    group: Group
+    state: object  # the captured prompt state, reusable while the weights are unchanged
+    rewards: torch.Tensor
+
+
+class Progress:
+    """One line per step on stderr; on a terminal, an in-place bar while the step runs."""
+
+    def __init__(self, total_steps: int) -> None:
+        self.total = total_steps
+        self.tty = sys.stderr.isatty()
+
+    def update(self, step: int, phase: str, done: int, of: int) -> None:
+        if self.tty:
+            width = 20
+            filled = int(width * done / max(1, of))
+            bar = "#" * filled + "-" * (width - filled)
+            print(f"\rstep {step + 1}/{self.total} [{bar}] {phase} {done}/{of}   ", end="", file=sys.stderr, flush=True)
+
+    def step_done(self, m: dict[str, Any]) -> None:
+        line = (
+            f"step {m['step']}/{self.total} | reward {m['reward_mean']:.3f} (max {m['reward_max']:.3f}) | "
+            f"loss {m['loss']:+.4f} | peak {m['peak_memory_bytes'] / 2**30:.2f} GiB | {m['tokens_per_s']:.0f} tok/s | "
+            f"rollout {m['time_rollout_s']:.1f}s train {m['time_train_s']:.1f}s"
+        )
+        if m["dropped_groups"]:
+            line += f" | dropped {m['dropped_groups']} equal-reward group(s)"
+        print(("\r" if self.tty else "") + line + " " * 4, file=sys.stderr, flush=True)
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.cfg = cfg
+        self.run_dir = Path(cfg.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.model = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, seed=cfg.seed)
+        self.tokenizer = load_tokenizer(cfg.model)
+        self.task = build_task(cfg, self.tokenizer)
+        self.max_positions = getattr(self.model.config, "max_position_embeddings", None)
+        self.reference = None
+        if cfg.beta > 0:  # the frozen initial policy, for the KL term
+            self.reference = copy.deepcopy(self.model).requires_grad_(False)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(cfg))
+        self.sampling = SamplingConfig(
+            max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+            stop_ids=stop_ids_of(self.model, self.tokenizer),
+        )
+        self.step = 0
+        self.summary: dict[str, Any] = {}
+        self.writer = None
+        if cfg.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise ValueError("--tensorboard needs the tensorboard package: pip install tensorboard") from None
+            self.writer = SummaryWriter(str(self.run_dir / "tb"))
+
+    # ------------------------------------------------------------------ data
+
+    def _encode(self, example: Example) -> torch.Tensor:
+        ids = torch.tensor(format_prompt(self.tokenizer, example.prompt), dtype=torch.long)
+        if ids.numel() == 0:
+            raise ValueError("the task produced an empty prompt")
+        if self.max_positions is not None and ids.numel() + self.cfg.max_new_tokens > self.max_positions:
+            raise ValueError(
+                f"prompt of {ids.numel()} tokens + {self.cfg.max_new_tokens} new tokens exceeds the model's "
+                f"{self.max_positions} positions: lower --prompt-tokens or --max-new-tokens"
+            )
+        return ids
+
+    def step_examples(self, step: int) -> list[Example]:
+        return [self.task.sample(random.Random(_derive_seed(self.cfg.seed, step, j)))
+                for j in range(self.cfg.prompts_per_step)]
+
+    def _decode(self, ids: torch.Tensor) -> str:
+        return self.tokenizer.decode(ids.tolist(), skip_special_tokens=True)
+
+    # ------------------------------------------------------------------ one step
+
+    def rollout(self, step: int, j: int, example: Example) -> Rollout:
+        cfg = self.cfg
+        prompt = self._encode(example)
+        out = sample_group(self.model, prompt, cfg.group_size, self.sampling,
+                           seed=_derive_seed(cfg.seed, step, j, 1), chunk_size=cfg.chunk_size)
+        rewards = torch.tensor([float(self.task.reward(self._decode(r), example)) for r in out.responses],
+                               dtype=torch.float64)
+        if not torch.isfinite(rewards).all():
+            raise ValueError(f"the reward function returned a non-finite value ({rewards.tolist()}): fix the task")
+        advantages = compute_advantages(rewards, cfg.advantage) if cfg.group_size > 1 else rewards * 0
+        ref = None
+        if self.reference is not None:
+            ref = score_responses(self.reference, prompt, out.responses, cfg.chunk_size, cfg.micro_batch)
+        group = Group(prompt, out.responses, advantages, old_logprobs=out.logprobs, ref_logprobs=ref)
+        return Rollout(prompt=prompt, group=group, state=out.state, rewards=rewards)
+
+    def train_step(self, step: int, progress: Progress) -> dict[str, Any]:
+        cfg = self.cfg
+        meter = PeakMemory(cfg.device)
+        meter.start()
+        t0 = time.perf_counter()
+        examples = self.step_examples(step)
+        kept: list[Rollout] = []
+        all_rewards, dropped, response_tokens = [], 0, 0
+        for j, example in enumerate(examples):
+            progress.update(step, "rollout", j, len(examples))
+            r = self.rollout(step, j, example)
+            all_rewards.append(r.rewards)
+            response_tokens += sum(r.group.lengths)
+            if cfg.dynamic_sampling and bool((r.rewards == r.rewards[0]).all()):
+                dropped += 1
+                continue
+            kept.append(r)
+        t1 = time.perf_counter()
+
+        loss_total, grad_norm = 0.0, 0.0
+        for it in range(cfg.num_iterations if kept else 0):
+            self.optimizer.zero_grad(set_to_none=True)
+            loss_total = 0.0
+            for j, r in enumerate(kept):
+                progress.update(step, f"train (pass {it + 1})", j, len(kept))
+                result = backward_group(
+                    self.model, r.group, mode=cfg.plan, loss=cfg.loss, chunk_size=cfg.chunk_size,
+                    micro_batch=cfg.micro_batch, prompt_state=r.state if it == 0 and cfg.plan != "standard" else None,
+                    **cfg.loss_options(),
+                )
+                loss_total += result.loss / len(kept)
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            for p in params:  # the step's loss is the mean of its groups' losses
+                p.grad.div_(len(kept))
+            max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+            if not math.isfinite(grad_norm):
+                raise FloatingPointError(
+                    f"step {step + 1}: gradient norm is {grad_norm}; the optimizer step was skipped and the weights "
+                    "are unchanged. Lower the learning rate, use float32, or check the rewards"
+                )
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        t2 = time.perf_counter()
+
+        rewards = torch.cat(all_rewards)
+        prompt_tokens = sum(int(r.prompt.numel()) for r in kept) if kept else 0
+        return {
+            "step": step + 1,
+            "reward_mean": float(rewards.mean()),
+            "reward_max": float(rewards.max()),
+            "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+            "loss": loss_total,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "kept_groups": len(kept),
+            "dropped_groups": dropped,
+            "response_tokens_mean": response_tokens / max(1, rewards.numel()),
+            "prompt_tokens": prompt_tokens // max(1, len(kept)) if kept else 0,
+            "peak_memory_bytes": meter.peak_absolute_bytes(),
+            "tokens_per_s": (prompt_tokens + response_tokens) / max(1e-9, t2 - t0),
+            "time_rollout_s": t1 - t0,
+            "time_train_s": t2 - t1,
+        }
+
+    # ------------------------------------------------------------------ evaluation
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean greedy reward on held-out prompts (a seed stream training never draws from)."""
+        cfg = self.cfg
+        if cfg.eval_prompts == 0:
+            return float("nan")
+        greedy = SamplingConfig(max_new_tokens=cfg.max_new_tokens, top_k=1, stop_ids=self.sampling.stop_ids)
+        examples = self.task.examples(cfg.eval_prompts, seed=cfg.seed + EVAL_SEED_OFFSET)
+        total = 0.0
+        for example in examples:
+            out = sample_group(self.model, self._encode(example), 1, greedy, chunk_size=cfg.chunk_size)
+            total += float(self.task.reward(self._decode(out.responses[0]), example))
+        return total / len(examples)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save(self) -> None:
+        save_checkpoint(self.run_dir, {
+            "step": self.step,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "config": self.cfg.to_dict(),
+            "summary": self.summary,
+        })
+
+    def restore(self) -> None:
+        ckpt = load_checkpoint(self.run_dir)
+        self.model.load_state_dict(ckpt["model"])
+        self.optimizer.load_state_dict(ckpt["optimizer"])
+        self.scheduler.load_state_dict(ckpt["scheduler"])
+        self.step = int(ckpt["step"])
+        self.summary = dict(ckpt.get("summary", {}))
+
+    # ------------------------------------------------------------------ the run
+
+    def run(self) -> dict[str, Any]:
+        cfg = self.cfg
+        metrics_path = self.run_dir / "metrics.jsonl"
+        if cfg.resume:
+            self.restore()
+            print(f"resumed from {self.run_dir / 'checkpoint.pt'} at step {self.step}", file=sys.stderr)
+        else:
+            metrics_path.unlink(missing_ok=True)
+            self.summary["eval_before"] = self.evaluate()
+            if cfg.eval_prompts:
+                print(f"held-out greedy reward before training: {self.summary['eval_before']:.3f} "
+                      f"({cfg.eval_prompts} prompts)", file=sys.stderr)
+        progress = Progress(cfg.steps)
+        while self.step < cfg.steps:
+            m = self.train_step(self.step, progress)
+            self.step += 1
+            with metrics_path.open("a") as f:
+                f.write(json.dumps(m) + "\n")
+            if self.writer is not None:
+                for key, value in m.items():
+                    if key != "step":
+                        self.writer.add_scalar(key, value, m["step"])
+            progress.step_done(m)
+            if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.steps:
+                self.save()
+        self.summary["eval_after"] = self.evaluate()
+        self.summary["steps"] = self.step
+        self.save()
+        if cfg.eval_prompts:
+            print(f"held-out greedy reward: before {self.summary.get('eval_before', float('nan')):.3f} -> "
+                  f"after {self.summary['eval_after']:.3f}", file=sys.stderr)
+        (self.run_dir / "summary.json").write_text(json.dumps(self.summary, indent=2) + "\n")
+        if cfg.plot:
+            plot_metrics(metrics_path, self.run_dir / "progress.png")
+        if self.writer is not None:
+            self.writer.close()
+        return self.summary
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    with path.open() as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_metrics(metrics_path: Path, out: Path) -> Path | None:
+    """Reward (mean and max) and peak memory per step, as a PNG. Skipped with a note without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot written (pip install matplotlib)", file=sys.stderr)
+        return None
+    rows = read_metrics(metrics_path)
+    steps = [r["step"] for r in rows]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
+    ax1.plot(steps, [r["reward_mean"] for r in rows], marker="o", label="mean")
+    ax1.plot(steps, [r["reward_max"] for r in rows], linestyle="--", label="max")
+    ax1.set_xlabel("step")
+    ax1.set_ylabel("reward")
+    ax1.set_ylim(-0.02, 1.02)
+    ax1.legend()
+    ax1.set_title("sampled reward")
+    ax2.plot(steps, [r["peak_memory_bytes"] / 2**30 for r in rows], marker="o", color="tab:red")
+    ax2.set_xlabel("step")
+    ax2.set_ylabel("GiB")
+    ax2.set_title("peak memory per step")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def train(cfg: TrainConfig) -> dict[str, Any]:
+    return Trainer(cfg).run()
