@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import argparse
 import math
-import tomllib
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from longstraw.api import MODES
 from longstraw.loss import ADVANTAGES, LOSSES
@@ -68,6 +69,7 @@ class TrainConfig:
     run_dir: str = _f("runs/latest", "directory for metrics.jsonl, checkpoints and plots")
     save_every: int = _f(0, "checkpoint every N steps (0 = only at the end)")
     resume: bool = _f(False, "continue from the checkpoint in run_dir")
+    stop_after: int = _f(0, "stop with a checkpoint after N steps of this invocation (0 = run to --steps)")
     eval_prompts: int = _f(8, "held-out prompts scored greedily before and after training (0 = skip)")
     tensorboard: bool = _f(False, "also log to TensorBoard under run_dir/tb (needs the tensorboard package)")
     plot: bool = _f(True, "write run_dir/progress.png at the end (needs matplotlib)")
@@ -79,14 +81,15 @@ class TrainConfig:
 
         need(self.task in TASKS, f"task {self.task!r} is unknown: choose one of {', '.join(TASKS)}")
         need(self.loss in LOSSES, f"loss {self.loss!r} is unknown: choose one of {', '.join(LOSSES)}")
-        need(self.advantage in ADVANTAGES, f"advantage {self.advantage!r} is unknown: choose one of {', '.join(ADVANTAGES)}")
+        need(self.advantage in ADVANTAGES,
+             f"advantage {self.advantage!r} is unknown: choose one of {', '.join(ADVANTAGES)}")
         need(self.plan in MODES, f"plan {self.plan!r} is unknown: choose one of {', '.join(MODES)}")
         need(self.lr_schedule in ("constant", "cosine"), "lr_schedule must be constant or cosine")
         need(self.dtype in ("float32", "bfloat16", "float64", "float16"), f"dtype {self.dtype!r} is unknown")
         for name in ("group_size", "prompts_per_step", "max_new_tokens", "num_iterations", "chunk_size",
                      "micro_batch", "steps", "prompt_tokens", "digits", "num_keys"):
             need(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("save_every", "eval_prompts", "warmup_steps", "top_k"):
+        for name in ("save_every", "eval_prompts", "warmup_steps", "top_k", "stop_after"):
             need(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
         need(self.group_size >= 2 or self.advantage == "mean_centered",
              f"group_size {self.group_size} is too small: GRPO compares responses within a group; use >= 2")

@@ -299,7 +299,8 @@ class Trainer:
                 print(f"held-out greedy reward before training: {self.summary['eval_before']:.3f} "
                       f"({cfg.eval_prompts} prompts)", file=sys.stderr)
         progress = Progress(cfg.steps)
-        while self.step < cfg.steps:
+        last = min(cfg.steps, self.step + cfg.stop_after) if cfg.stop_after else cfg.steps
+        while self.step < last:
             m = self.train_step(self.step, progress)
             self.step += 1
             with metrics_path.open("a") as f:
@@ -309,8 +310,12 @@ class Trainer:
                     if key != "step":
                         self.writer.add_scalar(key, value, m["step"])
             progress.step_done(m)
-            if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.steps:
+            if cfg.save_every and self.step % cfg.save_every == 0 and self.step < last:
                 self.save()
+        if self.step < cfg.steps:  # stopped early on purpose: checkpoint, no final evaluation
+            self.save()
+            print(f"stopped after step {self.step}; continue with --resume", file=sys.stderr)
+            return self.summary
         self.summary["eval_after"] = self.evaluate()
         self.summary["steps"] = self.step
         self.save()

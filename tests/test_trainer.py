@@ -1,0 +1,97 @@
+"""The trainer end to end: the smoke command, exact resume, checkpoint errors, non-finite guard."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from longstraw.config import TrainConfig
+from longstraw.trainer import Progress, Trainer
+
+TESTS = Path(__file__).parent
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(TESTS))
+    return subprocess.run([sys.executable, "-m", "longstraw.cli", *args], capture_output=True, text=True,
+                          cwd=cwd, env=env, timeout=600)
+
+
+def test_smoke_command_writes_metrics_and_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    out = _cli("train", "--model", "tiny-qwen3", "--task", "passkey", "--prompt-tokens", "256", "--group-size", "4",
+               "--steps", "2", "--run-dir", str(run), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert {"step", "reward_mean", "loss", "peak_memory_bytes"} <= set(r)
+        assert r["peak_memory_bytes"] > 0 and 200 < r["prompt_tokens"] < 320
+    assert (run / "checkpoint.pt").is_file() and (run / "progress.png").is_file()
+    summary = json.loads((run / "summary.json").read_text())
+    assert "eval_before" in summary and "eval_after" in summary
+    assert "step 2/2" in out.stderr and "held-out greedy reward" in out.stderr
+
+
+def _jsonl(tmp_path: Path) -> Path:
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"Say something about {w}.", "answer": w}) + "\n"
+                            for w in ("cats", "rain", "maps", "tea")))
+    return path
+
+
+def test_resume_in_a_fresh_process_equals_a_straight_run(tmp_path):
+    common = ["--model", "tiny-llama", "--task", "jsonl", "--data", str(_jsonl(tmp_path)),
+              "--reward-fn", "rewards_for_tests:even_byte_fraction", "--group-size", "4", "--max-new-tokens", "6",
+              "--lr", "1e-3", "--eval-prompts", "0", "--no-plot", "--chunk-size", "8", "--lr-schedule", "cosine"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert _cli("train", *common, "--steps", "6", "--run-dir", str(straight), cwd=tmp_path).returncode == 0
+    first = _cli("train", *common, "--steps", "6", "--stop-after", "3", "--run-dir", str(split), cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    second = _cli("train", *common, "--steps", "6", "--run-dir", str(split), "--resume", cwd=tmp_path)
+    assert second.returncode == 0, second.stderr
+    a = [json.loads(x) for x in (straight / "metrics.jsonl").read_text().splitlines()]
+    b = [json.loads(x) for x in (split / "metrics.jsonl").read_text().splitlines()]
+    assert "stopped after step 3" in first.stderr and "resumed from" in second.stderr
+    assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]
+    assert any(r["grad_norm"] > 0 for r in a)  # the run really trained
+    for x, y in zip(a, b):
+        assert x["loss"] == y["loss"] and x["reward_mean"] == y["reward_mean"]
+    wa = torch.load(straight / "checkpoint.pt", weights_only=False)["model"]
+    wb = torch.load(split / "checkpoint.pt", weights_only=False)["model"]
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_resume_errors(tmp_path):
+    cfg = TrainConfig(run_dir=str(tmp_path / "none"), resume=True, steps=1, eval_prompts=0, plot=False)
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        Trainer(cfg).run()
+    run = tmp_path / "bad"
+    run.mkdir()
+    (run / "checkpoint.pt").write_bytes(b"PK\x03\x04 truncated")
+    cfg = TrainConfig(run_dir=str(run), resume=True, steps=1, eval_prompts=0, plot=False)
+    with pytest.raises(ValueError, match="damaged or truncated"):
+        Trainer(cfg).run()
+
+
+def test_non_finite_gradient_stops_before_the_optimizer(tmp_path):
+    cfg = TrainConfig(model="tiny-llama", prompt_tokens=64, group_size=3, max_new_tokens=4, steps=1,
+                      eval_prompts=0, plot=False, run_dir=str(tmp_path), task="jsonl", data=str(_jsonl(tmp_path)),
+                      reward_fn="rewards_for_tests:even_byte_fraction")
+    trainer = Trainer(cfg)
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    # A NaN gradient (as from an fp16 overflow) on one weight must stop the step before AdamW runs.
+    trainer.model.get_output_embeddings().weight.register_hook(lambda g: g * float("nan"))
+    with pytest.raises(FloatingPointError, match="weights are unchanged"):
+        trainer.train_step(0, Progress(1))
+    after = trainer.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_bad_command_line_is_an_argparse_error(tmp_path):
+    out = _cli("train", "--group-size", "1", "--run-dir", str(tmp_path / "r"), cwd=tmp_path)
+    assert out.returncode == 2 and "group_size 1 is too small" in out.stderr and "Traceback" not in out.stderr
