@@ -6,10 +6,9 @@ bytes to ids 0–255 (the presets' vocabularies are larger), so tasks and the tr
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
-from longstraw.models import PRESETS
+from longstraw.models import PRESETS, converted_gguf
 
 
 class ByteTokenizer:
@@ -37,6 +36,5 @@ def load_tokenizer(name_or_path: str) -> Any:
     from transformers import AutoTokenizer
 
     if name_or_path.endswith(".gguf"):
-        folder, file = os.path.split(os.path.abspath(name_or_path))
-        return AutoTokenizer.from_pretrained(folder, gguf_file=file)
+        return AutoTokenizer.from_pretrained(converted_gguf(name_or_path))
     return AutoTokenizer.from_pretrained(name_or_path)
