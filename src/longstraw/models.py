@@ -86,8 +86,17 @@ def converted_gguf(path: str) -> Path:
 
     folder, file = os.path.split(os.path.abspath(path))
     print(f"converting {file} to a cached transformers checkpoint in {target} (once)", file=sys.stderr)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
+    # transformers refuses save_pretrained on a GGUF-loaded model; its weights are already de-quantised fp32,
+    # so move them into a plain model built from the same config and save that.
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
+    if unexpected or [k for k in missing if k not in (model._tied_weights_keys or {})]:
+        raise RuntimeError(f"GGUF conversion lost weights: missing {missing}, unexpected {unexpected}")
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=target.name + ".tmp-"))
     model.save_pretrained(tmp)
