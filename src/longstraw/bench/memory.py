@@ -1,0 +1,390 @@
+"""`longstraw bench memory`: Bench B1 (DESIGN §5), peak memory and step time of every plan across group sizes.
+
+Each (mode, G) configuration runs in a fresh `longstraw.bench.worker` subprocess so its peak is its own (a
+process's high-water mark never comes down on its own). A failed worker (OOM-killed, error, timeout) is
+recorded with its stderr tail and the bench moves on. The result file holds the config, the machine, every
+result and the ratios; the table and ratios are also printed. Plans are compared as ratios from one run
+(DESIGN §5).
+
+Workers run with glibc's mmap threshold fixed (MALLOC_MMAP_THRESHOLD_, 128 KiB by default). With glibc's
+dynamic threshold, freed blocks up to 32 MiB are kept in the heap and reused with fragmentation, so VmHWM
+measured the allocator's history more than the plan: on b1-llama, detach at G=2 measured 244-559 MiB from run
+to run and less at G=8 than at G=2. A fixed threshold returns every large tensor to the OS on free, and the
+same configuration repeats within 1 MiB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from typing import NoReturn
+
+from longstraw.api import MODES
+from longstraw.bench.machine import machine_info
+
+# Table/column order: the baseline first, then the plans it is compared with.
+DEFAULT_MODES = ("standard_batched", "standard", "detach", "exact")
+MIB = 1024 * 1024
+STDERR_TAIL = 4000  # characters of a failed worker's stderr kept in the result file
+BUSY_PRESSURE = 0.1  # a step whose CPU pressure (PSI "some") exceeds this ran on a contended host
+
+
+@dataclass(frozen=True)
+class MemoryBenchConfig:
+    """One bench run. Defaults are Bench B1: b1-llama, fp32, P=4096, R=256, G in {2,4,8,16}, all 4 plans."""
+
+    model: str = "b1-llama"
+    dtype: str = "float32"
+    device: str = "cpu"
+    prompt_tokens: int = 4096
+    response_tokens: int = 256
+    groups: tuple[int, ...] = (2, 4, 8, 16)
+    modes: tuple[str, ...] = DEFAULT_MODES
+    chunk_size: int = 2048
+    micro_batch: int = 1
+    seed: int = 0
+    timeout_s: float | None = None  # per configuration; None waits as long as the worker runs
+    malloc_mmap_threshold: int = 128 * 1024  # bytes, for the workers' glibc malloc; 0 keeps glibc's default
+
+
+B1 = MemoryBenchConfig()
+# --demo: B1 at two group sizes, so its G=8 ratios are B1's: 100 s on 2 idle CPU cores (AMD EPYC, 2026-11-29),
+# about 3 min when other processes hold a core. P=2048, R=128 took 61 s but changes the ratios (10x, not 16x).
+DEMO = replace(B1, groups=(2, 8))
+# --smoke: the tiny preset; seconds, most of it process start-up. Used by the test.
+SMOKE = replace(B1, model="tiny-llama", prompt_tokens=64, response_tokens=8, groups=(2, 4), chunk_size=32)
+
+
+# ---------------------------------------------------------------- running
+
+
+def _worker_config(config: MemoryBenchConfig, mode: str, group_size: int) -> dict[str, object]:
+    return {
+        "model": config.model, "dtype": config.dtype, "device": config.device,
+        "prompt_tokens": config.prompt_tokens, "response_tokens": config.response_tokens,
+        "group_size": group_size, "mode": mode, "chunk_size": config.chunk_size,
+        "micro_batch": config.micro_batch, "seed": config.seed,
+    }
+
+
+def _describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        sig = -returncode
+        try:
+            name = signal.Signals(sig).name
+        except ValueError:
+            name = f"signal {sig}"
+        # The kernel's OOM killer sends SIGKILL; so would a person, but during a bench that is rare.
+        hint = " (likely out of memory)" if sig == signal.SIGKILL else ""
+        return f"killed by {name}{hint}"
+    return f"exit status {returncode}"
+
+
+def run_one(config: MemoryBenchConfig, mode: str, group_size: int) -> dict[str, object]:
+    """Run one configuration in a fresh worker; return its result (status ok or failed), never raise."""
+    entry: dict[str, object] = {"mode": mode, "group_size": group_size}
+    worker_config = json.dumps(_worker_config(config, mode, group_size))
+    cmd = [sys.executable, "-m", "longstraw.bench.worker", worker_config]
+    env = dict(os.environ)
+    if config.malloc_mmap_threshold:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(config.malloc_mmap_threshold)  # see the module docstring
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=config.timeout_s, env=env)
+    except subprocess.TimeoutExpired as err:
+        stderr = err.stderr.decode(errors="replace") if isinstance(err.stderr, bytes) else (err.stderr or "")
+        entry.update(status="failed", error=f"timed out after {config.timeout_s} s",
+                     stderr_tail=stderr[-STDERR_TAIL:], process_s=time.perf_counter() - t0)
+        return entry
+    entry["process_s"] = time.perf_counter() - t0
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        error = _describe_exit(proc.returncode) if proc.returncode != 0 else "worker printed no result"
+        entry.update(status="failed", error=error, stderr_tail=proc.stderr[-STDERR_TAIL:])
+        return entry
+    try:
+        measurement = json.loads(lines[-1])
+    except json.JSONDecodeError as err:
+        entry.update(status="failed", error=f"unreadable worker output: {err}",
+                     stderr_tail=proc.stderr[-STDERR_TAIL:])
+        return entry
+    entry.update(status="ok", **measurement)
+    return entry
+
+
+def _busy(entry: dict[str, object]) -> bool:
+    pressure = entry.get("cpu_pressure")
+    return isinstance(pressure, float) and pressure > BUSY_PRESSURE
+
+
+def _progress_line(index: int, total: int, entry: dict[str, object]) -> str:
+    head = f"[{index}/{total}] G={entry['group_size']:<3} {entry['mode']:<17}"
+    if entry["status"] == "ok":
+        notes = "" if entry.get("hwm_reset", True) else "  (HWM not reset: peak may be overstated)"
+        if _busy(entry):
+            notes += f"  (host busy: CPU pressure {entry['cpu_pressure']:.0%}, time inflated)"
+        return (f"{head} peak {entry['peak_bytes'] / MIB:9.1f} MiB  step {entry['time_s']:8.2f} s  "
+                f"(process {entry['process_s']:.1f} s){notes}")
+    return f"{head} FAILED: {entry['error']}"
+
+
+def _document(config: MemoryBenchConfig, machine: dict[str, object], results: list[dict[str, object]],
+              started: str) -> dict[str, object]:
+    return {
+        "bench": "memory",
+        "started": started,
+        "config": asdict(config),
+        "machine": machine,
+        "results": results,
+        "ratios": compute_ratios(results),
+    }
+
+
+def _write_json(path: str, document: dict[str, object]) -> None:
+    with open(path, "w") as f:
+        json.dump(document, f, indent=2)
+        f.write("\n")
+
+
+def run_memory_bench(config: MemoryBenchConfig, out: str) -> dict[str, object]:
+    """Run every (G, mode) configuration, print progress/table/ratios, write the result JSON to `out`."""
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    started = time.strftime("%Y-%m-%dT%H:%M:%S")
+    machine = machine_info(config.device)
+    plan = [(g, mode) for g in config.groups for mode in config.modes]
+    print(f"bench memory: {describe(config)}; {len(plan)} configurations, one process each", file=sys.stderr)
+    results: list[dict[str, object]] = []
+    partial = out + ".tmp"
+    for index, (g, mode) in enumerate(plan, start=1):
+        entry = run_one(config, mode, g)
+        results.append(entry)
+        print(_progress_line(index, len(plan), entry), file=sys.stderr, flush=True)
+        # A partial file after each configuration: a long run that is interrupted keeps what it measured.
+        _write_json(partial, _document(config, machine, results, started))
+    document = _document(config, machine, results, started)
+    document["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    _write_json(out, document)
+    if os.path.exists(partial):
+        os.remove(partial)
+    print(describe(config))
+    print(format_table(results, config.groups, config.modes))
+    print(format_ratios(document["ratios"]))  # type: ignore[arg-type]
+    busy = [f"G={r['group_size']} {r['mode']}" for r in results if _busy(r)]
+    if busy:
+        print(f"warning: other processes competed for the CPU during {len(busy)} of {len(results)} steps "
+              f"({', '.join(busy)}): their times, and the time ratios, are inflated; peaks are not affected")
+    print(f"results: {out}")
+    return document
+
+
+def describe(config: MemoryBenchConfig) -> str:
+    return (f"{config.model} {config.dtype} on {config.device}, "
+            f"P={config.prompt_tokens} R={config.response_tokens}, G in {list(config.groups)}, "
+            f"chunk {config.chunk_size}, micro-batch {config.micro_batch}")
+
+
+# ---------------------------------------------------------------- summarising
+
+
+def _ok(results: list[dict[str, object]], mode: str, group_size: int) -> dict[str, object] | None:
+    for r in results:
+        if r["mode"] == mode and r["group_size"] == group_size and r.get("status") == "ok":
+            return r
+    return None
+
+
+def _ratio(results: list[dict[str, object]], key: str, num: str, den: str, g: int) -> float | None:
+    a, b = _ok(results, num, g), _ok(results, den, g)
+    if a is None or b is None or not b[key]:
+        return None
+    return float(a[key]) / float(b[key])  # type: ignore[arg-type]
+
+
+def reference_group_size(group_sizes: list[int]) -> int | None:
+    """The G the plan ratios are taken at: the largest G <= 8 (B1 reports G=8), else the smallest G."""
+    if not group_sizes:
+        return None
+    small = [g for g in group_sizes if g <= 8]
+    return max(small) if small else min(group_sizes)
+
+
+def compute_ratios(results: list[dict[str, object]]) -> dict[str, object]:
+    """Plan ratios at the reference G and the detach/exact peak growth from the smallest to the largest G.
+
+    A ratio whose two configurations are not both ok is None. Growth uses the smallest and largest G that
+    succeeded for that mode; `from_g`/`to_g` say which.
+    """
+    g_ref = reference_group_size(sorted({int(r["group_size"]) for r in results}))  # type: ignore[arg-type]
+    ratios: dict[str, object] = {"group_size": g_ref}
+    pairs = [
+        ("peak_standard_batched_over_detach", "peak_bytes", "standard_batched", "detach"),
+        ("peak_standard_batched_over_exact", "peak_bytes", "standard_batched", "exact"),
+        ("peak_standard_over_detach", "peak_bytes", "standard", "detach"),
+        ("time_standard_over_detach", "time_s", "standard", "detach"),
+        ("time_standard_over_exact", "time_s", "standard", "exact"),
+        ("time_exact_over_detach", "time_s", "exact", "detach"),
+    ]
+    for name, key, num, den in pairs:
+        ratios[name] = None if g_ref is None else _ratio(results, key, num, den, g_ref)
+    growth: dict[str, object] = {}
+    for mode in ("detach", "exact"):
+        ok = sorted((int(r["group_size"]), r) for r in results  # type: ignore[arg-type]
+                    if r["mode"] == mode and r.get("status") == "ok")
+        if len(ok) < 2 or not ok[0][1]["peak_bytes"]:
+            growth[mode] = None
+            continue
+        (g_min, lo), (g_max, hi) = ok[0], ok[-1]
+        pct = 100.0 * (float(hi["peak_bytes"]) - float(lo["peak_bytes"])) / float(lo["peak_bytes"])  # type: ignore[arg-type]
+        growth[mode] = {"from_g": g_min, "to_g": g_max, "pct": pct}
+    ratios["peak_growth"] = growth
+    return ratios
+
+
+def format_table(results: list[dict[str, object]], groups: tuple[int, ...] | list[int],
+                 modes: tuple[str, ...] | list[str]) -> str:
+    """Rows G, two columns per mode (peak MiB, step s); FAILED where a configuration failed, - if not run."""
+    width = max(19, *(len(m) for m in modes))
+    head = "   G |" + "|".join(f" {m:<{width}} " for m in modes)
+    sub = "     |" + "|".join(f" {'peak MiB':>10}{'time s':>{width - 10}} " for _ in modes)
+    rows = [head.rstrip(), sub.rstrip(), "-" * len(sub.rstrip())]
+    for g in groups:
+        cells = []
+        for m in modes:
+            r = next((x for x in results if x["mode"] == m and x["group_size"] == g), None)
+            if r is None:
+                cell = f"{'-':>{width}}"
+            elif r.get("status") != "ok":
+                cell = f"{'FAILED':>{width}}"
+            else:
+                cell = f"{r['peak_bytes'] / MIB:>10.1f}{r['time_s']:>{width - 10}.2f}"  # type: ignore[operator]
+            cells.append(f" {cell} ")
+        rows.append((f"{g:>4} |" + "|".join(cells)).rstrip())
+    return "\n".join(rows)
+
+
+def format_ratios(ratios: dict[str, object]) -> str:
+    def num(x: object, suffix: str = "x") -> str:
+        return "n/a (a configuration failed or was not run)" if x is None else f"{x:.2f}{suffix}"
+
+    lines = [f"ratios at G={ratios['group_size']}:"]
+    labels = [
+        ("peak_standard_batched_over_detach", "peak standard_batched / detach"),
+        ("peak_standard_batched_over_exact", "peak standard_batched / exact"),
+        ("peak_standard_over_detach", "peak standard / detach"),
+        ("time_standard_over_detach", "time standard / detach"),
+        ("time_standard_over_exact", "time standard / exact"),
+        ("time_exact_over_detach", "time exact / detach"),
+    ]
+    lines += [f"  {label:<32} {num(ratios.get(key))}" for key, label in labels]
+    lines.append("peak growth, smallest to largest G:")
+    for mode, g in (ratios.get("peak_growth") or {}).items():  # type: ignore[union-attr]
+        text = "n/a" if g is None else f"{g['pct']:+.1f}%  (G={g['from_g']} -> G={g['to_g']})"
+        lines.append(f"  {mode:<32} {text}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- command line
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def _mmap_threshold(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of bytes, got {text!r}") from None
+    # glibc ignores thresholds above HEAP_MAX_SIZE / 2 (32 MiB on 64-bit) and keeps its dynamic default.
+    if not 0 <= value <= 32 * MIB:
+        raise argparse.ArgumentTypeError(f"must be between 0 and {32 * MIB} bytes, got {value}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `longstraw bench memory`. Unset options take the profile's value (B1 by default)."""
+    profile = parser.add_mutually_exclusive_group()
+    profile.add_argument("--demo", action="store_true",
+                         help="B1 at G in {2, 8} only; under 2 min on 2 idle CPU cores")
+    profile.add_argument("--smoke", action="store_true",
+                         help="tiny-llama, P=64, R=8, G in {2, 4}; seconds (used by the tests)")
+    parser.add_argument("--model", help=f"preset, local directory or HF id (default {B1.model})")
+    parser.add_argument("--prompt-tokens", type=_positive_int, help=f"P (default {B1.prompt_tokens})")
+    parser.add_argument("--response-tokens", type=_positive_int,
+                        help=f"R, every response (default {B1.response_tokens})")
+    parser.add_argument("--groups", type=_positive_int, nargs="+", metavar="G",
+                        help=f"group sizes (default {' '.join(map(str, B1.groups))})")
+    parser.add_argument("--modes", nargs="+", choices=MODES, metavar="MODE",
+                        help=f"plans, of {', '.join(MODES)} (default all four)")
+    parser.add_argument("--chunk-size", type=_positive_int,
+                        help=f"prompt capture chunk (default {B1.chunk_size})")
+    parser.add_argument("--micro-batch", type=_positive_int,
+                        help=f"responses replayed at once (default {B1.micro_batch})")
+    parser.add_argument("--dtype", choices=("float32", "float64", "bfloat16", "float16"),
+                        help=f"parameter dtype (default {B1.dtype})")
+    parser.add_argument("--device", help="cpu or cuda[:i] (default cpu); CUDA peak is max_memory_allocated")
+    parser.add_argument("--seed", type=int, help="seed of the random group (default 0)")
+    parser.add_argument("--timeout", type=_positive_float, metavar="SECONDS",
+                        help="per-configuration limit; a configuration over it is recorded as failed")
+    parser.add_argument("--malloc-mmap-threshold", type=_mmap_threshold, metavar="BYTES",
+                        help="glibc mmap threshold for the workers (default 131072, which makes peaks "
+                             "repeatable); 0 keeps glibc's dynamic threshold")
+    parser.add_argument("--out", help="result JSON (default bench/results/memory-<YYYYmmdd-HHMMSS>.json)")
+
+
+def config_from_args(args: argparse.Namespace, fail: Callable[[str], NoReturn]) -> MemoryBenchConfig:
+    """The profile (--smoke, --demo or B1) with every explicitly given option applied on top.
+
+    fail: reports a bad combination and exits (the subcommand parser's `error`).
+    """
+    config = SMOKE if args.smoke else DEMO if args.demo else B1
+    overrides = {
+        "model": args.model, "dtype": args.dtype, "device": args.device,
+        "prompt_tokens": args.prompt_tokens, "response_tokens": args.response_tokens,
+        "chunk_size": args.chunk_size, "micro_batch": args.micro_batch,
+        "seed": args.seed, "timeout_s": args.timeout, "malloc_mmap_threshold": args.malloc_mmap_threshold,
+        # Duplicates would only re-measure a configuration; keep the order given.
+        "groups": tuple(dict.fromkeys(args.groups)) if args.groups else None,
+        "modes": tuple(dict.fromkeys(args.modes)) if args.modes else None,
+    }
+    config = replace(config, **{k: v for k, v in overrides.items() if v is not None})
+    if config.prompt_tokens < 2:
+        fail("--prompt-tokens must be >= 2 (detach/exact capture all but the last prompt token)")
+    if config.device != "cpu" and not config.device.startswith("cuda"):
+        fail(f"--device must be cpu or cuda[:i], got {config.device!r}")
+    return config
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Entry point of `longstraw bench memory`: exit status 0 if at least one configuration succeeded."""
+    config = config_from_args(args, args.fail)
+    out = args.out or os.path.join("bench", "results", f"memory-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    document = run_memory_bench(config, out)
+    ok = sum(1 for r in document["results"] if r.get("status") == "ok")  # type: ignore[union-attr]
+    if ok == 0:
+        print("bench memory: every configuration failed; see stderr_tail in the result file", file=sys.stderr)
+        return 1
+    return 0

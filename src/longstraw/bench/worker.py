@@ -1,0 +1,151 @@
+"""One benchmark configuration in a fresh process: `python -m longstraw.bench.worker '<json config>'`.
+
+Runs a single `backward_group` call (no warm-up: a warm-up would raise the high-water mark before the
+measurement) and prints one JSON line on stdout. Peak memory follows DESIGN §5: on CPU, VmHWM minus VmRSS
+just before the step, with the high-water mark reset first through /proc/self/clear_refs; on CUDA,
+`max_memory_allocated()` after a reset minus `memory_allocated()` before the step. Failures exit non-zero
+with a traceback on stderr, which the parent records.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import time
+
+import torch
+
+from longstraw import Group, backward_group, load_model
+
+# Keys a config must carry; the parent (bench/memory.py) writes them all.
+CONFIG_KEYS = (
+    "model", "dtype", "device", "prompt_tokens", "response_tokens", "group_size", "mode", "chunk_size",
+    "micro_batch", "seed",
+)
+
+
+def _proc_status_bytes(field: str) -> int | None:
+    """A `kB` line of /proc/self/status (VmRSS, VmHWM) in bytes; None off Linux."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _cpu_stall_us() -> int | None:
+    """Cumulative microseconds some runnable task waited for a CPU, system-wide (PSI, Linux >= 4.20)."""
+    try:
+        with open("/proc/pressure/cpu") as f:
+            for line in f:
+                if line.startswith("some "):
+                    return int(line.rsplit("total=", 1)[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _reset_hwm() -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0). False when the kernel or sandbox refuses."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    hwm, rss = _proc_status_bytes("VmHWM"), _proc_status_bytes("VmRSS")
+    # The write can "succeed" on kernels that ignore value 5; only trust it if HWM actually came down to RSS.
+    return hwm is not None and rss is not None and hwm <= rss + (1 << 20)
+
+
+def make_group(
+    vocab_size: int, prompt_tokens: int, response_tokens: int, group_size: int, seed: int
+) -> Group:
+    """Deterministic random group: prompt (P,), G responses of exactly R ids, advantages ~ N(0, 1) (G,).
+
+    The same seed gives the same group in every mode, so modes are compared on identical inputs.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, vocab_size, (prompt_tokens,), generator=gen)
+    responses = [torch.randint(0, vocab_size, (response_tokens,), generator=gen) for _ in range(group_size)]
+    advantages = torch.randn(group_size, generator=gen)
+    return Group(prompt=prompt, responses=responses, advantages=advantages)
+
+
+def run_config(config: dict[str, object]) -> dict[str, object]:
+    """Build the model and group, run one measured `backward_group`, return the measurement."""
+    missing = [k for k in CONFIG_KEYS if k not in config]
+    if missing:
+        raise ValueError(f"worker config is missing {', '.join(missing)}")
+    device = str(config["device"])
+    model = load_model(str(config["model"]), dtype=str(config["dtype"]), device=device, seed=0)
+    group = make_group(
+        model.config.vocab_size, int(config["prompt_tokens"]), int(config["response_tokens"]),
+        int(config["group_size"]), int(config["seed"]),
+    )
+    on_cuda = torch.device(device).type == "cuda"
+    # Drop garbage from model construction so it is neither in the baseline nor freed mid-step.
+    gc.collect()
+    if on_cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        hwm_reset = True
+    else:
+        hwm_reset = _reset_hwm()
+        before = _proc_status_bytes("VmRSS") or 0
+
+    stall0 = _cpu_stall_us()
+    t0, c0 = time.perf_counter(), time.process_time()
+    result = backward_group(
+        model, group, mode=str(config["mode"]), chunk_size=int(config["chunk_size"]),
+        micro_batch=int(config["micro_batch"]),
+    )
+    if on_cuda:
+        torch.cuda.synchronize(device)
+    step_s, cpu_s = time.perf_counter() - t0, time.process_time() - c0
+    stall1 = _cpu_stall_us()
+    # Share of the step during which runnable tasks queued for a CPU: near 0 on an idle host; high values
+    # mean other processes competed for the cores and the wall time is inflated (peaks are unaffected).
+    pressure = None if stall0 is None or stall1 is None else min(1.0, (stall1 - stall0) / 1e6 / step_s)
+
+    if on_cuda:
+        high = torch.cuda.max_memory_allocated(device)
+        source = "cuda.max_memory_allocated"
+    else:
+        high = _proc_status_bytes("VmHWM") or 0
+        source = "VmHWM"
+    return {
+        "peak_bytes": high - before,
+        "baseline_bytes": before,
+        "high_water_bytes": high,
+        "peak_source": source,
+        "hwm_reset": hwm_reset,
+        "time_s": step_s,
+        # CPU seconds of all this process's threads: less sensitive than wall time to other load on the host.
+        "cpu_time_s": cpu_s,
+        "cpu_pressure": pressure,
+        "loss": result.loss,
+        "stats": result.stats,
+        "torch_threads": torch.get_num_threads(),
+        "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m longstraw.bench.worker '<json config>'", file=sys.stderr)
+        return 2
+    measurement = run_config(json.loads(argv[0]))
+    # One line, flushed: the parent takes the last JSON line of stdout as the result.
+    print(json.dumps(measurement), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""`longstraw bench memory`: the smoke run end to end (fresh worker per configuration, JSON written) and the
+ratio/table summary on a synthetic results list."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from longstraw.bench.memory import (
+    SMOKE,
+    _describe_exit,
+    compute_ratios,
+    format_ratios,
+    format_table,
+    reference_group_size,
+)
+from longstraw.cli import main
+
+MIB = 1024 * 1024
+
+
+def test_smoke_bench_writes_every_configuration(tmp_path):
+    out = tmp_path / "x.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "longstraw.cli", "bench", "memory", "--smoke", "--out", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert str(out) in proc.stdout
+    doc = json.loads(out.read_text())
+    assert doc["bench"] == "memory"
+    assert doc["config"]["model"] == "tiny-llama"
+    for key in ("cpu_model", "cpu_count", "cpu_affinity", "memory_total_bytes", "torch", "transformers",
+                "python", "device"):
+        assert doc["machine"].get(key) is not None, key
+    seen = {(r["mode"], r["group_size"]) for r in doc["results"]}
+    assert seen == {(m, g) for m in SMOKE.modes for g in SMOKE.groups}
+    for r in doc["results"]:
+        assert r["status"] == "ok", r
+        assert r["peak_bytes"] > 0 and r["time_s"] > 0, r
+        assert r["stats"]["mode"] == r["mode"] and r["stats"]["group_size"] == r["group_size"]
+    # Same seed, same group: every plan computes the same loss.
+    for g in SMOKE.groups:
+        losses = [r["loss"] for r in doc["results"] if r["group_size"] == g]
+        assert max(losses) - min(losses) < 1e-4 * max(1.0, abs(losses[0]))
+    assert doc["ratios"]["group_size"] == 4
+    assert not (tmp_path / "x.json.tmp").exists()
+
+
+def test_failed_worker_is_recorded_not_raised(tmp_path):
+    # tiny-llama allows 2048 positions: the worker raises, the bench records it and still writes the file.
+    out = tmp_path / "fail.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "longstraw.cli", "bench", "memory", "--smoke", "--prompt-tokens", "4000",
+         "--groups", "2", "--modes", "detach", "--out", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "FAILED: exit status 1" in proc.stderr
+    (result,) = json.loads(out.read_text())["results"]
+    assert result["status"] == "failed" and "max_position_embeddings" in result["stderr_tail"]
+    assert _describe_exit(-9) == "killed by SIGKILL (likely out of memory)"
+    assert _describe_exit(3) == "exit status 3"
+
+
+def _ok(mode: str, g: int, peak_mib: float, time_s: float) -> dict[str, object]:
+    return {"mode": mode, "group_size": g, "status": "ok", "peak_bytes": int(peak_mib * MIB), "time_s": time_s}
+
+
+def test_ratios_and_table_on_synthetic_results():
+    results = [
+        _ok("standard_batched", 2, 400, 2.0), _ok("standard", 2, 100, 3.0),
+        _ok("detach", 2, 50, 1.0), _ok("exact", 2, 80, 1.5),
+        _ok("standard_batched", 8, 1600, 8.0), _ok("standard", 8, 110, 12.0),
+        _ok("detach", 8, 40, 2.0), _ok("exact", 8, 64, 3.0),
+        {"mode": "standard_batched", "group_size": 16, "status": "failed", "error": "killed by SIGKILL"},
+        _ok("standard", 16, 120, 24.0), _ok("detach", 16, 60, 4.0), _ok("exact", 16, 88, 6.0),
+    ]
+    ratios = compute_ratios(results)
+    assert ratios["group_size"] == 8  # the largest G <= 8, not 16
+    assert ratios["peak_standard_batched_over_detach"] == pytest.approx(40.0)
+    assert ratios["peak_standard_batched_over_exact"] == pytest.approx(25.0)
+    assert ratios["peak_standard_over_detach"] == pytest.approx(110 / 40)
+    assert ratios["time_standard_over_detach"] == pytest.approx(6.0)
+    assert ratios["time_standard_over_exact"] == pytest.approx(4.0)
+    assert ratios["time_exact_over_detach"] == pytest.approx(1.5)
+    assert ratios["peak_growth"]["detach"] == {"from_g": 2, "to_g": 16, "pct": pytest.approx(20.0)}
+    assert ratios["peak_growth"]["exact"] == {"from_g": 2, "to_g": 16, "pct": pytest.approx(10.0)}
+
+    table = format_table(results, [2, 8, 16], ["standard_batched", "standard", "detach", "exact"])
+    lines = table.splitlines()
+    assert "standard_batched" in lines[0] and "peak MiB" in lines[1]
+    row16 = next(line for line in lines if line.startswith("  16 |"))
+    assert "FAILED" in row16 and "120.0" in row16 and "24.00" in row16
+    text = format_ratios(ratios)
+    assert "ratios at G=8" in text and "40.00x" in text and "+20.0%" in text
+
+
+def test_missing_or_failed_configurations_give_none():
+    results = [_ok("detach", 4, 10, 1.0), {"mode": "exact", "group_size": 4, "status": "failed", "error": "x"}]
+    ratios = compute_ratios(results)
+    assert ratios["group_size"] == 4
+    assert ratios["peak_standard_batched_over_detach"] is None
+    assert ratios["time_exact_over_detach"] is None
+    assert ratios["peak_growth"] == {"detach": None, "exact": None}
+    assert "n/a" in format_ratios(ratios)
+    assert reference_group_size([16, 32]) == 16
+    assert reference_group_size([]) is None
+
+
+def test_bad_arguments_are_argparse_errors(capsys):
+    # In-process: argparse exits with status 2 and a usage message before any worker starts.
+    for argv, message in [
+        (["bench", "memory", "--groups", "0"], "must be >= 1"),
+        (["bench", "memory", "--smoke", "--demo"], "not allowed with"),
+        (["bench", "memory", "--modes", "fast"], "invalid choice"),
+        (["bench", "memory", "--prompt-tokens", "1"], "--prompt-tokens must be >= 2"),
+        (["bench"], "required"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2, argv
+        assert message in capsys.readouterr().err, argv
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out.startswith("longstraw ")
