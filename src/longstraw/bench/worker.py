@@ -18,24 +18,13 @@ import time
 import torch
 
 from longstraw import Group, backward_group, load_model
+from longstraw.memory import PeakMemory
 
 # Keys a config must carry; the parent (bench/memory.py) writes them all.
 CONFIG_KEYS = (
     "model", "dtype", "device", "prompt_tokens", "response_tokens", "group_size", "mode", "chunk_size",
     "micro_batch", "seed",
 )
-
-
-def _proc_status_bytes(field: str) -> int | None:
-    """A `kB` line of /proc/self/status (VmRSS, VmHWM) in bytes; None off Linux."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def _cpu_stall_us() -> int | None:
@@ -48,18 +37,6 @@ def _cpu_stall_us() -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
-
-
-def _reset_hwm() -> bool:
-    """Reset VmHWM to the current RSS (Linux >= 4.0). False when the kernel or sandbox refuses."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        return False
-    hwm, rss = _proc_status_bytes("VmHWM"), _proc_status_bytes("VmRSS")
-    # The write can "succeed" on kernels that ignore value 5; only trust it if HWM actually came down to RSS.
-    return hwm is not None and rss is not None and hwm <= rss + (1 << 20)
 
 
 def make_group(
@@ -90,14 +67,8 @@ def run_config(config: dict[str, object]) -> dict[str, object]:
     on_cuda = torch.device(device).type == "cuda"
     # Drop garbage from model construction so it is neither in the baseline nor freed mid-step.
     gc.collect()
-    if on_cuda:
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
-        hwm_reset = True
-    else:
-        hwm_reset = _reset_hwm()
-        before = _proc_status_bytes("VmRSS") or 0
+    meter = PeakMemory(device)
+    meter.start()
 
     stall0 = _cpu_stall_us()
     t0, c0 = time.perf_counter(), time.process_time()
@@ -113,18 +84,13 @@ def run_config(config: dict[str, object]) -> dict[str, object]:
     # mean other processes competed for the cores and the wall time is inflated (peaks are unaffected).
     pressure = None if stall0 is None or stall1 is None else min(1.0, (stall1 - stall0) / 1e6 / step_s)
 
-    if on_cuda:
-        high = torch.cuda.max_memory_allocated(device)
-        source = "cuda.max_memory_allocated"
-    else:
-        high = _proc_status_bytes("VmHWM") or 0
-        source = "VmHWM"
+    high = meter.peak_absolute_bytes()
     return {
-        "peak_bytes": high - before,
-        "baseline_bytes": before,
+        "peak_bytes": high - meter.base,
+        "baseline_bytes": meter.base,
         "high_water_bytes": high,
-        "peak_source": source,
-        "hwm_reset": hwm_reset,
+        "peak_source": "cuda.max_memory_allocated" if on_cuda else "VmHWM",
+        "hwm_reset": meter.reset_ok,
         "time_s": step_s,
         # CPU seconds of all this process's threads: less sensitive than wall time to other load on the host.
         "cpu_time_s": cpu_s,
