@@ -51,3 +51,14 @@ def test_validation(kwargs, match):
 def test_loss_options_use_defaults_unless_set():
     assert TrainConfig().loss_options() == {"beta": 0.0}
     assert TrainConfig(epsilon_high=0.28, beta=0.1).loss_options() == {"beta": 0.1, "epsilon_high": 0.28}
+
+
+def test_shipped_examples_are_valid_configs():
+    from pathlib import Path
+
+    from longstraw.config import load_toml
+
+    examples = sorted((Path(__file__).parent.parent / "examples").glob("*.toml"))
+    assert examples
+    for path in examples:
+        TrainConfig(**load_toml(path))
