@@ -106,7 +106,8 @@ class Progress:
     def step_done(self, m: dict[str, Any]) -> None:
         line = (
             f"step {m['step']}/{self.total} | reward {m['reward_mean']:.3f} (max {m['reward_max']:.3f}) | "
-            f"loss {m['loss']:+.4f} | peak {m['peak_memory_bytes'] / 2**30:.2f} GiB | {m['tokens_per_s']:.0f} tok/s | "
+            f"loss {m['loss']:+.2e} | gnorm {m['grad_norm']:.2f} | peak {m['peak_memory_bytes'] / 2**30:.2f} GiB | "
+            f"{m['tokens_per_s']:.0f} tok/s | "
             f"rollout {m['time_rollout_s']:.1f}s train {m['time_train_s']:.1f}s"
         )
         if m["dropped_groups"]:
@@ -348,8 +349,13 @@ def plot_metrics(metrics_path: Path, out: Path) -> Path | None:
     rows = read_metrics(metrics_path)
     steps = [r["step"] for r in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
-    ax1.plot(steps, [r["reward_mean"] for r in rows], marker="o", label="mean")
-    ax1.plot(steps, [r["reward_max"] for r in rows], linestyle="--", label="max")
+    means = [r["reward_mean"] for r in rows]
+    window = 5  # one group per step is noisy: show the trend too
+    trend = [sum(means[max(0, i - window + 1) : i + 1]) / len(means[max(0, i - window + 1) : i + 1])
+             for i in range(len(means))]
+    ax1.plot(steps, means, marker="o", alpha=0.45, label="mean")
+    ax1.plot(steps, trend, linewidth=2.2, label=f"mean, {window}-step average")
+    ax1.plot(steps, [r["reward_max"] for r in rows], linestyle="--", alpha=0.6, label="max")
     ax1.set_xlabel("step")
     ax1.set_ylabel("reward")
     ax1.set_ylim(-0.02, 1.02)
