@@ -29,6 +29,22 @@ def pad(seqs: list[torch.Tensor], value: int = 0) -> tuple[torch.Tensor, torch.T
     return ids, mask
 
 
+def finish_batch(
+    logp: torch.Tensor, mask: torch.Tensor, idx: list[int], loss_fn: LossFn | None,
+    responses: list[torch.Tensor], logprobs: list[torch.Tensor | None],
+) -> float:
+    """Backward this batch's share of the group loss (unless only scoring), keep each response's detached
+    log-probs (k, T) -> logprobs[i] (R_i,), and return the share's value."""
+    value = 0.0
+    if loss_fn is not None:
+        loss = loss_fn(logp, mask, idx)
+        loss.backward()
+        value = float(loss.detach())
+    for row, i in enumerate(idx):
+        logprobs[i] = logp[row, : responses[i].numel()].detach()
+    return value
+
+
 def replay_responses(
     model: torch.nn.Module,
     prompt: torch.Tensor,
@@ -54,10 +70,5 @@ def replay_responses(
         targets, _ = pad([responses[i] for i in idx])
         hidden = run_segment(model, inputs, p - 1, state.fork())  # (k, R_max, d)
         logp = chunked_logprobs(hidden, weight, targets, token_chunk)  # (k, R_max)
-        if loss_fn is not None:
-            loss = loss_fn(logp, mask, idx)
-            loss.backward()
-            total += float(loss.detach())
-        for row, i in enumerate(idx):
-            logprobs[i] = logp[row, : responses[i].numel()].detach()
+        total += finish_batch(logp, mask, idx, loss_fn, responses, logprobs)
     return total, logprobs

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from longstraw.plans.replay import pad
+from longstraw.plans.replay import finish_batch, pad
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, list[int]], torch.Tensor]
 
@@ -35,9 +35,5 @@ def standard(model, prompt, responses, loss_fn: LossFn, batched: bool) -> tuple[
     total, logprobs = 0.0, [None] * len(responses)
     for idx in batches:
         logp, mask = _score(model, prompt, [responses[i] for i in idx])
-        loss = loss_fn(logp, mask, idx)
-        loss.backward()
-        total += float(loss.detach())
-        for row, i in enumerate(idx):
-            logprobs[i] = logp[row, : responses[i].numel()].detach()
+        total += finish_batch(logp, mask, idx, loss_fn, responses, logprobs)
     return total, logprobs
