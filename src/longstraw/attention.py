@@ -38,6 +38,10 @@ USE_FUSED = True
 KEY_BLOCK = 512
 
 
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
 def _fused(q: torch.Tensor) -> bool:
     return USE_FUSED and _FLASH_CPU is not None and _FLASH_CPU_BWD is not None and q.device.type == "cpu"
 
@@ -130,13 +134,14 @@ class ChunkAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, scale: float, causal: bool, n: int, *kv: torch.Tensor):  # type: ignore[override]
         fused = _fused(q)
+        acc = _acc_dtype(q.dtype)  # merges and log-sum-exps in >= fp32: bf16 would lose ~1% per merge
         out = lse = None
         for k, v in zip(kv[:n], kv[n:]):
             if fused:
                 o, l = _FLASH_CPU(q[None], k, v, 0.0, causal, scale=scale)
-                o, l = o[0], l[0].to(q.dtype)
+                o, l = o[0].to(acc), l[0].to(acc)
             else:
-                o, l = _portable_forward(q, k[0], v[0], scale, causal)
+                o, l = _portable_forward(q.to(acc), k[0].to(acc), v[0].to(acc), scale, causal)
             if out is None:
                 out, lse = o, l
             else:
@@ -145,27 +150,32 @@ class ChunkAttention(torch.autograd.Function):
                 lse = new
         ctx.scale, ctx.causal, ctx.n, ctx.fused = scale, causal, n, fused
         ctx.save_for_backward(q, out, lse, *kv)
-        return out, lse
+        return out.to(q.dtype), lse
 
     @staticmethod
     def backward(ctx, d_out: torch.Tensor | None, d_lse: torch.Tensor | None):  # type: ignore[override]
-        q, out, lse, *kv = ctx.saved_tensors
+        q, out, lse, *kv = ctx.saved_tensors  # out and lse in the accumulation dtype
         n, scale, causal = ctx.n, ctx.scale, ctx.causal
         need_kv = any(ctx.needs_input_grad[4:])
-        d_out = torch.zeros_like(out) if d_out is None else d_out.contiguous()
-        d_lse = torch.zeros_like(lse) if d_lse is None else d_lse
+        d_out = torch.zeros_like(out) if d_out is None else d_out.to(out.dtype).contiguous()
+        d_lse = torch.zeros_like(lse) if d_lse is None else d_lse.to(lse.dtype)
         row = (d_out * out).sum(-1) - d_lse  # (N, M), used by the portable kernel
-        dq = torch.zeros_like(q)
+        dq = torch.zeros_like(out)
         dks, dvs = [], []
         for k, v in zip(kv[:n], kv[n:]):
-            if ctx.fused:
-                dq_j, dk_j, dv_j = _fused_backward(d_out, d_lse, q, k[0], v[0], out, lse, scale, causal)
+            if ctx.fused:  # the op works in q's dtype, with an fp32 log-sum-exp for reduced precision
+                lse_op = lse if lse.dtype == q.dtype else lse.float()
+                dq_j, dk_j, dv_j = _fused_backward(
+                    d_out.to(q.dtype), d_lse, q, k[0], v[0], out.to(q.dtype), lse_op, scale, causal
+                )
             else:
-                dq_j, dk_j, dv_j = _portable_backward(d_out, row, q, k[0], v[0], lse, scale, causal, need_kv)
+                dq_j, dk_j, dv_j = _portable_backward(
+                    d_out, row, q.to(out.dtype), k[0].to(out.dtype), v[0].to(out.dtype), lse, scale, causal, need_kv
+                )
             dq += dq_j
-            dks.append(dk_j[None] if need_kv else None)
-            dvs.append(dv_j[None] if need_kv else None)
-        return (dq, None, None, None, *dks, *dvs)
+            dks.append(dk_j[None].to(k.dtype) if need_kv else None)
+            dvs.append(dv_j[None].to(v.dtype) if need_kv else None)
+        return (dq.to(q.dtype), None, None, None, *dks, *dvs)
 
 
 def prefix_attention(
@@ -206,7 +216,7 @@ def prefix_attention(
     p_lse = p_lse.view(hkv, b, g, t).permute(1, 0, 2, 3)  # (B, Hkv, g, T)
     total = torch.logaddexp(lse, p_lse)
     merged = torch.exp(lse - total).unsqueeze(-1) * out + torch.exp(p_lse - total).unsqueeze(-1) * p_out
-    return merged.reshape(b, h, t, d)
+    return merged.to(query.dtype).reshape(b, h, t, d)
 
 
 def naive_attention(
