@@ -19,17 +19,19 @@ class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, token_chunk: int):  # type: ignore[override]
         out = torch.empty(hidden.shape[0], dtype=hidden.dtype, device=hidden.device)
+        lse = torch.empty_like(out)
         for s in range(0, hidden.shape[0], token_chunk):
             logits = hidden[s : s + token_chunk] @ weight.t()  # (c, V)
             tgt = targets[s : s + token_chunk]
-            out[s : s + token_chunk] = logits.gather(1, tgt[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
+            lse[s : s + token_chunk] = torch.logsumexp(logits, dim=-1)
+            out[s : s + token_chunk] = logits.gather(1, tgt[:, None]).squeeze(1) - lse[s : s + token_chunk]
         ctx.token_chunk = token_chunk
-        ctx.save_for_backward(hidden, weight, targets)
+        ctx.save_for_backward(hidden, weight, targets, lse)  # lse: N numbers, so backward skips a softmax pass
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
-        hidden, weight, targets = ctx.saved_tensors
+        hidden, weight, targets, lse = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         d_hidden = torch.empty_like(hidden) if need_h else None
         d_weight = torch.zeros_like(weight) if need_w else None
@@ -37,8 +39,9 @@ class _ChunkedLogprobs(torch.autograd.Function):
         for s in range(0, hidden.shape[0], c):
             h = hidden[s : s + c]
             logits = h @ weight.t()  # (c, V), recomputed
-            # d logp / d logits = onehot(target) - softmax(logits), scaled by the incoming gradient.
-            d_logits = torch.softmax(logits, dim=-1).mul_(-grad_out[s : s + c, None])
+            # d logp / d logits = onehot(target) - softmax(logits), scaled by the incoming gradient;
+            # softmax = exp(logits - lse) in place, with the forward's lse.
+            d_logits = logits.sub_(lse[s : s + c, None]).exp_().mul_(-grad_out[s : s + c, None])
             d_logits.scatter_add_(1, targets[s : s + c, None], grad_out[s : s + c, None])
             if need_h:
                 d_hidden[s : s + c] = d_logits @ weight

@@ -33,6 +33,12 @@ class SegmentContext:
     state: KVState
     collect: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
     generated: ResponseKV | None = None  # sampling: earlier generated tokens' K/V, one token per step
+    kv_only: bool = False  # stop the forward once the last layer's K/V are collected (capture, recompute)
+
+
+class _KVCollected(Exception):
+    """Raised inside the model once every layer's K/V is collected: the last layer's attention output, its
+    MLP, the final norm and everything after would be computed for nothing."""
 
 
 def _longstraw_attention(
@@ -54,6 +60,8 @@ def _longstraw_attention(
     layer = module.layer_idx
     if longstraw.collect is not None:
         longstraw.collect[layer] = (key, value)
+        if longstraw.kv_only and len(longstraw.collect) == longstraw.state.num_layers:
+            raise _KVCollected
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     state = longstraw.state
     causal = True
@@ -87,20 +95,27 @@ def run_segment(
     state: KVState,
     collect: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
     generated: ResponseKV | None = None,
-) -> torch.Tensor:
+    kv_only: bool = False,
+) -> torch.Tensor | None:
     """Hidden states after the final norm for `input_ids` (B, T) at positions start..start+T-1.
 
     Every sequence of the batch continues the same prompt state (batch 1, shared). With `generated`
     (sampling), T must be 1 and the step also attends to, and appends to, the sequences' generated K/V.
-    Returns (B, T, hidden).
+    With `kv_only` (needs `collect`), the forward stops as soon as every layer's K/V is in `collect` and
+    None is returned. Returns (B, T, hidden) otherwise.
     """
+    if kv_only and collect is None:
+        raise ValueError("kv_only needs a collect dict to put the K/V in")
     b, t = input_ids.shape
     if generated is not None and t != 1:
         raise ValueError(f"decoding takes one token per sequence per step, got {t}")
     position_ids = (torch.arange(t, device=input_ids.device) + start).unsqueeze(0).expand(b, t)
-    ctx = SegmentContext(state=state, collect=collect, generated=generated)
+    ctx = SegmentContext(state=state, collect=collect, generated=generated, kv_only=kv_only)
     with replay_attention(model):
-        out = model.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, longstraw=ctx)
+        try:
+            out = model.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, longstraw=ctx)
+        except _KVCollected:
+            return None
     if generated is not None:
         generated.advance(t)
     return out.last_hidden_state

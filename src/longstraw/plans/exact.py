@@ -25,7 +25,7 @@ def prompt_backward(model: torch.nn.Module, ids: torch.Tensor, leaves: KVState) 
             continue
         collect: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         with torch.enable_grad():
-            run_segment(model, ids[start:end].unsqueeze(0), start, leaves.prefix(j), collect)
+            run_segment(model, ids[start:end].unsqueeze(0), start, leaves.prefix(j), collect, kv_only=True)
         layers = range(leaves.num_layers)
         recomputed = [collect[layer][0] for layer in layers] + [collect[layer][1] for layer in layers]
         pairs = [(out, g) for out, g in zip(recomputed, upstream) if g is not None]

@@ -23,6 +23,6 @@ def capture_prompt(model: torch.nn.Module, ids: torch.Tensor, chunk_size: int) -
     for start, end in chunk_bounds(ids.numel(), chunk_size):
         collect: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         with torch.no_grad():
-            run_segment(model, ids[start:end].unsqueeze(0), start, state.fork(), collect)
+            run_segment(model, ids[start:end].unsqueeze(0), start, state.fork(), collect, kv_only=True)
         state.append_chunk(start, end, collect)
     return state
