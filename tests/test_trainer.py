@@ -1,6 +1,7 @@
 """The trainer end to end: the smoke command, exact resume, checkpoint errors, non-finite guard."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -95,3 +96,27 @@ def test_non_finite_gradient_stops_before_the_optimizer(tmp_path):
 def test_bad_command_line_is_an_argparse_error(tmp_path):
     out = _cli("train", "--group-size", "1", "--run-dir", str(tmp_path / "r"), cwd=tmp_path)
     assert out.returncode == 2 and "group_size 1 is too small" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_kl_reuse_and_dynamic_sampling_run_and_report(tmp_path):
+    """beta > 0 (frozen reference scored from its own capture), two updates per rollout, and DAPO-style
+    dropping of equal-reward groups, in one short run."""
+    data = _jsonl(tmp_path)
+    cfg = TrainConfig(model="tiny-llama", task="jsonl", data=str(data),
+                      reward_fn="rewards_for_tests:even_byte_fraction", group_size=3, prompts_per_step=2,
+                      max_new_tokens=4, steps=2, beta=0.1, num_iterations=2, dynamic_sampling=True, loss="dapo",
+                      lr=1e-3, eval_prompts=0, plot=False, run_dir=str(tmp_path / "r"))
+    trainer = Trainer(cfg)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    m = trainer.train_step(0, Progress(2))
+    assert m["kept_groups"] + m["dropped_groups"] == 2 and math.isfinite(m["loss"])
+    ref = list(trainer.reference.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(before, ref))  # the reference stays frozen
+    if m["kept_groups"]:
+        assert any(not torch.equal(a, p) for a, p in zip(before, trainer.model.parameters()))
+
+    # A reward that is the same for every response: every group is dropped and nothing is updated.
+    cfg2 = TrainConfig(**{**cfg.to_dict(), "reward_fn": "", "beta": 0.0, "run_dir": str(tmp_path / "r2")})
+    trainer2 = Trainer(cfg2)
+    m2 = trainer2.train_step(0, Progress(1))
+    assert m2["dropped_groups"] == 2 and m2["kept_groups"] == 0 and m2["grad_norm"] == 0.0

@@ -21,6 +21,7 @@ import math
 import random
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -226,7 +227,10 @@ class Trainer:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.scheduler.get_last_lr()[0]
-        self.scheduler.step()
+        with warnings.catch_warnings():
+            # The schedule follows steps, also a step whose groups were all dropped (no optimizer.step()).
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+            self.scheduler.step()
         t2 = time.perf_counter()
 
         rewards = torch.cat(all_rewards)
