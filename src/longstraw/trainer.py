@@ -229,7 +229,7 @@ class Trainer:
         lr = self.scheduler.get_last_lr()[0]
         with warnings.catch_warnings():
             # The schedule follows steps, also a step whose groups were all dropped (no optimizer.step()).
-            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
             self.scheduler.step()
         t2 = time.perf_counter()
 
