@@ -88,3 +88,13 @@ def test_train_mode_is_refused():
     model = tiny_model("llama").train()
     with pytest.raises(ValueError, match=r"eval\(\)"):
         backward_group(model, _good())
+
+
+def test_mamba1_is_refused_with_the_reason_before_any_compute():
+    from transformers import MambaConfig, MambaForCausalLM
+
+    model = MambaForCausalLM(MambaConfig(hidden_size=16, num_hidden_layers=1, vocab_size=100, state_size=4)).eval()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="'mamba' is refused: .*ignores the SSM state"):
+        backward_group(model, Group(torch.tensor([1, 2, 3]), [torch.tensor([4])], torch.zeros(1)))
+    assert all(p.grad is None and torch.equal(b, p.detach()) for b, p in zip(before, model.parameters()))

@@ -159,10 +159,23 @@ def load_model(
     return model
 
 
+# Architectures refused for a reason beyond "not built yet": replaying them would be silently wrong.
+_MAMBA1_WHY = (
+    "transformers' torch path for Mamba-1 layers ignores the SSM state in multi-token continuations, so a replay "
+    "from a captured state would be silently wrong"
+)
+REFUSED_MODEL_TYPES = {name: _MAMBA1_WHY for name in ("mamba", "falcon_mamba", "jamba", "zamba")}
+
+
 def check_architecture(model: torch.nn.Module, max_length: int) -> None:
     """Raise ValueError unless LongStraw's state adapters handle this model exactly for `max_length` positions."""
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
+    if model_type in REFUSED_MODEL_TYPES:
+        raise ValueError(
+            f"architecture {model_type!r} is refused: {REFUSED_MODEL_TYPES[model_type]}. Supported: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"unsupported architecture {model_type!r} ({type(model).__name__}): LongStraw supports "
