@@ -108,7 +108,8 @@ def _fused_backward(d_out, d_lse, q, k, v, out, lse, scale: float, causal: bool)
     Flash backward forms dS = P * (dP − rowsum(dO * O)). Appending one column — dO' = [dO, 1],
     O' = [O, −dLSE], and zero columns to q, k, v — leaves P and dP unchanged and turns the row sum into
     rowsum(dO * O) − dLSE, which is exactly the gradient with dLSE included. The scale is passed explicitly
-    because the head dim grew by one.
+    because the head dim grew by one. The padded k/v are transient copies of one state chunk at a time (freed
+    before the next chunk), never of the whole state, and cost O(P·D) next to the kernel's O(M·P·D).
     """
     zero_col = lambda t: torch.cat([t, t.new_zeros(*t.shape[:-1], 1)], dim=-1)[None]  # noqa: E731
     d_out_aug = torch.cat([d_out, d_out.new_ones(*d_out.shape[:-1], 1)], dim=-1)[None]

@@ -25,9 +25,6 @@ class ByteTokenizer:
         ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
-    def __call__(self, text: str) -> dict[str, list[int]]:
-        return {"input_ids": self.encode(text)}
-
 
 def load_tokenizer(name_or_path: str) -> Any:
     """The tokenizer that goes with `load_model(name_or_path)`."""

@@ -81,8 +81,8 @@ def _lr_lambda(cfg: TrainConfig):
 
 
 @dataclass
-class Rollout:
-    """One prompt's sampled group, ready for the gradient passes."""
+class ScoredGroup:
+    """One prompt's sampled and rewarded group, ready for the gradient passes."""
 
     prompt: torch.Tensor
     group: Group
@@ -167,7 +167,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
 
-    def rollout(self, step: int, j: int, example: Example) -> Rollout:
+    def rollout(self, step: int, j: int, example: Example) -> ScoredGroup:
         cfg = self.cfg
         prompt = self._encode(example)
         out = sample_group(self.model, prompt, cfg.group_size, self.sampling,
@@ -176,12 +176,12 @@ class Trainer:
                                dtype=torch.float64)
         if not torch.isfinite(rewards).all():
             raise ValueError(f"the reward function returned a non-finite value ({rewards.tolist()}): fix the task")
-        advantages = compute_advantages(rewards, cfg.advantage) if cfg.group_size > 1 else rewards * 0
+        advantages = compute_advantages(rewards, cfg.advantage)
         ref = None
         if self.reference is not None:
             ref = score_responses(self.reference, prompt, out.responses, cfg.chunk_size, cfg.micro_batch)
         group = Group(prompt, out.responses, advantages, old_logprobs=out.logprobs, ref_logprobs=ref)
-        return Rollout(prompt=prompt, group=group, state=out.state, rewards=rewards)
+        return ScoredGroup(prompt=prompt, group=group, state=out.state, rewards=rewards)
 
     def train_step(self, step: int, progress: Progress) -> dict[str, Any]:
         cfg = self.cfg
@@ -189,7 +189,7 @@ class Trainer:
         meter.start()
         t0 = time.perf_counter()
         examples = self.step_examples(step)
-        kept: list[Rollout] = []
+        kept: list[ScoredGroup] = []
         all_rewards, dropped, response_tokens = [], 0, 0
         for j, example in enumerate(examples):
             progress.update(step, "rollout", j, len(examples))
@@ -210,7 +210,7 @@ class Trainer:
                 progress.update(step, f"train (pass {it + 1})", j, len(kept))
                 result = backward_group(
                     self.model, r.group, mode=cfg.plan, loss=cfg.loss, chunk_size=cfg.chunk_size,
-                    micro_batch=cfg.micro_batch, prompt_state=r.state if it == 0 and cfg.plan != "standard" else None,
+                    micro_batch=cfg.micro_batch, prompt_state=r.state if it == 0 else None,
                     **cfg.loss_options(),
                 )
                 loss_total += result.loss / len(kept)

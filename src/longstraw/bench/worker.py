@@ -86,7 +86,7 @@ def run_config(config: dict[str, object]) -> dict[str, object]:
 
     high = meter.peak_absolute_bytes()
     return {
-        "peak_bytes": high - meter.base,
+        "peak_bytes": meter.peak_bytes(),
         "baseline_bytes": meter.base,
         "high_water_bytes": high,
         "peak_source": "cuda.max_memory_allocated" if on_cuda else "VmHWM",
