@@ -42,10 +42,29 @@ def _b1_llama() -> PretrainedConfig:
     )
 
 
+def _b1_qwen3() -> PretrainedConfig:
+    """The B1 shape (DESIGN §5) as Qwen3: q/k RMSNorm, head_dim 32, tied embeddings (planner validation)."""
+    return Qwen3Config(
+        hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=32, vocab_size=32000, max_position_embeddings=131072,
+        tie_word_embeddings=True,
+    )
+
+
+def _gpu_llama_1b() -> PretrainedConfig:
+    """~1.3B-parameter Llama-style model for the GPU bench (bench/gpu.sh): 24 layers, hidden 2048, GQA 16/8."""
+    return LlamaConfig(
+        hidden_size=2048, intermediate_size=5632, num_hidden_layers=24, num_attention_heads=16,
+        num_key_value_heads=8, vocab_size=32000, max_position_embeddings=262144, tie_word_embeddings=False,
+    )
+
+
 PRESETS: dict[str, Callable[[], PretrainedConfig]] = {
     "tiny-llama": _tiny_llama,
     "tiny-qwen3": _tiny_qwen3,
     "b1-llama": _b1_llama,
+    "b1-qwen3": _b1_qwen3,
+    "gpu-llama-1b": _gpu_llama_1b,
 }
 
 
