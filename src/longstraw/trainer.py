@@ -11,6 +11,11 @@ norm, refuse a non-finite norm before the optimizer touches the weights, AdamW s
 
 Data is a pure function of (seed, step, prompt index), so resuming only needs the step number; the
 checkpoint also keeps every RNG state.
+
+Several processes (`longstraw train --nproc N`, or torchrun): each rank takes a contiguous slice of the step's
+prompts (same seeds as one process), rolls out and backpropagates its own groups with the model sharded by
+FSDP2, and the gradients are reduced once per pass (`distributed/`); the step's gradient is the mean over all
+ranks' groups, as in one process. Rank 0 writes metrics and checkpoints (same file format in both cases).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import torch
 from longstraw.api import backward_group
 from longstraw.checkpoint import load_checkpoint, save_checkpoint
 from longstraw.config import TrainConfig
+from longstraw.distributed.runtime import Parallel
 from longstraw.group import Group
 from longstraw.loss import compute_advantages
 from longstraw.memory import PeakMemory
@@ -93,18 +99,21 @@ class ScoredGroup:
 class Progress:
     """One line per step on stderr; on a terminal, an in-place bar while the step runs."""
 
-    def __init__(self, total_steps: int) -> None:
+    def __init__(self, total_steps: int, enabled: bool = True) -> None:
         self.total = total_steps
         self.tty = sys.stderr.isatty()
+        self.enabled = enabled  # only rank 0 prints
 
     def update(self, step: int, phase: str, done: int, of: int) -> None:
-        if self.tty:
+        if self.tty and self.enabled:
             width = 20
             filled = int(width * done / max(1, of))
             bar = "#" * filled + "-" * (width - filled)
             print(f"\rstep {step + 1}/{self.total} [{bar}] {phase} {done}/{of}   ", end="", file=sys.stderr, flush=True)
 
     def step_done(self, m: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
         line = (
             f"step {m['step']}/{self.total} | reward {m['reward_mean']:.3f} (max {m['reward_max']:.3f}) | "
             f"loss {m['loss']:+.2e} | gnorm {m['grad_norm']:.2f} | peak {m['peak_memory_bytes'] / 2**30:.2f} GiB | "
@@ -117,17 +126,20 @@ class Progress:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig) -> None:
+    def __init__(self, cfg: TrainConfig, parallel: Parallel | None = None) -> None:
         self.cfg = cfg
+        self.par = parallel if parallel is not None else Parallel(device=cfg.device)  # one process by default
+        self.par.share(cfg.prompts_per_step)  # refuse a count the ranks cannot split before loading anything
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.model = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, seed=cfg.seed)
+        self.model = load_model(cfg.model, dtype=cfg.dtype, device=self.par.device, seed=cfg.seed)
         self.tokenizer = load_tokenizer(cfg.model)
         self.task = build_task(cfg, self.tokenizer)
         self.max_positions = getattr(self.model.config, "max_position_embeddings", None)
         self.reference = None
         if cfg.beta > 0:  # the frozen initial policy, for the KL term
             self.reference = copy.deepcopy(self.model).requires_grad_(False)
+        self.model = self.par.shard(self.model)  # FSDP2 across ranks; unchanged in one process
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(cfg))
@@ -138,7 +150,7 @@ class Trainer:
         self.step = 0
         self.summary: dict[str, Any] = {}
         self.writer = None
-        if cfg.tensorboard:
+        if cfg.tensorboard and self.par.is_main:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
@@ -189,36 +201,41 @@ class Trainer:
         meter.start()
         t0 = time.perf_counter()
         examples = self.step_examples(step)
+        mine = self.par.share(len(examples))  # this rank's prompts (all of them in one process)
         kept: list[ScoredGroup] = []
         all_rewards, dropped, response_tokens = [], 0, 0
-        for j, example in enumerate(examples):
-            progress.update(step, "rollout", j, len(examples))
-            r = self.rollout(step, j, example)
-            all_rewards.append(r.rewards)
-            response_tokens += sum(r.group.lengths)
-            if cfg.dynamic_sampling and bool((r.rewards == r.rewards[0]).all()):
-                dropped += 1
-                continue
-            kept.append(r)
+        with self.par.compute(self.model, reduce=False):
+            for j in mine:
+                progress.update(step, "rollout", j - mine.start, len(mine))
+                r = self.rollout(step, j, examples[j])
+                all_rewards.append(r.rewards)
+                response_tokens += sum(r.group.lengths)
+                if cfg.dynamic_sampling and bool((r.rewards == r.rewards[0]).all()):
+                    dropped += 1
+                    continue
+                kept.append(r)
         t1 = time.perf_counter()
 
         loss_total, grad_norm = 0.0, 0.0
-        for it in range(cfg.num_iterations if kept else 0):
+        n_kept = int(self.par.sum(len(kept)))  # over all ranks: every rank takes the same branches below
+        for it in range(cfg.num_iterations if n_kept else 0):
             self.optimizer.zero_grad(set_to_none=True)
             loss_total = 0.0
-            for j, r in enumerate(kept):
-                progress.update(step, f"train (pass {it + 1})", j, len(kept))
-                result = backward_group(
-                    self.model, r.group, mode=cfg.plan, loss=cfg.loss, chunk_size=cfg.chunk_size,
-                    micro_batch=cfg.micro_batch, prompt_state=r.state if it == 0 else None,
-                    **cfg.loss_options(),
-                )
-                loss_total += result.loss / len(kept)
+            with self.par.compute(self.model):  # sharded: gradients reduced (averaged over ranks) once, at exit
+                for j, r in enumerate(kept):
+                    progress.update(step, f"train (pass {it + 1})", j, len(kept))
+                    result = backward_group(
+                        self.model, r.group, mode=cfg.plan, loss=cfg.loss, chunk_size=cfg.chunk_size,
+                        micro_batch=cfg.micro_batch, prompt_state=r.state if it == 0 else None,
+                        **cfg.loss_options(),
+                    )
+                    loss_total += result.loss / n_kept
+            loss_total = self.par.sum(loss_total)
             params = [p for p in self.model.parameters() if p.grad is not None]
-            for p in params:  # the step's loss is the mean of its groups' losses
-                p.grad.div_(len(kept))
+            for p in params:  # the step's loss is the mean of all groups' losses (ranks' sums were averaged)
+                p.grad.div_(n_kept / self.par.world_size)
             max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+            grad_norm = self.par.clip_grad_norm(params, max_norm)
             if not math.isfinite(grad_norm):
                 raise FloatingPointError(
                     f"step {step + 1}: gradient norm is {grad_norm}; the optimizer step was skipped and the weights "
@@ -233,8 +250,16 @@ class Trainer:
             self.scheduler.step()
         t2 = time.perf_counter()
 
-        rewards = torch.cat(all_rewards)
-        prompt_tokens = sum(int(r.prompt.numel()) for r in kept) if kept else 0
+        ranks = self.par.gather({  # every rank's share of the step, in rank order (= prompt order)
+            "rewards": torch.cat(all_rewards), "dropped": dropped, "response_tokens": response_tokens,
+            "prompt_tokens": sum(int(r.prompt.numel()) for r in kept), "peak": meter.peak_absolute_bytes(),
+            "t_rollout": t1 - t0, "t_train": t2 - t1, "t_step": t2 - t0,
+        })
+        rewards = torch.cat([x["rewards"] for x in ranks])
+        dropped = sum(x["dropped"] for x in ranks)
+        response_tokens = sum(x["response_tokens"] for x in ranks)
+        prompt_tokens = sum(x["prompt_tokens"] for x in ranks)
+        t_rollout, t_train = max(x["t_rollout"] for x in ranks), max(x["t_train"] for x in ranks)
         return {
             "step": step + 1,
             "reward_mean": float(rewards.mean()),
@@ -243,14 +268,14 @@ class Trainer:
             "loss": loss_total,
             "grad_norm": grad_norm,
             "lr": lr,
-            "kept_groups": len(kept),
+            "kept_groups": n_kept,
             "dropped_groups": dropped,
             "response_tokens_mean": response_tokens / max(1, rewards.numel()),
-            "prompt_tokens": prompt_tokens // max(1, len(kept)) if kept else 0,
-            "peak_memory_bytes": meter.peak_absolute_bytes(),
-            "tokens_per_s": (prompt_tokens + response_tokens) / max(1e-9, t2 - t0),
-            "time_rollout_s": t1 - t0,
-            "time_train_s": t2 - t1,
+            "prompt_tokens": prompt_tokens // max(1, n_kept) if n_kept else 0,
+            "peak_memory_bytes": max(x["peak"] for x in ranks),  # the largest rank's
+            "tokens_per_s": (prompt_tokens + response_tokens) / max(1e-9, max(x["t_step"] for x in ranks)),
+            "time_rollout_s": t_rollout,
+            "time_train_s": t_train,
         }
 
     # ------------------------------------------------------------------ evaluation
@@ -264,52 +289,63 @@ class Trainer:
         greedy = SamplingConfig(max_new_tokens=cfg.max_new_tokens, top_k=1, stop_ids=self.sampling.stop_ids)
         examples = self.task.examples(cfg.eval_prompts, seed=cfg.seed + EVAL_SEED_OFFSET)
         total = 0.0
-        for example in examples:
-            out = sample_group(self.model, self._encode(example), 1, greedy, chunk_size=cfg.chunk_size)
-            total += float(self.task.reward(self._decode(out.responses[0]), example))
-        return total / len(examples)
+        with self.par.compute(self.model, reduce=False):
+            for example in examples[self.par.rank :: self.par.world_size]:  # ranks split the prompts
+                out = sample_group(self.model, self._encode(example), 1, greedy, chunk_size=cfg.chunk_size)
+                total += float(self.task.reward(self._decode(out.responses[0]), example))
+        return self.par.sum(total) / len(examples)
 
     # ------------------------------------------------------------------ checkpoints
 
     def save(self) -> None:
+        state = self.par.full_state(self.model, self.optimizer)  # sharded: gathered to rank 0 (all ranks call)
+        if state is None:  # not rank 0
+            return
         save_checkpoint(self.run_dir, {
             "step": self.step,
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": state[0],
+            "optimizer": state[1],
             "scheduler": self.scheduler.state_dict(),
             "config": self.cfg.to_dict(),
             "summary": self.summary,
         })
 
     def restore(self) -> None:
-        ckpt = load_checkpoint(self.run_dir)
-        self.model.load_state_dict(ckpt["model"])
-        self.optimizer.load_state_dict(ckpt["optimizer"])
-        self.scheduler.load_state_dict(ckpt["scheduler"])
-        self.step = int(ckpt["step"])
-        self.summary = dict(ckpt.get("summary", {}))
+        ckpt = load_checkpoint(self.run_dir) if self.par.is_main else None  # rank 0 reads, then broadcasts
+        self.par.load_full_state(self.model, self.optimizer, ckpt and ckpt["model"], ckpt and ckpt["optimizer"])
+        meta = None
+        if ckpt is not None:
+            meta = {"scheduler": ckpt["scheduler"], "step": ckpt["step"], "summary": ckpt.get("summary", {})}
+        meta = self.par.broadcast(meta)
+        self.scheduler.load_state_dict(meta["scheduler"])
+        self.step = int(meta["step"])
+        self.summary = dict(meta["summary"])
 
     # ------------------------------------------------------------------ the run
 
     def run(self) -> dict[str, Any]:
         cfg = self.cfg
+        main = self.par.is_main  # only rank 0 prints and writes files
         metrics_path = self.run_dir / "metrics.jsonl"
         if cfg.resume:
             self.restore()
-            print(f"resumed from {self.run_dir / 'checkpoint.pt'} at step {self.step}", file=sys.stderr)
+            if main:
+                print(f"resumed from {self.run_dir / 'checkpoint.pt'} at step {self.step}", file=sys.stderr)
         else:
-            metrics_path.unlink(missing_ok=True)
+            if main:
+                metrics_path.unlink(missing_ok=True)
             self.summary["eval_before"] = self.evaluate()
-            if cfg.eval_prompts:
+            if cfg.eval_prompts and main:
                 print(f"held-out greedy reward before training: {self.summary['eval_before']:.3f} "
                       f"({cfg.eval_prompts} prompts)", file=sys.stderr)
-        progress = Progress(cfg.steps)
+        progress = Progress(cfg.steps, enabled=main)
         last = min(cfg.steps, self.step + cfg.stop_after) if cfg.stop_after else cfg.steps
         while self.step < last:
             m = self.train_step(self.step, progress)
             self.step += 1
-            with metrics_path.open("a") as f:
-                f.write(json.dumps(m) + "\n")
+            if main:
+                with metrics_path.open("a") as f:
+                    f.write(json.dumps(m) + "\n")
             if self.writer is not None:
                 for key, value in m.items():
                     if key != "step":
@@ -319,11 +355,14 @@ class Trainer:
                 self.save()
         if self.step < cfg.steps:  # stopped early on purpose: checkpoint, no final evaluation
             self.save()
-            print(f"stopped after step {self.step}; continue with --resume", file=sys.stderr)
+            if main:
+                print(f"stopped after step {self.step}; continue with --resume", file=sys.stderr)
             return self.summary
         self.summary["eval_after"] = self.evaluate()
         self.summary["steps"] = self.step
         self.save()
+        if not main:
+            return self.summary
         if cfg.eval_prompts:
             print(f"held-out greedy reward: before {self.summary.get('eval_before', float('nan')):.3f} -> "
                   f"after {self.summary['eval_after']:.3f}", file=sys.stderr)
@@ -376,4 +415,12 @@ def plot_metrics(metrics_path: Path, out: Path) -> Path | None:
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
-    return Trainer(cfg).run()
+    """Train in this process, or as one rank of a distributed job when launched by torchrun (WORLD_SIZE > 1)."""
+    parallel = Parallel.start(cfg.device)
+    try:
+        summary = Trainer(cfg, parallel).run()
+    except BaseException as err:
+        parallel.fail(err)  # the other ranks print this error and exit instead of waiting forever
+        raise
+    parallel.close()
+    return summary

@@ -106,8 +106,10 @@ def _reduce_accumulated_gradients(model: FSDPModule) -> None:
 
 
 @contextmanager
-def sharded_compute(model: torch.nn.Module) -> Iterator[None]:
+def sharded_compute(model: torch.nn.Module, reduce: bool = True) -> Iterator[None]:
     """All-gather the parameters once, run the block, then reduce the gradients once and reshard.
+
+    reduce=False (sampling, evaluation: no backward in the block) skips the reduction.
 
     Inside, parameters are plain tensors and `backward_group` accumulates the rank's own gradient, unsharded;
     at exit every unit reduce-scatters it once (averaged over ranks) into the sharded `.grad`, adding to what
@@ -127,7 +129,10 @@ def sharded_compute(model: torch.nn.Module) -> Iterator[None]:
         model.reset_iter_state()  # local only: reshard, clear FSDP's per-iteration trackers
         _drop_unsharded_gradients(units)
         raise
-    _reduce_accumulated_gradients(model)
+    if reduce:
+        _reduce_accumulated_gradients(model)
+    else:
+        _drop_unsharded_gradients(units)
     # Reshard every unit and reset FSDP's per-forward bookkeeping: the K/V-only forwards of capture stop
     # inside the last layer (replay.py), which leaves that layer's FSDP state mid-forward.
     model.reset_iter_state()

@@ -1,0 +1,263 @@
+"""The trainer's view of the process group: who am I, which prompts are mine, reduce the metrics, save and load
+full checkpoints, and make a failure on one rank stop every rank.
+
+`Parallel()` (one process) makes every method a no-op or an identity, so the trainer reads the same in both
+cases. `Parallel.start(device)` joins the process group that torchrun (or any launcher setting RANK,
+WORLD_SIZE, MASTER_ADDR, MASTER_PORT) describes: gloo on CPU, nccl on CUDA (one GPU per rank, `cuda:LOCAL_RANK`).
+
+Failure propagation: a rank that raises writes "rank R failed: <error>" to the process group's key-value store
+before it exits; a watcher thread on every other rank polls that key, prints the message and exits the
+process with status 1. Without it, the surviving ranks would block in their next collective until the
+process group's timeout (30 minutes by default). torchrun also stops a failed job's other local workers; the
+watcher covers the message, and ranks on other nodes.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from longstraw.distributed.fsdp import clip_grad_norm, parallelize, sharded_compute
+
+FAILURE_KEY = "longstraw/failure"
+ACK_KEY = "longstraw/failure_seen"
+
+
+def backend_for(device: str) -> str:
+    """nccl for CUDA devices, gloo for CPU."""
+    kind = torch.device(device).type
+    if kind == "cuda":
+        return "nccl"
+    if kind == "cpu":
+        return "gloo"
+    raise ValueError(f"distributed training supports cpu (gloo) and cuda (nccl) devices, got {device!r}")
+
+
+class FailureWatch:
+    """Polls the store for another rank's failure message; on one, prints it and exits this process with 1."""
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int, interval_s: float = 0.2) -> None:
+        self.store, self.rank, self.world_size, self.interval_s = store, rank, world_size, interval_s
+        self.failed_here = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="longstraw-failure-watch", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                if not self.store.check([FAILURE_KEY]) or self.failed_here:
+                    continue
+                message = self.store.get(FAILURE_KEY).decode()
+                self.store.add(ACK_KEY, 1)
+            except Exception:  # the store went away (its host exited): nothing more to learn from it
+                return
+            print(f"longstraw: rank {self.rank} stops because {message}", file=sys.stderr, flush=True)
+            os._exit(1)  # the main thread may be blocked in a collective that will never complete
+
+    def report(self, message: str, wait_s: float = 10.0) -> None:
+        """Publish this rank's failure (the first report wins) and give the others a moment to read it."""
+        self.failed_here = True
+        try:
+            self.store.compare_set(FAILURE_KEY, "", f"rank {self.rank} failed: {message}")
+            deadline = time.monotonic() + wait_s
+            while self.store.add(ACK_KEY, 0) < self.world_size - 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
+        except Exception:
+            pass  # best effort: the store may already be gone
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+@dataclass
+class Parallel:
+    """rank / world_size / device of this process; `mesh` is None in a single process."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: str = "cpu"
+    mesh: DeviceMesh | None = None
+    watch: FailureWatch | None = field(default=None, repr=False)
+
+    @classmethod
+    def start(cls, device: str = "cpu", timeout_s: float = 1800.0) -> Parallel:
+        """Join the process group described by the environment; a plain `Parallel(device)` if WORLD_SIZE <= 1."""
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        if world_size <= 1:
+            return cls(device=device)
+        backend = backend_for(device)
+        rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+        if backend == "nccl":
+            count = torch.cuda.device_count()
+            if local_rank >= count:
+                raise ValueError(
+                    f"local rank {local_rank} has no GPU: this node has {count} CUDA device(s); start at most "
+                    f"{count} processes per node (--nproc / torchrun --nproc-per-node)"
+                )
+            device = f"cuda:{local_rank}"
+            torch.cuda.set_device(device)
+        store, _, _ = next(dist.rendezvous("env://", timeout=timedelta(seconds=timeout_s)))
+        dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=timeout_s))
+        mesh = init_device_mesh(torch.device(device).type, (world_size,))
+        watch = FailureWatch(dist.PrefixStore("longstraw_watch", store), rank, world_size)
+        return cls(rank=rank, world_size=world_size, local_rank=local_rank, device=device, mesh=mesh, watch=watch)
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    # ------------------------------------------------------------------ model
+
+    def shard(self, model: torch.nn.Module) -> torch.nn.Module:
+        """FSDP2 over all ranks (`fsdp.parallelize`); unchanged in one process."""
+        return parallelize(model, self.mesh) if self.mesh is not None else model
+
+    def compute(self, model: torch.nn.Module, reduce: bool = True):
+        """Context for forwards/backwards: gathers once and reduces gradients once when sharded
+        (`fsdp.sharded_compute`; reduce=False for blocks without backward)."""
+        return sharded_compute(model, reduce)
+
+    def clip_grad_norm(self, params: list[torch.nn.Parameter], max_norm: float) -> float:
+        if not self.distributed:
+            return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        return clip_grad_norm(params, max_norm)
+
+    # ------------------------------------------------------------------ data
+
+    def share(self, count: int, what: str = "prompts_per_step") -> range:
+        """This rank's contiguous slice of `count` items (rank 0 takes the first count/W); count must divide."""
+        if count % self.world_size:
+            suggestion = self.world_size * max(1, count // self.world_size)
+            raise ValueError(
+                f"{what} = {count} cannot be split evenly over {self.world_size} processes: use a multiple of "
+                f"{self.world_size} (e.g. --{what.replace('_', '-')} {suggestion}) or a process count that divides "
+                f"{count}"
+            )
+        per = count // self.world_size
+        return range(self.rank * per, (self.rank + 1) * per)
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's `value` (picklable), in rank order."""
+        if not self.distributed:
+            return [value]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, value)
+        return out
+
+    def sum(self, value: float) -> float:
+        return float(sum(self.gather(value))) if self.distributed else value
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def full_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict] | None:
+        """(model, optimizer) state dicts in the single-process format, on rank 0 (None elsewhere).
+
+        Sharded: gathered with torch.distributed.checkpoint's full-state-dict helpers (a collective), and the
+        optimizer's parameter names mapped back to the indices `optimizer.state_dict()` uses, so a checkpoint
+        is the same file whatever the number of processes that wrote or reads it.
+        """
+        if not self.distributed:
+            return model.state_dict(), optimizer.state_dict()
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_sd = get_model_state_dict(model, options=options)
+        optim_sd = get_optimizer_state_dict(model, optimizer, options=options)
+        if not self.is_main:
+            return None
+        return _with_tied_keys(model, model_sd), _names_to_indices(model, optimizer, optim_sd)
+
+    def load_full_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                        model_sd: dict | None, optim_sd: dict | None) -> None:
+        """Inverse of `full_state`: rank 0 passes the dicts, the others None (they receive them by broadcast)."""
+        if not self.distributed:
+            model.load_state_dict(model_sd)
+            optimizer.load_state_dict(optim_sd)
+            return
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        names = _param_names(model)
+        set_model_state_dict(model, model_sd if self.is_main else {}, options=options)
+        if self.is_main:
+            optim_sd = _indices_to_names(optim_sd, names)
+        set_optimizer_state_dict(model, optimizer, optim_sd if self.is_main else {}, options=options)
+
+    def broadcast(self, value: Any) -> Any:
+        """Rank 0's `value` on every rank."""
+        if not self.distributed:
+            return value
+        box = [value if self.is_main else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def fail(self, error: BaseException) -> None:
+        """Tell every other rank that this one failed (they print `error` and exit 1)."""
+        if self.watch is not None:
+            self.watch.report(f"{type(error).__name__}: {error}")
+
+    def close(self) -> None:
+        """Leave the process group after a successful run (all ranks)."""
+        if not self.distributed:
+            return
+        dist.barrier()
+        if self.watch is not None:
+            self.watch.stop()
+        dist.destroy_process_group()
+
+
+def _param_names(model: torch.nn.Module) -> list[str]:
+    """The trainable parameters' names in `model.parameters()` order (= the optimizer's indices)."""
+    return [name for name, p in model.named_parameters() if p.requires_grad]
+
+
+def _with_tied_keys(model: torch.nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """Add the keys `model.state_dict()` has for tied weights (e.g. lm_head.weight) if the helper left them out."""
+    out = dict(state)
+    for name, _ in model.named_parameters(remove_duplicate=False):
+        if name not in out:
+            twin = next(n for n, p in model.named_parameters() if p is model.get_parameter(name))
+            out[name] = out[twin]
+    return out
+
+
+def _names_to_indices(model: torch.nn.Module, optimizer: torch.optim.Optimizer, optim_sd: dict) -> dict:
+    index = {name: i for i, name in enumerate(_param_names(model))}
+    alias = {name: index[n] for n, p in model.named_parameters() if n in index
+             for name, q in model.named_parameters(remove_duplicate=False) if q is p}
+    state = {alias[name]: value for name, value in optim_sd["state"].items()}
+    groups = [dict(g, params=[alias[name] for name in g["params"]]) for g in optim_sd["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def _indices_to_names(optim_sd: dict, names: list[str]) -> dict:
+    state = {names[i]: value for i, value in optim_sd["state"].items()}
+    groups = [dict(g, params=[names[i] for i in g["params"]]) for g in optim_sd["param_groups"]]
+    return {"state": state, "param_groups": groups}
