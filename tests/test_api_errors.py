@@ -3,7 +3,7 @@
 import pytest
 import torch
 from conftest import random_group, tiny_model
-from transformers import GPT2Config, GPT2LMHeadModel, MistralConfig, MistralForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel
 
 from longstraw import Group, backward_group
 
@@ -74,14 +74,6 @@ def test_unsupported_architecture_is_named():
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100)).eval()
     with pytest.raises(ValueError, match=r"unsupported architecture 'gpt2'.*llama, qwen2, qwen3, mistral"):
         backward_group(gpt2, Group(torch.tensor([1, 2]), [torch.tensor([3])], torch.zeros(1)))
-
-
-def test_sliding_window_shorter_than_sequence_is_refused():
-    cfg = MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                        num_key_value_heads=1, vocab_size=100, sliding_window=8)
-    model = MistralForCausalLM(cfg).eval()
-    with pytest.raises(ValueError, match="sliding-window"):
-        backward_group(model, Group(torch.arange(10), [torch.tensor([3])], torch.zeros(1)))
 
 
 def test_train_mode_is_refused():

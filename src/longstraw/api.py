@@ -24,8 +24,8 @@ from longstraw.models import check_architecture
 from longstraw.plans.exact import prompt_backward
 from longstraw.plans.replay import replay_responses
 from longstraw.plans.standard import standard
-from longstraw.state.attention import KVState
 from longstraw.state.capture import capture_prompt
+from longstraw.state.prompt import PromptState
 
 MODES = ("standard", "standard_batched", "detach", "exact")
 
@@ -73,7 +73,7 @@ def backward_group(
     chunk_size: int = 2048,
     micro_batch: int = 1,
     token_chunk: int = DEFAULT_TOKEN_CHUNK,
-    prompt_state: KVState | None = None,
+    prompt_state: PromptState | None = None,
     **loss_options: float | int | None,
 ) -> GroupResult:
     """Accumulate d(group loss)/d(params) into `.grad`, as `loss.backward()` would (never zeroes or steps).
@@ -97,6 +97,9 @@ def backward_group(
             f"prompt_state holds {prompt_state.length} positions but this prompt needs {group.prompt.numel() - 1} "
             "(all but its last token): pass the state captured for this prompt, or none"
         )
+    if mode == "exact" and prompt_state is not None and not prompt_state.keep_boundaries:
+        raise ValueError("the exact plan needs a prompt_state captured with keep_boundaries=True (the recurrent "
+                         "state at every chunk boundary); pass one, or none")
 
     totals = GroupTotals.of(group.lengths, cfg)
     device = model.get_input_embeddings().weight.device
@@ -128,7 +131,9 @@ def backward_group(
         stats.update(prompt_state_bytes=0, capture_s=0.0, replay_s=time.perf_counter() - t0, prompt_backward_s=0.0)
     else:
         # The last prompt token is replayed with each response, so only prompt[:-1] is captured.
-        state = prompt_state if prompt_state is not None else capture_prompt(model, prompt[:-1], chunk_size)
+        state = prompt_state
+        if state is None:
+            state = capture_prompt(model, prompt[:-1], chunk_size, keep_boundaries=mode == "exact")
         t1 = time.perf_counter()
         if mode == "exact":
             state = state.as_leaves()

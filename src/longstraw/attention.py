@@ -242,3 +242,92 @@ def naive_attention(
     visible = torch.ones(t, p + t, dtype=torch.bool, device=query.device).tril(diagonal=p)
     scores = scores.masked_fill(~visible, float("-inf"))
     return torch.matmul(torch.softmax(scores, dim=-1), value)
+
+
+# --- The masked path: sliding windows, DSA top-k selection, latent (MLA) prefixes, logit soft-capping --------
+#
+# These need a per-(query, key) visibility mask or a per-chunk transform of the prefix, which the fused kernel
+# above does not take. The path below is plain PyTorch (a masked softmax per key part, merged by log-sum-exp)
+# and each prefix chunk runs under activation checkpointing, so what stays saved for backward is the query
+# and the state itself, never a chunk's scores or an expanded MLA chunk. Masked scores use the dtype's most
+# negative finite value (as transformers' eager path does): a row that sees nothing in one part then gets
+# weight exp(lse_part - lse_total) = 0 exactly in the merge, with no NaN in forward or backward.
+
+
+def _masked_part(q, k, v, visible, scale: float, softcap: float | None, expand):
+    """q (B, H, T, D); k/v (Bk, Hkv, c, Dk/Dv) or MLA latents if `expand`; visible (Bv, T, c) bool.
+    Returns out (B, H, T, Dv) and lse (B, H, T), in the accumulation dtype."""
+    if expand is not None:
+        k, v = expand(k, v)  # (1, H, c, Dk), (1, H, c, Dv)
+    acc = _acc_dtype(q.dtype)
+    g = q.shape[1] // k.shape[1]
+    if g > 1:
+        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    scores = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale  # (B, H, T, c)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~visible[:, None], torch.finfo(acc).min)
+    lse = torch.logsumexp(scores, dim=-1)  # (B, H, T)
+    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.to(acc))
+    return out, lse
+
+
+def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, window: int | None) -> torch.Tensor:
+    """(T, c) bool: query at q_pos sees key at k_pos (causal, and within the sliding window if any:
+    transformers' rule is k > q - window)."""
+    seen = torch.ones(q_pos.numel(), k_pos.numel(), dtype=torch.bool, device=q_pos.device)
+    if causal:
+        seen &= k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        seen &= k_pos[None, :] > q_pos[:, None] - window
+    return seen
+
+
+def masked_prefix_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    prefix: list[tuple[int, torch.Tensor, torch.Tensor]],
+    scale: float,
+    q_pos: torch.Tensor,
+    own_pos: torch.Tensor,
+    window: int | None = None,
+    select: torch.Tensor | None = None,
+    expand=None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Attention of new tokens over [prompt chunks ; own tokens] with positions, windows and selections.
+
+    query (B, H, T, D) at absolute positions q_pos (T,); own key/value (B, Hkv, S, D*) at own_pos (S,), seen
+    causally; prefix: (start, key, value) per prompt chunk, each (1, Hkv, c, D*) — or MLA latents
+    (1, 1, c, d) turned into K/V by `expand(latent, rope_key)`. window: sliding window (keys k > q − window).
+    select: (B, T, P' + S) bool, DSA's chosen keys over [prompt ; own] (P' = positions before own_pos[0]).
+    softcap: tanh logit soft-capping. Returns (B, H, T, Dv).
+    """
+    b, h, t, _ = query.shape
+    parts = []
+    p_len = int(own_pos[0]) if own_pos.numel() else 0
+    for start, pk, pv in prefix:
+        c = pk.shape[2]
+        k_pos = torch.arange(start, start + c, device=query.device)
+        visible = _visible(q_pos, k_pos, causal=True, window=window)[None]  # (1, T, c)
+        if select is not None:
+            visible = visible & select[:, :, start : start + c]
+        if not bool(visible.any()):
+            continue  # the whole chunk is outside every query's window or selection
+        if torch.is_grad_enabled():
+            parts.append(torch.utils.checkpoint.checkpoint(
+                _masked_part, query, pk, pv, visible, scale, softcap, expand, use_reentrant=False,
+            ))
+        else:
+            parts.append(_masked_part(query, pk, pv, visible, scale, softcap, expand))
+    visible = _visible(q_pos, own_pos, causal=True, window=window)[None]
+    if select is not None:
+        visible = visible & select[:, :, p_len : p_len + own_pos.numel()]
+    parts.append(_masked_part(query, key, value, visible, scale, softcap, None))
+    if len(parts) == 1:
+        return parts[0][0].to(query.dtype)
+    lse = torch.stack([lse for _, lse in parts])  # (n, B, H, T)
+    total = torch.logsumexp(lse, dim=0)
+    out = sum(torch.exp(l - total).unsqueeze(-1) * o for (o, _), l in zip(parts, lse))
+    return out.to(query.dtype)

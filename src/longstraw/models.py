@@ -16,7 +16,12 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qwen3Config
 
 # Model types whose every layer is full (causal, GQA/MQA) attention, handled by state/attention.py.
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+# Model types whose every layer kind has a state adapter and a parity test (DESIGN §4): full attention (GQA),
+# sliding window, gated DeltaNet and KDA linear attention, Mamba2 SSM, MLA latent attention, DSA, MoE FFNs.
+SUPPORTED_MODEL_TYPES = (
+    "llama", "qwen2", "qwen3", "mistral", "gemma3_text", "qwen3_next", "mamba2", "falcon_h1", "deepseek_v3",
+    "glm_moe_dsa", "kimi_linear",
+)
 
 
 def _tiny_llama() -> PretrainedConfig:
@@ -198,19 +203,14 @@ def check_architecture(model: torch.nn.Module, max_length: int) -> None:
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"unsupported architecture {model_type!r} ({type(model).__name__}): LongStraw supports "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)} (full-attention decoders)"
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
         )
-    layer_types = getattr(config, "layer_types", None) or []
-    other = sorted({t for t in layer_types if t != "full_attention"})
-    window = getattr(config, "sliding_window", None)
-    uses_window = getattr(config, "use_sliding_window", True) and window is not None
-    if other or (uses_window and window < max_length):
+    if getattr(config, "final_logit_softcapping", None) is not None:
         raise ValueError(
-            f"{model_type} with sliding-window attention (window {window}, layer types {other or 'all'}) is not "
-            f"supported for {max_length} positions: only full attention is handled; use a config without "
-            "sliding_window or sequences no longer than the window"
+            f"{model_type} with final_logit_softcapping={config.final_logit_softcapping} is not supported: the "
+            "chunked log-prob does not soft-cap logits; use a config with final_logit_softcapping=None"
         )
-    if not hasattr(model, "model") or model.get_output_embeddings() is None:
+    if getattr(model, "base_model", None) is None or model.get_output_embeddings() is None:
         raise ValueError(f"{type(model).__name__} is not a causal LM with a decoder and an output projection")
     if getattr(model.get_output_embeddings(), "bias", None) is not None:
         raise ValueError("output projections with a bias are not supported")

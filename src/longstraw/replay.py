@@ -1,44 +1,33 @@
 """Run a transformers decoder over a segment of new tokens that continues a captured prompt state.
 
 We do not fork the model's code: the unmodified transformers modules compute embeddings, norms, RoPE,
-projections and MLPs; only the attention *kernel* is swapped, through transformers' own
-`AttentionInterface`, for `attention.prefix_attention`, which reads the prompt K/V from the state passed
-down as the `longstraw` keyword (transformers forwards unknown keywords to the attention function).
-The same function serves capture (prompt chunk c against chunks < c) and replay (responses against the
-whole prompt), and it can hand each layer's new K/V back to the caller (`collect`).
+projections, MLPs/MoE, conv and recurrent kernels. Two things are swapped, both through transformers' own
+extension points:
+
+* the cache object: a `SegmentCache` (state/cache.py) answers the layers' cache calls functionally over a
+  fork of the prompt state (recurrent/conv state, MLA latents, DSA indexer keys) and collects what each
+  layer produced (capture, the exact plan's recompute, decoding);
+* the attention *kernel*, through `AttentionInterface`: `_longstraw_attention` attends to the prompt's
+  chunks in place (read from the state) and to the segment's own tokens, merged exactly by log-sum-exp.
+
+The same function serves capture (prompt chunk c against chunks < c), replay (responses against the whole
+prompt) and decoding (one token per sequence against the prompt and the tokens generated so far).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from transformers import AttentionInterface
 
-from longstraw.attention import prefix_attention
-
-if TYPE_CHECKING:  # state/ imports this module to capture; avoid the cycle at run time
-    from longstraw.state.attention import KVState, ResponseKV
+from longstraw.attention import masked_prefix_attention, prefix_attention
+from longstraw.state.cache import SegmentCache, StateCollected
+from longstraw.state.prompt import Collected, PromptState
+from longstraw.state.response import ResponseState
 
 ATTN_NAME = "longstraw"
-
-
-@dataclass
-class SegmentContext:
-    """What the attention kernel needs besides q/k/v: the prompt state to attend to, and where to put new K/V."""
-
-    state: KVState
-    collect: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
-    generated: ResponseKV | None = None  # sampling: earlier generated tokens' K/V, one token per step
-    kv_only: bool = False  # stop the forward once the last layer's K/V are collected (capture, recompute)
-
-
-class _KVCollected(Exception):
-    """Raised inside the model once every layer's K/V is collected: the last layer's attention output, its
-    MLP, the final norm and everything after would be computed for nothing."""
 
 
 def _longstraw_attention(
@@ -49,27 +38,46 @@ def _longstraw_attention(
     attention_mask: torch.Tensor | None,
     dropout: float = 0.0,
     scaling: float | None = None,
-    longstraw: SegmentContext | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    indices: torch.Tensor | None = None,
+    longstraw: SegmentCache | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """transformers attention signature: q (B, H, T, D), k/v (B, Hkv, T, D) -> ((B, T, H, D), None)."""
+    """transformers attention signature: q (B, H, T, D), k/v (B, Hkv, S, D) -> ((B, T, H, D), None).
+
+    k/v are the segment's own tokens (`SegmentCache.update` returned them; while decoding, every generated
+    token's). The prompt's part comes from the state. Plain full attention takes the fused chunked kernel;
+    sliding windows, DSA selections (`indices`, (B, T, topk) over [prompt ; own]), MLA latent prefixes and
+    soft-capping take the masked path.
+    """
     if longstraw is None:
-        raise RuntimeError("longstraw attention called without a SegmentContext (use replay.run_segment)")
+        raise RuntimeError("longstraw attention called without a SegmentCache (use replay.run_segment)")
     if dropout:
         raise RuntimeError("attention dropout is active: put the model in eval() mode")
     layer = module.layer_idx
-    if longstraw.collect is not None:
-        longstraw.collect[layer] = (key, value)
-        if longstraw.kv_only and len(longstraw.collect) == longstraw.state.num_layers:
-            raise _KVCollected
+    ctx = longstraw
+    ctx.note_window(layer, sliding_window)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    state = longstraw.state
-    causal = True
-    if longstraw.generated is not None:
-        # One new token per sequence sees every token generated before it: no causal mask among them.
-        key, value = longstraw.generated.write(layer, key, value)
-        causal = False
-    out = prefix_attention(query, key, value, state.keys[layer], state.values[layer], scale, causal=causal)
+    decoding = ctx.generated is not None
+    prefix = ctx.state.attention_chunks(layer)
+    expand = getattr(module, "expand_kv", None)
+    if sliding_window is None and indices is None and expand is None and softcap is None:
+        # Decoding: one new token per sequence sees every generated token, so no causal mask among them.
+        out = prefix_attention(query, key, value, [k for _, k, _ in prefix], [v for _, _, v in prefix], scale,
+                               causal=not decoding)
+        return out.transpose(1, 2), None
+    t, s = query.shape[2], key.shape[2]
+    device = query.device
+    q_pos = torch.arange(ctx.start, ctx.start + t, device=device)
+    own_start = ctx.start + t - s  # decoding: own keys are the generated tokens up to and including this one
+    own_pos = torch.arange(own_start, own_start + s, device=device)
+    select = None
+    if indices is not None:  # DSA: (B, T, topk) positions over [prompt ; own] -> (B, T, P' + S) bool
+        select = torch.zeros(query.shape[0], t, own_start + s, dtype=torch.bool, device=device)
+        select.scatter_(-1, indices.long(), True)
+    out = masked_prefix_attention(query, key, value, prefix, scale, q_pos, own_pos, window=sliding_window,
+                                  select=select, expand=expand, softcap=softcap)
     return out.transpose(1, 2), None
 
 
@@ -88,34 +96,51 @@ def replay_attention(model: torch.nn.Module) -> Iterator[None]:
         config._attn_implementation = previous
 
 
+def has_indexer(model: torch.nn.Module) -> bool:
+    """DSA models (GLM-5): some attention layer carries a top-k indexer, which reads a 4-D mask."""
+    return any(getattr(m, "indexer", None) is not None for m in model.modules())
+
+
+def _indexer_mask(batch: int, t: int, start: int, device) -> torch.Tensor:
+    """(B, 1, T, start + T) bool: causal visibility over [prompt ; segment], what the DSA indexer masks with."""
+    q_pos = torch.arange(start, start + t, device=device)
+    k_pos = torch.arange(start + t, device=device)
+    return (k_pos[None, :] <= q_pos[:, None])[None, None].expand(batch, 1, t, start + t)
+
+
 def run_segment(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
     start: int,
-    state: KVState,
-    collect: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
-    generated: ResponseKV | None = None,
+    state: PromptState,
+    collect: Collected | None = None,
+    generated: ResponseState | None = None,
     kv_only: bool = False,
 ) -> torch.Tensor | None:
     """Hidden states after the final norm for `input_ids` (B, T) at positions start..start+T-1.
 
     Every sequence of the batch continues the same prompt state (batch 1, shared). With `generated`
-    (sampling), T must be 1 and the step also attends to, and appends to, the sequences' generated K/V.
-    With `kv_only` (needs `collect`), the forward stops as soon as every layer's K/V is in `collect` and
+    (sampling), T must be 1 and the step also attends to, and appends to, the sequences' generated state.
+    With `kv_only` (needs `collect`), the forward stops as soon as every layer's state is in `collect` and
     None is returned. Returns (B, T, hidden) otherwise.
     """
-    if kv_only and collect is None:
-        raise ValueError("kv_only needs a collect dict to put the K/V in")
     b, t = input_ids.shape
     if generated is not None and t != 1:
         raise ValueError(f"decoding takes one token per sequence per step, got {t}")
+    if generated is not None and collect is None:
+        collect = {}
+    cache = SegmentCache(state, start, b, collect=collect, generated=generated, kv_only=kv_only)
     position_ids = (torch.arange(t, device=input_ids.device) + start).unsqueeze(0).expand(b, t)
-    ctx = SegmentContext(state=state, collect=collect, generated=generated, kv_only=kv_only)
+    mask = None
+    if has_indexer(model):
+        mask = _indexer_mask(b, t, start, input_ids.device)  # keys: prompt, generated so far, this segment
     with replay_attention(model):
         try:
-            out = model.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, longstraw=ctx)
-        except _KVCollected:
+            out = model.base_model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
+                                   cache=cache, use_cache=False, longstraw=cache)
+        except StateCollected:
             return None
+    cache.finish()
     if generated is not None:
-        generated.advance(t)
+        generated.advance(t, collect)
     return out.last_hidden_state

@@ -2,7 +2,7 @@
 
 The prompt is captured once (`capture_prompt`, the same state the training step consumes); the G samples
 then decode as one batch, each step attending to the shared prompt state (never copied or expanded) and
-to its own generated tokens (`ResponseKV`). Like the training replay, decoding starts from the last
+to its own generated tokens (`ResponseState`). Like the training replay, decoding starts from the last
 prompt token, so the state holds prompt[:-1] and can be handed straight to `backward_group`.
 
 Recorded log-probs are the policy's own (temperature 1, no top-k/top-p truncation), whatever the sampling
@@ -19,8 +19,9 @@ import torch
 from longstraw.logprobs import DEFAULT_TOKEN_CHUNK
 from longstraw.plans.replay import replay_responses
 from longstraw.replay import run_segment
-from longstraw.state.attention import KVState, ResponseKV
 from longstraw.state.capture import capture_prompt
+from longstraw.state.prompt import PromptState
+from longstraw.state.response import ResponseState
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ class Rollout:
 
     responses: list[torch.Tensor]
     logprobs: list[torch.Tensor]
-    state: KVState
+    state: PromptState
 
 
 def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -76,9 +77,13 @@ def sample_group(
     sampling: SamplingConfig,
     seed: int = 0,
     chunk_size: int = 2048,
-    state: KVState | None = None,
+    state: PromptState | None = None,
+    keep_boundaries: bool = True,
 ) -> Rollout:
-    """Draw `group_size` responses to `prompt` (P,) with one prompt prefill. Deterministic for a given seed."""
+    """Draw `group_size` responses to `prompt` (P,) with one prompt prefill. Deterministic for a given seed.
+
+    keep_boundaries: capture the recurrent state at every chunk boundary, so the exact plan can reuse the
+    rollout's state (detach-only training can save that memory with False)."""
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
     if prompt.dim() != 1 or prompt.numel() == 0:
@@ -86,12 +91,9 @@ def sample_group(
     device = model.get_input_embeddings().weight.device
     prompt = prompt.to(device=device, dtype=torch.long)
     if state is None:
-        state = capture_prompt(model, prompt[:-1], chunk_size)
-    cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        state = capture_prompt(model, prompt[:-1], chunk_size, keep_boundaries=keep_boundaries)
     weight = model.get_output_embeddings().weight  # (V, d)
-    generated = ResponseKV(cfg.num_hidden_layers, group_size, cfg.num_key_value_heads, head_dim,
-                           sampling.max_new_tokens, weight.dtype, device)
+    generated = ResponseState(group_size, sampling.max_new_tokens)
     gen = torch.Generator(device=device).manual_seed(seed)
     stop = torch.tensor(sampling.stop_ids, dtype=torch.long, device=device)
 
@@ -131,14 +133,14 @@ def score_responses(
     responses: list[torch.Tensor],
     chunk_size: int = 2048,
     micro_batch: int = 1,
-    state: KVState | None = None,
+    state: PromptState | None = None,
 ) -> list[torch.Tensor]:
     """Per-token log-probs (R_i,) of each response under `model`, from one prompt capture (e.g. the frozen
     reference model's log-probs for the KL term). Same replay path as training, without backward."""
     device = model.get_input_embeddings().weight.device
     prompt = prompt.to(device=device, dtype=torch.long)
     if state is None:
-        state = capture_prompt(model, prompt[:-1], chunk_size)
+        state = capture_prompt(model, prompt[:-1], chunk_size, keep_boundaries=False)
     responses = [r.to(device=device, dtype=torch.long) for r in responses]
     _, logprobs = replay_responses(model, prompt, state, responses, None, micro_batch, DEFAULT_TOKEN_CHUNK)
     return logprobs

@@ -5,8 +5,8 @@ import torch
 from conftest import tiny_model
 
 from longstraw.replay import run_segment
-from longstraw.state.attention import KVState
-from longstraw.state.capture import capture_prompt
+from longstraw.state.capture import capture_prompt, chunk_bounds
+from longstraw.state.formulas import expected_state_bytes
 
 
 def _reference_kv(model, ids):
@@ -22,7 +22,7 @@ def test_capture_equals_transformers_cache(family, chunk_size):
     model = tiny_model(family)
     ids = torch.randint(0, 512, (50,), generator=torch.Generator().manual_seed(1))
     state = capture_prompt(model, ids, chunk_size)
-    assert state.length == 50 and state.num_chunks == -(-50 // chunk_size)
+    assert state.length == 50 and state.num_chunks == len(chunk_bounds(50, chunk_size))
     for layer, (k_ref, v_ref) in enumerate(_reference_kv(model, ids)):
         k = torch.cat(state.keys[layer], dim=-2)
         v = torch.cat(state.values[layer], dim=-2)
@@ -35,8 +35,8 @@ def test_state_bytes_match_design_formula():
     cfg = model.config
     state = capture_prompt(model, torch.arange(37), chunk_size=10)
     head_dim = cfg.hidden_size // cfg.num_attention_heads
-    expected = KVState.expected_nbytes(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, 37, torch.float32)
-    assert state.nbytes() == expected == 2 * 2 * 16 * 4 * 37 * 2
+    expected = expected_state_bytes(cfg, 37, torch.float32)
+    assert state.nbytes() == expected == 2 * 2 * head_dim * 4 * 37 * cfg.num_hidden_layers
 
 
 def test_fork_and_leaves_share_storage():

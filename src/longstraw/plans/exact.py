@@ -1,10 +1,13 @@
 """The exact plan's extra phase: reverse chunked prompt backward (DESIGN §3).
 
-After every response was replayed against the prompt state as leaves, each leaf's `.grad` holds dL/dK or
-dL/dV for its chunk, summed over the whole group. For chunk c = last … first we recompute chunk c's
-forward with grad from the chunks before it (also leaves) and backpropagate its K/V with those upstream
-gradients: parameters receive the prompt's share of the gradient, and chunks < c receive theirs, ready for
-the next iteration. Peak: one chunk's activations + one copy of the state's gradient.
+After every response was replayed against the prompt state as leaves, each leaf's `.grad` holds dL/dS for
+its part of the state (K/V or latent chunks, and for recurrent layers the state after the last chunk),
+summed over the whole group. For chunk c = last … first we recompute chunk c's forward with grad from the
+state before it (K/V chunks < c and the recurrent state after chunk c-1, all leaves) and backpropagate what
+chunk c produced — its K/V slice and its end-of-chunk recurrent/conv state — with the upstream gradients
+accumulated so far: parameters receive the prompt's share of the gradient, and the state before chunk c
+receives its share, ready for the next iteration. Peak: one chunk's activations + one copy of the state's
+gradient.
 """
 
 from __future__ import annotations
@@ -12,23 +15,26 @@ from __future__ import annotations
 import torch
 
 from longstraw.replay import run_segment
-from longstraw.state.attention import KVState
+from longstraw.state.prompt import Collected, PromptState
 
 
-def prompt_backward(model: torch.nn.Module, ids: torch.Tensor, leaves: KVState) -> None:
+def prompt_backward(model: torch.nn.Module, ids: torch.Tensor, leaves: PromptState) -> None:
     """ids (N,): the encoded prompt (x[:-1]); leaves: the state the replays used, `.grad` filled."""
+    if not leaves.keep_boundaries and leaves.num_chunks > 1:
+        raise ValueError("the exact plan needs the recurrent state at every chunk boundary: capture the prompt "
+                         "with keep_boundaries=True")
     for j in reversed(range(leaves.num_chunks)):
         start, end = leaves.bounds[j]
-        captured = leaves.chunk_tensors(j)
-        upstream = [t.grad for t in captured]
+        produced = leaves.chunk_outputs(j)
+        upstream = [None if t is None else t.grad for t in produced]
         if all(g is None for g in upstream):
             continue
-        collect: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        collect: Collected = {}
         with torch.enable_grad():
             run_segment(model, ids[start:end].unsqueeze(0), start, leaves.prefix(j), collect, kv_only=True)
-        layers = range(leaves.num_layers)
-        recomputed = [collect[layer][0] for layer in layers] + [collect[layer][1] for layer in layers]
-        pairs = [(out, g) for out, g in zip(recomputed, upstream) if g is not None]
+        recomputed = PromptState.outputs_of(collect, leaves.num_layers)
+        pairs = [(out, g) for out, g in zip(recomputed, upstream) if g is not None and out is not None]
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        for t in captured:
-            t.grad = None  # consumed: free this chunk's state gradient
+        for t in produced:
+            if t is not None:
+                t.grad = None  # consumed: free this chunk's state gradient

@@ -13,7 +13,7 @@ import torch
 
 from longstraw.logprobs import chunked_logprobs
 from longstraw.replay import run_segment
-from longstraw.state.attention import KVState
+from longstraw.state.prompt import PromptState
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, list[int]], torch.Tensor]
 
@@ -48,7 +48,7 @@ def finish_batch(
 def replay_responses(
     model: torch.nn.Module,
     prompt: torch.Tensor,
-    state: KVState,
+    state: PromptState,
     responses: list[torch.Tensor],
     loss_fn: LossFn | None,
     micro_batch: int,
@@ -68,6 +68,11 @@ def replay_responses(
         segments = [torch.cat([prompt[-1:], responses[i][:-1]]) for i in idx]
         inputs, mask = pad(segments)  # (k, R_max)
         targets, _ = pad([responses[i] for i in idx])
+        if inputs.shape[1] == 1:
+            # One-token segments: pad to two. transformers' SSM layers take an in-place single-token path
+            # that autograd cannot differentiate; causality keeps the padding out of the real position.
+            inputs, mask = torch.nn.functional.pad(inputs, (0, 1)), torch.nn.functional.pad(mask, (0, 1))
+            targets = torch.nn.functional.pad(targets, (0, 1))
         hidden = run_segment(model, inputs, p - 1, state.fork())  # (k, R_max, d)
         logp = chunked_logprobs(hidden, weight, targets, token_chunk)  # (k, R_max)
         total += finish_batch(logp, mask, idx, loss_fn, responses, logprobs)

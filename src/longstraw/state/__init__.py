@@ -1,5 +1,7 @@
 """Architecture-aware prompt state: what later tokens need from the prompt, captured once.
 
-`attention.py` holds the full-attention K/V state (and the sampler's per-sequence buffer); `capture.py` the
-chunked no-grad prefill that fills it.
+`prompt.py` holds the state of every layer kind (K/V, MLA latents, DSA indexer keys, conv and recurrent
+states); `cache.py` the cache object through which transformers' layers read and extend it functionally;
+`response.py` the sampler's per-sequence state of generated tokens; `capture.py` the chunked no-grad
+prefill; `formulas.py` the expected size of the state per layer kind (DESIGN §4).
 """

@@ -1,28 +1,40 @@
-"""Chunked, no-grad prefill of the shared prompt into a `KVState`."""
+"""Chunked, no-grad prefill of the shared prompt into a `PromptState`."""
 
 from __future__ import annotations
 
 import torch
 
 from longstraw.replay import run_segment
-from longstraw.state.attention import KVState
+from longstraw.state.prompt import Collected, PromptState
 
 
 def chunk_bounds(length: int, chunk_size: int) -> list[tuple[int, int]]:
-    """[start, end) of each chunk; the last one may be shorter."""
-    return [(s, min(s + chunk_size, length)) for s in range(0, length, chunk_size)]
+    """[start, end) of each chunk; the last one may be shorter, but never a single token after a full
+    chunk (it joins the previous one): transformers' SSM layers take an in-place single-token path for a
+    one-token continuation, which the exact plan's recompute could not differentiate through."""
+    bounds = [(s, min(s + chunk_size, length)) for s in range(0, length, chunk_size)]
+    if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] == 1:
+        bounds[-2:] = [(bounds[-2][0], length)]
+    return bounds
 
 
-def capture_prompt(model: torch.nn.Module, ids: torch.Tensor, chunk_size: int) -> KVState:
-    """K/V of every layer for `ids` (N,), computed chunk by chunk under no_grad.
+def capture_prompt(model: torch.nn.Module, ids: torch.Tensor, chunk_size: int,
+                   keep_boundaries: bool = True) -> PromptState:
+    """The state of every layer for `ids` (N,), computed chunk by chunk under no_grad.
 
-    Chunk c attends to the chunks before it through the state itself, so peak activation memory is one
-    chunk's, and the result does not depend on the chunk size (up to float reassociation).
+    Chunk c continues from the state of the chunks before it, so peak activation memory is one chunk's,
+    and the result does not depend on the chunk size (up to float reassociation). keep_boundaries: keep the
+    recurrent state at every chunk boundary (the exact plan needs them); otherwise only the last, and
+    sliding-window layers drop K/V outside their window.
     """
-    state = KVState(num_layers=model.config.num_hidden_layers)
+    state = PromptState(num_layers=model.config.num_hidden_layers, keep_boundaries=keep_boundaries)
     for start, end in chunk_bounds(ids.numel(), chunk_size):
-        collect: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        collect: Collected = {}
         with torch.no_grad():
             run_segment(model, ids[start:end].unsqueeze(0), start, state.fork(), collect, kv_only=True)
+        for layer, parts in collect.items():
+            window = parts.pop("window", None)
+            if window is not None:
+                state.windows[layer] = window  # type: ignore[assignment]
         state.append_chunk(start, end, collect)
     return state

@@ -1,0 +1,173 @@
+"""The captured prompt state of every layer kind (DESIGN §4), stored as the chunks the capture produced.
+
+Per layer and capture chunk j the state holds whichever of these parts the layer produced:
+
+* ``key`` / ``value`` — attention layers: the chunk's K/V, (1, Hkv, c_j, D), keys after RoPE. For latent
+  attention (MLA: DeepSeek-V3, Kimi, GLM-5) the two parts are what transformers caches instead: the
+  compressed latent c_kv (1, 1, c_j, d_c) and the shared rope key (1, 1, c_j, d_R); the attention kernel
+  expands them (`module.expand_kv`) one chunk at a time.
+* ``index`` — DSA indexer keys (1, c_j, d_I). The reference model computes them under no_grad, so they are
+  never leaves and carry no gradient.
+* ``conv`` / ``recurrent`` — linear-attention / SSM layers (gated DeltaNet, KDA, Mamba2): the state *after*
+  chunk j: the conv window (1, C, K) and the recurrent state ((1, H, d_k, d_v) or (1, H, d_h, N)).
+
+Attention parts are never concatenated: replays read them in place, the exact plan's reverse prompt backward
+needs exactly these chunk boundaries, and a fork is a new set of lists over the same tensors (no copy).
+Recurrent parts are kept at every chunk boundary when `keep_boundaries` (the exact plan recomputes chunk j
+from the state after chunk j-1); otherwise only the last one is kept, and sliding-window layers drop the
+K/V chunks no later token can see. A dropped entry is None.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+PARTS = ("key", "value", "index", "conv", "recurrent")
+GRAD_PARTS = ("key", "value", "conv", "recurrent")  # `index` carries no gradient in the reference model
+RECURRENT_PARTS = ("conv", "recurrent")
+
+# What one chunk's forward produced: collected[layer][part] = tensor.
+Collected = dict[int, dict[str, torch.Tensor]]
+
+
+@dataclass
+class PromptState:
+    """State of prompt positions [0, length) for every layer. `parts[name][l][j]`: part `name` of layer l,
+    chunk j (None where the layer has no such part or the entry was dropped)."""
+
+    num_layers: int
+    keep_boundaries: bool = True
+    parts: dict[str, list[list[torch.Tensor | None]]] = field(default_factory=dict)
+    bounds: list[tuple[int, int]] = field(default_factory=list)  # [start, end) token range of each chunk
+    layer_parts: list[frozenset[str]] | None = None  # which parts each layer produces (known after chunk 0)
+    windows: list[int | None] = field(default_factory=list)  # sliding window per layer (None: full attention)
+
+    def __post_init__(self) -> None:
+        for name in PARTS:
+            self.parts.setdefault(name, [[] for _ in range(self.num_layers)])
+        if not self.windows:
+            self.windows = [None] * self.num_layers
+
+    # --- shape of the state -------------------------------------------------------------------------------
+    @property
+    def keys(self) -> list[list[torch.Tensor | None]]:
+        return self.parts["key"]
+
+    @property
+    def values(self) -> list[list[torch.Tensor | None]]:
+        return self.parts["value"]
+
+    @property
+    def length(self) -> int:
+        """Number of prompt positions held."""
+        return self.bounds[-1][1] if self.bounds else 0
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.bounds)
+
+    def attention_chunks(self, layer: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """(start position, key part, value part) of every kept chunk of an attention layer."""
+        keys, values = self.parts["key"][layer], self.parts["value"][layer]
+        return [(self.bounds[j][0], k, v) for j, (k, v) in enumerate(zip(keys, values)) if k is not None]
+
+    def index_keys(self, layer: int) -> torch.Tensor | None:
+        """DSA indexer keys of every prompt position, (1, length, d_I), or None if the layer has none."""
+        chunks = [t for t in self.parts["index"][layer] if t is not None]
+        return torch.cat(chunks, dim=1) if chunks else None
+
+    def last(self, part: str, layer: int) -> torch.Tensor | None:
+        """The recurrent part of `layer` after the last chunk (what the next token continues from)."""
+        entries = self.parts[part][layer]
+        return entries[-1] if entries else None
+
+    # --- building -----------------------------------------------------------------------------------------
+    def append_chunk(self, start: int, end: int, collected: Collected) -> None:
+        """Add what chunk [start, end) produced in every layer."""
+        if start != self.length:
+            raise RuntimeError(f"chunk starts at {start} but the state holds {self.length} positions")
+        produced = [frozenset(collected.get(layer, {})) for layer in range(self.num_layers)]
+        if self.layer_parts is None:
+            missing = [layer for layer, p in enumerate(produced) if not p]
+            if missing:
+                raise RuntimeError(f"chunk produced no state for layers {missing}")
+            self.layer_parts = produced
+        elif produced != self.layer_parts:
+            raise RuntimeError(f"chunk produced state parts {produced}, expected {self.layer_parts}")
+        for layer in range(self.num_layers):
+            for name in PARTS:
+                self.parts[name][layer].append(collected[layer].get(name))
+        self.bounds.append((start, end))
+        if not self.keep_boundaries:
+            self._drop_unneeded()
+
+    def _drop_unneeded(self) -> None:
+        """Without boundaries only the last recurrent state matters, and a sliding-window layer's K/V older
+        than its window (W - 1 positions: the next token sees positions > its own − W) never will again."""
+        last = self.num_chunks - 1
+        for layer in range(self.num_layers):
+            for name in RECURRENT_PARTS:
+                entries = self.parts[name][layer]
+                for j in range(last):
+                    entries[j] = None
+            window = self.windows[layer]
+            if window is not None:
+                oldest_needed = self.length - (window - 1)
+                for j, (_, end) in enumerate(self.bounds):
+                    if end <= oldest_needed:
+                        self.parts["key"][layer][j] = None
+                        self.parts["value"][layer][j] = None
+
+    def parts_needed(self) -> list[frozenset[str]] | None:
+        return self.layer_parts
+
+    # --- forks and leaves ---------------------------------------------------------------------------------
+    def _map(self, fn, num_chunks: int | None = None) -> PromptState:
+        n = self.num_chunks if num_chunks is None else num_chunks
+        return PromptState(
+            num_layers=self.num_layers,
+            keep_boundaries=self.keep_boundaries,
+            parts={name: [[fn(name, t) for t in layer[:n]] for layer in per_layer]
+                   for name, per_layer in self.parts.items()},
+            bounds=list(self.bounds[:n]),
+            layer_parts=self.layer_parts,
+            windows=list(self.windows),
+        )
+
+    def prefix(self, num_chunks: int) -> PromptState:
+        """A fork holding the first `num_chunks` chunks: new lists, the same tensors (no copy)."""
+        return self._map(lambda name, t: t, num_chunks)
+
+    def fork(self) -> PromptState:
+        """A view for one replay. Replays never write into it (recurrent parts are cloned where a layer
+        would update them in place, see `state.cache`), so sharing the tensors is safe."""
+        return self.prefix(self.num_chunks)
+
+    def as_leaves(self) -> PromptState:
+        """The same state as leaf tensors that require grad (the exact plan collects dL/dstate in .grad).
+
+        `detach()` shares storage, so nothing is copied. Indexer keys stay constants.
+        """
+        def leaf(name: str, t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            return t.detach().requires_grad_(name in GRAD_PARTS and t.is_floating_point())
+        return self._map(leaf)
+
+    # --- enumeration --------------------------------------------------------------------------------------
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for per_layer in self.parts.values() for layer in per_layer for t in layer if t is not None]
+
+    def chunk_outputs(self, j: int) -> list[torch.Tensor | None]:
+        """The gradient-carrying parts chunk j produced, layer by layer in GRAD_PARTS order (None kept)."""
+        return [self.parts[name][layer][j] for layer in range(self.num_layers) for name in GRAD_PARTS]
+
+    @staticmethod
+    def outputs_of(collected: Collected, num_layers: int) -> list[torch.Tensor | None]:
+        """A recomputed chunk's parts, in the order of `chunk_outputs`."""
+        return [collected.get(layer, {}).get(name) for layer in range(num_layers) for name in GRAD_PARTS]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
