@@ -31,6 +31,35 @@ def build_parser() -> argparse.ArgumentParser:
     memory.add_arguments(memory_parser)
     # Option checks that argparse cannot express report through the subcommand's own usage line.
     memory_parser.set_defaults(fail=memory_parser.error)
+    from longstraw.bench import sweeps
+
+    prompt_parser = benches.add_parser(
+        "prompt", help="prompt-length sweep at fixed G: where each plan leaves a memory budget, time vs P",
+        description="Each (plan, P) in a fresh process; a plan stops at the first P over --budget.",
+    )
+    sweeps.add_prompt_arguments(prompt_parser)
+    prompt_parser.set_defaults(fail=prompt_parser.error)
+    pareto_parser = benches.add_parser(
+        "pareto", help="time vs peak memory over micro-batch and chunk size for detach and exact",
+        description="Fixed (P, R, G); every (plan, micro_batch, chunk_size) in a fresh process; Pareto front.",
+    )
+    sweeps.add_pareto_arguments(pareto_parser)
+    pareto_parser.set_defaults(fail=pareto_parser.error)
+    arch_parser = benches.add_parser(
+        "arch", help="the B1 shape on every architecture with a b1-<arch> preset",
+        description="Bench B1's comparison (all plans) for each architecture family's b1-<arch> preset.",
+    )
+    sweeps.add_arch_arguments(arch_parser)
+    arch_parser.set_defaults(fail=arch_parser.error)
+
+    from longstraw import planner
+
+    plan_parser = commands.add_parser(
+        "plan", help="memory planner: per-GPU memory of every plan, whether it fits, the largest prompt",
+        description="Predict per-GPU memory by component for standard_batched, standard, detach and exact.",
+    )
+    planner.add_arguments(plan_parser)
+    plan_parser.set_defaults(fail=plan_parser.error)
 
     from longstraw import config
 
@@ -50,6 +79,14 @@ def main(argv: list[str] | None = None) -> int:
         from longstraw.bench import memory
 
         return memory.run_from_args(args)
+    if args.command == "bench" and args.bench in ("prompt", "pareto", "arch"):
+        from longstraw.bench import sweeps
+
+        return sweeps.run_from_args(args)
+    if args.command == "plan":
+        from longstraw import planner
+
+        return planner.run_from_args(args)
     if args.command == "train":
         from longstraw import config, trainer
 

@@ -52,6 +52,7 @@ class MemoryBenchConfig:
     seed: int = 0
     timeout_s: float | None = None  # per configuration; None waits as long as the worker runs
     malloc_mmap_threshold: int = 128 * 1024  # bytes, for the workers' glibc malloc; 0 keeps glibc's default
+    isolate: bool = True  # a fresh worker per configuration; False (--smoke): one worker runs them all
 
 
 B1 = MemoryBenchConfig()
@@ -59,7 +60,8 @@ B1 = MemoryBenchConfig()
 # about 3 min when other processes hold a core. P=2048, R=128 took 61 s but changes the ratios (10x, not 16x).
 DEMO = replace(B1, groups=(2, 8))
 # --smoke: the tiny preset; seconds, most of it process start-up. Used by the test.
-SMOKE = replace(B1, model="tiny-llama", prompt_tokens=64, response_tokens=8, groups=(2, 4), chunk_size=32)
+SMOKE = replace(B1, model="tiny-llama", prompt_tokens=64, response_tokens=8, groups=(2, 4), chunk_size=32,
+                isolate=False)
 
 
 # ---------------------------------------------------------------- running
@@ -119,6 +121,39 @@ def run_one(config: MemoryBenchConfig, mode: str, group_size: int) -> dict[str, 
     return entry
 
 
+def run_batch(
+    jobs: list[tuple[MemoryBenchConfig, str, int]], isolate: bool = True,
+) -> list[dict[str, object]]:
+    """Run (config, mode, G) jobs; isolate: a fresh worker each (the benchmarks), else one worker for all,
+    restarted after a failure (`--smoke`: saves a process start per configuration). Never raises."""
+    if isolate or len(jobs) <= 1:
+        return [run_one(config, mode, g) for config, mode, g in jobs]
+    results: list[dict[str, object]] = []
+    while len(results) < len(jobs):
+        rest = jobs[len(results):]
+        config = rest[0][0]
+        payload = json.dumps([_worker_config(c, m, g) for c, m, g in rest])
+        env = dict(os.environ)
+        if config.malloc_mmap_threshold:
+            env["MALLOC_MMAP_THRESHOLD_"] = str(config.malloc_mmap_threshold)
+        # Smoke runs only check that the benchmarks work: one thread avoids the heavy slowdown of two
+        # OpenMP threads on a host whose cores are busy with other work.
+        env.setdefault("OMP_NUM_THREADS", "1")
+        t0 = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "longstraw.bench.worker", payload],
+                              capture_output=True, text=True, env=env)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+        share = (time.perf_counter() - t0) / max(1, len(lines) + (proc.returncode != 0))
+        for (_, mode, g), line in zip(rest, lines):
+            results.append({"mode": mode, "group_size": g, "status": "ok", "process_s": share, **json.loads(line)})
+        if len(results) < len(jobs):
+            _, mode, g = jobs[len(results)]
+            error = _describe_exit(proc.returncode) if proc.returncode != 0 else "worker printed no result"
+            results.append({"mode": mode, "group_size": g, "status": "failed", "error": error,
+                            "stderr_tail": proc.stderr[-STDERR_TAIL:], "process_s": share})
+    return results
+
+
 def _busy(entry: dict[str, object]) -> bool:
     pressure = entry.get("cpu_pressure")
     return isinstance(pressure, float) and pressure > BUSY_PRESSURE
@@ -162,10 +197,11 @@ def run_memory_bench(config: MemoryBenchConfig, out: str) -> dict[str, object]:
     print(f"bench memory: {describe(config)}; {len(plan)} configurations, one process each", file=sys.stderr)
     results: list[dict[str, object]] = []
     partial = out + ".tmp"
-    for index, (g, mode) in enumerate(plan, start=1):
-        entry = run_one(config, mode, g)
-        results.append(entry)
-        print(_progress_line(index, len(plan), entry), file=sys.stderr, flush=True)
+    batches = [[(g, mode)] for g, mode in plan] if config.isolate else [plan]
+    for batch in batches:
+        for entry in run_batch([(config, mode, g) for g, mode in batch], isolate=config.isolate):
+            results.append(entry)
+            print(_progress_line(len(results), len(plan), entry), file=sys.stderr, flush=True)
         # A partial file after each configuration: a long run that is interrupted keeps what it measured.
         _write_json(partial, _document(config, machine, results, started))
     document = _document(config, machine, results, started)
@@ -180,7 +216,10 @@ def run_memory_bench(config: MemoryBenchConfig, out: str) -> dict[str, object]:
     if busy:
         print(f"warning: other processes competed for the CPU during {len(busy)} of {len(results)} steps "
               f"({', '.join(busy)}): their times, and the time ratios, are inflated; peaks are not affected")
-    print(f"results: {out}")
+    from longstraw.bench.plots import plot_memory
+
+    png = plot_memory(document, os.path.splitext(out)[0] + ".png")
+    print(f"results: {out}" + (f", plot: {png}" if png else ""))
     return document
 
 
@@ -332,6 +371,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     profile.add_argument("--smoke", action="store_true",
                          help="tiny-llama, P=64, R=8, G in {2, 4}; seconds (used by the tests)")
     parser.add_argument("--model", help=f"preset, local directory or HF id (default {B1.model})")
+    parser.add_argument("--arch", help="architecture family: runs its b1-<arch> preset (llama = b1-llama); "
+                                       "see `longstraw bench arch --list`")
     parser.add_argument("--prompt-tokens", type=_positive_int, help=f"P (default {B1.prompt_tokens})")
     parser.add_argument("--response-tokens", type=_positive_int,
                         help=f"R, every response (default {B1.response_tokens})")
@@ -370,6 +411,15 @@ def config_from_args(args: argparse.Namespace, fail: Callable[[str], NoReturn]) 
         "groups": tuple(dict.fromkeys(args.groups)) if args.groups else None,
         "modes": tuple(dict.fromkeys(args.modes)) if args.modes else None,
     }
+    if getattr(args, "arch", None):
+        from longstraw.bench.sweeps import arch_preset
+
+        if args.model:
+            fail("give --model or --arch, not both")
+        try:
+            overrides["model"] = arch_preset(args.arch)
+        except ValueError as err:
+            fail(str(err))
     config = replace(config, **{k: v for k, v in overrides.items() if v is not None})
     if config.prompt_tokens < 2:
         fail("--prompt-tokens must be >= 2 (detach/exact capture all but the last prompt token)")

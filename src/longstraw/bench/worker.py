@@ -103,13 +103,19 @@ def run_config(config: dict[str, object]) -> dict[str, object]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """One config (a JSON object) or several run one after another (a JSON list, `--smoke` runs: one process
+    start instead of one per configuration; each peak is still measured from a reset high-water mark).
+    A failure prints its traceback and exits 1: the parent records it and restarts for the rest."""
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m longstraw.bench.worker '<json config>'", file=sys.stderr)
+        print("usage: python -m longstraw.bench.worker '<json config or list of configs>'", file=sys.stderr)
         return 2
-    measurement = run_config(json.loads(argv[0]))
-    # One line, flushed: the parent takes the last JSON line of stdout as the result.
-    print(json.dumps(measurement), flush=True)
+    configs = json.loads(argv[0])
+    for config in configs if isinstance(configs, list) else [configs]:
+        measurement = run_config(config)
+        # One line per config, flushed: the parent reads the JSON lines of stdout in order.
+        print(json.dumps(measurement), flush=True)
+        gc.collect()
     return 0
 
 

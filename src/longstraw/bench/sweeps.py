@@ -1,0 +1,532 @@
+"""`longstraw bench prompt | pareto | arch`: the sweeps beside Bench B1 (`bench/memory.py`).
+
+* prompt — P = 1k, 2k, … at fixed (R, G): peak and step time per plan; a plan stops at its first P whose
+  measured peak exceeds `--budget` (or that fails). A configuration the planner predicts above the budget
+  by more than its tolerance, or above the memory this machine has free, is skipped, not run: the sweep must
+  not OOM a shared host.
+* pareto — fixed (P, R, G): time vs peak over micro_batch ∈ {1, 2, 4, 8} × several chunk sizes for detach and
+  exact; each point is marked when it is on its plan's Pareto front (no other point of the plan is at least as
+  good in both and better in one) and on the front of all points together.
+* arch — Bench B1's comparison for every architecture family that has a `b1-<arch>` preset in
+  `longstraw.models` (found by name, so families added later are picked up without changes here).
+
+Every configuration runs in a fresh worker (`bench/worker.py`) exactly as `bench memory` does; `--smoke`
+runs a tiny version of each in one worker process. Results: a JSON document (config, machine, results,
+summary) under `bench/results/`, a printed table, a PNG beside the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from typing import NoReturn
+
+from longstraw.api import MODES
+from longstraw.bench.machine import machine_info
+from longstraw.bench.memory import (
+    B1,
+    DEFAULT_MODES,
+    MIB,
+    MemoryBenchConfig,
+    _busy,
+    _mmap_threshold,
+    _positive_float,
+    _positive_int,
+    _write_json,
+    compute_ratios,
+    format_ratios,
+    format_table,
+    run_batch,
+)
+
+GIB = 1024**3
+# A configuration is skipped when the planner predicts more than budget * (1 + this); the planner agrees with
+# measured peaks within 15% (tests/test_planner.py), so this never skips one that would have fitted.
+PLANNER_SLACK = 0.15
+
+
+def available_archs() -> list[str]:
+    """Architecture families with a B1-shaped preset `b1-<arch>` in `longstraw.models.PRESETS`."""
+    from longstraw.models import PRESETS
+
+    return sorted(name[len("b1-"):] for name in PRESETS if name.startswith("b1-"))
+
+
+def arch_preset(arch: str) -> str:
+    """The preset name of an architecture family (`llama` -> `b1-llama`); ValueError listing those that exist."""
+    from longstraw.models import PRESETS
+
+    name = f"b1-{arch}"
+    if name not in PRESETS:
+        raise ValueError(f"no preset {name!r}: architectures with a B1 preset: {', '.join(available_archs())}")
+    return name
+
+
+def smoke_preset(arch: str) -> str:
+    """The smallest preset of a family for `--smoke`: `tiny-<arch>` if it exists, else `b1-<arch>`."""
+    from longstraw.models import PRESETS
+
+    return f"tiny-{arch}" if f"tiny-{arch}" in PRESETS else arch_preset(arch)
+
+
+# ---------------------------------------------------------------- configs
+
+
+@dataclass(frozen=True)
+class PromptBenchConfig:
+    """Prompt-length sweep. Defaults: b1-llama, fp32, R=256, G=4, P = 1k … 128k, budget 16 GiB."""
+
+    model: str = "b1-llama"
+    dtype: str = "float32"
+    device: str = "cpu"
+    prompts: tuple[int, ...] = tuple(1024 * 2**i for i in range(8))
+    response_tokens: int = 256
+    group_size: int = 4
+    modes: tuple[str, ...] = DEFAULT_MODES
+    chunk_size: int = 2048
+    micro_batch: int = 1
+    budget_bytes: int = 16 * GIB
+    seed: int = 0
+    timeout_s: float | None = None
+    malloc_mmap_threshold: int = 128 * 1024
+    isolate: bool = True
+
+
+@dataclass(frozen=True)
+class ParetoBenchConfig:
+    """Micro-batch x chunk-size grid for detach and exact at B1's P, R and G = 8."""
+
+    model: str = "b1-llama"
+    dtype: str = "float32"
+    device: str = "cpu"
+    prompt_tokens: int = 4096
+    response_tokens: int = 256
+    group_size: int = 8
+    modes: tuple[str, ...] = ("detach", "exact")
+    micro_batches: tuple[int, ...] = (1, 2, 4, 8)
+    chunk_sizes: tuple[int, ...] = (1024, 2048, 4096)
+    seed: int = 0
+    timeout_s: float | None = None
+    malloc_mmap_threshold: int = 128 * 1024
+    isolate: bool = True
+
+
+@dataclass(frozen=True)
+class ArchBenchConfig:
+    """B1 (P=4096, R=256, all plans) at G in {2, 8} on every `b1-<arch>` preset (archs empty: all of them)."""
+
+    archs: tuple[str, ...] = ()
+    dtype: str = "float32"
+    device: str = "cpu"
+    prompt_tokens: int = 4096
+    response_tokens: int = 256
+    groups: tuple[int, ...] = (2, 8)
+    modes: tuple[str, ...] = DEFAULT_MODES
+    chunk_size: int = 2048
+    micro_batch: int = 1
+    seed: int = 0
+    timeout_s: float | None = None
+    malloc_mmap_threshold: int = 128 * 1024
+    isolate: bool = True
+    smoke: bool = False  # tiny-<arch> presets where they exist
+
+
+PROMPT_SMOKE = PromptBenchConfig(model="tiny-llama", prompts=(64, 128), response_tokens=8, group_size=2,
+                                 chunk_size=32, budget_bytes=GIB, isolate=False)
+PARETO_SMOKE = ParetoBenchConfig(model="tiny-llama", prompt_tokens=64, response_tokens=8, group_size=4,
+                                 micro_batches=(1, 4), chunk_sizes=(16, 32), isolate=False)
+ARCH_SMOKE = ArchBenchConfig(prompt_tokens=64, response_tokens=8, groups=(2,), chunk_size=32, isolate=False,
+                             smoke=True)
+
+
+def _job_config(cfg, model: str, prompt_tokens: int, chunk_size: int, micro_batch: int) -> MemoryBenchConfig:
+    return replace(
+        B1, model=model, dtype=cfg.dtype, device=cfg.device, prompt_tokens=prompt_tokens,
+        response_tokens=cfg.response_tokens, chunk_size=chunk_size, micro_batch=micro_batch, seed=cfg.seed,
+        timeout_s=cfg.timeout_s, malloc_mmap_threshold=cfg.malloc_mmap_threshold, isolate=cfg.isolate,
+    )
+
+
+# ---------------------------------------------------------------- shared pieces
+
+
+def _progress(index: int, entry: dict[str, object], label: str) -> None:
+    head = f"[{index}] {label:<28} {entry['mode']:<17}"
+    if entry["status"] == "ok":
+        busy = f"  (host busy: CPU pressure {entry['cpu_pressure']:.0%})" if _busy(entry) else ""
+        line = f"{head} peak {entry['peak_bytes'] / MIB:9.1f} MiB  step {entry['time_s']:8.2f} s{busy}"
+    elif entry["status"] == "skipped":
+        line = f"{head} skipped: {entry['error']}"
+    else:
+        line = f"{head} FAILED: {entry['error']}"
+    print(line, file=sys.stderr, flush=True)
+
+
+def _finish(document: dict[str, object], out: str, table: str, plot: Callable[[dict, str], str | None]) -> None:
+    document["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    busy = [r for r in document["results"] if r.get("status") == "ok" and _busy(r)]  # type: ignore[union-attr]
+    if busy:
+        document.setdefault("notes", []).append(  # type: ignore[union-attr]
+            f"{len(busy)} configurations ran while other processes competed for the CPU: their times are "
+            "inflated (peaks are not); compare times as ratios within this run")
+    _write_json(out, document)
+    if os.path.exists(out + ".tmp"):
+        os.remove(out + ".tmp")
+    png = plot(document, os.path.splitext(out)[0] + ".png")
+    print(table)
+    for note in document.get("notes", []):  # type: ignore[union-attr]
+        print(f"note: {note}")
+    print(f"results: {out}" + (f", plot: {png}" if png else ""))
+
+
+def _document(bench: str, config: object, device: str) -> dict[str, object]:
+    return {"bench": bench, "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "config": asdict(config),  # type: ignore[call-overload]
+            "machine": machine_info(device), "results": []}
+
+
+def _table(results: list[dict], row_key: str, row_label: str, rows: list, modes: tuple[str, ...]) -> str:
+    """Rows of `row_key` values, two columns per mode: peak MiB, step s (skipped/FAILED where so)."""
+    width = 19
+    head = f"{row_label:>9} |" + "|".join(f" {m:<{width}} " for m in modes)
+    sub = f"{'':>9} |" + "|".join(f" {'peak MiB':>10}{'time s':>{width - 10}} " for _ in modes)
+    lines = [head.rstrip(), sub.rstrip(), "-" * len(sub.rstrip())]
+    for value in rows:
+        cells = []
+        for mode in modes:
+            hit = [r for r in results if r[row_key] == value and r["mode"] == mode]
+            if not hit:
+                cells.append(f" {'-':>10}{'-':>{width - 10}} ")
+            elif hit[0]["status"] == "ok":
+                cells.append(f" {hit[0]['peak_bytes'] / MIB:>10.1f}{hit[0]['time_s']:>{width - 10}.2f} ")
+            else:
+                word = "skipped" if hit[0]["status"] == "skipped" else "FAILED"
+                cells.append(f" {word:>{width}} ")
+        lines.append(f"{value:>9} |" + "|".join(cells))
+    return "\n".join(lines)
+
+
+def _predictor(model: str, dtype: str):
+    """The planner's CPU step-memory prediction for (P, R, G, mode, chunk, micro_batch), or None if the planner
+    cannot read the model (the sweep then runs without skipping)."""
+    from longstraw import planner
+
+    try:
+        spec = planner.spec_from_config(planner.load_config(model), model)
+    except Exception as err:  # the sweep must not die on a model the planner does not know
+        print(f"note: no planner prediction for {model} ({err}); nothing will be skipped", file=sys.stderr)
+        return None
+
+    def predict(p: int, r: int, g: int, mode: str, chunk: int, k: int) -> int:
+        inp = planner.PlanInputs(prompt_tokens=p, response_tokens=r, group_size=g, dtype=dtype, chunk_size=chunk,
+                                 micro_batch=k, device="cpu", optimizer="none")
+        return planner.estimate(spec, inp, mode).step_bytes
+
+    return predict
+
+
+def _available_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+# ---------------------------------------------------------------- prompt
+
+
+def run_prompt_bench(cfg: PromptBenchConfig, out: str) -> dict[str, object]:
+    """P ascending; each still-active plan runs at each P; a plan stops after its first P over the budget."""
+    document = _document("prompt", cfg, cfg.device)
+    results: list[dict] = document["results"]  # type: ignore[assignment]
+    predict = _predictor(cfg.model, cfg.dtype)
+    available = _available_bytes() if cfg.device == "cpu" else None
+    active = list(cfg.modes)
+    print(f"bench prompt: {cfg.model} {cfg.dtype}, R={cfg.response_tokens} G={cfg.group_size}, P in "
+          f"{list(cfg.prompts)}, budget {cfg.budget_bytes / GIB:.2f} GiB", file=sys.stderr)
+    for p in cfg.prompts:
+        jobs, skipped = [], []
+        for mode in active:
+            predicted = predict(p, cfg.response_tokens, cfg.group_size, mode, cfg.chunk_size,
+                                cfg.micro_batch) if predict else None
+            entry = {"mode": mode, "group_size": cfg.group_size, "prompt_tokens": p, "predicted_step_bytes": predicted}
+            too_big = predicted is not None and predicted > cfg.budget_bytes * (1 + PLANNER_SLACK)
+            no_room = predicted is not None and available is not None and predicted > 0.8 * available
+            if too_big or no_room:
+                why = "the budget" if too_big else "80% of this machine's available memory"
+                entry.update(status="skipped", error=f"planner predicts {predicted / MIB:.0f} MiB, over {why}")
+                skipped.append(entry)
+            else:
+                jobs.append((entry, mode))
+        ran = run_batch([(_job_config(cfg, cfg.model, p, cfg.chunk_size, cfg.micro_batch), mode, cfg.group_size)
+                         for _, mode in jobs], isolate=cfg.isolate)
+        for (entry, _), measured in zip(jobs, ran):
+            entry.update(measured)
+            entry["prompt_tokens"] = p
+            entry["over_budget"] = entry["status"] == "ok" and entry["peak_bytes"] > cfg.budget_bytes
+        for entry in [e for e, _ in jobs] + skipped:
+            results.append(entry)
+            _progress(len(results), entry, f"P={p}")
+            if entry["status"] != "ok" or entry.get("over_budget"):
+                active.remove(entry["mode"])
+        _write_json(out + ".tmp", document)
+        if not active:
+            break
+    document["summary"] = prompt_summary(results, cfg)
+    table = _table(results, "prompt_tokens", "P", list(cfg.prompts), cfg.modes) + "\n" + _prompt_lines(
+        document["summary"])  # type: ignore[arg-type]
+    from longstraw.bench.plots import plot_prompt
+
+    _finish(document, out, table, plot_prompt)
+    return document
+
+
+def prompt_summary(results: list[dict], cfg: PromptBenchConfig) -> dict[str, object]:
+    """Per plan: the largest P measured within the budget and the first P that was over it, failed or skipped."""
+    summary: dict[str, object] = {"budget_bytes": cfg.budget_bytes}
+    for mode in cfg.modes:
+        mine = sorted((r for r in results if r["mode"] == mode), key=lambda r: r["prompt_tokens"])
+        within = [r["prompt_tokens"] for r in mine if r["status"] == "ok" and not r["over_budget"]]
+        beyond = [r for r in mine if r["status"] != "ok" or r.get("over_budget")]
+        summary[mode] = {
+            "largest_within_budget": max(within) if within else None,
+            "stopped_at": beyond[0]["prompt_tokens"] if beyond else None,
+            "stopped_because": (beyond[0].get("error") or "over budget") if beyond else None,
+        }
+    return summary
+
+
+def _prompt_lines(summary: dict) -> str:
+    lines = [f"budget {summary['budget_bytes'] / GIB:.2f} GiB:"]
+    for mode, s in summary.items():
+        if mode == "budget_bytes":
+            continue
+        stop = f", stopped at P={s['stopped_at']} ({s['stopped_because']})" if s["stopped_at"] else ""
+        lines.append(f"  {mode:<17} largest P within budget: {s['largest_within_budget']}{stop}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- pareto
+
+
+def pareto_flags(points: list[tuple[float, float]]) -> list[bool]:
+    """For (memory, time) points: True where no other point is <= in both and < in one (minimisation)."""
+    flags = []
+    for i, (m, t) in enumerate(points):
+        dominated = any(m2 <= m and t2 <= t and (m2 < m or t2 < t) for j, (m2, t2) in enumerate(points) if j != i)
+        flags.append(not dominated)
+    return flags
+
+
+def run_pareto_bench(cfg: ParetoBenchConfig, out: str) -> dict[str, object]:
+    """Every (plan, micro_batch, chunk_size); Pareto flags per plan (`pareto`) and over all (`pareto_all`)."""
+    document = _document("pareto", cfg, cfg.device)
+    results: list[dict] = document["results"]  # type: ignore[assignment]
+    grid = [(mode, k, c) for mode in cfg.modes for k in cfg.micro_batches for c in cfg.chunk_sizes]
+    print(f"bench pareto: {cfg.model} P={cfg.prompt_tokens} R={cfg.response_tokens} G={cfg.group_size}, "
+          f"{len(grid)} configurations", file=sys.stderr)
+    batches = [[x] for x in grid] if cfg.isolate else [grid]
+    for batch in batches:
+        jobs = [(_job_config(cfg, cfg.model, cfg.prompt_tokens, c, k), mode, cfg.group_size) for mode, k, c in batch]
+        for (_, k, c), entry in zip(batch, run_batch(jobs, isolate=cfg.isolate)):
+            entry.update(micro_batch=k, chunk_size=c, prompt_tokens=cfg.prompt_tokens)
+            results.append(entry)
+            _progress(len(results), entry, f"k={k} chunk={c}")
+        _write_json(out + ".tmp", document)
+    ok = [r for r in results if r["status"] == "ok"]
+    for r, flag in zip(ok, pareto_flags([(r["peak_bytes"], r["time_s"]) for r in ok])):
+        r["pareto_all"] = flag
+    for mode in cfg.modes:
+        mine = [r for r in ok if r["mode"] == mode]
+        for r, flag in zip(mine, pareto_flags([(r["peak_bytes"], r["time_s"]) for r in mine])):
+            r["pareto"] = flag
+    lines = [f"{'plan':<8} {'k':>3} {'chunk':>6} {'peak MiB':>10} {'time s':>8}  front"]
+    for r in results:
+        if r["status"] != "ok":
+            lines.append(f"{r['mode']:<8} {r['micro_batch']:>3} {r['chunk_size']:>6}  FAILED: {r['error']}")
+            continue
+        mark = ("plan" if r.get("pareto") else "") + (" + all" if r.get("pareto_all") else "")
+        lines.append(f"{r['mode']:<8} {r['micro_batch']:>3} {r['chunk_size']:>6} {r['peak_bytes'] / MIB:>10.1f} "
+                     f"{r['time_s']:>8.2f}  {mark}")
+    from longstraw.bench.plots import plot_pareto
+
+    _finish(document, out, "\n".join(lines), plot_pareto)
+    return document
+
+
+# ---------------------------------------------------------------- arch
+
+
+def run_arch_bench(cfg: ArchBenchConfig, out: str) -> dict[str, object]:
+    """Every (arch, G, plan) at the B1 shape; ratios per arch as `bench memory` computes them."""
+    archs = list(cfg.archs) or available_archs()
+    document = _document("arch", cfg, cfg.device)
+    results: list[dict] = document["results"]  # type: ignore[assignment]
+    print(f"bench arch: {', '.join(archs)}; P={cfg.prompt_tokens} R={cfg.response_tokens} G in {list(cfg.groups)}",
+          file=sys.stderr)
+    tables, ratios = [], {}
+    for arch in archs:
+        model = smoke_preset(arch) if cfg.smoke else arch_preset(arch)
+        job_cfg = _job_config(cfg, model, cfg.prompt_tokens, cfg.chunk_size, cfg.micro_batch)
+        grid = [(mode, g) for g in cfg.groups for mode in cfg.modes]
+        batches = [[x] for x in grid] if cfg.isolate else [grid]
+        mine = []
+        for batch in batches:
+            for (_, g), entry in zip(batch, run_batch([(job_cfg, m, g) for m, g in batch], isolate=cfg.isolate)):
+                entry.update(arch=arch, model=model)
+                results.append(entry)
+                mine.append(entry)
+                _progress(len(results), entry, f"{arch} G={g}")
+            _write_json(out + ".tmp", document)
+        ratios[arch] = compute_ratios(mine)
+        tables.append(f"{arch} ({model})\n{format_table(mine, cfg.groups, cfg.modes)}\n{format_ratios(ratios[arch])}")
+    document["ratios"] = ratios
+    from longstraw.bench.plots import plot_arch
+
+    _finish(document, out, "\n\n".join(tables), plot_arch)
+    return document
+
+
+# ---------------------------------------------------------------- command line
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, one worker process; seconds")
+    parser.add_argument("--dtype", choices=("float32", "float64", "bfloat16", "float16"), help="default float32")
+    parser.add_argument("--device", help="cpu or cuda[:i] (default cpu); CUDA peak is max_memory_allocated")
+    parser.add_argument("--seed", type=int, help="seed of the random group (default 0)")
+    parser.add_argument("--timeout", type=_positive_float, metavar="SECONDS", help="per-configuration limit")
+    parser.add_argument("--malloc-mmap-threshold", type=_mmap_threshold, metavar="BYTES",
+                        help="glibc mmap threshold for the workers (default 131072)")
+    parser.add_argument("--out", help="result JSON (default bench/results/<bench>-<YYYYmmdd-HHMMSS>.json)")
+
+
+def add_prompt_arguments(parser: argparse.ArgumentParser) -> None:
+    _common(parser)
+    d = PromptBenchConfig()
+    parser.add_argument("--model", help=f"preset, directory or HF id (default {d.model})")
+    parser.add_argument("--prompts", type=_positive_int, nargs="+", metavar="P",
+                        help=f"prompt lengths (default {' '.join(map(str, d.prompts))})")
+    parser.add_argument("--response-tokens", type=_positive_int, help=f"R (default {d.response_tokens})")
+    parser.add_argument("--group-size", type=_positive_int, help=f"G (default {d.group_size})")
+    parser.add_argument("--modes", nargs="+", choices=MODES, metavar="MODE", help="plans (default all four)")
+    parser.add_argument("--chunk-size", type=_positive_int, help=f"prompt chunk (default {d.chunk_size})")
+    parser.add_argument("--micro-batch", type=_positive_int, help="responses replayed at once (default 1)")
+    parser.add_argument("--budget", help="memory budget per step, e.g. 16GiB (default 16GiB)")
+
+
+def add_pareto_arguments(parser: argparse.ArgumentParser) -> None:
+    _common(parser)
+    d = ParetoBenchConfig()
+    parser.add_argument("--model", help=f"preset, directory or HF id (default {d.model})")
+    parser.add_argument("--prompt-tokens", type=_positive_int, help=f"P (default {d.prompt_tokens})")
+    parser.add_argument("--response-tokens", type=_positive_int, help=f"R (default {d.response_tokens})")
+    parser.add_argument("--group-size", type=_positive_int, help=f"G (default {d.group_size})")
+    parser.add_argument("--modes", nargs="+", choices=("detach", "exact"), metavar="MODE",
+                        help="detach and/or exact (default both)")
+    parser.add_argument("--micro-batches", type=_positive_int, nargs="+", metavar="K",
+                        help=f"default {' '.join(map(str, d.micro_batches))}")
+    parser.add_argument("--chunk-sizes", type=_positive_int, nargs="+", metavar="C",
+                        help=f"default {' '.join(map(str, d.chunk_sizes))}")
+
+
+def add_arch_arguments(parser: argparse.ArgumentParser) -> None:
+    _common(parser)
+    d = ArchBenchConfig()
+    parser.add_argument("--archs", nargs="+", metavar="ARCH", help="families (default every b1-<arch> preset)")
+    parser.add_argument("--list", action="store_true", help="print the available architectures and exit")
+    parser.add_argument("--prompt-tokens", type=_positive_int, help=f"P (default {d.prompt_tokens})")
+    parser.add_argument("--response-tokens", type=_positive_int, help=f"R (default {d.response_tokens})")
+    parser.add_argument("--groups", type=_positive_int, nargs="+", metavar="G",
+                        help=f"default {' '.join(map(str, d.groups))}")
+    parser.add_argument("--modes", nargs="+", choices=MODES, metavar="MODE", help="plans (default all four)")
+    parser.add_argument("--chunk-size", type=_positive_int, help=f"default {d.chunk_size}")
+    parser.add_argument("--micro-batch", type=_positive_int, help="default 1")
+
+
+def _overrides(args: argparse.Namespace, names: dict[str, str]) -> dict[str, object]:
+    """Explicitly given options as config fields (lists become de-duplicated tuples)."""
+    out: dict[str, object] = {}
+    for arg, field_name in names.items():
+        value = getattr(args, arg, None)
+        if value is None:
+            continue
+        out[field_name] = tuple(dict.fromkeys(value)) if isinstance(value, list) else value
+    return out
+
+
+_COMMON = {"dtype": "dtype", "device": "device", "seed": "seed", "timeout": "timeout_s",
+           "malloc_mmap_threshold": "malloc_mmap_threshold"}
+
+
+def config_from_args(args: argparse.Namespace, fail: Callable[[str], NoReturn]):
+    """The bench's config (smoke or default) with explicit options applied; bad input -> fail(message)."""
+    from longstraw.planner import parse_size
+
+    if args.bench == "prompt":
+        cfg = PROMPT_SMOKE if args.smoke else PromptBenchConfig()
+        names = {**_COMMON, "model": "model", "prompts": "prompts", "response_tokens": "response_tokens",
+                 "group_size": "group_size", "modes": "modes", "chunk_size": "chunk_size", "micro_batch": "micro_batch"}
+        over = _overrides(args, names)
+        if args.budget:
+            try:
+                over["budget_bytes"] = parse_size(args.budget)
+            except ValueError as err:
+                fail(str(err))
+        if "prompts" in over:
+            over["prompts"] = tuple(sorted(over["prompts"]))  # type: ignore[arg-type]
+            if min(over["prompts"]) < 2:  # type: ignore[type-var]
+                fail("--prompts must all be >= 2")
+        cfg = replace(cfg, **over)
+    elif args.bench == "pareto":
+        cfg = PARETO_SMOKE if args.smoke else ParetoBenchConfig()
+        names = {**_COMMON, "model": "model", "prompt_tokens": "prompt_tokens", "response_tokens": "response_tokens",
+                 "group_size": "group_size", "modes": "modes", "micro_batches": "micro_batches",
+                 "chunk_sizes": "chunk_sizes"}
+        cfg = replace(cfg, **_overrides(args, names))
+        if cfg.prompt_tokens < 2:
+            fail("--prompt-tokens must be >= 2")
+    elif args.bench == "arch":
+        cfg = ARCH_SMOKE if args.smoke else ArchBenchConfig()
+        names = {**_COMMON, "archs": "archs", "prompt_tokens": "prompt_tokens", "response_tokens": "response_tokens",
+                 "groups": "groups", "modes": "modes", "chunk_size": "chunk_size", "micro_batch": "micro_batch"}
+        cfg = replace(cfg, **_overrides(args, names))
+        for arch in cfg.archs:
+            try:
+                arch_preset(arch)
+            except ValueError as err:
+                fail(str(err))
+        if cfg.prompt_tokens < 2:
+            fail("--prompt-tokens must be >= 2")
+    else:
+        fail(f"unknown bench {args.bench!r}")
+    if cfg.device != "cpu" and not cfg.device.startswith("cuda"):
+        fail(f"--device must be cpu or cuda[:i], got {cfg.device!r}")
+    return cfg
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Entry point of `longstraw bench prompt|pareto|arch`: exit 0 if at least one configuration succeeded."""
+    if args.bench == "arch" and args.list:
+        print("\n".join(f"{a}\t{arch_preset(a)}" for a in available_archs()))
+        return 0
+    cfg = config_from_args(args, args.fail)
+    out = args.out or os.path.join("bench", "results", f"{args.bench}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    if args.bench == "prompt":
+        document = run_prompt_bench(cfg, out)
+    elif args.bench == "pareto":
+        document = run_pareto_bench(cfg, out)
+    else:
+        document = run_arch_bench(cfg, out)
+    if not any(r.get("status") == "ok" for r in document["results"]):  # type: ignore[union-attr]
+        print(f"bench {args.bench}: every configuration failed; see stderr_tail in {out}", file=sys.stderr)
+        return 1
+    return 0

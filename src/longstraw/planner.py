@@ -1,0 +1,738 @@
+"""Memory planner behind `longstraw plan`: per-GPU bytes of one GRPO step for every plan, before renting GPUs.
+
+From a transformers config (a preset, a built-in description of a paper-scale model, a directory or
+`config.json`, or a cached hub id) this module derives a `ModelSpec` (layer kinds, dimensions, parameter counts
+from a meta-device instantiation: no weights are allocated) and predicts, per plan, the peak of one
+`backward_group` call plus the optimizer state that lives beside it.
+
+How the peak is composed (`PlanEstimate.phases`): a resident part (weights, optimizer, prompt state and its
+gradient, runtime) plus the largest of the phases a step goes through:
+
+* capture (detach/exact): the state being built + one no-grad chunk's transient tensors;
+* replay (detach/exact): the saved activations of one micro-batch of k responses + the chunked log-prob's
+  transient (forward: logits and logsumexp's temporary, 2·c·V; backward: recomputed logits + the output
+  projection's weight-gradient temporary, c·V + V·d). Parameter gradients are resident from the second
+  micro-batch on; with a single micro-batch they grow while activations are freed (max, not sum);
+* prompt backward (exact): one chunk's activations recomputed with grad (the last layer stops at its K/V)
+  + the state gradient;
+* standard: the activations of full `P + R` sequences (one, or all G when batched) + three `[R, V]`
+  log-softmax tensors alive at the start of the backward.
+
+Activation bytes per token and layer are counted from the tensors autograd saves in transformers' layers and
+in LongStraw's attention kernel (RMSNorm: an fp32 copy of the input + the normalised input + the weighted
+output, (4 + 2b)·width; SwiGLU MLP: 4·I·b; attention through `prefix_attention`: q, k and v repeated to H
+heads, q regrouped for the prefix, the output projection's input (5·H·D·b) and two partial outputs in the
+accumulation dtype (2·H·D·a); standard attention through SDPA: (2·H·D + 2·Hkv·D)·b). Full-attention
+families (llama, qwen2/3, mistral) are validated against measured peaks (tests/test_planner.py); the
+formulas for linear attention, Mamba2, MLA, DSA and MoE layers are counted the same way from transformers'
+torch paths but are not validated by a measurement yet.
+
+Multi-GPU assumptions: FSDP/ZeRO-3 divides weights, gradients and optimizer state over the GPUs and gathers
+one decoder layer at a time (two in flight: prefetch) plus that layer's unsharded gradient; MoE experts are
+assumed expert-parallel (sharded, never gathered). Context parallelism `cp` divides the prompt state (and its
+gradient) of detach/exact over `cp` GPUs; the standard plans are not context-parallel.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import asdict, dataclass, field
+
+PLANS = ("standard_batched", "standard", "detach", "exact")
+MIB = 1024**2
+GIB = 1024**3
+
+# The step memory a fresh CPU process adds beyond its tensors (thread pools, BLAS/oneDNN workspaces, the
+# autograd engine's threads). Measured, not derived: 20-22 MiB on every b1-llama configuration of Bench B1
+# (the residual of the formulas below), 11 MiB on tiny-llama. On CUDA it is not counted by
+# max_memory_allocated; there `reserve_bytes` (CUDA context, NCCL buffers, allocator fragmentation) applies.
+CPU_RUNTIME_BYTES = 20 * MIB
+DEFAULT_CUDA_RESERVE = 2 * GIB
+# Assumed query-block of a DSA indexer scoring a prompt (fp32 scores, reduced over indexer heads).
+DSA_SCORE_ROWS = 256
+# Chunk length of the chunked gated-delta-rule / Mamba2 scan, whose per-chunk states autograd keeps.
+LINEAR_SCAN_CHUNK = 64
+MAMBA_SCAN_CHUNK = 256
+
+DTYPE_BYTES = {
+    "float64": 8, "fp64": 8, "float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2,
+}
+
+
+# ---------------------------------------------------------------- built-in model descriptions
+
+
+def hybrid_27b():
+    """A 27B-class gated-DeltaNet/attention hybrid in the style of Qwen3.5/3.6 (Qwen3-Next layer pattern):
+    64 layers, 3 linear-attention layers per full-attention layer, hidden 5120, dense SwiGLU MLP 17408,
+    GQA 24/4 heads of 256, linear attention 16 key / 48 value heads of 128, vocab 248320.
+
+    Dimensions are our reading of public descriptions, not an official config; the parameter count comes out
+    at 26.9B (computed by the planner from a meta-device instantiation).
+    """
+    from transformers import Qwen3_5TextConfig
+
+    return Qwen3_5TextConfig(
+        hidden_size=5120, num_hidden_layers=64, intermediate_size=17408, num_attention_heads=24,
+        num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48,
+        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, vocab_size=248320,
+        max_position_embeddings=2**22,
+    )
+
+
+def glm5_class():
+    """A GLM-5-class MLA + DSA mixture of experts: transformers' `GlmMoeDsaConfig` defaults (78 layers,
+    hidden 6144, 256 routed experts of 2048 + 1 shared, 8 per token, MLA latent 512 + rope 64, indexer
+    32 heads of 128, top-k 2048): 744B parameters, ~40B active."""
+    from transformers import GlmMoeDsaConfig
+
+    return GlmMoeDsaConfig(max_position_embeddings=2**22)
+
+
+BUILTIN_NAMES = ("hybrid-27b", "glm5-class")
+
+
+def load_config(name: str):
+    """A transformers config from a built-in name, a LongStraw preset, a directory or config.json, or a hub id.
+
+    Raises ValueError (with what is accepted) when nothing matches.
+    """
+    from longstraw.models import PRESETS
+
+    if name == "hybrid-27b":
+        return hybrid_27b()
+    elif name == "glm5-class":
+        return glm5_class()
+    elif name in PRESETS:
+        return PRESETS[name]()
+    elif name.endswith(".json") and os.path.isfile(name):
+        from transformers import AutoConfig
+
+        with open(name) as f:
+            data = json.load(f)
+        if "model_type" not in data:
+            raise ValueError(f"{name} has no model_type: not a transformers config.json")
+        model_type = data.pop("model_type")
+        return AutoConfig.for_model(model_type, **data)
+    elif os.path.isdir(name):
+        from transformers import AutoConfig
+
+        if not os.path.isfile(os.path.join(name, "config.json")):
+            raise ValueError(f"directory {name!r} has no config.json")
+        return AutoConfig.from_pretrained(name)
+    else:
+        from transformers import AutoConfig
+
+        try:
+            return AutoConfig.from_pretrained(name)
+        except Exception as err:  # transformers raises OSError, ValueError, HTTP errors ... for a bad id
+            raise ValueError(
+                f"unknown model {name!r}: give a built-in description ({', '.join(BUILTIN_NAMES)}), a preset "
+                f"({', '.join(PRESETS)}), a directory holding config.json, a config.json path, or a hub id "
+                f"reachable from here ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
+            ) from None
+
+
+# ---------------------------------------------------------------- model description
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the planner needs from a config. `mixers[l]`: attention | sliding | linear | mamba | mla | dsa |
+    attention+mamba (Falcon-H1's parallel heads); `mlps[l]`: dense | moe | none. Sizes are element counts."""
+
+    name: str
+    model_type: str
+    hidden: int
+    vocab: int
+    mixers: tuple[str, ...]
+    mlps: tuple[str, ...]
+    params: int
+    expert_params: int  # routed-expert parameters (expert-parallel under sharding)
+    max_layer_params: int  # largest decoder layer without its routed experts (what FSDP gathers)
+    tied: bool = False
+    heads: int = 0
+    kv_heads: int = 0
+    head_dim: int = 0
+    qk_norm: bool = False
+    attn_gate: bool = False  # Qwen3-Next/3.5 gated attention: q_proj also yields a sigmoid gate
+    window: int = 0
+    intermediate: int = 0
+    moe_intermediate: int = 0
+    experts_per_token: int = 0
+    num_experts: int = 0
+    shared_intermediate: int = 0
+    lin_key_heads: int = 0
+    lin_value_heads: int = 0
+    lin_key_dim: int = 0
+    lin_value_dim: int = 0
+    conv_kernel: int = 0
+    mamba_heads: int = 0
+    mamba_head_dim: int = 0
+    mamba_state: int = 0
+    mamba_groups: int = 0
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_rope_dim: int = 0
+    qk_nope_dim: int = 0
+    v_head_dim: int = 0
+    index_heads: int = 0
+    index_dim: int = 0
+    index_layers: tuple[bool, ...] = field(default_factory=tuple)  # DSA: layer keeps its own indexer keys
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.mixers)
+
+
+PLANNER_MODEL_TYPES = (
+    "llama", "qwen2", "qwen3", "mistral", "gemma3_text", "qwen3_next", "qwen3_5_text", "mamba2", "falcon_h1",
+    "deepseek_v3", "glm_moe_dsa",
+)
+
+
+def _count_params(config) -> tuple[int, int, int]:
+    """(total, routed-expert, largest layer without experts) parameters, from a meta-device model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    total = expert = 0
+    per_layer: dict[int, int] = {}
+    seen: set[int] = set()
+    for name, p in model.named_parameters(remove_duplicate=True):
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        total += p.numel()
+        is_expert = ".experts." in name
+        if is_expert:
+            expert += p.numel()
+        m = re.search(r"\.layers\.(\d+)\.", name)
+        if m and not is_expert:
+            per_layer[int(m.group(1))] = per_layer.get(int(m.group(1)), 0) + p.numel()
+    return total, expert, max(per_layer.values(), default=0)
+
+
+def _attention_dims(c) -> dict[str, int]:
+    heads = c.num_attention_heads
+    return {
+        "heads": heads, "kv_heads": getattr(c, "num_key_value_heads", None) or heads,
+        "head_dim": getattr(c, "head_dim", None) or c.hidden_size // heads,
+    }
+
+
+def _moe_layers(c, n: int) -> tuple[str, ...]:
+    """DeepSeek-style: the first `first_k_dense_replace` layers dense, the rest MoE (or `mlp_layer_types`)."""
+    types = getattr(c, "mlp_layer_types", None)
+    if types:
+        return tuple("moe" if t == "sparse" else "dense" for t in types)
+    k = getattr(c, "first_k_dense_replace", 0) or 0
+    return tuple("dense" if i < k else "moe" for i in range(n))
+
+
+def spec_from_config(config, name: str = "") -> ModelSpec:
+    """Read layer kinds and dimensions from a transformers config (text config of a multimodal wrapper)."""
+    c = getattr(config, "text_config", None) or config
+    mt = c.model_type
+    n = c.num_hidden_layers
+    total, expert, max_layer = _count_params(c)
+    base: dict[str, object] = {
+        "name": name or mt, "model_type": mt, "hidden": c.hidden_size, "vocab": c.vocab_size,
+        "params": total, "expert_params": expert, "max_layer_params": max_layer,
+        "tied": bool(getattr(c, "tie_word_embeddings", False)),
+    }
+    layer_types = list(getattr(c, "layer_types", None) or [])
+    if mt in ("llama", "qwen2", "qwen3", "mistral", "gemma3_text"):
+        window = getattr(c, "sliding_window", None) or 0
+        if not layer_types:
+            uses = getattr(c, "use_sliding_window", True) and window
+            layer_types = ["sliding_attention" if uses else "full_attention"] * n
+        mixers = tuple("sliding" if t == "sliding_attention" else "attention" for t in layer_types)
+        return ModelSpec(
+            **base, mixers=mixers, mlps=("dense",) * n, **_attention_dims(c),
+            qk_norm=mt in ("qwen3", "gemma3_text"), window=window, intermediate=c.intermediate_size,
+        )
+    elif mt in ("qwen3_next", "qwen3_5_text"):
+        mixers = tuple("linear" if t == "linear_attention" else "attention" for t in layer_types)
+        if mt == "qwen3_next":
+            mlps = tuple("dense" if i in (c.mlp_only_layers or []) or c.num_experts == 0
+                         or (i + 1) % c.decoder_sparse_step else "moe" for i in range(n))
+            moe = {"moe_intermediate": c.moe_intermediate_size, "experts_per_token": c.num_experts_per_tok,
+                   "num_experts": c.num_experts, "shared_intermediate": c.shared_expert_intermediate_size}
+        else:
+            mlps, moe = ("dense",) * n, {}
+        return ModelSpec(
+            **base, mixers=mixers, mlps=mlps, **_attention_dims(c), qk_norm=True, attn_gate=True,
+            intermediate=c.intermediate_size, lin_key_heads=c.linear_num_key_heads,
+            lin_value_heads=c.linear_num_value_heads, lin_key_dim=c.linear_key_head_dim,
+            lin_value_dim=c.linear_value_head_dim, conv_kernel=c.linear_conv_kernel_dim, **moe,
+        )
+    elif mt == "mamba2":
+        return ModelSpec(
+            **base, mixers=("mamba",) * n, mlps=("none",) * n, mamba_heads=c.num_heads,
+            mamba_head_dim=c.head_dim, mamba_state=c.state_size, mamba_groups=c.n_groups,
+            conv_kernel=c.conv_kernel,
+        )
+    elif mt == "falcon_h1":
+        heads = c.mamba_n_heads
+        head_dim = c.mamba_d_head if c.mamba_d_head != "auto" else c.mamba_expand * c.hidden_size // heads
+        return ModelSpec(
+            **base, mixers=("attention+mamba",) * n, mlps=("dense",) * n, **_attention_dims(c),
+            intermediate=c.intermediate_size, mamba_heads=heads, mamba_head_dim=head_dim,
+            mamba_state=c.mamba_d_state, mamba_groups=c.mamba_n_groups, conv_kernel=c.mamba_d_conv,
+        )
+    elif mt in ("deepseek_v3", "glm_moe_dsa"):
+        if mt == "glm_moe_dsa":
+            types = list(getattr(c, "indexer_types", None) or ["full"] * n)
+            mixers = tuple("dsa" if t != "shared" else "mla" for t in types)
+            index_layers = tuple(t != "shared" for t in types)
+            index = {"index_heads": c.index_n_heads, "index_dim": c.index_head_dim}
+        else:
+            mixers, index_layers, index = ("mla",) * n, (), {}
+        return ModelSpec(
+            **base, mixers=mixers, mlps=_moe_layers(c, n), heads=c.num_attention_heads,
+            kv_heads=c.num_attention_heads, head_dim=c.qk_nope_head_dim + c.qk_rope_head_dim,
+            intermediate=c.intermediate_size, moe_intermediate=c.moe_intermediate_size,
+            experts_per_token=c.num_experts_per_tok, num_experts=c.n_routed_experts,
+            shared_intermediate=(c.n_shared_experts or 0) * c.moe_intermediate_size,
+            q_lora_rank=c.q_lora_rank or 0, kv_lora_rank=c.kv_lora_rank, qk_rope_dim=c.qk_rope_head_dim,
+            qk_nope_dim=c.qk_nope_head_dim, v_head_dim=c.v_head_dim, index_layers=index_layers, **index,
+        )
+    else:
+        raise ValueError(
+            f"the planner has no formulas for model_type {mt!r}; it knows {', '.join(PLANNER_MODEL_TYPES)}"
+        )
+
+
+# ---------------------------------------------------------------- per-layer formulas (DESIGN §4)
+
+
+def _recurrent_bytes(spec: ModelSpec, mixer: str, b: int) -> int:
+    """One copy of a recurrent layer's state: conv window (b) + recurrent state (fp32), constant in P."""
+    if mixer == "linear":
+        conv = (2 * spec.lin_key_heads * spec.lin_key_dim + spec.lin_value_heads * spec.lin_value_dim)
+        rec = spec.lin_value_heads * spec.lin_key_dim * spec.lin_value_dim
+        return conv * spec.conv_kernel * b + rec * 4
+    elif mixer in ("mamba", "attention+mamba"):
+        inner = spec.mamba_heads * spec.mamba_head_dim
+        conv = inner + 2 * spec.mamba_groups * spec.mamba_state
+        rec = spec.mamba_heads * spec.mamba_head_dim * spec.mamba_state
+        return conv * spec.conv_kernel * b + rec * 4
+    else:
+        return 0
+
+
+def _per_token_state_bytes(spec: ModelSpec, layer: int, b: int) -> tuple[int, int]:
+    """(bytes per prompt token that carry a gradient, bytes per token that do not) of one layer's state."""
+    mixer = spec.mixers[layer]
+    if mixer in ("attention", "sliding", "attention+mamba"):
+        return 2 * spec.kv_heads * spec.head_dim * b, 0
+    elif mixer in ("mla", "dsa"):
+        keys = spec.index_dim * b if mixer == "dsa" and spec.index_layers[layer] else 0
+        return (spec.kv_lora_rank + spec.qk_rope_dim) * b, keys
+    else:
+        return 0, 0
+
+
+def state_bytes(spec: ModelSpec, positions: int, b: int, chunk: int, exact: bool) -> tuple[int, int]:
+    """(prompt state, its gradient in the exact plan) for `positions` prompt tokens, one sequence.
+
+    Attention K/V and MLA latents grow with P (sliding layers with min(W, P)); DSA indexer keys grow but carry
+    no gradient; recurrent layers hold one state (detach) or one per chunk boundary (exact), and their
+    gradient is one state's worth.
+    """
+    state = grad = 0
+    boundaries = max(1, math.ceil(positions / chunk))
+    for layer, mixer in enumerate(spec.mixers):
+        kept = min(positions, spec.window) if mixer == "sliding" and spec.window else positions
+        with_grad, without = _per_token_state_bytes(spec, layer, b)
+        state += kept * (with_grad + without)
+        grad += kept * with_grad
+        rec = _recurrent_bytes(spec, mixer, b)
+        state += rec * (boundaries if exact else 1)
+        grad += rec
+    return state, (grad if exact else 0)
+
+
+def _norm(width: int, b: int) -> int:
+    """RMSNorm's saved tensors per token: fp32 input copy, normalised input, weighted output."""
+    return (4 + 2 * b) * width
+
+
+def _mixer_activation_bytes(spec: ModelSpec, mixer: str, b: int, a: int, kernel: str) -> int:
+    """Saved bytes per token of one token mixer. kernel: 'replay' (LongStraw's prefix attention, with a
+    prefix), 'own' (prefix attention without a prefix: the first chunk), 'sdpa' (the standard plans)."""
+    if mixer in ("attention", "sliding", "attention+mamba", "mla", "dsa"):
+        h = spec.heads
+        if mixer in ("mla", "dsa"):
+            qk, v = spec.qk_nope_dim + spec.qk_rope_dim, spec.v_head_dim
+            # latent projections: q_a/kv_a outputs normalised, q_b/kv_b outputs, k assembled from nope + rope
+            proj = _norm(spec.q_lora_rank, b) + _norm(spec.kv_lora_rank, b)
+            proj += (h * qk + h * (spec.qk_nope_dim + v) + h * qk) * b
+            if mixer == "dsa":  # indexer query and key (computed without grad: nothing else is saved)
+                proj += 0
+        else:
+            qk = v = spec.head_dim
+            proj = 0
+            if spec.qk_norm:
+                proj += (4 + b) * (h * qk + spec.kv_heads * qk)
+            if spec.attn_gate:  # sigmoid(gate) and the attention output it multiplies
+                proj += 2 * h * v * b
+        if kernel == "sdpa":
+            kv = spec.kv_heads if mixer not in ("mla", "dsa") else h
+            attn = (h * qk + kv * qk + kv * v + h * v) * b + h * 4
+        else:
+            # q, k, v repeated to H heads, o_proj input; own output in the accumulation dtype; with a
+            # prefix also q regrouped for it and its partial output. lse/merge weights: a few per head.
+            attn = (h * qk + h * qk + h * v + h * v) * b + h * v * a + 4 * h * 4
+            if kernel == "replay":
+                attn += h * qk * b + h * v * a
+        total = proj + attn
+        if mixer == "attention+mamba":
+            total += _mixer_activation_bytes(spec, "mamba", b, a, kernel)
+        return total
+    elif mixer == "linear":
+        kd, vd = spec.lin_key_heads * spec.lin_key_dim, spec.lin_value_heads * spec.lin_value_dim
+        conv, hv = 2 * kd + vd, spec.lin_value_heads
+        # projections, conv in/out, silu; fp32 l2-normed q/k and v; gates; core output; gated norm; out_proj
+        saved = 3 * conv * b + 2 * kd * 4 + vd * 4 + 2 * hv * (b + 4) + vd * 4 + _norm(vd, b) + 3 * vd * b
+        return saved + hv * spec.lin_key_dim * spec.lin_value_dim * 4 // LINEAR_SCAN_CHUNK
+    elif mixer == "mamba":
+        inner = spec.mamba_heads * spec.mamba_head_dim
+        conv = inner + 2 * spec.mamba_groups * spec.mamba_state
+        saved = (inner + conv + spec.mamba_heads) * b + 2 * conv * b + (conv + spec.mamba_heads) * 4
+        saved += inner * 4 + _norm(inner, b) + 3 * inner * b
+        return saved + spec.mamba_heads * spec.mamba_head_dim * spec.mamba_state * 4 // MAMBA_SCAN_CHUNK
+    else:
+        raise ValueError(f"unknown mixer kind {mixer!r}")
+
+
+def _mlp_activation_bytes(spec: ModelSpec, mlp: str, b: int) -> int:
+    """SwiGLU: gate, up, act(gate), act*up (4·I·b). MoE: router logits and probabilities (fp32), per chosen
+    expert the gathered input, its SwiGLU and output, plus the shared expert."""
+    if mlp == "dense":
+        return 4 * spec.intermediate * b
+    elif mlp == "moe":
+        routed = spec.experts_per_token * (4 * spec.moe_intermediate + 2 * spec.hidden) * b
+        return routed + 4 * spec.shared_intermediate * b + 2 * spec.num_experts * 4
+    elif mlp == "none":
+        return 0
+    else:
+        raise ValueError(f"unknown mlp kind {mlp!r}")
+
+
+def layer_activation_bytes(spec: ModelSpec, layer: int, b: int, a: int, kernel: str) -> int:
+    """Saved bytes per token of decoder layer `layer` (norms + mixer + MLP)."""
+    mlp = spec.mlps[layer]
+    norms = _norm(spec.hidden, b) * (2 if mlp != "none" else 1)
+    return norms + _mixer_activation_bytes(spec, spec.mixers[layer], b, a, kernel) + _mlp_activation_bytes(
+        spec, mlp, b)
+
+
+def model_activation_bytes(spec: ModelSpec, b: int, a: int, kernel: str) -> int:
+    """Saved bytes per token of the whole decoder: every layer, the final norm, the input ids."""
+    layers = sum(layer_activation_bytes(spec, i, b, a, kernel) for i in range(spec.num_layers))
+    return layers + _norm(spec.hidden, b) + 8
+
+
+def chunk_activation_bytes(spec: ModelSpec, b: int, a: int, kernel: str) -> int:
+    """Saved bytes per token of a prompt-backward chunk recompute: the forward stops once the last layer's
+    state is produced, so that layer contributes its input norm only."""
+    layers = sum(layer_activation_bytes(spec, i, b, a, kernel) for i in range(spec.num_layers - 1))
+    return layers + _norm(spec.hidden, b) + 8
+
+
+# ---------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """One planning question. Sizes in tokens; gpu_memory and reserve in bytes (reserve None: the device's
+    default, CPU_RUNTIME_BYTES on cpu, DEFAULT_CUDA_RESERVE on cuda)."""
+
+    prompt_tokens: int
+    response_tokens: int
+    group_size: int
+    dtype: str = "bf16"
+    gpus: int = 1
+    gpu_memory: int = 96 * 10**9
+    cp: int = 1
+    shard: bool = True  # FSDP/ZeRO-3 over the GPUs (when gpus > 1)
+    micro_batch: int = 1
+    chunk_size: int = 2048
+    token_chunk: int = 1024
+    optimizer: str = "adamw"
+    device: str = "cuda"
+    reserve: int | None = None
+
+
+@dataclass
+class PlanEstimate:
+    """Per-GPU bytes of one plan: `components` (sizes), `phases` (resident + each phase's transient), `total`
+    (the peak: resident + the largest phase, plus the optimizer), `step_bytes` (what a bench measures: the
+    peak above the loaded weights, no optimizer state)."""
+
+    plan: str
+    components: dict[str, int]
+    phases: dict[str, int]
+    peak_phase: str
+    total_bytes: int
+    step_bytes: int
+    fits: bool
+    prompt_state_bytes: int
+
+
+def _bytes_of(dtype: str) -> int:
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPE_BYTES)}")
+    return DTYPE_BYTES[dtype]
+
+
+def estimate(spec: ModelSpec, inp: PlanInputs, plan: str) -> PlanEstimate:
+    """Predict one plan's per-GPU memory for `inp` (see the module docstring for the composition)."""
+    if plan not in PLANS:
+        raise ValueError(f"unknown plan {plan!r}: choose one of {', '.join(PLANS)}")
+    b = _bytes_of(inp.dtype)
+    a = max(4, b)  # accumulation dtype of attention merges and optimizer moments
+    p, r, g = inp.prompt_tokens, inp.response_tokens, inp.group_size
+    shards = inp.gpus if inp.shard and inp.gpus > 1 else 1
+    n, d, v = spec.params, spec.hidden, spec.vocab
+
+    weights = n * b // shards
+    grads = n * b // shards
+    if inp.optimizer == "adamw":
+        optimizer = n * (8 + (4 if b < 4 else 0)) // shards  # exp_avg, exp_avg_sq (+ fp32 master weights)
+    elif inp.optimizer == "none":
+        optimizer = 0
+    else:
+        raise ValueError(f"unknown optimizer {inp.optimizer!r}: adamw or none")
+    gathered = (2 * max(spec.max_layer_params, v * d) + spec.max_layer_params) * b if shards > 1 else 0
+    if inp.reserve is not None:
+        runtime = inp.reserve
+    elif inp.device == "cpu":
+        runtime = CPU_RUNTIME_BYTES
+    else:
+        runtime = DEFAULT_CUDA_RESERVE
+
+    comp: dict[str, int] = {"weights": weights, "gradients": grads, "optimizer": optimizer}
+    phases: dict[str, int] = {}
+    resident = weights + optimizer + runtime + gathered
+    if plan in ("detach", "exact"):
+        exact = plan == "exact"
+        state, state_grad = state_bytes(spec, p - 1, b, inp.chunk_size, exact)
+        state, state_grad = math.ceil(state / inp.cp), math.ceil(state_grad / inp.cp)
+        k = min(inp.micro_batch, g)
+        tokens = k * r
+        acts = tokens * model_activation_bytes(spec, b, a, "replay")
+        c = min(inp.token_chunk, tokens)
+        logprob = max(2 * c * v * b, c * v * b + v * d * b)
+        dsa = any(m == "dsa" for m in spec.mixers)
+        indexer = DSA_SCORE_ROWS * math.ceil(p / inp.cp) * 4 if dsa else 0
+        steady = math.ceil(g / k) > 1  # gradients already resident while the next micro-batch runs
+        replay = (grads + acts + logprob + indexer) if steady else max(acts + logprob + indexer, grads)
+        chunk = min(inp.chunk_size, p - 1)
+        capture = chunk * (3 * spec.intermediate + 4 * d + 2 * spec.heads * max(spec.head_dim, 1)) * b
+        phases["capture"] = resident + state + capture
+        phases["replay"] = resident + state + state_grad + replay
+        comp.update(prompt_state=state, state_gradients=state_grad, replay_activations=acts,
+                    logprob_chunk=logprob)
+        if dsa:
+            comp["indexer_scores"] = indexer
+        if exact:
+            kernel = "replay" if p - 1 > inp.chunk_size else "own"
+            chunk_acts = chunk * chunk_activation_bytes(spec, b, a, kernel)
+            # backward transient of one layer (gradients of its MLP input/intermediate), measured ~ (I + d)·b
+            chunk_acts += chunk * (spec.intermediate + d) * b
+            phases["prompt_backward"] = resident + grads + state + state_grad + chunk_acts
+            comp["prompt_backward_chunk"] = chunk_acts
+        prompt_state = state
+    else:
+        seqs = g if plan == "standard_batched" else 1
+        acts = seqs * (p + r) * model_activation_bytes(spec, b, a, "sdpa")
+        logits = 3 * seqs * r * v * b  # log-softmax output, its gradient, the logits' gradient
+        steady = plan == "standard" and g > 1
+        step = (grads + acts + logits) if steady else max(acts + logits, grads)
+        phases["forward_backward"] = resident + step
+        comp.update(prompt_state=0, sequence_activations=acts, logits=logits)
+        prompt_state = 0
+    if gathered:
+        comp["fsdp_gathered"] = gathered
+    comp["runtime"] = runtime
+    peak_phase = max(phases, key=lambda k: phases[k])
+    total = phases[peak_phase]
+    return PlanEstimate(
+        plan=plan, components=comp, phases=phases, peak_phase=peak_phase, total_bytes=total,
+        step_bytes=total - weights - optimizer, fits=total <= inp.gpu_memory, prompt_state_bytes=prompt_state,
+    )
+
+
+def largest_prompt(spec: ModelSpec, inp: PlanInputs, plan: str, limit: int = 2**34) -> int | None:
+    """The largest prompt length (tokens) for which `plan` fits `inp.gpu_memory`; None if not even 2 fits,
+    `limit` if everything up to it fits. Memory grows monotonically with P, so a binary search suffices."""
+    from dataclasses import replace
+
+    def fits(p: int) -> bool:
+        return estimate(spec, replace(inp, prompt_tokens=p), plan).fits
+
+    if not fits(2):
+        return None
+    if fits(limit):
+        return limit
+    lo, hi = 2, limit
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def plan_all(spec: ModelSpec, inp: PlanInputs, plans: tuple[str, ...] = PLANS) -> dict[str, object]:
+    """Every plan's estimate and largest fitting prompt, as the JSON document `longstraw plan --json` prints."""
+    out: dict[str, object] = {}
+    for plan in plans:
+        est = estimate(spec, inp, plan)
+        entry = asdict(est)
+        entry["largest_prompt_tokens"] = largest_prompt(spec, inp, plan)
+        out[plan] = entry
+    return {
+        "model": {
+            "name": spec.name, "model_type": spec.model_type, "params": spec.params,
+            "expert_params": spec.expert_params, "layers": spec.num_layers,
+            "layer_kinds": {k: spec.mixers.count(k) for k in dict.fromkeys(spec.mixers)},
+        },
+        "inputs": asdict(inp),
+        "plans": out,
+    }
+
+
+# ---------------------------------------------------------------- CLI
+
+
+_UNITS = {
+    "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+    "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+}
+
+
+def parse_size(text: str) -> int:
+    """'96GB' (10^9), '24GiB' (2^30), '512MiB', '1.5TB' -> bytes. A unit is required."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]+)\s*", text)
+    if not m or m.group(2).upper() not in _UNITS:
+        raise ValueError(
+            f"cannot read memory size {text!r}: write a number and a unit, e.g. 96GB, 80GiB, 512MiB "
+            f"(units: {', '.join(u if u.endswith('B') and len(u) < 4 else u[:-2] + 'iB' for u in _UNITS)})"
+        )
+    value = float(m.group(1)) * _UNITS[m.group(2).upper()]
+    if value <= 0:
+        raise ValueError(f"memory size must be positive, got {text!r}")
+    return int(value)
+
+
+def add_arguments(parser) -> None:
+    """Options of `longstraw plan`."""
+    parser.add_argument("--model", required=True,
+                        help=f"built-in ({', '.join(BUILTIN_NAMES)}), a preset (b1-llama, ...), a directory with "
+                             "config.json, a config.json file, or a hub id")
+    parser.add_argument("--prompt-tokens", type=_positive_int, required=True, help="P")
+    parser.add_argument("--response-tokens", type=_positive_int, required=True, help="R (every response)")
+    parser.add_argument("--group-size", type=_positive_int, required=True, help="G")
+    parser.add_argument("--gpus", type=_positive_int, default=1, help="GPUs sharing the step (default 1)")
+    parser.add_argument("--gpu-memory", default="80GB", help="memory per GPU, e.g. 96GB or 80GiB (default 80GB)")
+    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPE_BYTES), help="parameter dtype")
+    parser.add_argument("--cp", type=_positive_int, default=1, help="context-parallel degree of the prompt state")
+    parser.add_argument("--no-shard", action="store_true", help="replicate weights/grads/optimizer (no FSDP)")
+    parser.add_argument("--micro-batch", type=_positive_int, default=1, help="responses replayed at once")
+    parser.add_argument("--chunk-size", type=_positive_int, default=2048, help="prompt chunk (capture/backward)")
+    parser.add_argument("--token-chunk", type=_positive_int, default=1024, help="rows per log-prob block")
+    parser.add_argument("--optimizer", choices=("adamw", "none"), default="adamw",
+                        help="adamw: fp32 moments (+ fp32 master weights for bf16/fp16)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="cuda (default) or cpu: sets the runtime reserve")
+    parser.add_argument("--reserve", help="per-GPU bytes outside the tensors (default 2GiB on cuda, 20MiB on cpu)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+
+
+def _positive_int(text: str) -> int:
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def inputs_from_args(args) -> PlanInputs:
+    """PlanInputs from parsed options; raises ValueError on a bad size or combination."""
+    if args.prompt_tokens < 2:
+        raise ValueError("--prompt-tokens must be >= 2 (detach/exact capture all but the last prompt token)")
+    if args.cp > args.gpus:
+        raise ValueError(f"--cp {args.cp} needs at least as many GPUs (--gpus {args.gpus})")
+    return PlanInputs(
+        prompt_tokens=args.prompt_tokens, response_tokens=args.response_tokens, group_size=args.group_size,
+        dtype=args.dtype, gpus=args.gpus, gpu_memory=parse_size(args.gpu_memory), cp=args.cp,
+        shard=not args.no_shard, micro_batch=args.micro_batch, chunk_size=args.chunk_size,
+        token_chunk=args.token_chunk, optimizer=args.optimizer, device=args.device,
+        reserve=parse_size(args.reserve) if args.reserve else None,
+    )
+
+
+def _gb(n: int | None) -> str:
+    return "-" if n is None else f"{n / 1e9:.2f}"
+
+
+def format_plan(document: dict[str, object]) -> str:
+    """The table: one row per component, one column per plan (GB = 10^9 bytes), then total, fits, largest P."""
+    plans: dict[str, dict] = document["plans"]  # type: ignore[assignment]
+    inp: dict = document["inputs"]  # type: ignore[assignment]
+    model: dict = document["model"]  # type: ignore[assignment]
+    names = list(plans)
+    rows: list[str] = []
+    for est in plans.values():
+        for key in est["components"]:
+            if key not in rows:
+                rows.append(key)
+    width = max(len(r) for r in rows + ["largest prompt (tokens)"]) + 1
+    head = f"{'per GPU, GB':<{width}}" + "".join(f"{n:>18}" for n in names)
+    lines = [
+        f"{model['name']} ({model['model_type']}, {model['params'] / 1e9:.2f}B params, layers "
+        + ", ".join(f"{k}x{v}" for k, v in model["layer_kinds"].items()) + ")",
+        f"P={inp['prompt_tokens']} R={inp['response_tokens']} G={inp['group_size']} {inp['dtype']}, "
+        f"{inp['gpus']} GPU(s) x {inp['gpu_memory'] / 1e9:.1f} GB, cp={inp['cp']}, "
+        f"{'FSDP/ZeRO-3' if inp['shard'] and inp['gpus'] > 1 else 'no sharding'}, micro-batch "
+        f"{inp['micro_batch']}, chunk {inp['chunk_size']}",
+        head, "-" * len(head),
+    ]
+    for key in rows:
+        lines.append(f"{key:<{width}}" + "".join(f"{_gb(plans[n]['components'].get(key)):>18}" for n in names))
+    lines.append("-" * len(head))
+    lines.append(f"{'peak (total)':<{width}}" + "".join(f"{_gb(plans[n]['total_bytes']):>18}" for n in names))
+    lines.append(f"{'peak phase':<{width}}" + "".join(f"{plans[n]['peak_phase']:>18}" for n in names))
+    lines.append(f"{'fits':<{width}}" + "".join(f"{'yes' if plans[n]['fits'] else 'NO':>18}" for n in names))
+    largest = [plans[n]["largest_prompt_tokens"] for n in names]
+    lines.append(f"{'largest prompt (tokens)':<{width}}"
+                 + "".join(f"{('none' if x is None else f'{x:,}'):>18}" for x in largest))
+    lines.append("peak = weights + optimizer + runtime (+ FSDP gather) + the largest phase; a phase holds the "
+                 "resident gradients/state plus its own transient rows")
+    return "\n".join(lines)
+
+
+def run_from_args(args) -> int:
+    """Entry point of `longstraw plan`; bad input goes to the parser's error (exit 2)."""
+    try:
+        inp = inputs_from_args(args)
+        spec = spec_from_config(load_config(args.model), name=args.model)
+    except ValueError as err:
+        args.fail(str(err))
+    document = plan_all(spec, inp)
+    if args.json:
+        print(json.dumps(document, indent=2))
+    else:
+        print(format_plan(document))
+    return 0
