@@ -13,9 +13,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    DeepseekV3Config,
+    LlamaConfig,
+    Mamba2Config,
+    PretrainedConfig,
+    Qwen3Config,
+    Qwen3NextConfig,
+)
 
-# Model types whose every layer is full (causal, GQA/MQA) attention, handled by state/attention.py.
 # Model types whose every layer kind has a state adapter and a parity test (DESIGN §4): full attention (GQA),
 # sliding window, gated DeltaNet and KDA linear attention, Mamba2 SSM, MLA latent attention, DSA, MoE FFNs.
 SUPPORTED_MODEL_TYPES = (
@@ -64,11 +71,48 @@ def _gpu_llama_1b() -> PretrainedConfig:
     )
 
 
+def _b1_qwen3_next() -> PretrainedConfig:
+    """The B1 shape as a Qwen3-Next hybrid: 3 gated-DeltaNet layers then 1 full-attention layer, MoE FFNs
+    (8 experts, 2 active + a shared expert, ~B1's active FFN width)."""
+    return Qwen3NextConfig(
+        hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+        head_dim=32, linear_conv_kernel_dim=4, linear_key_head_dim=32, linear_value_head_dim=32,
+        linear_num_key_heads=4, linear_num_value_heads=8, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=352, shared_expert_intermediate_size=352, vocab_size=32000,
+        max_position_embeddings=1 << 21, layer_types=["linear_attention"] * 3 + ["full_attention"],
+        tie_word_embeddings=False,
+    )
+
+
+def _b1_deepseek_v3() -> PretrainedConfig:
+    """The B1 shape as DeepSeek-V3: MLA (latent 64 + rope key 16 per token and layer), MoE after layer 0."""
+    return DeepseekV3Config(
+        hidden_size=256, intermediate_size=704, moe_intermediate_size=352, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=8, n_shared_experts=1, n_routed_experts=8,
+        num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=64,
+        q_lora_rank=96, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, head_dim=16, vocab_size=32000,
+        max_position_embeddings=131072, tie_word_embeddings=False,
+    )
+
+
+def _b1_mamba2() -> PretrainedConfig:
+    """The B1 shape as Mamba2 (no attention: the state is constant in P): 4 layers, hidden 256, 16 heads x 32,
+    state 64."""
+    return Mamba2Config(
+        hidden_size=256, num_hidden_layers=4, num_heads=16, head_dim=32, expand=2, state_size=64, n_groups=1,
+        conv_kernel=4, chunk_size=256, vocab_size=32000, tie_word_embeddings=False,
+        pad_token_id=None, bos_token_id=None, eos_token_id=None,
+    )
+
+
 PRESETS: dict[str, Callable[[], PretrainedConfig]] = {
     "tiny-llama": _tiny_llama,
     "tiny-qwen3": _tiny_qwen3,
     "b1-llama": _b1_llama,
     "b1-qwen3": _b1_qwen3,
+    "b1-qwen3-next": _b1_qwen3_next,
+    "b1-deepseek-v3": _b1_deepseek_v3,
+    "b1-mamba2": _b1_mamba2,
     "gpu-llama-1b": _gpu_llama_1b,
 }
 
@@ -168,10 +212,11 @@ def load_model(
     name_or_path = resolve_model_path(name_or_path)
     if name_or_path in PRESETS:
         config = PRESETS[name_or_path]()
-        config._attn_implementation = "sdpa"
+        # sdpa for models with attention layers; Mamba2 has none and refuses it.
+        attn = "eager" if config.model_type == "mamba2" else "sdpa"
         with torch.random.fork_rng():
             torch.manual_seed(seed)
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
         model = model.to(dtype)
     elif name_or_path.endswith(".gguf"):
         model = AutoModelForCausalLM.from_pretrained(converted_gguf(name_or_path), dtype=dtype)

@@ -122,8 +122,13 @@ def test_state_bytes_match_design_formula(family):
 def _router_choices(model, run) -> list[torch.Tensor]:
     """Top-k expert indices of every MoE router call while `run()` executes, each (tokens, k), sorted."""
     seen: list[torch.Tensor] = []
-    hooks = [m.register_forward_hook(lambda mod, inp, out: seen.append(out[-1].sort(-1).values.reshape(-1, out[-1].shape[-1])))
-             for m in model.modules() if type(m).__name__.endswith(("TopkRouter", "TopKRouter"))]
+
+    def record(module, inputs, output):
+        indices = output[-1]  # routers return (..., top-k indices)
+        seen.append(indices.sort(-1).values.reshape(-1, indices.shape[-1]))
+
+    hooks = [m.register_forward_hook(record) for m in model.modules()
+             if type(m).__name__.endswith(("TopkRouter", "TopKRouter"))]
     try:
         with torch.no_grad():
             run()
