@@ -20,7 +20,7 @@ import torch
 from longstraw.group import Group
 from longstraw.logprobs import DEFAULT_TOKEN_CHUNK
 from longstraw.loss import GroupTotals, make_loss_config, response_loss
-from longstraw.models import check_architecture
+from longstraw.models import RECURRENT_MODEL_TYPES, check_architecture
 from longstraw.plans.exact import prompt_backward
 from longstraw.plans.replay import replay_responses
 from longstraw.plans.standard import standard
@@ -92,6 +92,11 @@ def backward_group(
     micro_batch = _positive_int("micro_batch", micro_batch)
     token_chunk = _positive_int("token_chunk", token_chunk)
     _validate(model, group, mode, cfg.beta)
+    if mode == "exact" and chunk_size == 1 and model.config.model_type in RECURRENT_MODEL_TYPES:
+        raise ValueError(
+            f"chunk_size=1 with the exact plan on {model.config.model_type}: its recurrent layers update their "
+            "state in place for one-token chunks, which the prompt backward cannot differentiate; use chunk_size >= 2"
+        )
     if prompt_state is not None and prompt_state.length != group.prompt.numel() - 1:
         raise ValueError(
             f"prompt_state holds {prompt_state.length} positions but this prompt needs {group.prompt.numel() - 1} "

@@ -164,3 +164,9 @@ def test_sampled_logprobs_equal_a_full_forward(family):
             logits = model(input_ids=torch.cat([prompt, response])[None], use_cache=False).logits[0]
         ref = torch.log_softmax(logits[39:-1], -1).gather(-1, response[:, None]).squeeze(-1)
         assert float((ref - logp).abs().max()) <= 10 * tol
+
+
+def test_one_token_chunks_are_refused_for_recurrent_exact():
+    group = random_group(20, [3, 4])
+    with pytest.raises(ValueError, match="chunk_size >= 2"):
+        backward_group(_model("mamba2"), group, mode="exact", chunk_size=1)
