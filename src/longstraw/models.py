@@ -107,6 +107,13 @@ def _b1_mamba2() -> PretrainedConfig:
     )
 
 
+def _tiny_llama_long() -> PretrainedConfig:
+    """tiny-llama with 16M positions: the full-attention model of the stress record (`longstraw.bench.stress`)."""
+    config = _tiny_llama()
+    config.max_position_embeddings = 2**24
+    return config
+
+
 PRESETS: dict[str, Callable[[], PretrainedConfig]] = {
     "tiny-llama": _tiny_llama,
     "tiny-qwen3": _tiny_qwen3,
@@ -116,6 +123,7 @@ PRESETS: dict[str, Callable[[], PretrainedConfig]] = {
     "b1-deepseek-v3": _b1_deepseek_v3,
     "b1-mamba2": _b1_mamba2,
     "gpu-llama-1b": _gpu_llama_1b,
+    "tiny-llama-long": _tiny_llama_long,
 }
 
 
