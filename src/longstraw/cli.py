@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from longstraw import __version__
+
+if TYPE_CHECKING:
+    from longstraw.config import TrainConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,6 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train with GRPO: options from an optional TOML file, overridden by flags.",
     )
     config.add_arguments(train_parser)
+    train_parser.add_argument(
+        "--nproc", type=int, default=1,
+        help="processes (ranks) on this machine, one per GPU with --device cuda; launched through torchrun, "
+             "the model sharded with FSDP2 and each step's prompts split across ranks (default: 1)",
+    )
     train_parser.set_defaults(fail=train_parser.error)
     return parser
 
@@ -94,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
             cfg = config.from_args(args)
         except (ValueError, FileNotFoundError) as err:
             args.fail(str(err))
+        if args.nproc != 1:
+            return _launch_train(args, cfg, sys.argv[1:] if argv is None else argv)
         try:
             trainer.train(cfg)
         except (ValueError, FileNotFoundError, FloatingPointError) as err:
@@ -102,6 +113,28 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     parser.error(f"unknown command {args.command!r}")
     return 2
+
+
+def _launch_train(args: argparse.Namespace, cfg: TrainConfig, argv: list[str]) -> int:
+    """`train --nproc N`: check N, then run the same command as N torchrun workers (without --nproc)."""
+    import os
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from longstraw.distributed import launch
+
+    if "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        args.fail("this process was already started by torchrun: drop --nproc (torchrun's --nproc-per-node sets it)")
+    try:
+        launch.check_nproc(args.nproc, cfg.device, cfg.prompts_per_step)
+    except ValueError as err:
+        args.fail(str(err))
+    try:
+        launch.launch_train(launch.strip_nproc(argv[argv.index("train") + 1 :]), args.nproc)
+    except ChildFailedError as err:
+        print(f"longstraw train: error: a rank failed; torchrun reports:\n{err}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,114 @@
+"""The trainer with 2 ranks: data parallel over 4 prompts per step equals one process (metrics, weights,
+optimizer state, same checkpoint format); a rank that raises mid-step stops every rank with its message;
+launch errors say what to change."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import rel_err
+
+from longstraw.cli import main
+from longstraw.distributed.runtime import Parallel
+
+HERE = Path(__file__).resolve().parent
+TESTS = HERE.parent
+
+
+def _data(tmp_path: Path) -> Path:
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"Say something about {w}.", "answer": w}) + "\n"
+                            for w in ("cats", "rain", "maps", "tea", "snow", "bread")))
+    return path
+
+
+def _common(tmp_path: Path, reward: str = "rewards_for_tests:even_byte_fraction") -> list[str]:
+    return ["--model", "tiny-llama", "--task", "jsonl", "--data", str(_data(tmp_path)), "--reward-fn", reward,
+            "--group-size", "4", "--max-new-tokens", "6", "--lr", "1e-3", "--eval-prompts", "2", "--no-plot",
+            "--chunk-size", "8", "--prompts-per-step", "4", "--plan", "exact"]
+
+
+def _cli(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), str(HERE)]))
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        env.pop(key, None)
+    return subprocess.run([sys.executable, "-m", "longstraw.cli", "train", *args], capture_output=True, text=True,
+                          cwd=cwd, env=env, timeout=timeout)
+
+
+def _flat(sd: dict) -> torch.Tensor:
+    return torch.cat([sd[k].flatten().double() for k in sorted(sd)])
+
+
+def test_two_ranks_with_four_prompts_equal_one_process(tmp_path):
+    one = _cli([*_common(tmp_path), "--steps", "2", "--run-dir", str(tmp_path / "one")], tmp_path)
+    assert one.returncode == 0, one.stderr
+    two = _cli([*_common(tmp_path), "--steps", "2", "--run-dir", str(tmp_path / "two"), "--nproc", "2"], tmp_path)
+    assert two.returncode == 0, two.stderr
+    a = [json.loads(x) for x in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
+    b = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in b] == [1, 2]  # rank 0 alone wrote the metrics, once per step
+    for x, y in zip(a, b):
+        # the same 4 prompts and the same 16 samples (rewards of all ranks), the same global gradient
+        assert x["reward_mean"] == y["reward_mean"] and x["reward_std"] == y["reward_std"]
+        assert x["kept_groups"] == y["kept_groups"] == 4
+        assert x["response_tokens_mean"] == y["response_tokens_mean"]
+        assert x["grad_norm"] > 0 and abs(x["grad_norm"] - y["grad_norm"]) <= 1e-5 * x["grad_norm"]
+    sa, sb = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("one", "two"))
+    assert sa["eval_before"] == sb["eval_before"] and sa["eval_after"] == sb["eval_after"]
+    ca = torch.load(tmp_path / "one" / "checkpoint.pt", weights_only=False)
+    cb = torch.load(tmp_path / "two" / "checkpoint.pt", weights_only=False)
+    assert sorted(ca["model"]) == sorted(cb["model"])  # one checkpoint format, whatever the process count
+    err = rel_err(_flat(cb["model"]), _flat(ca["model"]))
+    assert err <= 1e-5, f"weights after 2 steps: relative error {err:.2e}"
+    oa, ob = ca["optimizer"], cb["optimizer"]
+    assert sorted(oa["state"]) == sorted(ob["state"]) and oa["param_groups"] == ob["param_groups"]
+    for key in ("exp_avg", "exp_avg_sq"):
+        err = rel_err(_flat({i: ob["state"][i][key] for i in ob["state"]}),
+                      _flat({i: oa["state"][i][key] for i in oa["state"]}))
+        assert err <= 1e-5, f"AdamW {key}: relative error {err:.2e}"
+
+
+def test_a_rank_that_raises_stops_every_rank_with_its_message(spawn, tmp_path):
+    args = ["-m", "longstraw.cli", "train", *_common(tmp_path, "failing_reward:fail_on_rank_1_in_step_2"),
+            "--eval-prompts", "0", "--steps", "3", "--run-dir", str(tmp_path / "run")]
+    start = time.monotonic()
+    results = spawn(args, world=2, timeout=240, cwd=tmp_path)
+    assert time.monotonic() - start < 240
+    message = "reward service unreachable (injected failure)"
+    for rank, (code, out) in enumerate(results):
+        assert code != 0, f"rank {rank} exited 0:\n{out}"
+        assert message in out, f"rank {rank} does not report the failing rank's error:\n{out}"
+    assert "rank 0 stops because rank 1 failed: RuntimeError: " + message in results[0][1]
+    rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert len(rows) == 1  # step 1 completed, the failure came mid-run
+
+
+def test_launcher_reports_the_failing_rank(tmp_path):
+    out = _cli([*_common(tmp_path, "failing_reward:fail_on_rank_1_in_step_2"), "--eval-prompts", "0",
+                "--steps", "3", "--run-dir", str(tmp_path / "run"), "--nproc", "2"], tmp_path, timeout=240)
+    assert out.returncode == 1
+    text = out.stdout + out.stderr
+    assert "reward service unreachable (injected failure)" in text and "a rank failed" in text
+
+
+def test_launch_errors_say_what_to_change(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--prompts-per-step", "3", "--nproc", "2"])
+    assert exc.value.code == 2
+    assert "--prompts-per-step 3 cannot be split evenly over --nproc 2" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train", "--device", "cuda", "--nproc", str(max(2, torch.cuda.device_count() + 1))])
+    assert "GPUs (one per process) but this machine has" in capsys.readouterr().err
+
+
+def test_ranks_take_contiguous_prompt_slices():
+    assert [Parallel(rank=r, world_size=2).share(4) for r in (0, 1)] == [range(0, 2), range(2, 4)]
+    assert Parallel().share(3) == range(0, 3)
+    with pytest.raises(ValueError, match="prompts_per_step = 6 cannot be split evenly over 4 processes"):
+        Parallel(rank=0, world_size=4).share(6)
