@@ -17,6 +17,7 @@ from transformers import (
     Mamba2Config,
     MistralConfig,
     Qwen2Config,
+    Qwen3_5TextConfig,
     Qwen3Config,
     Qwen3NextConfig,
 )
@@ -100,6 +101,9 @@ def _arch_configs() -> dict[str, object]:
                                        indexer_types=["full", "shared"], mlp_layer_types=["dense", "sparse"],
                                        **moe, **mla, **c),
     }
+    out["qwen3_5_text"] = Qwen3_5TextConfig(
+        num_hidden_layers=3, num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=8,
+        linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, layer_types=_linear("A"), **c)
     for pattern in ("A", "B"):
         out[f"gemma3-{pattern}"] = Gemma3TextConfig(
             num_hidden_layers=3, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=16,

@@ -26,7 +26,7 @@ from longstraw.rollout import SamplingConfig, sample_group
 from longstraw.state.capture import capture_prompt
 from longstraw.state.formulas import expected_state_bytes
 
-FP32_INSIDE = ("qwen3_next", "mamba2", "falcon_h1", "kimi_linear", "deepseek_v3", "glm_moe_dsa")
+FP32_INSIDE = ("qwen3_next", "qwen3_5_text", "mamba2", "falcon_h1", "kimi_linear", "deepseek_v3", "glm_moe_dsa")
 RECURRENT = ("qwen3_next", "mamba2", "falcon_h1", "kimi_linear")
 
 

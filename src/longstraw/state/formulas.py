@@ -38,7 +38,7 @@ def recurrent_bytes(config, layer: int, dtype: torch.dtype, state_dtype: torch.d
     """Bytes of one boundary's conv window (in `dtype`) + recurrent state (in `state_dtype`) of a layer."""
     kind = layer_kind(config, layer)
     model_type = config.model_type
-    if kind == "linear" and model_type == "qwen3_next":
+    if kind == "linear" and model_type in ("qwen3_next", "qwen3_5_text"):
         key_dim = config.linear_key_head_dim * config.linear_num_key_heads
         value_dim = config.linear_value_head_dim * config.linear_num_value_heads
         conv = (2 * key_dim + value_dim) * config.linear_conv_kernel_dim
