@@ -20,13 +20,14 @@ helpers = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(helpers)
 
 CASES = [("llama", "detach"), ("llama", "exact"), ("qwen3", "exact")]  # qwen3: tied lm_head / embeddings
-STEPS, GROUPS_PER_STEP, LR = 2, 4, 1e-2
+STEPS, GROUPS_PER_RANK, LR = 2, 2, 1e-2
 
 
-def global_batch(step: int) -> list:
-    """Groups of different prompt lengths (ranks do different amounts of work) and response lengths."""
+def global_batch(step: int, world: int) -> list:
+    """GROUPS_PER_RANK groups per rank, of different prompt lengths (ranks do different amounts of work, in
+    different numbers of prompt chunks) and response lengths."""
     return [helpers.random_group(20 + 7 * i + step, [4 + i, 6, 3], seed=100 * step + i, dtype=torch.float32)
-            for i in range(GROUPS_PER_STEP)]
+            for i in range(GROUPS_PER_RANK * world)]
 
 
 def main() -> None:
@@ -47,8 +48,8 @@ def main() -> None:
         opt = torch.optim.AdamW(model.parameters(), lr=LR)
         record = {"grads": [], "reduce_calls": []}
         for step in range(STEPS):
-            groups = global_batch(step)
-            mine = groups[par.share(len(groups), "groups").start : par.share(len(groups), "groups").stop]
+            groups = global_batch(step, world)
+            mine = [groups[i] for i in par.share(len(groups), "groups")]
             opt.zero_grad(set_to_none=True)
             calls.clear()
             with sharded_compute(model):

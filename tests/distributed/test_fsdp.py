@@ -22,13 +22,13 @@ def _flat(d: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.cat([d[k].flatten() for k in sorted(d)])
 
 
-def _single_process(family: str, mode: str) -> dict:
+def _single_process(family: str, mode: str, world: int) -> dict:
     """The reference: the worker's loop in this process, every group of each step, no sharding."""
     model = tiny_model(family, torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=worker.LR)
     out: dict = {"grads": []}
     for step in range(worker.STEPS):
-        groups = worker.global_batch(step)
+        groups = worker.global_batch(step, world)
         opt.zero_grad(set_to_none=True)
         for g in groups:
             backward_group(model, g, mode=mode, chunk_size=8, micro_batch=2)
@@ -40,17 +40,26 @@ def _single_process(family: str, mode: str) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
+_RUNS: dict[int, dict] = {}
+
+
+def _ranks(spawn, tmp_path_factory, world: int) -> dict:
+    """Rank 0's results of the worker run with `world` ranks (run once per world size)."""
+    if world not in _RUNS:
+        out = tmp_path_factory.mktemp("fsdp") / "rank0.pt"
+        for code, text in spawn([str(WORKER), str(out)], world=world, timeout=300):
+            assert code == 0, text
+        _RUNS[world] = torch.load(out, weights_only=False)
+    return _RUNS[world]
+
+
+@pytest.fixture
 def two_ranks(spawn, tmp_path_factory):
-    out = tmp_path_factory.mktemp("fsdp") / "rank0.pt"
-    for code, text in spawn([str(WORKER), str(out)], world=2, timeout=300):
-        assert code == 0, text
-    return torch.load(out, weights_only=False)
+    return _ranks(spawn, tmp_path_factory, 2)
 
 
-@pytest.mark.parametrize("family,mode", worker.CASES)
-def test_fsdp_two_ranks_equal_one_process(two_ranks, family, mode):
-    got, ref = two_ranks[f"{family}/{mode}"], _single_process(family, mode)
+def _check_equal_to_one_process(got: dict, family: str, mode: str, world: int) -> None:
+    ref = _single_process(family, mode, world)
     for step in range(worker.STEPS):
         assert sorted(got["grads"][step]) == sorted(ref["grads"][step])
         err = rel_err(_flat(got["grads"][step]), _flat(ref["grads"][step]))
@@ -60,6 +69,20 @@ def test_fsdp_two_ranks_equal_one_process(two_ranks, family, mode):
     assert moved > 1e-3  # the two steps really changed the weights
     err = rel_err(_flat(got["weights"]), _flat(ref["weights"]))
     assert err <= 1e-5, f"weights after {worker.STEPS} steps: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("family,mode", worker.CASES)
+def test_fsdp_two_ranks_equal_one_process(two_ranks, family, mode):
+    _check_equal_to_one_process(two_ranks[f"{family}/{mode}"], family, mode, world=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,mode", worker.CASES)
+def test_fsdp_three_ranks_equal_one_process(spawn, tmp_path_factory, family, mode):
+    """3 ranks: parameters whose first dimension does not divide by 3 are sharded unevenly (FSDP pads)."""
+    got = _ranks(spawn, tmp_path_factory, 3)[f"{family}/{mode}"]
+    _check_equal_to_one_process(got, family, mode, world=3)
+    assert got["reduce_calls"] == [got["units"]] * worker.STEPS
 
 
 @pytest.mark.parametrize("family,mode", worker.CASES)
