@@ -114,9 +114,19 @@ def _tiny_llama_long() -> PretrainedConfig:
     return config
 
 
+def _tiny_mamba2() -> PretrainedConfig:
+    """A tiny Mamba2 (2 layers, hidden 64): its state does not grow with P (the stress record's model)."""
+    return Mamba2Config(
+        hidden_size=64, num_hidden_layers=2, num_heads=8, head_dim=16, expand=2, state_size=16, n_groups=1,
+        conv_kernel=4, chunk_size=256, vocab_size=512, tie_word_embeddings=False,
+        pad_token_id=None, bos_token_id=None, eos_token_id=None,
+    )
+
+
 PRESETS: dict[str, Callable[[], PretrainedConfig]] = {
     "tiny-llama": _tiny_llama,
     "tiny-qwen3": _tiny_qwen3,
+    "tiny-mamba2": _tiny_mamba2,
     "b1-llama": _b1_llama,
     "b1-qwen3": _b1_qwen3,
     "b1-qwen3-next": _b1_qwen3_next,
