@@ -112,3 +112,22 @@ def test_ranks_take_contiguous_prompt_slices():
     assert Parallel().share(3) == range(0, 3)
     with pytest.raises(ValueError, match="prompts_per_step = 6 cannot be split evenly over 4 processes"):
         Parallel(rank=0, world_size=4).share(6)
+
+
+@pytest.mark.slow
+def test_resume_with_another_process_count(tmp_path):
+    """2 ranks stop after step 2, one process resumes to step 3 (and the reverse): same as a straight run."""
+    common = [*_common(tmp_path), "--eval-prompts", "0", "--steps", "3", "--beta", "0.1"]
+    assert _cli([*common, "--run-dir", str(tmp_path / "straight")], tmp_path).returncode == 0
+    for name, first, then in (("a", ["--nproc", "2"], []), ("b", [], ["--nproc", "2"])):
+        run = ["--run-dir", str(tmp_path / name)]
+        out = _cli([*common, *run, "--stop-after", "2", *first], tmp_path)
+        assert out.returncode == 0, out.stderr
+        out = _cli([*common, *run, "--resume", *then], tmp_path)
+        assert out.returncode == 0, out.stderr
+        a = [json.loads(x) for x in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
+        b = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        assert [r["reward_mean"] for r in a] == [r["reward_mean"] for r in b]
+        wa = torch.load(tmp_path / "straight" / "checkpoint.pt", weights_only=False)["model"]
+        wb = torch.load(tmp_path / name / "checkpoint.pt", weights_only=False)["model"]
+        assert rel_err(_flat(wb), _flat(wa)) <= 1e-5
