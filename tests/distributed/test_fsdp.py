@@ -25,7 +25,7 @@ def _flat(d: dict[str, torch.Tensor]) -> torch.Tensor:
 def _single_process(family: str, mode: str, world: int) -> dict:
     """The reference: the worker's loop in this process, every group of each step, no sharding."""
     model = tiny_model(family, torch.float32)
-    opt = torch.optim.AdamW(model.parameters(), lr=worker.LR)
+    opt = torch.optim.AdamW(model.parameters(), lr=worker.LR, eps=worker.EPS)
     out: dict = {"grads": []}
     for step in range(worker.STEPS):
         groups = worker.global_batch(step, world)
