@@ -173,7 +173,7 @@ def _measure_and_predict(models, prompt_tokens, response_tokens, groups, chunk_s
         results = list(pool.map(one, configs))
     rows = []
     for (model, plan, g), entry in zip(configs, results):
-        assert entry["status"] == "ok", entry
+        assert entry["status"] == "ok", f"{model} {plan} G={g}: {entry.get('error')}\n{entry.get('stderr_tail')}"
         inp = PlanInputs(prompt_tokens=prompt_tokens, response_tokens=response_tokens, group_size=g,
                          dtype="fp32", chunk_size=chunk_size, device="cpu", optimizer="none")
         est = estimate(_spec(model), inp, plan)

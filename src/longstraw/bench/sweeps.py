@@ -228,6 +228,10 @@ def _predictor(model: str, dtype: str):
     return predict
 
 
+def _size(n: int) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / MIB:.1f} MiB"
+
+
 def _available_bytes() -> int | None:
     try:
         with open("/proc/meminfo") as f:
@@ -250,7 +254,7 @@ def run_prompt_bench(cfg: PromptBenchConfig, out: str) -> dict[str, object]:
     available = _available_bytes() if cfg.device == "cpu" else None
     active = list(cfg.modes)
     print(f"bench prompt: {cfg.model} {cfg.dtype}, R={cfg.response_tokens} G={cfg.group_size}, P in "
-          f"{list(cfg.prompts)}, budget {cfg.budget_bytes / GIB:.2f} GiB", file=sys.stderr)
+          f"{list(cfg.prompts)}, budget {_size(cfg.budget_bytes)}", file=sys.stderr)
     for p in cfg.prompts:
         jobs, skipped = [], []
         for mode in active:
@@ -304,7 +308,7 @@ def prompt_summary(results: list[dict], cfg: PromptBenchConfig) -> dict[str, obj
 
 
 def _prompt_lines(summary: dict) -> str:
-    lines = [f"budget {summary['budget_bytes'] / GIB:.2f} GiB:"]
+    lines = [f"budget {_size(summary['budget_bytes'])}:"]
     for mode, s in summary.items():
         if mode == "budget_bytes":
             continue
@@ -527,6 +531,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     else:
         document = run_arch_bench(cfg, out)
     if not any(r.get("status") == "ok" for r in document["results"]):  # type: ignore[union-attr]
-        print(f"bench {args.bench}: every configuration failed; see stderr_tail in {out}", file=sys.stderr)
+        print(f"bench {args.bench}: no configuration ran successfully (failed: see stderr_tail; skipped: see "
+              f"error) in {out}", file=sys.stderr)
         return 1
     return 0

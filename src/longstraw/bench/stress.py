@@ -1,0 +1,109 @@
+"""The stress record: the longest prompt one GRPO step (`backward_group`) completes on this machine.
+
+`python -m longstraw.bench.stress --model tiny-llama-long --mode exact --group-size 4 --response-tokens 128`
+doubles P from `--start` until a step fails, exceeds `--step-timeout`, or the planner predicts more than
+`--budget`; every step runs in a fresh bench worker (peak = VmHWM above the loaded model, DESIGN §5; the whole
+process's high-water mark is recorded too). Any preset works (`--model`), so a constant-state model (Mamba2,
+a sliding-window hybrid) needs only a run. Results go to bench/results/stress-<model>-<time>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import replace
+
+from longstraw.bench.machine import machine_info
+from longstraw.bench.memory import B1, MIB, _write_json, run_one
+
+GIB = 1024**3
+
+
+def main(argv: list[str] | None = None) -> int:
+    from longstraw.planner import parse_size
+
+    parser = argparse.ArgumentParser(prog="python -m longstraw.bench.stress", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny-llama-long", help="any preset / directory / hub id")
+    parser.add_argument("--mode", default="exact", choices=("exact", "detach", "standard", "standard_batched"))
+    parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--response-tokens", type=int, default=128)
+    parser.add_argument("--start", type=int, default=32768, help="first prompt length")
+    parser.add_argument("--max-prompt", type=int, default=2**24, help="stop after this prompt length")
+    parser.add_argument("--chunk-size", type=int, default=8192)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--budget", default="16GiB", help="skip a P the planner predicts above this (step memory)")
+    parser.add_argument("--step-timeout", type=float, default=1800.0, help="seconds one step may take")
+    parser.add_argument("--out", help="result JSON")
+    args = parser.parse_args(argv)
+    try:
+        budget = parse_size(args.budget)
+    except ValueError as err:
+        parser.error(str(err))
+    if args.start < 2 or args.group_size < 1 or args.response_tokens < 1:
+        parser.error("--start must be >= 2, --group-size and --response-tokens >= 1")
+    out = args.out or os.path.join(
+        "bench", "results", f"stress-{args.model.replace('/', '_')}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+
+    predict = None
+    try:
+        from longstraw import planner
+
+        spec = planner.spec_from_config(planner.load_config(args.model), args.model)
+        dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}[args.dtype]
+
+        def predict(p: int) -> int:
+            inp = planner.PlanInputs(prompt_tokens=p, response_tokens=args.response_tokens,
+                                     group_size=args.group_size, dtype=dtype, chunk_size=args.chunk_size,
+                                     device="cpu", optimizer="none")
+            return planner.estimate(spec, inp, args.mode).step_bytes
+    except (ValueError, KeyError) as err:
+        print(f"note: no planner prediction ({err})", file=sys.stderr)
+
+    document: dict[str, object] = {
+        "bench": "stress", "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine_info("cpu"),
+        "config": {k: v for k, v in vars(args).items() if k != "out"}, "command": " ".join(sys.argv),
+        "results": [],
+    }
+    results: list[dict] = document["results"]  # type: ignore[assignment]
+    base = replace(B1, model=args.model, dtype=args.dtype, response_tokens=args.response_tokens,
+                   chunk_size=args.chunk_size, timeout_s=args.step_timeout)
+    p = args.start
+    while p <= args.max_prompt:
+        predicted = predict(p) if predict else None
+        if predicted is not None and predicted > budget:
+            results.append({"prompt_tokens": p, "status": "skipped", "predicted_step_bytes": predicted,
+                            "error": f"planner predicts {predicted / GIB:.2f} GiB > budget {budget / GIB:.2f} GiB"})
+            print(f"P={p}: skipped ({results[-1]['error']})", file=sys.stderr)
+            break
+        entry = run_one(replace(base, prompt_tokens=p), args.mode, args.group_size)
+        entry.update(prompt_tokens=p, predicted_step_bytes=predicted)
+        results.append(entry)
+        if entry["status"] == "ok":
+            print(f"P={p}: ok, step {entry['time_s']:.1f} s, step peak {entry['peak_bytes'] / MIB:.1f} MiB, "
+                  f"process high-water {entry['high_water_bytes'] / MIB:.1f} MiB"
+                  + (f" (planner {predicted / MIB:.1f} MiB)" if predicted else ""), file=sys.stderr, flush=True)
+        else:
+            print(f"P={p}: {entry['error']}", file=sys.stderr, flush=True)
+        _write_json(out, document)
+        if entry["status"] != "ok":
+            break
+        p *= 2
+    ok = [r for r in results if r["status"] == "ok"]
+    document["record"] = max(ok, key=lambda r: r["prompt_tokens"]) if ok else None
+    document["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    _write_json(out, document)
+    if ok:
+        r = document["record"]
+        print(f"record: {args.model} {args.mode} G={args.group_size} R={args.response_tokens}: "
+              f"P={r['prompt_tokens']} positions in {r['time_s']:.0f} s, step peak {r['peak_bytes'] / MIB:.0f} MiB, "
+              f"process high-water {r['high_water_bytes'] / MIB:.0f} MiB; results: {out}")
+        return 0
+    print(f"no prompt length succeeded; results: {out}", file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
