@@ -86,6 +86,14 @@ def test_sharding_and_context_parallel_divide_what_they_should():
     assert estimate(spec, g2, "detach").total_bytes == estimate(spec, g8, "detach").total_bytes
     sb2, sb8 = estimate(spec, g2, "standard_batched"), estimate(spec, g8, "standard_batched")
     assert sb8.components["sequence_activations"] == 4 * sb2.components["sequence_activations"]
+    # Per-layer activation checkpointing (a forecast option) keeps less than the full activations.
+    ckpt = estimate(spec, replace(cp8, checkpoint_layers=True), "exact").components
+    full = estimate(spec, cp8, "exact").components
+    assert ckpt["replay_activations"] < full["replay_activations"] / 4
+    assert ckpt["prompt_backward_chunk"] < full["prompt_backward_chunk"]
+    assert ckpt["prompt_state"] == full["prompt_state"]
+    # Exact keeps a recurrent state per chunk boundary: a larger chunk keeps fewer.
+    assert estimate(spec, replace(cp8, chunk_size=8192), "exact").components["prompt_state"] < full["prompt_state"]
 
 
 def test_largest_prompt_is_the_boundary():

@@ -447,6 +447,15 @@ def chunk_activation_bytes(spec: ModelSpec, b: int, a: int, kernel: str) -> int:
     return layers + _norm(spec.hidden, b) + 8
 
 
+def _activations_per_token(spec: ModelSpec, b: int, a: int, kernel: str, checkpoint_layers: bool) -> int:
+    """Saved bytes per token of a forward with grad; with per-layer activation checkpointing only each layer's
+    input (d·b) is kept, plus one layer's activations while it is recomputed in the backward."""
+    if not checkpoint_layers:
+        return model_activation_bytes(spec, b, a, kernel)
+    largest = max(layer_activation_bytes(spec, i, b, a, kernel) for i in range(spec.num_layers))
+    return spec.num_layers * spec.hidden * b + largest + _norm(spec.hidden, b) + 8
+
+
 # ---------------------------------------------------------------- the plan
 
 
@@ -469,6 +478,7 @@ class PlanInputs:
     optimizer: str = "adamw"
     device: str = "cuda"
     reserve: int | None = None
+    checkpoint_layers: bool = False  # forecast only: per-layer activation checkpointing (not in the engine yet)
 
 
 @dataclass
@@ -528,7 +538,7 @@ def estimate(spec: ModelSpec, inp: PlanInputs, plan: str) -> PlanEstimate:
         state, state_grad = math.ceil(state / inp.cp), math.ceil(state_grad / inp.cp)
         k = min(inp.micro_batch, g)
         tokens = k * r
-        acts = tokens * model_activation_bytes(spec, b, a, "replay")
+        acts = tokens * _activations_per_token(spec, b, a, "replay", inp.checkpoint_layers)
         c = min(inp.token_chunk, tokens)
         logprob = max(2 * c * v * b, c * v * b + v * d * b)
         dsa = any(m == "dsa" for m in spec.mixers)
@@ -545,7 +555,8 @@ def estimate(spec: ModelSpec, inp: PlanInputs, plan: str) -> PlanEstimate:
             comp["indexer_scores"] = indexer
         if exact:
             kernel = "replay" if p - 1 > inp.chunk_size else "own"
-            chunk_acts = chunk * chunk_activation_bytes(spec, b, a, kernel)
+            chunk_acts = chunk * (_activations_per_token(spec, b, a, kernel, True) if inp.checkpoint_layers
+                                  else chunk_activation_bytes(spec, b, a, kernel))
             # backward transient of one layer (gradients of its MLP input/intermediate), measured ~ (I + d)·b
             chunk_acts += chunk * (spec.intermediate + d) * b
             phases["prompt_backward"] = resident + grads + state + state_grad + chunk_acts
@@ -553,7 +564,7 @@ def estimate(spec: ModelSpec, inp: PlanInputs, plan: str) -> PlanEstimate:
         prompt_state = state
     else:
         seqs = g if plan == "standard_batched" else 1
-        acts = seqs * (p + r) * model_activation_bytes(spec, b, a, "sdpa")
+        acts = seqs * (p + r) * _activations_per_token(spec, b, a, "sdpa", inp.checkpoint_layers)
         logits = 3 * seqs * r * v * b  # log-softmax output, its gradient, the logits' gradient
         steady = plan == "standard" and g > 1
         step = (grads + acts + logits) if steady else max(acts + logits, grads)
@@ -653,6 +664,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cuda (default) or cpu: sets the runtime reserve")
     parser.add_argument("--reserve", help="per-GPU bytes outside the tensors (default 2GiB on cuda, 20MiB on cpu)")
+    parser.add_argument("--checkpoint-layers", action="store_true",
+                        help="forecast with per-layer activation checkpointing (keeps each layer's input only); "
+                             "LongStraw does not implement it yet")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
 
@@ -679,7 +693,7 @@ def inputs_from_args(args) -> PlanInputs:
         dtype=args.dtype, gpus=args.gpus, gpu_memory=parse_size(args.gpu_memory), cp=args.cp,
         shard=not args.no_shard, micro_batch=args.micro_batch, chunk_size=args.chunk_size,
         token_chunk=args.token_chunk, optimizer=args.optimizer, device=args.device,
-        reserve=parse_size(args.reserve) if args.reserve else None,
+        reserve=parse_size(args.reserve) if args.reserve else None, checkpoint_layers=args.checkpoint_layers,
     )
 
 
@@ -706,7 +720,8 @@ def format_plan(document: dict[str, object]) -> str:
         f"P={inp['prompt_tokens']} R={inp['response_tokens']} G={inp['group_size']} {inp['dtype']}, "
         f"{inp['gpus']} GPU(s) x {inp['gpu_memory'] / 1e9:.1f} GB, cp={inp['cp']}, "
         f"{'FSDP/ZeRO-3' if inp['shard'] and inp['gpus'] > 1 else 'no sharding'}, micro-batch "
-        f"{inp['micro_batch']}, chunk {inp['chunk_size']}",
+        f"{inp['micro_batch']}, chunk {inp['chunk_size']}"
+        + (", per-layer activation checkpointing (assumed)" if inp["checkpoint_layers"] else ""),
         head, "-" * len(head),
     ]
     for key in rows:
