@@ -74,6 +74,7 @@ def backward_group(
     micro_batch: int = 1,
     token_chunk: int = DEFAULT_TOKEN_CHUNK,
     prompt_state: PromptState | None = None,
+    context_parallel=None,
     **loss_options: float | int | None,
 ) -> GroupResult:
     """Accumulate d(group loss)/d(params) into `.grad`, as `loss.backward()` would (never zeroes or steps).
@@ -82,6 +83,8 @@ def backward_group(
     prompt-backward chunk in exact mode). micro_batch: responses replayed at once (detach/exact).
     token_chunk: rows per block of the chunked log-prob. prompt_state: a state already captured for this
     prompt (e.g. by the sampler, `Rollout.state`) to reuse instead of capturing again (detach/exact).
+    context_parallel: a `distributed.context.ContextParallel` group (detach/exact): every rank of it calls
+    this with the same group and keeps 1/C of the prompt's attention state; each ends with the full gradient.
     loss_options: epsilon, epsilon_low, epsilon_high, beta, max_tokens (see `longstraw.loss`).
     """
     try:
@@ -102,6 +105,12 @@ def backward_group(
             f"prompt_state holds {prompt_state.length} positions but this prompt needs {group.prompt.numel() - 1} "
             "(all but its last token): pass the state captured for this prompt, or none"
         )
+    if context_parallel is not None:
+        from longstraw.distributed.context import check_supported
+
+        if mode not in ("detach", "exact"):
+            raise ValueError(f"context parallelism shards the prompt state: use mode detach or exact, not {mode}")
+        check_supported(model)
     if mode == "exact" and prompt_state is not None and not prompt_state.keep_boundaries:
         raise ValueError("the exact plan needs a prompt_state captured with keep_boundaries=True (the recurrent "
                          "state at every chunk boundary); pass one, or none")
@@ -138,7 +147,8 @@ def backward_group(
         # The last prompt token is replayed with each response, so only prompt[:-1] is captured.
         state = prompt_state
         if state is None:
-            state = capture_prompt(model, prompt[:-1], chunk_size, keep_boundaries=mode == "exact")
+            state = capture_prompt(model, prompt[:-1], chunk_size, keep_boundaries=mode == "exact",
+                                   cp=context_parallel)
         t1 = time.perf_counter()
         if mode == "exact":
             state = state.as_leaves()

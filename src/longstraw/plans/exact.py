@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from longstraw.replay import run_segment
-from longstraw.state.prompt import Collected, PromptState
+from longstraw.state.prompt import GRAD_PARTS, Collected, PromptState
 
 
 def prompt_backward(model: torch.nn.Module, ids: torch.Tensor, leaves: PromptState) -> None:
@@ -23,18 +23,34 @@ def prompt_backward(model: torch.nn.Module, ids: torch.Tensor, leaves: PromptSta
     if not leaves.keep_boundaries and leaves.num_chunks > 1:
         raise ValueError("the exact plan needs the recurrent state at every chunk boundary: capture the prompt "
                          "with keep_boundaries=True")
+    cp = leaves.cp
     for j in reversed(range(leaves.num_chunks)):
         start, end = leaves.bounds[j]
         produced = leaves.chunk_outputs(j)
         upstream = [None if t is None else t.grad for t in produced]
-        if all(g is None for g in upstream):
-            continue
+        if cp is None and all(g is None for g in upstream):
+            continue  # (under context parallelism every rank recomputes every chunk: collectives run in step)
         collect: Collected = {}
         with torch.enable_grad():
             run_segment(model, ids[start:end].unsqueeze(0), start, leaves.prefix(j), collect, kv_only=True)
         recomputed = PromptState.outputs_of(collect, leaves.num_layers)
+        if cp is not None:
+            upstream = _owner_gradients(cp, j, leaves.num_chunks, upstream, recomputed)
         pairs = [(out, g) for out, g in zip(recomputed, upstream) if g is not None and out is not None]
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         for t in produced:
             if t is not None:
                 t.grad = None  # consumed: free this chunk's state gradient
+
+
+def _owner_gradients(cp, j: int, num_chunks: int, upstream: list, recomputed: list) -> list:
+    """Context parallelism: chunk j's K/V gradients live on its owner; every rank needs them to backpropagate
+    its (replicated) recompute of chunk j. Recurrent parts are replicated, so their gradients are local.
+    GRAD_PARTS order per layer: key, value, conv, recurrent."""
+    attention = [i for i, out in enumerate(recomputed) if out is not None and i % len(GRAD_PARTS) < 2]
+    shared = cp.broadcast_from([upstream[i] for i in attention], [recomputed[i] for i in attention],
+                               cp.owner(j, num_chunks))
+    upstream = list(upstream)
+    for i, g in zip(attention, shared):
+        upstream[i] = g
+    return upstream

@@ -19,16 +19,18 @@ def chunk_bounds(length: int, chunk_size: int) -> list[tuple[int, int]]:
 
 
 def capture_prompt(model: torch.nn.Module, ids: torch.Tensor, chunk_size: int,
-                   keep_boundaries: bool = True) -> PromptState:
+                   keep_boundaries: bool = True, cp=None) -> PromptState:
     """The state of every layer for `ids` (N,), computed chunk by chunk under no_grad.
 
     Chunk c continues from the state of the chunks before it, so peak activation memory is one chunk's,
     and the result does not depend on the chunk size (up to float reassociation). keep_boundaries: keep the
     recurrent state at every chunk boundary (the exact plan needs them); otherwise only the last, and
-    sliding-window layers drop K/V outside their window.
+    sliding-window layers drop K/V outside their window. cp (`distributed.context.ContextParallel`): every rank
+    runs every chunk, and keeps the attention parts of its own contiguous slice of chunks only.
     """
-    state = PromptState(num_layers=model.config.num_hidden_layers, keep_boundaries=keep_boundaries)
-    for start, end in chunk_bounds(ids.numel(), chunk_size):
+    state = PromptState(num_layers=model.config.num_hidden_layers, keep_boundaries=keep_boundaries, cp=cp)
+    bounds = chunk_bounds(ids.numel(), chunk_size)
+    for j, (start, end) in enumerate(bounds):
         collect: Collected = {}
         with torch.no_grad():
             run_segment(model, ids[start:end].unsqueeze(0), start, state.fork(), collect, kv_only=True)
@@ -37,4 +39,6 @@ def capture_prompt(model: torch.nn.Module, ids: torch.Tensor, chunk_size: int,
             if window is not None:
                 state.windows[layer] = window  # type: ignore[assignment]
         state.append_chunk(start, end, collect)
+        if cp is not None and not cp.owns(j, len(bounds)):
+            state.drop_attention(j)
     return state

@@ -43,6 +43,8 @@ class PromptState:
     bounds: list[tuple[int, int]] = field(default_factory=list)  # [start, end) token range of each chunk
     layer_parts: list[frozenset[str]] | None = None  # which parts each layer produces (known after chunk 0)
     windows: list[int | None] = field(default_factory=list)  # sliding window per layer (None: full attention)
+    # Context parallelism (distributed/context.py): this rank holds the attention parts of its own chunks only.
+    cp: object | None = None
 
     def __post_init__(self) -> None:
         for name in PARTS:
@@ -103,6 +105,12 @@ class PromptState:
         if not self.keep_boundaries:
             self._drop_unneeded()
 
+    def drop_attention(self, j: int) -> None:
+        """Context parallelism: chunk j's attention parts live on another rank."""
+        for name in ("key", "value", "index"):
+            for layer in range(self.num_layers):
+                self.parts[name][layer][j] = None
+
     def _drop_unneeded(self) -> None:
         """Without boundaries only the last recurrent state matters, and a sliding-window layer's K/V older
         than its window (W - 1 positions: the next token sees positions > its own − W) never will again."""
@@ -120,9 +128,6 @@ class PromptState:
                         self.parts["key"][layer][j] = None
                         self.parts["value"][layer][j] = None
 
-    def parts_needed(self) -> list[frozenset[str]] | None:
-        return self.layer_parts
-
     # --- forks and leaves ---------------------------------------------------------------------------------
     def _map(self, fn, num_chunks: int | None = None) -> PromptState:
         n = self.num_chunks if num_chunks is None else num_chunks
@@ -134,6 +139,7 @@ class PromptState:
             bounds=list(self.bounds[:n]),
             layer_parts=self.layer_parts,
             windows=list(self.windows),
+            cp=self.cp,
         )
 
     def prefix(self, num_chunks: int) -> PromptState:

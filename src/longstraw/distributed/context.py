@@ -1,0 +1,124 @@
+"""Context parallelism: the prompt state split along the sequence over C ranks (issue 5, part 3).
+
+Design: *replicated segments, sharded state.* Every rank of the context-parallel group runs every segment —
+each capture chunk, each replayed micro-batch, each recomputed chunk of the exact plan — on the same tokens,
+but rank r keeps the attention state (K/V, MLA latents, indexer keys) of its own contiguous slice of capture
+chunks only. In each attention layer a rank attends its queries to its own slice, and the C partial results
+are merged exactly with their log-sum-exps (`ContextParallel.merge`); recurrent layers' conv/recurrent state is
+computed by every rank in sequence order (it is constant in P, so it is simply replicated). Per-rank prompt
+state is then ~1/C of the single-device state; the price is that the non-attention work of a segment is
+repeated on every rank (attention over the prompt, the part that grows with P, is split).
+
+Gradients: because everything but the prompt attention is replicated, each rank can hold the *complete*
+parameter gradient, equal to the single-process one, if two things are true in backward:
+* the gradient of a partial result is the rank's own (every rank computed the same downstream, so the
+  gathered partials' gradients are identical on all ranks: take yours, no communication);
+* the queries' gradient sums the C partials' contributions (`reduce_grad`: identity forward, all-reduce of the
+  gradient backward), so everything upstream of attention sees the full gradient on every rank.
+The exact plan's state gradients stay sharded: a rank's K/V leaves receive gradient only through its own
+partial. Its reverse prompt backward walks the global chunks in reverse; the owner of chunk c broadcasts the
+accumulated gradient of c's K/V so every rank can backpropagate the replicated recompute of c.
+
+Supported layer kinds: full attention (fused kernel path) and recurrent layers. Sliding windows, MLA and DSA
+under context parallelism are refused (`check_supported`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class _ReduceGrad(torch.autograd.Function):
+    """Identity forward; all-reduce (sum) of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _GatherPartials(torch.autograd.Function):
+    """All-gather each rank's partial (out, lse); backward keeps this rank's slice of the (replicated) gradient."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, lse: torch.Tensor, group, rank: int, size: int):  # type: ignore[override]
+        out, lse = out.contiguous(), lse.contiguous()
+        outs = [torch.empty(out.shape, dtype=out.dtype, device=out.device) for _ in range(size)]
+        lses = [torch.empty(lse.shape, dtype=lse.dtype, device=lse.device) for _ in range(size)]
+        dist.all_gather(outs, out, group=group)
+        dist.all_gather(lses, lse, group=group)
+        ctx.rank = rank
+        return torch.stack(outs), torch.stack(lses)  # (C, ...)
+
+    @staticmethod
+    def backward(ctx, d_outs: torch.Tensor, d_lses: torch.Tensor):  # type: ignore[override]
+        return d_outs[ctx.rank], d_lses[ctx.rank], None, None, None
+
+
+class ContextParallel:
+    """A context-parallel group: which capture chunks this rank owns, and the two collectives of attention."""
+
+    def __init__(self, group=None) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("context parallelism needs torch.distributed initialised (launch with torchrun)")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+
+    def owner(self, chunk: int, num_chunks: int) -> int:
+        """Contiguous slices: chunk j of n belongs to rank floor(j * C / n) (C need not divide n)."""
+        return chunk * self.size // max(num_chunks, 1)
+
+    def owns(self, chunk: int, num_chunks: int) -> bool:
+        return self.owner(chunk, num_chunks) == self.rank
+
+    def reduce_grad(self, x: torch.Tensor) -> torch.Tensor:
+        return _ReduceGrad.apply(x, self.group)
+
+    def merge(self, out: torch.Tensor | None, lse: torch.Tensor | None, like_out: torch.Tensor,
+              like_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Merge every rank's partial attention over its slice: out (N, M, D), lse (N, M) -> global ones.
+
+        A rank without prompt chunks contributes (0, most negative finite), which weighs exactly 0."""
+        if out is None:
+            out = torch.zeros_like(like_out)
+            lse = torch.full_like(like_lse, torch.finfo(like_lse.dtype).min)
+        outs, lses = _GatherPartials.apply(out, lse, self.group, self.rank, self.size)
+        total = torch.logsumexp(lses, dim=0)
+        merged = (torch.exp(lses - total).unsqueeze(-1) * outs).sum(0)
+        return merged, total
+
+    def broadcast_from(self, tensors: list[torch.Tensor | None], like: list[torch.Tensor], src: int) -> list[torch.Tensor]:
+        """The owner's tensors (None → zeros) on every rank, shaped like `like`."""
+        out = []
+        for t, ref in zip(tensors, like):
+            # Contiguous on every side: empty_like would copy a transposed view's strides, and the collective
+            # writes the bytes in contiguous order.
+            if self.rank == src:
+                buf = (t if t is not None else torch.zeros_like(ref)).detach().contiguous().clone()
+            else:
+                buf = torch.empty(ref.shape, dtype=ref.dtype, device=ref.device)
+            dist.broadcast(buf, src=dist.get_global_rank(self.group, src) if self.group is not None else src,
+                           group=self.group)
+            out.append(buf)
+        return out
+
+
+def check_supported(model: torch.nn.Module) -> None:
+    """Refuse layer kinds whose attention does not run through the fused path (windows, MLA, DSA)."""
+    from longstraw.state.formulas import layer_kind
+
+    kinds = {layer_kind(model.config, layer) for layer in range(model.config.num_hidden_layers)}
+    unsupported = kinds & {"sliding", "mla", "dsa"}
+    if unsupported or getattr(model.config, "final_logit_softcapping", None):
+        raise ValueError(
+            f"context parallelism supports full-attention and recurrent layers; this model has "
+            f"{sorted(unsupported)} layers: run it without --cp"
+        )

@@ -1,0 +1,60 @@
+"""Context parallelism (C ranks share one prompt's state): log-probs and gradients equal one process, every
+rank ends with the full gradient, and each rank holds ~1/C of the attention state."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import grads as all_grads
+from conftest import random_group, tiny_model
+
+from longstraw import backward_group
+
+HERE = Path(__file__).resolve().parent
+PROMPT, RESPONSES, CHUNK = 61, [5, 1, 9], 8  # as in cp_worker: 60 encoded positions in 8 chunks
+CASES = [("llama", "exact"), ("llama", "detach"), ("qwen3_5_text", "exact")]
+
+
+def _single(family: str, mode: str):
+    model = tiny_model(family, torch.float32)
+    group = random_group(PROMPT, RESPONSES, seed=3, dtype=torch.float32)
+    result = backward_group(model, group, mode=mode, chunk_size=CHUNK, micro_batch=2)
+    return all_grads(model), result.logprobs, result.stats["prompt_state_bytes"]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_context_parallel_equals_one_process(spawn, tmp_path, world):
+    """C = 2 and C = 3 (8 chunks over 3 ranks: slices of 3, 3, 2), float32, for a full-attention model (exact
+    and detach) and a hybrid with gated-DeltaNet recurrent layers (exact)."""
+    out = tmp_path / "cp"
+    results = spawn([str(HERE / "cp_worker.py"), str(out)], world, timeout=300)
+    for code, text in results:
+        assert code == 0, text
+    saved = [torch.load(f"{out}.rank{r}") for r in range(world)]
+    for family, mode in CASES:
+        _check(family, mode, world, [s[(family, mode)] for s in saved])
+
+
+def _check(family: str, mode: str, world: int, per_rank: list[dict]) -> None:
+    grads, logprobs, state_bytes = _single(family, mode)
+    for r in per_rank:
+        assert float((r["grads"] - grads).norm() / grads.norm()) <= 1e-5
+        for a, b in zip(r["logprobs"], logprobs):
+            assert float((a - b).abs().max()) <= 1e-5
+    # Attention state is split (recurrent state, constant in P, is replicated): the ranks together hold it once.
+    shards = [r["state_bytes"] for r in per_rank]
+    if family == "llama":
+        assert sum(shards) == state_bytes
+        assert max(shards) <= state_bytes / world * 1.5  # 8 chunks over C ranks: slices of 3 and 2 (or 4 and 4)
+    else:
+        assert max(shards) < state_bytes
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "gemma3-A"])
+def test_context_parallel_refuses_latent_and_windowed_attention(family):
+    from longstraw.distributed.context import check_supported
+
+    with pytest.raises(ValueError, match="without --cp"):
+        check_supported(tiny_model(family, torch.float32))
