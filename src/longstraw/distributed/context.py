@@ -95,7 +95,8 @@ class ContextParallel:
         merged = (torch.exp(lses - total).unsqueeze(-1) * outs).sum(0)
         return merged, total
 
-    def broadcast_from(self, tensors: list[torch.Tensor | None], like: list[torch.Tensor], src: int) -> list[torch.Tensor]:
+    def broadcast_from(self, tensors: list[torch.Tensor | None], like: list[torch.Tensor],
+                       src: int) -> list[torch.Tensor]:
         """The owner's tensors (None → zeros) on every rank, shaped like `like`."""
         out = []
         for t, ref in zip(tensors, like):
