@@ -18,6 +18,7 @@ import os
 import sys
 import threading
 import time
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -129,7 +130,7 @@ class Parallel:
         """FSDP2 over all ranks (`fsdp.parallelize`); unchanged in one process."""
         return parallelize(model, self.mesh) if self.mesh is not None else model
 
-    def compute(self, model: torch.nn.Module, reduce: bool = True):
+    def compute(self, model: torch.nn.Module, reduce: bool = True) -> AbstractContextManager[None]:
         """Context for forwards/backwards: gathers once and reduces gradients once when sharded
         (`fsdp.sharded_compute`; reduce=False for blocks without backward)."""
         return sharded_compute(model, reduce)
