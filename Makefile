@@ -45,5 +45,21 @@ bench: install
 bench-demo: install
 	$(BIN)/longstraw bench memory --demo
 
+.PHONY: bench-smoke plan-paper stress
+
+# Every benchmark at a tiny size (under a minute on an idle machine): memory, prompt, pareto, arch.
+bench-smoke: install
+	for b in memory prompt pareto arch; do $(BIN)/longstraw bench $$b --smoke || exit 1; done
+
+# The planner's forecast at the paper's scale (README, "The paper's scale, on paper").
+plan-paper: install
+	$(BIN)/longstraw plan --model hybrid-27b --prompt-tokens 2100000 --response-tokens 4096 --group-size 8 \
+		--gpus 8 --gpu-memory 96GB --dtype bf16 --cp 8 --chunk-size 8192 --checkpoint-layers
+
+# The stress record (README): doubles P until one exact GRPO step fails or takes over 25 min.
+stress: install
+	$(BIN)/python -m longstraw.bench.stress --model tiny-llama-long --mode exact --group-size 4 \
+		--response-tokens 128 --start 8192 --step-timeout 1500
+
 clean:
 	rm -rf $(VENV) build src/*.egg-info

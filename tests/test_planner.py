@@ -146,7 +146,7 @@ def test_cli_json_and_table(capsys, tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--gpu-memory", "lots"], "cannot read memory size 'lots'"),
     (["--gpu-memory", "96"], "cannot read memory size '96'"),
-    (["--model", "no-such-model-here"], "unknown model 'no-such-model-here'"),
+    (["--model", "not-a-preset/nor/a-hub-id"], "unknown model 'not-a-preset/nor/a-hub-id'"),
     (["--cp", "4"], "--cp 4 needs at least as many GPUs"),
     (["--prompt-tokens", "1"], "--prompt-tokens must be >= 2"),
     (["--group-size", "0"], "must be >= 1"),

@@ -442,9 +442,12 @@ def model_activation_bytes(spec: ModelSpec, b: int, a: int, kernel: str) -> int:
 
 def chunk_activation_bytes(spec: ModelSpec, b: int, a: int, kernel: str) -> int:
     """Saved bytes per token of a prompt-backward chunk recompute: the forward stops once the last layer's
-    state is produced, so that layer contributes its input norm only."""
+    state is produced, so that layer contributes its input norm (and q/k-norm, computed before its K) only."""
     layers = sum(layer_activation_bytes(spec, i, b, a, kernel) for i in range(spec.num_layers - 1))
-    return layers + _norm(spec.hidden, b) + 8
+    last = _norm(spec.hidden, b)
+    if spec.qk_norm and spec.mixers[-1] in ("attention", "sliding"):
+        last += (4 + b) * (spec.heads + spec.kv_heads) * spec.head_dim
+    return layers + last + 8
 
 
 def _activations_per_token(spec: ModelSpec, b: int, a: int, kernel: str, checkpoint_layers: bool) -> int:
