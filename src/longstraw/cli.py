@@ -55,6 +55,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sweeps.add_arch_arguments(arch_parser)
     arch_parser.set_defaults(fail=arch_parser.error)
+    from longstraw.bench import cp as cp_bench
+
+    cp_parser = benches.add_parser(
+        "cp", help="context-parallel prompt state: per-rank peak memory and time for C in {1, 2, 4}",
+        description="Each C as C processes (gloo) sharing one prompt's state; per-rank peak, state bytes, time.",
+    )
+    cp_bench.add_arguments(cp_parser)
+    cp_parser.set_defaults(fail=cp_parser.error)
 
     from longstraw import planner
 
@@ -92,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
         from longstraw.bench import sweeps
 
         return sweeps.run_from_args(args)
+    if args.command == "bench" and args.bench == "cp":
+        from longstraw.bench import cp as cp_bench
+
+        return cp_bench.run_from_args(args)
     if args.command == "plan":
         from longstraw import planner
 

@@ -1,0 +1,109 @@
+"""`longstraw bench cp`: context-parallel prompt state, per-rank peak memory and time for C ∈ {1, 2, 4}.
+
+Each C runs as C fresh processes on this machine (gloo, torchrun's environment), one `backward_group` each on
+the same group with the prompt state sharded over the C ranks (`distributed/context.py`). Reported per C: the
+largest per-rank peak (VmHWM − RSS before the step, DESIGN §5), the prompt-state bytes a rank holds, and the
+step time. On one CPU host the C ranks share the cores, so times measure the method's overhead (every rank
+repeats the non-attention work of every segment), not a multi-GPU speed-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from longstraw.bench.machine import machine_info
+
+RESULTS_DIR = Path("bench/results")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="b1-llama", help="preset, local directory or HF id (default b1-llama)")
+    parser.add_argument("--prompt-tokens", type=int, default=8192, help="P (default 8192)")
+    parser.add_argument("--response-tokens", type=int, default=128, help="R (default 128)")
+    parser.add_argument("--group-size", type=int, default=2, help="G (default 2)")
+    parser.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4], help="context-parallel sizes (default 1 2 4)")
+    parser.add_argument("--mode", choices=("detach", "exact"), default="exact", help="plan (default exact)")
+    parser.add_argument("--chunk-size", type=int, default=1024, help="prompt capture chunk (default 1024)")
+    parser.add_argument("--dtype", default="float32", help="parameter dtype (default float32)")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per C before giving up")
+    parser.add_argument("--smoke", action="store_true", help="tiny-llama, P=256, C in {1, 2}: seconds")
+    parser.add_argument("--out", default=None, help="JSON path (default bench/results/cp-<time>.json)")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(config: dict, timeout: float) -> list[dict]:
+    """Run C ranks of the worker; return each rank's measurement. Raises RuntimeError with a rank's output."""
+    world = int(config["cp"])
+    port = _free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "cp")
+        procs = []
+        for rank in range(world):
+            env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                       OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // world)),
+                       MALLOC_MMAP_THRESHOLD_="131072")
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "longstraw.bench.cp_worker", json.dumps(config), out],
+                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        try:
+            outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise RuntimeError(f"C={world}: ranks did not finish within {timeout:.0f} s") from None
+        for p, text in zip(procs, outputs):
+            if p.returncode != 0:
+                raise RuntimeError(f"C={world}: a rank failed (exit {p.returncode}):\n{text[-2000:]}")
+        return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(world)]
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    base = {"model": args.model, "dtype": args.dtype, "prompt_tokens": args.prompt_tokens,
+            "response_tokens": args.response_tokens, "group_size": args.group_size, "mode": args.mode,
+            "chunk_size": args.chunk_size, "seed": 0}
+    sizes = args.cp
+    if args.smoke:
+        base.update(model="tiny-llama", prompt_tokens=256, response_tokens=8, chunk_size=32)
+        sizes = [1, 2]
+    if any(c < 1 for c in sizes):
+        args.fail("--cp sizes must be >= 1")
+    print(f"bench cp: {base['model']} {base['dtype']}, P={base['prompt_tokens']} R={base['response_tokens']} "
+          f"G={base['group_size']}, {base['mode']}, chunk {base['chunk_size']}; C in {sizes}, one process per rank")
+    rows = []
+    for c in sizes:
+        t0 = time.perf_counter()
+        try:
+            ranks = run_ranks(base | {"cp": c}, args.timeout)
+        except RuntimeError as err:
+            print(f"longstraw bench cp: error: {err}", file=sys.stderr)
+            return 1
+        row = {"cp": c, "ranks": ranks, "max_peak_bytes": max(r["peak_bytes"] for r in ranks),
+               "max_state_bytes": max(r["prompt_state_bytes"] for r in ranks),
+               "max_time_s": max(r["time_s"] for r in ranks), "wall_s": time.perf_counter() - t0}
+        rows.append(row)
+        print(f"  C={c}: per-rank peak {row['max_peak_bytes'] / 2**20:8.1f} MiB  prompt state "
+              f"{row['max_state_bytes'] / 2**20:7.2f} MiB  step {row['max_time_s']:7.2f} s")
+    one = rows[0]
+    print("relative to the first C:")
+    for row in rows[1:]:
+        print(f"  C={row['cp']}: state x{row['max_state_bytes'] / one['max_state_bytes']:.3f}, peak "
+              f"x{row['max_peak_bytes'] / one['max_peak_bytes']:.3f}, time x{row['max_time_s'] / one['max_time_s']:.2f}")
+    out = Path(args.out) if args.out else RESULTS_DIR / f"cp-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"config": base, "machine": machine_info("cpu"), "results": rows}, indent=1))
+    print(f"results: {out}")
+    return 0

@@ -1,0 +1,49 @@
+"""One rank of `longstraw bench cp`: `python -m longstraw.bench.cp_worker '<json config>' OUT_PATH`.
+
+Launched C times with torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) by `bench/cp.py`.
+Every rank loads the same model and group, runs one `backward_group` with the prompt state sharded over the C
+ranks (C = 1: no context parallelism), and writes its own measurement — peak memory as in DESIGN §5 (VmHWM
+minus VmRSS before the step), step time, prompt-state bytes held — to OUT_PATH.rank<r> as JSON.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from longstraw import backward_group, load_model
+from longstraw.bench.worker import make_group
+from longstraw.distributed.context import ContextParallel
+from longstraw.memory import PeakMemory
+
+
+def main() -> None:
+    config, out_path = json.loads(sys.argv[1]), sys.argv[2]
+    world = int(config["cp"])
+    if world > 1:
+        dist.init_process_group("gloo")
+    model = load_model(config["model"], dtype=config["dtype"], seed=0)
+    group = make_group(model.config.vocab_size, config["prompt_tokens"], config["response_tokens"],
+                       config["group_size"], config["seed"])
+    gc.collect()
+    meter = PeakMemory("cpu")
+    meter.start()
+    t0 = time.perf_counter()
+    result = backward_group(model, group, mode=config["mode"], chunk_size=config["chunk_size"],
+                            context_parallel=ContextParallel() if world > 1 else None)
+    step_s = time.perf_counter() - t0
+    rank = dist.get_rank() if world > 1 else 0
+    with open(f"{out_path}.rank{rank}", "w") as f:
+        json.dump({"rank": rank, "peak_bytes": meter.peak_bytes(), "time_s": step_s,
+                   "prompt_state_bytes": result.stats["prompt_state_bytes"]}, f)
+    if world > 1:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
