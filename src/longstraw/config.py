@@ -57,6 +57,9 @@ class TrainConfig:
     plan: str = _f("exact", "gradient plan: exact (= standard GRPO), detach (the paper's), standard")
     chunk_size: int = _f(2048, "prompt tokens per capture / prompt-backward chunk")
     micro_batch: int = _f(1, "responses replayed at once")
+    cp: int = _f(1, "context parallelism: consecutive ranks that share one prompt's state, each holding 1/cp of "
+                    "its K/V (launch with --nproc a multiple of cp); detach/exact plans, full-attention and "
+                    "recurrent layers")
     # optimizer
     steps: int = _f(20, "optimizer steps in total")
     lr: float = _f(1e-5, "AdamW learning rate")
@@ -80,6 +83,9 @@ class TrainConfig:
                 raise ValueError(message)
 
         need(self.task in TASKS, f"task {self.task!r} is unknown: choose one of {', '.join(TASKS)}")
+        need(self.cp >= 1, f"cp must be >= 1, got {self.cp}")
+        need(self.cp == 1 or self.plan in ("detach", "exact"),
+             f"cp = {self.cp} shards the prompt state, which the {self.plan} plan does not use: --plan detach or exact")
         need(self.loss in LOSSES, f"loss {self.loss!r} is unknown: choose one of {', '.join(LOSSES)}")
         need(self.advantage in ADVANTAGES,
              f"advantage {self.advantage!r} is unknown: choose one of {', '.join(ADVANTAGES)}")

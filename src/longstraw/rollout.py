@@ -79,11 +79,14 @@ def sample_group(
     chunk_size: int = 2048,
     state: PromptState | None = None,
     keep_boundaries: bool = True,
+    context_parallel=None,
 ) -> Rollout:
     """Draw `group_size` responses to `prompt` (P,) with one prompt prefill. Deterministic for a given seed.
 
     keep_boundaries: capture the recurrent state at every chunk boundary, so the exact plan can reuse the
-    rollout's state (detach-only training can save that memory with False)."""
+    rollout's state (detach-only training can save that memory with False). context_parallel: the prompt
+    state is sharded over that group's ranks, which all call this with the same arguments and get the same
+    samples."""
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
     if prompt.dim() != 1 or prompt.numel() == 0:
@@ -91,7 +94,7 @@ def sample_group(
     device = model.get_input_embeddings().weight.device
     prompt = prompt.to(device=device, dtype=torch.long)
     if state is None:
-        state = capture_prompt(model, prompt[:-1], chunk_size, keep_boundaries=keep_boundaries)
+        state = capture_prompt(model, prompt[:-1], chunk_size, keep_boundaries=keep_boundaries, cp=context_parallel)
     weight = model.get_output_embeddings().weight  # (V, d)
     generated = ResponseState(group_size, sampling.max_new_tokens)
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -134,13 +137,14 @@ def score_responses(
     chunk_size: int = 2048,
     micro_batch: int = 1,
     state: PromptState | None = None,
+    context_parallel=None,
 ) -> list[torch.Tensor]:
     """Per-token log-probs (R_i,) of each response under `model`, from one prompt capture (e.g. the frozen
     reference model's log-probs for the KL term). Same replay path as training, without backward."""
     device = model.get_input_embeddings().weight.device
     prompt = prompt.to(device=device, dtype=torch.long)
     if state is None:
-        state = capture_prompt(model, prompt[:-1], chunk_size, keep_boundaries=False)
+        state = capture_prompt(model, prompt[:-1], chunk_size, keep_boundaries=False, cp=context_parallel)
     responses = [r.to(device=device, dtype=torch.long) for r in responses]
     _, logprobs = replay_responses(model, prompt, state, responses, None, micro_batch, DEFAULT_TOKEN_CHUNK)
     return logprobs

@@ -182,8 +182,9 @@ class Trainer:
     def rollout(self, step: int, j: int, example: Example) -> ScoredGroup:
         cfg = self.cfg
         prompt = self._encode(example)
-        out = sample_group(self.model, prompt, cfg.group_size, self.sampling,
-                           seed=_derive_seed(cfg.seed, step, j, 1), chunk_size=cfg.chunk_size)
+        cp = self.par.context_parallel  # None unless ranks share prompts (--cp)
+        out = sample_group(self.model, prompt, cfg.group_size, self.sampling, seed=_derive_seed(cfg.seed, step, j, 1),
+                           chunk_size=cfg.chunk_size, context_parallel=cp)
         rewards = torch.tensor([float(self.task.reward(self._decode(r), example)) for r in out.responses],
                                dtype=torch.float64)
         if not torch.isfinite(rewards).all():
@@ -191,7 +192,8 @@ class Trainer:
         advantages = compute_advantages(rewards, cfg.advantage)
         ref = None
         if self.reference is not None:
-            ref = score_responses(self.reference, prompt, out.responses, cfg.chunk_size, cfg.micro_batch)
+            ref = score_responses(self.reference, prompt, out.responses, cfg.chunk_size, cfg.micro_batch,
+                                  context_parallel=cp)
         group = Group(prompt, out.responses, advantages, old_logprobs=out.logprobs, ref_logprobs=ref)
         return ScoredGroup(prompt=prompt, group=group, state=out.state, rewards=rewards)
 
@@ -227,7 +229,7 @@ class Trainer:
                     result = backward_group(
                         self.model, r.group, mode=cfg.plan, loss=cfg.loss, chunk_size=cfg.chunk_size,
                         micro_batch=cfg.micro_batch, prompt_state=r.state if it == 0 else None,
-                        **cfg.loss_options(),
+                        context_parallel=self.par.context_parallel, **cfg.loss_options(),
                     )
                     loss_total += result.loss / n_kept
             loss_total = self.par.sum(loss_total)
@@ -255,6 +257,8 @@ class Trainer:
             "prompt_tokens": sum(int(r.prompt.numel()) for r in kept), "peak": meter.peak_absolute_bytes(),
             "t_rollout": t1 - t0, "t_train": t2 - t1, "t_step": t2 - t0,
         })
+        peak = max(x["peak"] for x in ranks)
+        ranks = ranks[:: self.par.cp_size]  # the ranks of a context-parallel block hold the same groups
         rewards = torch.cat([x["rewards"] for x in ranks])
         dropped = sum(x["dropped"] for x in ranks)
         response_tokens = sum(x["response_tokens"] for x in ranks)
@@ -268,11 +272,11 @@ class Trainer:
             "loss": loss_total,
             "grad_norm": grad_norm,
             "lr": lr,
-            "kept_groups": n_kept,
+            "kept_groups": n_kept // self.par.cp_size,  # a context-parallel block's ranks share their groups
             "dropped_groups": dropped,
             "response_tokens_mean": response_tokens / max(1, rewards.numel()),
-            "prompt_tokens": prompt_tokens // max(1, n_kept) if n_kept else 0,
-            "peak_memory_bytes": max(x["peak"] for x in ranks),  # the largest rank's
+            "prompt_tokens": prompt_tokens // max(1, n_kept // self.par.cp_size) if n_kept else 0,
+            "peak_memory_bytes": peak,  # the largest rank's
             "tokens_per_s": (prompt_tokens + response_tokens) / max(1e-9, max(x["t_step"] for x in ranks)),
             "time_rollout_s": t_rollout,
             "time_train_s": t_train,
@@ -290,10 +294,11 @@ class Trainer:
         examples = self.task.examples(cfg.eval_prompts, seed=cfg.seed + EVAL_SEED_OFFSET)
         total = 0.0
         with self.par.compute(self.model, reduce=False):
-            for example in examples[self.par.rank :: self.par.world_size]:  # ranks split the prompts
-                out = sample_group(self.model, self._encode(example), 1, greedy, chunk_size=cfg.chunk_size)
+            for example in examples[self.par.dp_rank :: self.par.dp_size]:  # blocks of ranks split the prompts
+                out = sample_group(self.model, self._encode(example), 1, greedy, chunk_size=cfg.chunk_size,
+                                   context_parallel=self.par.context_parallel)
                 total += float(self.task.reward(self._decode(out.responses[0]), example))
-        return self.par.sum(total) / len(examples)
+        return self.par.sum(total) / self.par.cp_size / len(examples)  # a block's ranks all add the same
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -416,7 +421,7 @@ def plot_metrics(metrics_path: Path, out: Path) -> Path | None:
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Train in this process, or as one rank of a distributed job when launched by torchrun (WORLD_SIZE > 1)."""
-    parallel = Parallel.start(cfg.device)
+    parallel = Parallel.start(cfg.device, cp=cfg.cp)
     try:
         summary = Trainer(cfg, parallel).run()
     except BaseException as err:

@@ -101,7 +101,7 @@ def test_launch_errors_say_what_to_change(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["train", "--prompts-per-step", "3", "--nproc", "2"])
     assert exc.value.code == 2
-    assert "--prompts-per-step 3 cannot be split evenly over --nproc 2" in capsys.readouterr().err
+    assert "--prompts-per-step 3 cannot be split evenly over 2 data-parallel groups" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["train", "--device", "cuda", "--nproc", str(max(2, torch.cuda.device_count() + 1))])
     assert "GPUs (one per process) but this machine has" in capsys.readouterr().err
@@ -110,8 +110,11 @@ def test_launch_errors_say_what_to_change(capsys):
 def test_ranks_take_contiguous_prompt_slices():
     assert [Parallel(rank=r, world_size=2).share(4) for r in (0, 1)] == [range(0, 2), range(2, 4)]
     assert Parallel().share(3) == range(0, 3)
-    with pytest.raises(ValueError, match="prompts_per_step = 6 cannot be split evenly over 4 processes"):
+    with pytest.raises(ValueError, match="prompts_per_step = 6 cannot be split evenly over 4 data-parallel"):
         Parallel(rank=0, world_size=4).share(6)
+    # --cp 2 over 4 ranks: ranks 0, 1 share the first half of the prompts, ranks 2, 3 the second
+    assert [Parallel(rank=r, world_size=4, cp_size=2).share(4) for r in range(4)] == [
+        range(0, 2), range(0, 2), range(2, 4), range(2, 4)]
 
 
 @pytest.mark.slow
@@ -131,3 +134,30 @@ def test_resume_with_another_process_count(tmp_path):
         wa = torch.load(tmp_path / "straight" / "checkpoint.pt", weights_only=False)["model"]
         wb = torch.load(tmp_path / name / "checkpoint.pt", weights_only=False)["model"]
         assert rel_err(_flat(wb), _flat(wa)) <= 1e-5
+
+
+def test_context_parallel_trainer_equals_one_process(tmp_path):
+    """--nproc 2 --cp 2: both ranks share every prompt's state (each holds half its K/V); the run equals one
+    process: same samples, same gradient, same weights."""
+    one = _cli([*_common(tmp_path), "--steps", "2", "--run-dir", str(tmp_path / "one")], tmp_path)
+    assert one.returncode == 0, one.stderr
+    two = _cli([*_common(tmp_path), "--steps", "2", "--run-dir", str(tmp_path / "cp"), "--nproc", "2", "--cp", "2"],
+               tmp_path)
+    assert two.returncode == 0, two.stderr
+    a = [json.loads(x) for x in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
+    b = [json.loads(x) for x in (tmp_path / "cp" / "metrics.jsonl").read_text().splitlines()]
+    for x, y in zip(a, b):
+        assert x["reward_mean"] == y["reward_mean"] and x["kept_groups"] == y["kept_groups"] == 4
+        assert x["grad_norm"] > 0 and abs(x["grad_norm"] - y["grad_norm"]) <= 1e-5 * x["grad_norm"]
+    sa, sb = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("one", "cp"))
+    assert sa["eval_before"] == sb["eval_before"] and sa["eval_after"] == sb["eval_after"]
+    ca = torch.load(tmp_path / "one" / "checkpoint.pt", weights_only=False)
+    cb = torch.load(tmp_path / "cp" / "checkpoint.pt", weights_only=False)
+    err = rel_err(_flat(cb["model"]), _flat(ca["model"]))
+    assert err <= 1e-5, f"weights after 2 steps: relative error {err:.2e}"
+
+
+def test_cp_that_does_not_divide_the_processes_is_refused(tmp_path):
+    out = _cli([*_common(tmp_path), "--steps", "1", "--run-dir", str(tmp_path / "r"), "--nproc", "2", "--cp", "3"],
+               tmp_path)
+    assert out.returncode == 2 and "--cp 3 needs --nproc to be a multiple of 3" in out.stderr

@@ -100,8 +100,9 @@ def run_from_args(args: argparse.Namespace) -> int:
     one = rows[0]
     print("relative to the first C:")
     for row in rows[1:]:
-        print(f"  C={row['cp']}: state x{row['max_state_bytes'] / one['max_state_bytes']:.3f}, peak "
-              f"x{row['max_peak_bytes'] / one['max_peak_bytes']:.3f}, time x{row['max_time_s'] / one['max_time_s']:.2f}")
+        state = row["max_state_bytes"] / one["max_state_bytes"]
+        peak, step = row["max_peak_bytes"] / one["max_peak_bytes"], row["max_time_s"] / one["max_time_s"]
+        print(f"  C={row['cp']}: state x{state:.3f}, peak x{peak:.3f}, time x{step:.2f}")
     out = Path(args.out) if args.out else RESULTS_DIR / f"cp-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"config": base, "machine": machine_info("cpu"), "results": rows}, indent=1))

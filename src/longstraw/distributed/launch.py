@@ -24,10 +24,13 @@ def strip_nproc(argv: list[str]) -> list[str]:
     return out
 
 
-def check_nproc(nproc: int, device: str, prompts_per_step: int) -> None:
+def check_nproc(nproc: int, device: str, prompts_per_step: int, cp: int = 1) -> None:
     """Refuse a process count the machine or the data cannot serve, with what to change."""
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
+    if nproc % cp:
+        raise ValueError(f"--cp {cp} needs --nproc to be a multiple of {cp}, got {nproc}: use --nproc "
+                         f"{cp * max(1, nproc // cp)} or a --cp that divides {nproc}")
     if torch.device(device).type == "cuda":
         count = torch.cuda.device_count()
         if nproc > count:
@@ -37,11 +40,12 @@ def check_nproc(nproc: int, device: str, prompts_per_step: int) -> None:
             )
     elif torch.device(device).type != "cpu":
         raise ValueError(f"--nproc supports --device cpu (gloo) and cuda (nccl), got {device!r}")
-    if prompts_per_step % nproc:
+    groups = nproc // cp  # data-parallel groups of ranks (each group of cp ranks shares its prompts)
+    if prompts_per_step % groups:
         raise ValueError(
-            f"--prompts-per-step {prompts_per_step} cannot be split evenly over --nproc {nproc}: use a multiple "
-            f"of {nproc} (e.g. --prompts-per-step {nproc * max(1, prompts_per_step // nproc)}) or a process "
-            f"count that divides {prompts_per_step}"
+            f"--prompts-per-step {prompts_per_step} cannot be split evenly over {groups} data-parallel groups "
+            f"(--nproc {nproc} / --cp {cp}): use a multiple of {groups} (e.g. --prompts-per-step "
+            f"{groups * max(1, prompts_per_step // groups)}) or a process count that divides {prompts_per_step}"
         )
 
 

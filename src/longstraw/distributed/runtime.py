@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from longstraw.distributed.context import ContextParallel
 from longstraw.distributed.fsdp import clip_grad_norm, parallelize, sharded_compute
 
 FAILURE_KEY = "longstraw/failure"
@@ -91,11 +92,21 @@ class Parallel:
     device: str = "cpu"
     mesh: DeviceMesh | None = None
     watch: FailureWatch | None = field(default=None, repr=False)
+    # Context parallelism: blocks of `cp_size` consecutive ranks share each prompt (distributed/context.py);
+    # data parallelism runs over the blocks.
+    cp_size: int = 1
+    context_parallel: ContextParallel | None = field(default=None, repr=False)
 
     @classmethod
-    def start(cls, device: str = "cpu", timeout_s: float = 1800.0) -> Parallel:
-        """Join the process group described by the environment; a plain `Parallel(device)` if WORLD_SIZE <= 1."""
+    def start(cls, device: str = "cpu", timeout_s: float = 1800.0, cp: int = 1) -> Parallel:
+        """Join the process group described by the environment; a plain `Parallel(device)` if WORLD_SIZE <= 1.
+        cp: ranks per context-parallel block (must divide the number of ranks)."""
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        if world_size % cp:
+            raise ValueError(
+                f"--cp {cp} needs a number of processes that is a multiple of {cp}, got {world_size}: launch with "
+                f"--nproc {cp * max(1, world_size // cp)} (or torchrun --nproc-per-node), or use --cp 1"
+            )
         if world_size <= 1:
             return cls(device=device)
         backend = backend_for(device)
@@ -114,7 +125,15 @@ class Parallel:
                                 world_size=world_size, timeout=timedelta(seconds=timeout_s))
         mesh = init_device_mesh(torch.device(device).type, (world_size,))
         watch = FailureWatch(dist.PrefixStore("longstraw_watch", store), rank, world_size)
-        return cls(rank=rank, world_size=world_size, local_rank=local_rank, device=device, mesh=mesh, watch=watch)
+        context_parallel = None
+        if cp > 1:
+            # new_group is collective: every rank creates every block's group, and keeps its own.
+            for first in range(0, world_size, cp):
+                group = dist.new_group(list(range(first, first + cp)))
+                if first <= rank < first + cp:
+                    context_parallel = ContextParallel(group)
+        return cls(rank=rank, world_size=world_size, local_rank=local_rank, device=device, mesh=mesh, watch=watch,
+                   cp_size=cp, context_parallel=context_parallel)
 
     @property
     def distributed(self) -> bool:
@@ -123,6 +142,15 @@ class Parallel:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def dp_rank(self) -> int:
+        """Index of this rank's context-parallel block (= the rank without context parallelism)."""
+        return self.rank // self.cp_size
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.cp_size
 
     # ------------------------------------------------------------------ model
 
@@ -143,16 +171,18 @@ class Parallel:
     # ------------------------------------------------------------------ data
 
     def share(self, count: int, what: str = "prompts_per_step") -> range:
-        """This rank's contiguous slice of `count` items (rank 0 takes the first count/W); count must divide."""
-        if count % self.world_size:
-            suggestion = self.world_size * max(1, count // self.world_size)
+        """This rank's contiguous slice of `count` items (block 0 takes the first count/D, D = data-parallel
+        size = ranks / cp; the ranks of one context-parallel block take the same slice); count must divide."""
+        blocks = self.dp_size
+        if count % blocks:
+            suggestion = blocks * max(1, count // blocks)
             raise ValueError(
-                f"{what} = {count} cannot be split evenly over {self.world_size} processes: use a multiple of "
-                f"{self.world_size} (e.g. --{what.replace('_', '-')} {suggestion}) or a process count that divides "
-                f"{count}"
+                f"{what} = {count} cannot be split evenly over {blocks} data-parallel groups of processes: use a "
+                f"multiple of {blocks} (e.g. --{what.replace('_', '-')} {suggestion}) or a process count that "
+                f"divides {count}"
             )
-        per = count // self.world_size
-        return range(self.rank * per, (self.rank + 1) * per)
+        per = count // blocks
+        return range(self.dp_rank * per, (self.dp_rank + 1) * per)
 
     def gather(self, value: Any) -> list[Any]:
         """Every rank's `value` (picklable), in rank order."""
