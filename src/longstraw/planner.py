@@ -25,7 +25,7 @@ heads, q regrouped for the prefix, the output projection's input (5·H·D·b) an
 accumulation dtype (2·H·D·a); standard attention through SDPA: (2·H·D + 2·Hkv·D)·b). Full-attention
 families (llama, qwen2/3, mistral) are validated against measured peaks (tests/test_planner.py); the
 formulas for linear attention, Mamba2, MLA, DSA and MoE layers are counted the same way from transformers'
-torch paths but are not validated by a measurement yet.
+torch paths; b1-qwen3-next (hybrid) agrees within 12% (README) but no test pins them yet.
 
 Multi-GPU assumptions: FSDP/ZeRO-3 divides weights, gradients and optimizer state over the GPUs and gathers
 one decoder layer at a time (two in flight: prefetch) plus that layer's unsharded gradient; MoE experts are
@@ -399,9 +399,14 @@ def _mixer_activation_bytes(spec: ModelSpec, mixer: str, b: int, a: int, kernel:
     elif mixer == "linear":
         kd, vd = spec.lin_key_heads * spec.lin_key_dim, spec.lin_value_heads * spec.lin_value_dim
         conv, hv = 2 * kd + vd, spec.lin_value_heads
-        # projections, conv in/out, silu; fp32 l2-normed q/k and v; gates; core output; gated norm; out_proj
-        saved = 3 * conv * b + 2 * kd * 4 + vd * 4 + 2 * hv * (b + 4) + vd * 4 + _norm(vd, b) + 3 * vd * b
-        return saved + hv * spec.lin_key_dim * spec.lin_value_dim * 4 // LINEAR_SCAN_CHUNK
+        # Counted on transformers' torch chunked gated-delta-rule (no flash-linear-attention kernels): in_proj and
+        # conv outputs (2 x conv_dim, param dtype); six fp32 intra-chunk (C x C) matrices per value head; ~20 fp32
+        # tensors of Hv x d (q/k repeated to the value heads, decays, chunk-local products, core output, gated
+        # norm); three recurrent states per chunk. With those kernels on GPUs far less is saved: an overestimate
+        # there. Checked against b1-qwen3-next's transformers forward (per-layer saved bytes within 2%).
+        c = LINEAR_SCAN_CHUNK
+        saved = 2 * conv * b + 6 * hv * c * 4 + 20 * max(vd, hv * spec.lin_key_dim) * 4
+        return saved + 3 * hv * spec.lin_key_dim * spec.lin_value_dim * 4 // c
     elif mixer == "mamba":
         inner = spec.mamba_heads * spec.mamba_head_dim
         conv = inner + 2 * spec.mamba_groups * spec.mamba_state
