@@ -209,3 +209,26 @@ def test_planner_matches_measured_peaks_reduced_b1():
 def test_planner_matches_measured_peaks_full_b1():
     """Bench B1 itself (P=4096, R=256) at G in {2, 8} for llama and qwen3."""
     assert _check(_measure_and_predict(("b1-llama", "b1-qwen3"), 4096, 256, (2, 8), 2048))
+
+
+def test_state_growth_per_layer_kind():
+    """Mamba2 keeps a constant state; sliding-window layers stop growing at W; MLA grows by its latent."""
+    from transformers import DeepseekV3Config, Mamba2Config, MistralConfig
+
+    mamba = spec_from_config(Mamba2Config(hidden_size=256, num_hidden_layers=2, num_heads=8, head_dim=64,
+                                          state_size=16, n_groups=1, vocab_size=1000))
+    assert state_bytes(mamba, 1000, 2, 256, exact=False) == state_bytes(mamba, 100_000, 2, 256, exact=False)
+    # exact keeps one state per chunk boundary
+    assert state_bytes(mamba, 4096, 2, 256, exact=True)[0] == 16 * state_bytes(mamba, 4096, 2, 256, exact=False)[0]
+    window = spec_from_config(MistralConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, sliding_window=512,
+                                            vocab_size=1000))
+    assert set(window.mixers) == {"sliding"}
+    assert state_bytes(window, 512, 2, 256, exact=False) == state_bytes(window, 50_000, 2, 256, exact=False)
+    mla = spec_from_config(DeepseekV3Config(hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                                            num_hidden_layers=2, num_attention_heads=4, kv_lora_rank=32,
+                                            q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                                            n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
+                                            vocab_size=1000))
+    assert mla.mlps == ("dense", "moe") and mla.expert_params > 0
+    assert state_bytes(mla, 1000, 2, 256, exact=False)[0] == 1000 * 2 * (32 + 8) * 2
