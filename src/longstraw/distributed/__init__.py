@@ -6,7 +6,7 @@ prompt groups, launching with torchrun, and failure propagation.
 - `runtime.Parallel`: what the trainer needs (rank, data split, reductions of metrics), a no-op in one process.
 - `launch.launch_train(argv, nproc)`: `longstraw train ... --nproc N` through torchrun's own launcher.
 
-Context-parallel prompt state (issue 5, part 3) is not built yet.
+- `context.ContextParallel`: the prompt state split along the sequence over a group of ranks (`--cp`).
 """
 
 from longstraw.distributed.fsdp import clip_grad_norm, full_tensor, parallelize, sharded_compute
