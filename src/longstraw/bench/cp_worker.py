@@ -13,7 +13,6 @@ import json
 import sys
 import time
 
-import torch
 import torch.distributed as dist
 
 from longstraw import backward_group, load_model
