@@ -656,17 +656,17 @@ def add_arguments(parser) -> None:
     parser.add_argument("--model", required=True,
                         help=f"built-in ({', '.join(BUILTIN_NAMES)}), a preset (b1-llama, ...), a directory with "
                              "config.json, a config.json file, or a hub id")
-    parser.add_argument("--prompt-tokens", type=_positive_int, required=True, help="P")
-    parser.add_argument("--response-tokens", type=_positive_int, required=True, help="R (every response)")
-    parser.add_argument("--group-size", type=_positive_int, required=True, help="G")
-    parser.add_argument("--gpus", type=_positive_int, default=1, help="GPUs sharing the step (default 1)")
+    parser.add_argument("--prompt-tokens", type=positive_int, required=True, help="P")
+    parser.add_argument("--response-tokens", type=positive_int, required=True, help="R (every response)")
+    parser.add_argument("--group-size", type=positive_int, required=True, help="G")
+    parser.add_argument("--gpus", type=positive_int, default=1, help="GPUs sharing the step (default 1)")
     parser.add_argument("--gpu-memory", default="80GB", help="memory per GPU, e.g. 96GB or 80GiB (default 80GB)")
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPE_BYTES), help="parameter dtype")
-    parser.add_argument("--cp", type=_positive_int, default=1, help="context-parallel degree of the prompt state")
+    parser.add_argument("--cp", type=positive_int, default=1, help="context-parallel degree of the prompt state")
     parser.add_argument("--no-shard", action="store_true", help="replicate weights/grads/optimizer (no FSDP)")
-    parser.add_argument("--micro-batch", type=_positive_int, default=1, help="responses replayed at once")
-    parser.add_argument("--chunk-size", type=_positive_int, default=2048, help="prompt chunk (capture/backward)")
-    parser.add_argument("--token-chunk", type=_positive_int, default=1024, help="rows per log-prob block")
+    parser.add_argument("--micro-batch", type=positive_int, default=1, help="responses replayed at once")
+    parser.add_argument("--chunk-size", type=positive_int, default=2048, help="prompt chunk (capture/backward)")
+    parser.add_argument("--token-chunk", type=positive_int, default=1024, help="rows per log-prob block")
     parser.add_argument("--optimizer", choices=("adamw", "none"), default="adamw",
                         help="adamw: fp32 moments (+ fp32 master weights for bf16/fp16)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
@@ -678,7 +678,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (shared by the planner's and the benchmarks' command lines)."""
     import argparse
 
     try:

@@ -28,6 +28,7 @@ from typing import NoReturn
 
 from longstraw.api import MODES
 from longstraw.bench.machine import machine_info
+from longstraw.planner import positive_int
 
 # Table/column order: the baseline first, then the plans it is compared with.
 DEFAULT_MODES = ("standard_batched", "standard", "detach", "exact")
@@ -332,16 +333,6 @@ def format_ratios(ratios: dict[str, object]) -> str:
 # ---------------------------------------------------------------- command line
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -349,17 +340,6 @@ def _positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
-
-
-def _mmap_threshold(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of bytes, got {text!r}") from None
-    # glibc ignores thresholds above HEAP_MAX_SIZE / 2 (32 MiB on 64-bit) and keeps its dynamic default.
-    if not 0 <= value <= 32 * MIB:
-        raise argparse.ArgumentTypeError(f"must be between 0 and {32 * MIB} bytes, got {value}")
     return value
 
 
@@ -373,16 +353,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help=f"preset, local directory or HF id (default {B1.model})")
     parser.add_argument("--arch", help="architecture family: runs its b1-<arch> preset (llama = b1-llama); "
                                        "see `longstraw bench arch --list`")
-    parser.add_argument("--prompt-tokens", type=_positive_int, help=f"P (default {B1.prompt_tokens})")
-    parser.add_argument("--response-tokens", type=_positive_int,
+    parser.add_argument("--prompt-tokens", type=positive_int, help=f"P (default {B1.prompt_tokens})")
+    parser.add_argument("--response-tokens", type=positive_int,
                         help=f"R, every response (default {B1.response_tokens})")
-    parser.add_argument("--groups", type=_positive_int, nargs="+", metavar="G",
+    parser.add_argument("--groups", type=positive_int, nargs="+", metavar="G",
                         help=f"group sizes (default {' '.join(map(str, B1.groups))})")
     parser.add_argument("--modes", nargs="+", choices=MODES, metavar="MODE",
                         help=f"plans, of {', '.join(MODES)} (default all four)")
-    parser.add_argument("--chunk-size", type=_positive_int,
+    parser.add_argument("--chunk-size", type=positive_int,
                         help=f"prompt capture chunk (default {B1.chunk_size})")
-    parser.add_argument("--micro-batch", type=_positive_int,
+    parser.add_argument("--micro-batch", type=positive_int,
                         help=f"responses replayed at once (default {B1.micro_batch})")
     parser.add_argument("--dtype", choices=("float32", "float64", "bfloat16", "float16"),
                         help=f"parameter dtype (default {B1.dtype})")
@@ -390,7 +370,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, help="seed of the random group (default 0)")
     parser.add_argument("--timeout", type=_positive_float, metavar="SECONDS",
                         help="per-configuration limit; a configuration over it is recorded as failed")
-    parser.add_argument("--malloc-mmap-threshold", type=_mmap_threshold, metavar="BYTES",
+    parser.add_argument("--malloc-mmap-threshold", type=positive_int, metavar="BYTES",
                         help="glibc mmap threshold for the workers (default 131072, which makes peaks "
                              "repeatable); 0 keeps glibc's dynamic threshold")
     parser.add_argument("--out", help="result JSON (default bench/results/memory-<YYYYmmdd-HHMMSS>.json)")

@@ -33,15 +33,14 @@ from longstraw.bench.memory import (
     MIB,
     MemoryBenchConfig,
     _busy,
-    _mmap_threshold,
     _positive_float,
-    _positive_int,
     _write_json,
     compute_ratios,
     format_ratios,
     format_table,
     run_batch,
 )
+from longstraw.planner import positive_int
 
 GIB = 1024**3
 # A configuration is skipped when the planner predicts more than budget * (1 + this); the planner agrees with
@@ -413,7 +412,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", help="cpu or cuda[:i] (default cpu); CUDA peak is max_memory_allocated")
     parser.add_argument("--seed", type=int, help="seed of the random group (default 0)")
     parser.add_argument("--timeout", type=_positive_float, metavar="SECONDS", help="per-configuration limit")
-    parser.add_argument("--malloc-mmap-threshold", type=_mmap_threshold, metavar="BYTES",
+    parser.add_argument("--malloc-mmap-threshold", type=positive_int, metavar="BYTES",
                         help="glibc mmap threshold for the workers (default 131072)")
     parser.add_argument("--out", help="result JSON (default bench/results/<bench>-<YYYYmmdd-HHMMSS>.json)")
 
@@ -422,13 +421,13 @@ def add_prompt_arguments(parser: argparse.ArgumentParser) -> None:
     _common(parser)
     d = PromptBenchConfig()
     parser.add_argument("--model", help=f"preset, directory or HF id (default {d.model})")
-    parser.add_argument("--prompts", type=_positive_int, nargs="+", metavar="P",
+    parser.add_argument("--prompts", type=positive_int, nargs="+", metavar="P",
                         help=f"prompt lengths (default {' '.join(map(str, d.prompts))})")
-    parser.add_argument("--response-tokens", type=_positive_int, help=f"R (default {d.response_tokens})")
-    parser.add_argument("--group-size", type=_positive_int, help=f"G (default {d.group_size})")
+    parser.add_argument("--response-tokens", type=positive_int, help=f"R (default {d.response_tokens})")
+    parser.add_argument("--group-size", type=positive_int, help=f"G (default {d.group_size})")
     parser.add_argument("--modes", nargs="+", choices=MODES, metavar="MODE", help="plans (default all four)")
-    parser.add_argument("--chunk-size", type=_positive_int, help=f"prompt chunk (default {d.chunk_size})")
-    parser.add_argument("--micro-batch", type=_positive_int, help="responses replayed at once (default 1)")
+    parser.add_argument("--chunk-size", type=positive_int, help=f"prompt chunk (default {d.chunk_size})")
+    parser.add_argument("--micro-batch", type=positive_int, help="responses replayed at once (default 1)")
     parser.add_argument("--budget", help="memory budget per step, e.g. 16GiB (default 16GiB)")
 
 
@@ -436,14 +435,14 @@ def add_pareto_arguments(parser: argparse.ArgumentParser) -> None:
     _common(parser)
     d = ParetoBenchConfig()
     parser.add_argument("--model", help=f"preset, directory or HF id (default {d.model})")
-    parser.add_argument("--prompt-tokens", type=_positive_int, help=f"P (default {d.prompt_tokens})")
-    parser.add_argument("--response-tokens", type=_positive_int, help=f"R (default {d.response_tokens})")
-    parser.add_argument("--group-size", type=_positive_int, help=f"G (default {d.group_size})")
+    parser.add_argument("--prompt-tokens", type=positive_int, help=f"P (default {d.prompt_tokens})")
+    parser.add_argument("--response-tokens", type=positive_int, help=f"R (default {d.response_tokens})")
+    parser.add_argument("--group-size", type=positive_int, help=f"G (default {d.group_size})")
     parser.add_argument("--modes", nargs="+", choices=("detach", "exact"), metavar="MODE",
                         help="detach and/or exact (default both)")
-    parser.add_argument("--micro-batches", type=_positive_int, nargs="+", metavar="K",
+    parser.add_argument("--micro-batches", type=positive_int, nargs="+", metavar="K",
                         help=f"default {' '.join(map(str, d.micro_batches))}")
-    parser.add_argument("--chunk-sizes", type=_positive_int, nargs="+", metavar="C",
+    parser.add_argument("--chunk-sizes", type=positive_int, nargs="+", metavar="C",
                         help=f"default {' '.join(map(str, d.chunk_sizes))}")
 
 
@@ -452,13 +451,13 @@ def add_arch_arguments(parser: argparse.ArgumentParser) -> None:
     d = ArchBenchConfig()
     parser.add_argument("--archs", nargs="+", metavar="ARCH", help="families (default every b1-<arch> preset)")
     parser.add_argument("--list", action="store_true", help="print the available architectures and exit")
-    parser.add_argument("--prompt-tokens", type=_positive_int, help=f"P (default {d.prompt_tokens})")
-    parser.add_argument("--response-tokens", type=_positive_int, help=f"R (default {d.response_tokens})")
-    parser.add_argument("--groups", type=_positive_int, nargs="+", metavar="G",
+    parser.add_argument("--prompt-tokens", type=positive_int, help=f"P (default {d.prompt_tokens})")
+    parser.add_argument("--response-tokens", type=positive_int, help=f"R (default {d.response_tokens})")
+    parser.add_argument("--groups", type=positive_int, nargs="+", metavar="G",
                         help=f"default {' '.join(map(str, d.groups))}")
     parser.add_argument("--modes", nargs="+", choices=MODES, metavar="MODE", help="plans (default all four)")
-    parser.add_argument("--chunk-size", type=_positive_int, help=f"default {d.chunk_size}")
-    parser.add_argument("--micro-batch", type=_positive_int, help="default 1")
+    parser.add_argument("--chunk-size", type=positive_int, help=f"default {d.chunk_size}")
+    parser.add_argument("--micro-batch", type=positive_int, help="default 1")
 
 
 def _overrides(args: argparse.Namespace, names: dict[str, str]) -> dict[str, object]:
