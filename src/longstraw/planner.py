@@ -412,6 +412,10 @@ def _mixer_activation_bytes(spec: ModelSpec, mixer: str, b: int, a: int, kernel:
         conv = inner + 2 * spec.mamba_groups * spec.mamba_state
         saved = (inner + conv + spec.mamba_heads) * b + 2 * conv * b + (conv + spec.mamba_heads) * 4
         saved += inner * 4 + _norm(inner, b) + 3 * inner * b
+        # transformers' torch chunk scan keeps intra-chunk (c x c) matrices per head in fp32: the decay L, the C·B
+        # scores G and their product M, plus segment_sum's masks: ~3.5 rows of c per token and head. Measured with
+        # saved-tensor hooks on tiny-mamba2 (35.4 KB per token per layer, of which these are 28.7 KB).
+        saved += 14 * spec.mamba_heads * MAMBA_SCAN_CHUNK
         return saved + spec.mamba_heads * spec.mamba_head_dim * spec.mamba_state * 4 // MAMBA_SCAN_CHUNK
     else:
         raise ValueError(f"unknown mixer kind {mixer!r}")
