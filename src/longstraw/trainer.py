@@ -183,8 +183,9 @@ class Trainer:
         cfg = self.cfg
         prompt = self._encode(example)
         cp = self.par.context_parallel  # None unless ranks share prompts (--cp)
+        # The exact plan reuses this state and needs the recurrent state at every chunk boundary; detach does not.
         out = sample_group(self.model, prompt, cfg.group_size, self.sampling, seed=_derive_seed(cfg.seed, step, j, 1),
-                           chunk_size=cfg.chunk_size, context_parallel=cp)
+                           chunk_size=cfg.chunk_size, keep_boundaries=cfg.plan == "exact", context_parallel=cp)
         rewards = torch.tensor([float(self.task.reward(self._decode(r), example)) for r in out.responses],
                                dtype=torch.float64)
         if not torch.isfinite(rewards).all():
