@@ -101,8 +101,9 @@ def replay_attention(model: torch.nn.Module) -> Iterator[None]:
 
 
 def has_indexer(model: torch.nn.Module) -> bool:
-    """DSA models (GLM-5): some attention layer carries a top-k indexer, which reads a 4-D mask."""
-    return any(getattr(m, "indexer", None) is not None for m in model.modules())
+    """DSA models (GLM-5): some attention layer carries a top-k indexer, which reads a 4-D mask. Read from the
+    config (O(1)), not by walking the modules: this runs once per replay and per decoding step."""
+    return getattr(model.config, "index_topk", None) is not None
 
 
 def _indexer_mask(batch: int, t: int, start: int, device) -> torch.Tensor:

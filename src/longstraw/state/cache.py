@@ -78,7 +78,11 @@ class SegmentCache:
         return key, value
 
     def update_indexer(self, index_key: torch.Tensor, layer_idx: int, *args, **kwargs) -> torch.Tensor:
-        """DSA indexer keys (B, T, d_I) -> keys of [prompt ; earlier generated ; this segment] (B, P'+S, d_I)."""
+        """DSA indexer keys (B, T, d_I) -> keys of [prompt ; earlier generated ; this segment] (B, P'+S, d_I).
+
+        transformers' indexer scores one key tensor, so this builds it per call: a transient copy of the prompt's
+        indexer keys (d_I numbers per position, no grad, one layer at a time), which the reference's own cache
+        also makes. Keeping a joined copy in the state instead would hold it for the whole step."""
         self._record(layer_idx, "index", index_key)
         own = self.generated.append_index(layer_idx, index_key) if self.generated is not None else index_key
         prompt = self.state.index_keys(layer_idx)
