@@ -25,7 +25,9 @@ heads, q regrouped for the prefix, the output projection's input (5·H·D·b) an
 accumulation dtype (2·H·D·a); standard attention through SDPA: (2·H·D + 2·Hkv·D)·b). Full-attention
 families (llama, qwen2/3, mistral) are validated against measured peaks (tests/test_planner.py); the
 formulas for linear attention, Mamba2, MLA, DSA and MoE layers are counted the same way from transformers'
-torch paths; b1-qwen3-next (hybrid) agrees within 12% (README) but no test pins them yet.
+torch paths; b1-qwen3-next (hybrid) agrees within 12% (README) but no test pins those activation terms yet.
+The prompt-state formulas of every family are pinned exactly against captured states
+(tests/state/test_architectures.py).
 
 Multi-GPU assumptions: FSDP/ZeRO-3 divides weights, gradients and optimizer state over the GPUs and gathers
 one decoder layer at a time (two in flight: prefetch) plus that layer's unsharded gradient; MoE experts are
@@ -190,7 +192,7 @@ class ModelSpec:
 
 PLANNER_MODEL_TYPES = (
     "llama", "qwen2", "qwen3", "mistral", "gemma3_text", "qwen3_next", "qwen3_5_text", "mamba2", "falcon_h1",
-    "deepseek_v3", "glm_moe_dsa",
+    "deepseek_v3", "glm_moe_dsa", "kimi_linear",
 )
 
 
@@ -286,6 +288,19 @@ def spec_from_config(config, name: str = "") -> ModelSpec:
             intermediate=c.intermediate_size, mamba_heads=heads, mamba_head_dim=head_dim,
             mamba_state=c.mamba_d_state, mamba_groups=c.mamba_n_groups, conv_kernel=c.mamba_d_conv,
         )
+    elif mt == "kimi_linear":  # KDA layers (linear attention, one head set) + MLA layers, MoE FFNs
+        mixers = tuple("linear" if t == "linear_attention" else "mla" for t in layer_types)
+        return ModelSpec(
+            **base, mixers=mixers, mlps=_moe_layers(c, n), heads=c.num_attention_heads,
+            kv_heads=c.num_attention_heads, head_dim=c.qk_nope_head_dim + c.qk_rope_head_dim,
+            intermediate=c.intermediate_size, moe_intermediate=c.moe_intermediate_size,
+            experts_per_token=c.num_experts_per_token, num_experts=c.num_experts,
+            shared_intermediate=(c.num_shared_experts or 0) * c.moe_intermediate_size,
+            q_lora_rank=c.q_lora_rank or 0, kv_lora_rank=c.kv_lora_rank, qk_rope_dim=c.qk_rope_head_dim,
+            qk_nope_dim=c.qk_nope_head_dim, v_head_dim=c.v_head_dim, lin_key_heads=c.linear_num_heads,
+            lin_value_heads=c.linear_num_heads, lin_key_dim=c.linear_head_dim, lin_value_dim=c.linear_head_dim,
+            conv_kernel=c.linear_conv_kernel_dim,
+        )
     elif mt in ("deepseek_v3", "glm_moe_dsa"):
         if mt == "glm_moe_dsa":
             types = list(getattr(c, "indexer_types", None) or ["full"] * n)
@@ -342,14 +357,19 @@ def _per_token_state_bytes(spec: ModelSpec, layer: int, b: int) -> tuple[int, in
 def state_bytes(spec: ModelSpec, positions: int, b: int, chunk: int, exact: bool) -> tuple[int, int]:
     """(prompt state, its gradient in the exact plan) for `positions` prompt tokens, one sequence.
 
-    Attention K/V and MLA latents grow with P (sliding layers with min(W, P)); DSA indexer keys grow but carry
+    Attention K/V and MLA latents grow with P (sliding layers in detach: the chunks reaching into the last W-1
+    positions); DSA indexer keys grow but carry
     no gradient; recurrent layers hold one state (detach) or one per chunk boundary (exact), and their
     gradient is one state's worth.
     """
     state = grad = 0
     boundaries = max(1, math.ceil(positions / chunk))
     for layer, mixer in enumerate(spec.mixers):
-        kept = min(positions, spec.window) if mixer == "sliding" and spec.window else positions
+        kept = positions
+        if mixer == "sliding" and spec.window and not exact:
+            # detach drops whole capture chunks that end before the last W-1 positions; exact keeps them all
+            # (its reverse prompt backward reads them as boundaries)
+            kept = positions - chunk * (max(0, positions - (spec.window - 1)) // chunk)
         with_grad, without = _per_token_state_bytes(spec, layer, b)
         state += kept * (with_grad + without)
         grad += kept * with_grad

@@ -4,9 +4,9 @@ import pytest
 import torch
 from conftest import tiny_model
 
+from longstraw import planner
 from longstraw.replay import run_segment
 from longstraw.state.capture import capture_prompt, chunk_bounds
-from longstraw.state.formulas import expected_state_bytes
 
 
 def _reference_kv(model, ids):
@@ -35,7 +35,7 @@ def test_state_bytes_match_design_formula():
     cfg = model.config
     state = capture_prompt(model, torch.arange(37), chunk_size=10)
     head_dim = cfg.hidden_size // cfg.num_attention_heads
-    expected = expected_state_bytes(cfg, 37, torch.float32)
+    expected = planner.state_bytes(planner.spec_from_config(cfg), 37, 4, 10, exact=True)[0]
     assert state.nbytes() == expected == 2 * 2 * head_dim * 4 * 37 * cfg.num_hidden_layers
 
 

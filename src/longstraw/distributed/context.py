@@ -114,10 +114,9 @@ class ContextParallel:
 
 def check_supported(model: torch.nn.Module) -> None:
     """Refuse layer kinds whose attention does not run through the fused path (windows, MLA, DSA)."""
-    from longstraw.state.formulas import layer_kind
+    from longstraw.planner import spec_from_config
 
-    kinds = {layer_kind(model.config, layer) for layer in range(model.config.num_hidden_layers)}
-    unsupported = kinds & {"sliding", "mla", "dsa"}
+    unsupported = set(spec_from_config(model.config).mixers) & {"sliding", "mla", "dsa"}
     if unsupported or getattr(model.config, "final_logit_softcapping", None):
         raise ValueError(
             f"context parallelism supports full-attention and recurrent layers; this model has "
