@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from longstraw.checkpointing import check_checkpoint, checkpointed_layers
 from longstraw.group import Group
 from longstraw.logprobs import DEFAULT_TOKEN_CHUNK
 from longstraw.loss import GroupTotals, make_loss_config, response_loss
@@ -75,6 +76,7 @@ def backward_group(
     token_chunk: int = DEFAULT_TOKEN_CHUNK,
     prompt_state: PromptState | None = None,
     context_parallel=None,
+    checkpoint: str = "none",
     **loss_options: float | int | None,
 ) -> GroupResult:
     """Accumulate d(group loss)/d(params) into `.grad`, as `loss.backward()` would (never zeroes or steps).
@@ -85,6 +87,8 @@ def backward_group(
     prompt (e.g. by the sampler, `Rollout.state`) to reuse instead of capturing again (detach/exact).
     context_parallel: a `distributed.context.ContextParallel` group (detach/exact): every rank of it calls
     this with the same group and keeps 1/C of the prompt's attention state; each ends with the full gradient.
+    checkpoint: "none" or "layers" (per-layer activation checkpointing of every forward with grad: replay
+    micro-batches, the exact plan's prompt-backward chunks, the standard plans' sequences; `checkpointing.py`).
     loss_options: epsilon, epsilon_low, epsilon_high, beta, max_tokens (see `longstraw.loss`).
     """
     try:
@@ -94,6 +98,7 @@ def backward_group(
     chunk_size = _positive_int("chunk_size", chunk_size)
     micro_batch = _positive_int("micro_batch", micro_batch)
     token_chunk = _positive_int("token_chunk", token_chunk)
+    checkpoint = check_checkpoint(checkpoint)
     _validate(model, group, mode, cfg.beta)
     if mode == "exact" and chunk_size == 1 and model.config.model_type in RECURRENT_MODEL_TYPES:
         raise ValueError(
@@ -138,31 +143,39 @@ def backward_group(
             ref_logp=padded(group.ref_logprobs, idx, logp.shape),
         )
 
-    stats: dict[str, float | int | str] = {"mode": mode, "prompt_tokens": prompt.numel(), "group_size": group.size}
-    t0 = time.perf_counter()
-    if mode in ("standard", "standard_batched"):
-        total, logprobs = standard(model, prompt, responses, loss_fn, batched=mode == "standard_batched")
-        stats.update(prompt_state_bytes=0, capture_s=0.0, replay_s=time.perf_counter() - t0, prompt_backward_s=0.0)
-    else:
-        # The last prompt token is replayed with each response, so only prompt[:-1] is captured.
-        state = prompt_state
-        if state is None:
-            state = capture_prompt(model, prompt[:-1], chunk_size, keep_boundaries=mode == "exact",
-                                   cp=context_parallel)
-        t1 = time.perf_counter()
-        if mode == "exact":
-            state = state.as_leaves()
-        total, logprobs = replay_responses(model, prompt, state, responses, loss_fn, micro_batch, token_chunk)
-        t2 = time.perf_counter()
-        if mode == "exact":
-            prompt_backward(model, prompt[:-1], state)
-        t3 = time.perf_counter()
-        stats.update(
-            prompt_state_bytes=state.nbytes(), capture_s=t1 - t0, replay_s=t2 - t1, prompt_backward_s=t3 - t2,
-        )
+    stats: dict[str, float | int | str] = {"mode": mode, "prompt_tokens": prompt.numel(), "group_size": group.size,
+                                           "checkpoint": checkpoint}
+    with checkpointed_layers(model, enabled=checkpoint == "layers"):
+        total, logprobs = _run_plan(model, mode, prompt, responses, loss_fn, chunk_size, micro_batch, token_chunk,
+                                    prompt_state, context_parallel, stats)
     if not math.isfinite(total):
         raise FloatingPointError(
             f"group loss is {total}: gradients were accumulated from non-finite values; zero them and check "
             "the inputs (advantages, old/ref log-probs) and the model's dtype"
         )
     return GroupResult(loss=total, logprobs=logprobs, stats=stats)
+
+
+def _run_plan(model, mode, prompt, responses, loss_fn, chunk_size, micro_batch, token_chunk, prompt_state,
+              context_parallel, stats) -> tuple[float, list[torch.Tensor]]:
+    """The plan itself, phase by phase, with phase times and the state's size put in `stats`."""
+    t0 = time.perf_counter()
+    if mode in ("standard", "standard_batched"):
+        total, logprobs = standard(model, prompt, responses, loss_fn, batched=mode == "standard_batched")
+        stats.update(prompt_state_bytes=0, capture_s=0.0, replay_s=time.perf_counter() - t0, prompt_backward_s=0.0)
+        return total, logprobs
+    # The last prompt token is replayed with each response, so only prompt[:-1] is captured.
+    state = prompt_state
+    if state is None:
+        state = capture_prompt(model, prompt[:-1], chunk_size, keep_boundaries=mode == "exact",
+                               cp=context_parallel)
+    t1 = time.perf_counter()
+    if mode == "exact":
+        state = state.as_leaves()
+    total, logprobs = replay_responses(model, prompt, state, responses, loss_fn, micro_batch, token_chunk)
+    t2 = time.perf_counter()
+    if mode == "exact":
+        prompt_backward(model, prompt[:-1], state)
+    t3 = time.perf_counter()
+    stats.update(prompt_state_bytes=state.nbytes(), capture_s=t1 - t0, replay_s=t2 - t1, prompt_backward_s=t3 - t2)
+    return total, logprobs

@@ -57,6 +57,8 @@ class TrainConfig:
     plan: str = _f("exact", "gradient plan: exact (= standard GRPO), detach (the paper's), standard")
     chunk_size: int = _f(2048, "prompt tokens per capture / prompt-backward chunk")
     micro_batch: int = _f(1, "responses replayed at once")
+    checkpoint_layers: bool = _f(False, "per-layer activation checkpointing: keep each decoder layer's input only "
+                                        "and recompute the layer in the backward (less memory, ~1 more forward)")
     cp: int = _f(1, "context parallelism: consecutive ranks that share one prompt's state, each holding 1/cp of "
                     "its K/V (launch with --nproc a multiple of cp); detach/exact plans, full-attention and "
                     "recurrent layers")

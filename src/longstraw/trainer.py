@@ -230,7 +230,8 @@ class Trainer:
                     result = backward_group(
                         self.model, r.group, mode=cfg.plan, loss=cfg.loss, chunk_size=cfg.chunk_size,
                         micro_batch=cfg.micro_batch, prompt_state=r.state if it == 0 else None,
-                        context_parallel=self.par.context_parallel, **cfg.loss_options(),
+                        context_parallel=self.par.context_parallel,
+                        checkpoint="layers" if cfg.checkpoint_layers else "none", **cfg.loss_options(),
                     )
                     loss_total += result.loss / n_kept
             loss_total = self.par.sum(loss_total)

@@ -19,7 +19,10 @@ _spec = importlib.util.spec_from_file_location("tests_conftest", Path(__file__).
 helpers = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(helpers)
 
-CASES = [("llama", "detach"), ("llama", "exact"), ("qwen3", "exact")]  # qwen3: tied lm_head / embeddings
+# (family, mode, checkpoint). qwen3: tied lm_head / embeddings; "layers": per-layer activation checkpointing,
+# whose recomputes run while FSDP2's pre-backward hook holds the layer gathered.
+CASES = [("llama", "detach", "none"), ("llama", "exact", "none"), ("qwen3", "exact", "none"),
+         ("llama", "exact", "layers"), ("qwen3", "detach", "layers")]
 STEPS, GROUPS_PER_RANK, LR, EPS = 2, 2, 1e-2, 1e-6
 # EPS: AdamW divides by sqrt(v) + eps; with the default 1e-8, entries whose gradient is ~0 move by +-lr on
 # float32 noise alone, which would measure the rounding of near-zero gradients, not the reduction.
@@ -45,7 +48,7 @@ def main() -> None:
 
     dist.reduce_scatter_single = counting  # FSDP2 reduces through this function
     results = {}
-    for family, mode in CASES:
+    for family, mode, checkpoint in CASES:
         model = parallelize(helpers.tiny_model(family, torch.float32), par.mesh)
         opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
         record = {"grads": [], "reduce_calls": []}
@@ -56,7 +59,7 @@ def main() -> None:
             calls.clear()
             with sharded_compute(model):
                 for g in mine:
-                    backward_group(model, g, mode=mode, chunk_size=8, micro_batch=2)
+                    backward_group(model, g, mode=mode, chunk_size=8, micro_batch=2, checkpoint=checkpoint)
             record["reduce_calls"].append(len(calls))
             for p in model.parameters():  # FSDP averaged the ranks' sums: make it the mean over all groups
                 p.grad.div_(len(groups) / world)
@@ -64,7 +67,7 @@ def main() -> None:
             opt.step()
         record["weights"] = {n: full_tensor(p.detach()) for n, p in model.named_parameters()}
         record["units"] = 1 + model.config.num_hidden_layers
-        results[f"{family}/{mode}"] = record
+        results[f"{family}/{mode}/{checkpoint}"] = record
     if rank == 0:
         torch.save(results, out_path)
     par.close()

@@ -14,7 +14,9 @@ from longstraw import backward_group
 
 HERE = Path(__file__).resolve().parent
 PROMPT, RESPONSES, CHUNK = 61, [5, 1, 9], 8  # as in cp_worker: 60 encoded positions in 8 chunks
-CASES = [("llama", "exact"), ("llama", "detach"), ("qwen3_5_text", "exact")]
+# (family, mode, checkpoint): full attention; a hybrid with recurrent layers; both with per-layer checkpointing
+CASES = [("llama", "exact", "none"), ("llama", "detach", "none"), ("qwen3_5_text", "exact", "none"),
+         ("llama", "exact", "layers"), ("qwen3_5_text", "exact", "layers")]
 
 
 def _single(family: str, mode: str):
@@ -27,14 +29,16 @@ def _single(family: str, mode: str):
 @pytest.mark.parametrize("world", [2, 3])
 def test_context_parallel_equals_one_process(spawn, tmp_path, world):
     """C = 2 and C = 3 (8 chunks over 3 ranks: slices of 3, 3, 2), float32, for a full-attention model (exact
-    and detach) and a hybrid with gated-DeltaNet recurrent layers (exact)."""
+    and detach) and a hybrid with gated-DeltaNet recurrent layers (exact), the exact cases also with per-layer
+    activation checkpointing (its recompute re-runs the collectives in the backward, in the same order on
+    every rank)."""
     out = tmp_path / "cp"
     results = spawn([str(HERE / "cp_worker.py"), str(out)], world, timeout=300)
     for code, text in results:
         assert code == 0, text
     saved = [torch.load(f"{out}.rank{r}") for r in range(world)]
-    for family, mode in CASES:
-        _check(family, mode, world, [s[(family, mode)] for s in saved])
+    for family, mode, checkpoint in CASES:  # the reference runs without checkpointing
+        _check(family, mode, world, [s[(family, mode, checkpoint)] for s in saved])
 
 
 def _check(family: str, mode: str, world: int, per_rank: list[dict]) -> None:

@@ -71,23 +71,24 @@ def _check_equal_to_one_process(got: dict, family: str, mode: str, world: int) -
     assert err <= 1e-5, f"weights after {worker.STEPS} steps: relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("family,mode", worker.CASES)
-def test_fsdp_two_ranks_equal_one_process(two_ranks, family, mode):
-    _check_equal_to_one_process(two_ranks[f"{family}/{mode}"], family, mode, world=2)
+@pytest.mark.parametrize("family,mode,checkpoint", worker.CASES)
+def test_fsdp_two_ranks_equal_one_process(two_ranks, family, mode, checkpoint):
+    """The one-process reference runs without checkpointing."""
+    _check_equal_to_one_process(two_ranks[f"{family}/{mode}/{checkpoint}"], family, mode, world=2)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family,mode", worker.CASES)
-def test_fsdp_three_ranks_equal_one_process(spawn, tmp_path_factory, family, mode):
+@pytest.mark.parametrize("family,mode,checkpoint", worker.CASES)
+def test_fsdp_three_ranks_equal_one_process(spawn, tmp_path_factory, family, mode, checkpoint):
     """3 ranks: parameters whose first dimension does not divide by 3 are sharded unevenly (FSDP pads)."""
-    got = _ranks(spawn, tmp_path_factory, 3)[f"{family}/{mode}"]
+    got = _ranks(spawn, tmp_path_factory, 3)[f"{family}/{mode}/{checkpoint}"]
     _check_equal_to_one_process(got, family, mode, world=3)
     assert got["reduce_calls"] == [got["units"]] * worker.STEPS
 
 
-@pytest.mark.parametrize("family,mode", worker.CASES)
-def test_gradients_are_reduced_once_per_step(two_ranks, family, mode):
+@pytest.mark.parametrize("family,mode,checkpoint", worker.CASES)
+def test_gradients_are_reduced_once_per_step(two_ranks, family, mode, checkpoint):
     """One reduce-scatter per FSDP unit (each decoder layer + the root) per step, however many replays,
     micro-batches and prompt-backward chunks the step ran."""
-    got = two_ranks[f"{family}/{mode}"]
+    got = two_ranks[f"{family}/{mode}/{checkpoint}"]
     assert got["reduce_calls"] == [got["units"]] * worker.STEPS

@@ -20,6 +20,9 @@ or one decoding step), over a fork of the shared `PromptState`:
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 from longstraw.state.prompt import Collected, PromptState
@@ -40,10 +43,31 @@ class SegmentCache:
         self.state, self.start, self.batch = state, start, batch
         self.collect, self.generated, self.kv_only = collect, generated, kv_only
         self.handed_out: dict[tuple[str, int], torch.Tensor] = {}  # recurrent parts given to a layer
+        # Activation checkpointing (checkpointing.py): what each layer had been handed when it first ran, and
+        # whether a layer is being recomputed in the backward (then nothing is collected again).
+        self._entry: dict[int, dict[tuple[str, int], torch.Tensor]] = {}
+        self.recomputing = False
 
     # --- bookkeeping --------------------------------------------------------------------------------------
+    @contextmanager
+    def layer(self, index: int, recompute: bool) -> Iterator[None]:
+        """Run decoder layer `index` for the first time, or again as a checkpointing recompute: a recompute
+        starts from the recurrent parts the layer held when it first ran (a conv layer's window was advanced
+        since) and collects nothing (the state is already collected; a second `kv_only` stop must not fire)."""
+        if recompute:
+            for key in [k for k in self.handed_out if k[1] == index]:
+                del self.handed_out[key]
+            self.handed_out.update(self._entry.get(index, {}))
+        else:
+            self._entry[index] = {k: t for k, t in self.handed_out.items() if k[1] == index}
+        self.recomputing = recompute
+        try:
+            yield
+        finally:
+            self.recomputing = False
+
     def _record(self, layer: int, part: str, tensor: torch.Tensor) -> None:
-        if self.collect is None:
+        if self.collect is None or self.recomputing:
             return
         self.collect.setdefault(layer, {})[part] = tensor
         needed = self.state.layer_parts
@@ -54,7 +78,7 @@ class SegmentCache:
 
     def note_window(self, layer: int, window: int | None) -> None:
         """The attention kernel reports each layer's sliding window, so the state can drop what is outside it."""
-        if self.collect is not None and window is not None:
+        if self.collect is not None and window is not None and not self.recomputing:
             self.collect.setdefault(layer, {})["window"] = window  # type: ignore[assignment]
 
     def finish(self) -> None:

@@ -1,0 +1,105 @@
+"""Per-layer activation checkpointing of a transformers decoder, compatible with `SegmentCache`.
+
+With `checkpoint="layers"`, a forward with grad keeps only each decoder layer's input (B, T, d) and recomputes
+the layer's activations when the backward reaches it, so one micro-batch of responses (or one prompt-backward
+chunk of the exact plan) keeps L·T·d numbers plus one layer's activations instead of every layer's.
+
+Why not transformers' own `gradient_checkpointing_enable`: it acts only in `train()` mode (we run in eval, no
+dropout) and it sets the `cache` argument to None, which would drop our `SegmentCache`, the object through which
+a layer reads the prompt state. Here each layer's `forward` is wrapped (instance attribute, for the duration of
+the block) by `torch.utils.checkpoint` in its non-reentrant form, which
+
+* passes keyword arguments through (the cache, the rotary embeddings, the attention mask);
+* lets gradients flow into tensors that are not arguments, such as the prompt state's leaves that the layer
+  reads from the cache (the exact plan's dL/dstate, recurrent/conv states, MLA latents), because the recompute
+  re-reads them and autograd accumulates into them as usual;
+* stops a recompute as soon as the saved tensors it needs exist again (a prompt-backward chunk stops at the last
+  layer's K/V, `SegmentCache.kv_only`, so its recompute stops there too).
+
+A recompute must not repeat the cache's side effects: it must not collect a layer's state a second time, and a
+conv layer must see the conv window it saw the first time. The wrapper tells the cache (`SegmentCache.layer`)
+which layer runs and whether it is a recompute.
+
+Module hooks (FSDP2's all-gather/reshard) run around `__call__`, outside the wrapped `forward`, as in
+transformers' own implementation: a recompute in the backward runs while FSDP2's pre-backward hook holds the
+layer's parameters gathered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+CHECKPOINT_CHOICES = ("none", "layers")
+
+
+def check_checkpoint(value: object) -> str:
+    """The checkpoint option, validated: 'none' (default) or 'layers'."""
+    if value not in CHECKPOINT_CHOICES:
+        raise ValueError(f"checkpoint must be one of {', '.join(CHECKPOINT_CHOICES)}, got {value!r}")
+    return str(value)
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The decoder's layer list (`model.layers` of the base model, in every supported family)."""
+    layers = getattr(model.base_model, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise ValueError(f"{type(model).__name__} has no `layers` list in its base model: per-layer activation "
+                         "checkpointing cannot find the decoder layers; use checkpoint='none'")
+    return layers
+
+
+@contextmanager
+def _attention_kernel(config, name: str) -> Iterator[None]:
+    previous = config._attn_implementation
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous
+
+
+def _wrap(layer: torch.nn.Module, index: int, config):
+    inner = type(layer).forward  # the class's forward (transformers' own wrapper is a no-op in eval mode)
+
+    def forward(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return inner(layer, *args, **kwargs)  # nothing is saved without grad: nothing to recompute
+        cache = kwargs.get("longstraw")
+        # The recompute runs in the backward, after the forward's block (replay.replay_attention) has restored
+        # the model's own attention kernel: it must run with the kernel of the first run.
+        kernel = config._attn_implementation
+        runs = 0
+
+        def run(*a, **kw):
+            nonlocal runs
+            runs += 1
+            with _attention_kernel(config, kernel):
+                if cache is None:
+                    return inner(layer, *a, **kw)
+                with cache.layer(index, recompute=runs > 1):
+                    return inner(layer, *a, **kw)
+
+        return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=False, **kwargs)
+
+    return forward
+
+
+@contextmanager
+def checkpointed_layers(model: torch.nn.Module, enabled: bool = True) -> Iterator[None]:
+    """Within the block, every decoder layer of `model` keeps only its input for the backward (see module doc)."""
+    if not enabled:
+        yield
+        return
+    # Layers already wrapped (a nested block) are left to the outer block.
+    wrapped = [(i, layer) for i, layer in enumerate(decoder_layers(model)) if "forward" not in vars(layer)]
+    for i, layer in wrapped:
+        layer.forward = _wrap(layer, i, model.config)
+    try:
+        yield
+    finally:
+        for _, layer in wrapped:
+            del layer.forward
