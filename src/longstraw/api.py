@@ -77,6 +77,7 @@ def backward_group(
     prompt_state: PromptState | None = None,
     context_parallel=None,
     checkpoint: str = "none",
+    offload_state: bool = False,
     **loss_options: float | int | None,
 ) -> GroupResult:
     """Accumulate d(group loss)/d(params) into `.grad`, as `loss.backward()` would (never zeroes or steps).
@@ -89,6 +90,8 @@ def backward_group(
     this with the same group and keeps 1/C of the prompt's attention state; each ends with the full gradient.
     checkpoint: "none" or "layers" (per-layer activation checkpointing of every forward with grad: replay
     micro-batches, the exact plan's prompt-backward chunks, the standard plans' sequences; `checkpointing.py`).
+    offload_state: keep the prompt state (and the exact plan's state gradient) in host memory and copy one layer's
+    part at a time to the device where it is read (detach/exact; saves device memory with checkpoint="layers").
     loss_options: epsilon, epsilon_low, epsilon_high, beta, max_tokens (see `longstraw.loss`).
     """
     try:
@@ -99,6 +102,8 @@ def backward_group(
     micro_batch = _positive_int("micro_batch", micro_batch)
     token_chunk = _positive_int("token_chunk", token_chunk)
     checkpoint = check_checkpoint(checkpoint)
+    if not isinstance(offload_state, bool):
+        raise TypeError(f"offload_state must be True or False, got {offload_state!r}")
     _validate(model, group, mode, cfg.beta)
     if mode == "exact" and chunk_size == 1 and model.config.model_type in RECURRENT_MODEL_TYPES:
         raise ValueError(
@@ -116,6 +121,9 @@ def backward_group(
         if mode not in ("detach", "exact"):
             raise ValueError(f"context parallelism shards the prompt state: use mode detach or exact, not {mode}")
         check_supported(model)
+    if offload_state and mode not in ("detach", "exact"):
+        raise ValueError(f"offload_state moves the prompt state to host memory: the {mode} plan has none; use "
+                         "mode detach or exact")
     if mode == "exact" and prompt_state is not None and not prompt_state.keep_boundaries:
         raise ValueError("the exact plan needs a prompt_state captured with keep_boundaries=True (the recurrent "
                          "state at every chunk boundary); pass one, or none")
@@ -144,10 +152,10 @@ def backward_group(
         )
 
     stats: dict[str, float | int | str] = {"mode": mode, "prompt_tokens": prompt.numel(), "group_size": group.size,
-                                           "checkpoint": checkpoint}
+                                           "checkpoint": checkpoint, "offload_state": offload_state}
     with checkpointed_layers(model, enabled=checkpoint == "layers"):
         total, logprobs = _run_plan(model, mode, prompt, responses, loss_fn, chunk_size, micro_batch, token_chunk,
-                                    prompt_state, context_parallel, stats)
+                                    prompt_state, context_parallel, offload_state, stats)
     if not math.isfinite(total):
         raise FloatingPointError(
             f"group loss is {total}: gradients were accumulated from non-finite values; zero them and check "
@@ -157,7 +165,7 @@ def backward_group(
 
 
 def _run_plan(model, mode, prompt, responses, loss_fn, chunk_size, micro_batch, token_chunk, prompt_state,
-              context_parallel, stats) -> tuple[float, list[torch.Tensor]]:
+              context_parallel, offload_state, stats) -> tuple[float, list[torch.Tensor]]:
     """The plan itself, phase by phase, with phase times and the state's size put in `stats`."""
     t0 = time.perf_counter()
     if mode in ("standard", "standard_batched"):
@@ -168,7 +176,9 @@ def _run_plan(model, mode, prompt, responses, loss_fn, chunk_size, micro_batch, 
     state = prompt_state
     if state is None:
         state = capture_prompt(model, prompt[:-1], chunk_size, keep_boundaries=mode == "exact",
-                               cp=context_parallel)
+                               cp=context_parallel, offload=offload_state)
+    elif offload_state:
+        state = state.offload(prompt.device)
     t1 = time.perf_counter()
     if mode == "exact":
         state = state.as_leaves()

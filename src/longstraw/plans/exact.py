@@ -27,7 +27,8 @@ def prompt_backward(model: torch.nn.Module, ids: torch.Tensor, leaves: PromptSta
     for j in reversed(range(leaves.num_chunks)):
         start, end = leaves.bounds[j]
         produced = leaves.chunk_outputs(j)
-        upstream = [None if t is None else t.grad for t in produced]
+        # An offloaded state's gradients live beside it in host memory: bring chunk j's to the compute device.
+        upstream = [None if t is None or t.grad is None else leaves.fetch(t.grad) for t in produced]
         if cp is None and all(g is None for g in upstream):
             continue  # (under context parallelism every rank recomputes every chunk: collectives run in step)
         collect: Collected = {}

@@ -19,16 +19,19 @@ def chunk_bounds(length: int, chunk_size: int) -> list[tuple[int, int]]:
 
 
 def capture_prompt(model: torch.nn.Module, ids: torch.Tensor, chunk_size: int,
-                   keep_boundaries: bool = True, cp=None) -> PromptState:
+                   keep_boundaries: bool = True, cp=None, offload: bool = False) -> PromptState:
     """The state of every layer for `ids` (N,), computed chunk by chunk under no_grad.
 
     Chunk c continues from the state of the chunks before it, so peak activation memory is one chunk's,
     and the result does not depend on the chunk size (up to float reassociation). keep_boundaries: keep the
     recurrent state at every chunk boundary (the exact plan needs them); otherwise only the last, and
     sliding-window layers drop K/V outside their window. cp (`distributed.context.ContextParallel`): every rank
-    runs every chunk, and keeps the attention parts of its own contiguous slice of chunks only.
+    runs every chunk, and keeps the attention parts of its own contiguous slice of chunks only. offload: keep the
+    state in host memory, read on the model's device (`PromptState.device`).
     """
-    state = PromptState(num_layers=model.config.num_hidden_layers, keep_boundaries=keep_boundaries, cp=cp)
+    device = model.get_input_embeddings().weight.device if offload else None
+    state = PromptState(num_layers=model.config.num_hidden_layers, keep_boundaries=keep_boundaries, cp=cp,
+                        device=device)
     bounds = chunk_bounds(ids.numel(), chunk_size)
     for j, (start, end) in enumerate(bounds):
         collect: Collected = {}

@@ -16,6 +16,13 @@ needs exactly these chunk boundaries, and a fork is a new set of lists over the 
 Recurrent parts are kept at every chunk boundary when `keep_boundaries` (the exact plan recomputes chunk j
 from the state after chunk j-1); otherwise only the last one is kept, and sliding-window layers drop the
 K/V chunks no later token can see. A dropped entry is None.
+
+Offloaded state (`device` set): every part lives in host memory (pinned when the compute device is a GPU) and
+is copied to `device` where it is read — one layer's chunks at a time by the attention kernel, one recurrent
+state at a time by the cache. The copy is differentiable, so the exact plan's leaves stay on the host and their
+gradients accumulate there too. With per-layer activation checkpointing the device then holds one layer's
+prompt K/V (and its gradient) at a time instead of the whole state; without it, every layer's copy is saved for
+the backward and nothing is gained (the planner says so).
 """
 
 from __future__ import annotations
@@ -45,6 +52,8 @@ class PromptState:
     windows: list[int | None] = field(default_factory=list)  # sliding window per layer (None: full attention)
     # Context parallelism (distributed/context.py): this rank holds the attention parts of its own chunks only.
     cp: object | None = None
+    # Offloaded: the tensors live in host memory and are copied to this compute device where they are read.
+    device: torch.device | None = None
 
     def __post_init__(self) -> None:
         for name in PARTS:
@@ -70,20 +79,32 @@ class PromptState:
     def num_chunks(self) -> int:
         return len(self.bounds)
 
+    @property
+    def offloaded(self) -> bool:
+        return self.device is not None
+
+    def fetch(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """A tensor of the state where it is computed with: itself, or (offloaded) a differentiable copy on
+        `device` (a copy even when `device` is the CPU, so the offloaded path runs, and is tested, everywhere)."""
+        if t is None or self.device is None:
+            return t
+        return t.to(self.device, non_blocking=True, copy=True)
+
     def attention_chunks(self, layer: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
         """(start position, key part, value part) of every kept chunk of an attention layer."""
         keys, values = self.parts["key"][layer], self.parts["value"][layer]
-        return [(self.bounds[j][0], k, v) for j, (k, v) in enumerate(zip(keys, values)) if k is not None]
+        return [(self.bounds[j][0], self.fetch(k), self.fetch(v))  # type: ignore[misc]
+                for j, (k, v) in enumerate(zip(keys, values)) if k is not None]
 
     def index_keys(self, layer: int) -> torch.Tensor | None:
         """DSA indexer keys of every prompt position, (1, length, d_I), or None if the layer has none."""
         chunks = [t for t in self.parts["index"][layer] if t is not None]
-        return torch.cat(chunks, dim=1) if chunks else None
+        return self.fetch(torch.cat(chunks, dim=1)) if chunks else None
 
     def last(self, part: str, layer: int) -> torch.Tensor | None:
         """The recurrent part of `layer` after the last chunk (what the next token continues from)."""
         entries = self.parts[part][layer]
-        return entries[-1] if entries else None
+        return self.fetch(entries[-1]) if entries else None
 
     # --- building -----------------------------------------------------------------------------------------
     def append_chunk(self, start: int, end: int, collected: Collected) -> None:
@@ -100,7 +121,7 @@ class PromptState:
             raise RuntimeError(f"chunk produced state parts {produced}, expected {self.layer_parts}")
         for layer in range(self.num_layers):
             for name in PARTS:
-                self.parts[name][layer].append(collected[layer].get(name))
+                self.parts[name][layer].append(self._store(collected[layer].get(name)))
         self.bounds.append((start, end))
         if not self.keep_boundaries:
             self._drop_unneeded()
@@ -128,8 +149,14 @@ class PromptState:
                         self.parts["key"][layer][j] = None
                         self.parts["value"][layer][j] = None
 
+    def _store(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """Where a part is kept: as computed, or (offloaded) in host memory, pinned for fast copies to a GPU."""
+        if t is None or self.device is None or t.device.type == "cpu":
+            return t
+        return t.detach().to("cpu").pin_memory()
+
     # --- forks and leaves ---------------------------------------------------------------------------------
-    def _map(self, fn, num_chunks: int | None = None) -> PromptState:
+    def _map(self, fn, num_chunks: int | None = None, device: torch.device | None = None) -> PromptState:
         n = self.num_chunks if num_chunks is None else num_chunks
         return PromptState(
             num_layers=self.num_layers,
@@ -140,6 +167,7 @@ class PromptState:
             layer_parts=self.layer_parts,
             windows=list(self.windows),
             cp=self.cp,
+            device=self.device if device is None else device,
         )
 
     def prefix(self, num_chunks: int) -> PromptState:
@@ -150,6 +178,13 @@ class PromptState:
         """A view for one replay. Replays never write into it (recurrent parts are cloned where a layer
         would update them in place, see `state.cache`), so sharing the tensors is safe."""
         return self.prefix(self.num_chunks)
+
+    def offload(self, device: torch.device) -> PromptState:
+        """The same state kept in host memory and read on `device` (see the module docstring)."""
+        if self.offloaded:
+            return self
+        host = PromptState(num_layers=self.num_layers, device=torch.device(device))
+        return self._map(lambda name, t: host._store(t), device=host.device)
 
     def as_leaves(self) -> PromptState:
         """The same state as leaf tensors that require grad (the exact plan collects dL/dstate in .grad).
