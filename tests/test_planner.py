@@ -4,6 +4,7 @@ planner's prediction against measured peaks (each plan, two architectures) withi
 from __future__ import annotations
 
 import json
+import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
@@ -22,6 +23,7 @@ from longstraw.planner import (
     parse_size,
     spec_from_config,
     state_bytes,
+    state_parts,
 )
 
 TOLERANCE = 0.15  # the issue's bound on |predicted / measured - 1| of the training-step memory
@@ -79,14 +81,21 @@ def test_sharding_and_context_parallel_divide_what_they_should():
     e1, e8, c8 = (estimate(spec, x, "exact").components for x in (one, eight, cp8))
     assert e8["weights"] == e1["weights"] // 8 and e8["optimizer"] == e1["optimizer"] // 8
     assert e8["prompt_state"] == e1["prompt_state"] and "fsdp_gathered" in e8 and "fsdp_gathered" not in e1
-    assert c8["prompt_state"] == pytest.approx(e1["prompt_state"] / 8, abs=1)
-    assert c8["state_gradients"] == pytest.approx(e1["state_gradients"] / 8, abs=1)
+    # Context parallelism shards the attention state; every rank computes every chunk, so each holds all the
+    # recurrent states (the exact plan's chunk-boundary states included) and their gradient.
+    parts = state_parts(spec, 2**20 - 1, 2, 2048, exact=True)
+    assert parts.recurrent > 0 and parts.attention > 0
+    assert c8["prompt_state"] == math.ceil(parts.attention / 8) + parts.recurrent
+    assert c8["state_gradients"] == math.ceil(parts.attention_grad / 8) + parts.recurrent_grad
+    llama = _spec("b1-llama")
+    one_l, cp8_l = (estimate(llama, x, "exact").components for x in (one, cp8))
+    assert cp8_l["prompt_state"] == pytest.approx(one_l["prompt_state"] / 8, abs=1)
     # G does not change the replay plans' peak; it multiplies standard_batched's activations.
     g2, g8 = replace(cp8, group_size=2), cp8
     assert estimate(spec, g2, "detach").total_bytes == estimate(spec, g8, "detach").total_bytes
     sb2, sb8 = estimate(spec, g2, "standard_batched"), estimate(spec, g8, "standard_batched")
     assert sb8.components["sequence_activations"] == 4 * sb2.components["sequence_activations"]
-    # Per-layer activation checkpointing (a forecast option) keeps less than the full activations.
+    # Per-layer activation checkpointing keeps less than the full activations.
     ckpt = estimate(spec, replace(cp8, checkpoint_layers=True), "exact").components
     full = estimate(spec, cp8, "exact").components
     assert ckpt["replay_activations"] < full["replay_activations"] / 4
@@ -96,8 +105,38 @@ def test_sharding_and_context_parallel_divide_what_they_should():
     assert estimate(spec, replace(cp8, chunk_size=8192), "exact").components["prompt_state"] < full["prompt_state"]
 
 
+def test_offloaded_state_leaves_one_layer_on_the_device():
+    """With checkpointing, an offloaded state puts one layer's attention part (and one recurrent state) on the
+    device and the rest in host memory; without checkpointing every layer's copy is saved, so nothing is gained."""
+    spec = _spec("hybrid-27b")
+    base = PlanInputs(prompt_tokens=2**20, response_tokens=1024, group_size=8, gpus=8, cp=8, checkpoint_layers=True)
+    resident = estimate(spec, base, "exact").components
+    off = estimate(spec, replace(base, offload_state=True), "exact").components
+    parts = state_parts(spec, 2**20 - 1, 2, 2048, exact=True)
+    assert off["state_in_host_memory"] == resident["prompt_state"] + resident["state_gradients"]
+    assert off["prompt_state"] == math.ceil(parts.largest_layer / 8) + parts.recurrent_grad
+    assert off["prompt_state"] < resident["prompt_state"] / 20
+    no_ckpt = estimate(spec, replace(base, offload_state=True, checkpoint_layers=False), "exact").components
+    assert no_ckpt["prompt_state"] == estimate(spec, replace(base, checkpoint_layers=False), "exact").components[
+        "prompt_state"]
+
+
+def test_beyond_max_positions_nothing_fits(capsys):
+    """A 2048-position model never 'fits' a 100,000-token prompt, and the table says why."""
+    spec = _spec("tiny-llama")
+    assert spec.max_positions == 2048
+    inp = PlanInputs(prompt_tokens=100_000, response_tokens=16, group_size=4, device="cpu")
+    for plan in PLANS:
+        est = estimate(spec, inp, plan)
+        assert not est.fits and not est.within_positions
+        assert largest_prompt(spec, replace(inp, gpu_memory=10**15), plan) == 2048 - 16
+    main(["plan", "--model", "tiny-llama", "--prompt-tokens", "100000", "--response-tokens", "16",
+          "--group-size", "4"])
+    assert "exceeds the model's max_position_embeddings (2,048)" in capsys.readouterr().out
+
+
 def test_largest_prompt_is_the_boundary():
-    spec = _spec("b1-llama")
+    spec = replace(_spec("b1-llama"), max_positions=0)  # memory alone (the 131,072 positions would cap detach)
     inp = PlanInputs(prompt_tokens=2, response_tokens=256, group_size=8, dtype="fp32", gpu_memory=parse_size("1GiB"),
                      device="cpu", optimizer="none")
     for plan in PLANS:

@@ -114,6 +114,17 @@ def _tiny_llama_long() -> PretrainedConfig:
     return config
 
 
+def _deep_smollm2() -> PretrainedConfig:
+    """SmolLM2-135M's shape (30 layers, hidden 576, 9 heads, 3 KV heads, intermediate 1536, vocab 49152, tied
+    embeddings) with 131,072 positions and random weights: the planner's validation at depth (memory and time
+    do not depend on the weights; the real model is trained for 8,192 positions)."""
+    return LlamaConfig(
+        hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, vocab_size=49152, max_position_embeddings=131072, tie_word_embeddings=True,
+        rms_norm_eps=1e-5, rope_theta=100000.0,
+    )
+
+
 def _tiny_mamba2() -> PretrainedConfig:
     """A tiny Mamba2 (2 layers, hidden 64): its state does not grow with P (the stress record's model)."""
     return Mamba2Config(
@@ -134,6 +145,7 @@ PRESETS: dict[str, Callable[[], PretrainedConfig]] = {
     "b1-mamba2": _b1_mamba2,
     "gpu-llama-1b": _gpu_llama_1b,
     "tiny-llama-long": _tiny_llama_long,
+    "deep-smollm2": _deep_smollm2,
 }
 
 

@@ -184,6 +184,7 @@ class ModelSpec:
     index_heads: int = 0
     index_dim: int = 0
     index_layers: tuple[bool, ...] = field(default_factory=tuple)  # DSA: layer keeps its own indexer keys
+    max_positions: int = 0  # the config's max_position_embeddings (0: none given)
 
     @property
     def num_layers(self) -> int:
@@ -247,6 +248,7 @@ def spec_from_config(config, name: str = "") -> ModelSpec:
         "name": name or mt, "model_type": mt, "hidden": c.hidden_size, "vocab": c.vocab_size,
         "params": total, "expert_params": expert, "max_layer_params": max_layer,
         "tied": bool(getattr(c, "tie_word_embeddings", False)),
+        "max_positions": int(getattr(c, "max_position_embeddings", 0) or 0),
     }
     layer_types = list(getattr(c, "layer_types", None) or [])
     if mt in ("llama", "qwen2", "qwen3", "mistral", "gemma3_text"):
@@ -354,15 +356,28 @@ def _per_token_state_bytes(spec: ModelSpec, layer: int, b: int) -> tuple[int, in
         return 0, 0
 
 
-def state_bytes(spec: ModelSpec, positions: int, b: int, chunk: int, exact: bool) -> tuple[int, int]:
-    """(prompt state, its gradient in the exact plan) for `positions` prompt tokens, one sequence.
+@dataclass(frozen=True)
+class StateBytes:
+    """The prompt state of one sequence, split by where context parallelism puts it: the attention part (K/V,
+    MLA latents, DSA indexer keys: sharded over the cp ranks) and the recurrent part (conv/recurrent states:
+    every rank computes every chunk, so every rank holds them all). `*_grad`: the exact plan's state gradient.
+    `largest_layer`: the attention part of the largest layer (what an offloaded state copies to the device)."""
 
-    Attention K/V and MLA latents grow with P (sliding layers in detach: the chunks reaching into the last W-1
-    positions); DSA indexer keys grow but carry
-    no gradient; recurrent layers hold one state (detach) or one per chunk boundary (exact), and their
-    gradient is one state's worth.
-    """
-    state = grad = 0
+    attention: int
+    attention_grad: int
+    recurrent: int
+    recurrent_grad: int
+    largest_layer: int
+
+    def per_rank(self, cp: int) -> tuple[int, int]:
+        """(state, state gradient) on one of `cp` context-parallel ranks."""
+        return (math.ceil(self.attention / cp) + self.recurrent,
+                math.ceil(self.attention_grad / cp) + self.recurrent_grad)
+
+
+def state_parts(spec: ModelSpec, positions: int, b: int, chunk: int, exact: bool) -> StateBytes:
+    """The prompt state for `positions` prompt tokens, one sequence (see `state_bytes`)."""
+    att = att_grad = rec_total = rec_grad = largest = 0
     boundaries = max(1, math.ceil(positions / chunk))
     for layer, mixer in enumerate(spec.mixers):
         kept = positions
@@ -371,12 +386,24 @@ def state_bytes(spec: ModelSpec, positions: int, b: int, chunk: int, exact: bool
             # (its reverse prompt backward reads them as boundaries)
             kept = positions - chunk * (max(0, positions - (spec.window - 1)) // chunk)
         with_grad, without = _per_token_state_bytes(spec, layer, b)
-        state += kept * (with_grad + without)
-        grad += kept * with_grad
+        att += kept * (with_grad + without)
+        att_grad += kept * with_grad
+        largest = max(largest, kept * (with_grad + without))
         rec = _recurrent_bytes(spec, mixer, b)
-        state += rec * (boundaries if exact else 1)
-        grad += rec
-    return state, (grad if exact else 0)
+        rec_total += rec * (boundaries if exact else 1)
+        rec_grad += rec
+    return StateBytes(att, att_grad if exact else 0, rec_total, rec_grad if exact else 0, largest)
+
+
+def state_bytes(spec: ModelSpec, positions: int, b: int, chunk: int, exact: bool) -> tuple[int, int]:
+    """(prompt state, its gradient in the exact plan) for `positions` prompt tokens, one sequence.
+
+    Attention K/V and MLA latents grow with P (sliding layers in detach: the chunks reaching into the last W-1
+    positions); DSA indexer keys grow but carry no gradient; recurrent layers hold one state (detach) or one per
+    chunk boundary (exact), and their gradient is one state's worth.
+    """
+    parts = state_parts(spec, positions, b, chunk, exact)
+    return parts.per_rank(1)
 
 
 def _norm(width: int, b: int) -> int:
@@ -479,13 +506,27 @@ def chunk_activation_bytes(spec: ModelSpec, b: int, a: int, kernel: str) -> int:
     return layers + last + 8
 
 
+def _mlp_width(spec: ModelSpec, layer: int) -> int:
+    """Intermediate width a token goes through in layer `layer`'s MLP (Mamba2 layers: the mixer's inner width)."""
+    mlp = spec.mlps[layer]
+    if mlp == "dense":
+        return spec.intermediate
+    elif mlp == "moe":
+        return spec.experts_per_token * spec.moe_intermediate + spec.shared_intermediate
+    else:
+        return spec.mamba_heads * spec.mamba_head_dim
+
+
 def _activations_per_token(spec: ModelSpec, b: int, a: int, kernel: str, checkpoint_layers: bool) -> int:
-    """Saved bytes per token of a forward with grad; with per-layer activation checkpointing only each layer's
-    input (d·b) is kept, plus one layer's activations while it is recomputed in the backward."""
+    """Saved bytes per token of a forward with grad; with per-layer activation checkpointing (`checkpointing.py`)
+    each layer's input (d·b) is kept, plus, while one layer is recomputed and backpropagated, that layer's
+    activations and its backward's gradient buffers: the MLP's four intermediate gradients and two of the hidden
+    size, (4·I + 2·d)·b (measured on deep-smollm2: 28.2-28.9 KB per token where this gives 28.5)."""
     if not checkpoint_layers:
         return model_activation_bytes(spec, b, a, kernel)
     largest = max(layer_activation_bytes(spec, i, b, a, kernel) for i in range(spec.num_layers))
-    return spec.num_layers * spec.hidden * b + largest + _norm(spec.hidden, b) + 8
+    backward = max((4 * _mlp_width(spec, i) + 2 * spec.hidden) * b for i in range(spec.num_layers))
+    return spec.num_layers * spec.hidden * b + largest + backward + _norm(spec.hidden, b) + 8
 
 
 # ---------------------------------------------------------------- the plan
@@ -510,7 +551,8 @@ class PlanInputs:
     optimizer: str = "adamw"
     device: str = "cuda"
     reserve: int | None = None
-    checkpoint_layers: bool = False  # forecast only: per-layer activation checkpointing (not in the engine yet)
+    checkpoint_layers: bool = False  # per-layer activation checkpointing (backward_group(checkpoint="layers"))
+    offload_state: bool = False  # prompt state + its gradient in host memory (backward_group(offload_state=True))
 
 
 @dataclass
@@ -527,6 +569,7 @@ class PlanEstimate:
     step_bytes: int
     fits: bool
     prompt_state_bytes: int
+    within_positions: bool = True  # P + R <= the model's max_position_embeddings (LongStraw refuses beyond it)
 
 
 def _bytes_of(dtype: str) -> int:
@@ -566,8 +609,17 @@ def estimate(spec: ModelSpec, inp: PlanInputs, plan: str) -> PlanEstimate:
     resident = weights + optimizer + runtime + gathered
     if plan in ("detach", "exact"):
         exact = plan == "exact"
-        state, state_grad = state_bytes(spec, p - 1, b, inp.chunk_size, exact)
-        state, state_grad = math.ceil(state / inp.cp), math.ceil(state_grad / inp.cp)
+        parts = state_parts(spec, p - 1, b, inp.chunk_size, exact)
+        state, state_grad = parts.per_rank(inp.cp)
+        if inp.offload_state:
+            comp["state_in_host_memory"] = state + state_grad
+            if inp.checkpoint_layers:
+                # One layer's attention part is on the device at a time (copied for its forward, again for its
+                # recompute, then its gradient before it goes back), plus a recurrent state per layer being read.
+                layer = math.ceil(parts.largest_layer / inp.cp)
+                state = layer + (parts.recurrent_grad if exact else parts.recurrent)  # one boundary's worth
+                state_grad = (layer + parts.recurrent_grad) if exact else 0
+            # else: every layer's copy is saved for the backward: the whole state is on the device anyway
         k = min(inp.micro_batch, g)
         tokens = k * r
         acts = tokens * _activations_per_token(spec, b, a, "replay", inp.checkpoint_layers)
@@ -576,7 +628,13 @@ def estimate(spec: ModelSpec, inp: PlanInputs, plan: str) -> PlanEstimate:
         dsa = any(m == "dsa" for m in spec.mixers)
         indexer = DSA_SCORE_ROWS * math.ceil(p / inp.cp) * 4 if dsa else 0
         steady = math.ceil(g / k) > 1  # gradients already resident while the next micro-batch runs
-        replay = (grads + acts + logprob + indexer) if steady else max(acts + logprob + indexer, grads)
+        # The backward's tail: the embedding's dense (V, d) gradient; with tied embeddings the output projection's
+        # (V, d) gradient also waits in autograd's input buffer until it is summed with it.
+        tail = (2 if spec.tied else 1) * v * d * b
+        if steady:
+            replay = grads + max(acts + logprob + indexer, tail)
+        else:
+            replay = max(acts + logprob + indexer, grads + (v * d * b if spec.tied else 0))
         chunk = min(inp.chunk_size, p - 1)
         capture = chunk * (3 * spec.intermediate + 4 * d + 2 * spec.heads * max(spec.head_dim, 1)) * b
         phases["capture"] = resident + state + capture
@@ -590,7 +648,8 @@ def estimate(spec: ModelSpec, inp: PlanInputs, plan: str) -> PlanEstimate:
             chunk_acts = chunk * (_activations_per_token(spec, b, a, kernel, True) if inp.checkpoint_layers
                                   else chunk_activation_bytes(spec, b, a, kernel))
             # backward transient of one layer (gradients of its MLP input/intermediate), measured ~ (I + d)·b
-            chunk_acts += chunk * (spec.intermediate + d) * b
+            if not inp.checkpoint_layers:  # (with checkpointing the layer's backward buffers are counted above)
+                chunk_acts += chunk * (spec.intermediate + d) * b
             phases["prompt_backward"] = resident + grads + state + state_grad + chunk_acts
             comp["prompt_backward_chunk"] = chunk_acts
         prompt_state = state
@@ -608,9 +667,11 @@ def estimate(spec: ModelSpec, inp: PlanInputs, plan: str) -> PlanEstimate:
     comp["runtime"] = runtime
     peak_phase = max(phases, key=lambda k: phases[k])
     total = phases[peak_phase]
+    within = not spec.max_positions or p + r <= spec.max_positions
     return PlanEstimate(
         plan=plan, components=comp, phases=phases, peak_phase=peak_phase, total_bytes=total,
-        step_bytes=total - weights - optimizer, fits=total <= inp.gpu_memory, prompt_state_bytes=prompt_state,
+        step_bytes=total - weights - optimizer, fits=within and total <= inp.gpu_memory,
+        prompt_state_bytes=prompt_state, within_positions=within,
     )
 
 
@@ -644,7 +705,7 @@ def plan_all(spec: ModelSpec, inp: PlanInputs, plans: tuple[str, ...] = PLANS) -
     return {
         "model": {
             "name": spec.name, "model_type": spec.model_type, "params": spec.params,
-            "expert_params": spec.expert_params, "layers": spec.num_layers,
+            "expert_params": spec.expert_params, "layers": spec.num_layers, "max_positions": spec.max_positions,
             "layer_kinds": {k: spec.mixers.count(k) for k in dict.fromkeys(spec.mixers)},
         },
         "inputs": asdict(inp),
@@ -697,8 +758,11 @@ def add_arguments(parser) -> None:
                         help="cuda (default) or cpu: sets the runtime reserve")
     parser.add_argument("--reserve", help="per-GPU bytes outside the tensors (default 2GiB on cuda, 20MiB on cpu)")
     parser.add_argument("--checkpoint-layers", action="store_true",
-                        help="forecast with per-layer activation checkpointing (keeps each layer's input only); "
-                             "LongStraw does not implement it yet")
+                        help="per-layer activation checkpointing (keeps each layer's input only; "
+                             "backward_group(checkpoint='layers'), longstraw train --checkpoint-layers)")
+    parser.add_argument("--offload-state", action="store_true",
+                        help="prompt state and its gradient in host memory, one layer's part on the GPU at a time "
+                             "(backward_group(offload_state=True)); saves GPU memory with --checkpoint-layers")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
 
@@ -727,6 +791,7 @@ def inputs_from_args(args) -> PlanInputs:
         shard=not args.no_shard, micro_batch=args.micro_batch, chunk_size=args.chunk_size,
         token_chunk=args.token_chunk, optimizer=args.optimizer, device=args.device,
         reserve=parse_size(args.reserve) if args.reserve else None, checkpoint_layers=args.checkpoint_layers,
+        offload_state=args.offload_state,
     )
 
 
@@ -754,7 +819,8 @@ def format_plan(document: dict[str, object]) -> str:
         f"{inp['gpus']} GPU(s) x {inp['gpu_memory'] / 1e9:.1f} GB, cp={inp['cp']}, "
         f"{'FSDP/ZeRO-3' if inp['shard'] and inp['gpus'] > 1 else 'no sharding'}, micro-batch "
         f"{inp['micro_batch']}, chunk {inp['chunk_size']}"
-        + (", per-layer activation checkpointing (assumed)" if inp["checkpoint_layers"] else ""),
+        + (", per-layer activation checkpointing" if inp["checkpoint_layers"] else "")
+        + (", prompt state offloaded to host memory" if inp.get("offload_state") else ""),
         head, "-" * len(head),
     ]
     for key in rows:
@@ -763,6 +829,10 @@ def format_plan(document: dict[str, object]) -> str:
     lines.append(f"{'peak (total)':<{width}}" + "".join(f"{_gb(plans[n]['total_bytes']):>18}" for n in names))
     lines.append(f"{'peak phase':<{width}}" + "".join(f"{plans[n]['peak_phase']:>18}" for n in names))
     lines.append(f"{'fits':<{width}}" + "".join(f"{'yes' if plans[n]['fits'] else 'NO':>18}" for n in names))
+    positions = inp["prompt_tokens"] + inp["response_tokens"]
+    if model.get("max_positions") and positions > model["max_positions"]:
+        lines.append(f"NO for every plan: P + R = {positions:,} positions exceeds the model's max_position_embeddings "
+                     f"({model['max_positions']:,}), which LongStraw refuses; use a longer-context model")
     largest = [plans[n]["largest_prompt_tokens"] for n in names]
     lines.append(f"{'largest prompt (tokens)':<{width}}"
                  + "".join(f"{('none' if x is None else f'{x:,}'):>18}" for x in largest))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -13,11 +14,13 @@ from longstraw.bench.memory import (
     SMOKE,
     _describe_exit,
     compute_ratios,
+    config_from_args,
     format_ratios,
     format_table,
     reference_group_size,
+    run_memory_bench,
 )
-from longstraw.cli import main
+from longstraw.cli import build_parser, main
 
 MIB = 1024 * 1024
 
@@ -129,3 +132,64 @@ def test_bad_arguments_are_argparse_errors(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--version"])
     assert exit_info.value.code == 0 and capsys.readouterr().out.startswith("longstraw ")
+
+
+def test_checkpoint_dimension_side_by_side_with_planner_prediction(tmp_path, capsys):
+    # In-process bench (one worker for all 8 configurations, as --smoke): every plan with and without
+    # per-layer activation checkpointing, and the planner's forecast beside each measured peak.
+    config = replace(SMOKE, modes=("detach", "exact"), checkpoints=("none", "layers"))
+    doc = run_memory_bench(config, str(tmp_path / "ckpt.json"))
+    printed = capsys.readouterr()
+    seen = {(r["mode"], r["group_size"], r["checkpoint"]) for r in doc["results"]}
+    assert seen == {(m, g, c) for m in config.modes for g in config.groups for c in config.checkpoints}
+    for r in doc["results"]:
+        assert r["status"] == "ok", r
+        assert r["stats"]["checkpoint"] == r["checkpoint"], r
+        assert isinstance(r["predicted_step_bytes"], int) and r["predicted_step_bytes"] > 0, r
+        assert "prediction_error" in r, r
+    # Checkpointing recomputes the same forward: the loss is unchanged.
+    for g in config.groups:
+        losses = [r["loss"] for r in doc["results"] if r["group_size"] == g]
+        assert max(losses) - min(losses) < 1e-4 * max(1.0, abs(losses[0]))
+    header = format_table(doc["results"], config.groups, config.modes, config.checkpoints).splitlines()[0]
+    assert [c.strip() for c in header.split("|")[1:]] == ["detach", "detach+ckpt", "exact", "exact+ckpt"]
+    assert "detach+ckpt" in printed.out and "exact+ckpt" in printed.out
+    ratios = doc["ratios"]
+    assert "peak_exact_ckpt_over_plain" in ratios and "peak_detach_ckpt_over_plain" in ratios
+    assert "peak exact+ckpt / exact" in format_ratios(ratios)
+    assert "planner vs measured" in printed.out
+    assert "checkpoint none + layers" in printed.out
+    assert json.loads((tmp_path / "ckpt.json").read_text())["config"]["checkpoints"] == ["none", "layers"]
+
+
+def test_checkpoint_ratios_on_synthetic_results():
+    results = [
+        _ok("detach", 2, 50, 1.0), _ok("exact", 2, 80, 1.5),
+        {**_ok("detach", 2, 20, 1.4), "checkpoint": "layers"},
+        {"mode": "exact", "group_size": 2, "checkpoint": "layers", "status": "failed", "error": "x"},
+    ]
+    ratios = compute_ratios(results)
+    assert ratios["peak_detach_ckpt_over_plain"] == pytest.approx(0.4)
+    assert ratios["peak_exact_ckpt_over_plain"] is None
+    # The plan ratios and growth see only the runs without checkpointing.
+    assert ratios["time_exact_over_detach"] == pytest.approx(1.5)
+    plain_only = compute_ratios(results[:2])
+    assert not any(key.endswith("_ckpt_over_plain") for key in plain_only)
+    row = format_table(results, [2], ["detach", "exact"], ["none", "layers"]).splitlines()[-1]
+    assert "FAILED" in row and "20.0" in row and "50.0" in row
+
+
+def test_checkpoint_arguments():
+    parser = build_parser()
+
+    def checkpoints(*extra: str) -> tuple[str, ...]:
+        args = parser.parse_args(["bench", "memory", "--smoke", *extra])
+        return config_from_args(args, args.fail).checkpoints
+
+    assert checkpoints() == ("none",)
+    assert checkpoints("--checkpoint", "none", "layers") == ("none", "layers")
+    assert checkpoints("--checkpoint", "layers", "none", "layers") == ("layers", "none")
+    assert checkpoints("--checkpoint-layers") == ("layers",)
+    for argv in (["--checkpoint", "all"], ["--checkpoint", "none", "--checkpoint-layers"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["bench", "memory", *argv])

@@ -1,6 +1,6 @@
 """`longstraw bench memory`: Bench B1 (DESIGN §5), peak memory and step time of every plan across group sizes.
 
-Each (mode, G) configuration runs in a fresh `longstraw.bench.worker` subprocess so its peak is its own (a
+Each (mode, G, checkpoint) configuration runs in a fresh `longstraw.bench.worker` subprocess so its peak is its own (a
 process's high-water mark never comes down on its own). A failed worker (OOM-killed, error, timeout) is
 recorded with its stderr tail and the bench moves on. The result file holds the config, the machine, every
 result and the ratios; the table and ratios are also printed. Plans are compared as ratios from one run
@@ -11,6 +11,10 @@ dynamic threshold, freed blocks up to 32 MiB are kept in the heap and reused wit
 measured the allocator's history more than the plan: on b1-llama, detach at G=2 measured 244-559 MiB from run
 to run and less at G=8 than at G=2. A fixed threshold returns every large tensor to the OS on free, and the
 same configuration repeats within 1 MiB.
+
+`--checkpoint none layers` measures every plan with and without per-layer activation checkpointing side by
+side (one table column per plan and checkpoint; `<plan>+ckpt` is checkpointed). On CPU each measured peak is
+printed beside the planner's forecast of it (`planner vs measured`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from typing import NoReturn
 
 from longstraw.api import MODES
 from longstraw.bench.machine import machine_info
+from longstraw.checkpointing import CHECKPOINT_CHOICES
 from longstraw.planner import positive_int
 
 # Table/column order: the baseline first, then the plans it is compared with.
@@ -54,6 +59,9 @@ class MemoryBenchConfig:
     timeout_s: float | None = None  # per configuration; None waits as long as the worker runs
     malloc_mmap_threshold: int = 128 * 1024  # bytes, for the workers' glibc malloc; 0 keeps glibc's default
     isolate: bool = True  # a fresh worker per configuration; False (--smoke): one worker runs them all
+    checkpoints: tuple[str, ...] = ("none",)  # activation checkpointing: "none" and/or "layers", side by side
+    offload_state: bool = False  # detach/exact: prompt state in host memory (backward_group(offload_state=True))
+    max_positions: int = 0  # > 0: override the model's max_position_embeddings (a measurement past its context)
 
 
 B1 = MemoryBenchConfig()
@@ -68,13 +76,33 @@ SMOKE = replace(B1, model="tiny-llama", prompt_tokens=64, response_tokens=8, gro
 # ---------------------------------------------------------------- running
 
 
-def _worker_config(config: MemoryBenchConfig, mode: str, group_size: int) -> dict[str, object]:
+# A job: (config, mode, G) or (config, mode, G, checkpoint); checkpoint "none" when left out.
+Job = tuple[MemoryBenchConfig, str, int] | tuple[MemoryBenchConfig, str, int, str]
+
+
+def _unpack(job: Job) -> tuple[MemoryBenchConfig, str, int, str]:
+    config, mode, g, *rest = job
+    return config, mode, g, (str(rest[0]) if rest else "none")
+
+
+def _worker_config(config: MemoryBenchConfig, mode: str, group_size: int,
+                   checkpoint: str = "none") -> dict[str, object]:
     return {
         "model": config.model, "dtype": config.dtype, "device": config.device,
         "prompt_tokens": config.prompt_tokens, "response_tokens": config.response_tokens,
         "group_size": group_size, "mode": mode, "chunk_size": config.chunk_size,
-        "micro_batch": config.micro_batch, "seed": config.seed,
+        "micro_batch": config.micro_batch, "seed": config.seed, "checkpoint": checkpoint,
+        "offload_state": config.offload_state, "max_positions": config.max_positions,
     }
+
+
+def column_label(mode: str, checkpoint: str = "none") -> str:
+    """A table column / plot line: the plan, `<plan>+ckpt` with per-layer activation checkpointing."""
+    return mode if checkpoint == "none" else f"{mode}+ckpt"
+
+
+def _checkpoint_of(entry: dict[str, object]) -> str:
+    return str(entry.get("checkpoint", "none"))  # result files from before the checkpoint dimension: none
 
 
 def _describe_exit(returncode: int) -> str:
@@ -90,10 +118,10 @@ def _describe_exit(returncode: int) -> str:
     return f"exit status {returncode}"
 
 
-def run_one(config: MemoryBenchConfig, mode: str, group_size: int) -> dict[str, object]:
+def run_one(config: MemoryBenchConfig, mode: str, group_size: int, checkpoint: str = "none") -> dict[str, object]:
     """Run one configuration in a fresh worker; return its result (status ok or failed), never raise."""
-    entry: dict[str, object] = {"mode": mode, "group_size": group_size}
-    worker_config = json.dumps(_worker_config(config, mode, group_size))
+    entry: dict[str, object] = {"mode": mode, "group_size": group_size, "checkpoint": checkpoint}
+    worker_config = json.dumps(_worker_config(config, mode, group_size, checkpoint))
     cmd = [sys.executable, "-m", "longstraw.bench.worker", worker_config]
     env = dict(os.environ)
     if config.malloc_mmap_threshold:
@@ -122,18 +150,17 @@ def run_one(config: MemoryBenchConfig, mode: str, group_size: int) -> dict[str, 
     return entry
 
 
-def run_batch(
-    jobs: list[tuple[MemoryBenchConfig, str, int]], isolate: bool = True,
-) -> list[dict[str, object]]:
-    """Run (config, mode, G) jobs; isolate: a fresh worker each (the benchmarks), else one worker for all,
-    restarted after a failure (`--smoke`: saves a process start per configuration). Never raises."""
+def run_batch(jobs: list[Job], isolate: bool = True) -> list[dict[str, object]]:
+    """Run (config, mode, G[, checkpoint]) jobs; isolate: a fresh worker each (the benchmarks), else one worker
+    for all, restarted after a failure (`--smoke`: saves a process start per configuration). Never raises."""
+    unpacked = [_unpack(job) for job in jobs]
     if isolate or len(jobs) <= 1:
-        return [run_one(config, mode, g) for config, mode, g in jobs]
+        return [run_one(config, mode, g, ckpt) for config, mode, g, ckpt in unpacked]
     results: list[dict[str, object]] = []
-    while len(results) < len(jobs):
-        rest = jobs[len(results):]
+    while len(results) < len(unpacked):
+        rest = unpacked[len(results):]
         config = rest[0][0]
-        payload = json.dumps([_worker_config(c, m, g) for c, m, g in rest])
+        payload = json.dumps([_worker_config(c, m, g, ck) for c, m, g, ck in rest])
         env = dict(os.environ)
         if config.malloc_mmap_threshold:
             env["MALLOC_MMAP_THRESHOLD_"] = str(config.malloc_mmap_threshold)
@@ -145,12 +172,13 @@ def run_batch(
                               capture_output=True, text=True, env=env)
         lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
         share = (time.perf_counter() - t0) / max(1, len(lines) + (proc.returncode != 0))
-        for (_, mode, g), line in zip(rest, lines):
-            results.append({"mode": mode, "group_size": g, "status": "ok", "process_s": share, **json.loads(line)})
-        if len(results) < len(jobs):
-            _, mode, g = jobs[len(results)]
+        for (_, mode, g, ckpt), line in zip(rest, lines):
+            results.append({"mode": mode, "group_size": g, "checkpoint": ckpt, "status": "ok", "process_s": share,
+                            **json.loads(line)})
+        if len(results) < len(unpacked):
+            _, mode, g, ckpt = unpacked[len(results)]
             error = _describe_exit(proc.returncode) if proc.returncode != 0 else "worker printed no result"
-            results.append({"mode": mode, "group_size": g, "status": "failed", "error": error,
+            results.append({"mode": mode, "group_size": g, "checkpoint": ckpt, "status": "failed", "error": error,
                             "stderr_tail": proc.stderr[-STDERR_TAIL:], "process_s": share})
     return results
 
@@ -161,7 +189,8 @@ def _busy(entry: dict[str, object]) -> bool:
 
 
 def _progress_line(index: int, total: int, entry: dict[str, object]) -> str:
-    head = f"[{index}/{total}] G={entry['group_size']:<3} {entry['mode']:<17}"
+    label = column_label(str(entry["mode"]), _checkpoint_of(entry))
+    head = f"[{index}/{total}] G={entry['group_size']:<3} {label:<17}"
     if entry["status"] == "ok":
         notes = "" if entry.get("hwm_reset", True) else "  (HWM not reset: peak may be overstated)"
         if _busy(entry):
@@ -190,17 +219,20 @@ def _write_json(path: str, document: dict[str, object]) -> None:
 
 
 def run_memory_bench(config: MemoryBenchConfig, out: str) -> dict[str, object]:
-    """Run every (G, mode) configuration, print progress/table/ratios, write the result JSON to `out`."""
+    """Run every (G, mode, checkpoint) configuration, print progress/table/ratios and, on CPU, the planner's
+    prediction beside each measured peak; write the result JSON to `out`."""
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     started = time.strftime("%Y-%m-%dT%H:%M:%S")
     machine = machine_info(config.device)
-    plan = [(g, mode) for g in config.groups for mode in config.modes]
+    plan = [(g, mode, ckpt) for g in config.groups for mode in config.modes for ckpt in config.checkpoints]
     print(f"bench memory: {describe(config)}; {len(plan)} configurations, one process each", file=sys.stderr)
+    predict = _planner(config)
     results: list[dict[str, object]] = []
     partial = out + ".tmp"
-    batches = [[(g, mode)] for g, mode in plan] if config.isolate else [plan]
+    batches = [[job] for job in plan] if config.isolate else [plan]
     for batch in batches:
-        for entry in run_batch([(config, mode, g) for g, mode in batch], isolate=config.isolate):
+        for entry in run_batch([(config, mode, g, ckpt) for g, mode, ckpt in batch], isolate=config.isolate):
+            add_prediction(entry, config, predict)
             results.append(entry)
             print(_progress_line(len(results), len(plan), entry), file=sys.stderr, flush=True)
         # A partial file after each configuration: a long run that is interrupted keeps what it measured.
@@ -211,15 +243,21 @@ def run_memory_bench(config: MemoryBenchConfig, out: str) -> dict[str, object]:
     if os.path.exists(partial):
         os.remove(partial)
     print(describe(config))
-    print(format_table(results, config.groups, config.modes))
+    print(format_table(results, config.groups, config.modes, config.checkpoints))
+    predictions = format_predictions(results)
+    if predictions:
+        print(predictions)
     print(format_ratios(document["ratios"]))  # type: ignore[arg-type]
-    busy = [f"G={r['group_size']} {r['mode']}" for r in results if _busy(r)]
+    busy = [f"G={r['group_size']} {column_label(str(r['mode']), _checkpoint_of(r))}" for r in results if _busy(r)]
     if busy:
         print(f"warning: other processes competed for the CPU during {len(busy)} of {len(results)} steps "
               f"({', '.join(busy)}): their times, and the time ratios, are inflated; peaks are not affected")
     from longstraw.bench.plots import plot_memory
 
-    png = plot_memory(document, os.path.splitext(out)[0] + ".png")
+    # One line per table column: checkpointed runs are their own series, not mixed into their plan's.
+    plotted = {**document, "results": [{**r, "mode": column_label(str(r["mode"]), _checkpoint_of(r))}
+                                       for r in results]}
+    png = plot_memory(plotted, os.path.splitext(out)[0] + ".png")
     print(f"results: {out}" + (f", plot: {png}" if png else ""))
     return document
 
@@ -227,15 +265,67 @@ def run_memory_bench(config: MemoryBenchConfig, out: str) -> dict[str, object]:
 def describe(config: MemoryBenchConfig) -> str:
     return (f"{config.model} {config.dtype} on {config.device}, "
             f"P={config.prompt_tokens} R={config.response_tokens}, G in {list(config.groups)}, "
-            f"chunk {config.chunk_size}, micro-batch {config.micro_batch}")
+            f"chunk {config.chunk_size}, micro-batch {config.micro_batch}, "
+            f"checkpoint {' + '.join(config.checkpoints)}"
+            + (", prompt state offloaded" if config.offload_state else "")
+            + (f", max positions {config.max_positions}" if config.max_positions else ""))
+
+
+# ---------------------------------------------------------------- planner prediction
+
+
+def _planner(config: MemoryBenchConfig):
+    """The planner's CPU step-bytes forecast (`bench.sweeps._predictor`), or None: off CPU (a CUDA peak is
+    another quantity) or for a model the planner cannot read (then silently: the bench runs without it)."""
+    if config.device != "cpu":
+        return None
+    from longstraw.bench.sweeps import _predictor  # lazily: sweeps imports this module
+
+    return _predictor(config.model, config.dtype, quiet=True)
+
+
+def add_prediction(entry: dict[str, object], config: MemoryBenchConfig, predict) -> None:
+    """Add `predicted_step_bytes` and `prediction_error` (predicted / measured - 1; None when the measured peak
+    is not positive) to an ok entry. Nothing when there is no predictor or the planner rejects the input."""
+    if predict is None or entry.get("status") != "ok":
+        return
+    try:
+        g = int(entry["group_size"])  # type: ignore[arg-type]
+        predicted = int(predict(config.prompt_tokens, config.response_tokens, g, str(entry["mode"]),
+                                config.chunk_size, config.micro_batch,
+                                checkpoint_layers=_checkpoint_of(entry) == "layers",
+                                offload_state=config.offload_state))
+    except Exception:  # a forecast is a side note: it must not cost a measurement
+        return
+    measured = float(entry["peak_bytes"])  # type: ignore[arg-type]
+    entry["predicted_step_bytes"] = predicted
+    entry["prediction_error"] = predicted / measured - 1 if measured > 0 else None
+
+
+def format_predictions(results: list[dict[str, object]]) -> str:
+    """`planner vs measured`: one line per ok entry with a prediction; "" when there is none."""
+    rows = [r for r in results if r.get("status") == "ok" and r.get("predicted_step_bytes") is not None]
+    if not rows:
+        return ""
+    lines = ["planner vs measured (step peak above the loaded model):",
+             f"  {'G':>4}  {'plan':<21} {'measured MiB':>12} {'predicted MiB':>14} {'error':>8}"]
+    for r in rows:
+        error = r.get("prediction_error")
+        err = f"{100 * error:+7.1f}%" if isinstance(error, float) else f"{'n/a':>8}"
+        lines.append(f"  {r['group_size']:>4}  {column_label(str(r['mode']), _checkpoint_of(r)):<21} "
+                     f"{float(r['peak_bytes']) / MIB:>12.1f} "  # type: ignore[arg-type]
+                     f"{float(r['predicted_step_bytes']) / MIB:>14.1f} {err}")  # type: ignore[arg-type]
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- summarising
 
 
-def _ok(results: list[dict[str, object]], mode: str, group_size: int) -> dict[str, object] | None:
+def _ok(results: list[dict[str, object]], mode: str, group_size: int,
+        checkpoint: str = "none") -> dict[str, object] | None:
     for r in results:
-        if r["mode"] == mode and r["group_size"] == group_size and r.get("status") == "ok":
+        if (r["mode"] == mode and r["group_size"] == group_size and _checkpoint_of(r) == checkpoint
+                and r.get("status") == "ok"):
             return r
     return None
 
@@ -256,7 +346,9 @@ def reference_group_size(group_sizes: list[int]) -> int | None:
 
 
 def compute_ratios(results: list[dict[str, object]]) -> dict[str, object]:
-    """Plan ratios at the reference G and the detach/exact peak growth from the smallest to the largest G.
+    """Plan ratios at the reference G and the detach/exact peak growth from the smallest to the largest G, both
+    on the runs without activation checkpointing; when runs with and without it are both present, per plan
+    `peak_<mode>_ckpt_over_plain` (checkpointed peak / plain peak at the reference G).
 
     A ratio whose two configurations are not both ok is None. Growth uses the smallest and largest G that
     succeeded for that mode; `from_g`/`to_g` say which.
@@ -273,10 +365,17 @@ def compute_ratios(results: list[dict[str, object]]) -> dict[str, object]:
     ]
     for name, key, num, den in pairs:
         ratios[name] = None if g_ref is None else _ratio(results, key, num, den, g_ref)
+    if {"none", "layers"} <= {_checkpoint_of(r) for r in results}:
+        for mode in dict.fromkeys(str(r["mode"]) for r in results if _checkpoint_of(r) == "layers"):
+            plain = None if g_ref is None else _ok(results, mode, g_ref)
+            ckpt = None if g_ref is None else _ok(results, mode, g_ref, "layers")
+            den = 0.0 if plain is None else float(plain["peak_bytes"])  # type: ignore[arg-type]
+            ratio = float(ckpt["peak_bytes"]) / den if ckpt is not None and den > 0 else None  # type: ignore[arg-type]
+            ratios[f"peak_{mode}_ckpt_over_plain"] = ratio
     growth: dict[str, object] = {}
     for mode in ("detach", "exact"):
         ok = sorted((int(r["group_size"]), r) for r in results  # type: ignore[arg-type]
-                    if r["mode"] == mode and r.get("status") == "ok")
+                    if r["mode"] == mode and _checkpoint_of(r) == "none" and r.get("status") == "ok")
         if len(ok) < 2 or not ok[0][1]["peak_bytes"]:
             growth[mode] = None
             continue
@@ -288,16 +387,20 @@ def compute_ratios(results: list[dict[str, object]]) -> dict[str, object]:
 
 
 def format_table(results: list[dict[str, object]], groups: tuple[int, ...] | list[int],
-                 modes: tuple[str, ...] | list[str]) -> str:
-    """Rows G, two columns per mode (peak MiB, step s); FAILED where a configuration failed, - if not run."""
-    width = max(19, *(len(m) for m in modes))
-    head = "   G |" + "|".join(f" {m:<{width}} " for m in modes)
-    sub = "     |" + "|".join(f" {'peak MiB':>10}{'time s':>{width - 10}} " for _ in modes)
+                 modes: tuple[str, ...] | list[str], checkpoints: tuple[str, ...] | list[str] = ("none",)) -> str:
+    """Rows G, one column per (mode, checkpoint) labelled `mode` or `mode+ckpt` (peak MiB, step s); FAILED
+    where a configuration failed, - if not run."""
+    columns = [(m, c) for m in modes for c in checkpoints]
+    labels = [column_label(m, c) for m, c in columns]
+    width = max(19, *(len(label) for label in labels))
+    head = "   G |" + "|".join(f" {label:<{width}} " for label in labels)
+    sub = "     |" + "|".join(f" {'peak MiB':>10}{'time s':>{width - 10}} " for _ in labels)
     rows = [head.rstrip(), sub.rstrip(), "-" * len(sub.rstrip())]
     for g in groups:
         cells = []
-        for m in modes:
-            r = next((x for x in results if x["mode"] == m and x["group_size"] == g), None)
+        for m, c in columns:
+            r = next((x for x in results if x["mode"] == m and x["group_size"] == g and _checkpoint_of(x) == c),
+                     None)
             if r is None:
                 cell = f"{'-':>{width}}"
             elif r.get("status") != "ok":
@@ -323,6 +426,10 @@ def format_ratios(ratios: dict[str, object]) -> str:
         ("time_exact_over_detach", "time exact / detach"),
     ]
     lines += [f"  {label:<32} {num(ratios.get(key))}" for key, label in labels]
+    for key, value in ratios.items():
+        if key.startswith("peak_") and key.endswith("_ckpt_over_plain"):
+            mode = key[len("peak_"):-len("_ckpt_over_plain")]
+            lines.append(f"  {f'peak {mode}+ckpt / {mode}':<32} {num(value)}")
     lines.append("peak growth, smallest to largest G:")
     for mode, g in (ratios.get("peak_growth") or {}).items():  # type: ignore[union-attr]
         text = "n/a" if g is None else f"{g['pct']:+.1f}%  (G={g['from_g']} -> G={g['to_g']})"
@@ -360,6 +467,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"group sizes (default {' '.join(map(str, B1.groups))})")
     parser.add_argument("--modes", nargs="+", choices=MODES, metavar="MODE",
                         help=f"plans, of {', '.join(MODES)} (default all four)")
+    checkpoint = parser.add_mutually_exclusive_group()
+    checkpoint.add_argument("--checkpoint", nargs="+", choices=CHECKPOINT_CHOICES, metavar="MODE",
+                            help="activation checkpointing, measured side by side: none, layers or both "
+                                 "(default none)")
+    checkpoint.add_argument("--checkpoint-layers", action="store_true",
+                            help="shorthand for --checkpoint layers")
+    parser.add_argument("--offload-state", action="store_true", default=None,
+                        help="detach/exact: keep the prompt state in host memory, one layer's part on the device")
+    parser.add_argument("--max-positions", type=positive_int, metavar="N",
+                        help="override the model's max_position_embeddings, to measure memory and time past the "
+                             "context it was trained for (RoPE extrapolates; no quality is claimed)")
     parser.add_argument("--chunk-size", type=positive_int,
                         help=f"prompt capture chunk (default {B1.chunk_size})")
     parser.add_argument("--micro-batch", type=positive_int,
@@ -386,10 +504,13 @@ def config_from_args(args: argparse.Namespace, fail: Callable[[str], NoReturn]) 
         "model": args.model, "dtype": args.dtype, "device": args.device,
         "prompt_tokens": args.prompt_tokens, "response_tokens": args.response_tokens,
         "chunk_size": args.chunk_size, "micro_batch": args.micro_batch,
+        "offload_state": getattr(args, "offload_state", None), "max_positions": getattr(args, "max_positions", None),
         "seed": args.seed, "timeout_s": args.timeout, "malloc_mmap_threshold": args.malloc_mmap_threshold,
         # Duplicates would only re-measure a configuration; keep the order given.
         "groups": tuple(dict.fromkeys(args.groups)) if args.groups else None,
         "modes": tuple(dict.fromkeys(args.modes)) if args.modes else None,
+        "checkpoints": ("layers",) if getattr(args, "checkpoint_layers", False)
+        else tuple(dict.fromkeys(args.checkpoint)) if getattr(args, "checkpoint", None) else None,
     }
     if getattr(args, "arch", None):
         from longstraw.bench.sweeps import arch_preset

@@ -210,20 +210,23 @@ def _table(results: list[dict], row_key: str, row_label: str, rows: list, modes:
     return "\n".join(lines)
 
 
-def _predictor(model: str, dtype: str):
-    """The planner's CPU step-memory prediction for (P, R, G, mode, chunk, micro_batch), or None if the planner
-    cannot read the model (the sweep then runs without skipping)."""
+def _predictor(model: str, dtype: str, quiet: bool = False):
+    """The planner's CPU step-memory prediction for (P, R, G, mode, chunk, micro_batch[, checkpoint_layers]), or
+    None if the planner cannot read the model (the sweep then runs without skipping; quiet: no note then)."""
     from longstraw import planner
 
     try:
         spec = planner.spec_from_config(planner.load_config(model), model)
     except Exception as err:  # the sweep must not die on a model the planner does not know
-        print(f"note: no planner prediction for {model} ({err}); nothing will be skipped", file=sys.stderr)
+        if not quiet:
+            print(f"note: no planner prediction for {model} ({err}); nothing will be skipped", file=sys.stderr)
         return None
 
-    def predict(p: int, r: int, g: int, mode: str, chunk: int, k: int) -> int:
+    def predict(p: int, r: int, g: int, mode: str, chunk: int, k: int, checkpoint_layers: bool = False,
+                offload_state: bool = False) -> int:
         inp = planner.PlanInputs(prompt_tokens=p, response_tokens=r, group_size=g, dtype=dtype, chunk_size=chunk,
-                                 micro_batch=k, device="cpu", optimizer="none")
+                                 micro_batch=k, device="cpu", optimizer="none", checkpoint_layers=checkpoint_layers,
+                                 offload_state=offload_state)
         return planner.estimate(spec, inp, mode).step_bytes
 
     return predict

@@ -23,7 +23,7 @@ from longstraw.memory import PeakMemory
 # Keys a config must carry; the parent (bench/memory.py) writes them all.
 CONFIG_KEYS = (
     "model", "dtype", "device", "prompt_tokens", "response_tokens", "group_size", "mode", "chunk_size",
-    "micro_batch", "seed",
+    "micro_batch", "seed", "checkpoint",
 )
 
 
@@ -80,6 +80,8 @@ def run_config(config: dict[str, object]) -> dict[str, object]:
         raise ValueError(f"worker config is missing {', '.join(missing)}")
     device = str(config["device"])
     model = _load_model(str(config["model"]), str(config["dtype"]), device)
+    if int(config.get("max_positions") or 0):  # a measurement past the trained context (bench --max-positions)
+        model.config.max_position_embeddings = int(config["max_positions"])  # type: ignore[arg-type]
     group = make_group(
         model.config.vocab_size, int(config["prompt_tokens"]), int(config["response_tokens"]),
         int(config["group_size"]), int(config["seed"]),
@@ -94,7 +96,8 @@ def run_config(config: dict[str, object]) -> dict[str, object]:
     t0, c0 = time.perf_counter(), time.process_time()
     result = backward_group(
         model, group, mode=str(config["mode"]), chunk_size=int(config["chunk_size"]),
-        micro_batch=int(config["micro_batch"]),
+        micro_batch=int(config["micro_batch"]), checkpoint=str(config["checkpoint"]),
+        offload_state=bool(config.get("offload_state", False)) and config["mode"] in ("detach", "exact"),
     )
     if on_cuda:
         torch.cuda.synchronize(device)
