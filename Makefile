@@ -51,10 +51,11 @@ bench-demo: install
 bench-smoke: install
 	for b in memory prompt pareto arch; do $(BIN)/longstraw bench $$b --smoke || exit 1; done
 
-# The planner's forecast at the paper's scale (README, "The paper's scale, on paper").
+# The planner's forecast at the paper's scale (README, "The paper's scale, on paper"): the lean settings with which
+# both detach and exact fit (per-layer activation checkpointing, prompt state offloaded to host memory).
 plan-paper: install
 	$(BIN)/longstraw plan --model hybrid-27b --prompt-tokens 2100000 --response-tokens 4096 --group-size 8 \
-		--gpus 8 --gpu-memory 96GB --dtype bf16 --cp 8 --chunk-size 8192 --checkpoint-layers
+		--gpus 8 --gpu-memory 96GB --dtype bf16 --cp 8 --chunk-size 8192 --checkpoint-layers --offload-state
 
 # The stress record (README): doubles P until one exact GRPO step fails or takes over 25 min.
 stress: install

@@ -120,3 +120,26 @@ def test_kl_reuse_and_dynamic_sampling_run_and_report(tmp_path):
     trainer2 = Trainer(cfg2)
     m2 = trainer2.train_step(0, Progress(1))
     assert m2["dropped_groups"] == 2 and m2["kept_groups"] == 0 and m2["grad_norm"] == 0.0
+
+
+def test_checkpointing_and_offload_train_like_the_plain_run(tmp_path):
+    """`--checkpoint-layers --offload-state` (the memory levers) change no metric and no weight of a 3-step run."""
+    common = ["--model", "tiny-llama", "--task", "jsonl", "--data", str(_jsonl(tmp_path)),
+              "--reward-fn", "rewards_for_tests:even_byte_fraction", "--group-size", "4", "--max-new-tokens", "6",
+              "--lr", "1e-3", "--eval-prompts", "0", "--no-plot", "--chunk-size", "8", "--steps", "3"]
+    plain, lean = tmp_path / "plain", tmp_path / "lean"
+    assert _cli("train", *common, "--run-dir", str(plain), cwd=tmp_path).returncode == 0
+    out = _cli("train", *common, "--checkpoint-layers", "--offload-state", "--run-dir", str(lean), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    a = [json.loads(x) for x in (plain / "metrics.jsonl").read_text().splitlines()]
+    b = [json.loads(x) for x in (lean / "metrics.jsonl").read_text().splitlines()]
+    assert len(a) == len(b) == 3 and any(r["grad_norm"] > 0 for r in a)
+    for x, y in zip(a, b):
+        assert x["reward_mean"] == y["reward_mean"] and x["loss"] == pytest.approx(y["loss"], rel=1e-6, abs=1e-9)
+    wa = torch.load(plain / "checkpoint.pt", weights_only=False)["model"]
+    wb = torch.load(lean / "checkpoint.pt", weights_only=False)["model"]
+    for k in wa:
+        assert float((wa[k] - wb[k]).norm()) <= 1e-6 * max(1.0, float(wa[k].norm())), k
+    bad = _cli("train", *common, "--plan", "standard", "--offload-state", "--run-dir", str(tmp_path / "x"),
+               cwd=tmp_path)
+    assert bad.returncode == 2 and "offload_state moves the prompt state" in bad.stderr

@@ -59,6 +59,8 @@ class TrainConfig:
     micro_batch: int = _f(1, "responses replayed at once")
     checkpoint_layers: bool = _f(False, "per-layer activation checkpointing: keep each decoder layer's input only "
                                         "and recompute the layer in the backward (less memory, ~1 more forward)")
+    offload_state: bool = _f(False, "detach/exact: keep the prompt state and its gradient in host memory, one "
+                                    "layer's part on the device at a time (use with checkpoint_layers)")
     cp: int = _f(1, "context parallelism: consecutive ranks that share one prompt's state, each holding 1/cp of "
                     "its K/V (launch with --nproc a multiple of cp); detach/exact plans, full-attention and "
                     "recurrent layers")
@@ -92,6 +94,9 @@ class TrainConfig:
         need(self.advantage in ADVANTAGES,
              f"advantage {self.advantage!r} is unknown: choose one of {', '.join(ADVANTAGES)}")
         need(self.plan in MODES, f"plan {self.plan!r} is unknown: choose one of {', '.join(MODES)}")
+        need(not self.offload_state or self.plan in ("detach", "exact"),
+             f"offload_state moves the prompt state to host memory; the {self.plan} plan has none: --plan detach or "
+             "exact")
         need(self.lr_schedule in ("constant", "cosine"), "lr_schedule must be constant or cosine")
         need(self.dtype in ("float32", "bfloat16", "float64", "float16"), f"dtype {self.dtype!r} is unknown")
         for name in ("group_size", "prompts_per_step", "max_new_tokens", "num_iterations", "chunk_size",

@@ -231,8 +231,11 @@ class Trainer:
                         self.model, r.group, mode=cfg.plan, loss=cfg.loss, chunk_size=cfg.chunk_size,
                         micro_batch=cfg.micro_batch, prompt_state=r.state if it == 0 else None,
                         context_parallel=self.par.context_parallel,
-                        checkpoint="layers" if cfg.checkpoint_layers else "none", **cfg.loss_options(),
+                        checkpoint="layers" if cfg.checkpoint_layers else "none", offload_state=cfg.offload_state,
+                        **cfg.loss_options(),
                     )
+                    if cfg.offload_state:
+                        r.state = None  # its host copy served this pass: free the device copy the sampler made
                     loss_total += result.loss / n_kept
             loss_total = self.par.sum(loss_total)
             params = [p for p in self.model.parameters() if p.grad is not None]

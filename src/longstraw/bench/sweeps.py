@@ -4,9 +4,12 @@
   measured peak exceeds `--budget` (or that fails). A configuration the planner predicts above the budget
   by more than its tolerance, or above the memory this machine has free, is skipped, not run: the sweep must
   not OOM a shared host.
-* pareto — fixed (P, R, G): time vs peak over micro_batch ∈ {1, 2, 4, 8} × several chunk sizes for detach and
-  exact; each point is marked when it is on its plan's Pareto front (no other point of the plan is at least as
-  good in both and better in one) and on the front of all points together.
+* pareto — fixed (P, R, G): time vs peak over micro_batch ∈ {1, 2, 4, 8} × several chunk sizes × the memory
+  levers (per-layer activation checkpointing, the prompt state offloaded to host memory) for detach and exact;
+  each point is marked when it is on its plan's Pareto front (no other point of the plan, with or without a
+  lever, is at least as good in both and better in one) and on the front of all points together. The lever
+  cost: per plan and lever, the median of time(lever)/time(plain) and peak(lever)/peak(plain) at equal
+  (micro_batch, chunk_size).
 * arch — Bench B1's comparison for every architecture family that has a `b1-<arch>` preset in
   `longstraw.models` (found by name, so families added later are picked up without changes here).
 
@@ -18,7 +21,9 @@ summary) under `bench/results/`, a printed table, a PNG beside the JSON.
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -40,6 +45,7 @@ from longstraw.bench.memory import (
     format_table,
     run_batch,
 )
+from longstraw.checkpointing import CHECKPOINT_CHOICES
 from longstraw.planner import positive_int
 
 GIB = 1024**3
@@ -95,9 +101,19 @@ class PromptBenchConfig:
     isolate: bool = True
 
 
+# Plans that keep a prompt state, the only ones `backward_group(offload_state=True)` accepts.
+OFFLOAD_MODES = ("detach", "exact")
+# `bench pareto --offload` words -> ParetoBenchConfig.offloads
+OFFLOAD_CHOICES = {"no": False, "yes": True}
+
+
 @dataclass(frozen=True)
 class ParetoBenchConfig:
-    """Micro-batch x chunk-size grid for detach and exact at B1's P, R and G = 8."""
+    """Micro-batch x chunk-size x checkpoint x offload grid for detach and exact at B1's P, R and G = 8.
+
+    offloads: True runs only for the plans with a prompt state (detach, exact); `extra` adds single
+    (mode, micro_batch, chunk_size, checkpoint, offload_state) configurations after the grid (the smoke's one
+    offloaded configuration)."""
 
     model: str = "b1-llama"
     dtype: str = "float32"
@@ -108,6 +124,9 @@ class ParetoBenchConfig:
     modes: tuple[str, ...] = ("detach", "exact")
     micro_batches: tuple[int, ...] = (1, 2, 4, 8)
     chunk_sizes: tuple[int, ...] = (1024, 2048, 4096)
+    checkpoints: tuple[str, ...] = ("none", "layers")
+    offloads: tuple[bool, ...] = (False, True)
+    extra: tuple[tuple[str, int, int, str, bool], ...] = ()
     seed: int = 0
     timeout_s: float | None = None
     malloc_mmap_threshold: int = 128 * 1024
@@ -136,8 +155,12 @@ class ArchBenchConfig:
 
 PROMPT_SMOKE = PromptBenchConfig(model="tiny-llama", prompts=(64, 128), response_tokens=8, group_size=2,
                                  chunk_size=32, budget_bytes=GIB, isolate=False)
+# Smoke: both checkpoint settings on the whole grid, the offloaded state on one exact configuration (with and
+# without checkpointing), so every lever runs and has a cost without doubling the grid.
 PARETO_SMOKE = ParetoBenchConfig(model="tiny-llama", prompt_tokens=64, response_tokens=8, group_size=4,
-                                 micro_batches=(1, 4), chunk_sizes=(16, 32), isolate=False)
+                                 micro_batches=(1, 4), chunk_sizes=(16, 32), offloads=(False,),
+                                 extra=(("exact", 1, 32, "none", True), ("exact", 1, 32, "layers", True)),
+                                 isolate=False)
 # Smoke: the exact plan only (capture, replay and prompt backward) on every family, so the smoke stays cheap as
 # families are added; the other plans' smoke is `bench memory --smoke`.
 ARCH_SMOKE = ArchBenchConfig(prompt_tokens=64, response_tokens=8, groups=(2,), modes=("exact",), chunk_size=32,
@@ -333,20 +356,83 @@ def pareto_flags(points: list[tuple[float, float]]) -> list[bool]:
     return flags
 
 
+def lever_name(checkpoint: str, offload_state: bool) -> str:
+    """`plain`, `checkpoint`, `offload` or `checkpoint+offload`: the memory levers a configuration pulls."""
+    levers = (["checkpoint"] if checkpoint != "none" else []) + (["offload"] if offload_state else [])
+    return "+".join(levers) or "plain"
+
+
+def lever_suffix(checkpoint: str, offload_state: bool) -> str:
+    """The short label of the levers for tables and plots: "", "+ck", "+off" or "+ck+off"."""
+    return ("+ck" if checkpoint != "none" else "") + ("+off" if offload_state else "")
+
+
+def pareto_grid(cfg: ParetoBenchConfig) -> list[tuple[str, int, int, str, bool]]:
+    """(mode, micro_batch, chunk_size, checkpoint, offload_state) for every configuration of the sweep: the grid
+    (offloading only for the plans with a prompt state) and then `cfg.extra`, without repeats."""
+    grid = [(mode, k, c, ck, off) for mode in cfg.modes for off in cfg.offloads if not off or mode in OFFLOAD_MODES
+            for ck in cfg.checkpoints for k in cfg.micro_batches for c in cfg.chunk_sizes]
+    return list(dict.fromkeys(grid + [tuple(x) for x in cfg.extra]))  # type: ignore[misc]
+
+
+def _median_ratio(pairs: list[tuple[float, float]]) -> float | None:
+    ratios = [a / b for a, b in pairs if b > 0 and math.isfinite(a / b)]
+    return statistics.median(ratios) if ratios else None
+
+
+def lever_costs(results: list[dict]) -> dict[str, dict[str, dict[str, object]]]:
+    """Per plan and lever: the median of time(lever)/time(plain) and peak(lever)/peak(plain) over the
+    (micro_batch, chunk_size) where both ran ok (`pairs` of them); a ratio is None when no plain value was > 0."""
+    ok = [r for r in results if r.get("status") == "ok"]
+
+    def key(r: dict) -> tuple:
+        return r["mode"], r["micro_batch"], r["chunk_size"]
+
+    plain = {key(r): r for r in ok if lever_name(r["checkpoint"], r["offload_state"]) == "plain"}
+    pairs: dict[str, dict[str, list[tuple[dict, dict]]]] = {}
+    for r in ok:
+        lever = lever_name(r["checkpoint"], r["offload_state"])
+        if lever != "plain" and key(r) in plain:
+            pairs.setdefault(r["mode"], {}).setdefault(lever, []).append((r, plain[key(r)]))
+    return {mode: {lever: {
+        "pairs": len(both),
+        "time_ratio": _median_ratio([(r["time_s"], p["time_s"]) for r, p in both]),
+        "peak_ratio": _median_ratio([(r["peak_bytes"], p["peak_bytes"]) for r, p in both]),
+    } for lever, both in levers.items()} for mode, levers in pairs.items()}
+
+
+def _lever_lines(costs: dict) -> list[str]:
+    if not costs:
+        return []
+
+    def x(v: float | None) -> str:
+        return f"x{v:.2f}" if v is not None else "-"
+
+    lines = ["lever cost (median over equal micro_batch and chunk; lever / plain):"]
+    for mode, levers in costs.items():
+        for lever, c in levers.items():
+            lines.append(f"  {mode:<8} {lever:<19} time {x(c['time_ratio']):>7}  peak {x(c['peak_ratio']):>7}  "
+                         f"({c['pairs']} pairs)")
+    return lines
+
+
 def run_pareto_bench(cfg: ParetoBenchConfig, out: str) -> dict[str, object]:
-    """Every (plan, micro_batch, chunk_size); Pareto flags per plan (`pareto`) and over all (`pareto_all`)."""
+    """Every (plan, micro_batch, chunk_size, checkpoint, offload); Pareto flags per plan over all its levers
+    (`pareto`) and over all (`pareto_all`); the levers' cost as `lever_costs`."""
     document = _document("pareto", cfg, cfg.device)
     results: list[dict] = document["results"]  # type: ignore[assignment]
-    grid = [(mode, k, c) for mode in cfg.modes for k in cfg.micro_batches for c in cfg.chunk_sizes]
+    grid = pareto_grid(cfg)
     print(f"bench pareto: {cfg.model} P={cfg.prompt_tokens} R={cfg.response_tokens} G={cfg.group_size}, "
           f"{len(grid)} configurations", file=sys.stderr)
     batches = [[x] for x in grid] if cfg.isolate else [grid]
     for batch in batches:
-        jobs = [(_job_config(cfg, cfg.model, cfg.prompt_tokens, c, k), mode, cfg.group_size) for mode, k, c in batch]
-        for (_, k, c), entry in zip(batch, run_batch(jobs, isolate=cfg.isolate)):
-            entry.update(micro_batch=k, chunk_size=c, prompt_tokens=cfg.prompt_tokens)
+        jobs = [(replace(_job_config(cfg, cfg.model, cfg.prompt_tokens, c, k), offload_state=off), mode,
+                 cfg.group_size, ck) for mode, k, c, ck, off in batch]
+        for (_, k, c, ck, off), entry in zip(batch, run_batch(jobs, isolate=cfg.isolate)):
+            entry.update(micro_batch=k, chunk_size=c, checkpoint=ck, offload_state=off,
+                         prompt_tokens=cfg.prompt_tokens)
             results.append(entry)
-            _progress(len(results), entry, f"k={k} chunk={c}")
+            _progress(len(results), entry, f"k={k} chunk={c}{lever_suffix(ck, off)}")
         _write_json(out + ".tmp", document)
     ok = [r for r in results if r["status"] == "ok"]
     for r, flag in zip(ok, pareto_flags([(r["peak_bytes"], r["time_s"]) for r in ok])):
@@ -355,14 +441,21 @@ def run_pareto_bench(cfg: ParetoBenchConfig, out: str) -> dict[str, object]:
         mine = [r for r in ok if r["mode"] == mode]
         for r, flag in zip(mine, pareto_flags([(r["peak_bytes"], r["time_s"]) for r in mine])):
             r["pareto"] = flag
-    lines = [f"{'plan':<8} {'k':>3} {'chunk':>6} {'peak MiB':>10} {'time s':>8}  front"]
+    document["lever_costs"] = costs = lever_costs(results)
+    if cfg.device == "cpu" and any(r["offload_state"] for r in results):
+        document.setdefault("notes", []).append(  # type: ignore[union-attr]
+            "on CPU the offloaded prompt state stays in the same (host) memory: the offload lever's peak shows "
+            "its copies, not the device memory it saves on a GPU")
+    lines = [f"{'plan':<8} {'k':>3} {'chunk':>6} {'ckpt':>6} {'offload':>7} {'peak MiB':>10} {'time s':>8}  front"]
     for r in results:
+        head = (f"{r['mode']:<8} {r['micro_batch']:>3} {r['chunk_size']:>6} {r['checkpoint']:>6} "
+                f"{'yes' if r['offload_state'] else 'no':>7}")
         if r["status"] != "ok":
-            lines.append(f"{r['mode']:<8} {r['micro_batch']:>3} {r['chunk_size']:>6}  FAILED: {r['error']}")
+            lines.append(f"{head}  FAILED: {r['error']}")
             continue
         mark = ("plan" if r.get("pareto") else "") + (" + all" if r.get("pareto_all") else "")
-        lines.append(f"{r['mode']:<8} {r['micro_batch']:>3} {r['chunk_size']:>6} {r['peak_bytes'] / MIB:>10.1f} "
-                     f"{r['time_s']:>8.2f}  {mark}")
+        lines.append(f"{head} {r['peak_bytes'] / MIB:>10.1f} {r['time_s']:>8.2f}  {mark}")
+    lines += _lever_lines(costs)
     from longstraw.bench.plots import plot_pareto
 
     _finish(document, out, "\n".join(lines), plot_pareto)
@@ -447,6 +540,13 @@ def add_pareto_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"default {' '.join(map(str, d.micro_batches))}")
     parser.add_argument("--chunk-sizes", type=positive_int, nargs="+", metavar="C",
                         help=f"default {' '.join(map(str, d.chunk_sizes))}")
+    parser.add_argument("--checkpoint", nargs="+", choices=CHECKPOINT_CHOICES, metavar="MODE",
+                        help="per-layer activation checkpointing, each setting a grid of its own: none, layers or "
+                             f"both (default {' '.join(d.checkpoints)})")
+    parser.add_argument("--offload", nargs="+", choices=OFFLOAD_CHOICES, metavar="YESNO",
+                        help="prompt state offloaded to host memory (backward_group(offload_state=True)), each "
+                             "setting a grid of its own: no, yes or both (default no yes)")
+
 
 
 def add_arch_arguments(parser: argparse.ArgumentParser) -> None:
@@ -501,8 +601,16 @@ def config_from_args(args: argparse.Namespace, fail: Callable[[str], NoReturn]):
         cfg = PARETO_SMOKE if args.smoke else ParetoBenchConfig()
         names = {**_COMMON, "model": "model", "prompt_tokens": "prompt_tokens", "response_tokens": "response_tokens",
                  "group_size": "group_size", "modes": "modes", "micro_batches": "micro_batches",
-                 "chunk_sizes": "chunk_sizes"}
-        cfg = replace(cfg, **_overrides(args, names))
+                 "chunk_sizes": "chunk_sizes", "checkpoint": "checkpoints"}
+        over = _overrides(args, names)
+        if getattr(args, "offload", None):
+            over["offloads"] = tuple(dict.fromkeys(OFFLOAD_CHOICES[w] for w in args.offload))
+        cfg = replace(cfg, **over)
+        # The profile's extra configurations stay only where they fit the grid asked for (and --offload decides
+        # the offloading on its own).
+        cfg = replace(cfg, extra=() if "offloads" in over else tuple(
+            x for x in cfg.extra if x[0] in cfg.modes and x[1] in cfg.micro_batches and x[2] in cfg.chunk_sizes
+            and x[3] in cfg.checkpoints))
         if cfg.prompt_tokens < 2:
             fail("--prompt-tokens must be >= 2")
     elif args.bench == "arch":
