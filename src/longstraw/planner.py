@@ -102,7 +102,7 @@ def load_config(name: str):
 
     Raises ValueError (with what is accepted) when nothing matches.
     """
-    from longstraw.models import PRESETS
+    from longstraw.models import PACKAGED_GGUF, PRESETS, converted_gguf, resolve_model_path
 
     if name == "hybrid-27b":
         return hybrid_27b()
@@ -110,6 +110,10 @@ def load_config(name: str):
         return glm5_class()
     elif name in PRESETS:
         return PRESETS[name]()
+    elif name in PACKAGED_GGUF or name.endswith(".gguf"):  # a packaged real model: the config of its converted copy
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(converted_gguf(resolve_model_path(name)))
     elif name.endswith(".json") and os.path.isfile(name):
         from transformers import AutoConfig
 

@@ -3,13 +3,26 @@ flags, architecture discovery and option errors."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import os
 import time
+from dataclasses import replace
 
 import pytest
 
-from longstraw.bench.sweeps import PARETO_SMOKE, PROMPT_SMOKE, available_archs, pareto_flags
+from longstraw.bench.sweeps import (
+    PARETO_SMOKE,
+    PROMPT_SMOKE,
+    ParetoBenchConfig,
+    add_pareto_arguments,
+    available_archs,
+    config_from_args,
+    lever_costs,
+    pareto_flags,
+    pareto_grid,
+)
 from longstraw.cli import main
 
 
@@ -50,12 +63,26 @@ def test_every_benchmark_smoke_runs_in_under_a_minute(tmp_path, capsys):
     assert prompt["summary"]["exact"]["largest_within_budget"] == max(PROMPT_SMOKE.prompts)
 
     pareto = docs["pareto"]
-    assert len(pareto["results"]) == len(PARETO_SMOKE.modes) * len(PARETO_SMOKE.micro_batches) * len(
-        PARETO_SMOKE.chunk_sizes)
+    grid = pareto_grid(PARETO_SMOKE)
+    assert [(r["mode"], r["micro_batch"], r["chunk_size"], r["checkpoint"], r["offload_state"])
+            for r in pareto["results"]] == grid
+    # The smoke pulls every lever: both checkpoint settings and an offloaded exact configuration.
+    assert {r["checkpoint"] for r in pareto["results"]} == {"none", "layers"}
+    assert any(r["offload_state"] and r["mode"] == "exact" for r in pareto["results"])
     for mode in PARETO_SMOKE.modes:
         assert any(r["pareto"] for r in pareto["results"] if r["mode"] == mode), mode
+    assert all(isinstance(r["pareto_all"], bool) for r in pareto["results"])
     assert {(r["micro_batch"], r["chunk_size"]) for r in pareto["results"]} == {
         (k, c) for k in PARETO_SMOKE.micro_batches for c in PARETO_SMOKE.chunk_sizes}
+    costs = pareto["lever_costs"]
+    assert set(costs["detach"]) == {"checkpoint"}
+    assert set(costs["exact"]) == {"checkpoint", "offload", "checkpoint+offload"}
+    for mode, levers in costs.items():
+        for lever, cost in levers.items():
+            assert cost["pairs"] >= 1, (mode, lever)
+            assert math.isfinite(cost["time_ratio"]) and cost["time_ratio"] > 0, (mode, lever)
+            # smoke peaks are tiny: a plain peak of 0 leaves no peak ratio, else it is finite
+            assert cost["peak_ratio"] is None or math.isfinite(cost["peak_ratio"]), (mode, lever)
 
     arch = docs["arch"]
     assert {r["arch"] for r in arch["results"]} == set(available_archs())
@@ -67,6 +94,67 @@ def test_pareto_flags():
     assert pareto_flags([(1, 5), (5, 1), (2, 2), (3, 3)]) == [True, True, True, False]
     assert pareto_flags([(1, 1), (1, 1)]) == [True, True]  # equal points do not dominate each other
     assert pareto_flags([]) == []
+
+
+def test_pareto_grid_offloads_only_plans_with_a_prompt_state():
+    cfg = ParetoBenchConfig(modes=("standard", "exact"), micro_batches=(1,), chunk_sizes=(32,))
+    grid = pareto_grid(cfg)
+    assert len(grid) == 2 * 2 + 2  # standard: 2 checkpoint settings; exact: 2 x 2 with offloading
+    assert not any(off for mode, *_, off in grid if mode == "standard")
+    assert {(ck, off) for mode, _, _, ck, off in grid if mode == "exact"} == {
+        ("none", False), ("layers", False), ("none", True), ("layers", True)}
+    # extra configurations come after the grid, without repeating one of it
+    extra = (("exact", 1, 32, "none", True), ("exact", 2, 32, "none", True))
+    assert pareto_grid(replace(cfg, extra=extra)) == grid + [("exact", 2, 32, "none", True)]
+
+
+def test_lever_costs_are_medians_at_equal_micro_batch_and_chunk():
+    def entry(k, ck, off, t, peak, status="ok"):
+        return {"mode": "exact", "micro_batch": k, "chunk_size": 32, "checkpoint": ck, "offload_state": off,
+                "time_s": t, "peak_bytes": peak, "status": status}
+
+    results = [entry(1, "none", False, 1.0, 100), entry(1, "layers", False, 2.0, 50),
+               entry(2, "none", False, 1.0, 200), entry(2, "layers", False, 4.0, 20),
+               entry(4, "none", False, 1.0, 100), entry(4, "layers", False, 9.0, 1, status="failed"),
+               entry(8, "layers", False, 9.0, 1),  # no plain run at k=8: not a pair
+               entry(1, "none", True, 1.5, 0)]
+    costs = lever_costs(results)
+    assert costs == {"exact": {
+        "checkpoint": {"pairs": 2, "time_ratio": 3.0, "peak_ratio": pytest.approx(0.3)},
+        "offload": {"pairs": 1, "time_ratio": 1.5, "peak_ratio": 0.0},
+    }}
+    # a plain peak of 0 gives no peak ratio
+    assert lever_costs([entry(1, "none", False, 1.0, 0), entry(1, "layers", False, 2.0, 5)])["exact"][
+        "checkpoint"] == {"pairs": 1, "time_ratio": 2.0, "peak_ratio": None}
+
+
+def _pareto_args(argv):
+    parser = argparse.ArgumentParser()
+    add_pareto_arguments(parser)
+    args = parser.parse_args(argv)
+    args.bench = "pareto"
+    return args
+
+
+def _fail(message):
+    raise AssertionError(message)
+
+
+def test_pareto_lever_options():
+    default = config_from_args(_pareto_args([]), _fail)
+    assert default.checkpoints == ("none", "layers") and default.offloads == (False, True)
+    cfg = config_from_args(_pareto_args(["--checkpoint", "layers", "--offload", "yes", "no", "yes"]), _fail)
+    assert cfg.checkpoints == ("layers",) and cfg.offloads == (True, False)
+    cfg = config_from_args(_pareto_args(["--checkpoint", "none", "--offload", "no"]), _fail)
+    assert {(ck, off) for _, _, _, ck, off in pareto_grid(cfg)} == {("none", False)}
+    # the smoke profile keeps its offloaded exact configurations only where they fit the grid asked for
+    smoke = config_from_args(_pareto_args(["--smoke"]), _fail)
+    assert smoke.extra == PARETO_SMOKE.extra and smoke.checkpoints == ("none", "layers")
+    assert config_from_args(_pareto_args(["--smoke", "--modes", "detach"]), _fail).extra == ()
+    assert config_from_args(_pareto_args(["--smoke", "--checkpoint", "none"]), _fail).extra == (
+        ("exact", 1, 32, "none", True),)
+    only = config_from_args(_pareto_args(["--smoke", "--offload", "no"]), _fail)
+    assert only.extra == () and not any(off for *_, off in pareto_grid(only))
 
 
 def test_architectures_come_from_b1_presets(capsys):
@@ -95,6 +183,8 @@ def test_prompt_sweep_skips_what_the_planner_says_cannot_fit(tmp_path, capsys):
     (["bench", "prompt", "--prompts", "1", "8"], "--prompts must all be >= 2"),
     (["bench", "pareto", "--modes", "standard"], "invalid choice"),
     (["bench", "pareto", "--micro-batches", "0"], "must be >= 1"),
+    (["bench", "pareto", "--checkpoint", "all"], "invalid choice"),
+    (["bench", "pareto", "--offload", "true"], "invalid choice"),
 ])
 def test_bad_options_are_usage_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

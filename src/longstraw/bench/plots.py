@@ -72,29 +72,43 @@ def plot_prompt(document: dict, path: str) -> str | None:
     return _two_panels(document, path, "prompt_tokens", "prompt tokens P", title, budget=cfg.get("budget_bytes"))
 
 
+# Marker per lever combination in the pareto plot (suffix of the point labels: +ck, +off).
+_LEVER_MARKERS = {"": "o", "+ck": "^", "+off": "s", "+ck+off": "D"}
+
+
+def _lever(r: dict) -> str:
+    """"", "+ck", "+off" or "+ck+off": the memory levers of a result (older files have neither key)."""
+    return ("+ck" if r.get("checkpoint", "none") != "none" else "") + ("+off" if r.get("offload_state") else "")
+
+
 def plot_pareto(document: dict, path: str) -> str | None:
-    """Time vs peak for every (plan, micro_batch, chunk_size); the Pareto front of each plan as a line."""
+    """Time vs peak for every (plan, micro_batch, chunk_size, lever); one colour per plan, one marker per lever
+    (labels k<micro_batch>/c<chunk>[+ck][+off]); the Pareto front of each plan, levers included, as a line."""
     plt = _pyplot()
     ok = _ok(document["results"])
     if plt is None or not ok:
         return None
     fig, ax = plt.subplots(figsize=(7, 5))
-    for mode in dict.fromkeys(r["mode"] for r in ok):
+    for i, mode in enumerate(dict.fromkeys(r["mode"] for r in ok)):
+        color = f"C{i}"
         pts = [r for r in ok if r["mode"] == mode]
-        sc = ax.scatter([r["peak_bytes"] / MIB for r in pts], [r["time_s"] for r in pts], label=mode)
+        for lever in dict.fromkeys(_lever(r) for r in pts):
+            mine = [r for r in pts if _lever(r) == lever]
+            ax.scatter([r["peak_bytes"] / MIB for r in mine], [r["time_s"] for r in mine], color=color,
+                       marker=_LEVER_MARKERS.get(lever, "x"), label=f"{mode}{lever}")
         for r in pts:
-            ax.annotate(f"k{r['micro_batch']}/c{r['chunk_size']}", (r["peak_bytes"] / MIB, r["time_s"]),
+            ax.annotate(f"k{r['micro_batch']}/c{r['chunk_size']}{_lever(r)}", (r["peak_bytes"] / MIB, r["time_s"]),
                         fontsize=6, alpha=0.7)
         front = sorted((r for r in pts if r.get("pareto")), key=lambda r: r["peak_bytes"])
-        ax.plot([r["peak_bytes"] / MIB for r in front], [r["time_s"] for r in front],
-                color=sc.get_facecolor()[0], linewidth=1)
+        ax.plot([r["peak_bytes"] / MIB for r in front], [r["time_s"] for r in front], color=color, linewidth=1)
     cfg = document["config"]
     ax.set_xlabel("peak step memory (MiB)")
     ax.set_ylabel("step time (s)")
     ax.set_title(f"bench pareto: {cfg['model']} P={cfg['prompt_tokens']} R={cfg['response_tokens']} "
-                 f"G={cfg['group_size']} (k = micro-batch, c = chunk)", fontsize=9)
+                 f"G={cfg['group_size']}\nk = micro-batch, c = chunk, +ck = per-layer checkpointing, "
+                 "+off = prompt state offloaded", fontsize=8)
     ax.grid(True, alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
