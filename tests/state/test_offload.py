@@ -72,3 +72,52 @@ def test_a_given_prompt_state_is_offloaded(tiny_llama64):
 def test_offload_is_refused_for_the_standard_plans(tiny_llama64):
     with pytest.raises(ValueError, match="has none; use mode detach or exact"):
         backward_group(tiny_llama64, random_group(10, [3]), mode="standard", offload_state=True)
+
+
+def test_offloaded_state_keeps_one_layer_on_the_device(monkeypatch):
+    """The term the offload lever changes, measured on the CPU: the bytes of state copies alive at once on the
+    compute side (every `fetch`, tracked until freed). With per-layer checkpointing it stays at two layers' K/V
+    (plus the chunk gradients the prompt backward brings over), as the planner's on-device forecast says; without
+    checkpointing every layer's copy is saved for the backward, as the planner says."""
+    import weakref
+
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from longstraw import planner
+    from longstraw.state.prompt import PromptState
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    group = random_group(200, [6, 9, 4], seed=1, dtype=torch.float32)
+    live, peak = [0], [0]
+    fetch = PromptState.fetch
+
+    def counting(self, t):
+        out = fetch(self, t)
+        if out is not None and out is not t:
+            size = out.numel() * out.element_size()
+            live[0] += size
+            peak[0] = max(peak[0], live[0])
+            weakref.finalize(out, lambda: live.__setitem__(0, live[0] - size))
+        return out
+
+    monkeypatch.setattr(PromptState, "fetch", counting)
+    spec = planner.spec_from_config(model.config)
+    measured = {}
+    for checkpoint in ("layers", "none"):
+        peak[0] = 0
+        backward_group(model, group, mode="exact", chunk_size=16, checkpoint=checkpoint, offload_state=True)
+        measured[checkpoint] = peak[0]
+    parts = planner.state_parts(spec, 199, 4, 16, exact=True)
+    whole, one_layer = parts.attention, parts.largest_layer
+    assert whole == 8 * one_layer
+    # two layers' K/V copies (the backward recomputes layer l while layer l+1's are released), plus (prompt
+    # backward) one chunk's K/V gradients of every layer: a quarter of the 8-layer state, not all of it
+    assert one_layer <= measured["layers"] <= 2 * one_layer + whole * 16 // 199 + 1024, (measured, one_layer)
+    inp = planner.PlanInputs(prompt_tokens=200, response_tokens=9, group_size=3, dtype="fp32", chunk_size=16,
+                             device="cpu", optimizer="none", checkpoint_layers=True, offload_state=True)
+    forecast = planner.estimate(spec, inp, "exact").components
+    assert abs(forecast["prompt_state"] / measured["layers"] - 1) <= 0.05, (forecast["prompt_state"], measured)
+    assert measured["none"] >= whole  # every layer's copy alive for the backward: no saving without checkpointing
