@@ -1,0 +1,50 @@
+"""The planner at depth: a 30-layer model (deep-smollm2, SmolLM2-135M's shape) measured against the forecast,
+with and without per-layer activation checkpointing, every plan that fits this machine (issue 10, item 3).
+
+The default suite runs a short prompt (the checkpointed replay plans, where checkpointing changes the forecast
+most); the slow test runs P = 16,384 (the README's table). Bound: ±10% of the measured step peak."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from longstraw.bench.memory import B1, run_one
+from longstraw.bench.sweeps import _predictor
+
+TOLERANCE = 0.10
+MODEL = "deep-smollm2"
+
+
+def _measure(prompt_tokens: int, response_tokens: int, cases: list[tuple[str, str]], group_size: int = 2):
+    bench = replace(B1, model=MODEL, prompt_tokens=prompt_tokens, response_tokens=response_tokens, chunk_size=2048)
+    predict = _predictor(MODEL, "float32")
+    rows = []
+    for mode, checkpoint in cases:
+        entry = run_one(bench, mode, group_size, checkpoint)
+        assert entry["status"] == "ok", f"{mode}/{checkpoint}: {entry.get('error')}\n{entry.get('stderr_tail')}"
+        predicted = predict(prompt_tokens, response_tokens, group_size, mode, bench.chunk_size, 1,
+                            checkpoint_layers=checkpoint == "layers")
+        rows.append((mode, checkpoint, entry["peak_bytes"], predicted))
+    report = "\n".join(f"{m:17} {c:6} measured {meas / 2**20:8.1f} MiB  predicted {pred / 2**20:8.1f} MiB "
+                       f"({100 * (pred / meas - 1):+.1f}%)" for m, c, meas, pred in rows)
+    print(report)
+    for mode, checkpoint, measured, predicted in rows:
+        assert abs(predicted / measured - 1) <= TOLERANCE, f"{mode}/{checkpoint}\n{report}"
+    return {(m, c): meas for m, c, meas, _ in rows}
+
+
+def test_planner_at_depth_short_prompt():
+    """P = 1024, R = 64: detach and exact with and without checkpointing; checkpointing lowers exact's peak."""
+    peaks = _measure(1024, 64, [("detach", "none"), ("detach", "layers"), ("exact", "none"), ("exact", "layers")])
+    assert peaks["exact", "layers"] < peaks["exact", "none"]
+
+
+@pytest.mark.slow
+def test_planner_at_depth_16k():
+    """P = 16,384, R = 128, G = 2 (about an hour on 2 CPU cores): every plan that fits in 24 GiB — detach and
+    exact with and without checkpointing, standard with it (without, one 16,512-token sequence through 30 layers
+    needs ~24 GiB of activations)."""
+    _measure(16384, 128, [("detach", "none"), ("detach", "layers"), ("exact", "none"), ("exact", "layers"),
+                          ("standard", "layers")])
