@@ -31,8 +31,13 @@ The prompt-state formulas of every family are pinned exactly against captured st
 
 Multi-GPU assumptions: FSDP/ZeRO-3 divides weights, gradients and optimizer state over the GPUs and gathers
 one decoder layer at a time (two in flight: prefetch) plus that layer's unsharded gradient; MoE experts are
-assumed expert-parallel (sharded, never gathered). Context parallelism `cp` divides the prompt state (and its
-gradient) of detach/exact over `cp` GPUs; the standard plans are not context-parallel.
+assumed expert-parallel (sharded, never gathered). Context parallelism `cp` divides the attention part of the
+prompt state (and its gradient) of detach/exact over `cp` GPUs; every rank keeps all recurrent states (each runs
+every chunk, `StateBytes.per_rank`); the standard plans are not context-parallel.
+
+Memory levers, as the engine implements them: `checkpoint_layers` (checkpointing.py: each layer's input, plus one
+layer's activations and backward buffers while it is recomputed) and `offload_state` (the state and its gradient
+in host memory, two layers' copies on the device; saves nothing without checkpointing).
 """
 
 from __future__ import annotations
