@@ -42,6 +42,7 @@ def prompt_backward(model: torch.nn.Module, ids: torch.Tensor, leaves: PromptSta
         for t in produced:
             if t is not None:
                 t.grad = None  # consumed: free this chunk's state gradient
+        del collect, recomputed, pairs  # and this chunk's recompute, before the next one runs
 
 
 def _owner_gradients(cp, j: int, num_chunks: int, upstream: list, recomputed: list) -> list:

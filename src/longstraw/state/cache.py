@@ -65,6 +65,13 @@ class SegmentCache:
             yield
         finally:
             self.recomputing = False
+            if recompute:
+                # Drop what the recompute handed out and produced: a recurrent layer's final state is not on the
+                # backward's path, so its recomputed graph (and the activations refilled into it) would otherwise
+                # stay alive through this cache, which the checkpoint keeps until the whole backward ends.
+                for key in [k for k in self.handed_out if k[1] == index]:
+                    del self.handed_out[key]
+                self.handed_out.update(self._entry.get(index, {}))
 
     def _record(self, layer: int, part: str, tensor: torch.Tensor) -> None:
         if self.collect is None or self.recomputing:

@@ -20,9 +20,9 @@ K/V chunks no later token can see. A dropped entry is None.
 Offloaded state (`device` set): every part lives in host memory (pinned when the compute device is a GPU) and
 is copied to `device` where it is read — one layer's chunks at a time by the attention kernel, one recurrent
 state at a time by the cache. The copy is differentiable, so the exact plan's leaves stay on the host and their
-gradients accumulate there too. With per-layer activation checkpointing the device then holds one layer's
-prompt K/V (and its gradient) at a time instead of the whole state; without it, every layer's copy is saved for
-the backward and nothing is gained (the planner says so).
+gradients accumulate there too. With per-layer activation checkpointing the device then holds one layer's copies
+of the prompt K/V (and one layer's gradient) at a time instead of the whole state; without it, every layer's copy
+is saved for the backward and nothing is gained (the planner says so).
 """
 
 from __future__ import annotations
@@ -150,8 +150,16 @@ class PromptState:
                         self.parts["value"][layer][j] = None
 
     def _store(self, t: torch.Tensor | None) -> torch.Tensor | None:
-        """Where a part is kept: as computed, or (offloaded) in host memory, pinned for fast copies to a GPU."""
-        if t is None or self.device is None or t.device.type == "cpu":
+        """Where a part is kept: as computed, or (offloaded) in host memory, pinned for fast copies to a GPU.
+
+        A part that is a view of a larger tensor is copied out first: a conv window is the last K columns of the
+        chunk's whole conv input, and Mamba2's final state one of the scan's chunk states, so keeping the view
+        would keep the whole storage alive beside the state (1.35 GB of the 1.97 GB tiny-mamba2 record step)."""
+        if t is None:
+            return None
+        if t.untyped_storage().nbytes() > t.numel() * t.element_size():
+            t = t.clone()
+        if self.device is None or t.device.type == "cpu":
             return t
         return t.detach().to("cpu").pin_memory()
 
@@ -183,7 +191,7 @@ class PromptState:
         """The same state kept in host memory and read on `device` (see the module docstring)."""
         if self.offloaded:
             return self
-        host = PromptState(num_layers=self.num_layers, device=torch.device(device))
+        host = PromptState(num_layers=self.num_layers, device=torch.device(device))  # stores as offloaded
         return self._map(lambda name, t: host._store(t), device=host.device)
 
     def as_leaves(self) -> PromptState:
