@@ -37,7 +37,7 @@ every chunk, `StateBytes.per_rank`); the standard plans are not context-parallel
 
 Memory levers, as the engine implements them: `checkpoint_layers` (checkpointing.py: each layer's input, plus one
 layer's activations and backward buffers while it is recomputed) and `offload_state` (the state and its gradient
-in host memory, two layers' copies on the device; saves nothing without checkpointing).
+in host memory, one layer's copies on the device; saves nothing without checkpointing).
 """
 
 from __future__ import annotations
@@ -623,13 +623,16 @@ def estimate(spec: ModelSpec, inp: PlanInputs, plan: str) -> PlanEstimate:
         if inp.offload_state:
             comp["state_in_host_memory"] = state + state_grad
             if inp.checkpoint_layers:
-                # Copies of two layers' attention parts are alive at once on the device (measured: the backward
-                # recomputes layer l while layer l+1's copies are released; tests/state/test_offload.py), plus the
-                # recurrent states being read and the gradient of the layer being backpropagated.
+                # One layer's copy of its attention part is on the device at a time (replay: the whole prefix;
+                # prompt backward: the chunks before chunk j, plus chunk j's gradient of every layer brought over),
+                # plus the recurrent states being read. Measured by counting the live copies within 5%
+                # (tests/state/test_offload.py).
                 layer = math.ceil(parts.largest_layer / inp.cp)
-                state = 2 * layer + (parts.recurrent_grad if exact else parts.recurrent)  # one boundary's worth
-                # (The prompt backward's copies are smaller: chunk j reads the chunks before it, and brings chunk
-                # j's gradient over; measured peak within 5% of this in tests/state/test_offload.py.)
+                copies = layer
+                if exact:
+                    f = min(inp.chunk_size, p - 1) / (p - 1)
+                    copies = max(layer, math.ceil(layer * (1 - f) + parts.attention_grad / inp.cp * f))
+                state = copies + (parts.recurrent_grad if exact else parts.recurrent)  # one boundary's worth
                 state_grad = (layer + parts.recurrent_grad) if exact else 0
             # else: every layer's copy is saved for the backward: the whole state is on the device anyway
         k = min(inp.micro_batch, g)
