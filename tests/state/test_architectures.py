@@ -84,6 +84,27 @@ def test_capture_does_not_depend_on_chunking(family):
                 assert (a - b).abs().max() <= tol * max(1.0, float(a.abs().max()))
 
 
+@pytest.mark.parametrize("family", [f for f in ARCH_FAMILIES if f.split("-")[0] in RECURRENT])
+def test_kept_recurrent_parts_own_their_storage(family):
+    """A conv window is the last K columns of a segment's whole conv input, and Mamba2's final state one of its
+    scan's chunk states: kept as views, they would keep that whole storage alive (the state of every chunk
+    boundary, and with checkpointing every layer's conv input for the whole backward). What the state and the
+    cache keep must be copies the size of the part itself."""
+    model = _model(family)
+
+    def compact(t: torch.Tensor) -> bool:
+        return t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+    state = capture_prompt(model, torch.arange(40), chunk_size=16)
+    recurrent = [t for part in ("conv", "recurrent") for layer in state.parts[part] for t in layer if t is not None]
+    assert recurrent and all(compact(t) for t in recurrent)
+    collect: dict = {}
+    run_segment(model, torch.randint(0, 512, (2, 20), generator=torch.Generator().manual_seed(1)), 40,
+                state.fork(), collect=collect)
+    handed = [t for parts in collect.values() for name, t in parts.items() if name in ("conv", "recurrent")]
+    assert handed and all(compact(t) for t in handed)
+
+
 @pytest.mark.parametrize("family", ARCH_FAMILIES)
 def test_replays_never_write_into_the_state(family):
     """Forks are independent: replays of 1-token and longer segments (the single-token path of SSM layers

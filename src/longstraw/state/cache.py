@@ -150,7 +150,9 @@ class SegmentCache:
         previous = self.handed_out.get(("conv", layer_idx))
         full = inputs if previous is None else torch.cat([previous.to(inputs.dtype), inputs], dim=-1)
         k = conv_kernel_size or (previous.shape[-1] if previous is not None else full.shape[-1])
-        window = full[..., -k:]
+        # A copy, not a view: a view would keep the whole (B, C, K+T) input alive for as long as the window is
+        # held (the segment, or with checkpointing the whole backward), where only K columns are needed.
+        window = full[..., -k:].clone()
         if window.shape[-1] < k:
             window = torch.nn.functional.pad(window, (k - window.shape[-1], 0))
         self.handed_out[("conv", layer_idx)] = window
@@ -159,6 +161,8 @@ class SegmentCache:
 
     def update_recurrent_state(self, recurrent: torch.Tensor, layer_idx: int | None = None, state_idx: int = 0,
                                **kwargs) -> torch.Tensor:
+        if recurrent.untyped_storage().nbytes() > recurrent.numel() * recurrent.element_size():
+            recurrent = recurrent.clone()  # Mamba2's final state is a view of all its scan's chunk states
         self.handed_out[("recurrent", layer_idx)] = recurrent
         self._record(layer_idx, "recurrent", recurrent)
         return recurrent
