@@ -53,6 +53,27 @@ def test_smoke_bench_writes_every_configuration(tmp_path):
         assert max(losses) - min(losses) < 1e-4 * max(1.0, abs(losses[0]))
     assert doc["ratios"]["group_size"] == 4
     assert not (tmp_path / "x.json.tmp").exists()
+    # A smoke run says what it checks, and prints no numbers that mean nothing at its size.
+    assert "smoke run: it checks only that every configuration runs" in proc.stdout
+    assert "8 of 8 configurations ran" in proc.stdout
+    assert "ratios at" not in proc.stdout and "planner vs measured" not in proc.stdout
+    assert " -0." not in proc.stdout + proc.stderr
+
+
+def test_peaks_under_the_resolution_give_no_ratio_and_no_negative_size():
+    from longstraw.bench.memory import compute_ratios, default_out, peak_text
+
+    assert peak_text(-0.2 * MIB).strip() == "< 1" and peak_text(0.5 * MIB).strip() == "< 1"
+    assert peak_text(12.34 * MIB).strip() == "12.3"
+    results = [_ok("standard_batched", 4, 2.8, 0.05), _ok("detach", 4, -0.2, 0.1), _ok("exact", 4, 0.0, 0.1),
+               _ok("standard", 4, 3.0, 0.1), _ok("detach", 2, 0.7, 0.1)]
+    ratios = compute_ratios(results)
+    assert ratios["peak_standard_batched_over_detach"] is None  # not -14x
+    assert ratios["peak_standard_batched_over_exact"] is None
+    assert ratios["time_standard_over_detach"] == 1.0
+    assert ratios["peak_growth"]["detach"] is None  # not -100%
+    assert default_out("memory", smoke=True).startswith("bench/results/smoke/memory-")
+    assert default_out("memory", smoke=False).startswith("bench/results/memory-")
 
 
 def test_failed_worker_is_recorded_not_raised(tmp_path):
@@ -137,7 +158,7 @@ def test_bad_arguments_are_argparse_errors(capsys):
 def test_checkpoint_dimension_side_by_side_with_planner_prediction(tmp_path, capsys):
     # In-process bench (one worker for all 8 configurations, as --smoke): every plan with and without
     # per-layer activation checkpointing, and the planner's forecast beside each measured peak.
-    config = replace(SMOKE, modes=("detach", "exact"), checkpoints=("none", "layers"))
+    config = replace(SMOKE, modes=("detach", "exact"), checkpoints=("none", "layers"), smoke=False)  # full report
     doc = run_memory_bench(config, str(tmp_path / "ckpt.json"))
     printed = capsys.readouterr()
     seen = {(r["mode"], r["group_size"], r["checkpoint"]) for r in doc["results"]}

@@ -20,8 +20,7 @@ import time
 from pathlib import Path
 
 from longstraw.bench.machine import machine_info
-
-RESULTS_DIR = Path("bench/results")
+from longstraw.bench.memory import default_out
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,7 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", help="parameter dtype (default float32)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per C before giving up")
     parser.add_argument("--smoke", action="store_true", help="tiny-llama, P=256, C in {1, 2}: seconds")
-    parser.add_argument("--out", default=None, help="JSON path (default bench/results/cp-<time>.json)")
+    parser.add_argument("--out", default=None,
+                        help="JSON path (default bench/results/cp-<time>.json; --smoke: under bench/results/smoke/)")
 
 
 def _free_port() -> int:
@@ -103,7 +103,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         state = row["max_state_bytes"] / one["max_state_bytes"]
         peak, step = row["max_peak_bytes"] / one["max_peak_bytes"], row["max_time_s"] / one["max_time_s"]
         print(f"  C={row['cp']}: state x{state:.3f}, peak x{peak:.3f}, time x{step:.2f}")
-    out = Path(args.out) if args.out else RESULTS_DIR / f"cp-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out = Path(args.out or default_out("cp", args.smoke))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"config": base, "machine": machine_info("cpu"), "results": rows}, indent=1))
     print(f"results: {out}")

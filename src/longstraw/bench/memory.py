@@ -40,6 +40,11 @@ DEFAULT_MODES = ("standard_batched", "standard", "detach", "exact")
 MIB = 1024 * 1024
 STDERR_TAIL = 4000  # characters of a failed worker's stderr kept in the result file
 BUSY_PRESSURE = 0.1  # a step whose CPU pressure (PSI "some") exceeds this ran on a contended host
+# A step peak below this is under what VmHWM can resolve once heap pages are reused (tiny models, or several
+# configurations in one worker): shown as "< 1", and no ratio or growth is taken from it.
+PEAK_RESOLUTION = MIB
+SMOKE_NOTE = ("smoke run: it checks only that every configuration runs end to end; at this size peaks and times "
+              "mean nothing, so no table of them, ratios or forecasts are printed (the JSON has the raw numbers)")
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,7 @@ class MemoryBenchConfig:
     checkpoints: tuple[str, ...] = ("none",)  # activation checkpointing: "none" and/or "layers", side by side
     offload_state: bool = False  # detach/exact: prompt state in host memory (backward_group(offload_state=True))
     max_positions: int = 0  # > 0: override the model's max_position_embeddings (a measurement past its context)
+    smoke: bool = False  # --smoke: report only that every configuration ran
 
 
 B1 = MemoryBenchConfig()
@@ -70,7 +76,29 @@ B1 = MemoryBenchConfig()
 DEMO = replace(B1, groups=(2, 8))
 # --smoke: the tiny preset; seconds, most of it process start-up. Used by the test.
 SMOKE = replace(B1, model="tiny-llama", prompt_tokens=64, response_tokens=8, groups=(2, 4), chunk_size=32,
-                isolate=False)
+                isolate=False, smoke=True)
+
+
+def default_out(bench: str, smoke: bool) -> str:
+    """bench/results/<bench>-<time>.json; a smoke run's under bench/results/smoke/ (ignored by git: its numbers
+    are not results)."""
+    folder = os.path.join("bench", "results", "smoke") if smoke else os.path.join("bench", "results")
+    return os.path.join(folder, f"{bench}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+
+
+def peak_text(peak_bytes: float, width: int = 9) -> str:
+    """A step peak in MiB, or "< 1" under the measurement's resolution (never a negative size)."""
+    if peak_bytes < PEAK_RESOLUTION:
+        return f"{'< 1':>{width}}"
+    return f"{peak_bytes / MIB:{width}.1f}"
+
+
+def smoke_summary(results: list[dict[str, object]], what: str) -> str:
+    """One line for a smoke run: how many configurations ran, which failed."""
+    failed = [r for r in results if r.get("status") not in ("ok", "skipped")]
+    lines = [f"{what}: {len(results) - len(failed)} of {len(results)} configurations ran", SMOKE_NOTE]
+    lines += [f"  FAILED: {r.get('mode')} G={r.get('group_size')}: {r.get('error')}" for r in failed]
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- running
@@ -195,7 +223,7 @@ def _progress_line(index: int, total: int, entry: dict[str, object]) -> str:
         notes = "" if entry.get("hwm_reset", True) else "  (HWM not reset: peak may be overstated)"
         if _busy(entry):
             notes += f"  (host busy: CPU pressure {entry['cpu_pressure']:.0%}, time inflated)"
-        return (f"{head} peak {entry['peak_bytes'] / MIB:9.1f} MiB  step {entry['time_s']:8.2f} s  "
+        return (f"{head} peak {peak_text(float(entry['peak_bytes']))} MiB  step {entry['time_s']:8.2f} s  "
                 f"(process {entry['process_s']:.1f} s){notes}")
     return f"{head} FAILED: {entry['error']}"
 
@@ -243,13 +271,16 @@ def run_memory_bench(config: MemoryBenchConfig, out: str) -> dict[str, object]:
     if os.path.exists(partial):
         os.remove(partial)
     print(describe(config))
-    print(format_table(results, config.groups, config.modes, config.checkpoints))
-    predictions = format_predictions(results)
-    if predictions:
-        print(predictions)
-    print(format_ratios(document["ratios"]))  # type: ignore[arg-type]
+    if config.smoke:
+        print(smoke_summary(results, "bench memory"))
+    else:
+        print(format_table(results, config.groups, config.modes, config.checkpoints))
+        predictions = format_predictions(results)
+        if predictions:
+            print(predictions)
+        print(format_ratios(document["ratios"]))  # type: ignore[arg-type]
     busy = [f"G={r['group_size']} {column_label(str(r['mode']), _checkpoint_of(r))}" for r in results if _busy(r)]
-    if busy:
+    if busy and not config.smoke:
         print(f"warning: other processes competed for the CPU during {len(busy)} of {len(results)} steps "
               f"({', '.join(busy)}): their times, and the time ratios, are inflated; peaks are not affected")
     from longstraw.bench.plots import plot_memory
@@ -299,7 +330,7 @@ def add_prediction(entry: dict[str, object], config: MemoryBenchConfig, predict)
         return
     measured = float(entry["peak_bytes"])  # type: ignore[arg-type]
     entry["predicted_step_bytes"] = predicted
-    entry["prediction_error"] = predicted / measured - 1 if measured > 0 else None
+    entry["prediction_error"] = predicted / measured - 1 if measured >= PEAK_RESOLUTION else None
 
 
 def format_predictions(results: list[dict[str, object]]) -> str:
@@ -333,6 +364,8 @@ def _ok(results: list[dict[str, object]], mode: str, group_size: int,
 def _ratio(results: list[dict[str, object]], key: str, num: str, den: str, g: int) -> float | None:
     a, b = _ok(results, num, g), _ok(results, den, g)
     if a is None or b is None or not b[key]:
+        return None
+    if key == "peak_bytes" and min(float(a[key]), float(b[key])) < PEAK_RESOLUTION:  # type: ignore[arg-type]
         return None
     return float(a[key]) / float(b[key])  # type: ignore[arg-type]
 
@@ -370,13 +403,14 @@ def compute_ratios(results: list[dict[str, object]]) -> dict[str, object]:
             plain = None if g_ref is None else _ok(results, mode, g_ref)
             ckpt = None if g_ref is None else _ok(results, mode, g_ref, "layers")
             den = 0.0 if plain is None else float(plain["peak_bytes"])  # type: ignore[arg-type]
-            ratio = float(ckpt["peak_bytes"]) / den if ckpt is not None and den > 0 else None  # type: ignore[arg-type]
+            ratio = (float(ckpt["peak_bytes"]) / den  # type: ignore[arg-type]
+                     if ckpt is not None and den >= PEAK_RESOLUTION <= float(ckpt["peak_bytes"]) else None)  # type: ignore[arg-type]
             ratios[f"peak_{mode}_ckpt_over_plain"] = ratio
     growth: dict[str, object] = {}
     for mode in ("detach", "exact"):
         ok = sorted((int(r["group_size"]), r) for r in results  # type: ignore[arg-type]
                     if r["mode"] == mode and _checkpoint_of(r) == "none" and r.get("status") == "ok")
-        if len(ok) < 2 or not ok[0][1]["peak_bytes"]:
+        if len(ok) < 2 or float(ok[0][1]["peak_bytes"]) < PEAK_RESOLUTION:  # type: ignore[arg-type]
             growth[mode] = None
             continue
         (g_min, lo), (g_max, hi) = ok[0], ok[-1]
@@ -406,7 +440,7 @@ def format_table(results: list[dict[str, object]], groups: tuple[int, ...] | lis
             elif r.get("status") != "ok":
                 cell = f"{'FAILED':>{width}}"
             else:
-                cell = f"{r['peak_bytes'] / MIB:>10.1f}{r['time_s']:>{width - 10}.2f}"  # type: ignore[operator]
+                cell = f"{peak_text(float(r['peak_bytes']), 10)}{r['time_s']:>{width - 10}.2f}"  # type: ignore[arg-type]
             cells.append(f" {cell} ")
         rows.append((f"{g:>4} |" + "|".join(cells)).rstrip())
     return "\n".join(rows)
@@ -414,7 +448,8 @@ def format_table(results: list[dict[str, object]], groups: tuple[int, ...] | lis
 
 def format_ratios(ratios: dict[str, object]) -> str:
     def num(x: object, suffix: str = "x") -> str:
-        return "n/a (a configuration failed or was not run)" if x is None else f"{x:.2f}{suffix}"
+        return "n/a (a configuration failed or was not run, or a peak is under 1 MiB)" if x is None else (
+            f"{x:.2f}{suffix}")
 
     lines = [f"ratios at G={ratios['group_size']}:"]
     labels = [
@@ -432,7 +467,8 @@ def format_ratios(ratios: dict[str, object]) -> str:
             lines.append(f"  {f'peak {mode}+ckpt / {mode}':<32} {num(value)}")
     lines.append("peak growth, smallest to largest G:")
     for mode, g in (ratios.get("peak_growth") or {}).items():  # type: ignore[union-attr]
-        text = "n/a" if g is None else f"{g['pct']:+.1f}%  (G={g['from_g']} -> G={g['to_g']})"
+        text = ("n/a (under two ok configurations, or a peak under 1 MiB)" if g is None
+                else f"{g['pct']:+.1f}%  (G={g['from_g']} -> G={g['to_g']})")
         lines.append(f"  {mode:<32} {text}")
     return "\n".join(lines)
 
@@ -532,7 +568,7 @@ def config_from_args(args: argparse.Namespace, fail: Callable[[str], NoReturn]) 
 def run_from_args(args: argparse.Namespace) -> int:
     """Entry point of `longstraw bench memory`: exit status 0 if at least one configuration succeeded."""
     config = config_from_args(args, args.fail)
-    out = args.out or os.path.join("bench", "results", f"memory-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    out = args.out or default_out("memory", config.smoke)
     document = run_memory_bench(config, out)
     ok = sum(1 for r in document["results"] if r.get("status") == "ok")  # type: ignore[union-attr]
     if ok == 0:

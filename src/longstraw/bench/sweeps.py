@@ -41,9 +41,12 @@ from longstraw.bench.memory import (
     _positive_float,
     _write_json,
     compute_ratios,
+    default_out,
     format_ratios,
     format_table,
+    peak_text,
     run_batch,
+    smoke_summary,
 )
 from longstraw.checkpointing import CHECKPOINT_CHOICES
 from longstraw.planner import positive_int
@@ -99,6 +102,7 @@ class PromptBenchConfig:
     timeout_s: float | None = None
     malloc_mmap_threshold: int = 128 * 1024
     isolate: bool = True
+    smoke: bool = False  # --smoke: report only that every configuration ran
 
 
 # Plans that keep a prompt state, the only ones `backward_group(offload_state=True)` accepts.
@@ -131,6 +135,7 @@ class ParetoBenchConfig:
     timeout_s: float | None = None
     malloc_mmap_threshold: int = 128 * 1024
     isolate: bool = True
+    smoke: bool = False  # --smoke: report only that every configuration ran
 
 
 @dataclass(frozen=True)
@@ -154,13 +159,13 @@ class ArchBenchConfig:
 
 
 PROMPT_SMOKE = PromptBenchConfig(model="tiny-llama", prompts=(64, 128), response_tokens=8, group_size=2,
-                                 chunk_size=32, budget_bytes=GIB, isolate=False)
+                                 chunk_size=32, budget_bytes=GIB, isolate=False, smoke=True)
 # Smoke: both checkpoint settings on a small grid, the offloaded state on one exact configuration (with and
 # without checkpointing), so every lever runs and has a cost: 10 configurations, about as cheap as the 8 before.
 PARETO_SMOKE = ParetoBenchConfig(model="tiny-llama", prompt_tokens=64, response_tokens=8, group_size=4,
                                  micro_batches=(1, 4), chunk_sizes=(32,), offloads=(False,),
                                  extra=(("exact", 1, 32, "none", True), ("exact", 1, 32, "layers", True)),
-                                 isolate=False)
+                                 isolate=False, smoke=True)
 # Smoke: the exact plan only (capture, replay and prompt backward) on every family, so the smoke stays cheap as
 # families are added; the other plans' smoke is `bench memory --smoke`.
 ARCH_SMOKE = ArchBenchConfig(prompt_tokens=64, response_tokens=8, groups=(2,), modes=("exact",), chunk_size=32,
@@ -182,7 +187,7 @@ def _progress(index: int, entry: dict[str, object], label: str) -> None:
     head = f"[{index}] {label:<28} {entry['mode']:<17}"
     if entry["status"] == "ok":
         busy = f"  (host busy: CPU pressure {entry['cpu_pressure']:.0%})" if _busy(entry) else ""
-        line = f"{head} peak {entry['peak_bytes'] / MIB:9.1f} MiB  step {entry['time_s']:8.2f} s{busy}"
+        line = f"{head} peak {peak_text(float(entry['peak_bytes']))} MiB  step {entry['time_s']:8.2f} s{busy}"
     elif entry["status"] == "skipped":
         line = f"{head} skipped: {entry['error']}"
     else:
@@ -190,10 +195,14 @@ def _progress(index: int, entry: dict[str, object], label: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def _finish(document: dict[str, object], out: str, table: str, plot: Callable[[dict, str], str | None]) -> None:
+def _finish(document: dict[str, object], out: str, table: str, plot: Callable[[dict, str], str | None],
+            smoke: bool = False) -> None:
+    """Write the JSON and the plot, print the table (a smoke run: only whether every configuration ran)."""
     document["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    if smoke:
+        table = smoke_summary(document["results"], f"bench {document['bench']}")  # type: ignore[arg-type]
     busy = [r for r in document["results"] if r.get("status") == "ok" and _busy(r)]  # type: ignore[union-attr]
-    if busy:
+    if busy and not smoke:
         document.setdefault("notes", []).append(  # type: ignore[union-attr]
             f"{len(busy)} configurations ran while other processes competed for the CPU: their times are "
             "inflated (peaks are not); compare times as ratios within this run")
@@ -315,7 +324,7 @@ def run_prompt_bench(cfg: PromptBenchConfig, out: str) -> dict[str, object]:
         document["summary"])  # type: ignore[arg-type]
     from longstraw.bench.plots import plot_prompt
 
-    _finish(document, out, table, plot_prompt)
+    _finish(document, out, table, plot_prompt, cfg.smoke)
     return document
 
 
@@ -458,7 +467,7 @@ def run_pareto_bench(cfg: ParetoBenchConfig, out: str) -> dict[str, object]:
     lines += _lever_lines(costs)
     from longstraw.bench.plots import plot_pareto
 
-    _finish(document, out, "\n".join(lines), plot_pareto)
+    _finish(document, out, "\n".join(lines), plot_pareto, cfg.smoke)
     return document
 
 
@@ -495,7 +504,7 @@ def run_arch_bench(cfg: ArchBenchConfig, out: str) -> dict[str, object]:
     document["ratios"] = ratios
     from longstraw.bench.plots import plot_arch
 
-    _finish(document, out, "\n\n".join(tables), plot_arch)
+    _finish(document, out, "\n\n".join(tables), plot_arch, cfg.smoke)
     return document
 
 
@@ -638,7 +647,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         print("\n".join(f"{a}\t{arch_preset(a)}" for a in available_archs()))
         return 0
     cfg = config_from_args(args, args.fail)
-    out = args.out or os.path.join("bench", "results", f"{args.bench}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    out = args.out or default_out(args.bench, cfg.smoke)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     if args.bench == "prompt":
         document = run_prompt_bench(cfg, out)
