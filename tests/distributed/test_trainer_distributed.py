@@ -84,7 +84,8 @@ def test_a_rank_that_raises_stops_every_rank_with_its_message(spawn, tmp_path):
     for rank, (code, out) in enumerate(results):
         assert code != 0, f"rank {rank} exited 0:\n{out}"
         assert message in out, f"rank {rank} does not report the failing rank's error:\n{out}"
-    assert "rank 0 stops because rank 1 failed: RuntimeError: " + message in results[0][1]
+    assert ("rank 0 stops because rank 1 failed: RewardError: step 2: the reward function "
+            "'failing_reward:fail_on_rank_1_in_step_2' raised RuntimeError: " + message) in results[0][1]
     rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert len(rows) == 1  # step 1 completed, the failure came mid-run
 
