@@ -34,9 +34,10 @@ $(DEMO_STAMP): $(STAMP)
 	touch $(DEMO_STAMP)
 
 # The main job on its built-in default: GRPO-train SmolLM2-135M-Instruct on long-prompt key retrieval
-# (examples/demo.toml), printing the held-out reward before and after.
+# (examples/demo.toml), printing the held-out reward before and after. --overwrite: each `make demo` starts
+# runs/demo afresh (without it, a run directory that holds a run is refused).
 demo: $(DEMO_STAMP)
-	$(BIN)/longstraw train examples/demo.toml
+	$(BIN)/longstraw train examples/demo.toml --overwrite
 
 # Bench B1 (DESIGN §5): peak memory and time of every plan across group sizes; --demo is the G in {2, 8} subset.
 bench: install

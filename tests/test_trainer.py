@@ -10,14 +10,16 @@ from pathlib import Path
 import pytest
 import torch
 
+import longstraw
 from longstraw.config import TrainConfig
 from longstraw.trainer import Progress, Trainer
 
 TESTS = Path(__file__).parent
+SRC = Path(longstraw.__file__).resolve().parents[1]  # the children import the longstraw this process tests
 
 
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(TESTS))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), str(SRC)]))
     return subprocess.run([sys.executable, "-m", "longstraw.cli", *args], capture_output=True, text=True,
                           cwd=cwd, env=env, timeout=600)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 from longstraw import __version__
@@ -85,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="processes (ranks) on this machine, one per GPU with --device cuda; launched through torchrun, "
              "the model sharded with FSDP2 and each step's prompts split across ranks (default: 1)",
     )
+    train_parser.add_argument(
+        "--debug", action="store_true",
+        help="on an expected error (bad input, a failing reward function, Ctrl-C) also print the traceback",
+    )
     train_parser.set_defaults(fail=train_parser.error)
     return parser
 
@@ -117,14 +122,31 @@ def main(argv: list[str] | None = None) -> int:
             args.fail(str(err))
         if args.nproc != 1:
             return _launch_train(args, cfg, sys.argv[1:] if argv is None else argv)
-        try:
-            trainer.train(cfg)
-        except (ValueError, FileNotFoundError, FloatingPointError) as err:
-            print(f"longstraw train: error: {err}", file=sys.stderr)
-            return 1
-        return 0
+        return _train(trainer, cfg, args.debug)
     parser.error(f"unknown command {args.command!r}")
     return 2
+
+
+def _train(trainer: ModuleType, cfg: TrainConfig, debug: bool) -> int:
+    """Run training; expected failures end with one line (and the trainer's line saying where the last completed
+    step is saved) and a non-zero status, without a traceback unless --debug. Anything else is a bug: traceback."""
+    import signal
+    import traceback
+
+    try:
+        trainer.train(cfg)
+    except KeyboardInterrupt as err:  # Ctrl-C, or SIGINT/SIGTERM turned into TrainingInterrupted
+        if debug:
+            traceback.print_exc()
+        signum = getattr(err, "signum", signal.SIGINT)
+        print(f"longstraw train: stopped by {signal.Signals(signum).name}", file=sys.stderr)
+        return 128 + int(signum)
+    except (ValueError, FileNotFoundError, FloatingPointError) as err:
+        if debug:
+            traceback.print_exc()
+        print(f"longstraw train: error: {err}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _launch_train(args: argparse.Namespace, cfg: TrainConfig, argv: list[str]) -> int:

@@ -76,6 +76,13 @@ class TrainConfig:
     run_dir: str = _f("runs/latest", "directory for metrics.jsonl, checkpoints and plots")
     save_every: int = _f(0, "checkpoint every N steps (0 = only at the end)")
     resume: bool = _f(False, "continue from the checkpoint in run_dir")
+    overwrite: bool = _f(False, "delete the run already in run_dir (its checkpoint, metrics, summary, plot) and "
+                                "start over; without it (or --resume) a run_dir holding a run is refused")
+    force: bool = _f(False, "with resume: accept settings that change what is trained (task, data, loss, group "
+                            "size, lr, seed, ...) or the model's name; refused without it since they silently "
+                            "change the run")
+    save_weights_only: bool = _f(False, "checkpoints keep the model weights but not the optimizer state (~1/3 of "
+                                        "the size with AdamW); a resume then restarts the optimizer")
     stop_after: int = _f(0, "stop with a checkpoint after N steps of this invocation (0 = run to --steps)")
     eval_prompts: int = _f(8, "held-out prompts scored greedily before and after training (0 = skip)")
     tensorboard: bool = _f(False, "also log to TensorBoard under run_dir/tb (needs the tensorboard package)")
@@ -86,6 +93,7 @@ class TrainConfig:
             if not cond:
                 raise ValueError(message)
 
+        _check_device(self.device)
         need(self.task in TASKS, f"task {self.task!r} is unknown: choose one of {', '.join(TASKS)}")
         need(self.cp >= 1, f"cp must be >= 1, got {self.cp}")
         need(self.cp == 1 or self.plan in ("detach", "exact"),
@@ -127,6 +135,24 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def _check_device(device: str) -> None:
+    """A parseable torch device that exists here, checked before any run directory or model is touched."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        raise ValueError(f"device {device!r} is not a torch device: use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r}: no CUDA GPU is available to this torch "
+                             f"({torch.__version__}); use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif dev.type != "cpu":
+        raise ValueError(f"device {device!r}: training runs on cpu or cuda devices")
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:

@@ -12,6 +12,13 @@ norm, refuse a non-finite norm before the optimizer touches the weights, AdamW s
 Data is a pure function of (seed, step, prompt index), so resuming only needs the step number; the
 checkpoint also keeps every RNG state.
 
+Reliability: the run directory and, on resume, the checkpoint (checksum, config, model shapes) are checked
+before the model loads (`rundir.py`, `checkpoint.py`); the whole dataset is checked before step 1. A step
+changes the weights only at its end (optimizer and scheduler steps); until then the last completed step is
+still in memory, so an exception or Ctrl-C/SIGTERM there saves it (`stopping.py` holds a signal that arrives
+during the update or a checkpoint write until they finish). After a kill, a resume truncates metrics.jsonl to
+the checkpoint's step.
+
 Several processes (`longstraw train --nproc N`, or torchrun): each rank takes a contiguous slice of the step's
 prompts (same seeds as one process), rolls out and backpropagates its own groups with the model sharded by
 FSDP2, and the gradients are reduced once per pass (`distributed/`); the step's gradient is the mean over all
@@ -34,7 +41,7 @@ from typing import Any
 import torch
 
 from longstraw.api import backward_group
-from longstraw.checkpoint import load_checkpoint, save_checkpoint
+from longstraw.checkpoint import FILENAME, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from longstraw.config import TrainConfig
 from longstraw.distributed.runtime import Parallel
 from longstraw.group import Group
@@ -42,10 +49,16 @@ from longstraw.loss import compute_advantages
 from longstraw.memory import PeakMemory
 from longstraw.models import load_model
 from longstraw.rollout import SamplingConfig, sample_group, score_responses, stop_ids_of
-from longstraw.tasks import Example, Task, format_prompt, make_task
+from longstraw.rundir import check_resume_config, prepare_run_dir, print_notes, truncate_metrics
+from longstraw.stopping import StopSignals
+from longstraw.tasks import Example, JsonlTask, Task, format_prompt, make_task
 from longstraw.tokenizer import load_tokenizer
 
 EVAL_SEED_OFFSET = 1_000_003  # held-out prompts come from a seed stream training never draws from
+
+
+class RewardError(ValueError):
+    """The task's reward function raised or returned a non-finite value (the message names it and the step)."""
 
 
 def _derive_seed(*parts: int) -> int:
@@ -131,11 +144,20 @@ class Trainer:
         self.par = parallel if parallel is not None else Parallel(device=cfg.device)  # one process by default
         self.par.share(cfg.prompts_per_step)  # refuse a count the ranks cannot split before loading anything
         self.run_dir = Path(cfg.run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._ckpt: dict[str, Any] | None = None  # the checkpoint to resume from (rank 0), read before the model
+        if self.par.is_main:  # only rank 0 writes into the run directory
+            prepare_run_dir(self.run_dir, cfg.resume, cfg.overwrite)
+            if cfg.resume:
+                self._ckpt = load_checkpoint(self.run_dir)
+                print_notes(check_resume_config(self._ckpt["config"], cfg.to_dict(), cfg.force,
+                                                str(self.run_dir / FILENAME)))
         self.model = load_model(cfg.model, dtype=cfg.dtype, device=self.par.device, seed=cfg.seed)
+        if self._ckpt is not None:
+            _check_same_shapes(self.model, self._ckpt["model"], self.run_dir / FILENAME)
         self.tokenizer = load_tokenizer(cfg.model)
         self.task = build_task(cfg, self.tokenizer)
         self.max_positions = getattr(self.model.config, "max_position_embeddings", None)
+        self.validate_data()
         self.reference = None
         if cfg.beta > 0:  # the frozen initial policy, for the KL term
             self.reference = copy.deepcopy(self.model).requires_grad_(False)
@@ -149,6 +171,13 @@ class Trainer:
         )
         self.step = 0
         self.summary: dict[str, Any] = {}
+        # Error-path bookkeeping: `_dirty` is True from the first optimizer/scheduler step of a step until the
+        # step is complete (its in-memory state is then neither the last step nor the next one).
+        self._dirty = False
+        self._saving = False
+        self._saved_step: int | None = None
+        self._steps_done = 0  # completed in this invocation
+        self._boundary_rng: dict[str, Any] | None = None  # the RNG states at the last step boundary
         self.writer = None
         if cfg.tensorboard and self.par.is_main:
             try:
@@ -159,16 +188,27 @@ class Trainer:
 
     # ------------------------------------------------------------------ data
 
-    def _encode(self, example: Example) -> torch.Tensor:
+    def _encode(self, example: Example, where: str = "") -> torch.Tensor:
         ids = torch.tensor(format_prompt(self.tokenizer, example.prompt), dtype=torch.long)
         if ids.numel() == 0:
-            raise ValueError("the task produced an empty prompt")
+            raise ValueError(f"{where or 'the task'}: empty prompt")
         if self.max_positions is not None and ids.numel() + self.cfg.max_new_tokens > self.max_positions:
+            fix = "shorten it" if where else "lower --prompt-tokens"
             raise ValueError(
-                f"prompt of {ids.numel()} tokens + {self.cfg.max_new_tokens} new tokens exceeds the model's "
-                f"{self.max_positions} positions: lower --prompt-tokens or --max-new-tokens"
+                f"{where + ': ' if where else ''}prompt of {ids.numel()} tokens + {self.cfg.max_new_tokens} new "
+                f"tokens exceeds the {self.max_positions} positions of model {self.cfg.model!r}: {fix} or lower "
+                "--max-new-tokens"
             )
         return ids
+
+    def validate_data(self) -> None:
+        """Before step 1: every row of a jsonl dataset (non-empty, fits the model's positions with the longest
+        response), or one generated example (haystack/kv prompts land within a word/pair of --prompt-tokens)."""
+        if isinstance(self.task, JsonlTask):
+            for example in self.task.rows:
+                self._encode(example, where=f"{self.task.path}:{example.meta['line']}")
+        else:
+            self._encode(self.step_examples(0)[0])
 
     def step_examples(self, step: int) -> list[Example]:
         return [self.task.sample(random.Random(_derive_seed(self.cfg.seed, step, j)))
@@ -186,10 +226,8 @@ class Trainer:
         # The exact plan reuses this state and needs the recurrent state at every chunk boundary; detach does not.
         out = sample_group(self.model, prompt, cfg.group_size, self.sampling, seed=_derive_seed(cfg.seed, step, j, 1),
                            chunk_size=cfg.chunk_size, keep_boundaries=cfg.plan == "exact", context_parallel=cp)
-        rewards = torch.tensor([float(self.task.reward(self._decode(r), example)) for r in out.responses],
+        rewards = torch.tensor([self._reward(self._decode(r), example, f"step {step + 1}") for r in out.responses],
                                dtype=torch.float64)
-        if not torch.isfinite(rewards).all():
-            raise ValueError(f"the reward function returned a non-finite value ({rewards.tolist()}): fix the task")
         advantages = compute_advantages(rewards, cfg.advantage)
         ref = None
         if self.reference is not None:
@@ -197,6 +235,19 @@ class Trainer:
                                   context_parallel=cp)
         group = Group(prompt, out.responses, advantages, old_logprobs=out.logprobs, ref_logprobs=ref)
         return ScoredGroup(prompt=prompt, group=group, state=out.state, rewards=rewards)
+
+    def _reward(self, completion: str, example: Example, where: str) -> float:
+        """The task's reward of one completion; RewardError naming the function and `where` if it fails."""
+        name = repr(self.cfg.reward_fn) if self.cfg.reward_fn else f"of task {self.cfg.task!r}"
+        try:
+            value = float(self.task.reward(completion, example))
+        except Exception as err:
+            if isinstance(err, ValueError) and name in str(err):  # the task's own check already names it
+                raise RewardError(f"{where}: {err}") from err
+            raise RewardError(f"{where}: the reward function {name} raised {type(err).__name__}: {err}") from err
+        if not math.isfinite(value):
+            raise RewardError(f"{where}: the reward function {name} returned {value}; a reward must be finite")
+        return value
 
     def train_step(self, step: int, progress: Progress) -> dict[str, Any]:
         cfg = self.cfg
@@ -248,7 +299,9 @@ class Trainer:
                     f"step {step + 1}: gradient norm is {grad_norm}; the optimizer step was skipped and the weights "
                     "are unchanged. Lower the learning rate, use float32, or check the rewards"
                 )
+            self._dirty = True  # from here until the step is complete, the state is not a step boundary
             self.optimizer.step()
+        self._dirty = True
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.scheduler.get_last_lr()[0]
         with warnings.catch_warnings():
@@ -302,60 +355,116 @@ class Trainer:
             for example in examples[self.par.dp_rank :: self.par.dp_size]:  # blocks of ranks split the prompts
                 out = sample_group(self.model, self._encode(example), 1, greedy, chunk_size=cfg.chunk_size,
                                    context_parallel=self.par.context_parallel)
-                total += float(self.task.reward(self._decode(out.responses[0]), example))
+                total += self._reward(self._decode(out.responses[0]), example, "held-out evaluation")
         return self.par.sum(total) / self.par.cp_size / len(examples)  # a block's ranks all add the same
 
     # ------------------------------------------------------------------ checkpoints
 
     def save(self) -> None:
-        state = self.par.full_state(self.model, self.optimizer)  # sharded: gathered to rank 0 (all ranks call)
-        if state is None:  # not rank 0
-            return
-        save_checkpoint(self.run_dir, {
-            "step": self.step,
-            "model": state[0],
-            "optimizer": state[1],
-            "scheduler": self.scheduler.state_dict(),
-            "config": self.cfg.to_dict(),
-            "summary": self.summary,
-        })
+        """Checkpoint the current step boundary (every rank calls: a sharded state is gathered to rank 0)."""
+        self._saving = True  # a signal now waits for the write to finish
+        try:
+            state = self.par.full_state(self.model, self.optimizer)
+            if state is not None:  # rank 0
+                save_checkpoint(self.run_dir, {
+                    "step": self.step,
+                    "model": state[0],
+                    "optimizer": None if self.cfg.save_weights_only else state[1],
+                    "scheduler": self.scheduler.state_dict(),
+                    "config": self.cfg.to_dict(),
+                    "summary": self.summary,
+                    "rng": self._boundary_rng if self._boundary_rng is not None else rng_state(),
+                })
+            self._saved_step = self.step
+        finally:
+            self._saving = False
 
     def restore(self) -> None:
-        ckpt = load_checkpoint(self.run_dir) if self.par.is_main else None  # rank 0 reads, then broadcasts
-        self.par.load_full_state(self.model, self.optimizer, ckpt and ckpt["model"], ckpt and ckpt["optimizer"])
+        ckpt, self._ckpt = self._ckpt, None  # read and checked in __init__ (rank 0); dropped once loaded
         meta = None
         if ckpt is not None:
-            meta = {"scheduler": ckpt["scheduler"], "step": ckpt["step"], "summary": ckpt.get("summary", {})}
+            meta = {"scheduler": ckpt["scheduler"], "step": ckpt["step"], "summary": ckpt.get("summary", {}),
+                    "has_optimizer": ckpt["optimizer"] is not None}
         meta = self.par.broadcast(meta)
+        optimizer = self.optimizer if meta["has_optimizer"] else None
+        self.par.load_full_state(self.model, optimizer, ckpt and ckpt["model"], ckpt and ckpt["optimizer"])
         self.scheduler.load_state_dict(meta["scheduler"])
-        self.step = int(meta["step"])
+        self.step = self._saved_step = int(meta["step"])
         self.summary = dict(meta["summary"])
+        if ckpt is not None:
+            set_rng_state(ckpt["rng"])
+            if not meta["has_optimizer"]:
+                print(f"{self.run_dir / FILENAME} holds weights only (save_weights_only): the optimizer state "
+                      f"restarts from zero at step {self.step}, so this run differs from an uninterrupted one",
+                      file=sys.stderr)
 
     # ------------------------------------------------------------------ the run
 
     def run(self) -> dict[str, Any]:
+        """Train to cfg.steps (or cfg.stop_after more steps). On an exception or Ctrl-C/SIGTERM after a
+        completed step, the last completed step is checkpointed (one process) before the error propagates."""
+        signals = StopSignals(busy=lambda: self._dirty or self._saving,
+                              describe=lambda: f"finishing step {self.step + 1}'s update, then saving and stopping")
+        with signals:
+            try:
+                return self._run(signals)
+            except BaseException:
+                self._save_after_failure()
+                raise
+
+    def _save_after_failure(self) -> None:
+        """Checkpoint the last completed step unless it is already saved; one line on stderr saying where."""
+        path = self.run_dir / FILENAME
+        on_disk = f"the last checkpoint, step {self._saved_step}, is {path}" if self._saved_step is not None else \
+            "no checkpoint was written"
+        if self._steps_done == 0 and not self._dirty:
+            return  # nothing new since the start (or the resumed checkpoint)
+        if self._dirty or self.par.distributed:
+            why = (f"step {self.step + 1} had already changed the weights when it failed, so it is not saved"
+                   if self._dirty else "a failed distributed run cannot gather its state")
+            if self.par.is_main:
+                print(f"longstraw train: {why}; {on_disk}", file=sys.stderr)
+            return
+        if self._saved_step == self.step:
+            print(f"longstraw train: the last completed step ({self.step}) is saved in {path}; continue with --resume",
+                  file=sys.stderr)
+            return
+        try:
+            self.save()
+        except Exception as err:
+            print(f"longstraw train: could not save step {self.step} ({type(err).__name__}: {err}); {on_disk}",
+                  file=sys.stderr)
+            return
+        print(f"longstraw train: saved the last completed step ({self.step}) to {path}; continue with --resume",
+              file=sys.stderr)
+
+    def _run(self, signals: StopSignals) -> dict[str, Any]:
         cfg = self.cfg
         main = self.par.is_main  # only rank 0 prints and writes files
         metrics_path = self.run_dir / "metrics.jsonl"
         if cfg.resume:
             self.restore()
             if main:
-                print(f"resumed from {self.run_dir / 'checkpoint.pt'} at step {self.step}", file=sys.stderr)
+                dropped = truncate_metrics(metrics_path, self.step)  # rows past the checkpoint are redone
+                extra = f" ({dropped} metrics row(s) after it removed)" if dropped else ""
+                print(f"resumed from {self.run_dir / FILENAME} at step {self.step}{extra}", file=sys.stderr)
         else:
-            if main:
-                metrics_path.unlink(missing_ok=True)
             self.summary["eval_before"] = self.evaluate()
             if cfg.eval_prompts and main:
                 print(f"held-out greedy reward before training: {self.summary['eval_before']:.3f} "
                       f"({cfg.eval_prompts} prompts)", file=sys.stderr)
+        self._boundary_rng = rng_state()
         progress = Progress(cfg.steps, enabled=main)
         last = min(cfg.steps, self.step + cfg.stop_after) if cfg.stop_after else cfg.steps
         while self.step < last:
-            m = self.train_step(self.step, progress)
+            m = self.train_step(self.step, progress)  # sets _dirty once it changes the weights
             self.step += 1
+            self._steps_done += 1
             if main:
                 with metrics_path.open("a") as f:
                     f.write(json.dumps(m) + "\n")
+            self._boundary_rng = rng_state()
+            self._dirty = False  # a step boundary again
             if self.writer is not None:
                 for key, value in m.items():
                     if key != "step":
@@ -363,8 +472,10 @@ class Trainer:
             progress.step_done(m)
             if cfg.save_every and self.step % cfg.save_every == 0 and self.step < last:
                 self.save()
+            signals.check()  # a Ctrl-C held during the update stops here, at the boundary
         if self.step < cfg.steps:  # stopped early on purpose: checkpoint, no final evaluation
             self.save()
+            signals.check()
             if main:
                 print(f"stopped after step {self.step}; continue with --resume", file=sys.stderr)
             return self.summary
@@ -382,6 +493,21 @@ class Trainer:
         if self.writer is not None:
             self.writer.close()
         return self.summary
+
+
+def _check_same_shapes(model: torch.nn.Module, saved: dict[str, Any], path: Path) -> None:
+    """Refuse a checkpoint of another architecture before load_state_dict raises a size-mismatch traceback."""
+    own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    theirs = {k: tuple(v.shape) for k, v in saved.items()}
+    missing, extra = sorted(set(own) - set(theirs)), sorted(set(theirs) - set(own))
+    differ = [k for k in own if k in theirs and own[k] != theirs[k]]
+    if missing or extra or differ:
+        detail = [f"{len(differ)} tensor(s) of another shape (e.g. {differ[0]}: {theirs[differ[0]]} in the "
+                  f"checkpoint, {own[differ[0]]} here)"] if differ else []
+        detail += [f"{len(missing)} missing (e.g. {missing[0]})"] if missing else []
+        detail += [f"{len(extra)} unknown (e.g. {extra[0]})"] if extra else []
+        raise ValueError(f"checkpoint {path} holds another model than this run's: {'; '.join(detail)}. Resume "
+                         "with the model it was trained from")
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

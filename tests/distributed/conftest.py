@@ -11,8 +11,12 @@ from pathlib import Path
 
 import pytest
 
+import longstraw
+
 TESTS = Path(__file__).resolve().parent.parent
 HERE = Path(__file__).resolve().parent
+# The ranks import the same longstraw as this process (a worktree's src on PYTHONPATH, not the editable install).
+SRC = Path(longstraw.__file__).resolve().parents[1]
 
 
 def free_port() -> int:
@@ -28,7 +32,7 @@ def run_ranks(args: list[str], world: int, timeout: float = 300.0, cwd: Path | N
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                   PYTHONPATH=os.pathsep.join([str(TESTS), str(HERE)]))
+                   PYTHONPATH=os.pathsep.join([str(TESTS), str(HERE), str(SRC)]))
         env.pop("TORCHELASTIC_RUN_ID", None)
         procs.append(subprocess.Popen([sys.executable, *args], env=env, cwd=cwd, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))

@@ -13,11 +13,13 @@ import pytest
 import torch
 from conftest import rel_err
 
+import longstraw
 from longstraw.cli import main
 from longstraw.distributed.runtime import Parallel
 
 HERE = Path(__file__).resolve().parent
 TESTS = HERE.parent
+SRC = Path(longstraw.__file__).resolve().parents[1]  # the children import the longstraw this process tests
 
 
 def _data(tmp_path: Path) -> Path:
@@ -34,7 +36,7 @@ def _common(tmp_path: Path, reward: str = "rewards_for_tests:even_byte_fraction"
 
 
 def _cli(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), str(HERE)]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), str(HERE), str(SRC)]))
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
         env.pop(key, None)
     return subprocess.run([sys.executable, "-m", "longstraw.cli", "train", *args], capture_output=True, text=True,
@@ -84,7 +86,8 @@ def test_a_rank_that_raises_stops_every_rank_with_its_message(spawn, tmp_path):
     for rank, (code, out) in enumerate(results):
         assert code != 0, f"rank {rank} exited 0:\n{out}"
         assert message in out, f"rank {rank} does not report the failing rank's error:\n{out}"
-    assert "rank 0 stops because rank 1 failed: RuntimeError: " + message in results[0][1]
+    assert ("rank 0 stops because rank 1 failed: RewardError: step 2: the reward function "
+            "'failing_reward:fail_on_rank_1_in_step_2' raised RuntimeError: " + message) in results[0][1]
     rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert len(rows) == 1  # step 1 completed, the failure came mid-run
 
@@ -104,7 +107,11 @@ def test_launch_errors_say_what_to_change(capsys):
     assert "--prompts-per-step 3 cannot be split evenly over 2 data-parallel groups" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["train", "--device", "cuda", "--nproc", str(max(2, torch.cuda.device_count() + 1))])
-    assert "GPUs (one per process) but this machine has" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    if torch.cuda.is_available():
+        assert "GPUs (one per process) but this machine has" in err
+    else:  # the config's device check comes first
+        assert "device 'cuda': no CUDA GPU is available" in err
 
 
 def test_ranks_take_contiguous_prompt_slices():

@@ -219,12 +219,14 @@ class Parallel:
             return None
         return _with_tied_keys(model, model_sd), _names_to_indices(model, optimizer, optim_sd)
 
-    def load_full_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+    def load_full_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                         model_sd: dict | None, optim_sd: dict | None) -> None:
-        """Inverse of `full_state`: rank 0 passes the dicts, the others None (they receive them by broadcast)."""
+        """Inverse of `full_state`: rank 0 passes the dicts, the others None (they receive them by broadcast).
+        optimizer None (on every rank): load the weights only, the optimizer keeps its fresh state."""
         if not self.distributed:
             model.load_state_dict(model_sd)
-            optimizer.load_state_dict(optim_sd)
+            if optimizer is not None:
+                optimizer.load_state_dict(optim_sd)
             return
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
@@ -235,6 +237,8 @@ class Parallel:
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
         names = _param_names(model)
         set_model_state_dict(model, model_sd if self.is_main else {}, options=options)
+        if optimizer is None:
+            return
         if self.is_main:
             optim_sd = _indices_to_names(optim_sd, names)
         set_optimizer_state_dict(model, optimizer, optim_sd if self.is_main else {}, options=options)

@@ -9,7 +9,9 @@ Rewards:
   as ``fn(completion, answer) -> float``. Its value must be a finite real number; it need not lie in [0, 1] (GRPO
   only uses differences within a group). Anything else raises ValueError naming the function.
 
-The whole file is read and checked when the task is built, so a bad line fails before any training step. Blank lines
+The whole file is read and checked when the task is built, so a bad line (invalid JSON, a missing or non-string
+field, an empty prompt) fails before any training step; the trainer then checks every row's length against the
+model's positions, also before step 1. Blank lines
 are skipped; other keys of a line are kept in ``Example.meta`` (with ``line``, the 1-based line number).
 """
 
@@ -83,6 +85,8 @@ def load_rows(path: str | Path) -> list[Example]:
             for k in ("prompt", "answer"):
                 if not isinstance(obj[k], str):
                     raise ValueError(f"{path}:{lineno}: field {k!r} must be a string, got {type(obj[k]).__name__}")
+            if not obj["prompt"].strip():
+                raise ValueError(f"{path}:{lineno}: empty prompt; every line needs a non-empty \"prompt\"")
             meta = {k: v for k, v in obj.items() if k not in ("prompt", "answer")}
             meta.update(task="jsonl", line=lineno)
             rows.append(Example(obj["prompt"], obj["answer"], meta))
