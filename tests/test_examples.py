@@ -39,9 +39,13 @@ def test_every_example_is_covered():
 
 
 @pytest.mark.parametrize("name", [_params(n) for n in EXAMPLES])
-def test_example_runs_one_step_as_written(name, tmp_path):
+def test_example_runs_one_step_as_written(name, tmp_path, capsys):
     run_dir = tmp_path / "run"
     assert main(["train", os.path.join(ROOT, "examples", name), "--steps", "1", "--eval-prompts", "1",
                  "--run-dir", str(run_dir)]) == 0
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "step" in r][-1:] == [1], rows
+    # No silent phase: the held-out evaluations announce themselves, and the run says where its outputs are.
+    err = capsys.readouterr().err
+    assert "held-out evaluation before training: 1 prompts" in err and "held-out evaluation after training" in err
+    assert f"outputs in {run_dir}: metrics.jsonl, summary.json, checkpoint.pt" in err

@@ -343,19 +343,29 @@ class Trainer:
     # ------------------------------------------------------------------ evaluation
 
     @torch.no_grad()
-    def evaluate(self) -> float:
-        """Mean greedy reward on held-out prompts (a seed stream training never draws from)."""
+    def evaluate(self, when: str) -> float:
+        """Mean greedy reward on held-out prompts (a seed stream training never draws from). It can take minutes
+        on a CPU, so rank 0 says what it is doing and counts the prompts (in place on a terminal)."""
         cfg = self.cfg
         if cfg.eval_prompts == 0:
             return float("nan")
         greedy = SamplingConfig(max_new_tokens=cfg.max_new_tokens, top_k=1, stop_ids=self.sampling.stop_ids)
         examples = self.task.examples(cfg.eval_prompts, seed=cfg.seed + EVAL_SEED_OFFSET)
+        mine = examples[self.par.dp_rank :: self.par.dp_size]  # blocks of ranks split the prompts
+        talk = self.par.is_main
+        if talk:
+            print(f"held-out evaluation {when}: {len(examples)} prompts, greedy ...", file=sys.stderr, flush=True)
+        tty = sys.stderr.isatty()
         total = 0.0
         with self.par.compute(self.model, reduce=False):
-            for example in examples[self.par.dp_rank :: self.par.dp_size]:  # blocks of ranks split the prompts
+            for i, example in enumerate(mine):
                 out = sample_group(self.model, self._encode(example), 1, greedy, chunk_size=cfg.chunk_size,
                                    context_parallel=self.par.context_parallel)
                 total += self._reward(self._decode(out.responses[0]), example, "held-out evaluation")
+                if talk and tty:
+                    print(f"\r  prompt {i + 1}/{len(mine)}   ", end="", file=sys.stderr, flush=True)
+        if talk and tty:
+            print("\r", end="", file=sys.stderr, flush=True)
         return self.par.sum(total) / self.par.cp_size / len(examples)  # a block's ranks all add the same
 
     # ------------------------------------------------------------------ checkpoints
@@ -449,7 +459,7 @@ class Trainer:
                 extra = f" ({dropped} metrics row(s) after it removed)" if dropped else ""
                 print(f"resumed from {self.run_dir / FILENAME} at step {self.step}{extra}", file=sys.stderr)
         else:
-            self.summary["eval_before"] = self.evaluate()
+            self.summary["eval_before"] = self.evaluate("before training")
             if cfg.eval_prompts and main:
                 print(f"held-out greedy reward before training: {self.summary['eval_before']:.3f} "
                       f"({cfg.eval_prompts} prompts)", file=sys.stderr)
@@ -479,7 +489,7 @@ class Trainer:
             if main:
                 print(f"stopped after step {self.step}; continue with --resume", file=sys.stderr)
             return self.summary
-        self.summary["eval_after"] = self.evaluate()
+        self.summary["eval_after"] = self.evaluate("after training")
         self.summary["steps"] = self.step
         self.save()
         if not main:
@@ -488,10 +498,12 @@ class Trainer:
             print(f"held-out greedy reward: before {self.summary.get('eval_before', float('nan')):.3f} -> "
                   f"after {self.summary['eval_after']:.3f}", file=sys.stderr)
         (self.run_dir / "summary.json").write_text(json.dumps(self.summary, indent=2) + "\n")
-        if cfg.plot:
-            plot_metrics(metrics_path, self.run_dir / "progress.png")
+        written = [metrics_path.name, "summary.json", FILENAME]
+        if cfg.plot and plot_metrics(metrics_path, self.run_dir / "progress.png"):
+            written.append("progress.png")
         if self.writer is not None:
             self.writer.close()
+        print(f"outputs in {self.run_dir}: {', '.join(written)}", file=sys.stderr)
         return self.summary
 
 
