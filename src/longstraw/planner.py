@@ -25,7 +25,10 @@ heads, q regrouped for the prefix, the output projection's input (5·H·D·b) an
 accumulation dtype (2·H·D·a); standard attention through SDPA: (2·H·D + 2·Hkv·D)·b). Full-attention
 families (llama, qwen2/3, mistral) are validated against measured peaks (tests/test_planner.py); the
 formulas for linear attention, Mamba2, MLA, DSA and MoE layers are counted the same way from transformers'
-torch paths; b1-qwen3-next (hybrid) agrees within 12% (README) but no test pins those activation terms yet.
+torch paths. Recurrent layers (gated DeltaNet, Mamba2: `RecurrentBytes`) are counted per segment, padded to
+their scan's chunk, with the no-grad capture's transient and the backward's; b1-mamba2 and b1-qwen3-next
+(3 gated-DeltaNet + 1 attention layer, MoE) are validated against measured peaks for standard, detach and exact
+with and without checkpointing (within 10%, slow test; bench/results/recurrent-*-clone.json).
 The prompt-state formulas of every family are pinned exactly against captured states
 (tests/state/test_architectures.py).
 
@@ -185,6 +188,7 @@ class ModelSpec:
     mamba_head_dim: int = 0
     mamba_state: int = 0
     mamba_groups: int = 0
+    mamba_chunk: int = MAMBA_SCAN_CHUNK  # the config's chunk size of the Mamba2 scan (it pads segments to it)
     q_lora_rank: int = 0
     kv_lora_rank: int = 0
     qk_rope_dim: int = 0
@@ -289,7 +293,7 @@ def spec_from_config(config, name: str = "") -> ModelSpec:
         return ModelSpec(
             **base, mixers=("mamba",) * n, mlps=("none",) * n, mamba_heads=c.num_heads,
             mamba_head_dim=c.head_dim, mamba_state=c.state_size, mamba_groups=c.n_groups,
-            conv_kernel=c.conv_kernel,
+            conv_kernel=c.conv_kernel, mamba_chunk=c.chunk_size or MAMBA_SCAN_CHUNK,
         )
     elif mt == "falcon_h1":
         heads = c.mamba_n_heads
@@ -298,6 +302,7 @@ def spec_from_config(config, name: str = "") -> ModelSpec:
             **base, mixers=("attention+mamba",) * n, mlps=("dense",) * n, **_attention_dims(c),
             intermediate=c.intermediate_size, mamba_heads=heads, mamba_head_dim=head_dim,
             mamba_state=c.mamba_d_state, mamba_groups=c.mamba_n_groups, conv_kernel=c.mamba_d_conv,
+            mamba_chunk=getattr(c, "mamba_chunk_size", None) or MAMBA_SCAN_CHUNK,
         )
     elif mt == "kimi_linear":  # KDA layers (linear attention, one head set) + MLA layers, MoE FFNs
         mixers = tuple("linear" if t == "linear_attention" else "mla" for t in layer_types)
@@ -420,9 +425,103 @@ def _norm(width: int, b: int) -> int:
     return (4 + 2 * b) * width
 
 
+def _padded(tokens: int, chunk: int) -> int:
+    """`tokens` rounded up to a multiple of `chunk` (the torch scans pad a segment to whole chunks)."""
+    return -(-tokens // chunk) * chunk
+
+
+@dataclass(frozen=True)
+class RecurrentBytes:
+    """Bytes of one recurrent token mixer (gated DeltaNet/KDA: `linear`; Mamba2) over a segment of `batch` rows of
+    `tokens` tokens, counted on transformers' torch paths (`torch_chunk_gated_delta_rule`, Mamba2's
+    `torch_forward`/`mamba2_chunk_scan`; no flash-linear-attention or mamba_ssm kernels, which keep far less).
+    Both scans pad the segment to whole chunks of their own (`LINEAR_SCAN_CHUNK`, the config's Mamba2 chunk size),
+    so a 128-token replay through a 256-chunk Mamba2 scan costs 256 tokens in every scan-sized tensor.
+
+    saved: what autograd saves for the backward in a forward with grad. tail: of it, what is saved after the layer's
+    state is produced (gated norm, output projection): a prompt-backward chunk whose forward stops at the last
+    layer's state does not save it. nograd: the live transient of a no-grad forward of the layer (the capture).
+    backward: the transient of its backward beyond the saved tensors. (The conv window and state the segment cache
+    keeps are copies of a few columns, counted with the state: `_recurrent_bytes`.)"""
+
+    saved: int
+    tail: int
+    nograd: int
+    backward: int
+
+
+RECURRENT_MIXERS = ("linear", "mamba", "attention+mamba")
+
+
+def recurrent_bytes(spec: ModelSpec, mixer: str, tokens: int, b: int, batch: int = 1,
+                    cached: bool = True) -> RecurrentBytes:
+    """`RecurrentBytes` of a `linear`, `mamba` or `attention+mamba` (its Mamba2 heads) mixer; zeros otherwise.
+    cached: the segment runs through LongStraw's `SegmentCache` (capture, replay, prompt backward); the standard plans
+    run the model without a cache (no conv concatenation)."""
+    if mixer == "linear":
+        kd, vd = spec.lin_key_heads * spec.lin_key_dim, spec.lin_value_heads * spec.lin_value_dim
+        conv, hv = 2 * kd + vd, spec.lin_value_heads
+        w = max(vd, hv * spec.lin_key_dim)  # q/k repeated to the value heads, v: Hv x d per token
+        c = LINEAR_SCAN_CHUNK
+        state = hv * spec.lin_key_dim * spec.lin_value_dim * 4
+        tp = _padded(tokens, c)
+        nc = tp // c
+        # Saved (per-layer saved-tensor hooks on b1-qwen3-next at T = 100, 128, 700, 704, 2048: within -1 … +8%):
+        # the conv input and the conv's output (2 x conv_dim, param dtype); ~20 fp32 tensors of Hv x d (q/k/v made
+        # contiguous, normalised, padded, k·beta, v·beta, the UT solve's outputs, decayed q/k, the core output, the
+        # gated norm's), counted per real token: a padded segment saves no more of them than an unpadded one (700
+        # tokens saved less than 704); six fp32 intra-chunk (c x c) matrices per value head (decays, k·kᵀ, q·kᵀ, the
+        # UT system), per padded token; three recurrent states per chunk.
+        saved = tokens * (2 * conv * b + 20 * w * 4) + tp * 6 * hv * c * 4 + 3 * nc * state
+        tail = tokens * (5 * vd * 4 + vd * b)  # gated RMSNorm (fp32) and the output projection's input
+        # No grad: the in_proj outputs, the conv input and its activation, three c x c matrices and ~9 Hv x d fp32
+        # tensors alive at the chunk loop (measured: 26.7 KB per token with the residual stream; this 25.7 KB).
+        in_proj = 2 * kd + 2 * vd + 2 * hv
+        nograd = tokens * ((in_proj + 2 * conv) * b + 9 * w * 4) + tp * 3 * hv * c * 4
+        backward = tp * hv * c * 4
+    elif mixer in ("mamba", "attention+mamba"):
+        h, hd, n = spec.mamba_heads, spec.mamba_head_dim, spec.mamba_state
+        inner = h * hd
+        conv = inner + 2 * spec.mamba_groups * n
+        proj = inner + conv + h  # in_proj output: gate, x/B/C, dt
+        c = spec.mamba_chunk
+        state = h * hd * n * 4
+        tp = _padded(tokens, c)
+        nc = tp // c
+        # Counted on `mamba2_chunk_scan` with saved-tensor hooks (b1-mamba2: 104.96 KB per token and layer at
+        # T = 2048, 168.8 KB at T = 128, i.e. 256 padded; tiny-mamba2 and a 768-wide, 24-head, N = 128 shape
+        # within 1.3%): per token the in_proj output, the conv input (cached: concatenated with the window), its
+        # output and activation, the gated norm's four fp32 tensors and the output projection's input, dt; per
+        # padded token three fp32 (c x c) matrices per head (the decay L, C·Bᵀ, the masked product copied for
+        # bmm), B and C repeated to the heads with their bmm copies (5 x H·N; 3 with a single chunk in the batch),
+        # four H x hd tensors (3 with a single chunk); two chunk states per chunk.
+        multi = batch * nc > 1
+        per_token = proj * b + (3 if cached else 2) * conv * b + 4 * inner * 4 + inner * b + 3 * h * 4
+        per_padded = (3 * c + (5 if multi else 3) * n + (4 if multi else 3) * hd + 2) * h * 4
+        saved = tokens * per_token + tp * per_padded + 2 * (nc + 1) * state
+        tail = tokens * (4 * inner * 4 + inner * b)
+        # No grad, measured on the three shapes at T = 2048 (89.6 / 32.9 / 194.9 KB per token with the residual
+        # stream; this gives 90.7 / 33.4 / 196.7): the in_proj output, the conv input and activation; the scan's
+        # L, C·Bᵀ and their product (locals alive to its end), B and C padded and repeated (3 x H·N) and ~8 H x hd
+        # tensors (x·dt, D·x, the diagonal and off-diagonal outputs and their bmm operands).
+        nograd = tokens * (proj + 2 * conv) * b + tp * (3 * c + 3 * n + 8 * hd) * h * 4
+        # Backward beyond the saved tensors: about one c x c gradient per head (measured 12.2-18.4 KB per token
+        # on the three shapes at T = 2048; this 8.2-24.6 KB).
+        backward = tp * h * c * 4
+    else:
+        return RecurrentBytes(0, 0, 0, 0)
+    return RecurrentBytes(*(batch * x for x in (saved, tail, nograd, backward)))
+
+
+def _recurrent_layers(spec: ModelSpec) -> list[int]:
+    return [i for i, m in enumerate(spec.mixers) if m in RECURRENT_MIXERS]
+
+
 def _mixer_activation_bytes(spec: ModelSpec, mixer: str, b: int, a: int, kernel: str) -> int:
     """Saved bytes per token of one token mixer. kernel: 'replay' (LongStraw's prefix attention, with a
-    prefix), 'own' (prefix attention without a prefix: the first chunk), 'sdpa' (the standard plans)."""
+    prefix), 'own' (prefix attention without a prefix: the first chunk), 'sdpa' (the standard plans).
+    Recurrent mixers (gated DeltaNet, Mamba2) pad to their scan chunk and are counted per segment by
+    `recurrent_bytes`: here they count 0 (Falcon-H1's parallel attention heads count)."""
     if mixer in ("attention", "sliding", "attention+mamba", "mla", "dsa"):
         h = spec.heads
         if mixer in ("mla", "dsa"):
@@ -448,31 +547,9 @@ def _mixer_activation_bytes(spec: ModelSpec, mixer: str, b: int, a: int, kernel:
             attn = (h * qk + h * qk + h * v + h * v) * b + h * v * a + 4 * h * 4
             if kernel == "replay":
                 attn += h * qk * b + h * v * a
-        total = proj + attn
-        if mixer == "attention+mamba":
-            total += _mixer_activation_bytes(spec, "mamba", b, a, kernel)
-        return total
-    elif mixer == "linear":
-        kd, vd = spec.lin_key_heads * spec.lin_key_dim, spec.lin_value_heads * spec.lin_value_dim
-        conv, hv = 2 * kd + vd, spec.lin_value_heads
-        # Counted on transformers' torch chunked gated-delta-rule (no flash-linear-attention kernels): in_proj and
-        # conv outputs (2 x conv_dim, param dtype); six fp32 intra-chunk (C x C) matrices per value head; ~20 fp32
-        # tensors of Hv x d (q/k repeated to the value heads, decays, chunk-local products, core output, gated
-        # norm); three recurrent states per chunk. With those kernels on GPUs far less is saved: an overestimate
-        # there. Checked against b1-qwen3-next's transformers forward (per-layer saved bytes within 2%).
-        c = LINEAR_SCAN_CHUNK
-        saved = 2 * conv * b + 6 * hv * c * 4 + 20 * max(vd, hv * spec.lin_key_dim) * 4
-        return saved + 3 * hv * spec.lin_key_dim * spec.lin_value_dim * 4 // c
-    elif mixer == "mamba":
-        inner = spec.mamba_heads * spec.mamba_head_dim
-        conv = inner + 2 * spec.mamba_groups * spec.mamba_state
-        saved = (inner + conv + spec.mamba_heads) * b + 2 * conv * b + (conv + spec.mamba_heads) * 4
-        saved += inner * 4 + _norm(inner, b) + 3 * inner * b
-        # transformers' torch chunk scan keeps intra-chunk (c x c) matrices per head in fp32: the decay L, the C·B
-        # scores G and their product M, plus segment_sum's masks: ~3.5 rows of c per token and head. Measured with
-        # saved-tensor hooks on tiny-mamba2 (35.4 KB per token per layer, of which these are 28.7 KB).
-        saved += 14 * spec.mamba_heads * MAMBA_SCAN_CHUNK
-        return saved + spec.mamba_heads * spec.mamba_head_dim * spec.mamba_state * 4 // MAMBA_SCAN_CHUNK
+        return proj + attn
+    elif mixer in ("linear", "mamba"):
+        return 0
     else:
         raise ValueError(f"unknown mixer kind {mixer!r}")
 
@@ -491,51 +568,94 @@ def _mlp_activation_bytes(spec: ModelSpec, mlp: str, b: int) -> int:
         raise ValueError(f"unknown mlp kind {mlp!r}")
 
 
-def layer_activation_bytes(spec: ModelSpec, layer: int, b: int, a: int, kernel: str) -> int:
-    """Saved bytes per token of decoder layer `layer` (norms + mixer + MLP)."""
+def _layer_per_token(spec: ModelSpec, layer: int, b: int, a: int, kernel: str) -> int:
+    """Saved bytes per token of decoder layer `layer` (norms + mixer + MLP) without its recurrent scan."""
     mlp = spec.mlps[layer]
     norms = _norm(spec.hidden, b) * (2 if mlp != "none" else 1)
     return norms + _mixer_activation_bytes(spec, spec.mixers[layer], b, a, kernel) + _mlp_activation_bytes(
         spec, mlp, b)
 
 
-def model_activation_bytes(spec: ModelSpec, b: int, a: int, kernel: str) -> int:
-    """Saved bytes per token of the whole decoder: every layer, the final norm, the input ids."""
-    layers = sum(layer_activation_bytes(spec, i, b, a, kernel) for i in range(spec.num_layers))
-    return layers + _norm(spec.hidden, b) + 8
+def layer_activation_bytes(spec: ModelSpec, layer: int, b: int, a: int, kernel: str, tokens: int,
+                           batch: int = 1) -> int:
+    """Saved bytes of decoder layer `layer` in a forward with grad over `batch` rows of `tokens` tokens."""
+    rec = recurrent_bytes(spec, spec.mixers[layer], tokens, b, batch, cached=kernel != "sdpa")
+    return batch * tokens * _layer_per_token(spec, layer, b, a, kernel) + rec.saved
 
 
-def chunk_activation_bytes(spec: ModelSpec, b: int, a: int, kernel: str) -> int:
-    """Saved bytes per token of a prompt-backward chunk recompute: the forward stops once the last layer's
-    state is produced, so that layer contributes its input norm (and q/k-norm, computed before its K) only."""
-    layers = sum(layer_activation_bytes(spec, i, b, a, kernel) for i in range(spec.num_layers - 1))
+def model_activation_bytes(spec: ModelSpec, b: int, a: int, kernel: str, tokens: int, batch: int = 1) -> int:
+    """Saved bytes of the whole decoder (every layer, the final norm, the input ids) for `batch` x `tokens`."""
+    layers = sum(_layer_per_token(spec, i, b, a, kernel) for i in range(spec.num_layers))
+    rec = sum(recurrent_bytes(spec, spec.mixers[i], tokens, b, batch, cached=kernel != "sdpa").saved
+              for i in _recurrent_layers(spec))
+    return batch * tokens * (layers + _norm(spec.hidden, b) + 8) + rec
+
+
+def chunk_activation_bytes(spec: ModelSpec, b: int, a: int, kernel: str, tokens: int) -> int:
+    """Saved bytes of a prompt-backward chunk recompute of `tokens` tokens: the forward stops once the last layer's
+    state is produced, so that layer contributes its input norm (and q/k-norm, computed before its K), and a
+    recurrent last layer its scan too (its state comes out of it), without the gated norm and output projection."""
+    last_layer = spec.num_layers - 1
+    layers = sum(_layer_per_token(spec, i, b, a, kernel) for i in range(last_layer))
     last = _norm(spec.hidden, b)
     if spec.qk_norm and spec.mixers[-1] in ("attention", "sliding"):
         last += (4 + b) * (spec.heads + spec.kv_heads) * spec.head_dim
-    return layers + last + 8
+    rec = sum(recurrent_bytes(spec, spec.mixers[i], tokens, b).saved for i in _recurrent_layers(spec)
+              if i < last_layer)
+    tail = recurrent_bytes(spec, spec.mixers[-1], tokens, b)
+    return tokens * (layers + last + 8) + rec + tail.saved - tail.tail
 
 
 def _mlp_width(spec: ModelSpec, layer: int) -> int:
-    """Intermediate width a token goes through in layer `layer`'s MLP (Mamba2 layers: the mixer's inner width)."""
+    """Intermediate width whose gradients a checkpointed layer's backward holds at once (Mamba2 layers: the mixer's
+    inner width). MoE: one expert's width, not the k routed experts' sum: measured on b1-qwen3-next (2 of 8 experts
+    of 352 + a shared one of 352), the backward of a checkpointed MoE layer adds 5.5-6.2 KB per token beyond its saved
+    tensors (11.2 and 12.1 MiB at T = 2048 behind a linear and an attention mixer), where (4·I + 2·d)·b gives 7.7 KB
+    with one expert's I and 18.9 KB with k·I_moe + I_shared (the standard plan's checkpointed step was then +16%)."""
     mlp = spec.mlps[layer]
     if mlp == "dense":
         return spec.intermediate
     elif mlp == "moe":
-        return spec.experts_per_token * spec.moe_intermediate + spec.shared_intermediate
+        return max(spec.moe_intermediate, spec.shared_intermediate)
     else:
         return spec.mamba_heads * spec.mamba_head_dim
 
 
-def _activations_per_token(spec: ModelSpec, b: int, a: int, kernel: str, checkpoint_layers: bool) -> int:
-    """Saved bytes per token of a forward with grad; with per-layer activation checkpointing (`checkpointing.py`)
-    each layer's input (d·b) is kept, plus, while one layer is recomputed and backpropagated, that layer's
-    activations and its backward's gradient buffers: the MLP's four intermediate gradients and two of the hidden
-    size, (4·I + 2·d)·b (measured on deep-smollm2: 28.2-28.9 KB per token where this gives 28.5)."""
+def segment_activation_bytes(spec: ModelSpec, b: int, a: int, kernel: str, tokens: int, batch: int,
+                             checkpoint_layers: bool, scans: bool = True) -> int:
+    """Saved bytes of a forward with grad over `batch` rows of `tokens` tokens, plus the recurrent layers' backward
+    transient; with per-layer activation checkpointing (`checkpointing.py`) each layer's input (d·b) is kept, plus,
+    while one layer is recomputed and backpropagated, that layer's activations and its backward's gradient buffers:
+    the MLP's four intermediate gradients and two of the hidden size, (4·I + 2·d)·b (measured on deep-smollm2:
+    28.2-28.9 KB per token where this gives 28.5), or a recurrent scan's (`RecurrentBytes.backward`).
+
+    scans=False (with checkpointing): without the recurrent scans' recompute terms (their saved tensors and backward
+    transient): what the log-prob's transient (or the standard plans' logits), which ends before the first layer is
+    recomputed, coincides with."""
+    cached = kernel != "sdpa"
+    recs = [recurrent_bytes(spec, spec.mixers[i], tokens, b, batch, cached) for i in _recurrent_layers(spec)]
+    backward = max((r.backward for r in recs), default=0)
     if not checkpoint_layers:
-        return model_activation_bytes(spec, b, a, kernel)
-    largest = max(layer_activation_bytes(spec, i, b, a, kernel) for i in range(spec.num_layers))
-    backward = max((4 * _mlp_width(spec, i) + 2 * spec.hidden) * b for i in range(spec.num_layers))
-    return spec.num_layers * spec.hidden * b + largest + backward + _norm(spec.hidden, b) + 8
+        return model_activation_bytes(spec, b, a, kernel, tokens, batch) + backward
+    n = batch * tokens
+    if scans:
+        largest = max(layer_activation_bytes(spec, i, b, a, kernel, tokens, batch) for i in range(spec.num_layers))
+    else:
+        largest = max(n * _layer_per_token(spec, i, b, a, kernel) for i in range(spec.num_layers))
+        backward = 0
+    backward = max(backward, max(n * (4 * _mlp_width(spec, i) + 2 * spec.hidden) * b for i in range(spec.num_layers)))
+    return n * (spec.num_layers * spec.hidden * b + _norm(spec.hidden, b) + 8) + largest + backward
+
+
+def recurrent_capture_bytes(spec: ModelSpec, positions: int, b: int, chunk: int) -> int:
+    """Transient of capturing one chunk through the recurrent layers: the largest layer's no-grad transient + the
+    residual stream (4·d·b per token, as the attention formula counts it)."""
+    layers = _recurrent_layers(spec)
+    if not layers:
+        return 0
+    tokens = min(chunk, positions)
+    recs = [recurrent_bytes(spec, spec.mixers[i], tokens, b) for i in layers]
+    return tokens * 4 * spec.hidden * b + max(r.nograd for r in recs)
 
 
 # ---------------------------------------------------------------- the plan
@@ -637,7 +757,12 @@ def estimate(spec: ModelSpec, inp: PlanInputs, plan: str) -> PlanEstimate:
             # else: every layer's copy is saved for the backward: the whole state is on the device anyway
         k = min(inp.micro_batch, g)
         tokens = k * r
-        acts = tokens * _activations_per_token(spec, b, a, "replay", inp.checkpoint_layers)
+        acts = segment_activation_bytes(spec, b, a, "replay", r, k, inp.checkpoint_layers)
+        # With checkpointing, the recurrent layers' recompute terms come after the log-prob's transient has ended
+        # (measured: a checkpointed replay of b1-mamba2 / b1-qwen3-next peaks in its log-prob, every layer holding
+        # its input only): they count against it with a max (attention-only models: acts).
+        during_logprob = (segment_activation_bytes(spec, b, a, "replay", r, k, True, scans=False)
+                          if inp.checkpoint_layers else acts)
         c = min(inp.token_chunk, tokens)
         logprob = max(2 * c * v * b, c * v * b + v * d * b)
         dsa = any(m == "dsa" for m in spec.mixers)
@@ -646,12 +771,17 @@ def estimate(spec: ModelSpec, inp: PlanInputs, plan: str) -> PlanEstimate:
         # The backward's tail: the embedding's dense (V, d) gradient; with tied embeddings the output projection's
         # (V, d) gradient also waits in autograd's input buffer until it is summed with it.
         tail = (2 if spec.tied else 1) * v * d * b
+        forward_backward = max(during_logprob + logprob + indexer, acts)
         if steady:
-            replay = grads + max(acts + logprob + indexer, tail)
+            replay = grads + max(forward_backward, tail)
         else:
-            replay = max(acts + logprob + indexer, grads + (v * d * b if spec.tied else 0))
+            replay = max(forward_backward, grads + (v * d * b if spec.tied else 0))
         chunk = min(inp.chunk_size, p - 1)
         capture = chunk * (3 * spec.intermediate + 4 * d + 2 * spec.heads * max(spec.head_dim, 1)) * b
+        # Recurrent layers: the chunk's transient through their scans.
+        recurrent = [recurrent_bytes(spec, spec.mixers[i], chunk, b) for i in _recurrent_layers(spec)]
+        if recurrent:
+            capture = max(capture, recurrent_capture_bytes(spec, p - 1, b, inp.chunk_size))
         phases["capture"] = resident + state + capture
         phases["replay"] = resident + state + state_grad + replay
         comp.update(prompt_state=state, state_gradients=state_grad, replay_activations=acts,
@@ -660,8 +790,9 @@ def estimate(spec: ModelSpec, inp: PlanInputs, plan: str) -> PlanEstimate:
             comp["indexer_scores"] = indexer
         if exact:
             kernel = "replay" if p - 1 > inp.chunk_size else "own"
-            chunk_acts = chunk * (_activations_per_token(spec, b, a, kernel, True) if inp.checkpoint_layers
-                                  else chunk_activation_bytes(spec, b, a, kernel))
+            chunk_acts = (segment_activation_bytes(spec, b, a, kernel, chunk, 1, True) if inp.checkpoint_layers
+                          else chunk_activation_bytes(spec, b, a, kernel, chunk)
+                          + max((x.backward for x in recurrent), default=0))
             # backward transient of one layer (gradients of its MLP input/intermediate), measured ~ (I + d)·b
             if not inp.checkpoint_layers:  # (with checkpointing the layer's backward buffers are counted above)
                 chunk_acts += chunk * (spec.intermediate + d) * b
@@ -670,10 +801,13 @@ def estimate(spec: ModelSpec, inp: PlanInputs, plan: str) -> PlanEstimate:
         prompt_state = state
     else:
         seqs = g if plan == "standard_batched" else 1
-        acts = seqs * (p + r) * _activations_per_token(spec, b, a, "sdpa", inp.checkpoint_layers)
+        acts = segment_activation_bytes(spec, b, a, "sdpa", p + r, seqs, inp.checkpoint_layers)
         logits = 3 * seqs * r * v * b  # log-softmax output, its gradient, the logits' gradient
+        # (checkpointed: the recurrent layers' recompute comes after the logits' tensors are freed, as in the replay)
+        during_logits = (segment_activation_bytes(spec, b, a, "sdpa", p + r, seqs, True, scans=False)
+                         if inp.checkpoint_layers else acts)
         steady = plan == "standard" and g > 1
-        step = (grads + acts + logits) if steady else max(acts + logits, grads)
+        step = (grads + max(during_logits + logits, acts)) if steady else max(during_logits + logits, acts, grads)
         phases["forward_backward"] = resident + step
         comp.update(prompt_state=0, sequence_activations=acts, logits=logits)
         prompt_state = 0
