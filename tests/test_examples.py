@@ -6,9 +6,9 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import tomllib
 
 import pytest
-import tomllib
 
 from longstraw.cli import main
 

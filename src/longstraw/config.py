@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import argparse
 import math
+import tomllib
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 from longstraw.api import MODES
 from longstraw.loss import ADVANTAGES, LOSSES

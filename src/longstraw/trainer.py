@@ -183,7 +183,8 @@ class Trainer:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
-                raise ValueError("--tensorboard needs the tensorboard package: pip install tensorboard") from None
+                raise ValueError("--tensorboard needs the tensorboard package: "
+                                 "pip install 'longstraw[tensorboard]' (or tensorboard)") from None
             self.writer = SummaryWriter(str(self.run_dir / "tb"))
 
     # ------------------------------------------------------------------ data
