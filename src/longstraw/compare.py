@@ -94,6 +94,19 @@ def run_configs(values: dict[str, Any], plans: list[str], seeds: list[int], out:
     return configs
 
 
+def plan_runs(values: dict[str, Any], plans: list[str], n_seeds: int, out: Path,
+              overwrite: bool) -> tuple[list[int], list[TrainConfig]]:
+    """The seeds and every run's config, checked (ValueError) before anything is written."""
+    if n_seeds < 1:
+        raise ValueError(f"--seeds must be >= 1, got {n_seeds}")
+    seed0 = int(values.get("seed", 0))
+    seeds = [seed0 + k for k in range(n_seeds)]
+    configs = run_configs(values, plans, seeds, out, overwrite)
+    if configs[0].eval_prompts < 1:
+        raise ValueError("compare reads the held-out greedy reward of every run: eval_prompts must be >= 1")
+    return seeds, configs
+
+
 def _comparable(cfg: TrainConfig) -> dict[str, Any]:
     return {k: v for k, v in cfg.to_dict().items() if k not in PER_RUN_FIELDS and k not in FREE_FIELDS}
 
@@ -367,13 +380,7 @@ def plot(configs: list[TrainConfig], result: dict[str, Any], out: Path) -> Path 
 def compare(values: dict[str, Any], plans: list[str], n_seeds: int, out: Path, overwrite: bool = False,
             ) -> dict[str, Any]:
     """Run (or reuse) every (seed, plan) run and write compare.{json,md,png} into `out`; returns the result."""
-    if n_seeds < 1:
-        raise ValueError(f"--seeds must be >= 1, got {n_seeds}")
-    seed0 = int(values.get("seed", 0))
-    seeds = [seed0 + k for k in range(n_seeds)]
-    configs = run_configs(values, plans, seeds, out, overwrite)
-    if configs[0].eval_prompts < 1:
-        raise ValueError("compare reads the held-out greedy reward of every run: eval_prompts must be >= 1")
+    seeds, configs = plan_runs(values, plans, n_seeds, out, overwrite)
     check_same_experiment(out, configs[0], overwrite)
     run_all(configs, overwrite)
     result = summarize(configs, plans, seeds)
@@ -404,9 +411,7 @@ def run_from_args(args: argparse.Namespace) -> int:
             out = Path(args.out)
         else:
             out = Path("runs") / f"compare-{Path(args.config).stem if args.config else 'flags'}"
-        if args.seeds < 1:
-            raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
-        run_configs(values, plans, [int(values.get("seed", 0))], out, False)  # bad options: usage error now
+        plan_runs(values, plans, args.seeds, out, False)  # bad options are a usage error, before any run
     except (ValueError, FileNotFoundError) as err:
         args.fail(str(err))
     try:
