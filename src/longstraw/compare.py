@@ -306,8 +306,8 @@ def markdown(result: dict[str, Any]) -> str:
                          f"{_num(r['rel_to_weights'], '.3e')} |")
     metered = [r for r in result["runs"] if "bias_cosine_mean" in r]
     if metered:
-        lines += ["", "Bias meter (detach runs, mean over metered steps): cosine and relative error of the detach "
-                  "gradient against the exact one at the same weights.", "",
+        lines += ["", "Bias meter (detach runs, mean over the metered steps with a non-zero gradient): cosine and "
+                  "relative error of the detach gradient against the exact one at the same weights.", "",
                   "| seed | metered steps | cosine | relative error |", "|---|---|---|---|"]
         for r in metered:
             lines.append(f"| {r['seed']} | {r['bias_steps']} | {r['bias_cosine_mean']:.4f} | "
