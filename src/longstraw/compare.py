@@ -24,6 +24,7 @@ plans and seeds, which may grow. `--overwrite` reruns everything.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import statistics
@@ -46,8 +47,18 @@ CONFIG_FILE = "compare-config.json"
 RUN_FILE = "compare-run.json"  # per run: wall time of the invocation that finished it
 
 
+# Train flags that compare sets itself: refused with the reason when given, hidden from --help.
+REFUSED_FLAGS = {"plan": "compare runs every plan of --plans", "run_dir": "the runs go under --out",
+                 "resume": "compare resumes unfinished runs itself",
+                 "stop_after": "every run of a comparison runs to --steps",
+                 "force": "a comparison's runs must share one config"}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_train_arguments(parser)
+    for action in parser._actions:  # argparse has no public way to hide an added option
+        if action.dest in REFUSED_FLAGS:
+            action.help = argparse.SUPPRESS
     parser.add_argument("--plans", default=DEFAULT_PLANS,
                         help=f"comma-separated plans to compare, {BASELINE} included (default: {DEFAULT_PLANS})")
     parser.add_argument("--seeds", type=int, default=3,
@@ -144,6 +155,7 @@ def run_all(configs: list[TrainConfig], overwrite: bool = False) -> None:
         t0 = time.perf_counter()
         summary = trainer.train(cfg)
         wall = time.perf_counter() - t0
+        gc.collect()  # the finished run's model and optimizer, before the next run allocates its own
         (run_dir / RUN_FILE).write_text(json.dumps({"plan": cfg.plan, "seed": cfg.seed, "wall_s": wall,
                                                     "resumed": cfg.resume}) + "\n")
         print(f"compare: {name}: finished in {wall:.0f} s; held-out greedy reward "
@@ -398,10 +410,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     """`longstraw compare ...`: check the flags, then `compare`; an expected error is one line and status 1."""
     import signal
 
-    for name, why in (("plan", "compare runs every plan of --plans"), ("run_dir", "the runs go under --out"),
-                      ("resume", "compare resumes unfinished runs itself"),
-                      ("stop_after", "every run of a comparison runs to --steps"),
-                      ("force", "a comparison's runs must share one config")):
+    for name, why in REFUSED_FLAGS.items():
         if getattr(args, name, None) is not None:
             args.fail(f"--{name.replace('_', '-')} does not apply to compare: {why}")
     try:
