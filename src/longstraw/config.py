@@ -86,6 +86,9 @@ class TrainConfig:
     eval_prompts: int = _f(8, "held-out prompts scored greedily before and after training (0 = skip)")
     tensorboard: bool = _f(False, "also log to TensorBoard under run_dir/tb (needs the tensorboard package)")
     plot: bool = _f(True, "write run_dir/progress.png at the end (needs matplotlib)")
+    bias_every: int = _f(0, "detach plan only: every N steps also compute the exact gradient of the step's groups at "
+                            "the same weights and log its cosine and relative error to the detach gradient "
+                            "(bias_cosine, bias_rel_error in metrics.jsonl); the run itself is unchanged (0 = off)")
 
     def __post_init__(self) -> None:
         def need(cond: bool, message: str) -> None:
@@ -104,12 +107,16 @@ class TrainConfig:
         need(not self.offload_state or self.plan in ("detach", "exact"),
              f"offload_state moves the prompt state to host memory; the {self.plan} plan has none: --plan detach or "
              "exact")
+        # The meter measures the detach plan's bias; exact and standard compute the unbiased gradient themselves.
+        need(self.bias_every <= 0 or self.plan == "detach",
+             f"bias_every measures the detach plan's gradient against the exact one; the {self.plan} plan computes "
+             "the exact gradient itself (no bias to measure): use --plan detach or drop --bias-every")
         need(self.lr_schedule in ("constant", "cosine"), "lr_schedule must be constant or cosine")
         need(self.dtype in ("float32", "bfloat16", "float64", "float16"), f"dtype {self.dtype!r} is unknown")
         for name in ("group_size", "prompts_per_step", "max_new_tokens", "num_iterations", "chunk_size",
                      "micro_batch", "steps", "prompt_tokens", "digits", "num_keys"):
             need(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("save_every", "eval_prompts", "warmup_steps", "top_k", "stop_after"):
+        for name in ("save_every", "eval_prompts", "warmup_steps", "top_k", "stop_after", "bias_every"):
             need(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
         need(self.group_size >= 2 or self.advantage == "mean_centered",
              f"group_size {self.group_size} is too small: GRPO compares responses within a group; use >= 2")
@@ -191,11 +198,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, dest=f.name, type=kind, default=None, help=help_text)
 
 
-def from_args(args: argparse.Namespace) -> TrainConfig:
-    """Defaults, then the TOML file, then command-line flags."""
+def values_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The options set by the TOML file, then by command-line flags (unset fields are absent: their defaults)."""
     values: dict[str, Any] = load_toml(args.config) if getattr(args, "config", None) else {}
     for f in fields(TrainConfig):
         given = getattr(args, f.name, None)
         if given is not None:
             values[f.name] = given
-    return TrainConfig(**values)
+    return values
+
+
+def from_args(args: argparse.Namespace) -> TrainConfig:
+    """Defaults, then the TOML file, then command-line flags."""
+    return TrainConfig(**values_from_args(args))

@@ -26,7 +26,7 @@ RUN_OUTPUTS = (FILENAME, FILENAME + ".tmp", "metrics.jsonl", "metrics.jsonl.tmp"
                "tb")
 # Fields that do not change the trained model: never compared.
 IGNORED_FIELDS = ("run_dir", "resume", "overwrite", "force", "stop_after", "save_every", "eval_prompts",
-                  "tensorboard", "plot", "save_weights_only")
+                  "tensorboard", "plot", "save_weights_only", "bias_every")
 # Fields that change how a step is computed (float rounding only) or how long the run is: a note on resume.
 NOTED_FIELDS = ("steps", "device", "chunk_size", "micro_batch", "checkpoint_layers", "offload_state", "cp")
 # Every other field (model, dtype, task, data, reward_fn, loss, group_size, lr, seed, ...) changes what is trained:

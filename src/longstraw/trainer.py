@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from longstraw import bias
 from longstraw.api import backward_group
 from longstraw.checkpoint import FILENAME, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from longstraw.config import TrainConfig
@@ -133,6 +134,8 @@ class Progress:
             f"{m['tokens_per_s']:.0f} tok/s | "
             f"rollout {m['time_rollout_s']:.1f}s train {m['time_train_s']:.1f}s"
         )
+        if "bias_cosine" in m:
+            line += f" | bias: cos {m['bias_cosine']:.4f} rel err {m['bias_rel_error']:.3f}"
         if m["dropped_groups"]:
             line += f" | dropped {m['dropped_groups']} equal-reward group(s)"
         print(("\r" if self.tty else "") + line + " " * 4, file=sys.stderr, flush=True)
@@ -143,6 +146,8 @@ class Trainer:
         self.cfg = cfg
         self.par = parallel if parallel is not None else Parallel(device=cfg.device)  # one process by default
         self.par.share(cfg.prompts_per_step)  # refuse a count the ranks cannot split before loading anything
+        if cfg.bias_every and self.par.distributed:
+            raise ValueError("--bias-every runs in one process only (sharded gradients): drop it or --nproc")
         self.run_dir = Path(cfg.run_dir)
         self._ckpt: dict[str, Any] | None = None  # the checkpoint to resume from (rank 0), read before the model
         if self.par.is_main:  # only rank 0 writes into the run directory
@@ -271,7 +276,7 @@ class Trainer:
                 kept.append(r)
         t1 = time.perf_counter()
 
-        loss_total, grad_norm = 0.0, 0.0
+        loss_total, grad_norm, bias_metrics = 0.0, 0.0, {}
         n_kept = int(self.par.sum(len(kept)))  # over all ranks: every rank takes the same branches below
         for it in range(cfg.num_iterations if n_kept else 0):
             self.optimizer.zero_grad(set_to_none=True)
@@ -293,6 +298,8 @@ class Trainer:
             params = [p for p in self.model.parameters() if p.grad is not None]
             for p in params:  # the step's loss is the mean of all groups' losses (ranks' sums were averaged)
                 p.grad.div_(n_kept / self.par.world_size)
+            if it == 0 and bias.due(cfg, step):  # the step's own unclipped gradient vs the exact one; changes nothing
+                bias_metrics = bias.measure(self.model, [r.group for r in kept], cfg)
             max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
             grad_norm = self.par.clip_grad_norm(params, max_norm)
             if not math.isfinite(grad_norm):
@@ -309,7 +316,7 @@ class Trainer:
             # The schedule follows steps, also a step whose groups were all dropped (no optimizer.step()).
             warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
             self.scheduler.step()
-        t2 = time.perf_counter()
+        t2 = time.perf_counter() - bias_metrics.get("time_bias_s", 0.0)  # phase times and tok/s: the step's own
 
         ranks = self.par.gather({  # every rank's share of the step, in rank order (= prompt order)
             "rewards": torch.cat(all_rewards), "dropped": dropped, "response_tokens": response_tokens,
@@ -339,6 +346,7 @@ class Trainer:
             "tokens_per_s": (prompt_tokens + response_tokens) / max(1e-9, max(x["t_step"] for x in ranks)),
             "time_rollout_s": t_rollout,
             "time_train_s": t_train,
+            **bias_metrics,
         }
 
     # ------------------------------------------------------------------ evaluation
@@ -529,7 +537,8 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 
 
 def plot_metrics(metrics_path: Path, out: Path) -> Path | None:
-    """Reward (mean and max) and peak memory per step, as a PNG. Skipped with a note without matplotlib."""
+    """Reward (mean and max) and peak memory per step, and the bias meter's numbers when the run has them, as a
+    PNG. Skipped with a note without matplotlib."""
     try:
         import matplotlib
 
@@ -540,7 +549,9 @@ def plot_metrics(metrics_path: Path, out: Path) -> Path | None:
         return None
     rows = read_metrics(metrics_path)
     steps = [r["step"] for r in rows]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
+    metered = [r for r in rows if "bias_cosine" in r]
+    fig, axes = plt.subplots(1, 3 if metered else 2, figsize=(15 if metered else 10, 3.6))
+    ax1, ax2 = axes[0], axes[1]
     means = [r["reward_mean"] for r in rows]
     window = 5  # one group per step is noisy: show the trend too
     trend = [sum(means[max(0, i - window + 1) : i + 1]) / len(means[max(0, i - window + 1) : i + 1])
@@ -557,6 +568,8 @@ def plot_metrics(metrics_path: Path, out: Path) -> Path | None:
     ax2.set_xlabel("step")
     ax2.set_ylabel("GiB")
     ax2.set_title("peak memory per step")
+    if metered:
+        bias.plot_panel(axes[2], metered)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
