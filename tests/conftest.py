@@ -165,3 +165,27 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.fixture(scope="session")
 def tiny_llama64():
     return faithful_float64(load_model("tiny-llama", dtype="float64"))
+
+
+TRAIN_WORDS = ("cats", "rain", "maps", "tea", "snow", "bread")
+
+
+def jsonl_dataset(folder, words: int = 4):
+    """A tiny `{"prompt", "answer"}` jsonl dataset for trainer tests: `folder`/data.jsonl."""
+    import json
+    from pathlib import Path
+
+    path = Path(folder) / "data.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"Say something about {w}.", "answer": w}) + "\n"
+                            for w in TRAIN_WORDS[:words]))
+    return path
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models step ~100x faster with one intra-op thread on a busy 2-core host."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+

@@ -20,12 +20,7 @@ from longstraw.trainer import Progress, Trainer, plot_metrics
 TIME_KEYS = ("peak_memory_bytes", "tokens_per_s", "time_rollout_s", "time_train_s")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _cfg(tmp_path: Path, name: str, **extra) -> TrainConfig:

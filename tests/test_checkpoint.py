@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import shutil
 import zipfile
 from pathlib import Path
@@ -10,15 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 import train_child
+from conftest import jsonl_dataset
 
 from longstraw.checkpoint import digest, load_checkpoint, save_checkpoint
 
 
 def _data(tmp: Path) -> Path:
-    path = tmp / "data.jsonl"
-    path.write_text("".join(json.dumps({"prompt": f"Say something about {w}.", "answer": w}) + "\n"
-                            for w in ("cats", "rain", "maps", "tea")))
-    return path
+    return jsonl_dataset(tmp)
 
 
 def _common(data: Path) -> list[str]:

@@ -8,28 +8,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import faithful_float64
+from conftest import faithful_float64, jsonl_dataset
 
 import longstraw.trainer
 from longstraw import cli
 from longstraw.checkpoint import load_checkpoint
 from longstraw.models import load_model
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models step ~100x faster with one intra-op thread on a busy 2-core host."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _jsonl(tmp_path: Path) -> Path:
-    path = tmp_path / "data.jsonl"
-    path.write_text("".join(json.dumps({"prompt": f"Say something about {w}.", "answer": w}) + "\n"
-                            for w in ("cats", "rain", "maps", "tea")))
-    return path
+    return jsonl_dataset(tmp_path)
 
 
 def _common(tmp_path: Path) -> list[str]:

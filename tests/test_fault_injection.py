@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 import train_child
+from conftest import jsonl_dataset
 
 from longstraw.checkpoint import FAULT_SLEEP_ENV, load_checkpoint, tmp_path_of
 
@@ -54,9 +55,7 @@ def _wait(cond, proc, timeout_s: float = 120.0) -> bool:
 
 
 def test_sigkill_at_random_points_then_resume_is_bit_identical(tmp_path):
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"Say something about {w}.", "answer": w}) + "\n"
-                            for w in ("cats", "rain", "maps", "tea")))
+    data = jsonl_dataset(tmp_path)
     logs = tmp_path / "logs"
     logs.mkdir()
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import jsonl_dataset
 
 import longstraw
 from longstraw.config import TrainConfig
@@ -41,10 +42,7 @@ def test_smoke_command_writes_metrics_and_checkpoint(tmp_path):
 
 
 def _jsonl(tmp_path: Path) -> Path:
-    path = tmp_path / "data.jsonl"
-    path.write_text("".join(json.dumps({"prompt": f"Say something about {w}.", "answer": w}) + "\n"
-                            for w in ("cats", "rain", "maps", "tea")))
-    return path
+    return jsonl_dataset(tmp_path)
 
 
 def test_resume_in_a_fresh_process_equals_a_straight_run(tmp_path):
