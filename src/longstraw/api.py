@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from longstraw.checkpointing import check_checkpoint, checkpointed_layers
+from longstraw.choices import MODES
 from longstraw.group import Group
 from longstraw.logprobs import DEFAULT_TOKEN_CHUNK
 from longstraw.loss import GroupTotals, make_loss_config, response_loss
@@ -27,8 +28,6 @@ from longstraw.plans.replay import replay_responses
 from longstraw.plans.standard import standard
 from longstraw.state.capture import capture_prompt
 from longstraw.state.prompt import PromptState
-
-MODES = ("standard", "standard_batched", "detach", "exact")
 
 
 @dataclass

@@ -33,7 +33,7 @@ from contextlib import contextmanager
 import torch
 from torch.utils.checkpoint import checkpoint
 
-CHECKPOINT_CHOICES = ("none", "layers")
+from longstraw.choices import CHECKPOINT_CHOICES
 
 
 def check_checkpoint(value: object) -> str:

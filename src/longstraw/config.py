@@ -14,8 +14,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from longstraw.api import MODES
-from longstraw.loss import ADVANTAGES, LOSSES
+from longstraw.choices import ADVANTAGES, LOSSES, MODES
 
 TASKS = ("passkey", "multikey", "kv", "jsonl")
 

@@ -24,8 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-LOSSES = ("grpo", "dr_grpo", "dapo", "gspo")
-ADVANTAGES = ("grpo", "mean_centered", "rloo")
+from longstraw.choices import ADVANTAGES, LOSSES
 
 _DEFAULT_CLIP = {
     "grpo": (0.2, 0.2),

@@ -30,9 +30,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import NoReturn
 
-from longstraw.api import MODES
 from longstraw.bench.machine import machine_info
-from longstraw.checkpointing import CHECKPOINT_CHOICES
+from longstraw.choices import CHECKPOINT_CHOICES, MODES
 from longstraw.planner import positive_int
 
 # Table/column order: the baseline first, then the plans it is compared with.

@@ -30,7 +30,6 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import NoReturn
 
-from longstraw.api import MODES
 from longstraw.bench.machine import machine_info
 from longstraw.bench.memory import (
     B1,
@@ -48,7 +47,7 @@ from longstraw.bench.memory import (
     run_batch,
     smoke_summary,
 )
-from longstraw.checkpointing import CHECKPOINT_CHOICES
+from longstraw.choices import CHECKPOINT_CHOICES, MODES
 from longstraw.planner import positive_int
 
 GIB = 1024**3
