@@ -43,3 +43,21 @@ def test_package_exports_are_lazy_but_complete():
         assert getattr(longstraw, name) is not None
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         longstraw.nope  # noqa: B018
+
+
+@pytest.mark.parametrize("flags,match", [
+    (["--device", "banana"], "device 'banana' is not a torch device"),
+    (["--epsilon-low", "5"], "epsilon_low must be < 1"),
+    (["--epsilon-high", "nan"], "epsilon_high must be a finite number"),
+    (["--dtype", "float16"], "float16 is not supported for training"),
+])
+def test_bad_train_options_fail_before_anything_is_created(tmp_path, capsys, flags, match):
+    """An argparse error (exit 2, no traceback) before the run dir exists or a model is loaded."""
+    from longstraw import cli
+
+    run = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["train", "--model", "no-such-model", "--run-dir", str(run), *flags])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and match in err and "Traceback" not in err
+    assert not run.exists()

@@ -27,8 +27,9 @@ def _f(default: Any, help: str) -> Any:  # noqa: A002 - mirrors argparse's name
 class TrainConfig:
     # model
     model: str = _f("tiny-qwen3", "preset (tiny-llama, tiny-qwen3), Hugging Face id, local directory or .gguf file")
-    dtype: str = _f("float32", "parameter dtype: float32, bfloat16, float64")
-    device: str = _f("cpu", "torch device, e.g. cpu or cuda")
+    dtype: str = _f("float32", "parameter dtype: float32, bfloat16, float64 (float16 is refused: AdamW without "
+                               "loss scaling or float32 master weights turns its weights into NaN; use bfloat16)")
+    device: str = _f("cpu", "torch device: cpu, cuda or cuda:N (checked to exist before anything is loaded)")
     # task
     task: str = _f("passkey", f"task: {', '.join(TASKS)}")
     prompt_tokens: int = _f(256, "approximate prompt length in tokens (passkey, multikey, kv)")
@@ -46,8 +47,8 @@ class TrainConfig:
     # objective
     loss: str = _f("grpo", f"loss: {', '.join(LOSSES)}")
     advantage: str = _f("grpo", f"advantage estimator: {', '.join(ADVANTAGES)}")
-    epsilon_low: float = _f(-1.0, "lower clip (ratio >= 1 - eps); negative = the loss's default")
-    epsilon_high: float = _f(-1.0, "upper clip (ratio <= 1 + eps); negative = the loss's default")
+    epsilon_low: float = _f(-1.0, "lower clip (ratio >= 1 - eps), in [0, 1); -1 = the loss's default")
+    epsilon_high: float = _f(-1.0, "upper clip (ratio <= 1 + eps), >= 0; -1 = the loss's default")
     beta: float = _f(0.0, "KL coefficient against a frozen copy of the initial model (k3 estimator)")
     num_iterations: int = _f(1, "optimizer updates per rollout (>1 reuses it with PPO clipping)")
     dynamic_sampling: bool = _f(False, "drop groups whose rewards are all equal (DAPO)")
@@ -94,6 +95,20 @@ class TrainConfig:
             if not cond:
                 raise ValueError(message)
 
+        # Types first (a TrainConfig built in Python skips argparse's and load_toml's conversions), so that every
+        # range check below compares numbers, and NaN cannot slip through a comparison that is simply False.
+        for f in fields(self):
+            kind, value = f.type if isinstance(f.type, str) else f.type.__name__, getattr(self, f.name)
+            if kind == "int":
+                need(isinstance(value, int) and not isinstance(value, bool),
+                     f"{f.name} must be an integer, got {value!r}")
+            elif kind == "float":
+                need(isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value),
+                     f"{f.name} must be a finite number, got {value!r}")
+            elif kind == "bool":
+                need(isinstance(value, bool), f"{f.name} must be true or false, got {value!r}")
+            elif kind == "str":
+                need(isinstance(value, str), f"{f.name} must be a string, got {value!r}")
         _check_device(self.device)
         need(self.task in TASKS, f"task {self.task!r} is unknown: choose one of {', '.join(TASKS)}")
         need(self.cp >= 1, f"cp must be >= 1, got {self.cp}")
@@ -111,18 +126,31 @@ class TrainConfig:
              f"bias_every measures the detach plan's gradient against the exact one; the {self.plan} plan computes "
              "the exact gradient itself (no bias to measure): use --plan detach or drop --bias-every")
         need(self.lr_schedule in ("constant", "cosine"), "lr_schedule must be constant or cosine")
-        need(self.dtype in ("float32", "bfloat16", "float64", "float16"), f"dtype {self.dtype!r} is unknown")
+        need(self.dtype != "float16",
+             "dtype float16 is not supported for training: AdamW's eps (1e-8) rounds to 0 in float16 and, without "
+             "loss scaling and float32 master weights, the weights become NaN; use --dtype bfloat16 (same memory, "
+             "float32's range) or float32")
+        need(self.dtype in ("float32", "bfloat16", "float64"),
+             f"dtype {self.dtype!r} is unknown: choose float32, bfloat16 or float64")
         for name in ("group_size", "prompts_per_step", "max_new_tokens", "num_iterations", "chunk_size",
                      "micro_batch", "steps", "prompt_tokens", "digits", "num_keys"):
             need(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("save_every", "eval_prompts", "warmup_steps", "top_k", "stop_after", "bias_every"):
             need(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
+        need(0 <= self.seed < 2**63, f"seed must be in [0, 2**63), got {self.seed}")
         need(self.group_size >= 2 or self.advantage == "mean_centered",
              f"group_size {self.group_size} is too small: GRPO compares responses within a group; use >= 2")
         for name in ("lr", "temperature", "top_p", "beta", "weight_decay", "max_grad_norm"):
             value = getattr(self, name)
             need(math.isfinite(value) and value >= 0, f"{name} must be a finite number >= 0, got {value}")
         need(self.lr > 0 and self.temperature > 0, "lr and temperature must be > 0")
+        # The clip widths: -1 (exactly) asks for the loss's own default; anything else must be a usable width.
+        for name in ("epsilon_low", "epsilon_high"):
+            value = getattr(self, name)
+            need(value == -1 or (math.isfinite(value) and value >= 0),
+                 f"{name} must be a finite number >= 0, or -1 for the loss's default; got {value}")
+        need(self.epsilon_low < 1,
+             f"epsilon_low must be < 1 (the ratio's lower clip is 1 - epsilon_low), got {self.epsilon_low}")
         need(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
         if self.task == "jsonl":
             need(bool(self.data), "task jsonl needs --data FILE.jsonl")
@@ -130,7 +158,7 @@ class TrainConfig:
             need(not self.data and not self.reward_fn, "--data and --reward-fn only apply to --task jsonl")
 
     def loss_options(self) -> dict[str, float]:
-        """Options for `backward_group`; clip values < 0 mean "the loss's own default"."""
+        """Options for `backward_group`; a clip value of -1 means "the loss's own default"."""
         opts: dict[str, float] = {"beta": self.beta}
         if self.epsilon_low >= 0:
             opts["epsilon_low"] = self.epsilon_low
