@@ -113,3 +113,94 @@ def test_mamba1_is_refused_with_the_reason_before_any_compute():
     with pytest.raises(ValueError, match="'mamba' is refused: .*ignores the SSM state"):
         backward_group(model, Group(torch.tensor([1, 2, 3]), [torch.tensor([4])], torch.zeros(1)))
     assert all(p.grad is None and torch.equal(b, p.detach()) for b, p in zip(before, model.parameters()))
+
+
+MODES_WITH_GRADIENT = ["exact", "detach", "standard"]
+
+
+def _float32_model_with_grads():
+    m = tiny_model("llama", dtype=torch.float32)
+    for p in m.parameters():
+        p.grad = torch.full_like(p, 0.25)
+    return m
+
+
+@pytest.mark.parametrize("mode", MODES_WITH_GRADIENT)
+@pytest.mark.parametrize("change,match", [
+    # exp(logp - old) with old = -100 overflows float32 (e^88.7): today a NaN gradient, then the error.
+    (dict(old_logprobs=[torch.full((3,), -1.0), torch.full((2,), -100.0)]), r"old_logprobs\[1\] reaches -100"),
+    (dict(advantages=torch.tensor([1e300, -1e300], dtype=torch.float64)), r"advantages\[0\] = 1e\+300 is too large"),
+    (dict(advantages=torch.tensor([3e19, -1.0], dtype=torch.float64)), r"advantages\[0\] = 3e\+19 is too large"),
+    (dict(ref_logprobs=[torch.full((3,), -1.0), torch.full((2,), -1e300, dtype=torch.float64)]),
+     r"ref_logprobs\[1\] reaches -1e\+300, which is -inf in the model's dtype float32"),
+])
+def test_overflowing_finite_inputs_are_refused_before_any_gradient(mode, change, match):
+    model = _float32_model_with_grads()
+    base = random_group(10, [3, 2], seed=0, dtype=torch.float32)
+    group = Group(**{"prompt": base.prompt, "responses": base.responses, "advantages": base.advantages, **change})
+    before = _snapshot(model)
+    with pytest.raises(ValueError, match=match):
+        backward_group(model, group, mode=mode, beta=0.1 if "ref_logprobs" in change else 0.0)
+    for (w, g), p in zip(before, model.parameters()):
+        assert torch.equal(w, p.detach()) and torch.equal(g, p.grad)
+
+
+def _overflowing_kl_group(model, bad_first: bool):
+    """An output layer scaled x1000 puts the model's log-probs near -1000: the KL term exp(ref - logp) then
+    overflows float32 for a response whose ref is 0, but not for one whose ref equals its own log-probs. The
+    inputs are all in range; only the model's forward reveals the overflow."""
+    from longstraw.rollout import score_responses
+
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(1000.0)
+    base = random_group(10, [3, 2], seed=0, dtype=torch.float32)
+    own = score_responses(model, base.prompt, base.responses)
+    assert all(float(lp.max()) < -50 for lp in own)
+    ref = [torch.zeros_like(own[0]), own[1]] if bad_first else [own[0], torch.zeros_like(own[1])]
+    return Group(base.prompt, base.responses, base.advantages, ref_logprobs=ref)
+
+
+@pytest.mark.parametrize("mode", MODES_WITH_GRADIENT)
+def test_overflow_in_a_micro_batch_is_caught_before_its_backward(mode):
+    # Bad micro-batch first: whatever the gradients held is left exactly as it was.
+    model = _float32_model_with_grads()
+    group = _overflowing_kl_group(model, bad_first=True)
+    before = _snapshot(model)
+    with pytest.raises(FloatingPointError, match=r"responses \[0\]: their share of the loss is inf.*as they were"):
+        backward_group(model, group, mode=mode, beta=0.1, micro_batch=1)
+    for (w, g), p in zip(before, model.parameters()):
+        assert torch.equal(w, p.detach()) and torch.equal(g, p.grad)
+
+    # Bad micro-batch second, no gradients before: the first micro-batch's are dropped again (None).
+    model = tiny_model("llama", dtype=torch.float32)
+    group = _overflowing_kl_group(model, bad_first=False)
+    with pytest.raises(FloatingPointError, match=r"responses \[1\]: their share.*as they were before this call"):
+        backward_group(model, group, mode=mode, beta=0.1, micro_batch=1)
+    assert all(p.grad is None for p in model.parameters())
+    # ... and with gradients before, the message says what they now hold.
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    with pytest.raises(FloatingPointError, match=r"hold the \(finite\) contributions of this group's first 1"):
+        backward_group(model, group, mode=mode, beta=0.1, micro_batch=1)
+    assert all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())
+
+
+def test_a_state_of_another_prompt_of_the_same_length_is_refused(tiny_llama64):
+    from longstraw.state.capture import capture_prompt
+
+    group = random_group(20, [3, 2], seed=0)
+    other = random_group(20, [3, 2], seed=1)
+    assert not torch.equal(group.prompt, other.prompt)
+    state = capture_prompt(tiny_llama64, other.prompt[:-1], chunk_size=8)
+    for mode in ("exact", "detach"):
+        with pytest.raises(ValueError, match="captured for another prompt of the same length"):
+            backward_group(tiny_llama64, group, mode=mode, chunk_size=8, prompt_state=state)
+    assert state.prefix(1).fingerprint is None  # a prefix holds fewer ids
+    state.fingerprint = None  # as in a state built by hand
+    with pytest.raises(ValueError, match="records no prompt fingerprint"):
+        backward_group(tiny_llama64, group, mode="detach", chunk_size=8, prompt_state=state)
+    assert all(p.grad is None for p in tiny_llama64.parameters())
+    own = capture_prompt(tiny_llama64, group.prompt[:-1].to(torch.int32), chunk_size=8)  # any integer dtype
+    assert own.fork().fingerprint == own.offload(torch.device("cpu")).fingerprint == own.fingerprint
+    backward_group(tiny_llama64, group, mode="exact", chunk_size=8, prompt_state=own)
+    tiny_llama64.zero_grad(set_to_none=True)

@@ -110,3 +110,22 @@ def test_advantages():
         compute_advantages(torch.tensor([1.0]), "grpo")
     with pytest.raises(ValueError, match="unknown advantage"):
         compute_advantages(r, "gae")
+
+
+@pytest.mark.parametrize("kind", ["grpo", "dr_grpo", "dapo", "gspo"])
+def test_zero_advantages_give_exactly_zero_gradient_unless_beta(kind):
+    """What lets backward_group skip a zero-advantage group: with every A = 0 and beta = 0 the loss and its
+    gradient are exactly zero for every loss (ratios off-policy, clipped or not); with beta > 0 the KL term
+    still has a gradient, so such a group must not be skipped."""
+    logp, mask, old, ref, _ = _data(seed=3)
+    old = old - 0.5  # ratios well above 1 + epsilon_high for some tokens: clipping active too
+    zero = torch.zeros(len(LENGTHS), dtype=torch.float64)
+    totals = GroupTotals.of(LENGTHS, make_loss_config(kind))
+    for old_logp in (None, old):
+        x = logp.clone().requires_grad_(True)
+        loss = response_loss(x, mask, zero, totals, make_loss_config(kind), old_logp=old_logp, ref_logp=ref)
+        loss.backward()
+        assert float(loss.detach()) == 0.0 and torch.count_nonzero(x.grad) == 0
+    x = logp.clone().requires_grad_(True)
+    response_loss(x, mask, zero, totals, make_loss_config(kind, beta=0.04), old_logp=old, ref_logp=ref).backward()
+    assert torch.count_nonzero(x.grad[mask]) == int(mask.sum())

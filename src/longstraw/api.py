@@ -1,9 +1,11 @@
 """`backward_group`: one GRPO group's gradient, accumulated into the model's parameters.
 
 Read top to bottom, a training step is:
-  1. validate everything (nothing is computed or touched before the inputs are known good);
-  2. fix the group constants the loss needs (G, Σ|o_i|, L_max) so replays in any grouping add up;
-  3. by mode:
+  1. validate everything (nothing is computed or touched before the inputs are known good), including value
+     ranges that would overflow the model's dtype;
+  2. skip the group when its loss gradient is identically zero (every advantage 0 and beta = 0);
+  3. fix the group constants the loss needs (G, Σ|o_i|, L_max) so replays in any grouping add up;
+  4. by mode (each micro-batch's log-probs and loss are checked finite before its backward):
      standard / standard_batched — full prompt+response forwards through the unmodified model;
      detach — capture prompt[:-1] once (no grad), replay each response from a fork of the state;
      exact  — the same with the state as grad-requiring leaves, then the reverse chunked prompt backward.
@@ -27,16 +29,20 @@ from longstraw.plans.exact import prompt_backward
 from longstraw.plans.replay import replay_responses
 from longstraw.plans.standard import standard
 from longstraw.state.capture import capture_prompt
-from longstraw.state.prompt import PromptState
+from longstraw.state.prompt import PromptState, prompt_fingerprint
 
 
 @dataclass
 class GroupResult:
-    """loss: the group loss (float); logprobs: detached (R_i,) per response; stats: sizes and phase times."""
+    """loss: the group loss (float); logprobs: detached (R_i,) per response; stats: sizes and phase times.
+
+    skipped: why no gradient pass ran ("zero_advantage": every advantage 0 and beta 0, so the loss and its
+    gradient are exactly 0), or None. A skipped group has loss 0.0, no logprobs ([]) and zero phase times."""
 
     loss: float
     logprobs: list[torch.Tensor]
     stats: dict[str, float | int | str] = field(default_factory=dict)
+    skipped: str | None = None
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -63,6 +69,46 @@ def _validate(model: torch.nn.Module, group: Group, mode: str, beta: float) -> N
         )
     if beta and group.ref_logprobs is None:
         raise ValueError("beta > 0 needs ref_logprobs in the Group (the reference model's log-probs)")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _check_ranges(group: Group, dtype: torch.dtype) -> None:
+    """Refuse finite inputs that overflow the model's dtype (the loss is computed in it) where the bound is sure.
+
+    Advantages: |A| < sqrt(largest value), leaving room for the products of the backward (a GRPO advantage is
+    a few units). old_logprobs: the ratio exp(logp - old) is at most exp(-old) (logp <= 0), so -old + log|A|
+    must stay below log(largest value): in float32/bfloat16 that refuses log-probs below about -88, a
+    probability under 1e-38 that no sampler draws. float16 is exempt (its bound, e^11, would refuse ordinary
+    sampled tokens): there an overflow is caught per micro-batch, before that micro-batch's backward."""
+    finfo = torch.finfo(dtype)
+    largest = float(group.advantages.abs().max())
+    if not largest < math.sqrt(finfo.max):
+        i = int(group.advantages.abs().argmax())
+        raise ValueError(
+            f"advantages[{i}] = {float(group.advantages[i]):.3g} is too large for the model's dtype "
+            f"{_dtype_name(dtype)}: |advantage| must be < {math.sqrt(finfo.max):.3g} (the square root of its largest "
+            "value, leaving room for the gradient's products); rescale the rewards or normalise the advantages"
+        )
+    for name in ("old_logprobs", "ref_logprobs"):
+        for i, lp in enumerate(getattr(group, name) or []):
+            if not torch.isfinite(lp.to(dtype)).all():
+                raise ValueError(f"{name}[{i}] reaches {float(lp.min()):.4g}, which is -inf in the model's dtype "
+                                 f"{_dtype_name(dtype)}: pass the policy's log-probs, not a fill value")
+    if group.old_logprobs is None or dtype == torch.float16:
+        return
+    log_max = math.log(finfo.max)
+    for i, lp in enumerate(group.old_logprobs):
+        worst = -float(lp.min()) + math.log(max(abs(float(group.advantages[i])), 1.0))
+        if worst >= log_max:
+            raise ValueError(
+                f"old_logprobs[{i}] reaches {float(lp.min()):.4g}: the ratio exp(logp - old) can then reach "
+                f"exp({-float(lp.min()):.4g}), which (times advantage {float(group.advantages[i]):.3g}) overflows "
+                f"{_dtype_name(dtype)} (largest {finfo.max:.3g}). A sampled token is never that unlikely: pass the "
+                "sampling policy's log-probs (not logits or a fill value), or use float64"
+            )
 
 
 def backward_group(
@@ -114,6 +160,12 @@ def backward_group(
             f"prompt_state holds {prompt_state.length} positions but this prompt needs {group.prompt.numel() - 1} "
             "(all but its last token): pass the state captured for this prompt, or none"
         )
+    if prompt_state is not None and prompt_state.fingerprint is None:
+        raise ValueError("prompt_state records no prompt fingerprint (it was not made by capture_prompt or "
+                         "sample_group, or it is a prefix of a state): pass one they captured for this prompt, or none")
+    if prompt_state is not None and prompt_state.fingerprint != prompt_fingerprint(group.prompt[:-1]):
+        raise ValueError("prompt_state was captured for another prompt of the same length (its tokens differ from "
+                         "this group's prompt[:-1]): pass the state captured for this prompt, or none")
     if context_parallel is not None:
         from longstraw.distributed.context import check_supported
 
@@ -130,6 +182,16 @@ def backward_group(
     totals = GroupTotals.of(group.lengths, cfg)
     device = model.get_input_embeddings().weight.device
     dtype = model.get_input_embeddings().weight.dtype
+    _check_ranges(group, dtype)
+    stats: dict[str, float | int | str] = {"mode": mode, "prompt_tokens": group.prompt.numel(),
+                                           "group_size": group.size, "checkpoint": checkpoint,
+                                           "offload_state": offload_state}
+    if cfg.beta == 0 and not bool((group.advantages != 0).any()):
+        # Every loss here is A times a function of the ratio (per token, or per sequence for gspo), plus the KL
+        # term only when beta > 0: with every A = 0 the gradient is exactly zero, so the passes would add zeros.
+        stats.update(prompt_state_bytes=prompt_state.nbytes() if prompt_state is not None else 0, capture_s=0.0,
+                     replay_s=0.0, prompt_backward_s=0.0)
+        return GroupResult(loss=0.0, logprobs=[], stats=stats, skipped="zero_advantage")
     prompt = group.prompt.to(device=device, dtype=torch.long)
     responses = [r.to(device=device, dtype=torch.long) for r in group.responses]
     advantages = group.advantages.to(device=device, dtype=dtype)
@@ -142,24 +204,35 @@ def backward_group(
             out[row, : values[i].numel()] = values[i].to(device=device, dtype=dtype)
         return out
 
+    backwards = [0]  # micro-batches whose loss was built, hence backpropagated unless the check refused it
+
     def loss_fn(logp: torch.Tensor, mask: torch.Tensor, idx: list[int]) -> torch.Tensor:
         """This micro-batch's share of the group loss; logp/mask (k, T), idx: which responses."""
+        backwards[0] += 1
         return response_loss(
             logp, mask, advantages[idx], totals, cfg,
             old_logp=padded(group.old_logprobs, idx, logp.shape),
             ref_logp=padded(group.ref_logprobs, idx, logp.shape),
         )
 
-    stats: dict[str, float | int | str] = {"mode": mode, "prompt_tokens": prompt.numel(), "group_size": group.size,
-                                           "checkpoint": checkpoint, "offload_state": offload_state}
-    with checkpointed_layers(model, enabled=checkpoint == "layers"):
-        total, logprobs = _run_plan(model, mode, prompt, responses, loss_fn, chunk_size, micro_batch, token_chunk,
-                                    prompt_state, context_parallel, offload_state, stats)
-    if not math.isfinite(total):
-        raise FloatingPointError(
-            f"group loss is {total}: gradients were accumulated from non-finite values; zero them and check "
-            "the inputs (advantages, old/ref log-probs) and the model's dtype"
-        )
+    params = list(model.parameters())
+    had_grad = [p.grad is not None for p in params]
+    try:
+        with checkpointed_layers(model, enabled=checkpoint == "layers"):
+            total, logprobs = _run_plan(model, mode, prompt, responses, loss_fn, chunk_size, micro_batch,
+                                        token_chunk, prompt_state, context_parallel, offload_state, stats)
+    except FloatingPointError as err:
+        # A micro-batch refused before its backward; earlier micro-batches of this group did run theirs. Gradients
+        # that did not exist before the call are dropped again; existing ones cannot be restored without a copy.
+        for p, had in zip(params, had_grad):
+            if not had:
+                p.grad = None
+        done = backwards[0] - 1
+        if done > 0 and any(had_grad):
+            raise FloatingPointError(f"{err}. The gradients that existed before this call hold the (finite) "
+                                     f"contributions of this group's first {done} micro-batch(es): zero them before "
+                                     "retrying") from None
+        raise FloatingPointError(f"{err}. The gradients are as they were before this call") from None
     return GroupResult(loss=total, logprobs=logprobs, stats=stats)
 
 

@@ -7,6 +7,7 @@ log-prob depends on live activations and carries gradient (DESIGN §2).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -38,8 +39,22 @@ def finish_batch(
     value = 0.0
     if loss_fn is not None:
         loss = loss_fn(logp, mask, idx)
-        loss.backward()
         value = float(loss.detach())
+        # Checked before the backward: a non-finite value would turn every gradient it reaches into NaN.
+        if not torch.isfinite(logp.detach()[mask]).all():
+            raise FloatingPointError(
+                f"responses {idx}: the model's log-probs are not finite (its forward overflowed in "
+                f"{str(logp.dtype).removeprefix('torch.')}); this micro-batch's backward was not run. Use float32 or "
+                "bfloat16, or check the weights"
+            )
+        if not math.isfinite(value):
+            raise FloatingPointError(
+                f"responses {idx}: their share of the loss is {value} (the ratio exp(logp - old) or the KL term "
+                f"exp(ref - logp) overflowed {str(logp.dtype).removeprefix('torch.')}); this micro-batch's backward "
+                "was not run. Check old_logprobs/ref_logprobs (the policy's own log-probs, not logits) and the "
+                "advantages, or use a wider dtype"
+            )
+        loss.backward()
     for row, i in enumerate(idx):
         logprobs[i] = logp[row, : responses[i].numel()].detach()
     return value

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from longstraw.replay import run_segment
-from longstraw.state.prompt import Collected, PromptState
+from longstraw.state.prompt import Collected, PromptState, prompt_fingerprint
 
 
 def chunk_bounds(length: int, chunk_size: int) -> list[tuple[int, int]]:
@@ -31,7 +31,7 @@ def capture_prompt(model: torch.nn.Module, ids: torch.Tensor, chunk_size: int,
     """
     device = model.get_input_embeddings().weight.device if offload else None
     state = PromptState(num_layers=model.config.num_hidden_layers, keep_boundaries=keep_boundaries, cp=cp,
-                        device=device)
+                        device=device, fingerprint=prompt_fingerprint(ids))
     bounds = chunk_bounds(ids.numel(), chunk_size)
     for j, (start, end) in enumerate(bounds):
         collect: Collected = {}

@@ -27,6 +27,7 @@ is saved for the backward and nothing is gained (the planner says so).
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +38,15 @@ RECURRENT_PARTS = ("conv", "recurrent")
 
 # What one chunk's forward produced: collected[layer][part] = tensor.
 Collected = dict[int, dict[str, torch.Tensor]]
+
+
+def prompt_fingerprint(ids: torch.Tensor) -> str:
+    """Identity of the token ids a state holds: their count and a BLAKE2 hash of their int64 bytes.
+
+    Lets `backward_group` refuse a state captured for another prompt of the same length (which would give a
+    silently wrong gradient). Costs one host copy of the ids: 8 MB and a few ms for a million tokens."""
+    data = ids.detach().to(device="cpu", dtype=torch.int64).contiguous()
+    return f"{data.numel()}:{hashlib.blake2b(data.numpy().tobytes(), digest_size=16).hexdigest()}"
 
 
 @dataclass
@@ -54,6 +64,8 @@ class PromptState:
     cp: object | None = None
     # Offloaded: the tensors live in host memory and are copied to this compute device where they are read.
     device: torch.device | None = None
+    # `prompt_fingerprint` of the ids captured (set by `capture_prompt`; None for a prefix of the state).
+    fingerprint: str | None = None
 
     def __post_init__(self) -> None:
         for name in PARTS:
@@ -176,6 +188,7 @@ class PromptState:
             windows=list(self.windows),
             cp=self.cp,
             device=self.device if device is None else device,
+            fingerprint=self.fingerprint if n == self.num_chunks else None,  # a prefix holds other ids
         )
 
     def prefix(self, num_chunks: int) -> PromptState:
