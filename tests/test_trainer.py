@@ -93,6 +93,49 @@ def test_non_finite_gradient_stops_before_the_optimizer(tmp_path):
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
+def test_an_update_that_would_make_weights_non_finite_is_not_applied(tmp_path):
+    """Finite gradients, but an AdamW update that overflows float32 (lr 1e39): refused before it is applied,
+    with the weights and the optimizer state (moments, step counts) those of the previous step."""
+    cfg = TrainConfig(model="tiny-llama", group_size=3, max_new_tokens=4, steps=2, eval_prompts=0, plot=False,
+                      run_dir=str(tmp_path), task="jsonl", data=str(_jsonl(tmp_path)),
+                      reward_fn="rewards_for_tests:even_byte_fraction", lr=1e-3)
+    trainer = Trainer(cfg)
+    first = trainer.train_step(0, Progress(2))
+    assert first["grad_norm"] > 0
+    weights = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    moments = [{k: v.clone() for k, v in s.items()} for s in trainer.optimizer.state.values()]
+    for group in trainer.optimizer.param_groups:
+        group["lr"] = 1e39
+    with pytest.raises(FloatingPointError, match=r"step 2: the AdamW update would make .* non-finite; it was not "
+                                                 r"applied.*previous step"):
+        trainer.train_step(1, Progress(2))
+    assert all(torch.equal(weights[k], v) for k, v in trainer.model.state_dict().items())
+    after = list(trainer.optimizer.state.values())
+    assert len(after) == len(moments) and all(
+        torch.equal(a[k], b[k]) for a, b in zip(after, moments) for k in b)
+    # Should a step ever do what the check did not foresee, the weights are checked again after it.
+    for group in trainer.optimizer.param_groups:
+        group["lr"] = 1e-3
+    step = trainer.optimizer.step
+    trainer.optimizer.step = lambda: (step(), trainer.model.get_output_embeddings().weight.data[0, 0].fill_(math.nan))
+    with pytest.raises(FloatingPointError, match="after the AdamW step, lm_head.weight holds non-finite values"):
+        trainer.train_step(1, Progress(2))
+
+
+def test_zero_advantage_groups_are_skipped_and_logged(tmp_path):
+    """Rewards all equal (exact-match reward, random model: all 0): advantages 0, beta 0, so the gradient pass
+    is skipped and counted; AdamW still takes its (zero-gradient) step, as it did before skipping existed."""
+    cfg = TrainConfig(model="tiny-llama", group_size=3, prompts_per_step=2, max_new_tokens=4, steps=1,
+                      eval_prompts=0, plot=False, run_dir=str(tmp_path / "r"), task="jsonl",
+                      data=str(_jsonl(tmp_path)))
+    trainer = Trainer(cfg)
+    m = trainer.train_step(0, Progress(1))
+    assert m["reward_max"] == 0.0 and m["kept_groups"] == 2
+    assert m["skipped_zero_advantage"] == 2 and m["loss"] == 0.0 and m["grad_norm"] == 0.0
+    assert all(int(s["step"]) == 1 for s in trainer.optimizer.state.values())
+    assert len(trainer.optimizer.state) == len(list(trainer.model.parameters()))
+
+
 def test_bad_command_line_is_an_argparse_error(tmp_path):
     out = _cli("train", "--group-size", "1", "--run-dir", str(tmp_path / "r"), cwd=tmp_path)
     assert out.returncode == 2 and "group_size 1 is too small" in out.stderr and "Traceback" not in out.stderr
