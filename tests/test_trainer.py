@@ -107,7 +107,7 @@ def test_an_update_that_would_make_weights_non_finite_is_not_applied(tmp_path):
     for group in trainer.optimizer.param_groups:
         group["lr"] = 1e39
     with pytest.raises(FloatingPointError, match=r"step 2: the AdamW update would make .* non-finite; it was not "
-                                                 r"applied.*previous step"):
+                                                 r"applied: the weights and optimizer state are as they were"):
         trainer.train_step(1, Progress(2))
     assert all(torch.equal(weights[k], v) for k, v in trainer.model.state_dict().items())
     after = list(trainer.optimizer.state.values())

@@ -445,9 +445,9 @@ class Trainer:
         bad = [b for b in self.par.gather(_adamw_update_is_finite(self.optimizer, names, grad_bound)) if b]
         if bad:
             raise FloatingPointError(
-                f"step {step + 1}: the AdamW update would make {bad[0]} non-finite; it was not applied, and the "
-                "weights and optimizer state are those of the previous step. Lower the learning rate, check the "
-                "rewards, or use float32"
+                f"step {step + 1}: the AdamW update would make {bad[0]} (its weight or second moment) non-finite; "
+                "it was not applied: the weights and optimizer state are as they were before it. Lower the learning "
+                "rate, check the rewards, or use float32"
             )
         self._dirty = True  # from here until the step is complete, the state is not a step boundary
         self.optimizer.step()
