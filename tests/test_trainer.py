@@ -155,8 +155,8 @@ def test_kl_reuse_and_dynamic_sampling_run_and_report(tmp_path):
     assert m["kept_groups"] + m["dropped_groups"] == 2 and math.isfinite(m["loss"])
     ref = list(trainer.reference.parameters())
     assert all(torch.equal(a, b) for a, b in zip(before, ref))  # the reference stays frozen
-    if m["kept_groups"]:
-        assert any(not torch.equal(a, p) for a, p in zip(before, trainer.model.parameters()))
+    assert m["kept_groups"] >= 1  # this seed keeps a group, so the step must move the weights
+    assert any(not torch.equal(a, p) for a, p in zip(before, trainer.model.parameters()))
 
     # A reward that is the same for every response: every group is dropped and nothing is updated.
     cfg2 = TrainConfig(**{**cfg.to_dict(), "reward_fn": "", "beta": 0.0, "run_dir": str(tmp_path / "r2")})

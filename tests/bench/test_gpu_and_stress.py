@@ -7,6 +7,9 @@ import os
 import subprocess
 import sys
 
+import pytest
+import torch
+
 from longstraw.bench import stress
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -30,11 +33,8 @@ def test_gpu_script_dry_run_on_cpu(tmp_path):
     assert any(r.get("pareto") for r in pareto["results"])
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a host without CUDA")
 def test_gpu_script_refuses_cuda_without_a_gpu(tmp_path):
-    import torch
-
-    if torch.cuda.is_available():
-        return
     # Without --smoke/--device the script targets cuda and stops before running anything.
     proc = subprocess.run([os.path.join(ROOT, "bench", "gpu.sh"), str(tmp_path)],
                           capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHON=sys.executable))
