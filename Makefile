@@ -39,13 +39,13 @@ $(DEMO_STAMP): $(STAMP)
 demo: $(DEMO_STAMP)
 	$(BIN)/longstraw train examples/demo.toml --overwrite
 
-# Bench B1 (DESIGN §5): peak memory and time of every plan across group sizes; --demo is the G in {2, 8} subset.
 # The paper's check of the detach plan at demo size: examples/demo.toml once per plan (standard, exact, detach)
 # and seed (3), held-out reward table, weight divergence and plot in runs/compare-demo (resumable).
 .PHONY: compare-demo
 compare-demo: $(DEMO_STAMP)
 	$(BIN)/longstraw compare examples/demo.toml --plans standard,exact,detach --seeds 3
 
+# Bench B1 (DESIGN §5): peak memory and time of every plan across group sizes; --demo is the G in {2, 8} subset.
 bench: install
 	$(BIN)/longstraw bench memory
 
