@@ -164,9 +164,10 @@ class PromptState:
     def _store(self, t: torch.Tensor | None) -> torch.Tensor | None:
         """Where a part is kept: as computed, or (offloaded) in host memory, pinned for fast copies to a GPU.
 
-        A part that is a view of a larger tensor is copied out first: a conv window is the last K columns of the
-        chunk's whole conv input, and Mamba2's final state one of the scan's chunk states, so keeping the view
-        would keep the whole storage alive beside the state (1.35 GB of the 1.97 GB tiny-mamba2 record step)."""
+        A part that is a view of a larger tensor is copied out first, so that keeping it does not keep the whole
+        storage alive beside the state. The segment cache already hands out conv windows and recurrent states as
+        copies (`SegmentCache.update_conv_state`); this guards every other part (e.g. K/V sliced from a fused
+        projection) and costs nothing for a part that owns its storage."""
         if t is None:
             return None
         if t.untyped_storage().nbytes() > t.numel() * t.element_size():
