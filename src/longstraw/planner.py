@@ -647,6 +647,42 @@ def segment_activation_bytes(spec: ModelSpec, b: int, a: int, kernel: str, token
     return n * (spec.num_layers * spec.hidden * b + _norm(spec.hidden, b) + 8) + largest + backward
 
 
+def standard_checkpointed_step_bytes(spec: ModelSpec, b: int, a: int, tokens: int, seqs: int, logits: int,
+                                     grads: int, steady: bool) -> int:
+    """Step bytes of a standard plan's forward+backward over `seqs` rows of `tokens` tokens with per-layer
+    checkpointing, as the phases follow each other (located with torch.profiler's allocation events on deep-smollm2,
+    P = 1024-4096, standard and standard_batched; tests/test_planner.py validates the sum at P = 2048 and 16,384):
+
+    * logits: every layer's input (n·d·b) + the log-probs' tensors;
+    * layers, backward from the last: a layer recomputed holds its saved activations plus one gradient buffer of
+      its MLP width (a recurrent layer: its scan's backward transient), while the output projection's (V, d)
+      gradient waits. With gradients resident (`steady`), the waiting (V, d) gradient is only extra when tied (it
+      waits for the embedding's). Without, parameter gradients appear layer by layer as the layer inputs are freed:
+      the high point is at the first layer (all inputs) or the last (one input, every other gradient);
+    * the embedding's backward: its dense (V, d) gradient (tied: plus the waiting one and their sum)."""
+    n = seqs * tokens
+    inputs = n * (spec.hidden * b + 8)  # one layer's input (+ the int64 ids)
+    every_input = n * (spec.num_layers * spec.hidden * b + _norm(spec.hidden, b) + 8)
+    layer = 0
+    for i in range(spec.num_layers):
+        rec = recurrent_bytes(spec, spec.mixers[i], tokens, b, seqs, cached=False)
+        saved = n * _layer_per_token(spec, i, b, a, "sdpa") + rec.saved
+        # The MLP's backward, past the saved tensors it frees: one gradient of its width (dense, profiled); an MoE
+        # layer's routing adds more (measured 5.5-6.2 KB per token on b1-qwen3-next: see `_mlp_width`).
+        width = _mlp_width(spec, i)
+        buffer = n * (4 * width + 2 * spec.hidden) * b if spec.mlps[i] == "moe" else n * width * b
+        layer = max(layer, saved + max(buffer, rec.backward))
+    vd = spec.vocab * spec.hidden * b
+    if steady:
+        layers = grads + every_input + (vd if spec.tied else 0) + layer
+        embedding = grads + (3 if spec.tied else 1) * vd
+        return max(grads + every_input + logits, layers, embedding)
+    produced = grads - (0 if spec.tied else vd)  # every gradient but the embedding's (tied: the waiting one)
+    layers = max(every_input + vd, inputs + produced) + layer
+    embedding = grads + (2 if spec.tied else 0) * vd
+    return max(every_input + logits, layers, embedding)
+
+
 def recurrent_capture_bytes(spec: ModelSpec, positions: int, b: int, chunk: int) -> int:
     """Transient of capturing one chunk through the recurrent layers: the largest layer's no-grad transient + the
     residual stream (4·d·b per token, as the attention formula counts it)."""
@@ -803,11 +839,11 @@ def estimate(spec: ModelSpec, inp: PlanInputs, plan: str) -> PlanEstimate:
         seqs = g if plan == "standard_batched" else 1
         acts = segment_activation_bytes(spec, b, a, "sdpa", p + r, seqs, inp.checkpoint_layers)
         logits = 3 * seqs * r * v * b  # log-softmax output, its gradient, the logits' gradient
-        # (checkpointed: the recurrent layers' recompute comes after the logits' tensors are freed, as in the replay)
-        during_logits = (segment_activation_bytes(spec, b, a, "sdpa", p + r, seqs, True, scans=False)
-                         if inp.checkpoint_layers else acts)
-        steady = plan == "standard" and g > 1
-        step = (grads + max(during_logits + logits, acts)) if steady else max(during_logits + logits, acts, grads)
+        steady = plan == "standard" and g > 1  # gradients already resident while the next sequence runs
+        if inp.checkpoint_layers:
+            step = standard_checkpointed_step_bytes(spec, b, a, p + r, seqs, logits, grads, steady)
+        else:
+            step = (grads + max(acts + logits, acts)) if steady else max(acts + logits, acts, grads)
         phases["forward_backward"] = resident + step
         comp.update(prompt_state=0, sequence_activations=acts, logits=logits)
         prompt_state = 0
