@@ -124,3 +124,62 @@ def test_offloaded_state_keeps_one_layer_on_the_device(monkeypatch):
     # attention backward returns all chunk gradients of its layer together. Hooks see each one only as it goes
     # back to the host, so they are not measured here.)
     assert measured["none"] >= whole  # every layer's copy alive for the backward: no saving without checkpointing
+
+
+@pytest.mark.parametrize("family", ("llama", "gemma3-A", "qwen3_next-A", "deepseek_v3"))
+def test_prefetched_reads_give_the_same_gradient(family, monkeypatch):
+    """Prefetch (on by default on CUDA) forced on for the CPU: the next attention layer's copies are made when a
+    layer reads its own, up the layers in a forward and down them in a checkpointed backward's recomputes. Same
+    gradients as without (float64, <= 1e-12), and reads are served from the prefetched copies."""
+    from longstraw.state import prompt as prompt_module
+
+    model = _model(family)
+    group = random_group(200, [5, 9], seed=4)
+    probe = capture_prompt(model, torch.arange(20), chunk_size=16)
+    attention_layers = sum(any(k is not None for k in probe.keys[i]) for i in range(probe.num_layers))
+    model.zero_grad()
+    backward_group(model, group, mode="exact", chunk_size=16, micro_batch=1)
+    reference = grads(model).clone()
+
+    served = []
+    take = prompt_module._Prefetched.take
+
+    def counting_take(self):
+        served.append(len(self.chunks))
+        return take(self)
+
+    monkeypatch.setattr(prompt_module, "_prefetch_by_default", lambda device: device is not None)
+    monkeypatch.setattr(prompt_module._Prefetched, "take", counting_take)
+    for mode in ("detach", "exact"):
+        for checkpoint in ("none", "layers"):
+            model.zero_grad()
+            served.clear()
+            backward_group(model, group, mode=mode, chunk_size=16, micro_batch=1, checkpoint=checkpoint,
+                           offload_state=True)
+            if mode == "exact":
+                assert rel_err(grads(model), reference) <= 1e-12, (mode, checkpoint)
+            if attention_layers >= 2:  # with one attention layer there is nothing to read ahead
+                assert served, f"{mode}/{checkpoint}: no read was served from a prefetched copy"
+
+
+def test_prefetch_holds_at_most_one_layer_ahead_and_follows_the_direction():
+    """Reads up the layers prefetch the next attention layer above, reads down the one below; one entry at most."""
+    from longstraw.state.prompt import PromptState
+
+    n = 5
+    state = PromptState(num_layers=n, device=torch.device("cpu"), prefetch=True)
+    for start in (0, 4):
+        state.append_chunk(start, start + 4, {layer: {"key": torch.randn(1, 1, 4, 2), "value": torch.randn(1, 1, 4, 2)}
+                                              for layer in range(n)})
+    state = state.as_leaves()
+    state.attention_chunks(0)
+    assert list(state._ahead) == [1]
+    state.attention_chunks(1)
+    assert list(state._ahead) == [2]
+    state.attention_chunks(n - 1)  # a jump up: the top layer has nothing above it
+    assert list(state._ahead) == []
+    state.attention_chunks(n - 2)  # reading down (a checkpointed backward): the layer below comes next
+    assert list(state._ahead) == [n - 3]
+    with torch.no_grad():  # a copy made under grad mode is not served to a no-grad read (and vice versa)
+        chunks = state.attention_chunks(n - 3)
+    assert all(not k.requires_grad for _, k, _ in chunks)

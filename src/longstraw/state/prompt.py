@@ -23,6 +23,13 @@ state at a time by the cache. The copy is differentiable, so the exact plan's le
 gradients accumulate there too. With per-layer activation checkpointing the device then holds one layer's copies
 of the prompt K/V (and one layer's gradient) at a time instead of the whole state; without it, every layer's copy
 is saved for the backward and nothing is gained (the planner says so).
+
+Prefetch (`prefetch`, on by default when the compute device is a GPU): when an attention layer reads its chunks,
+the next attention layer's copies are started at once — on CUDA on a side stream, overlapping the copy with this
+layer's compute; the layer that reads them waits for that stream only. The direction follows the reads (up the
+layers in a forward, down them in a checkpointed backward's recomputes), and at most one layer is held ahead, so
+the device holds two layers' copies instead of one. On the CPU the copies are made at once (no overlap): the
+option runs there only so that its bookkeeping and gradients are tested everywhere.
 """
 
 from __future__ import annotations
@@ -66,12 +73,18 @@ class PromptState:
     device: torch.device | None = None
     # `prompt_fingerprint` of the ids captured (set by `capture_prompt`; None for a prefix of the state).
     fingerprint: str | None = None
+    # Offloaded: start the next attention layer's copies when a layer reads its own (module docstring).
+    prefetch: bool | None = None  # None: on when `device` is a GPU (`_prefetch_by_default`)
+    _ahead: dict[int, _Prefetched] = field(default_factory=dict, repr=False, compare=False)
+    _last_read: int | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in PARTS:
             self.parts.setdefault(name, [[] for _ in range(self.num_layers)])
         if not self.windows:
             self.windows = [None] * self.num_layers
+        if self.prefetch is None:
+            self.prefetch = _prefetch_by_default(self.device)
 
     # --- shape of the state -------------------------------------------------------------------------------
     @property
@@ -104,6 +117,22 @@ class PromptState:
 
     def attention_chunks(self, layer: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
         """(start position, key part, value part) of every kept chunk of an attention layer."""
+        ahead = self._ahead.pop(layer, None)
+        # A copy made under another grad mode would cut (or add) the path to the leaves: made again then.
+        chunks = ahead.take() if ahead is not None and ahead.grad == torch.is_grad_enabled() else None
+        if chunks is None:
+            chunks = self._copy_chunks(layer)
+        if self.prefetch and self.device is not None:
+            step = -1 if self._last_read is not None and layer < self._last_read else 1
+            following = next((i for i in range(layer + step, self.num_layers if step > 0 else -1, step)
+                              if any(k is not None for k in self.parts["key"][i])), None)
+            self._ahead.clear()  # at most one layer held ahead
+            if following is not None:
+                self._ahead[following] = _Prefetched.start(self, following)
+        self._last_read = layer
+        return chunks
+
+    def _copy_chunks(self, layer: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
         keys, values = self.parts["key"][layer], self.parts["value"][layer]
         return [(self.bounds[j][0], self.fetch(k), self.fetch(v))  # type: ignore[misc]
                 for j, (k, v) in enumerate(zip(keys, values)) if k is not None]
@@ -190,6 +219,7 @@ class PromptState:
             cp=self.cp,
             device=self.device if device is None else device,
             fingerprint=self.fingerprint if n == self.num_chunks else None,  # a prefix holds other ids
+            prefetch=self.prefetch if device is None else None,  # a state moved elsewhere: its device's default
         )
 
     def prefix(self, num_chunks: int) -> PromptState:
@@ -234,3 +264,52 @@ class PromptState:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+def _prefetch_by_default(device: torch.device | None) -> bool:
+    """Prefetch pays where a copy can overlap compute: an offloaded state read on a GPU."""
+    return device is not None and device.type == "cuda"
+
+
+@dataclass
+class _Prefetched:
+    """One attention layer's chunk copies, started ahead of the read (see the module docstring). On CUDA they are
+    made on a side stream; `take` makes the reading stream wait for them and tells the allocator they are used
+    there (`record_stream`), so their memory is not reused while that stream still reads them."""
+
+    chunks: list[tuple[int, torch.Tensor, torch.Tensor]]
+    grad: bool  # the grad mode they were made under
+    event: torch.cuda.Event | None = None
+
+    @staticmethod
+    def start(state: PromptState, layer: int) -> _Prefetched:
+        device = state.device
+        if device is None or device.type != "cuda":
+            return _Prefetched(state._copy_chunks(layer), torch.is_grad_enabled())
+        current = torch.cuda.current_stream(device)
+        side = _side_stream(device)
+        side.wait_stream(current)  # ordered after what this stream already queued (the pinned host sources)
+        with torch.cuda.stream(side):
+            chunks = state._copy_chunks(layer)
+            event = torch.cuda.Event()
+            event.record(side)
+        return _Prefetched(chunks, torch.is_grad_enabled(), event)
+
+    def take(self) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        if self.event is not None and self.chunks:
+            current = torch.cuda.current_stream(self.chunks[0][1].device)
+            current.wait_event(self.event)
+            for _, k, v in self.chunks:
+                k.record_stream(current)
+                v.record_stream(current)
+        return self.chunks
+
+
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One copy stream per GPU, made once (creating a stream per layer would cost a driver call each)."""
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
