@@ -45,7 +45,7 @@ demo: $(DEMO_STAMP)
 compare-demo: $(DEMO_STAMP)
 	$(BIN)/longstraw compare examples/demo.toml --plans standard,exact,detach --seeds 3
 
-# Bench B1 (DESIGN §5): peak memory and time of every plan across group sizes; --demo is the G in {2, 8} subset.
+# Bench B1 (docs/design.md §5): peak memory and time of every plan across group sizes; --demo is the G in {2, 8} subset.
 bench: install
 	$(BIN)/longstraw bench memory
 

@@ -1,4 +1,4 @@
-"""Parity of the plans (DESIGN §5): exact == standard gradient, detach logprobs == standard, and the
+"""Parity of the plans (docs/design.md §5): exact == standard gradient, detach logprobs == standard, and the
 detach plan's bias, per supported family, in float64 (and one float32 case)."""
 
 import pytest

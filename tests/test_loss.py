@@ -22,7 +22,7 @@ def _data(seed=0):
 
 
 def _manual(kind, logp, old, ref, adv, beta, low, high):
-    """Loop-by-loop transcription of DESIGN §5, independent of the vectorised code."""
+    """Loop-by-loop transcription of docs/design.md §5, independent of the vectorised code."""
     g = len(LENGTHS)
     total, per_resp = 0.0, []
     for i, n in enumerate(LENGTHS):

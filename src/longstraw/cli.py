@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    bench = commands.add_parser("bench", help="benchmarks (DESIGN §5)", description="Run a benchmark.")
+    bench = commands.add_parser("bench", help="benchmarks (docs/design.md §5)", description="Run a benchmark.")
     benches = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)
     memory_parser = benches.add_parser(
         "memory", help="peak memory and step time of every plan across group sizes (Bench B1)",

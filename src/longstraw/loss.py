@@ -4,7 +4,7 @@ Every loss here is a sum over responses of a per-response term once the group's 
 (G, Σ|o_i|, L_max), so a group replayed one response at a time, k at a time, or all at once gives the same
 total: `response_loss` returns the batch's share of the group loss, and the shares add up.
 
-Definitions (DESIGN §5), with per-token log-probs logp_{i,t}, ratio ρ_{i,t} = exp(logp − old) where `old`
+Definitions (docs/design.md §5), with per-token log-probs logp_{i,t}, ratio ρ_{i,t} = exp(logp − old) where `old`
 defaults to logp.detach() (on-policy: ρ = 1 but its gradient is that of logp):
 
 * ``grpo``:    L = −(1/G) Σ_i (1/|o_i|) Σ_t min(ρ A_i, clip(ρ, 1−ε_low, 1+ε_high) A_i)

@@ -1,4 +1,4 @@
-"""Peak-memory measurement as DESIGN §5 defines it.
+"""Peak-memory measurement as docs/design.md §5 defines it.
 
 CPU: the process's high-water RSS (VmHWM), reset to the current RSS through /proc/self/clear_refs before
 the measured region (Linux >= 4.0), minus the RSS just before it. CUDA: `torch.cuda.max_memory_allocated`

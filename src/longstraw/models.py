@@ -24,7 +24,7 @@ from transformers import (
     Qwen3NextConfig,
 )
 
-# Model types whose every layer kind has a state adapter and a parity test (DESIGN §4): full attention (GQA),
+# Model types whose every layer kind has a state adapter and a parity test (docs/design.md §4): full attention (GQA),
 # sliding window, gated DeltaNet and KDA linear attention, Mamba2 SSM, MLA latent attention, DSA, MoE FFNs.
 SUPPORTED_MODEL_TYPES = (
     "llama", "qwen2", "qwen3", "mistral", "gemma3_text", "qwen3_next", "mamba2", "falcon_h1", "deepseek_v3",
@@ -50,7 +50,7 @@ def _tiny_qwen3() -> PretrainedConfig:
 
 
 def _b1_llama() -> PretrainedConfig:
-    """Bench B1 (DESIGN §5): 4 layers, hidden 256, 8 heads, 2 KV heads, intermediate 704, vocab 32000."""
+    """Bench B1 (docs/design.md §5): 4 layers, hidden 256, 8 heads, 2 KV heads, intermediate 704, vocab 32000."""
     return LlamaConfig(
         hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=8,
         num_key_value_heads=2, vocab_size=32000, max_position_embeddings=131072, tie_word_embeddings=False,
@@ -58,7 +58,7 @@ def _b1_llama() -> PretrainedConfig:
 
 
 def _b1_qwen3() -> PretrainedConfig:
-    """The B1 shape (DESIGN §5) as Qwen3: q/k RMSNorm, head_dim 32, tied embeddings (planner validation)."""
+    """The B1 shape (docs/design.md §5) as Qwen3: q/k RMSNorm, head_dim 32, tied embeddings (planner validation)."""
     return Qwen3Config(
         hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=8,
         num_key_value_heads=2, head_dim=32, vocab_size=32000, max_position_embeddings=131072,

@@ -1,5 +1,5 @@
 """Every supported architecture family: replayed log-probs equal a full forward, and the exact plan's gradient
-equals the standard gradient (DESIGN §4, §5), plus the state's own invariants per family.
+equals the standard gradient (docs/design.md §4, §5), plus the state's own invariants per family.
 
 Tolerances (relative error of the gradient, max abs error of the log-probs), float64 models:
 * FAITHFUL (1e-10): every op runs in float64 once the tests' norm patches are applied (`faithful_float64`).
@@ -126,7 +126,7 @@ def test_replays_never_write_into_the_state(family):
 
 @pytest.mark.parametrize("family", ARCH_FAMILIES)
 def test_state_bytes_match_design_formula(family):
-    """The state's bytes equal the planner's DESIGN §4 formulas (`planner.state_bytes`: float64 parts, fp32
+    """The state's bytes equal the planner's docs/design.md §4 formulas (`planner.state_bytes`: float64 parts, fp32
     recurrent states), with every chunk boundary kept (exact) and lean (detach)."""
     model = _model(family)
     spec = planner.spec_from_config(model.config, family)

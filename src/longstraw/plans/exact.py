@@ -1,4 +1,4 @@
-"""The exact plan's extra phase: reverse chunked prompt backward (DESIGN §3).
+"""The exact plan's extra phase: reverse chunked prompt backward (docs/design.md §3).
 
 After every response was replayed against the prompt state as leaves, each leaf's `.grad` holds dL/dS for
 its part of the state (K/V or latent chunks, and for recurrent layers the state after the last chunk),

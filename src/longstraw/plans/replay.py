@@ -2,7 +2,7 @@
 
 Each response o_i is replayed as the segment `[x[-1]] + o_i[:-1]` at positions P-1 … P+R_i-2 with
 targets o_i: the last prompt token is part of the replayed segment, so the first response token's
-log-prob depends on live activations and carries gradient (DESIGN §2).
+log-prob depends on live activations and carries gradient (docs/design.md §2).
 """
 
 from __future__ import annotations

@@ -3,6 +3,6 @@
 `prompt.py` holds the state of every layer kind (K/V, MLA latents, DSA indexer keys, conv and recurrent
 states); `cache.py` the cache object through which transformers' layers read and extend it functionally;
 `response.py` the sampler's per-sequence state of generated tokens; `capture.py` the chunked no-grad
-prefill. The expected size of the state per layer kind (DESIGN §4) is `planner.state_bytes`, which the tests
+prefill. The expected size of the state per layer kind (docs/design.md §4) is `planner.state_bytes`, which the tests
 check against `PromptState.nbytes()` for every family.
 """

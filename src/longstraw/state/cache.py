@@ -3,7 +3,7 @@
 transformers' decoder layers talk to their cache through a handful of methods (`update` for attention K/V or
 MLA latents, `update_indexer` for DSA, `get/update_conv_state` and `get/update_recurrent_state` for linear
 attention and SSM layers). Its own cache layers update recurrent and conv states **in place** and concatenate
-K/V into new tensors; both are wrong for us (DESIGN §4 traps): one replay would advance the state another
+K/V into new tensors; both are wrong for us (docs/design.md §4, traps): one replay would advance the state another
 replay then reads, autograd fails on the in-place writes, and the concatenation copies the whole prompt K/V.
 
 This object answers the same calls functionally, for one segment (a capture chunk, a replayed micro-batch,

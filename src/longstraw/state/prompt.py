@@ -1,4 +1,4 @@
-"""The captured prompt state of every layer kind (DESIGN §4), stored as the chunks the capture produced.
+"""The captured prompt state of every layer kind (docs/design.md §4), stored as the chunks the capture produced.
 
 Per layer and capture chunk j the state holds whichever of these parts the layer produced:
 

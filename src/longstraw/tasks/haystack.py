@@ -10,7 +10,7 @@ Needles are snapped to the nearest sentence boundary so they never split a sente
 mid-sentence before the question, which is what lets the length land within one word of the target.
 
 The passkey prompt follows Mohtashami & Jaggi (2023, "Landmark Attention"); multikey is our variant with named
-keys as distractors, which is what makes a 135M model fail at ~1k tokens (DESIGN §7).
+keys as distractors, which is what makes a 135M model fail at ~1k tokens (docs/design.md §7).
 """
 
 from __future__ import annotations
