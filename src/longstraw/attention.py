@@ -317,7 +317,7 @@ def masked_prefix_attention(
     causally; prefix: (start, key, value) per prompt chunk, each (1, Hkv, c, D*) — or MLA latents
     (1, 1, c, d) turned into K/V by `expand(latent, rope_key)`. window: sliding window (keys k > q − window).
     select: (B, T, P' + S) bool, DSA's chosen keys over [prompt ; own] (P' = positions before own_pos[0]).
-    softcap: tanh logit soft-capping. Returns (B, H, T, Dv).
+    softcap: tanh logit soft-capping. Returns (B, H, T, Dv). Plain reference: `attention_naive.py`.
     """
     b, h, t, _ = query.shape
     parts = []

@@ -1,0 +1,78 @@
+"""Plain reference for the masked attention path (`attention.masked_prefix_attention`).
+
+One full score matrix over every key, one explicit mask built from absolute positions, one softmax. Nothing
+is chunked, checkpointed or merged, and nothing from `attention.py` is used: this is what the fast path must
+equal (tests/test_attention_naive.py compares outputs, log-sum-exps and gradients in float64).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+def _to_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """(Bx, Hkv, n, D) -> (Bx, heads, n, D): query head i reads key/value head i // (heads / Hkv) (GQA)."""
+    return x[:, torch.arange(heads, device=x.device) // (heads // x.shape[1])]
+
+
+def naive_masked_prefix_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    prefix: list[tuple[int, torch.Tensor, torch.Tensor]],
+    scale: float,
+    q_pos: torch.Tensor,
+    own_pos: torch.Tensor,
+    window: int | None = None,
+    select: torch.Tensor | None = None,
+    expand: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of T queries over [prefix keys ; own keys], same arguments as `masked_prefix_attention`.
+
+    query (B, H, T, Dk) at absolute positions q_pos (T,). Own key (B, Hkv, S, Dk), value (B, Hkv, S, Dv) at
+    absolute positions own_pos (S,), consecutive. prefix: (start, key, value) per prompt chunk, key
+    (1, Hkv, c, Dk), value (1, Hkv, c, Dv) at positions start … start + c − 1, shared by all B sequences; with
+    `expand` (MLA) the chunk holds latents (1, 1, c, d_c) and rope keys (1, 1, c, d_R) instead, and
+    expand(latents, rope keys) gives key (1, H, c, Dk) and value (1, H, c, Dv).
+
+    Query at position q sees key at position k iff
+      k <= q                            (causal),
+      and q − k < window                (sliding window, if any: the window holds q itself and window − 1 before),
+      and select[b, t, k]               (DSA, if any: select (B, T, own_pos[0] + S) bool, by absolute position).
+    Scores are (q · k) * scale, soft-capped to softcap · tanh(score / softcap) before masking if softcap is set.
+
+    Returns out (B, H, T, Dv) and lse (B, H, T) = log Σ_visible exp(score). Every query must see at least one
+    key (otherwise its row is NaN).
+    """
+    b, h, t, _ = query.shape
+    keys, values, positions = [], [], []
+    if prefix:
+        pk = torch.cat([k for _, k, _ in prefix], dim=2)  # (1, Hkv, P, Dk), or MLA latents (1, 1, P, d_c)
+        pv = torch.cat([v for _, _, v in prefix], dim=2)
+        if expand is not None:
+            pk, pv = expand(pk, pv)  # (1, H, P, Dk), (1, H, P, Dv)
+        keys.append(_to_heads(pk, h).expand(b, -1, -1, -1))
+        values.append(_to_heads(pv, h).expand(b, -1, -1, -1))
+        positions += [torch.arange(start, start + k.shape[2]) for start, k, _ in prefix]
+    keys.append(_to_heads(key, h))
+    values.append(_to_heads(value, h))
+    positions.append(own_pos.cpu())
+    k_all, v_all = torch.cat(keys, dim=2), torch.cat(values, dim=2)  # (B, H, N, Dk), (B, H, N, Dv); N = P + S
+    k_pos = torch.cat(positions).to(query.device)  # (N,)
+
+    scores = torch.einsum("bhtd,bhnd->bhtn", query, k_all) * scale  # (B, H, T, N)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    distance = q_pos[:, None] - k_pos[None, :]  # (T, N): how far back the key is
+    visible = (distance >= 0).expand(b, t, -1)  # (B, T, N)
+    if window is not None:
+        visible = visible & (distance < window)
+    if select is not None:
+        visible = visible & select[:, :, k_pos]
+    scores = scores.masked_fill(~visible[:, None], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # (B, H, T)
+    out = torch.einsum("bhtn,bhnd->bhtd", torch.softmax(scores, dim=-1), v_all)
+    return out, lse
