@@ -131,7 +131,8 @@ def backward_group(
     prompt-backward chunk in exact mode). micro_batch: responses replayed at once (detach/exact).
     token_chunk: rows per block of the chunked log-prob. prompt_state: a state already captured for this
     prompt (e.g. by the sampler, `Rollout.state`) to reuse instead of capturing again (detach/exact).
-    context_parallel: a `distributed.context.ContextParallel` group (detach/exact): every rank of it calls
+    context_parallel: a context-parallel group (`state.sharding.ContextShards`, made by
+    `distributed.context.ContextParallel`) (detach/exact): every rank of it calls
     this with the same group and keeps 1/C of the prompt's attention state; each ends with the full gradient.
     checkpoint: "none" or "layers" (per-layer activation checkpointing of every forward with grad: replay
     micro-batches, the exact plan's prompt-backward chunks, the standard plans' sequences; `checkpointing.py`).
@@ -167,11 +168,9 @@ def backward_group(
         raise ValueError("prompt_state was captured for another prompt of the same length (its tokens differ from "
                          "this group's prompt[:-1]): pass the state captured for this prompt, or none")
     if context_parallel is not None:
-        from longstraw.distributed.context import check_supported
-
         if mode not in ("detach", "exact"):
             raise ValueError(f"context parallelism shards the prompt state: use mode detach or exact, not {mode}")
-        check_supported(model)
+        context_parallel.check_supported(model)
     if offload_state and mode not in ("detach", "exact"):
         raise ValueError(f"offload_state moves the prompt state to host memory: the {mode} plan has none; use "
                          "mode detach or exact")

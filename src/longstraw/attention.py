@@ -19,7 +19,12 @@ row set `M = B * g * T`, so the prefix K/V of shape (Hkv, P, D) is read once for
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from longstraw.state.sharding import ContextShards
 
 
 def _aten_op(name: str):
@@ -187,7 +192,7 @@ def prefix_attention(
     prefix_values: list[torch.Tensor],
     scale: float,
     causal: bool = True,
-    cp=None,
+    cp: ContextShards | None = None,
 ) -> torch.Tensor:
     """Attention of new tokens over [prefix ; own tokens], exactly merged.
 
@@ -195,8 +200,8 @@ def prefix_attention(
     causal=True (training, capture): S == T and token t sees own tokens 0 … t. Right padding needs no mask
     beyond causality: a real token never sees a later (padding) position. causal=False (decoding one token
     per sequence, T == 1): the query sees all S own tokens. Returns (B, H, T, D).
-    cp: a `distributed.context.ContextParallel` when the prefix is sharded over ranks (this rank's chunks are
-    `prefix_keys`, possibly none): the partial results of all ranks are merged by log-sum-exp.
+    cp: a context-parallel group (`state.sharding.ContextShards`) when the prefix is sharded over ranks (this
+    rank's chunks are `prefix_keys`, possibly none): the partial results of all ranks are merged by log-sum-exp.
     """
     b, h, t, d = query.shape
     hkv, s = key.shape[1], key.shape[2]

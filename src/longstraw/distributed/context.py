@@ -25,6 +25,8 @@ under context parallelism are refused (`check_supported`).
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 
@@ -63,7 +65,8 @@ class _GatherPartials(torch.autograd.Function):
 
 
 class ContextParallel:
-    """A context-parallel group: which capture chunks this rank owns, and the two collectives of attention."""
+    """A context-parallel group: which capture chunks this rank owns, and the two collectives of attention.
+    Implements `state.sharding.ContextShards`, the protocol through which the core uses it."""
 
     def __init__(self, group=None) -> None:
         if not dist.is_initialized():
@@ -71,6 +74,15 @@ class ContextParallel:
         self.group = group
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
+        # Models already checked: the check reads the layer kinds from a meta-device instantiation of the config
+        # (0.07-0.5 s), which must not run on every `backward_group` call.
+        self._supported: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
+    def check_supported(self, model: torch.nn.Module) -> None:
+        """`check_supported`, once per model."""
+        if model not in self._supported:
+            check_supported(model)
+            self._supported.add(model)
 
     def owner(self, chunk: int, num_chunks: int) -> int:
         """Contiguous slices: chunk j of n belongs to rank floor(j * C / n) (C need not divide n)."""

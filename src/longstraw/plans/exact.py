@@ -16,6 +16,7 @@ import torch
 
 from longstraw.replay import run_segment
 from longstraw.state.prompt import GRAD_PARTS, Collected, PromptState
+from longstraw.state.sharding import ContextShards
 
 
 def prompt_backward(model: torch.nn.Module, ids: torch.Tensor, leaves: PromptState) -> None:
@@ -45,7 +46,7 @@ def prompt_backward(model: torch.nn.Module, ids: torch.Tensor, leaves: PromptSta
         del collect, recomputed, pairs  # and this chunk's recompute, before the next one runs
 
 
-def _owner_gradients(cp, j: int, num_chunks: int, upstream: list, recomputed: list) -> list:
+def _owner_gradients(cp: ContextShards, j: int, num_chunks: int, upstream: list, recomputed: list) -> list:
     """Context parallelism: chunk j's K/V gradients live on its owner; every rank needs them to backpropagate
     its (replicated) recompute of chunk j. Recurrent parts are replicated, so their gradients are local.
     GRAD_PARTS order per layer: key, value, conv, recurrent."""

@@ -6,6 +6,7 @@ import torch
 
 from longstraw.replay import run_segment
 from longstraw.state.prompt import Collected, PromptState, prompt_fingerprint
+from longstraw.state.sharding import ContextShards
 
 
 def chunk_bounds(length: int, chunk_size: int) -> list[tuple[int, int]]:
@@ -19,13 +20,14 @@ def chunk_bounds(length: int, chunk_size: int) -> list[tuple[int, int]]:
 
 
 def capture_prompt(model: torch.nn.Module, ids: torch.Tensor, chunk_size: int,
-                   keep_boundaries: bool = True, cp=None, offload: bool = False) -> PromptState:
+                   keep_boundaries: bool = True, cp: ContextShards | None = None,
+                   offload: bool = False) -> PromptState:
     """The state of every layer for `ids` (N,), computed chunk by chunk under no_grad.
 
     Chunk c continues from the state of the chunks before it, so peak activation memory is one chunk's,
     and the result does not depend on the chunk size (up to float reassociation). keep_boundaries: keep the
     recurrent state at every chunk boundary (the exact plan needs them); otherwise only the last, and
-    sliding-window layers drop K/V outside their window. cp (`distributed.context.ContextParallel`): every rank
+    sliding-window layers drop K/V outside their window. cp (`state.sharding.ContextShards`): every rank
     runs every chunk, and keeps the attention parts of its own contiguous slice of chunks only. offload: keep the
     state in host memory, read on the model's device (`PromptState.device`).
     """

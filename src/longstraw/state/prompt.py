@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from longstraw.state.sharding import ContextShards
+
 PARTS = ("key", "value", "index", "conv", "recurrent")
 GRAD_PARTS = ("key", "value", "conv", "recurrent")  # `index` carries no gradient in the reference model
 RECURRENT_PARTS = ("conv", "recurrent")
@@ -67,8 +69,8 @@ class PromptState:
     bounds: list[tuple[int, int]] = field(default_factory=list)  # [start, end) token range of each chunk
     layer_parts: list[frozenset[str]] | None = None  # which parts each layer produces (known after chunk 0)
     windows: list[int | None] = field(default_factory=list)  # sliding window per layer (None: full attention)
-    # Context parallelism (distributed/context.py): this rank holds the attention parts of its own chunks only.
-    cp: object | None = None
+    # Context parallelism (`sharding.ContextShards`): this rank holds the attention parts of its own chunks only.
+    cp: ContextShards | None = None
     # Offloaded: the tensors live in host memory and are copied to this compute device where they are read.
     device: torch.device | None = None
     # `prompt_fingerprint` of the ids captured (set by `capture_prompt`; None for a prefix of the state).
