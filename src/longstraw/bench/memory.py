@@ -120,10 +120,10 @@ def run_memory_bench(config: MemoryBenchConfig, out: str) -> dict[str, object]:
         if predictions:
             print(predictions)
         print(format_ratios(document["ratios"]))  # type: ignore[arg-type]
-    busy = [f"G={r['group_size']} {column_label(str(r['mode']), _checkpoint_of(r))}" for r in results if busy(r)]
-    if busy and not config.smoke:
-        print(f"warning: other processes competed for the CPU during {len(busy)} of {len(results)} steps "
-              f"({', '.join(busy)}): their times, and the time ratios, are inflated; peaks are not affected")
+    contended = [f"G={r['group_size']} {column_label(str(r['mode']), _checkpoint_of(r))}" for r in results if busy(r)]
+    if contended and not config.smoke:
+        print(f"warning: other processes competed for the CPU during {len(contended)} of {len(results)} steps "
+              f"({', '.join(contended)}): their times, and the time ratios, are inflated; peaks are not affected")
     from longstraw.bench.plots import plot_memory
 
     # One line per table column: checkpointed runs are their own series, not mixed into their plan's.
