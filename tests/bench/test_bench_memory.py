@@ -10,9 +10,9 @@ from dataclasses import replace
 
 import pytest
 
+from longstraw.bench.common import describe_exit
 from longstraw.bench.memory import (
     SMOKE,
-    _describe_exit,
     compute_ratios,
     config_from_args,
     format_ratios,
@@ -88,8 +88,8 @@ def test_failed_worker_is_recorded_not_raised(tmp_path):
     assert "FAILED: exit status 1" in proc.stderr
     (result,) = json.loads(out.read_text())["results"]
     assert result["status"] == "failed" and "max_position_embeddings" in result["stderr_tail"]
-    assert _describe_exit(-9) == "killed by SIGKILL (likely out of memory)"
-    assert _describe_exit(3) == "exit status 3"
+    assert describe_exit(-9) == "killed by SIGKILL (likely out of memory)"
+    assert describe_exit(3) == "exit status 3"
 
 
 def _ok(mode: str, g: int, peak_mib: float, time_s: float) -> dict[str, object]:

@@ -10,8 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-from longstraw.bench.memory import B1, run_one
-from longstraw.bench.sweeps import _predictor
+from longstraw.bench.common import B1, predictor, run_one
 
 TOLERANCE = 0.10
 MODEL = "deep-smollm2"
@@ -19,7 +18,7 @@ MODEL = "deep-smollm2"
 
 def _measure(prompt_tokens: int, response_tokens: int, cases: list[tuple[str, str]], group_size: int = 2):
     bench = replace(B1, model=MODEL, prompt_tokens=prompt_tokens, response_tokens=response_tokens, chunk_size=2048)
-    predict = _predictor(MODEL, "float32")
+    predict = predictor(MODEL, "float32")
     rows = []
     for mode, checkpoint in cases:
         entry = run_one(bench, mode, group_size, checkpoint)

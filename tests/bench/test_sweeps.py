@@ -12,6 +12,7 @@ from dataclasses import replace
 
 import pytest
 
+from longstraw.bench.pareto import lever_costs, pareto_flags, pareto_grid
 from longstraw.bench.sweeps import (
     PARETO_SMOKE,
     PROMPT_SMOKE,
@@ -19,9 +20,6 @@ from longstraw.bench.sweeps import (
     add_pareto_arguments,
     available_archs,
     config_from_args,
-    lever_costs,
-    pareto_flags,
-    pareto_grid,
 )
 from longstraw.cli import main
 

@@ -2,7 +2,7 @@
 
 Each C runs as C fresh processes on this machine (gloo, torchrun's environment), one `backward_group` each on
 the same group with the prompt state sharded over the C ranks (`distributed/context.py`). Reported per C: the
-largest per-rank peak (VmHWM − RSS before the step, DESIGN §5), the prompt-state bytes a rank holds, and the
+largest per-rank peak (VmHWM − RSS before the step, docs/design.md §5), the prompt-state bytes a rank holds, and the
 step time. On one CPU host the C ranks share the cores, so times measure the method's overhead (every rank
 repeats the non-attention work of every segment), not a multi-GPU speed-up.
 """
@@ -19,8 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from longstraw.bench.common import default_out
 from longstraw.bench.machine import machine_info
-from longstraw.bench.memory import default_out
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

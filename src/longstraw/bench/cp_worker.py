@@ -2,7 +2,7 @@
 
 Launched C times with torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) by `bench/cp.py`.
 Every rank loads the same model and group, runs one `backward_group` with the prompt state sharded over the C
-ranks (C = 1: no context parallelism), and writes its own measurement — peak memory as in DESIGN §5 (VmHWM
+ranks (C = 1: no context parallelism), and writes its own measurement — peak memory as in docs/design.md §5 (VmHWM
 minus VmRSS before the step), step time, prompt-state bytes held — to OUT_PATH.rank<r> as JSON.
 """
 
@@ -15,7 +15,8 @@ import time
 
 import torch.distributed as dist
 
-from longstraw import backward_group, load_model
+from longstraw import backward_group
+from longstraw.bench.common import load_bench_model
 from longstraw.bench.worker import make_group
 from longstraw.distributed.context import ContextParallel
 from longstraw.memory import PeakMemory
@@ -26,7 +27,7 @@ def main() -> None:
     world = int(config["cp"])
     if world > 1:
         dist.init_process_group("gloo")
-    model = load_model(config["model"], dtype=config["dtype"], seed=0)
+    model = load_bench_model(config["model"], config["dtype"])
     group = make_group(model.config.vocab_size, config["prompt_tokens"], config["response_tokens"],
                        config["group_size"], config["seed"])
     gc.collect()

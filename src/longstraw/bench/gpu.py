@@ -23,19 +23,19 @@ import sys
 import time
 from dataclasses import asdict, dataclass, replace
 
-from longstraw.bench.machine import machine_info
-from longstraw.bench.memory import (
+from longstraw.bench.common import (
     B1,
     DEFAULT_MODES,
     MIB,
+    PLANNER_SLACK,
     MemoryBenchConfig,
-    _write_json,
-    compute_ratios,
+    predictor,
     run_batch,
     run_one,
+    write_json,
 )
-
-PLANNER_SLACK = 0.15
+from longstraw.bench.machine import machine_info
+from longstraw.bench.memory import compute_ratios
 
 
 @dataclass(frozen=True)
@@ -74,29 +74,13 @@ def _device_memory(device: str) -> int | None:
     return torch.cuda.get_device_properties(torch.device(device).index or 0).total_memory
 
 
-def _predictor(cfg: GpuBenchConfig):
-    from longstraw import planner
-
-    spec = planner.spec_from_config(planner.load_config(cfg.model), cfg.model)
-    dtype = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}[cfg.dtype]
-    on_cpu = not cfg.device.startswith("cuda")
-
-    def predict(p: int, g: int, mode: str, chunk: int, k: int) -> int:
-        inp = planner.PlanInputs(prompt_tokens=p, response_tokens=cfg.response_tokens, group_size=g, dtype=dtype,
-                                 chunk_size=chunk, micro_batch=k, optimizer="none",
-                                 device="cpu" if on_cpu else "cuda", reserve=None if on_cpu else 0)
-        return planner.estimate(spec, inp, mode).step_bytes
-
-    return predict
-
-
 def run_gpu_bench(cfg: GpuBenchConfig, out_dir: str) -> dict[str, object]:
     """Run part 1 (B1 comparison per P) then part 2 (Pareto); write every document into out_dir."""
     os.makedirs(out_dir, exist_ok=True)
     t_start = time.perf_counter()
     machine = machine_info(cfg.device)
     memory = _device_memory(cfg.device)
-    predict = _predictor(cfg)
+    predict = predictor(cfg.model, cfg.dtype, cfg.device)
     summary: dict[str, object] = {"config": asdict(cfg), "machine": machine, "device_memory_bytes": memory,
                                   "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "documents": [], "checks": []}
 
@@ -104,11 +88,13 @@ def run_gpu_bench(cfg: GpuBenchConfig, out_dir: str) -> dict[str, object]:
         """Decide skips (planner, deadline), run the rest (one worker each, or one for all in smoke runs)."""
         entries: list[dict[str, object]] = []
         for job, mode, g, _ in jobs:
-            predicted = predict(job.prompt_tokens, g, mode, job.chunk_size, job.micro_batch)
+            predicted = predict(job.prompt_tokens, cfg.response_tokens, g, mode, job.chunk_size,
+                                job.micro_batch) if predict else None
             entry: dict[str, object] = {"mode": mode, "group_size": g, "prompt_tokens": job.prompt_tokens,
                                         "chunk_size": job.chunk_size, "micro_batch": job.micro_batch,
                                         "predicted_step_bytes": predicted}
-            if memory is not None and predicted > (memory - cfg.reserve_bytes) * (1 + PLANNER_SLACK):
+            if (memory is not None and predicted is not None
+                    and predicted > (memory - cfg.reserve_bytes) * (1 + PLANNER_SLACK)):
                 entry.update(status="skipped", error=f"planner predicts {predicted / MIB:.0f} MiB > device memory")
             entries.append(entry)
         todo = [(i, jobs[i]) for i, e in enumerate(entries) if "status" not in e]
@@ -125,11 +111,13 @@ def run_gpu_bench(cfg: GpuBenchConfig, out_dir: str) -> dict[str, object]:
                 entries[i].update(m)
         for entry, (job, mode, _, label) in zip(entries, jobs):
             entry["micro_batch"], entry["chunk_size"] = job.micro_batch, job.chunk_size
-            predicted = int(entry["predicted_step_bytes"])  # type: ignore[arg-type]
+            predicted = entry["predicted_step_bytes"]
             if entry.get("status") == "ok":
-                entry["predicted_over_measured"] = predicted / max(1, int(entry["peak_bytes"]))  # type: ignore[arg-type]
-                note = (f"peak {entry['peak_bytes'] / MIB:9.1f} MiB (planner {predicted / MIB:9.1f})  "
-                        f"{entry['time_s']:7.2f} s")
+                forecast = "(no planner forecast)"
+                if isinstance(predicted, int):
+                    entry["predicted_over_measured"] = predicted / max(1, int(entry["peak_bytes"]))  # type: ignore[arg-type]
+                    forecast = f"(planner {predicted / MIB:9.1f})"
+                note = f"peak {entry['peak_bytes'] / MIB:9.1f} MiB {forecast}  {entry['time_s']:7.2f} s"
             else:
                 note = f"{entry['status']}: {entry.get('error')}"
             print(f"[{time.perf_counter() - t_start:5.0f} s] {label:<24} {mode:<17} {note}", file=sys.stderr,
@@ -149,7 +137,7 @@ def run_gpu_bench(cfg: GpuBenchConfig, out_dir: str) -> dict[str, object]:
         doc = {"bench": "memory", "started": summary["started"], "config": asdict(job), "machine": machine,
                "results": results, "ratios": compute_ratios(results)}
         path = os.path.join(out_dir, f"memory-P{p}.json")
-        _write_json(path, doc)
+        write_json(path, doc)
         plot_memory(doc, os.path.splitext(path)[0] + ".png")
         summary["documents"].append(path)  # type: ignore[union-attr]
 
@@ -157,7 +145,7 @@ def run_gpu_bench(cfg: GpuBenchConfig, out_dir: str) -> dict[str, object]:
     results = run([(replace(pareto_job, micro_batch=k, chunk_size=c), mode, cfg.pareto_group,
                     f"pareto k={k} chunk={c}")
                    for mode in ("detach", "exact") for k in cfg.micro_batches for c in cfg.chunk_sizes])
-    from longstraw.bench.sweeps import pareto_flags
+    from longstraw.bench.pareto import pareto_flags
 
     for mode in ("detach", "exact"):
         ok = [r for r in results if r["mode"] == mode and r.get("status") == "ok"]
@@ -169,12 +157,12 @@ def run_gpu_bench(cfg: GpuBenchConfig, out_dir: str) -> dict[str, object]:
     doc = {"bench": "pareto", "started": summary["started"], "config": pareto_cfg, "machine": machine,
            "results": results}
     path = os.path.join(out_dir, "pareto.json")
-    _write_json(path, doc)
+    write_json(path, doc)
     plot_pareto(doc, os.path.splitext(path)[0] + ".png")
     summary["documents"].append(path)  # type: ignore[union-attr]
     summary["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     summary["wall_s"] = time.perf_counter() - t_start
-    _write_json(os.path.join(out_dir, "summary.json"), summary)
+    write_json(os.path.join(out_dir, "summary.json"), summary)
     checks = summary["checks"]  # type: ignore[assignment]
     ok = sum(1 for c in checks if c["status"] == "ok")  # type: ignore[union-attr]
     print(f"gpu bench: {ok}/{len(checks)} configurations ok in {summary['wall_s']:.0f} s; results in {out_dir}")

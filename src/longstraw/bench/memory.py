@@ -1,16 +1,12 @@
-"""`longstraw bench memory`: Bench B1 (DESIGN §5), peak memory and step time of every plan across group sizes.
+"""`longstraw bench memory`: Bench B1 (docs/design.md §5), peak memory and step time of every plan across group sizes.
 
 Each (mode, G, checkpoint) configuration runs in a fresh `longstraw.bench.worker` subprocess so its peak is its own (a
 process's high-water mark never comes down on its own). A failed worker (OOM-killed, error, timeout) is
 recorded with its stderr tail and the bench moves on. The result file holds the config, the machine, every
 result and the ratios; the table and ratios are also printed. Plans are compared as ratios from one run
-(DESIGN §5).
+(docs/design.md §5).
 
-Workers run with glibc's mmap threshold fixed (MALLOC_MMAP_THRESHOLD_, 128 KiB by default). With glibc's
-dynamic threshold, freed blocks up to 32 MiB are kept in the heap and reused with fragmentation, so VmHWM
-measured the allocator's history more than the plan: on b1-llama, detach at G=2 measured 244-559 MiB from run
-to run and less at G=8 than at G=2. A fixed threshold returns every large tensor to the OS on free, and the
-same configuration repeats within 1 MiB.
+Workers run with glibc's mmap threshold fixed, so peaks repeat within 1 MiB (why: `bench/common.py`).
 
 `--checkpoint none layers` measures every plan with and without per-layer activation checkpointing side by
 side (one table column per plan and checkpoint; `<plan>+ckpt` is checkpointed). On CPU each measured peak is
@@ -20,56 +16,33 @@ printed beside the planner's forecast of it (`planner vs measured`).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from typing import NoReturn
 
+from longstraw.bench.common import (
+    B1,
+    MIB,
+    PEAK_RESOLUTION,
+    MemoryBenchConfig,
+    arch_preset,
+    busy,
+    default_out,
+    peak_text,
+    positive_float,
+    predictor,
+    run_batch,
+    smoke_summary,
+    write_json,
+)
+from longstraw.bench.common import run_one as run_one  # where the tests and older callers import it from
 from longstraw.bench.machine import machine_info
 from longstraw.choices import CHECKPOINT_CHOICES, MODES
 from longstraw.planner import positive_int
 
-# Table/column order: the baseline first, then the plans it is compared with.
-DEFAULT_MODES = ("standard_batched", "standard", "detach", "exact")
-MIB = 1024 * 1024
-STDERR_TAIL = 4000  # characters of a failed worker's stderr kept in the result file
-BUSY_PRESSURE = 0.1  # a step whose CPU pressure (PSI "some") exceeds this ran on a contended host
-# A step peak below this is under what VmHWM can resolve once heap pages are reused (tiny models, or several
-# configurations in one worker): shown as "< 1", and no ratio or growth is taken from it.
-PEAK_RESOLUTION = MIB
-SMOKE_NOTE = ("smoke run: it checks only that every configuration runs end to end; at this size peaks and times "
-              "mean nothing, so no table of them, ratios or forecasts are printed (the JSON has the raw numbers)")
-
-
-@dataclass(frozen=True)
-class MemoryBenchConfig:
-    """One bench run. Defaults are Bench B1: b1-llama, fp32, P=4096, R=256, G in {2,4,8,16}, all 4 plans."""
-
-    model: str = "b1-llama"
-    dtype: str = "float32"
-    device: str = "cpu"
-    prompt_tokens: int = 4096
-    response_tokens: int = 256
-    groups: tuple[int, ...] = (2, 4, 8, 16)
-    modes: tuple[str, ...] = DEFAULT_MODES
-    chunk_size: int = 2048
-    micro_batch: int = 1
-    seed: int = 0
-    timeout_s: float | None = None  # per configuration; None waits as long as the worker runs
-    malloc_mmap_threshold: int = 128 * 1024  # bytes, for the workers' glibc malloc; 0 keeps glibc's default
-    isolate: bool = True  # a fresh worker per configuration; False (--smoke): one worker runs them all
-    checkpoints: tuple[str, ...] = ("none",)  # activation checkpointing: "none" and/or "layers", side by side
-    offload_state: bool = False  # detach/exact: prompt state in host memory (backward_group(offload_state=True))
-    max_positions: int = 0  # > 0: override the model's max_position_embeddings (a measurement past its context)
-    smoke: bool = False  # --smoke: report only that every configuration ran
-
-
-B1 = MemoryBenchConfig()
 # --demo: B1 at two group sizes, so its G=8 ratios are B1's: 100 s on 2 idle CPU cores (AMD EPYC, 2026-11-29),
 # about 3 min when other processes hold a core. P=2048, R=128 took 61 s but changes the ratios (10x, not 16x).
 DEMO = replace(B1, groups=(2, 8))
@@ -78,49 +51,7 @@ SMOKE = replace(B1, model="tiny-llama", prompt_tokens=64, response_tokens=8, gro
                 isolate=False, smoke=True)
 
 
-def default_out(bench: str, smoke: bool) -> str:
-    """bench/results/<bench>-<time>.json; a smoke run's under bench/results/smoke/ (ignored by git: its numbers
-    are not results)."""
-    folder = os.path.join("bench", "results", "smoke") if smoke else os.path.join("bench", "results")
-    return os.path.join(folder, f"{bench}-{time.strftime('%Y%m%d-%H%M%S')}.json")
-
-
-def peak_text(peak_bytes: float, width: int = 9) -> str:
-    """A step peak in MiB, or "< 1" under the measurement's resolution (never a negative size)."""
-    if peak_bytes < PEAK_RESOLUTION:
-        return f"{'< 1':>{width}}"
-    return f"{peak_bytes / MIB:{width}.1f}"
-
-
-def smoke_summary(results: list[dict[str, object]], what: str) -> str:
-    """One line for a smoke run: how many configurations ran, which failed."""
-    failed = [r for r in results if r.get("status") not in ("ok", "skipped")]
-    lines = [f"{what}: {len(results) - len(failed)} of {len(results)} configurations ran", SMOKE_NOTE]
-    lines += [f"  FAILED: {r.get('mode')} G={r.get('group_size')}: {r.get('error')}" for r in failed]
-    return "\n".join(lines)
-
-
 # ---------------------------------------------------------------- running
-
-
-# A job: (config, mode, G) or (config, mode, G, checkpoint); checkpoint "none" when left out.
-Job = tuple[MemoryBenchConfig, str, int] | tuple[MemoryBenchConfig, str, int, str]
-
-
-def _unpack(job: Job) -> tuple[MemoryBenchConfig, str, int, str]:
-    config, mode, g, *rest = job
-    return config, mode, g, (str(rest[0]) if rest else "none")
-
-
-def _worker_config(config: MemoryBenchConfig, mode: str, group_size: int,
-                   checkpoint: str = "none") -> dict[str, object]:
-    return {
-        "model": config.model, "dtype": config.dtype, "device": config.device,
-        "prompt_tokens": config.prompt_tokens, "response_tokens": config.response_tokens,
-        "group_size": group_size, "mode": mode, "chunk_size": config.chunk_size,
-        "micro_batch": config.micro_batch, "seed": config.seed, "checkpoint": checkpoint,
-        "offload_state": config.offload_state, "max_positions": config.max_positions,
-    }
 
 
 def column_label(mode: str, checkpoint: str = "none") -> str:
@@ -132,95 +63,12 @@ def _checkpoint_of(entry: dict[str, object]) -> str:
     return str(entry.get("checkpoint", "none"))  # result files from before the checkpoint dimension: none
 
 
-def _describe_exit(returncode: int) -> str:
-    if returncode < 0:
-        sig = -returncode
-        try:
-            name = signal.Signals(sig).name
-        except ValueError:
-            name = f"signal {sig}"
-        # The kernel's OOM killer sends SIGKILL; so would a person, but during a bench that is rare.
-        hint = " (likely out of memory)" if sig == signal.SIGKILL else ""
-        return f"killed by {name}{hint}"
-    return f"exit status {returncode}"
-
-
-def run_one(config: MemoryBenchConfig, mode: str, group_size: int, checkpoint: str = "none") -> dict[str, object]:
-    """Run one configuration in a fresh worker; return its result (status ok or failed), never raise."""
-    entry: dict[str, object] = {"mode": mode, "group_size": group_size, "checkpoint": checkpoint}
-    worker_config = json.dumps(_worker_config(config, mode, group_size, checkpoint))
-    cmd = [sys.executable, "-m", "longstraw.bench.worker", worker_config]
-    env = dict(os.environ)
-    if config.malloc_mmap_threshold:
-        env["MALLOC_MMAP_THRESHOLD_"] = str(config.malloc_mmap_threshold)  # see the module docstring
-    t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=config.timeout_s, env=env)
-    except subprocess.TimeoutExpired as err:
-        stderr = err.stderr.decode(errors="replace") if isinstance(err.stderr, bytes) else (err.stderr or "")
-        entry.update(status="failed", error=f"timed out after {config.timeout_s} s",
-                     stderr_tail=stderr[-STDERR_TAIL:], process_s=time.perf_counter() - t0)
-        return entry
-    entry["process_s"] = time.perf_counter() - t0
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        error = _describe_exit(proc.returncode) if proc.returncode != 0 else "worker printed no result"
-        entry.update(status="failed", error=error, stderr_tail=proc.stderr[-STDERR_TAIL:])
-        return entry
-    try:
-        measurement = json.loads(lines[-1])
-    except json.JSONDecodeError as err:
-        entry.update(status="failed", error=f"unreadable worker output: {err}",
-                     stderr_tail=proc.stderr[-STDERR_TAIL:])
-        return entry
-    entry.update(status="ok", **measurement)
-    return entry
-
-
-def run_batch(jobs: list[Job], isolate: bool = True) -> list[dict[str, object]]:
-    """Run (config, mode, G[, checkpoint]) jobs; isolate: a fresh worker each (the benchmarks), else one worker
-    for all, restarted after a failure (`--smoke`: saves a process start per configuration). Never raises."""
-    unpacked = [_unpack(job) for job in jobs]
-    if isolate or len(jobs) <= 1:
-        return [run_one(config, mode, g, ckpt) for config, mode, g, ckpt in unpacked]
-    results: list[dict[str, object]] = []
-    while len(results) < len(unpacked):
-        rest = unpacked[len(results):]
-        config = rest[0][0]
-        payload = json.dumps([_worker_config(c, m, g, ck) for c, m, g, ck in rest])
-        env = dict(os.environ)
-        if config.malloc_mmap_threshold:
-            env["MALLOC_MMAP_THRESHOLD_"] = str(config.malloc_mmap_threshold)
-        # Smoke runs only check that the benchmarks work: one thread avoids the heavy slowdown of two
-        # OpenMP threads on a host whose cores are busy with other work.
-        env.setdefault("OMP_NUM_THREADS", "1")
-        t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "longstraw.bench.worker", payload],
-                              capture_output=True, text=True, env=env)
-        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-        share = (time.perf_counter() - t0) / max(1, len(lines) + (proc.returncode != 0))
-        for (_, mode, g, ckpt), line in zip(rest, lines):
-            results.append({"mode": mode, "group_size": g, "checkpoint": ckpt, "status": "ok", "process_s": share,
-                            **json.loads(line)})
-        if len(results) < len(unpacked):
-            _, mode, g, ckpt = unpacked[len(results)]
-            error = _describe_exit(proc.returncode) if proc.returncode != 0 else "worker printed no result"
-            results.append({"mode": mode, "group_size": g, "checkpoint": ckpt, "status": "failed", "error": error,
-                            "stderr_tail": proc.stderr[-STDERR_TAIL:], "process_s": share})
-    return results
-
-
-def _busy(entry: dict[str, object]) -> bool:
-    pressure = entry.get("cpu_pressure")
-    return isinstance(pressure, float) and pressure > BUSY_PRESSURE
-
-
 def _progress_line(index: int, total: int, entry: dict[str, object]) -> str:
     label = column_label(str(entry["mode"]), _checkpoint_of(entry))
     head = f"[{index}/{total}] G={entry['group_size']:<3} {label:<17}"
     if entry["status"] == "ok":
         notes = "" if entry.get("hwm_reset", True) else "  (HWM not reset: peak may be overstated)"
-        if _busy(entry):
+        if busy(entry):
             notes += f"  (host busy: CPU pressure {entry['cpu_pressure']:.0%}, time inflated)"
         return (f"{head} peak {peak_text(float(entry['peak_bytes']))} MiB  step {entry['time_s']:8.2f} s  "
                 f"(process {entry['process_s']:.1f} s){notes}")
@@ -237,12 +85,6 @@ def _document(config: MemoryBenchConfig, machine: dict[str, object], results: li
         "results": results,
         "ratios": compute_ratios(results),
     }
-
-
-def _write_json(path: str, document: dict[str, object]) -> None:
-    with open(path, "w") as f:
-        json.dump(document, f, indent=2)
-        f.write("\n")
 
 
 def run_memory_bench(config: MemoryBenchConfig, out: str) -> dict[str, object]:
@@ -263,10 +105,10 @@ def run_memory_bench(config: MemoryBenchConfig, out: str) -> dict[str, object]:
             results.append(entry)
             print(_progress_line(len(results), len(plan), entry), file=sys.stderr, flush=True)
         # A partial file after each configuration: a long run that is interrupted keeps what it measured.
-        _write_json(partial, _document(config, machine, results, started))
+        write_json(partial, _document(config, machine, results, started))
     document = _document(config, machine, results, started)
     document["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
-    _write_json(out, document)
+    write_json(out, document)
     if os.path.exists(partial):
         os.remove(partial)
     print(describe(config))
@@ -278,10 +120,10 @@ def run_memory_bench(config: MemoryBenchConfig, out: str) -> dict[str, object]:
         if predictions:
             print(predictions)
         print(format_ratios(document["ratios"]))  # type: ignore[arg-type]
-    busy = [f"G={r['group_size']} {column_label(str(r['mode']), _checkpoint_of(r))}" for r in results if _busy(r)]
-    if busy and not config.smoke:
-        print(f"warning: other processes competed for the CPU during {len(busy)} of {len(results)} steps "
-              f"({', '.join(busy)}): their times, and the time ratios, are inflated; peaks are not affected")
+    contended = [f"G={r['group_size']} {column_label(str(r['mode']), _checkpoint_of(r))}" for r in results if busy(r)]
+    if contended and not config.smoke:
+        print(f"warning: other processes competed for the CPU during {len(contended)} of {len(results)} steps "
+              f"({', '.join(contended)}): their times, and the time ratios, are inflated; peaks are not affected")
     from longstraw.bench.plots import plot_memory
 
     # One line per table column: checkpointed runs are their own series, not mixed into their plan's.
@@ -305,13 +147,11 @@ def describe(config: MemoryBenchConfig) -> str:
 
 
 def _planner(config: MemoryBenchConfig):
-    """The planner's CPU step-bytes forecast (`bench.sweeps._predictor`), or None: off CPU (a CUDA peak is
+    """The planner's CPU step-bytes forecast (`bench.common.predictor`), or None: off CPU (a CUDA peak is
     another quantity) or for a model the planner cannot read (then silently: the bench runs without it)."""
     if config.device != "cpu":
         return None
-    from longstraw.bench.sweeps import _predictor  # lazily: sweeps imports this module
-
-    return _predictor(config.model, config.dtype, quiet=True)
+    return predictor(config.model, config.dtype, quiet=True)
 
 
 def add_prediction(entry: dict[str, object], config: MemoryBenchConfig, predict) -> None:
@@ -475,16 +315,6 @@ def format_ratios(ratios: dict[str, object]) -> str:
 # ---------------------------------------------------------------- command line
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `longstraw bench memory`. Unset options take the profile's value (B1 by default)."""
     profile = parser.add_mutually_exclusive_group()
@@ -521,7 +351,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"parameter dtype (default {B1.dtype})")
     parser.add_argument("--device", help="cpu or cuda[:i] (default cpu); CUDA peak is max_memory_allocated")
     parser.add_argument("--seed", type=int, help="seed of the random group (default 0)")
-    parser.add_argument("--timeout", type=_positive_float, metavar="SECONDS",
+    parser.add_argument("--timeout", type=positive_float, metavar="SECONDS",
                         help="per-configuration limit; a configuration over it is recorded as failed")
     parser.add_argument("--malloc-mmap-threshold", type=positive_int, metavar="BYTES",
                         help="glibc mmap threshold for the workers (default 131072, which makes peaks "
@@ -548,8 +378,6 @@ def config_from_args(args: argparse.Namespace, fail: Callable[[str], NoReturn]) 
         else tuple(dict.fromkeys(args.checkpoint)) if getattr(args, "checkpoint", None) else None,
     }
     if getattr(args, "arch", None):
-        from longstraw.bench.sweeps import arch_preset
-
         if args.model:
             fail("give --model or --arch, not both")
         try:

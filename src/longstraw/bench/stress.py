@@ -2,8 +2,8 @@
 
 `python -m longstraw.bench.stress --model tiny-llama-long --mode exact --group-size 4 --response-tokens 128`
 doubles P from `--start` until a step fails, exceeds `--step-timeout`, or the planner predicts more than
-`--budget`; every step runs in a fresh bench worker (peak = VmHWM above the loaded model, DESIGN §5; the whole
-process's high-water mark is recorded too). Any preset works (`--model`), so a constant-state model (Mamba2,
+`--budget`; every step runs in a fresh bench worker (peak = VmHWM above the loaded model, docs/design.md §5; the
+whole process's high-water mark is recorded too). Any preset works (`--model`), so a constant-state model (Mamba2,
 a sliding-window hybrid) needs only a run. Results go to bench/results/stress-<model>-<time>.json.
 """
 
@@ -15,10 +15,8 @@ import sys
 import time
 from dataclasses import replace
 
+from longstraw.bench.common import B1, GIB, MIB, predictor, run_one, write_json
 from longstraw.bench.machine import machine_info
-from longstraw.bench.memory import B1, MIB, _write_json, run_one
-
-GIB = 1024**3
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,21 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         "bench", "results", f"stress-{args.model.replace('/', '_')}-{time.strftime('%Y%m%d-%H%M%S')}.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
 
-    predict = None
-    try:
-        from longstraw import planner
-
-        spec = planner.spec_from_config(planner.load_config(args.model), args.model)
-        dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}[args.dtype]
-
-        def predict(p: int) -> int:
-            inp = planner.PlanInputs(prompt_tokens=p, response_tokens=args.response_tokens,
-                                     group_size=args.group_size, dtype=dtype, chunk_size=args.chunk_size,
-                                     device="cpu", optimizer="none")
-            return planner.estimate(spec, inp, args.mode).step_bytes
-    except (ValueError, KeyError) as err:
-        print(f"note: no planner prediction ({err})", file=sys.stderr)
-
+    predict = predictor(args.model, args.dtype)
     document: dict[str, object] = {
         "bench": "stress", "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine_info("cpu"),
         "config": {k: v for k, v in vars(args).items() if k != "out"}, "command": " ".join(sys.argv),
@@ -72,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
                    chunk_size=args.chunk_size, timeout_s=args.step_timeout)
     p = args.start
     while p <= args.max_prompt:
-        predicted = predict(p) if predict else None
+        predicted = predict(p, args.response_tokens, args.group_size, args.mode, args.chunk_size,
+                            1) if predict else None
         if predicted is not None and predicted > budget:
             results.append({"prompt_tokens": p, "status": "skipped", "predicted_step_bytes": predicted,
                             "error": f"planner predicts {predicted / GIB:.2f} GiB > budget {budget / GIB:.2f} GiB"})
@@ -87,14 +72,14 @@ def main(argv: list[str] | None = None) -> int:
                   + (f" (planner {predicted / MIB:.1f} MiB)" if predicted else ""), file=sys.stderr, flush=True)
         else:
             print(f"P={p}: {entry['error']}", file=sys.stderr, flush=True)
-        _write_json(out, document)
+        write_json(out, document)
         if entry["status"] != "ok":
             break
         p *= 2
     ok = [r for r in results if r["status"] == "ok"]
     document["record"] = max(ok, key=lambda r: r["prompt_tokens"]) if ok else None
     document["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
-    _write_json(out, document)
+    write_json(out, document)
     if ok:
         r = document["record"]
         print(f"record: {args.model} {args.mode} G={args.group_size} R={args.response_tokens}: "

@@ -4,81 +4,48 @@
   measured peak exceeds `--budget` (or that fails). A configuration the planner predicts above the budget
   by more than its tolerance, or above the memory this machine has free, is skipped, not run: the sweep must
   not OOM a shared host.
-* pareto — fixed (P, R, G): time vs peak over micro_batch ∈ {1, 2, 4, 8} × several chunk sizes × the memory
-  levers (per-layer activation checkpointing, the prompt state offloaded to host memory) for detach and exact;
-  each point is marked when it is on its plan's Pareto front (no other point of the plan, with or without a
-  lever, is at least as good in both and better in one) and on the front of all points together. The lever
-  cost: per plan and lever, the median of time(lever)/time(plain) and peak(lever)/peak(plain) at equal
-  (micro_batch, chunk_size).
+* pareto — fixed (P, R, G): time vs peak over micro-batch × chunk size × the memory levers (per-layer
+  activation checkpointing, the prompt state offloaded to host memory) for detach and exact, with each plan's
+  Pareto front and the levers' cost: `bench/pareto.py` (its options and dispatch are here).
 * arch — Bench B1's comparison for every architecture family that has a `b1-<arch>` preset in
   `longstraw.models` (found by name, so families added later are picked up without changes here).
 
-Every configuration runs in a fresh worker (`bench/worker.py`) exactly as `bench memory` does; `--smoke`
-runs a tiny version of each in one worker process. Results: a JSON document (config, machine, results,
-summary) under `bench/results/`, a printed table, a PNG beside the JSON.
+Every configuration runs in a fresh worker (`bench/worker.py`, through `bench/common.py`) exactly as
+`bench memory` does; `--smoke` runs a tiny version of each in one worker process. Results: a JSON document
+(config, machine, results, summary) under `bench/results/`, a printed table, a PNG beside the JSON.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import os
-import statistics
 import sys
-import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import NoReturn
 
-from longstraw.bench.machine import machine_info
-from longstraw.bench.memory import (
-    B1,
+from longstraw.bench.common import (
     DEFAULT_MODES,
+    GIB,
     MIB,
-    MemoryBenchConfig,
-    _busy,
-    _positive_float,
-    _write_json,
-    compute_ratios,
+    PLANNER_SLACK,
+    arch_preset,
+    available_archs,
     default_out,
-    format_ratios,
-    format_table,
-    peak_text,
+    finish_sweep,
+    job_config,
+    positive_float,
+    predictor,
+    print_progress,
     run_batch,
-    smoke_summary,
+    smoke_preset,
+    sweep_document,
+    write_json,
 )
+from longstraw.bench.memory import compute_ratios, format_ratios, format_table
+from longstraw.bench.pareto import OFFLOAD_CHOICES, PARETO_SMOKE, ParetoBenchConfig, run_pareto_bench
 from longstraw.choices import CHECKPOINT_CHOICES, MODES
 from longstraw.planner import positive_int
-
-GIB = 1024**3
-# A configuration is skipped when the planner predicts more than budget * (1 + this); the planner agrees with
-# measured peaks within 15% (tests/test_planner.py), so this never skips one that would have fitted.
-PLANNER_SLACK = 0.15
-
-
-def available_archs() -> list[str]:
-    """Architecture families with a B1-shaped preset `b1-<arch>` in `longstraw.models.PRESETS`."""
-    from longstraw.models import PRESETS
-
-    return sorted(name[len("b1-"):] for name in PRESETS if name.startswith("b1-"))
-
-
-def arch_preset(arch: str) -> str:
-    """The preset name of an architecture family (`llama` -> `b1-llama`); ValueError listing those that exist."""
-    from longstraw.models import PRESETS
-
-    name = f"b1-{arch}"
-    if name not in PRESETS:
-        raise ValueError(f"no preset {name!r}: architectures with a B1 preset: {', '.join(available_archs())}")
-    return name
-
-
-def smoke_preset(arch: str) -> str:
-    """The smallest preset of a family for `--smoke`: `tiny-<arch>` if it exists, else `b1-<arch>`."""
-    from longstraw.models import PRESETS
-
-    return f"tiny-{arch}" if f"tiny-{arch}" in PRESETS else arch_preset(arch)
-
 
 # ---------------------------------------------------------------- configs
 
@@ -97,39 +64,6 @@ class PromptBenchConfig:
     chunk_size: int = 2048
     micro_batch: int = 1
     budget_bytes: int = 16 * GIB
-    seed: int = 0
-    timeout_s: float | None = None
-    malloc_mmap_threshold: int = 128 * 1024
-    isolate: bool = True
-    smoke: bool = False  # --smoke: report only that every configuration ran
-
-
-# Plans that keep a prompt state, the only ones `backward_group(offload_state=True)` accepts.
-OFFLOAD_MODES = ("detach", "exact")
-# `bench pareto --offload` words -> ParetoBenchConfig.offloads
-OFFLOAD_CHOICES = {"no": False, "yes": True}
-
-
-@dataclass(frozen=True)
-class ParetoBenchConfig:
-    """Micro-batch x chunk-size x checkpoint x offload grid for detach and exact at B1's P, R and G = 8.
-
-    offloads: True runs only for the plans with a prompt state (detach, exact); `extra` adds single
-    (mode, micro_batch, chunk_size, checkpoint, offload_state) configurations after the grid (the smoke's one
-    offloaded configuration)."""
-
-    model: str = "b1-llama"
-    dtype: str = "float32"
-    device: str = "cpu"
-    prompt_tokens: int = 4096
-    response_tokens: int = 256
-    group_size: int = 8
-    modes: tuple[str, ...] = ("detach", "exact")
-    micro_batches: tuple[int, ...] = (1, 2, 4, 8)
-    chunk_sizes: tuple[int, ...] = (1024, 2048, 4096)
-    checkpoints: tuple[str, ...] = ("none", "layers")
-    offloads: tuple[bool, ...] = (False, True)
-    extra: tuple[tuple[str, int, int, str, bool], ...] = ()
     seed: int = 0
     timeout_s: float | None = None
     malloc_mmap_threshold: int = 128 * 1024
@@ -159,65 +93,10 @@ class ArchBenchConfig:
 
 PROMPT_SMOKE = PromptBenchConfig(model="tiny-llama", prompts=(64, 128), response_tokens=8, group_size=2,
                                  chunk_size=32, budget_bytes=GIB, isolate=False, smoke=True)
-# Smoke: both checkpoint settings on a small grid, the offloaded state on one exact configuration (with and
-# without checkpointing), so every lever runs and has a cost: 10 configurations, about as cheap as the 8 before.
-PARETO_SMOKE = ParetoBenchConfig(model="tiny-llama", prompt_tokens=64, response_tokens=8, group_size=4,
-                                 micro_batches=(1, 4), chunk_sizes=(32,), offloads=(False,),
-                                 extra=(("exact", 1, 32, "none", True), ("exact", 1, 32, "layers", True)),
-                                 isolate=False, smoke=True)
 # Smoke: the exact plan only (capture, replay and prompt backward) on every family, so the smoke stays cheap as
 # families are added; the other plans' smoke is `bench memory --smoke`.
 ARCH_SMOKE = ArchBenchConfig(prompt_tokens=64, response_tokens=8, groups=(2,), modes=("exact",), chunk_size=32,
                              isolate=False, smoke=True)
-
-
-def _job_config(cfg, model: str, prompt_tokens: int, chunk_size: int, micro_batch: int) -> MemoryBenchConfig:
-    return replace(
-        B1, model=model, dtype=cfg.dtype, device=cfg.device, prompt_tokens=prompt_tokens,
-        response_tokens=cfg.response_tokens, chunk_size=chunk_size, micro_batch=micro_batch, seed=cfg.seed,
-        timeout_s=cfg.timeout_s, malloc_mmap_threshold=cfg.malloc_mmap_threshold, isolate=cfg.isolate,
-    )
-
-
-# ---------------------------------------------------------------- shared pieces
-
-
-def _progress(index: int, entry: dict[str, object], label: str) -> None:
-    head = f"[{index}] {label:<28} {entry['mode']:<17}"
-    if entry["status"] == "ok":
-        busy = f"  (host busy: CPU pressure {entry['cpu_pressure']:.0%})" if _busy(entry) else ""
-        line = f"{head} peak {peak_text(float(entry['peak_bytes']))} MiB  step {entry['time_s']:8.2f} s{busy}"
-    elif entry["status"] == "skipped":
-        line = f"{head} skipped: {entry['error']}"
-    else:
-        line = f"{head} FAILED: {entry['error']}"
-    print(line, file=sys.stderr, flush=True)
-
-
-def _finish(document: dict[str, object], out: str, table: str, plot: Callable[[dict, str], str | None],
-            smoke: bool = False) -> None:
-    """Write the JSON and the plot, print the table (a smoke run: only whether every configuration ran)."""
-    document["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
-    if smoke:
-        table = smoke_summary(document["results"], f"bench {document['bench']}")  # type: ignore[arg-type]
-    busy = [r for r in document["results"] if r.get("status") == "ok" and _busy(r)]  # type: ignore[union-attr]
-    if busy and not smoke:
-        document.setdefault("notes", []).append(  # type: ignore[union-attr]
-            f"{len(busy)} configurations ran while other processes competed for the CPU: their times are "
-            "inflated (peaks are not); compare times as ratios within this run")
-    _write_json(out, document)
-    if os.path.exists(out + ".tmp"):
-        os.remove(out + ".tmp")
-    png = plot(document, os.path.splitext(out)[0] + ".png")
-    print(table)
-    for note in document.get("notes", []):  # type: ignore[union-attr]
-        print(f"note: {note}")
-    print(f"results: {out}" + (f", plot: {png}" if png else ""))
-
-
-def _document(bench: str, config: object, device: str) -> dict[str, object]:
-    return {"bench": bench, "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "config": asdict(config),  # type: ignore[call-overload]
-            "machine": machine_info(device), "results": []}
 
 
 def _table(results: list[dict], row_key: str, row_label: str, rows: list, modes: tuple[str, ...]) -> str:
@@ -241,28 +120,6 @@ def _table(results: list[dict], row_key: str, row_label: str, rows: list, modes:
     return "\n".join(lines)
 
 
-def _predictor(model: str, dtype: str, quiet: bool = False):
-    """The planner's CPU step-memory prediction for (P, R, G, mode, chunk, micro_batch[, checkpoint_layers]), or
-    None if the planner cannot read the model (the sweep then runs without skipping; quiet: no note then)."""
-    from longstraw import planner
-
-    try:
-        spec = planner.spec_from_config(planner.load_config(model), model)
-    except Exception as err:  # the sweep must not die on a model the planner does not know
-        if not quiet:
-            print(f"note: no planner prediction for {model} ({err}); nothing will be skipped", file=sys.stderr)
-        return None
-
-    def predict(p: int, r: int, g: int, mode: str, chunk: int, k: int, checkpoint_layers: bool = False,
-                offload_state: bool = False) -> int:
-        inp = planner.PlanInputs(prompt_tokens=p, response_tokens=r, group_size=g, dtype=dtype, chunk_size=chunk,
-                                 micro_batch=k, device="cpu", optimizer="none", checkpoint_layers=checkpoint_layers,
-                                 offload_state=offload_state)
-        return planner.estimate(spec, inp, mode).step_bytes
-
-    return predict
-
-
 def _size(n: int) -> str:
     return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / MIB:.1f} MiB"
 
@@ -283,9 +140,9 @@ def _available_bytes() -> int | None:
 
 def run_prompt_bench(cfg: PromptBenchConfig, out: str) -> dict[str, object]:
     """P ascending; each still-active plan runs at each P; a plan stops after its first P over the budget."""
-    document = _document("prompt", cfg, cfg.device)
+    document = sweep_document("prompt", cfg, cfg.device)
     results: list[dict] = document["results"]  # type: ignore[assignment]
-    predict = _predictor(cfg.model, cfg.dtype)
+    predict = predictor(cfg.model, cfg.dtype)
     available = _available_bytes() if cfg.device == "cpu" else None
     active = list(cfg.modes)
     print(f"bench prompt: {cfg.model} {cfg.dtype}, R={cfg.response_tokens} G={cfg.group_size}, P in "
@@ -304,7 +161,7 @@ def run_prompt_bench(cfg: PromptBenchConfig, out: str) -> dict[str, object]:
                 skipped.append(entry)
             else:
                 jobs.append((entry, mode))
-        ran = run_batch([(_job_config(cfg, cfg.model, p, cfg.chunk_size, cfg.micro_batch), mode, cfg.group_size)
+        ran = run_batch([(job_config(cfg, cfg.model, p, cfg.chunk_size, cfg.micro_batch), mode, cfg.group_size)
                          for _, mode in jobs], isolate=cfg.isolate)
         for (entry, _), measured in zip(jobs, ran):
             entry.update(measured)
@@ -312,10 +169,10 @@ def run_prompt_bench(cfg: PromptBenchConfig, out: str) -> dict[str, object]:
             entry["over_budget"] = entry["status"] == "ok" and entry["peak_bytes"] > cfg.budget_bytes
         for entry in [e for e, _ in jobs] + skipped:
             results.append(entry)
-            _progress(len(results), entry, f"P={p}")
+            print_progress(len(results), entry, f"P={p}")
             if entry["status"] != "ok" or entry.get("over_budget"):
                 active.remove(entry["mode"])
-        _write_json(out + ".tmp", document)
+        write_json(out + ".tmp", document)
         if not active:
             break
     document["summary"] = prompt_summary(results, cfg)
@@ -323,7 +180,7 @@ def run_prompt_bench(cfg: PromptBenchConfig, out: str) -> dict[str, object]:
         document["summary"])  # type: ignore[arg-type]
     from longstraw.bench.plots import plot_prompt
 
-    _finish(document, out, table, plot_prompt, cfg.smoke)
+    finish_sweep(document, out, table, plot_prompt, cfg.smoke)
     return document
 
 
@@ -352,138 +209,20 @@ def _prompt_lines(summary: dict) -> str:
     return "\n".join(lines)
 
 
-# ---------------------------------------------------------------- pareto
-
-
-def pareto_flags(points: list[tuple[float, float]]) -> list[bool]:
-    """For (memory, time) points: True where no other point is <= in both and < in one (minimisation)."""
-    flags = []
-    for i, (m, t) in enumerate(points):
-        dominated = any(m2 <= m and t2 <= t and (m2 < m or t2 < t) for j, (m2, t2) in enumerate(points) if j != i)
-        flags.append(not dominated)
-    return flags
-
-
-def lever_name(checkpoint: str, offload_state: bool) -> str:
-    """`plain`, `checkpoint`, `offload` or `checkpoint+offload`: the memory levers a configuration pulls."""
-    levers = (["checkpoint"] if checkpoint != "none" else []) + (["offload"] if offload_state else [])
-    return "+".join(levers) or "plain"
-
-
-def lever_suffix(checkpoint: str, offload_state: bool) -> str:
-    """The short label of the levers for tables and plots: "", "+ck", "+off" or "+ck+off"."""
-    return ("+ck" if checkpoint != "none" else "") + ("+off" if offload_state else "")
-
-
-def pareto_grid(cfg: ParetoBenchConfig) -> list[tuple[str, int, int, str, bool]]:
-    """(mode, micro_batch, chunk_size, checkpoint, offload_state) for every configuration of the sweep: the grid
-    (offloading only for the plans with a prompt state) and then `cfg.extra`, without repeats."""
-    grid = [(mode, k, c, ck, off) for mode in cfg.modes for off in cfg.offloads if not off or mode in OFFLOAD_MODES
-            for ck in cfg.checkpoints for k in cfg.micro_batches for c in cfg.chunk_sizes]
-    return list(dict.fromkeys(grid + [tuple(x) for x in cfg.extra]))  # type: ignore[misc]
-
-
-def _median_ratio(pairs: list[tuple[float, float]]) -> float | None:
-    ratios = [a / b for a, b in pairs if b > 0 and math.isfinite(a / b)]
-    return statistics.median(ratios) if ratios else None
-
-
-def lever_costs(results: list[dict]) -> dict[str, dict[str, dict[str, object]]]:
-    """Per plan and lever: the median of time(lever)/time(plain) and peak(lever)/peak(plain) over the
-    (micro_batch, chunk_size) where both ran ok (`pairs` of them); a ratio is None when no plain value was > 0."""
-    ok = [r for r in results if r.get("status") == "ok"]
-
-    def key(r: dict) -> tuple:
-        return r["mode"], r["micro_batch"], r["chunk_size"]
-
-    plain = {key(r): r for r in ok if lever_name(r["checkpoint"], r["offload_state"]) == "plain"}
-    pairs: dict[str, dict[str, list[tuple[dict, dict]]]] = {}
-    for r in ok:
-        lever = lever_name(r["checkpoint"], r["offload_state"])
-        if lever != "plain" and key(r) in plain:
-            pairs.setdefault(r["mode"], {}).setdefault(lever, []).append((r, plain[key(r)]))
-    return {mode: {lever: {
-        "pairs": len(both),
-        "time_ratio": _median_ratio([(r["time_s"], p["time_s"]) for r, p in both]),
-        "peak_ratio": _median_ratio([(r["peak_bytes"], p["peak_bytes"]) for r, p in both]),
-    } for lever, both in levers.items()} for mode, levers in pairs.items()}
-
-
-def _lever_lines(costs: dict) -> list[str]:
-    if not costs:
-        return []
-
-    def x(v: float | None) -> str:
-        return f"x{v:.2f}" if v is not None else "-"
-
-    lines = ["lever cost (median over equal micro_batch and chunk; lever / plain):"]
-    for mode, levers in costs.items():
-        for lever, c in levers.items():
-            lines.append(f"  {mode:<8} {lever:<19} time {x(c['time_ratio']):>7}  peak {x(c['peak_ratio']):>7}  "
-                         f"({c['pairs']} pairs)")
-    return lines
-
-
-def run_pareto_bench(cfg: ParetoBenchConfig, out: str) -> dict[str, object]:
-    """Every (plan, micro_batch, chunk_size, checkpoint, offload); Pareto flags per plan over all its levers
-    (`pareto`) and over all (`pareto_all`); the levers' cost as `lever_costs`."""
-    document = _document("pareto", cfg, cfg.device)
-    results: list[dict] = document["results"]  # type: ignore[assignment]
-    grid = pareto_grid(cfg)
-    print(f"bench pareto: {cfg.model} P={cfg.prompt_tokens} R={cfg.response_tokens} G={cfg.group_size}, "
-          f"{len(grid)} configurations", file=sys.stderr)
-    batches = [[x] for x in grid] if cfg.isolate else [grid]
-    for batch in batches:
-        jobs = [(replace(_job_config(cfg, cfg.model, cfg.prompt_tokens, c, k), offload_state=off), mode,
-                 cfg.group_size, ck) for mode, k, c, ck, off in batch]
-        for (_, k, c, ck, off), entry in zip(batch, run_batch(jobs, isolate=cfg.isolate)):
-            entry.update(micro_batch=k, chunk_size=c, checkpoint=ck, offload_state=off,
-                         prompt_tokens=cfg.prompt_tokens)
-            results.append(entry)
-            _progress(len(results), entry, f"k={k} chunk={c}{lever_suffix(ck, off)}")
-        _write_json(out + ".tmp", document)
-    ok = [r for r in results if r["status"] == "ok"]
-    for r, flag in zip(ok, pareto_flags([(r["peak_bytes"], r["time_s"]) for r in ok])):
-        r["pareto_all"] = flag
-    for mode in cfg.modes:
-        mine = [r for r in ok if r["mode"] == mode]
-        for r, flag in zip(mine, pareto_flags([(r["peak_bytes"], r["time_s"]) for r in mine])):
-            r["pareto"] = flag
-    document["lever_costs"] = costs = lever_costs(results)
-    if cfg.device == "cpu" and any(r["offload_state"] for r in results):
-        document.setdefault("notes", []).append(  # type: ignore[union-attr]
-            "on CPU the offloaded prompt state stays in the same (host) memory: the offload lever's peak shows "
-            "its copies, not the device memory it saves on a GPU")
-    lines = [f"{'plan':<8} {'k':>3} {'chunk':>6} {'ckpt':>6} {'offload':>7} {'peak MiB':>10} {'time s':>8}  front"]
-    for r in results:
-        head = (f"{r['mode']:<8} {r['micro_batch']:>3} {r['chunk_size']:>6} {r['checkpoint']:>6} "
-                f"{'yes' if r['offload_state'] else 'no':>7}")
-        if r["status"] != "ok":
-            lines.append(f"{head}  FAILED: {r['error']}")
-            continue
-        mark = ("plan" if r.get("pareto") else "") + (" + all" if r.get("pareto_all") else "")
-        lines.append(f"{head} {r['peak_bytes'] / MIB:>10.1f} {r['time_s']:>8.2f}  {mark}")
-    lines += _lever_lines(costs)
-    from longstraw.bench.plots import plot_pareto
-
-    _finish(document, out, "\n".join(lines), plot_pareto, cfg.smoke)
-    return document
-
-
 # ---------------------------------------------------------------- arch
 
 
 def run_arch_bench(cfg: ArchBenchConfig, out: str) -> dict[str, object]:
     """Every (arch, G, plan) at the B1 shape; ratios per arch as `bench memory` computes them."""
     archs = list(cfg.archs) or available_archs()
-    document = _document("arch", cfg, cfg.device)
+    document = sweep_document("arch", cfg, cfg.device)
     results: list[dict] = document["results"]  # type: ignore[assignment]
     print(f"bench arch: {', '.join(archs)}; P={cfg.prompt_tokens} R={cfg.response_tokens} G in {list(cfg.groups)}",
           file=sys.stderr)
     jobs = []  # (arch, model, job config, mode, G)
     for arch in archs:
         model = smoke_preset(arch) if cfg.smoke else arch_preset(arch)
-        job_cfg = _job_config(cfg, model, cfg.prompt_tokens, cfg.chunk_size, cfg.micro_batch)
+        job_cfg = job_config(cfg, model, cfg.prompt_tokens, cfg.chunk_size, cfg.micro_batch)
         jobs += [(arch, model, job_cfg, mode, g) for g in cfg.groups for mode in cfg.modes]
     # isolate: a fresh worker per configuration; smoke: one worker for every family's configurations
     batches = [[job] for job in jobs] if cfg.isolate else [jobs]
@@ -492,8 +231,8 @@ def run_arch_bench(cfg: ArchBenchConfig, out: str) -> dict[str, object]:
         for (arch, model, _, _, g), entry in zip(batch, measured):
             entry.update(arch=arch, model=model)
             results.append(entry)
-            _progress(len(results), entry, f"{arch} G={g}")
-        _write_json(out + ".tmp", document)
+            print_progress(len(results), entry, f"{arch} G={g}")
+        write_json(out + ".tmp", document)
     tables, ratios = [], {}
     for arch in archs:
         mine = [r for r in results if r["arch"] == arch]
@@ -503,7 +242,7 @@ def run_arch_bench(cfg: ArchBenchConfig, out: str) -> dict[str, object]:
     document["ratios"] = ratios
     from longstraw.bench.plots import plot_arch
 
-    _finish(document, out, "\n\n".join(tables), plot_arch, cfg.smoke)
+    finish_sweep(document, out, "\n\n".join(tables), plot_arch, cfg.smoke)
     return document
 
 
@@ -515,7 +254,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("float32", "float64", "bfloat16", "float16"), help="default float32")
     parser.add_argument("--device", help="cpu or cuda[:i] (default cpu); CUDA peak is max_memory_allocated")
     parser.add_argument("--seed", type=int, help="seed of the random group (default 0)")
-    parser.add_argument("--timeout", type=_positive_float, metavar="SECONDS", help="per-configuration limit")
+    parser.add_argument("--timeout", type=positive_float, metavar="SECONDS", help="per-configuration limit")
     parser.add_argument("--malloc-mmap-threshold", type=positive_int, metavar="BYTES",
                         help="glibc mmap threshold for the workers (default 131072)")
     parser.add_argument("--out", help="result JSON (default bench/results/<bench>-<YYYYmmdd-HHMMSS>.json)")

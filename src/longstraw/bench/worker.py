@@ -1,7 +1,7 @@
 """One benchmark configuration in a fresh process: `python -m longstraw.bench.worker '<json config>'`.
 
 Runs a single `backward_group` call (no warm-up: a warm-up would raise the high-water mark before the
-measurement) and prints one JSON line on stdout. Peak memory follows DESIGN §5: on CPU, VmHWM minus VmRSS
+measurement) and prints one JSON line on stdout. Peak memory follows docs/design.md §5: on CPU, VmHWM minus VmRSS
 just before the step, with the high-water mark reset first through /proc/self/clear_refs; on CUDA,
 `max_memory_allocated()` after a reset minus `memory_allocated()` before the step. Failures exit non-zero
 with a traceback on stderr, which the parent records.
@@ -17,10 +17,11 @@ import time
 
 import torch
 
-from longstraw import Group, backward_group, load_model
+from longstraw import Group, backward_group
+from longstraw.bench.common import load_bench_model
 from longstraw.memory import PeakMemory
 
-# Keys a config must carry; the parent (bench/memory.py) writes them all.
+# Keys a config must carry; the parent (`bench/common.py`: `worker_config`) writes them all.
 CONFIG_KEYS = (
     "model", "dtype", "device", "prompt_tokens", "response_tokens", "group_size", "mode", "chunk_size",
     "micro_batch", "seed", "checkpoint",
@@ -53,33 +54,13 @@ def make_group(
     return Group(prompt=prompt, responses=responses, advantages=advantages)
 
 
-def _load_model(name: str, dtype: str, device: str) -> torch.nn.Module:
-    """`load_model`, except that a preset on CUDA is built directly on the GPU in its dtype: a 1B-parameter
-    preset initialised in fp32 on the CPU first would cost each GPU worker ~10 s and 5 GB of host memory."""
-    from longstraw.models import PRESETS, _parse_dtype
-
-    if torch.device(device).type != "cuda" or name not in PRESETS:
-        return load_model(name, dtype=dtype, device=device, seed=0)
-    config = PRESETS[name]()
-    config._attn_implementation = "sdpa"
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=_parse_dtype(dtype))
-    model.eval()
-    for p in model.parameters():
-        p.requires_grad_(True)
-    return model
-
-
 def run_config(config: dict[str, object]) -> dict[str, object]:
     """Build the model and group, run one measured `backward_group`, return the measurement."""
     missing = [k for k in CONFIG_KEYS if k not in config]
     if missing:
         raise ValueError(f"worker config is missing {', '.join(missing)}")
     device = str(config["device"])
-    model = _load_model(str(config["model"]), str(config["dtype"]), device)
+    model = load_bench_model(str(config["model"]), str(config["dtype"]), device)
     if int(config.get("max_positions") or 0):  # a measurement past the trained context (bench --max-positions)
         model.config.max_position_embeddings = int(config["max_positions"])  # type: ignore[arg-type]
     group = make_group(

@@ -1,0 +1,342 @@
+"""What the benchmarks share: the job every bench runs (`MemoryBenchConfig`, Bench B1's defaults `B1`), running it in
+a fresh worker process (`run_one`, `run_batch`), the result file (`default_out`, `write_json`) and the sweeps'
+document, progress lines and finish (`sweep_document`, `print_progress`, `finish_sweep`), the planner's forecast of
+a measured peak (`predictor`), the B1-shaped presets per architecture family, and how a worker loads its model
+(`load_bench_model`).
+
+Workers run with glibc's mmap threshold fixed (MALLOC_MMAP_THRESHOLD_, 128 KiB by default). With glibc's
+dynamic threshold, freed blocks up to 32 MiB are kept in the heap and reused with fragmentation, so VmHWM
+measured the allocator's history more than the plan: on b1-llama, detach at G=2 measured 244-559 MiB from run
+to run and less at G=8 than at G=2. A fixed threshold returns every large tensor to the OS on free, and the
+same configuration repeats within 1 MiB.
+
+Nothing here imports another bench module (the worker runs as `python -m longstraw.bench.worker`), so every bench
+module can import this one without a cycle; torch, transformers and the planner are imported where used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+
+from longstraw.bench.machine import machine_info
+
+# Table/column order: the baseline first, then the plans it is compared with.
+DEFAULT_MODES = ("standard_batched", "standard", "detach", "exact")
+MIB = 1024 * 1024
+GIB = 1024**3
+STDERR_TAIL = 4000  # characters of a failed worker's stderr kept in the result file
+BUSY_PRESSURE = 0.1  # a step whose CPU pressure (PSI "some") exceeds this ran on a contended host
+# A step peak below this is under what VmHWM can resolve once heap pages are reused (tiny models, or several
+# configurations in one worker): shown as "< 1", and no ratio or growth is taken from it.
+PEAK_RESOLUTION = MIB
+SMOKE_NOTE = ("smoke run: it checks only that every configuration runs end to end; at this size peaks and times "
+              "mean nothing, so no table of them, ratios or forecasts are printed (the JSON has the raw numbers)")
+# A configuration is skipped when the planner predicts more than budget * (1 + this); the planner agrees with
+# measured peaks within 15% (tests/test_planner.py), so this never skips one that would have fitted.
+PLANNER_SLACK = 0.15
+
+
+@dataclass(frozen=True)
+class MemoryBenchConfig:
+    """One bench run. Defaults are Bench B1: b1-llama, fp32, P=4096, R=256, G in {2,4,8,16}, all 4 plans."""
+
+    model: str = "b1-llama"
+    dtype: str = "float32"
+    device: str = "cpu"
+    prompt_tokens: int = 4096
+    response_tokens: int = 256
+    groups: tuple[int, ...] = (2, 4, 8, 16)
+    modes: tuple[str, ...] = DEFAULT_MODES
+    chunk_size: int = 2048
+    micro_batch: int = 1
+    seed: int = 0
+    timeout_s: float | None = None  # per configuration; None waits as long as the worker runs
+    malloc_mmap_threshold: int = 128 * 1024  # bytes, for the workers' glibc malloc; 0 keeps glibc's default
+    isolate: bool = True  # a fresh worker per configuration; False (--smoke): one worker runs them all
+    checkpoints: tuple[str, ...] = ("none",)  # activation checkpointing: "none" and/or "layers", side by side
+    offload_state: bool = False  # detach/exact: prompt state in host memory (backward_group(offload_state=True))
+    max_positions: int = 0  # > 0: override the model's max_position_embeddings (a measurement past its context)
+    smoke: bool = False  # --smoke: report only that every configuration ran
+
+
+B1 = MemoryBenchConfig()
+
+
+def job_config(cfg, model: str, prompt_tokens: int, chunk_size: int, micro_batch: int) -> MemoryBenchConfig:
+    """A sweep's worker job: B1 with the model and shape given and the sweep config `cfg`'s dtype, device, R, seed,
+    timeout, malloc threshold and isolation."""
+    return replace(
+        B1, model=model, dtype=cfg.dtype, device=cfg.device, prompt_tokens=prompt_tokens,
+        response_tokens=cfg.response_tokens, chunk_size=chunk_size, micro_batch=micro_batch, seed=cfg.seed,
+        timeout_s=cfg.timeout_s, malloc_mmap_threshold=cfg.malloc_mmap_threshold, isolate=cfg.isolate,
+    )
+
+
+# ---------------------------------------------------------------- result files and text
+
+
+def default_out(bench: str, smoke: bool) -> str:
+    """bench/results/<bench>-<time>.json; a smoke run's under bench/results/smoke/ (ignored by git: its numbers
+    are not results)."""
+    folder = os.path.join("bench", "results", "smoke") if smoke else os.path.join("bench", "results")
+    return os.path.join(folder, f"{bench}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+
+
+def write_json(path: str, document: dict[str, object]) -> None:
+    with open(path, "w") as f:
+        json.dump(document, f, indent=2)
+        f.write("\n")
+
+
+def peak_text(peak_bytes: float, width: int = 9) -> str:
+    """A step peak in MiB, or "< 1" under the measurement's resolution (never a negative size)."""
+    if peak_bytes < PEAK_RESOLUTION:
+        return f"{'< 1':>{width}}"
+    return f"{peak_bytes / MIB:{width}.1f}"
+
+
+def smoke_summary(results: list[dict[str, object]], what: str) -> str:
+    """One line for a smoke run: how many configurations ran, which failed."""
+    failed = [r for r in results if r.get("status") not in ("ok", "skipped")]
+    lines = [f"{what}: {len(results) - len(failed)} of {len(results)} configurations ran", SMOKE_NOTE]
+    lines += [f"  FAILED: {r.get('mode')} G={r.get('group_size')}: {r.get('error')}" for r in failed]
+    return "\n".join(lines)
+
+
+def busy(entry: dict[str, object]) -> bool:
+    """Whether a measured step ran while other processes competed for the CPU (its time is inflated)."""
+    pressure = entry.get("cpu_pressure")
+    return isinstance(pressure, float) and pressure > BUSY_PRESSURE
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a number > 0 (the benches' --timeout)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+# ---------------------------------------------------------------- running a configuration in a fresh worker
+
+
+# A job: (config, mode, G) or (config, mode, G, checkpoint); checkpoint "none" when left out.
+Job = tuple[MemoryBenchConfig, str, int] | tuple[MemoryBenchConfig, str, int, str]
+
+
+def _unpack(job: Job) -> tuple[MemoryBenchConfig, str, int, str]:
+    config, mode, g, *rest = job
+    return config, mode, g, (str(rest[0]) if rest else "none")
+
+
+def worker_config(config: MemoryBenchConfig, mode: str, group_size: int,
+                  checkpoint: str = "none") -> dict[str, object]:
+    """The JSON object `bench/worker.py` reads (every key of its `CONFIG_KEYS`)."""
+    return {
+        "model": config.model, "dtype": config.dtype, "device": config.device,
+        "prompt_tokens": config.prompt_tokens, "response_tokens": config.response_tokens,
+        "group_size": group_size, "mode": mode, "chunk_size": config.chunk_size,
+        "micro_batch": config.micro_batch, "seed": config.seed, "checkpoint": checkpoint,
+        "offload_state": config.offload_state, "max_positions": config.max_positions,
+    }
+
+
+def describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        sig = -returncode
+        try:
+            name = signal.Signals(sig).name
+        except ValueError:
+            name = f"signal {sig}"
+        # The kernel's OOM killer sends SIGKILL; so would a person, but during a bench that is rare.
+        hint = " (likely out of memory)" if sig == signal.SIGKILL else ""
+        return f"killed by {name}{hint}"
+    return f"exit status {returncode}"
+
+
+def run_one(config: MemoryBenchConfig, mode: str, group_size: int, checkpoint: str = "none") -> dict[str, object]:
+    """Run one configuration in a fresh worker; return its result (status ok or failed), never raise."""
+    entry: dict[str, object] = {"mode": mode, "group_size": group_size, "checkpoint": checkpoint}
+    payload = json.dumps(worker_config(config, mode, group_size, checkpoint))
+    cmd = [sys.executable, "-m", "longstraw.bench.worker", payload]
+    env = dict(os.environ)
+    if config.malloc_mmap_threshold:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(config.malloc_mmap_threshold)  # see the module docstring
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=config.timeout_s, env=env)
+    except subprocess.TimeoutExpired as err:
+        stderr = err.stderr.decode(errors="replace") if isinstance(err.stderr, bytes) else (err.stderr or "")
+        entry.update(status="failed", error=f"timed out after {config.timeout_s} s",
+                     stderr_tail=stderr[-STDERR_TAIL:], process_s=time.perf_counter() - t0)
+        return entry
+    entry["process_s"] = time.perf_counter() - t0
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        error = describe_exit(proc.returncode) if proc.returncode != 0 else "worker printed no result"
+        entry.update(status="failed", error=error, stderr_tail=proc.stderr[-STDERR_TAIL:])
+        return entry
+    try:
+        measurement = json.loads(lines[-1])
+    except json.JSONDecodeError as err:
+        entry.update(status="failed", error=f"unreadable worker output: {err}",
+                     stderr_tail=proc.stderr[-STDERR_TAIL:])
+        return entry
+    entry.update(status="ok", **measurement)
+    return entry
+
+
+def run_batch(jobs: list[Job], isolate: bool = True) -> list[dict[str, object]]:
+    """Run (config, mode, G[, checkpoint]) jobs; isolate: a fresh worker each (the benchmarks), else one worker
+    for all, restarted after a failure (`--smoke`: saves a process start per configuration). Never raises."""
+    unpacked = [_unpack(job) for job in jobs]
+    if isolate or len(jobs) <= 1:
+        return [run_one(config, mode, g, ckpt) for config, mode, g, ckpt in unpacked]
+    results: list[dict[str, object]] = []
+    while len(results) < len(unpacked):
+        rest = unpacked[len(results):]
+        config = rest[0][0]
+        payload = json.dumps([worker_config(c, m, g, ck) for c, m, g, ck in rest])
+        env = dict(os.environ)
+        if config.malloc_mmap_threshold:
+            env["MALLOC_MMAP_THRESHOLD_"] = str(config.malloc_mmap_threshold)
+        # Smoke runs only check that the benchmarks work: one thread avoids the heavy slowdown of two
+        # OpenMP threads on a host whose cores are busy with other work.
+        env.setdefault("OMP_NUM_THREADS", "1")
+        t0 = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "longstraw.bench.worker", payload],
+                              capture_output=True, text=True, env=env)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+        share = (time.perf_counter() - t0) / max(1, len(lines) + (proc.returncode != 0))
+        for (_, mode, g, ckpt), line in zip(rest, lines):
+            results.append({"mode": mode, "group_size": g, "checkpoint": ckpt, "status": "ok", "process_s": share,
+                            **json.loads(line)})
+        if len(results) < len(unpacked):
+            _, mode, g, ckpt = unpacked[len(results)]
+            error = describe_exit(proc.returncode) if proc.returncode != 0 else "worker printed no result"
+            results.append({"mode": mode, "group_size": g, "checkpoint": ckpt, "status": "failed", "error": error,
+                            "stderr_tail": proc.stderr[-STDERR_TAIL:], "process_s": share})
+    return results
+
+
+def load_bench_model(name: str, dtype: str, device: str = "cpu"):
+    """A worker's model: `models.load_model` with seed 0; on CUDA a preset is built directly on the GPU in its dtype
+    (`init_on_device`): a 1B-parameter preset initialised in fp32 on the CPU first would cost each GPU worker ~10 s
+    and 5 GB of host memory."""
+    import torch
+
+    from longstraw.models import load_model
+
+    return load_model(name, dtype=dtype, device=device, seed=0, init_on_device=torch.device(device).type == "cuda")
+
+
+# ---------------------------------------------------------------- the sweeps' documents
+
+
+def sweep_document(bench: str, config: object, device: str) -> dict[str, object]:
+    """A sweep's result document before its first configuration: bench, start time, config, machine, results."""
+    return {"bench": bench, "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "config": asdict(config),  # type: ignore[call-overload]
+            "machine": machine_info(device), "results": []}
+
+
+def print_progress(index: int, entry: dict[str, object], label: str) -> None:
+    """A sweep's progress line on stderr for one configuration (ok, skipped or FAILED)."""
+    head = f"[{index}] {label:<28} {entry['mode']:<17}"
+    if entry["status"] == "ok":
+        note = f"  (host busy: CPU pressure {entry['cpu_pressure']:.0%})" if busy(entry) else ""
+        line = f"{head} peak {peak_text(float(entry['peak_bytes']))} MiB  step {entry['time_s']:8.2f} s{note}"
+    elif entry["status"] == "skipped":
+        line = f"{head} skipped: {entry['error']}"
+    else:
+        line = f"{head} FAILED: {entry['error']}"
+    print(line, file=sys.stderr, flush=True)
+
+
+def finish_sweep(document: dict[str, object], out: str, table: str, plot: Callable[[dict, str], str | None],
+                 smoke: bool = False) -> None:
+    """Write the JSON and the plot, print the table (a smoke run: only whether every configuration ran)."""
+    document["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    if smoke:
+        table = smoke_summary(document["results"], f"bench {document['bench']}")  # type: ignore[arg-type]
+    contended = [r for r in document["results"] if r.get("status") == "ok" and busy(r)]  # type: ignore[union-attr]
+    if contended and not smoke:
+        document.setdefault("notes", []).append(  # type: ignore[union-attr]
+            f"{len(contended)} configurations ran while other processes competed for the CPU: their times are "
+            "inflated (peaks are not); compare times as ratios within this run")
+    write_json(out, document)
+    if os.path.exists(out + ".tmp"):
+        os.remove(out + ".tmp")
+    png = plot(document, os.path.splitext(out)[0] + ".png")
+    print(table)
+    for note in document.get("notes", []):  # type: ignore[union-attr]
+        print(f"note: {note}")
+    print(f"results: {out}" + (f", plot: {png}" if png else ""))
+
+
+# ---------------------------------------------------------------- the planner's forecast
+
+
+def predictor(model: str, dtype: str, device: str = "cpu", quiet: bool = False):
+    """The planner's step-memory forecast `predict(P, R, G, mode, chunk, micro_batch, checkpoint_layers=False,
+    offload_state=False)` in bytes, what a worker measures (the peak above the loaded model, no optimizer): on CPU
+    with the planner's CPU runtime allowance, on CUDA without a reserve (`max_memory_allocated` counts none).
+
+    None if the planner cannot read the model or the dtype: the bench then runs without skipping (quiet: no note)."""
+    from longstraw import planner
+
+    on_cpu = not device.startswith("cuda")
+    try:
+        spec = planner.spec_from_config(planner.load_config(model), model)
+        if dtype not in planner.DTYPE_BYTES:
+            raise ValueError(f"unknown dtype {dtype!r}")
+    except Exception as err:  # a bench must not die on a model the planner does not know
+        if not quiet:
+            print(f"note: no planner prediction for {model} ({err}); nothing will be skipped", file=sys.stderr)
+        return None
+
+    def predict(p: int, r: int, g: int, mode: str, chunk: int, k: int, checkpoint_layers: bool = False,
+                offload_state: bool = False) -> int:
+        inp = planner.PlanInputs(prompt_tokens=p, response_tokens=r, group_size=g, dtype=dtype, chunk_size=chunk,
+                                 micro_batch=k, device="cpu" if on_cpu else "cuda", reserve=None if on_cpu else 0,
+                                 optimizer="none", checkpoint_layers=checkpoint_layers, offload_state=offload_state)
+        return planner.estimate(spec, inp, mode).step_bytes
+
+    return predict
+
+
+# ---------------------------------------------------------------- presets per architecture family
+
+
+def available_archs() -> list[str]:
+    """Architecture families with a B1-shaped preset `b1-<arch>` in `longstraw.models.PRESETS`."""
+    from longstraw.models import PRESETS
+
+    return sorted(name[len("b1-"):] for name in PRESETS if name.startswith("b1-"))
+
+
+def arch_preset(arch: str) -> str:
+    """The preset name of an architecture family (`llama` -> `b1-llama`); ValueError listing those that exist."""
+    from longstraw.models import PRESETS
+
+    name = f"b1-{arch}"
+    if name not in PRESETS:
+        raise ValueError(f"no preset {name!r}: architectures with a B1 preset: {', '.join(available_archs())}")
+    return name
+
+
+def smoke_preset(arch: str) -> str:
+    """The smallest preset of a family for `--smoke`: `tiny-<arch>` if it exists, else `b1-<arch>`."""
+    from longstraw.models import PRESETS
+
+    return f"tiny-{arch}" if f"tiny-{arch}" in PRESETS else arch_preset(arch)

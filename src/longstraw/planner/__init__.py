@@ -1,0 +1,133 @@
+"""Memory planner behind `longstraw plan`: per-GPU bytes of one GRPO step for every plan, before renting GPUs.
+
+From a transformers config (a preset, a built-in description of a paper-scale model, a directory or
+`config.json`, or a cached hub id) this module derives a `ModelSpec` (layer kinds, dimensions, parameter counts
+from a meta-device instantiation: no weights are allocated) and predicts, per plan, the peak of one
+`backward_group` call plus the optimizer state that lives beside it.
+
+How the peak is composed (`PlanEstimate.phases`): a resident part (weights, optimizer, prompt state and its
+gradient, runtime) plus the largest of the phases a step goes through:
+
+* capture (detach/exact): the state being built + one no-grad chunk's transient tensors;
+* replay (detach/exact): the saved activations of one micro-batch of k responses + the chunked log-prob's
+  transient (forward: logits and logsumexp's temporary, 2·c·V; backward: recomputed logits + the output
+  projection's weight-gradient temporary, c·V + V·d). Parameter gradients are resident from the second
+  micro-batch on; with a single micro-batch they grow while activations are freed (max, not sum);
+* prompt backward (exact): one chunk's activations recomputed with grad (the last layer stops at its K/V)
+  + the state gradient;
+* standard: the activations of full `P + R` sequences (one, or all G when batched) + three `[R, V]`
+  log-softmax tensors alive at the start of the backward.
+
+Activation bytes per token and layer are counted from the tensors autograd saves in transformers' layers and
+in LongStraw's attention kernel (RMSNorm: an fp32 copy of the input + the normalised input + the weighted
+output, (4 + 2b)·width; SwiGLU MLP: 4·I·b; attention through `prefix_attention`: q, k and v repeated to H
+heads, q regrouped for the prefix, the output projection's input (5·H·D·b) and two partial outputs in the
+accumulation dtype (2·H·D·a); standard attention through SDPA: (2·H·D + 2·Hkv·D)·b). Full-attention
+families (llama, qwen2/3, mistral) are validated against measured peaks (tests/test_planner.py); the
+formulas for linear attention, Mamba2, MLA, DSA and MoE layers are counted the same way from transformers'
+torch paths. Recurrent layers (gated DeltaNet, Mamba2: `RecurrentBytes`) are counted per segment, padded to
+their scan's chunk, with the no-grad capture's transient and the backward's; b1-mamba2 and b1-qwen3-next
+(3 gated-DeltaNet + 1 attention layer, MoE) are validated against measured peaks for standard, detach and exact
+with and without checkpointing (within 10%, slow test; bench/results/recurrent-*-clone.json).
+The prompt-state formulas of every family are pinned exactly against captured states
+(tests/state/test_architectures.py).
+
+Multi-GPU assumptions: FSDP/ZeRO-3 divides weights, gradients and optimizer state over the GPUs and gathers
+one decoder layer at a time (two in flight: prefetch) plus that layer's unsharded gradient; MoE experts are
+assumed expert-parallel (sharded, never gathered). Context parallelism `cp` divides the attention part of the
+prompt state (and its gradient) of detach/exact over `cp` GPUs; every rank keeps all recurrent states (each runs
+every chunk, `StateBytes.per_rank`); the standard plans are not context-parallel.
+
+Memory levers, as the engine implements them: `checkpoint_layers` (checkpointing.py: each layer's input, plus one
+layer's activations and backward buffers while it is recomputed) and `offload_state` (the state and its gradient
+in host memory, one layer's copies on the device; saves nothing without checkpointing).
+
+The package, by what each module holds (every name of the former single module `planner.py`, private helpers
+included, is still importable from `longstraw.planner` itself):
+
+* `spec`: `ModelSpec`, `spec_from_config`, `load_config`, the built-in descriptions, parameter counting;
+* `formulas`: the prompt state's and the activations' bytes per layer (`StateBytes`, `RecurrentBytes`, the
+  segment and standard-plan checkpointed terms);
+* `estimator`: `PlanInputs`, `PlanEstimate`, `estimate`, `largest_prompt`, `plan_all`;
+* `cli`: `longstraw plan`'s options, `parse_size`, `format_plan`, `run_from_args`.
+"""
+
+from __future__ import annotations
+
+from longstraw.planner.cli import _UNITS as _UNITS
+from longstraw.planner.cli import _gb as _gb
+from longstraw.planner.cli import (
+    add_arguments,
+    format_plan,
+    inputs_from_args,
+    parse_size,
+    positive_int,
+    run_from_args,
+)
+from longstraw.planner.estimator import (
+    CPU_RUNTIME_BYTES,
+    DEFAULT_CUDA_RESERVE,
+    DSA_SCORE_ROWS,
+    DTYPE_BYTES,
+    GIB,
+    MIB,
+    PLANS,
+    PlanEstimate,
+    PlanInputs,
+    estimate,
+    largest_prompt,
+    plan_all,
+)
+from longstraw.planner.estimator import _bytes_of as _bytes_of
+from longstraw.planner.formulas import (
+    RECURRENT_MIXERS,
+    RecurrentBytes,
+    StateBytes,
+    chunk_activation_bytes,
+    layer_activation_bytes,
+    model_activation_bytes,
+    recurrent_bytes,
+    recurrent_capture_bytes,
+    segment_activation_bytes,
+    standard_checkpointed_step_bytes,
+    state_bytes,
+    state_parts,
+)
+from longstraw.planner.formulas import _layer_per_token as _layer_per_token
+from longstraw.planner.formulas import _mixer_activation_bytes as _mixer_activation_bytes
+from longstraw.planner.formulas import _mlp_activation_bytes as _mlp_activation_bytes
+from longstraw.planner.formulas import _mlp_width as _mlp_width
+from longstraw.planner.formulas import _norm as _norm
+from longstraw.planner.formulas import _padded as _padded
+from longstraw.planner.formulas import _per_token_state_bytes as _per_token_state_bytes
+from longstraw.planner.formulas import _recurrent_bytes as _recurrent_bytes
+from longstraw.planner.formulas import _recurrent_layers as _recurrent_layers
+from longstraw.planner.spec import (
+    BUILTIN_NAMES,
+    LINEAR_SCAN_CHUNK,
+    MAMBA_SCAN_CHUNK,
+    PLANNER_MODEL_TYPES,
+    ModelSpec,
+    glm5_class,
+    hybrid_27b,
+    load_config,
+    spec_from_config,
+)
+from longstraw.planner.spec import _attention_dims as _attention_dims
+from longstraw.planner.spec import _count_params as _count_params
+from longstraw.planner.spec import _moe_layers as _moe_layers
+
+__all__ = [
+    # spec
+    "BUILTIN_NAMES", "LINEAR_SCAN_CHUNK", "MAMBA_SCAN_CHUNK", "PLANNER_MODEL_TYPES", "ModelSpec", "glm5_class",
+    "hybrid_27b", "load_config", "spec_from_config",
+    # formulas
+    "RECURRENT_MIXERS", "RecurrentBytes", "StateBytes", "chunk_activation_bytes", "layer_activation_bytes",
+    "model_activation_bytes", "recurrent_bytes", "recurrent_capture_bytes", "segment_activation_bytes",
+    "standard_checkpointed_step_bytes", "state_bytes", "state_parts",
+    # estimator
+    "CPU_RUNTIME_BYTES", "DEFAULT_CUDA_RESERVE", "DSA_SCORE_ROWS", "DTYPE_BYTES", "GIB", "MIB", "PLANS",
+    "PlanEstimate", "PlanInputs", "estimate", "largest_prompt", "plan_all",
+    # cli
+    "add_arguments", "format_plan", "inputs_from_args", "parse_size", "positive_int", "run_from_args",
+]

@@ -1,0 +1,152 @@
+"""`longstraw plan`'s command line: options (`add_arguments`), `PlanInputs` from them, the table (`format_plan`),
+sizes such as 96GB (`parse_size`)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from longstraw.planner.estimator import DTYPE_BYTES, PlanInputs, plan_all
+from longstraw.planner.spec import BUILTIN_NAMES, load_config, spec_from_config
+
+# ---------------------------------------------------------------- CLI
+
+
+_UNITS = {
+    "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+    "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+}
+
+
+def parse_size(text: str) -> int:
+    """'96GB' (10^9), '24GiB' (2^30), '512MiB', '1.5TB' -> bytes. A unit is required."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]+)\s*", text)
+    if not m or m.group(2).upper() not in _UNITS:
+        raise ValueError(
+            f"cannot read memory size {text!r}: write a number and a unit, e.g. 96GB, 80GiB, 512MiB "
+            f"(units: {', '.join(u if u.endswith('B') and len(u) < 4 else u[:-2] + 'iB' for u in _UNITS)})"
+        )
+    value = float(m.group(1)) * _UNITS[m.group(2).upper()]
+    if value <= 0:
+        raise ValueError(f"memory size must be positive, got {text!r}")
+    return int(value)
+
+
+def add_arguments(parser) -> None:
+    """Options of `longstraw plan`."""
+    parser.add_argument("--model", required=True,
+                        help=f"built-in ({', '.join(BUILTIN_NAMES)}), a preset (b1-llama, ...), a directory with "
+                             "config.json, a config.json file, or a hub id")
+    parser.add_argument("--prompt-tokens", type=positive_int, required=True, help="P")
+    parser.add_argument("--response-tokens", type=positive_int, required=True, help="R (every response)")
+    parser.add_argument("--group-size", type=positive_int, required=True, help="G")
+    parser.add_argument("--gpus", type=positive_int, default=1, help="GPUs sharing the step (default 1)")
+    parser.add_argument("--gpu-memory", default="80GB", help="memory per GPU, e.g. 96GB or 80GiB (default 80GB)")
+    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPE_BYTES), help="parameter dtype")
+    parser.add_argument("--cp", type=positive_int, default=1, help="context-parallel degree of the prompt state")
+    parser.add_argument("--no-shard", action="store_true", help="replicate weights/grads/optimizer (no FSDP)")
+    parser.add_argument("--micro-batch", type=positive_int, default=1, help="responses replayed at once")
+    parser.add_argument("--chunk-size", type=positive_int, default=2048, help="prompt chunk (capture/backward)")
+    parser.add_argument("--token-chunk", type=positive_int, default=1024, help="rows per log-prob block")
+    parser.add_argument("--optimizer", choices=("adamw", "none"), default="adamw",
+                        help="adamw: fp32 moments (+ fp32 master weights for bf16/fp16)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="cuda (default) or cpu: sets the runtime reserve")
+    parser.add_argument("--reserve", help="per-GPU bytes outside the tensors (default 2GiB on cuda, 20MiB on cpu)")
+    parser.add_argument("--checkpoint-layers", action="store_true",
+                        help="per-layer activation checkpointing (keeps each layer's input only; "
+                             "backward_group(checkpoint='layers'), longstraw train --checkpoint-layers)")
+    parser.add_argument("--offload-state", action="store_true",
+                        help="prompt state and its gradient in host memory, one layer's part on the GPU at a time "
+                             "(backward_group(offload_state=True)); saves GPU memory with --checkpoint-layers")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (shared by the planner's and the benchmarks' command lines)."""
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def inputs_from_args(args) -> PlanInputs:
+    """PlanInputs from parsed options; raises ValueError on a bad size or combination."""
+    if args.prompt_tokens < 2:
+        raise ValueError("--prompt-tokens must be >= 2 (detach/exact capture all but the last prompt token)")
+    if args.cp > args.gpus:
+        raise ValueError(f"--cp {args.cp} needs at least as many GPUs (--gpus {args.gpus})")
+    return PlanInputs(
+        prompt_tokens=args.prompt_tokens, response_tokens=args.response_tokens, group_size=args.group_size,
+        dtype=args.dtype, gpus=args.gpus, gpu_memory=parse_size(args.gpu_memory), cp=args.cp,
+        shard=not args.no_shard, micro_batch=args.micro_batch, chunk_size=args.chunk_size,
+        token_chunk=args.token_chunk, optimizer=args.optimizer, device=args.device,
+        reserve=parse_size(args.reserve) if args.reserve else None, checkpoint_layers=args.checkpoint_layers,
+        offload_state=args.offload_state,
+    )
+
+
+def _gb(n: int | None) -> str:
+    return "-" if n is None else f"{n / 1e9:.2f}"
+
+
+def format_plan(document: dict[str, object]) -> str:
+    """The table: one row per component, one column per plan (GB = 10^9 bytes), then total, fits, largest P."""
+    plans: dict[str, dict] = document["plans"]  # type: ignore[assignment]
+    inp: dict = document["inputs"]  # type: ignore[assignment]
+    model: dict = document["model"]  # type: ignore[assignment]
+    names = list(plans)
+    rows: list[str] = []
+    for est in plans.values():
+        for key in est["components"]:
+            if key not in rows:
+                rows.append(key)
+    width = max(len(r) for r in rows + ["largest prompt (tokens)"]) + 1
+    head = f"{'per GPU, GB':<{width}}" + "".join(f"{n:>18}" for n in names)
+    lines = [
+        f"{model['name']} ({model['model_type']}, {model['params'] / 1e9:.2f}B params, layers "
+        + ", ".join(f"{k}x{v}" for k, v in model["layer_kinds"].items()) + ")",
+        f"P={inp['prompt_tokens']} R={inp['response_tokens']} G={inp['group_size']} {inp['dtype']}, "
+        f"{inp['gpus']} GPU(s) x {inp['gpu_memory'] / 1e9:.1f} GB, cp={inp['cp']}, "
+        f"{'FSDP/ZeRO-3' if inp['shard'] and inp['gpus'] > 1 else 'no sharding'}, micro-batch "
+        f"{inp['micro_batch']}, chunk {inp['chunk_size']}"
+        + (", per-layer activation checkpointing" if inp["checkpoint_layers"] else "")
+        + (", prompt state offloaded to host memory" if inp.get("offload_state") else ""),
+        head, "-" * len(head),
+    ]
+    for key in rows:
+        lines.append(f"{key:<{width}}" + "".join(f"{_gb(plans[n]['components'].get(key)):>18}" for n in names))
+    lines.append("-" * len(head))
+    lines.append(f"{'peak (total)':<{width}}" + "".join(f"{_gb(plans[n]['total_bytes']):>18}" for n in names))
+    lines.append(f"{'peak phase':<{width}}" + "".join(f"{plans[n]['peak_phase']:>18}" for n in names))
+    lines.append(f"{'fits':<{width}}" + "".join(f"{'yes' if plans[n]['fits'] else 'NO':>18}" for n in names))
+    positions = inp["prompt_tokens"] + inp["response_tokens"]
+    if model.get("max_positions") and positions > model["max_positions"]:
+        lines.append(f"NO for every plan: P + R = {positions:,} positions exceeds the model's max_position_embeddings "
+                     f"({model['max_positions']:,}), which LongStraw refuses; use a longer-context model")
+    largest = [plans[n]["largest_prompt_tokens"] for n in names]
+    lines.append(f"{'largest prompt (tokens)':<{width}}"
+                 + "".join(f"{('none' if x is None else f'{x:,}'):>18}" for x in largest))
+    lines.append("peak = weights + optimizer + runtime (+ FSDP gather) + the largest phase; a phase holds the "
+                 "resident gradients/state plus its own transient rows")
+    return "\n".join(lines)
+
+
+def run_from_args(args) -> int:
+    """Entry point of `longstraw plan`; bad input goes to the parser's error (exit 2)."""
+    try:
+        inp = inputs_from_args(args)
+        spec = spec_from_config(load_config(args.model), name=args.model)
+    except ValueError as err:
+        args.fail(str(err))
+    document = plan_all(spec, inp)
+    if args.json:
+        print(json.dumps(document, indent=2))
+    else:
+        print(format_plan(document))
+    return 0

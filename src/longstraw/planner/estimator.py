@@ -1,0 +1,241 @@
+"""One planning question (`PlanInputs`) and one plan's answer (`PlanEstimate`): `estimate`, `largest_prompt`,
+`plan_all`. How the peak is composed: the package docstring (`longstraw.planner`)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from longstraw.planner.formulas import (
+    _recurrent_layers,
+    chunk_activation_bytes,
+    recurrent_bytes,
+    recurrent_capture_bytes,
+    segment_activation_bytes,
+    standard_checkpointed_step_bytes,
+    state_parts,
+)
+from longstraw.planner.spec import ModelSpec
+
+PLANS = ("standard_batched", "standard", "detach", "exact")
+MIB = 1024**2
+GIB = 1024**3
+
+# The step memory a fresh CPU process adds beyond its tensors (thread pools, BLAS/oneDNN workspaces, the
+# autograd engine's threads). Measured, not derived: 20-22 MiB on every b1-llama configuration of Bench B1
+# (the residual of the formulas below), 11 MiB on tiny-llama. On CUDA it is not counted by
+# max_memory_allocated; there `reserve_bytes` (CUDA context, NCCL buffers, allocator fragmentation) applies.
+CPU_RUNTIME_BYTES = 20 * MIB
+DEFAULT_CUDA_RESERVE = 2 * GIB
+# Assumed query-block of a DSA indexer scoring a prompt (fp32 scores, reduced over indexer heads).
+DSA_SCORE_ROWS = 256
+
+DTYPE_BYTES = {
+    "float64": 8, "fp64": 8, "float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2,
+}
+
+
+# ---------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """One planning question. Sizes in tokens; gpu_memory and reserve in bytes (reserve None: the device's
+    default, CPU_RUNTIME_BYTES on cpu, DEFAULT_CUDA_RESERVE on cuda)."""
+
+    prompt_tokens: int
+    response_tokens: int
+    group_size: int
+    dtype: str = "bf16"
+    gpus: int = 1
+    gpu_memory: int = 96 * 10**9
+    cp: int = 1
+    shard: bool = True  # FSDP/ZeRO-3 over the GPUs (when gpus > 1)
+    micro_batch: int = 1
+    chunk_size: int = 2048
+    token_chunk: int = 1024
+    optimizer: str = "adamw"
+    device: str = "cuda"
+    reserve: int | None = None
+    checkpoint_layers: bool = False  # per-layer activation checkpointing (backward_group(checkpoint="layers"))
+    offload_state: bool = False  # prompt state + its gradient in host memory (backward_group(offload_state=True))
+
+
+@dataclass
+class PlanEstimate:
+    """Per-GPU bytes of one plan: `components` (sizes), `phases` (resident + each phase's transient), `total`
+    (the peak: resident + the largest phase, plus the optimizer), `step_bytes` (what a bench measures: the
+    peak above the loaded weights, no optimizer state)."""
+
+    plan: str
+    components: dict[str, int]
+    phases: dict[str, int]
+    peak_phase: str
+    total_bytes: int
+    step_bytes: int
+    fits: bool
+    prompt_state_bytes: int
+    within_positions: bool = True  # P + R <= the model's max_position_embeddings (LongStraw refuses beyond it)
+
+
+def _bytes_of(dtype: str) -> int:
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPE_BYTES)}")
+    return DTYPE_BYTES[dtype]
+
+
+def estimate(spec: ModelSpec, inp: PlanInputs, plan: str) -> PlanEstimate:
+    """Predict one plan's per-GPU memory for `inp` (see the package docstring, `longstraw.planner`, for the
+    composition)."""
+    if plan not in PLANS:
+        raise ValueError(f"unknown plan {plan!r}: choose one of {', '.join(PLANS)}")
+    b = _bytes_of(inp.dtype)
+    a = max(4, b)  # accumulation dtype of attention merges and optimizer moments
+    p, r, g = inp.prompt_tokens, inp.response_tokens, inp.group_size
+    shards = inp.gpus if inp.shard and inp.gpus > 1 else 1
+    n, d, v = spec.params, spec.hidden, spec.vocab
+
+    weights = n * b // shards
+    grads = n * b // shards
+    if inp.optimizer == "adamw":
+        optimizer = n * (8 + (4 if b < 4 else 0)) // shards  # exp_avg, exp_avg_sq (+ fp32 master weights)
+    elif inp.optimizer == "none":
+        optimizer = 0
+    else:
+        raise ValueError(f"unknown optimizer {inp.optimizer!r}: adamw or none")
+    gathered = (2 * max(spec.max_layer_params, v * d) + spec.max_layer_params) * b if shards > 1 else 0
+    if inp.reserve is not None:
+        runtime = inp.reserve
+    elif inp.device == "cpu":
+        runtime = CPU_RUNTIME_BYTES
+    else:
+        runtime = DEFAULT_CUDA_RESERVE
+
+    comp: dict[str, int] = {"weights": weights, "gradients": grads, "optimizer": optimizer}
+    phases: dict[str, int] = {}
+    resident = weights + optimizer + runtime + gathered
+    if plan in ("detach", "exact"):
+        exact = plan == "exact"
+        parts = state_parts(spec, p - 1, b, inp.chunk_size, exact)
+        state, state_grad = parts.per_rank(inp.cp)
+        if inp.offload_state:
+            comp["state_in_host_memory"] = state + state_grad
+            if inp.checkpoint_layers:
+                # One layer's copy of its attention part is on the device at a time (replay: the whole prefix;
+                # prompt backward: the chunks before chunk j, plus chunk j's gradient of every layer brought over),
+                # plus the recurrent states being read. Measured by counting the live copies within 5%
+                # (tests/state/test_offload.py).
+                layer = math.ceil(parts.largest_layer / inp.cp)
+                copies = layer
+                if exact:
+                    f = min(inp.chunk_size, p - 1) / (p - 1)
+                    copies = max(layer, math.ceil(layer * (1 - f) + parts.attention_grad / inp.cp * f))
+                state = copies + (parts.recurrent_grad if exact else parts.recurrent)  # one boundary's worth
+                state_grad = (layer + parts.recurrent_grad) if exact else 0
+            # else: every layer's copy is saved for the backward: the whole state is on the device anyway
+        k = min(inp.micro_batch, g)
+        tokens = k * r
+        acts = segment_activation_bytes(spec, b, a, "replay", r, k, inp.checkpoint_layers)
+        # With checkpointing, the recurrent layers' recompute terms come after the log-prob's transient has ended
+        # (measured: a checkpointed replay of b1-mamba2 / b1-qwen3-next peaks in its log-prob, every layer holding
+        # its input only): they count against it with a max (attention-only models: acts).
+        during_logprob = (segment_activation_bytes(spec, b, a, "replay", r, k, True, scans=False)
+                          if inp.checkpoint_layers else acts)
+        c = min(inp.token_chunk, tokens)
+        logprob = max(2 * c * v * b, c * v * b + v * d * b)
+        dsa = any(m == "dsa" for m in spec.mixers)
+        indexer = DSA_SCORE_ROWS * math.ceil(p / inp.cp) * 4 if dsa else 0
+        steady = math.ceil(g / k) > 1  # gradients already resident while the next micro-batch runs
+        # The backward's tail: the embedding's dense (V, d) gradient; with tied embeddings the output projection's
+        # (V, d) gradient also waits in autograd's input buffer until it is summed with it.
+        tail = (2 if spec.tied else 1) * v * d * b
+        forward_backward = max(during_logprob + logprob + indexer, acts)
+        if steady:
+            replay = grads + max(forward_backward, tail)
+        else:
+            replay = max(forward_backward, grads + (v * d * b if spec.tied else 0))
+        chunk = min(inp.chunk_size, p - 1)
+        capture = chunk * (3 * spec.intermediate + 4 * d + 2 * spec.heads * max(spec.head_dim, 1)) * b
+        # Recurrent layers: the chunk's transient through their scans.
+        recurrent = [recurrent_bytes(spec, spec.mixers[i], chunk, b) for i in _recurrent_layers(spec)]
+        if recurrent:
+            capture = max(capture, recurrent_capture_bytes(spec, p - 1, b, inp.chunk_size))
+        phases["capture"] = resident + state + capture
+        phases["replay"] = resident + state + state_grad + replay
+        comp.update(prompt_state=state, state_gradients=state_grad, replay_activations=acts,
+                    logprob_chunk=logprob)
+        if dsa:
+            comp["indexer_scores"] = indexer
+        if exact:
+            kernel = "replay" if p - 1 > inp.chunk_size else "own"
+            chunk_acts = (segment_activation_bytes(spec, b, a, kernel, chunk, 1, True) if inp.checkpoint_layers
+                          else chunk_activation_bytes(spec, b, a, kernel, chunk)
+                          + max((x.backward for x in recurrent), default=0))
+            # backward transient of one layer (gradients of its MLP input/intermediate), measured ~ (I + d)·b
+            if not inp.checkpoint_layers:  # (with checkpointing the layer's backward buffers are counted above)
+                chunk_acts += chunk * (spec.intermediate + d) * b
+            phases["prompt_backward"] = resident + grads + state + state_grad + chunk_acts
+            comp["prompt_backward_chunk"] = chunk_acts
+        prompt_state = state
+    else:
+        seqs = g if plan == "standard_batched" else 1
+        acts = segment_activation_bytes(spec, b, a, "sdpa", p + r, seqs, inp.checkpoint_layers)
+        logits = 3 * seqs * r * v * b  # log-softmax output, its gradient, the logits' gradient
+        steady = plan == "standard" and g > 1  # gradients already resident while the next sequence runs
+        if inp.checkpoint_layers:
+            step = standard_checkpointed_step_bytes(spec, b, a, p + r, seqs, logits, grads, steady)
+        else:
+            step = (grads + max(acts + logits, acts)) if steady else max(acts + logits, acts, grads)
+        phases["forward_backward"] = resident + step
+        comp.update(prompt_state=0, sequence_activations=acts, logits=logits)
+        prompt_state = 0
+    if gathered:
+        comp["fsdp_gathered"] = gathered
+    comp["runtime"] = runtime
+    peak_phase = max(phases, key=lambda k: phases[k])
+    total = phases[peak_phase]
+    within = not spec.max_positions or p + r <= spec.max_positions
+    return PlanEstimate(
+        plan=plan, components=comp, phases=phases, peak_phase=peak_phase, total_bytes=total,
+        step_bytes=total - weights - optimizer, fits=within and total <= inp.gpu_memory,
+        prompt_state_bytes=prompt_state, within_positions=within,
+    )
+
+
+def largest_prompt(spec: ModelSpec, inp: PlanInputs, plan: str, limit: int = 2**34) -> int | None:
+    """The largest prompt length (tokens) for which `plan` fits `inp.gpu_memory`; None if not even 2 fits,
+    `limit` if everything up to it fits. Memory grows monotonically with P, so a binary search suffices."""
+    from dataclasses import replace
+
+    def fits(p: int) -> bool:
+        return estimate(spec, replace(inp, prompt_tokens=p), plan).fits
+
+    if not fits(2):
+        return None
+    if fits(limit):
+        return limit
+    lo, hi = 2, limit
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def plan_all(spec: ModelSpec, inp: PlanInputs, plans: tuple[str, ...] = PLANS) -> dict[str, object]:
+    """Every plan's estimate and largest fitting prompt, as the JSON document `longstraw plan --json` prints."""
+    out: dict[str, object] = {}
+    for plan in plans:
+        est = estimate(spec, inp, plan)
+        entry = asdict(est)
+        entry["largest_prompt_tokens"] = largest_prompt(spec, inp, plan)
+        out[plan] = entry
+    return {
+        "model": {
+            "name": spec.name, "model_type": spec.model_type, "params": spec.params,
+            "expert_params": spec.expert_params, "layers": spec.num_layers, "max_positions": spec.max_positions,
+            "layer_kinds": {k: spec.mixers.count(k) for k in dict.fromkeys(spec.mixers)},
+        },
+        "inputs": asdict(inp),
+        "plans": out,
+    }
+

@@ -1,0 +1,364 @@
+"""The planner's per-layer byte formulas (docs/design.md §4): the prompt state (`StateBytes`, `state_parts`,
+`state_bytes`) and the activations autograd saves (`RecurrentBytes` of the recurrent scans, per layer and per model,
+a prompt-backward chunk, the segment and standard-plan checkpointed terms). How `estimate` composes them: the
+package docstring (`longstraw.planner`)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from longstraw.planner.spec import LINEAR_SCAN_CHUNK, ModelSpec
+
+# ---------------------------------------------------------------- per-layer formulas (docs/design.md §4)
+
+
+def _recurrent_bytes(spec: ModelSpec, mixer: str, b: int) -> int:
+    """One copy of a recurrent layer's state: conv window (b) + recurrent state (fp32), constant in P."""
+    if mixer == "linear":
+        conv = (2 * spec.lin_key_heads * spec.lin_key_dim + spec.lin_value_heads * spec.lin_value_dim)
+        rec = spec.lin_value_heads * spec.lin_key_dim * spec.lin_value_dim
+        return conv * spec.conv_kernel * b + rec * 4
+    elif mixer in ("mamba", "attention+mamba"):
+        inner = spec.mamba_heads * spec.mamba_head_dim
+        conv = inner + 2 * spec.mamba_groups * spec.mamba_state
+        rec = spec.mamba_heads * spec.mamba_head_dim * spec.mamba_state
+        return conv * spec.conv_kernel * b + rec * 4
+    else:
+        return 0
+
+
+def _per_token_state_bytes(spec: ModelSpec, layer: int, b: int) -> tuple[int, int]:
+    """(bytes per prompt token that carry a gradient, bytes per token that do not) of one layer's state."""
+    mixer = spec.mixers[layer]
+    if mixer in ("attention", "sliding", "attention+mamba"):
+        return 2 * spec.kv_heads * spec.head_dim * b, 0
+    elif mixer in ("mla", "dsa"):
+        keys = spec.index_dim * b if mixer == "dsa" and spec.index_layers[layer] else 0
+        return (spec.kv_lora_rank + spec.qk_rope_dim) * b, keys
+    else:
+        return 0, 0
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """The prompt state of one sequence, split by where context parallelism puts it: the attention part (K/V,
+    MLA latents, DSA indexer keys: sharded over the cp ranks) and the recurrent part (conv/recurrent states:
+    every rank computes every chunk, so every rank holds them all). `*_grad`: the exact plan's state gradient.
+    `largest_layer`: the attention part of the largest layer (what an offloaded state copies to the device)."""
+
+    attention: int
+    attention_grad: int
+    recurrent: int
+    recurrent_grad: int
+    largest_layer: int
+
+    def per_rank(self, cp: int) -> tuple[int, int]:
+        """(state, state gradient) on one of `cp` context-parallel ranks."""
+        return (math.ceil(self.attention / cp) + self.recurrent,
+                math.ceil(self.attention_grad / cp) + self.recurrent_grad)
+
+
+def state_parts(spec: ModelSpec, positions: int, b: int, chunk: int, exact: bool) -> StateBytes:
+    """The prompt state for `positions` prompt tokens, one sequence (see `state_bytes`)."""
+    att = att_grad = rec_total = rec_grad = largest = 0
+    boundaries = max(1, math.ceil(positions / chunk))
+    for layer, mixer in enumerate(spec.mixers):
+        kept = positions
+        if mixer == "sliding" and spec.window and not exact:
+            # detach drops whole capture chunks that end before the last W-1 positions; exact keeps them all
+            # (its reverse prompt backward reads them as boundaries)
+            kept = positions - chunk * (max(0, positions - (spec.window - 1)) // chunk)
+        with_grad, without = _per_token_state_bytes(spec, layer, b)
+        att += kept * (with_grad + without)
+        att_grad += kept * with_grad
+        largest = max(largest, kept * (with_grad + without))
+        rec = _recurrent_bytes(spec, mixer, b)
+        rec_total += rec * (boundaries if exact else 1)
+        rec_grad += rec
+    return StateBytes(att, att_grad if exact else 0, rec_total, rec_grad if exact else 0, largest)
+
+
+def state_bytes(spec: ModelSpec, positions: int, b: int, chunk: int, exact: bool) -> tuple[int, int]:
+    """(prompt state, its gradient in the exact plan) for `positions` prompt tokens, one sequence.
+
+    Attention K/V and MLA latents grow with P (sliding layers in detach: the chunks reaching into the last W-1
+    positions); DSA indexer keys grow but carry no gradient; recurrent layers hold one state (detach) or one per
+    chunk boundary (exact), and their gradient is one state's worth.
+    """
+    parts = state_parts(spec, positions, b, chunk, exact)
+    return parts.per_rank(1)
+
+
+def _norm(width: int, b: int) -> int:
+    """RMSNorm's saved tensors per token: fp32 input copy, normalised input, weighted output."""
+    return (4 + 2 * b) * width
+
+
+def _padded(tokens: int, chunk: int) -> int:
+    """`tokens` rounded up to a multiple of `chunk` (the torch scans pad a segment to whole chunks)."""
+    return -(-tokens // chunk) * chunk
+
+
+@dataclass(frozen=True)
+class RecurrentBytes:
+    """Bytes of one recurrent token mixer (gated DeltaNet/KDA: `linear`; Mamba2) over a segment of `batch` rows of
+    `tokens` tokens, counted on transformers' torch paths (`torch_chunk_gated_delta_rule`, Mamba2's
+    `torch_forward`/`mamba2_chunk_scan`; no flash-linear-attention or mamba_ssm kernels, which keep far less).
+    Both scans pad the segment to whole chunks of their own (`LINEAR_SCAN_CHUNK`, the config's Mamba2 chunk size),
+    so a 128-token replay through a 256-chunk Mamba2 scan costs 256 tokens in every scan-sized tensor.
+
+    saved: what autograd saves for the backward in a forward with grad. tail: of it, what is saved after the layer's
+    state is produced (gated norm, output projection): a prompt-backward chunk whose forward stops at the last
+    layer's state does not save it. nograd: the live transient of a no-grad forward of the layer (the capture).
+    backward: the transient of its backward beyond the saved tensors. (The conv window and state the segment cache
+    keeps are copies of a few columns, counted with the state: `_recurrent_bytes`.)"""
+
+    saved: int
+    tail: int
+    nograd: int
+    backward: int
+
+
+RECURRENT_MIXERS = ("linear", "mamba", "attention+mamba")
+
+
+def recurrent_bytes(spec: ModelSpec, mixer: str, tokens: int, b: int, batch: int = 1,
+                    cached: bool = True) -> RecurrentBytes:
+    """`RecurrentBytes` of a `linear`, `mamba` or `attention+mamba` (its Mamba2 heads) mixer; zeros otherwise.
+    cached: the segment runs through LongStraw's `SegmentCache` (capture, replay, prompt backward); the standard plans
+    run the model without a cache (no conv concatenation)."""
+    if mixer == "linear":
+        kd, vd = spec.lin_key_heads * spec.lin_key_dim, spec.lin_value_heads * spec.lin_value_dim
+        conv, hv = 2 * kd + vd, spec.lin_value_heads
+        w = max(vd, hv * spec.lin_key_dim)  # q/k repeated to the value heads, v: Hv x d per token
+        c = LINEAR_SCAN_CHUNK
+        state = hv * spec.lin_key_dim * spec.lin_value_dim * 4
+        tp = _padded(tokens, c)
+        nc = tp // c
+        # Saved (per-layer saved-tensor hooks on b1-qwen3-next at T = 100, 128, 700, 704, 2048: within -1 … +8%):
+        # the conv input and the conv's output (2 x conv_dim, param dtype); ~20 fp32 tensors of Hv x d (q/k/v made
+        # contiguous, normalised, padded, k·beta, v·beta, the UT solve's outputs, decayed q/k, the core output, the
+        # gated norm's), counted per real token: a padded segment saves no more of them than an unpadded one (700
+        # tokens saved less than 704); six fp32 intra-chunk (c x c) matrices per value head (decays, k·kᵀ, q·kᵀ, the
+        # UT system), per padded token; three recurrent states per chunk.
+        saved = tokens * (2 * conv * b + 20 * w * 4) + tp * 6 * hv * c * 4 + 3 * nc * state
+        tail = tokens * (5 * vd * 4 + vd * b)  # gated RMSNorm (fp32) and the output projection's input
+        # No grad: the in_proj outputs, the conv input and its activation, three c x c matrices and ~9 Hv x d fp32
+        # tensors alive at the chunk loop (measured: 26.7 KB per token with the residual stream; this 25.7 KB).
+        in_proj = 2 * kd + 2 * vd + 2 * hv
+        nograd = tokens * ((in_proj + 2 * conv) * b + 9 * w * 4) + tp * 3 * hv * c * 4
+        backward = tp * hv * c * 4
+    elif mixer in ("mamba", "attention+mamba"):
+        h, hd, n = spec.mamba_heads, spec.mamba_head_dim, spec.mamba_state
+        inner = h * hd
+        conv = inner + 2 * spec.mamba_groups * n
+        proj = inner + conv + h  # in_proj output: gate, x/B/C, dt
+        c = spec.mamba_chunk
+        state = h * hd * n * 4
+        tp = _padded(tokens, c)
+        nc = tp // c
+        # Counted on `mamba2_chunk_scan` with saved-tensor hooks (b1-mamba2: 104.96 KB per token and layer at
+        # T = 2048, 168.8 KB at T = 128, i.e. 256 padded; tiny-mamba2 and a 768-wide, 24-head, N = 128 shape
+        # within 1.3%): per token the in_proj output, the conv input (cached: concatenated with the window), its
+        # output and activation, the gated norm's four fp32 tensors and the output projection's input, dt; per
+        # padded token three fp32 (c x c) matrices per head (the decay L, C·Bᵀ, the masked product copied for
+        # bmm), B and C repeated to the heads with their bmm copies (5 x H·N; 3 with a single chunk in the batch),
+        # four H x hd tensors (3 with a single chunk); two chunk states per chunk.
+        multi = batch * nc > 1
+        per_token = proj * b + (3 if cached else 2) * conv * b + 4 * inner * 4 + inner * b + 3 * h * 4
+        per_padded = (3 * c + (5 if multi else 3) * n + (4 if multi else 3) * hd + 2) * h * 4
+        saved = tokens * per_token + tp * per_padded + 2 * (nc + 1) * state
+        tail = tokens * (4 * inner * 4 + inner * b)
+        # No grad, measured on the three shapes at T = 2048 (89.6 / 32.9 / 194.9 KB per token with the residual
+        # stream; this gives 90.7 / 33.4 / 196.7): the in_proj output, the conv input and activation; the scan's
+        # L, C·Bᵀ and their product (locals alive to its end), B and C padded and repeated (3 x H·N) and ~8 H x hd
+        # tensors (x·dt, D·x, the diagonal and off-diagonal outputs and their bmm operands).
+        nograd = tokens * (proj + 2 * conv) * b + tp * (3 * c + 3 * n + 8 * hd) * h * 4
+        # Backward beyond the saved tensors: about one c x c gradient per head (measured 12.2-18.4 KB per token
+        # on the three shapes at T = 2048; this 8.2-24.6 KB).
+        backward = tp * h * c * 4
+    else:
+        return RecurrentBytes(0, 0, 0, 0)
+    return RecurrentBytes(*(batch * x for x in (saved, tail, nograd, backward)))
+
+
+def _recurrent_layers(spec: ModelSpec) -> list[int]:
+    return [i for i, m in enumerate(spec.mixers) if m in RECURRENT_MIXERS]
+
+
+def _mixer_activation_bytes(spec: ModelSpec, mixer: str, b: int, a: int, kernel: str) -> int:
+    """Saved bytes per token of one token mixer. kernel: 'replay' (LongStraw's prefix attention, with a
+    prefix), 'own' (prefix attention without a prefix: the first chunk), 'sdpa' (the standard plans).
+    Recurrent mixers (gated DeltaNet, Mamba2) pad to their scan chunk and are counted per segment by
+    `recurrent_bytes`: here they count 0 (Falcon-H1's parallel attention heads count)."""
+    if mixer in ("attention", "sliding", "attention+mamba", "mla", "dsa"):
+        h = spec.heads
+        if mixer in ("mla", "dsa"):
+            qk, v = spec.qk_nope_dim + spec.qk_rope_dim, spec.v_head_dim
+            # latent projections: q_a/kv_a outputs normalised, q_b/kv_b outputs, k assembled from nope + rope
+            proj = _norm(spec.q_lora_rank, b) + _norm(spec.kv_lora_rank, b)
+            proj += (h * qk + h * (spec.qk_nope_dim + v) + h * qk) * b
+            if mixer == "dsa":  # indexer query and key (computed without grad: nothing else is saved)
+                proj += 0
+        else:
+            qk = v = spec.head_dim
+            proj = 0
+            if spec.qk_norm:
+                proj += (4 + b) * (h * qk + spec.kv_heads * qk)
+            if spec.attn_gate:  # sigmoid(gate) and the attention output it multiplies
+                proj += 2 * h * v * b
+        if kernel == "sdpa":
+            kv = spec.kv_heads if mixer not in ("mla", "dsa") else h
+            attn = (h * qk + kv * qk + kv * v + h * v) * b + h * 4
+        else:
+            # q, k, v repeated to H heads, o_proj input; own output in the accumulation dtype; with a
+            # prefix also q regrouped for it and its partial output. lse/merge weights: a few per head.
+            attn = (h * qk + h * qk + h * v + h * v) * b + h * v * a + 4 * h * 4
+            if kernel == "replay":
+                attn += h * qk * b + h * v * a
+        return proj + attn
+    elif mixer in ("linear", "mamba"):
+        return 0
+    else:
+        raise ValueError(f"unknown mixer kind {mixer!r}")
+
+
+def _mlp_activation_bytes(spec: ModelSpec, mlp: str, b: int) -> int:
+    """SwiGLU: gate, up, act(gate), act*up (4·I·b). MoE: router logits and probabilities (fp32), per chosen
+    expert the gathered input, its SwiGLU and output, plus the shared expert."""
+    if mlp == "dense":
+        return 4 * spec.intermediate * b
+    elif mlp == "moe":
+        routed = spec.experts_per_token * (4 * spec.moe_intermediate + 2 * spec.hidden) * b
+        return routed + 4 * spec.shared_intermediate * b + 2 * spec.num_experts * 4
+    elif mlp == "none":
+        return 0
+    else:
+        raise ValueError(f"unknown mlp kind {mlp!r}")
+
+
+def _layer_per_token(spec: ModelSpec, layer: int, b: int, a: int, kernel: str) -> int:
+    """Saved bytes per token of decoder layer `layer` (norms + mixer + MLP) without its recurrent scan."""
+    mlp = spec.mlps[layer]
+    norms = _norm(spec.hidden, b) * (2 if mlp != "none" else 1)
+    return norms + _mixer_activation_bytes(spec, spec.mixers[layer], b, a, kernel) + _mlp_activation_bytes(
+        spec, mlp, b)
+
+
+def layer_activation_bytes(spec: ModelSpec, layer: int, b: int, a: int, kernel: str, tokens: int,
+                           batch: int = 1) -> int:
+    """Saved bytes of decoder layer `layer` in a forward with grad over `batch` rows of `tokens` tokens."""
+    rec = recurrent_bytes(spec, spec.mixers[layer], tokens, b, batch, cached=kernel != "sdpa")
+    return batch * tokens * _layer_per_token(spec, layer, b, a, kernel) + rec.saved
+
+
+def model_activation_bytes(spec: ModelSpec, b: int, a: int, kernel: str, tokens: int, batch: int = 1) -> int:
+    """Saved bytes of the whole decoder (every layer, the final norm, the input ids) for `batch` x `tokens`."""
+    layers = sum(_layer_per_token(spec, i, b, a, kernel) for i in range(spec.num_layers))
+    rec = sum(recurrent_bytes(spec, spec.mixers[i], tokens, b, batch, cached=kernel != "sdpa").saved
+              for i in _recurrent_layers(spec))
+    return batch * tokens * (layers + _norm(spec.hidden, b) + 8) + rec
+
+
+def chunk_activation_bytes(spec: ModelSpec, b: int, a: int, kernel: str, tokens: int) -> int:
+    """Saved bytes of a prompt-backward chunk recompute of `tokens` tokens: the forward stops once the last layer's
+    state is produced, so that layer contributes its input norm (and q/k-norm, computed before its K), and a
+    recurrent last layer its scan too (its state comes out of it), without the gated norm and output projection."""
+    last_layer = spec.num_layers - 1
+    layers = sum(_layer_per_token(spec, i, b, a, kernel) for i in range(last_layer))
+    last = _norm(spec.hidden, b)
+    if spec.qk_norm and spec.mixers[-1] in ("attention", "sliding"):
+        last += (4 + b) * (spec.heads + spec.kv_heads) * spec.head_dim
+    rec = sum(recurrent_bytes(spec, spec.mixers[i], tokens, b).saved for i in _recurrent_layers(spec)
+              if i < last_layer)
+    tail = recurrent_bytes(spec, spec.mixers[-1], tokens, b)
+    return tokens * (layers + last + 8) + rec + tail.saved - tail.tail
+
+
+def _mlp_width(spec: ModelSpec, layer: int) -> int:
+    """Intermediate width whose gradients a checkpointed layer's backward holds at once (Mamba2 layers: the mixer's
+    inner width). MoE: one expert's width, not the k routed experts' sum: measured on b1-qwen3-next (2 of 8 experts
+    of 352 + a shared one of 352), the backward of a checkpointed MoE layer adds 5.5-6.2 KB per token beyond its saved
+    tensors (11.2 and 12.1 MiB at T = 2048 behind a linear and an attention mixer), where (4·I + 2·d)·b gives 7.7 KB
+    with one expert's I and 18.9 KB with k·I_moe + I_shared (the standard plan's checkpointed step was then +16%)."""
+    mlp = spec.mlps[layer]
+    if mlp == "dense":
+        return spec.intermediate
+    elif mlp == "moe":
+        return max(spec.moe_intermediate, spec.shared_intermediate)
+    else:
+        return spec.mamba_heads * spec.mamba_head_dim
+
+
+def segment_activation_bytes(spec: ModelSpec, b: int, a: int, kernel: str, tokens: int, batch: int,
+                             checkpoint_layers: bool, scans: bool = True) -> int:
+    """Saved bytes of a forward with grad over `batch` rows of `tokens` tokens, plus the recurrent layers' backward
+    transient; with per-layer activation checkpointing (`checkpointing.py`) each layer's input (d·b) is kept, plus,
+    while one layer is recomputed and backpropagated, that layer's activations and its backward's gradient buffers:
+    the MLP's four intermediate gradients and two of the hidden size, (4·I + 2·d)·b (measured on deep-smollm2:
+    28.2-28.9 KB per token where this gives 28.5), or a recurrent scan's (`RecurrentBytes.backward`).
+
+    scans=False (with checkpointing): without the recurrent scans' recompute terms (their saved tensors and backward
+    transient): what the log-prob's transient (or the standard plans' logits), which ends before the first layer is
+    recomputed, coincides with."""
+    cached = kernel != "sdpa"
+    recs = [recurrent_bytes(spec, spec.mixers[i], tokens, b, batch, cached) for i in _recurrent_layers(spec)]
+    backward = max((r.backward for r in recs), default=0)
+    if not checkpoint_layers:
+        return model_activation_bytes(spec, b, a, kernel, tokens, batch) + backward
+    n = batch * tokens
+    if scans:
+        largest = max(layer_activation_bytes(spec, i, b, a, kernel, tokens, batch) for i in range(spec.num_layers))
+    else:
+        largest = max(n * _layer_per_token(spec, i, b, a, kernel) for i in range(spec.num_layers))
+        backward = 0
+    backward = max(backward, max(n * (4 * _mlp_width(spec, i) + 2 * spec.hidden) * b for i in range(spec.num_layers)))
+    return n * (spec.num_layers * spec.hidden * b + _norm(spec.hidden, b) + 8) + largest + backward
+
+
+def standard_checkpointed_step_bytes(spec: ModelSpec, b: int, a: int, tokens: int, seqs: int, logits: int,
+                                     grads: int, steady: bool) -> int:
+    """Step bytes of a standard plan's forward+backward over `seqs` rows of `tokens` tokens with per-layer
+    checkpointing, as the phases follow each other (located with torch.profiler's allocation events on deep-smollm2,
+    P = 1024-4096, standard and standard_batched; tests/test_planner.py validates the sum at P = 2048 and 16,384):
+
+    * logits: every layer's input (n·d·b) + the log-probs' tensors;
+    * layers, backward from the last: a layer recomputed holds its saved activations plus one gradient buffer of
+      its MLP width (a recurrent layer: its scan's backward transient), while the output projection's (V, d)
+      gradient waits. With gradients resident (`steady`), the waiting (V, d) gradient is only extra when tied (it
+      waits for the embedding's). Without, parameter gradients appear layer by layer as the layer inputs are freed:
+      the high point is at the first layer (all inputs) or the last (one input, every other gradient);
+    * the embedding's backward: its dense (V, d) gradient (tied: plus the waiting one and their sum)."""
+    n = seqs * tokens
+    inputs = n * (spec.hidden * b + 8)  # one layer's input (+ the int64 ids)
+    every_input = n * (spec.num_layers * spec.hidden * b + _norm(spec.hidden, b) + 8)
+    layer = 0
+    for i in range(spec.num_layers):
+        rec = recurrent_bytes(spec, spec.mixers[i], tokens, b, seqs, cached=False)
+        saved = n * _layer_per_token(spec, i, b, a, "sdpa") + rec.saved
+        # The MLP's backward, past the saved tensors it frees: one gradient of its width (dense, profiled); an MoE
+        # layer's routing adds more (measured 5.5-6.2 KB per token on b1-qwen3-next: see `_mlp_width`).
+        width = _mlp_width(spec, i)
+        buffer = n * (4 * width + 2 * spec.hidden) * b if spec.mlps[i] == "moe" else n * width * b
+        layer = max(layer, saved + max(buffer, rec.backward))
+    vd = spec.vocab * spec.hidden * b
+    if steady:
+        layers = grads + every_input + (vd if spec.tied else 0) + layer
+        embedding = grads + (3 if spec.tied else 1) * vd
+        return max(grads + every_input + logits, layers, embedding)
+    produced = grads - (0 if spec.tied else vd)  # every gradient but the embedding's (tied: the waiting one)
+    layers = max(every_input + vd, inputs + produced) + layer
+    embedding = grads + (2 if spec.tied else 0) * vd
+    return max(every_input + logits, layers, embedding)
+
+
+def recurrent_capture_bytes(spec: ModelSpec, positions: int, b: int, chunk: int) -> int:
+    """Transient of capturing one chunk through the recurrent layers: the largest layer's no-grad transient + the
+    residual stream (4·d·b per token, as the attention formula counts it)."""
+    layers = _recurrent_layers(spec)
+    if not layers:
+        return 0
+    tokens = min(chunk, positions)
+    recs = [recurrent_bytes(spec, spec.mixers[i], tokens, b) for i in layers]
+    return tokens * 4 * spec.hidden * b + max(r.nograd for r in recs)

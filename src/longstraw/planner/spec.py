@@ -1,0 +1,282 @@
+"""The planner's model description: `ModelSpec` (layer kinds, dimensions, parameter counts from a meta-device
+instantiation: no weights are allocated) read from a transformers config by `spec_from_config`; `load_config` and
+the built-in descriptions of paper-scale models (`hybrid_27b`, `glm5_class`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+
+# Chunk length of the chunked gated-delta-rule / Mamba2 scan, whose per-chunk states autograd keeps.
+LINEAR_SCAN_CHUNK = 64
+MAMBA_SCAN_CHUNK = 256
+
+
+# ---------------------------------------------------------------- built-in model descriptions
+
+
+def hybrid_27b():
+    """A 27B-class gated-DeltaNet/attention hybrid in the style of Qwen3.5/3.6 (Qwen3-Next layer pattern):
+    64 layers, 3 linear-attention layers per full-attention layer, hidden 5120, dense SwiGLU MLP 17408,
+    GQA 24/4 heads of 256, linear attention 16 key / 48 value heads of 128, vocab 248320.
+
+    Dimensions are our reading of public descriptions, not an official config; the parameter count comes out
+    at 26.9B (computed by the planner from a meta-device instantiation).
+    """
+    from transformers import Qwen3_5TextConfig
+
+    return Qwen3_5TextConfig(
+        hidden_size=5120, num_hidden_layers=64, intermediate_size=17408, num_attention_heads=24,
+        num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48,
+        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, vocab_size=248320,
+        max_position_embeddings=2**22,
+    )
+
+
+def glm5_class():
+    """A GLM-5-class MLA + DSA mixture of experts: transformers' `GlmMoeDsaConfig` defaults (78 layers,
+    hidden 6144, 256 routed experts of 2048 + 1 shared, 8 per token, MLA latent 512 + rope 64, indexer
+    32 heads of 128, top-k 2048): 744B parameters, ~40B active."""
+    from transformers import GlmMoeDsaConfig
+
+    return GlmMoeDsaConfig(max_position_embeddings=2**22)
+
+
+BUILTIN_NAMES = ("hybrid-27b", "glm5-class")
+
+
+def load_config(name: str):
+    """A transformers config from a built-in name, a LongStraw preset, a directory or config.json, or a hub id.
+
+    Raises ValueError (with what is accepted) when nothing matches.
+    """
+    from longstraw.models import PACKAGED_GGUF, PRESETS, converted_gguf, resolve_model_path
+
+    if name == "hybrid-27b":
+        return hybrid_27b()
+    elif name == "glm5-class":
+        return glm5_class()
+    elif name in PRESETS:
+        return PRESETS[name]()
+    elif name in PACKAGED_GGUF or name.endswith(".gguf"):  # a packaged real model: the config of its converted copy
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(converted_gguf(resolve_model_path(name)))
+    elif name.endswith(".json") and os.path.isfile(name):
+        from transformers import AutoConfig
+
+        with open(name) as f:
+            data = json.load(f)
+        if "model_type" not in data:
+            raise ValueError(f"{name} has no model_type: not a transformers config.json")
+        model_type = data.pop("model_type")
+        return AutoConfig.for_model(model_type, **data)
+    elif os.path.isdir(name):
+        from transformers import AutoConfig
+
+        if not os.path.isfile(os.path.join(name, "config.json")):
+            raise ValueError(f"directory {name!r} has no config.json")
+        return AutoConfig.from_pretrained(name)
+    else:
+        from transformers import AutoConfig
+
+        try:
+            return AutoConfig.from_pretrained(name)
+        except Exception as err:  # transformers raises OSError, ValueError, HTTP errors ... for a bad id
+            raise ValueError(
+                f"unknown model {name!r}: give a built-in description ({', '.join(BUILTIN_NAMES)}), a preset "
+                f"({', '.join(PRESETS)}), a directory holding config.json, a config.json path, or a hub id "
+                f"reachable from here ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
+            ) from None
+
+
+# ---------------------------------------------------------------- model description
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the planner needs from a config. `mixers[l]`: attention | sliding | linear | mamba | mla | dsa |
+    attention+mamba (Falcon-H1's parallel heads); `mlps[l]`: dense | moe | none. Sizes are element counts."""
+
+    name: str
+    model_type: str
+    hidden: int
+    vocab: int
+    mixers: tuple[str, ...]
+    mlps: tuple[str, ...]
+    params: int
+    expert_params: int  # routed-expert parameters (expert-parallel under sharding)
+    max_layer_params: int  # largest decoder layer without its routed experts (what FSDP gathers)
+    tied: bool = False
+    heads: int = 0
+    kv_heads: int = 0
+    head_dim: int = 0
+    qk_norm: bool = False
+    attn_gate: bool = False  # Qwen3-Next/3.5 gated attention: q_proj also yields a sigmoid gate
+    window: int = 0
+    intermediate: int = 0
+    moe_intermediate: int = 0
+    experts_per_token: int = 0
+    num_experts: int = 0
+    shared_intermediate: int = 0
+    lin_key_heads: int = 0
+    lin_value_heads: int = 0
+    lin_key_dim: int = 0
+    lin_value_dim: int = 0
+    conv_kernel: int = 0
+    mamba_heads: int = 0
+    mamba_head_dim: int = 0
+    mamba_state: int = 0
+    mamba_groups: int = 0
+    mamba_chunk: int = MAMBA_SCAN_CHUNK  # the config's chunk size of the Mamba2 scan (it pads segments to it)
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_rope_dim: int = 0
+    qk_nope_dim: int = 0
+    v_head_dim: int = 0
+    index_heads: int = 0
+    index_dim: int = 0
+    index_layers: tuple[bool, ...] = field(default_factory=tuple)  # DSA: layer keeps its own indexer keys
+    max_positions: int = 0  # the config's max_position_embeddings (0: none given)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.mixers)
+
+
+PLANNER_MODEL_TYPES = (
+    "llama", "qwen2", "qwen3", "mistral", "gemma3_text", "qwen3_next", "qwen3_5_text", "mamba2", "falcon_h1",
+    "deepseek_v3", "glm_moe_dsa", "kimi_linear",
+)
+
+
+def _count_params(config) -> tuple[int, int, int]:
+    """(total, routed-expert, largest layer without experts) parameters, from a meta-device model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    total = expert = 0
+    per_layer: dict[int, int] = {}
+    seen: set[int] = set()
+    for name, p in model.named_parameters(remove_duplicate=True):
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        total += p.numel()
+        is_expert = ".experts." in name
+        if is_expert:
+            expert += p.numel()
+        m = re.search(r"\.layers\.(\d+)\.", name)
+        if m and not is_expert:
+            per_layer[int(m.group(1))] = per_layer.get(int(m.group(1)), 0) + p.numel()
+    return total, expert, max(per_layer.values(), default=0)
+
+
+def _attention_dims(c) -> dict[str, int]:
+    heads = c.num_attention_heads
+    return {
+        "heads": heads, "kv_heads": getattr(c, "num_key_value_heads", None) or heads,
+        "head_dim": getattr(c, "head_dim", None) or c.hidden_size // heads,
+    }
+
+
+def _moe_layers(c, n: int) -> tuple[str, ...]:
+    """DeepSeek-style: the first `first_k_dense_replace` layers dense, the rest MoE (or `mlp_layer_types`)."""
+    types = getattr(c, "mlp_layer_types", None)
+    if types:
+        return tuple("moe" if t == "sparse" else "dense" for t in types)
+    k = getattr(c, "first_k_dense_replace", 0) or 0
+    return tuple("dense" if i < k else "moe" for i in range(n))
+
+
+def spec_from_config(config, name: str = "") -> ModelSpec:
+    """Read layer kinds and dimensions from a transformers config (text config of a multimodal wrapper)."""
+    c = getattr(config, "text_config", None) or config
+    mt = c.model_type
+    n = c.num_hidden_layers
+    total, expert, max_layer = _count_params(c)
+    base: dict[str, object] = {
+        "name": name or mt, "model_type": mt, "hidden": c.hidden_size, "vocab": c.vocab_size,
+        "params": total, "expert_params": expert, "max_layer_params": max_layer,
+        "tied": bool(getattr(c, "tie_word_embeddings", False)),
+        "max_positions": int(getattr(c, "max_position_embeddings", 0) or 0),
+    }
+    layer_types = list(getattr(c, "layer_types", None) or [])
+    if mt in ("llama", "qwen2", "qwen3", "mistral", "gemma3_text"):
+        window = getattr(c, "sliding_window", None) or 0
+        if not layer_types:
+            uses = getattr(c, "use_sliding_window", True) and window
+            layer_types = ["sliding_attention" if uses else "full_attention"] * n
+        mixers = tuple("sliding" if t == "sliding_attention" else "attention" for t in layer_types)
+        return ModelSpec(
+            **base, mixers=mixers, mlps=("dense",) * n, **_attention_dims(c),
+            qk_norm=mt in ("qwen3", "gemma3_text"), window=window, intermediate=c.intermediate_size,
+        )
+    elif mt in ("qwen3_next", "qwen3_5_text"):
+        mixers = tuple("linear" if t == "linear_attention" else "attention" for t in layer_types)
+        if mt == "qwen3_next":
+            mlps = tuple("dense" if i in (c.mlp_only_layers or []) or c.num_experts == 0
+                         or (i + 1) % c.decoder_sparse_step else "moe" for i in range(n))
+            moe = {"moe_intermediate": c.moe_intermediate_size, "experts_per_token": c.num_experts_per_tok,
+                   "num_experts": c.num_experts, "shared_intermediate": c.shared_expert_intermediate_size}
+        else:
+            mlps, moe = ("dense",) * n, {}
+        return ModelSpec(
+            **base, mixers=mixers, mlps=mlps, **_attention_dims(c), qk_norm=True, attn_gate=True,
+            intermediate=c.intermediate_size, lin_key_heads=c.linear_num_key_heads,
+            lin_value_heads=c.linear_num_value_heads, lin_key_dim=c.linear_key_head_dim,
+            lin_value_dim=c.linear_value_head_dim, conv_kernel=c.linear_conv_kernel_dim, **moe,
+        )
+    elif mt == "mamba2":
+        return ModelSpec(
+            **base, mixers=("mamba",) * n, mlps=("none",) * n, mamba_heads=c.num_heads,
+            mamba_head_dim=c.head_dim, mamba_state=c.state_size, mamba_groups=c.n_groups,
+            conv_kernel=c.conv_kernel, mamba_chunk=c.chunk_size or MAMBA_SCAN_CHUNK,
+        )
+    elif mt == "falcon_h1":
+        heads = c.mamba_n_heads
+        head_dim = c.mamba_d_head if c.mamba_d_head != "auto" else c.mamba_expand * c.hidden_size // heads
+        return ModelSpec(
+            **base, mixers=("attention+mamba",) * n, mlps=("dense",) * n, **_attention_dims(c),
+            intermediate=c.intermediate_size, mamba_heads=heads, mamba_head_dim=head_dim,
+            mamba_state=c.mamba_d_state, mamba_groups=c.mamba_n_groups, conv_kernel=c.mamba_d_conv,
+            mamba_chunk=getattr(c, "mamba_chunk_size", None) or MAMBA_SCAN_CHUNK,
+        )
+    elif mt == "kimi_linear":  # KDA layers (linear attention, one head set) + MLA layers, MoE FFNs
+        mixers = tuple("linear" if t == "linear_attention" else "mla" for t in layer_types)
+        return ModelSpec(
+            **base, mixers=mixers, mlps=_moe_layers(c, n), heads=c.num_attention_heads,
+            kv_heads=c.num_attention_heads, head_dim=c.qk_nope_head_dim + c.qk_rope_head_dim,
+            intermediate=c.intermediate_size, moe_intermediate=c.moe_intermediate_size,
+            experts_per_token=c.num_experts_per_token, num_experts=c.num_experts,
+            shared_intermediate=(c.num_shared_experts or 0) * c.moe_intermediate_size,
+            q_lora_rank=c.q_lora_rank or 0, kv_lora_rank=c.kv_lora_rank, qk_rope_dim=c.qk_rope_head_dim,
+            qk_nope_dim=c.qk_nope_head_dim, v_head_dim=c.v_head_dim, lin_key_heads=c.linear_num_heads,
+            lin_value_heads=c.linear_num_heads, lin_key_dim=c.linear_head_dim, lin_value_dim=c.linear_head_dim,
+            conv_kernel=c.linear_conv_kernel_dim,
+        )
+    elif mt in ("deepseek_v3", "glm_moe_dsa"):
+        if mt == "glm_moe_dsa":
+            types = list(getattr(c, "indexer_types", None) or ["full"] * n)
+            mixers = tuple("dsa" if t != "shared" else "mla" for t in types)
+            index_layers = tuple(t != "shared" for t in types)
+            index = {"index_heads": c.index_n_heads, "index_dim": c.index_head_dim}
+        else:
+            mixers, index_layers, index = ("mla",) * n, (), {}
+        return ModelSpec(
+            **base, mixers=mixers, mlps=_moe_layers(c, n), heads=c.num_attention_heads,
+            kv_heads=c.num_attention_heads, head_dim=c.qk_nope_head_dim + c.qk_rope_head_dim,
+            intermediate=c.intermediate_size, moe_intermediate=c.moe_intermediate_size,
+            experts_per_token=c.num_experts_per_tok, num_experts=c.n_routed_experts,
+            shared_intermediate=(c.n_shared_experts or 0) * c.moe_intermediate_size,
+            q_lora_rank=c.q_lora_rank or 0, kv_lora_rank=c.kv_lora_rank, qk_rope_dim=c.qk_rope_head_dim,
+            qk_nope_dim=c.qk_nope_head_dim, v_head_dim=c.v_head_dim, index_layers=index_layers, **index,
+        )
+    else:
+        raise ValueError(
+            f"the planner has no formulas for model_type {mt!r}; it knows {', '.join(PLANNER_MODEL_TYPES)}"
+        )
