@@ -116,7 +116,10 @@ def test_offloaded_state_leaves_one_layer_on_the_device():
     assert off["state_in_host_memory"] == resident["prompt_state"] + resident["state_gradients"]
     layer, f = math.ceil(parts.largest_layer / 8), 2048 / (2**20 - 1)
     copies = max(layer, math.ceil(layer * (1 - f) + parts.attention_grad / 8 * f))
-    assert off["prompt_state"] == copies + parts.recurrent_grad
+    # On a GPU the next attention layer's copies are prefetched on a side stream: one more layer on the device.
+    assert off["prompt_state"] == copies + layer + parts.recurrent_grad
+    assert estimate(spec, replace(base, offload_state=True, device="cpu"), "exact").components[
+        "prompt_state"] == copies + parts.recurrent_grad  # (no prefetch on the CPU)
     assert off["prompt_state"] < resident["prompt_state"] / 20
     no_ckpt = estimate(spec, replace(base, offload_state=True, checkpoint_layers=False), "exact").components
     assert no_ckpt["prompt_state"] == estimate(spec, replace(base, checkpoint_layers=False), "exact").components[

@@ -130,6 +130,8 @@ def estimate(spec: ModelSpec, inp: PlanInputs, plan: str) -> PlanEstimate:
                 if exact:
                     f = min(inp.chunk_size, p - 1) / (p - 1)
                     copies = max(layer, math.ceil(layer * (1 - f) + parts.attention_grad / inp.cp * f))
+                if inp.device != "cpu":
+                    copies += layer  # the next attention layer's copies, prefetched on a side stream (GPU only)
                 state = copies + (parts.recurrent_grad if exact else parts.recurrent)  # one boundary's worth
                 state_grad = (layer + parts.recurrent_grad) if exact else 0
             # else: every layer's copy is saved for the backward: the whole state is on the device anyway
