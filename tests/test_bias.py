@@ -51,7 +51,7 @@ def test_meter_equals_an_independent_computation_and_leaves_the_run_bit_identica
     seen = []
     for step in range(3):
         c.model.load_state_dict(b.model.state_dict())
-        r = c.rollout(step, 0, c.step_examples(step)[0])
+        r = c.sampler.rollout(c.model, step, 0, c.data.examples(step)[0])
         grads = {}
         for mode in ("detach", "exact"):
             c.model.zero_grad(set_to_none=True)

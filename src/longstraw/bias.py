@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -99,15 +99,3 @@ def measure(model: torch.nn.Module, groups: list[Group], cfg: TrainConfig) -> di
     out["time_bias_s"] = time.perf_counter() - t0
     return out
 
-
-def plot_panel(ax: Any, rows: list[dict[str, Any]]) -> None:
-    """The meter's numbers per metered step on a matplotlib axis: cosine (left axis), relative error (right)."""
-    steps = [r["step"] for r in rows]
-    ax.plot(steps, [r["bias_cosine"] for r in rows], marker="o", color="tab:green", label="cosine")
-    ax.set_xlabel("step")
-    ax.set_ylabel("cos(g_detach, g_exact)", color="tab:green")
-    right = ax.twinx()
-    right.plot(steps, [r["bias_rel_error"] for r in rows], marker="s", linestyle="--", color="tab:purple",
-               label="relative error")
-    right.set_ylabel("||g_detach - g_exact|| / ||g_exact||", color="tab:purple")
-    ax.set_title("detach plan's gradient bias (meter)")

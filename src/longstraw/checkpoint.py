@@ -10,6 +10,10 @@ Safety and integrity (format 2):
   other value's type and repr), recomputed on read: flipped bytes inside tensor data (which torch.load itself
   does not notice) are refused with a message naming the file.
 - a missing entry is reported by name, not as a KeyError.
+
+A run's state in and out of that file (`save_run`, `restore_run`): in a distributed run the sharded model and
+optimizer are gathered to rank 0, which writes, and rank 0's checkpoint is broadcast and loaded into every
+rank's shards. `check_same_shapes` refuses a checkpoint of another architecture before it is loaded.
 """
 
 from __future__ import annotations
@@ -17,13 +21,18 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import sys
 import time
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import torch
+
+if TYPE_CHECKING:
+    from longstraw.config import TrainConfig
+    from longstraw.distributed.runtime import Parallel
 
 FILENAME = "checkpoint.pt"
 TMP_SUFFIX = ".tmp"
@@ -141,6 +150,65 @@ def remove_stale_tmp(run_dir: str | Path) -> bool:
         tmp.unlink()
         return True
     return False
+
+
+# ---------------------------------------------------------------------------------------------------- a run's state
+
+
+def save_run(par: Parallel, run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+             scheduler: torch.optim.lr_scheduler.LRScheduler, cfg: TrainConfig, step: int, summary: dict[str, Any],
+             rng: dict[str, Any] | None) -> None:
+    """Checkpoint a run at a step boundary (every rank calls: a sharded state is gathered to rank 0, which
+    writes). rng: the RNG states at that boundary (None: the current ones); no optimizer with save_weights_only."""
+    state = par.full_state(model, optimizer)
+    if state is not None:  # rank 0
+        save_checkpoint(run_dir, {
+            "step": step,
+            "model": state[0],
+            "optimizer": None if cfg.save_weights_only else state[1],
+            "scheduler": scheduler.state_dict(),
+            "config": cfg.to_dict(),
+            "summary": summary,
+            "rng": rng if rng is not None else rng_state(),
+        })
+
+
+def restore_run(par: Parallel, ckpt: dict[str, Any] | None, model: torch.nn.Module,
+                optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
+                run_dir: Path) -> tuple[int, dict[str, Any]]:
+    """Load a checkpoint (read and checked by rank 0; None on the other ranks) into every rank's model,
+    optimizer and scheduler, and restore rank 0's RNG states; returns (step, summary)."""
+    meta = None
+    if ckpt is not None:
+        meta = {"scheduler": ckpt["scheduler"], "step": ckpt["step"], "summary": ckpt.get("summary", {}),
+                "has_optimizer": ckpt["optimizer"] is not None}
+    meta = par.broadcast(meta)
+    par.load_full_state(model, optimizer if meta["has_optimizer"] else None, ckpt and ckpt["model"],
+                        ckpt and ckpt["optimizer"])
+    scheduler.load_state_dict(meta["scheduler"])
+    step = int(meta["step"])
+    if ckpt is not None:
+        set_rng_state(ckpt["rng"])
+        if not meta["has_optimizer"]:
+            print(f"{run_dir / FILENAME} holds weights only (save_weights_only): the optimizer state "
+                  f"restarts from zero at step {step}, so this run differs from an uninterrupted one",
+                  file=sys.stderr)
+    return step, dict(meta["summary"])
+
+
+def check_same_shapes(model: torch.nn.Module, saved: dict[str, Any], path: Path) -> None:
+    """Refuse a checkpoint of another architecture before load_state_dict raises a size-mismatch traceback."""
+    own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    theirs = {k: tuple(v.shape) for k, v in saved.items()}
+    missing, extra = sorted(set(own) - set(theirs)), sorted(set(theirs) - set(own))
+    differ = [k for k in own if k in theirs and own[k] != theirs[k]]
+    if missing or extra or differ:
+        detail = [f"{len(differ)} tensor(s) of another shape (e.g. {differ[0]}: {theirs[differ[0]]} in the "
+                  f"checkpoint, {own[differ[0]]} here)"] if differ else []
+        detail += [f"{len(missing)} missing (e.g. {missing[0]})"] if missing else []
+        detail += [f"{len(extra)} unknown (e.g. {extra[0]})"] if extra else []
+        raise ValueError(f"checkpoint {path} holds another model than this run's: {'; '.join(detail)}. Resume "
+                         "with the model it was trained from")
 
 
 # ---------------------------------------------------------------------------------------------------- checksum

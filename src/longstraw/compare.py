@@ -214,7 +214,7 @@ def weight_divergence(model: str, dtype: str, seeds: list[int], plans: list[str]
 
 def summarize(configs: list[TrainConfig], plans: list[str], seeds: list[int]) -> dict[str, Any]:
     """Everything compare.json holds (see the module docstring), from the finished runs' files."""
-    from longstraw.trainer import read_metrics
+    from longstraw.reporting import read_metrics
 
     run_dir_of = {(c.plan, c.seed): Path(c.run_dir) for c in configs}
     runs = []
@@ -329,15 +329,11 @@ def markdown(result: dict[str, Any]) -> str:
 
 def plot(configs: list[TrainConfig], result: dict[str, Any], out: Path) -> Path | None:
     """compare.png (see the module docstring); skipped with a note without matplotlib."""
-    try:
-        import matplotlib
+    from longstraw.reporting import pyplot, read_metrics, save_figure
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no compare.png written (pip install matplotlib)", file=sys.stderr)
+    plt = pyplot("compare.png")
+    if plt is None:
         return None
-    from longstraw.trainer import read_metrics
 
     rows = {(c.plan, c.seed): read_metrics(Path(c.run_dir) / "metrics.jsonl") for c in configs}
     plans, seeds = result["plans"], result["seeds"]
@@ -379,11 +375,7 @@ def plot(configs: list[TrainConfig], result: dict[str, Any], out: Path) -> Path 
         axes[2].set_ylabel("cos(g_detach, g_exact)")
         axes[2].set_title("bias meter: detach vs exact gradient")
         axes[2].legend()
-    fig.tight_layout()
-    path = out / "compare.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, out / "compare.png")
 
 
 # ---------------------------------------------------------------------------------------------------- command

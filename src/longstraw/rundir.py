@@ -8,6 +8,8 @@
   fields that only change how it is computed or how long it runs are listed as a note.
 - `truncate_metrics`: after a kill, metrics.jsonl may hold steps past the checkpoint (they are redone on
   resume) and a half-written last line; both are removed so every step appears once.
+- `open_run_dir`: what the trainer calls (rank 0): `prepare_run_dir`, then on resume the checkpoint read and
+  checked (`checkpoint.load_checkpoint`, `check_resume_config`).
 """
 
 from __future__ import annotations
@@ -17,9 +19,12 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from longstraw.checkpoint import FILENAME, remove_stale_tmp
+from longstraw.checkpoint import FILENAME, load_checkpoint, remove_stale_tmp
+
+if TYPE_CHECKING:
+    from longstraw.config import TrainConfig
 
 # Files and folders a run writes; `--overwrite` deletes exactly these.
 RUN_OUTPUTS = (FILENAME, FILENAME + ".tmp", "metrics.jsonl", "metrics.jsonl.tmp", "summary.json", "progress.png",
@@ -31,6 +36,17 @@ IGNORED_FIELDS = ("run_dir", "resume", "overwrite", "force", "stop_after", "save
 NOTED_FIELDS = ("steps", "device", "chunk_size", "micro_batch", "checkpoint_layers", "offload_state", "cp")
 # Every other field (model, dtype, task, data, reward_fn, loss, group_size, lr, seed, ...) changes what is trained:
 # refused on resume unless --force. Unknown future fields fall in this group, the safe side.
+
+
+def open_run_dir(run_dir: Path, cfg: TrainConfig) -> dict[str, Any] | None:
+    """Check and create the run directory; with cfg.resume, read and check its checkpoint (before any model is
+    loaded) and return it, after printing the notes on changed settings."""
+    prepare_run_dir(run_dir, cfg.resume, cfg.overwrite)
+    if not cfg.resume:
+        return None
+    ckpt = load_checkpoint(run_dir)
+    print_notes(check_resume_config(ckpt["config"], cfg.to_dict(), cfg.force, str(run_dir / FILENAME)))
+    return ckpt
 
 
 def prepare_run_dir(run_dir: str | Path, resume: bool, overwrite: bool) -> Path:

@@ -5,6 +5,9 @@ finished, or a checkpoint is being written), a signal is held: the update and th
 finish, then `TrainingInterrupted` is raised and the trainer saves the completed step. Outside those regions it
 is raised at once (nothing has changed the weights yet, so the last completed step is still in memory). A
 second signal while one is held stops at once.
+
+`save_after_failure`: what the trainer saves when an exception or a signal ends the run (the last completed step,
+unless it is already saved or cannot be), with one line saying where the last checkpoint is.
 """
 
 from __future__ import annotations
@@ -13,8 +16,12 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from longstraw.distributed.runtime import Parallel
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -61,3 +68,33 @@ class StopSignals:
         if self.pending is not None:
             signum, self.pending = self.pending, None
             raise TrainingInterrupted(signum)
+
+
+def save_after_failure(save: Callable[[], None], path: Path, *, step: int, saved_step: int | None, steps_done: int,
+                       dirty: bool, par: Parallel) -> None:
+    """Checkpoint the last completed step (`step`, with `save`) unless it is already saved; one line on stderr
+    saying where. Nothing new since the start (or the resumed checkpoint): nothing. `dirty` (an optimizer step of
+    step + 1 had begun: the weights are neither step's) or a distributed run (a failed one cannot gather its
+    state): not saved, and the line says why. path: the checkpoint file."""
+    on_disk = f"the last checkpoint, step {saved_step}, is {path}" if saved_step is not None else \
+        "no checkpoint was written"
+    if steps_done == 0 and not dirty:
+        return  # nothing new since the start (or the resumed checkpoint)
+    if dirty or par.distributed:
+        why = (f"step {step + 1} had already changed the weights when it failed, so it is not saved"
+               if dirty else "a failed distributed run cannot gather its state")
+        if par.is_main:
+            print(f"longstraw train: {why}; {on_disk}", file=sys.stderr)
+        return
+    if saved_step == step:
+        print(f"longstraw train: the last completed step ({step}) is saved in {path}; continue with --resume",
+              file=sys.stderr)
+        return
+    try:
+        save()
+    except Exception as err:
+        print(f"longstraw train: could not save step {step} ({type(err).__name__}: {err}); {on_disk}",
+              file=sys.stderr)
+        return
+    print(f"longstraw train: saved the last completed step ({step}) to {path}; continue with --resume",
+          file=sys.stderr)

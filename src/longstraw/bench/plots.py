@@ -3,21 +3,9 @@ or None with a note on stderr when matplotlib is missing or no configuration suc
 
 from __future__ import annotations
 
-import sys
+from longstraw.reporting import pyplot as _pyplot  # the core's matplotlib set-up (Agg, note when missing)
 
 MIB = 1024 * 1024
-
-
-def _pyplot():
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot written (pip install matplotlib)", file=sys.stderr)
-        return None
-    return plt
 
 
 def _ok(results: list[dict]) -> list[dict]:
