@@ -9,6 +9,9 @@ from dataclasses import asdict, dataclass
 from longstraw.planner.formulas import (
     _recurrent_layers,
     chunk_activation_bytes,
+    masked_layers,
+    masked_score_bytes,
+    math_attention_score_bytes,
     recurrent_bytes,
     recurrent_capture_bytes,
     segment_activation_bytes,
@@ -138,6 +141,7 @@ def estimate(spec: ModelSpec, inp: PlanInputs, plan: str) -> PlanEstimate:
         k = min(inp.micro_batch, g)
         tokens = k * r
         acts = segment_activation_bytes(spec, b, a, "replay", r, k, inp.checkpoint_layers)
+        acts += masked_score_bytes(spec, a, r, min(inp.chunk_size, p - 1), k, inp.checkpoint_layers)
         # With checkpointing, the recurrent layers' recompute terms come after the log-prob's transient has ended
         # (measured: a checkpointed replay of b1-mamba2 / b1-qwen3-next peaks in its log-prob, every layer holding
         # its input only): they count against it with a max (attention-only models: acts).
@@ -162,6 +166,8 @@ def estimate(spec: ModelSpec, inp: PlanInputs, plan: str) -> PlanEstimate:
         recurrent = [recurrent_bytes(spec, spec.mixers[i], chunk, b) for i in _recurrent_layers(spec)]
         if recurrent:
             capture = max(capture, recurrent_capture_bytes(spec, p - 1, b, inp.chunk_size))
+        if masked_layers(spec):  # the masked path's no-grad score tensors of one (chunk x chunk) part
+            capture = max(capture, 3 * spec.heads * chunk * chunk * a + 4 * chunk * d * b)
         phases["capture"] = resident + state + capture
         phases["replay"] = resident + state + state_grad + replay
         comp.update(prompt_state=state, state_gradients=state_grad, replay_activations=acts,
@@ -176,12 +182,17 @@ def estimate(spec: ModelSpec, inp: PlanInputs, plan: str) -> PlanEstimate:
             # backward transient of one layer (gradients of its MLP input/intermediate), measured ~ (I + d)·b
             if not inp.checkpoint_layers:  # (with checkpointing the layer's backward buffers are counted above)
                 chunk_acts += chunk * (spec.intermediate + d) * b
+            attending = masked_layers(spec) - (spec.mixers[-1] in ("sliding", "mla", "dsa"))
+            chunk_acts += masked_score_bytes(spec, a, chunk, chunk if p - 1 > inp.chunk_size else 0, 1,
+                                             inp.checkpoint_layers, attending)
             phases["prompt_backward"] = resident + grads + state + state_grad + chunk_acts
             comp["prompt_backward_chunk"] = chunk_acts
         prompt_state = state
     else:
         seqs = g if plan == "standard_batched" else 1
         acts = segment_activation_bytes(spec, b, a, "sdpa", p + r, seqs, inp.checkpoint_layers)
+        if not inp.checkpoint_layers:
+            acts += math_attention_score_bytes(spec, p + r, seqs, b, list(range(spec.num_layers)))
         logits = 3 * seqs * r * v * b  # log-softmax output, its gradient, the logits' gradient
         steady = plan == "standard" and g > 1  # gradients already resident while the next sequence runs
         if inp.checkpoint_layers:

@@ -337,6 +337,7 @@ def standard_checkpointed_step_bytes(spec: ModelSpec, b: int, a: int, tokens: in
     for i in range(spec.num_layers):
         rec = recurrent_bytes(spec, spec.mixers[i], tokens, b, seqs, cached=False)
         saved = n * _layer_per_token(spec, i, b, a, "sdpa") + rec.saved
+        saved += math_attention_score_bytes(spec, tokens, seqs, b, [i])  # (MLA/DSA: its probabilities + backward)
         # The MLP's backward, past the saved tensors it frees: one gradient of its width (dense, profiled); an MoE
         # layer's routing adds more (measured 5.5-6.2 KB per token on b1-qwen3-next: see `_mlp_width`).
         width = _mlp_width(spec, i)
@@ -362,3 +363,41 @@ def recurrent_capture_bytes(spec: ModelSpec, positions: int, b: int, chunk: int)
     tokens = min(chunk, positions)
     recs = [recurrent_bytes(spec, spec.mixers[i], tokens, b) for i in layers]
     return tokens * 4 * spec.hidden * b + max(r.nograd for r in recs)
+
+
+def masked_layers(spec: ModelSpec) -> int:
+    """Layers whose attention takes the masked path (`attention.masked_prefix_attention`): sliding windows, MLA
+    latents, DSA selections. It materialises each key part's scores, where the fused path streams them."""
+    return sum(m in ("sliding", "mla", "dsa") for m in spec.mixers)
+
+
+def masked_score_bytes(spec: ModelSpec, a: int, tokens: int, part: int, batch: int, checkpoint_layers: bool,
+                       layers: int | None = None) -> int:
+    """Score tensors of the masked path in a forward+backward with grad over `batch` rows of `tokens` queries, in
+    the accumulation dtype (`a` bytes); `layers`: masked layers whose attention runs (default all; a prompt-backward
+    chunk stops at the last layer's state, so a masked last layer never attends there). Located with
+    torch.profiler on b1-deepseek-v3 (exact at P = 4096: the peak holds 9 score-sized tensors, 1152 MiB): the own
+    part (tokens x tokens) saves its masked scores and probabilities (2 per layer) until the backward reaches the
+    layer; the backward of the first layer it reaches holds 5 score-sized tensors of one part (tokens x `part` keys,
+    a prefix part recomputed under activation checkpointing, or the own part) — its scores and the gradients of
+    the masked scores, probabilities and products — while every layer below still holds its own part. With
+    per-layer checkpointing no other layer holds its own part. A sliding window does not shrink the parts: a chunk
+    the window touches is scored in full and then masked."""
+    m = masked_layers(spec) if layers is None else layers
+    if m <= 0:
+        return 0
+    own = 2 * spec.heads * batch * tokens * tokens * a
+    transient = 5 * spec.heads * batch * tokens * max(tokens, part) * a
+    return (0 if checkpoint_layers else (m - 1) * own) + transient
+
+
+def math_attention_score_bytes(spec: ModelSpec, tokens: int, seqs: int, b: int, layers: list[int]) -> int:
+    """The standard plans' attention in MLA/DSA layers: their query/key head dim differs from the value's, so
+    torch's SDPA takes its math path on the CPU, which saves each layer's probabilities (H x T x T per sequence),
+    and the backward of the layer it reaches holds about 1.5 more (measured on b1-deepseek-v3, P = 4096,
+    standard_batched G = 2 and 4: n + 1.54 and n + 1.52 such tensors for n layers; located with torch.profiler)."""
+    n = sum(spec.mixers[i] in ("mla", "dsa") for i in layers)
+    if not n:
+        return 0
+    scores = spec.heads * seqs * tokens * tokens * b
+    return n * scores + 3 * scores // 2
