@@ -422,8 +422,9 @@ def eval_mode_when_equal(model: torch.nn.Module) -> Iterator[None]:
     if active:
         shown = ", ".join(active[:3]) + (f" and {len(active) - 3} more" if len(active) > 3 else "")
         raise ValueError(f"the model has train-only randomness ({shown}), so its train() forward differs from the "
-                         "eval() forward LongStraw computes: disable dropout (set p=0; TRL: disable_dropout=True) "
-                         "or call model.eval()")
+                         "eval() forward LongStraw computes: set those to 0 (TRL's disable_dropout=True zeroes the "
+                         "nn.Dropout modules; attention_dropout is set on each attention module from "
+                         "config.attention_dropout) or call model.eval()")
     modes = [(module, module.training) for module in model.modules()]
     model.eval()
     try:
