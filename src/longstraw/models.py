@@ -295,7 +295,10 @@ def _check_hub(name: str) -> None:
 def _from_hub(name: str, dtype: torch.dtype) -> torch.nn.Module:
     """A hub model: from the local cache if it is there (no network), else after a quick check that the hub has it."""
     try:
-        return AutoModelForCausalLM.from_pretrained(name, dtype=dtype, local_files_only=True)
+        # adapter_kwargs: with PEFT installed, transformers first looks for an adapter_config.json and does not pass
+        # local_files_only on to that lookup, which then retries the hub for ~20 s when it is unreachable.
+        return AutoModelForCausalLM.from_pretrained(name, dtype=dtype, local_files_only=True,
+                                                    adapter_kwargs={"local_files_only": True})
     except OSError:
         pass  # not (completely) in the local cache
     if _hub_offline():
