@@ -173,11 +173,11 @@ def test_groups_regrouped_across_micro_batches(tmp_path, model_dirs, float64_trl
              gradient_accumulation_steps=accumulation, steps_per_generation=per_generation)
 
 
-def test_qwen3_plain_grpo_config_and_checkpointing(tmp_path, model_dirs, float64_trl_kernel):
-    """Qwen3 (tied embeddings), a plain GRPOConfig (LongStraw's defaults: the exact plan), and per-layer
-    checkpointing following gradient_checkpointing=True (TRL's default, on both sides)."""
+def test_qwen3_plain_grpo_config_no_checkpointing(tmp_path, model_dirs, float64_trl_kernel):
+    """Qwen3 (tied embeddings), a plain GRPOConfig (LongStraw's defaults: the exact plan), and no checkpointing (the
+    other cases run TRL's default gradient_checkpointing=True, hence LongStraw's per-layer checkpointing)."""
     _compare(tmp_path, model_dirs, 1e-12, family="qwen3", ours=GRPOConfig, loss_type="dapo", beta=0.04,
-             gradient_checkpointing=True)
+             gradient_checkpointing=False)
 
 
 def test_ragged_prompts(tmp_path, model_dirs, float64_trl_kernel):
@@ -206,8 +206,8 @@ def test_the_comparison_catches_a_different_gradient(tmp_path, model_dirs, float
     assert rel_err(g_ls, g_trl) > 1e-3
 
 
-def _config(**overrides):
-    settings = dict(output_dir="unused", per_device_train_batch_size=2 * G, num_generations=G, bf16=False,
+def _config(tmp_path, **overrides):
+    settings = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2 * G, num_generations=G, bf16=False,
                     report_to="none", max_completion_length=MAX_COMPLETION)
     settings.update(overrides)
     return LongStrawGRPOConfig(**settings)
@@ -228,30 +228,30 @@ def _config(**overrides):
      "neither divides the other"),
     (dict(per_device_train_batch_size=2, steps_per_generation=2), "each step must get whole groups"),
 ])
-def test_refuses_what_it_cannot_compute(model_dirs, overrides, reason):
+def test_refuses_what_it_cannot_compute(tmp_path, model_dirs, overrides, reason):
     model = AutoModelForCausalLM.from_pretrained(model_dirs["llama"])
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(ValueError, match=re.escape(reason)):
-        LongStrawGRPOTrainer(model, reward_funcs=_reward, args=_config(**overrides),
+        LongStrawGRPOTrainer(model, reward_funcs=_reward, args=_config(tmp_path, **overrides),
                              train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=byte_tokenizer_hf())
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
 
 
-def test_refuses_several_reasons_at_once_and_model_level_ones(model_dirs):
-    dataset, tokenizer = Dataset.from_dict({"prompt": PROMPTS}), byte_tokenizer_hf()
+def test_refuses_several_reasons_at_once_and_model_level_ones(tmp_path, model_dirs):
+    def build(model, **overrides):
+        return LongStrawGRPOTrainer(model, reward_funcs=_reward, args=_config(tmp_path, **overrides),
+                                    train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+                                    processing_class=byte_tokenizer_hf())
+
     with pytest.raises(ValueError, match="(?s)no CISPO loss.*two-sided clipping"):
-        LongStrawGRPOTrainer(model_dirs["llama"], reward_funcs=_reward, args=_config(loss_type="cispo", delta=2.0),
-                             train_dataset=dataset, processing_class=tokenizer)
-    model = AutoModelForCausalLM.from_pretrained(model_dirs["llama"])
+        build(model_dirs["llama"], loss_type="cispo", delta=2.0)
     with pytest.raises(ValueError, match="bf16=True with float32 parameters"):
-        LongStrawGRPOTrainer(model, reward_funcs=_reward, args=_config(bf16=True, use_cpu=True), train_dataset=dataset,
-                             processing_class=tokenizer)
-    model = AutoModelForCausalLM.from_pretrained(model_dirs["llama"], attention_dropout=0.1)
+        build(AutoModelForCausalLM.from_pretrained(model_dirs["llama"]), bf16=True, use_cpu=True)
+    dropout = AutoModelForCausalLM.from_pretrained(model_dirs["llama"], attention_dropout=0.1)
     with pytest.raises(ValueError, match=re.escape("model.layers.0.self_attn.attention_dropout=0.1")):
-        LongStrawGRPOTrainer(model, reward_funcs=_reward, args=_config(disable_dropout=True), train_dataset=dataset,
-                             processing_class=tokenizer)
+        build(dropout, disable_dropout=True)  # TRL's disable_dropout zeroes nn.Dropout modules only
     with pytest.raises(ValueError, match="longstraw_plan must be one of"):
-        _config(longstraw_plan="fast")
+        _config(tmp_path, longstraw_plan="fast")
 
 
 def test_importing_longstraw_does_not_import_trl():
@@ -271,7 +271,7 @@ def test_readme_from_trl_snippet_runs_as_written(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_step_peak_memory_is_flat_in_num_generations():
+def test_step_peak_memory_is_flat_in_num_generations(tmp_path):
     """Peak RSS of the loss + backward of one step (b1-llama, fp32, P = 2048, R = 64, one prompt per step), each in a
     fresh process: LongStraw's from G = 2 to G = 8 grows by under 5% (+8 MiB of allocator noise); TRL's, with the
     same per-device batch G and no checkpointing, grows by 20x that at least, which shows the measurement sees the
@@ -282,7 +282,7 @@ def test_step_peak_memory_is_flat_in_num_generations():
 
     def peak(which: str, g: int) -> float:
         out = subprocess.run([sys.executable, child, which, str(g), "2048", "64"], check=True, env=env,
-                             capture_output=True, text=True).stdout
+                             capture_output=True, text=True, cwd=tmp_path).stdout
         return json.loads(out.strip().splitlines()[-1])["peak_mib"]
 
     ours = {g: peak("longstraw", g) for g in (2, 8)}

@@ -1,6 +1,7 @@
-"""Child of test_trl.py's memory test: one GRPO step of b1-llama through a TRL trainer class, in a fresh process;
-prints the peak RSS above the start of `compute_loss` (the loss and its backward; generation is a fixed function,
-so it costs nothing) as JSON. argv: trainer (longstraw | trl), G, prompt tokens, completion tokens."""
+"""Child of test_trl.py's memory test: one GRPO step of b1-llama through a TRL trainer class, in a fresh process
+run in a scratch directory (the trainer's output_dir is relative); prints the peak RSS above the start of
+`compute_loss` (the loss and its backward; generation is a fixed function, so it costs nothing) as JSON.
+argv: trainer (longstraw | trl), G, prompt tokens, completion tokens."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def main() -> None:
     torch.set_num_threads(1)
     trainer_cls, config_cls = ((LongStrawGRPOTrainer, LongStrawGRPOConfig) if which == "longstraw"
                                else (GRPOTrainer, GRPOConfig))
-    args = config_cls(output_dir="unused", per_device_train_batch_size=g, num_generations=g,
+    args = config_cls(output_dir="trl-peak-out", per_device_train_batch_size=g, num_generations=g,
                       max_completion_length=completion_tokens, max_steps=1, bf16=False, report_to="none",
                       save_strategy="no", gradient_checkpointing=False, disable_tqdm=True, logging_strategy="no")
     trainer = trainer_cls(load_model("b1-llama"), reward_funcs=lambda completions, **kw: [float(ord(c[0]) % 5)
