@@ -9,7 +9,8 @@ DEMO_STAMP := $(VENV)/.demo-installed
 
 install: $(STAMP)
 
-# torch first (the CPU wheel on disk here; the normal PyPI build elsewhere), then the package with its dev extra.
+# torch first (the CPU wheel on disk here; the normal PyPI build elsewhere), then the package with its dev extra
+# (pytest, ruff, and TRL + PEFT, which tests/integrations/test_trl.py compares against).
 # constraints.txt pins the rest for reproducible tests; pyproject.toml keeps wide ranges for users.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)

@@ -212,3 +212,37 @@ def test_float16_backward_group_is_numerically_fine(mode):
     half.load_state_dict({k: v.to(torch.float16) for k, v in ref.state_dict().items()})
     _, g_half = _run(half, group, mode, chunk_size=16)
     assert bool(torch.isfinite(g_half).all()) and rel_err(g_half.double(), g_ref) < 5e-3
+
+
+def test_temperature_scores_logits_over_t_in_every_plan(family_model):
+    """temperature=T: log-probs of logits / T (TRL scores at its sampling temperature); exact == standard there."""
+    group = _with_policy_logprobs(family_model, random_group(17, LENGTHS, seed=5))
+    plain, _ = _run(family_model, group, "standard", beta=0.05)
+    ref, g_ref = _run(family_model, group, "standard", beta=0.05, temperature=0.7)
+    out, g_out = _run(family_model, group, "exact", chunk_size=5, beta=0.05, temperature=0.7)
+    assert rel_err(g_out, g_ref) <= 1e-10
+    for a, b, c in zip(out.logprobs, ref.logprobs, plain.logprobs):
+        assert (a - b).abs().max() <= 1e-10
+        assert (a - c).abs().max() > 1e-3
+    with pytest.raises(ValueError, match="temperature"):
+        backward_group(family_model, group, temperature=0.0)
+
+
+def test_allow_train_mode_runs_a_dropout_free_model_as_in_eval():
+    """TRL trains in train() mode: allow_train_mode accepts it when no dropout is active, computes the eval()
+    gradient, and leaves every module's mode as it was; active dropout is still refused, naming it."""
+    model = tiny_model("llama")
+    group = random_group(17, LENGTHS, seed=6)
+    _, g_eval = _run(model, group, "exact", chunk_size=5)
+    model.train()
+    model.model.layers[1].eval()  # a mixed state, restored as it was
+    with pytest.raises(ValueError, match="train\\(\\) mode"):
+        _run(model, group, "exact", chunk_size=5)
+    _, g_train = _run(model, group, "exact", chunk_size=5, allow_train_mode=True)
+    assert rel_err(g_train, g_eval) == 0.0
+    assert model.training and model.model.layers[0].training and not model.model.layers[1].training
+    model.model.layers[0].self_attn.attention_dropout = 0.1
+    model.zero_grad(set_to_none=True)
+    with pytest.raises(ValueError, match="layers.0.self_attn.attention_dropout=0.1"):
+        backward_group(model, group, allow_train_mode=True)
+    assert all(p.grad is None for p in model.parameters())

@@ -32,3 +32,19 @@ def test_chunked_logprobs_never_saves_full_logits():
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
         chunked_logprobs(hidden, weight, targets, token_chunk=16)
     assert saved and max(saved) <= 1000 * 8
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.3])
+def test_chunked_logprobs_at_a_temperature(temperature):
+    """log_softmax(logits / T): values and gradients against the full-logit reference (TRL scores at T)."""
+    gen = torch.Generator().manual_seed(1)
+    hidden = torch.randn(9, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(50, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 50, (9,), generator=gen)
+    fast = chunked_logprobs(hidden, weight, targets, 4, temperature=temperature)
+    ref = torch.log_softmax(hidden @ weight.t() / temperature, -1).gather(-1, targets[:, None]).squeeze(-1)
+    assert (fast - ref).abs().max() < 1e-13
+    assert (fast - chunked_logprobs(hidden, weight, targets, 4)).abs().max() > 1e-3  # T really changes them
+    grads_fast = torch.autograd.grad(fast.sum(), [hidden, weight])
+    for a, r in zip(grads_fast, torch.autograd.grad(ref.sum(), [hidden, weight])):
+        assert (a - r).abs().max() < 1e-12

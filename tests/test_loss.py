@@ -129,3 +129,59 @@ def test_zero_advantages_give_exactly_zero_gradient_unless_beta(kind):
     x = logp.clone().requires_grad_(True)
     response_loss(x, mask, zero, totals, make_loss_config(kind, beta=0.04), old_logp=old, ref_logp=ref).backward()
     assert torch.count_nonzero(x.grad[mask]) == int(mask.sum())
+
+
+@pytest.mark.parametrize("kind", ["grpo", "dr_grpo", "dapo", "gspo"])
+def test_kl_ratio_multiplies_the_k3_term_by_the_ratio(kind):
+    """kl_ratio (TRL's use_bias_correction_kl): beta * k3 * rho per token (* s_i for gspo); on-policy its value is
+    the plain k3 term's while its gradient is not."""
+    logp, mask, old, ref, adv = _data(3)
+    logp.requires_grad_(True)
+    beta = 0.1
+    with_ratio = make_loss_config(kind, beta=beta, kl_ratio=True)
+    totals = GroupTotals.of(LENGTHS, with_ratio)
+    got = response_loss(logp, mask, adv, totals, with_ratio, old, ref)
+    policy = response_loss(logp, mask, adv, totals, make_loss_config(kind), old, ref)
+    kl_terms = []
+    for i, n in enumerate(LENGTHS):
+        k3 = k3_kl(logp[i, :n], ref[i, :n])
+        if kind == "gspo":
+            kl_terms.append(k3.mean() * torch.exp((logp[i, :n] - old[i, :n]).mean()))
+        else:
+            kl_terms.append((k3 * torch.exp(logp[i, :n] - old[i, :n])).sum() / {
+                "grpo": n * len(LENGTHS), "dr_grpo": len(LENGTHS) * max(LENGTHS), "dapo": sum(LENGTHS)}[kind])
+    expected = policy + beta * sum(kl_terms) / (len(LENGTHS) if kind == "gspo" else 1)
+    assert abs(float((got - expected).detach())) < 1e-12
+    # On-policy (old = None): same value as without kl_ratio, different gradient.
+    on = response_loss(logp, mask, adv, totals, with_ratio, None, ref)
+    plain = make_loss_config(kind, beta=beta)
+    off = response_loss(logp, mask, adv, GroupTotals.of(LENGTHS, plain), plain, None, ref)
+    assert abs(float((on - off).detach())) < 1e-12
+    g_on, = torch.autograd.grad(on, logp)
+    g_off, = torch.autograd.grad(off, logp)
+    assert (g_on - g_off).abs().max() > 1e-4
+
+
+def test_token_normalizer_and_loss_scale():
+    """dapo's denominator can be set (TRL: the whole generation batch's tokens); loss_scale multiplies any loss."""
+    logp, mask, old, ref, adv = _data(4)
+    base = make_loss_config("dapo")
+    plain = response_loss(logp, mask, adv, GroupTotals.of(LENGTHS, base), base, old, ref)
+    cfg = make_loss_config("dapo", token_normalizer=40.0)
+    assert GroupTotals.of(LENGTHS, cfg).total_tokens == 40.0
+    got = response_loss(logp, mask, adv, GroupTotals.of(LENGTHS, cfg), cfg, old, ref)
+    assert abs(float(got - plain * sum(LENGTHS) / 40.0)) < 1e-14
+    for kind in ("grpo", "dr_grpo", "gspo"):
+        one, scaled = make_loss_config(kind), make_loss_config(kind, loss_scale=0.25)
+        a = response_loss(logp, mask, adv, GroupTotals.of(LENGTHS, one), one, old, ref)
+        b = response_loss(logp, mask, adv, GroupTotals.of(LENGTHS, scaled), scaled, old, ref)
+        assert abs(float(b - 0.25 * a)) < 1e-15
+    with pytest.raises(ValueError, match="token_normalizer is dapo's"):
+        make_loss_config("grpo", token_normalizer=10)
+    for bad in (0, -1.0, float("nan"), True):
+        with pytest.raises(ValueError, match="token_normalizer"):
+            make_loss_config("dapo", token_normalizer=bad)
+        with pytest.raises(ValueError, match="loss_scale"):
+            make_loss_config("grpo", loss_scale=bad)
+    with pytest.raises(TypeError, match="kl_ratio"):
+        make_loss_config("grpo", kl_ratio=1)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -24,7 +25,7 @@ from longstraw.choices import MODES
 from longstraw.group import Group
 from longstraw.logprobs import DEFAULT_TOKEN_CHUNK
 from longstraw.loss import GroupTotals, make_loss_config, response_loss
-from longstraw.models import RECURRENT_MODEL_TYPES, check_architecture
+from longstraw.models import RECURRENT_MODEL_TYPES, check_architecture, eval_mode_when_equal
 from longstraw.plans.exact import prompt_backward
 from longstraw.plans.replay import replay_responses
 from longstraw.plans.standard import standard
@@ -123,7 +124,9 @@ def backward_group(
     context_parallel=None,
     checkpoint: str = "none",
     offload_state: bool = False,
-    **loss_options: float | int | None,
+    temperature: float = 1.0,
+    allow_train_mode: bool = False,
+    **loss_options: float | int | bool | None,
 ) -> GroupResult:
     """Accumulate d(group loss)/d(params) into `.grad`, as `loss.backward()` would (never zeroes or steps).
 
@@ -138,12 +141,32 @@ def backward_group(
     micro-batches, the exact plan's prompt-backward chunks, the standard plans' sequences; `checkpointing.py`).
     offload_state: keep the prompt state (and the exact plan's state gradient) in host memory and copy one layer's
     part at a time to the device where it is read (detach/exact; saves device memory with checkpoint="layers").
-    loss_options: epsilon, epsilon_low, epsilon_high, beta, max_tokens (see `longstraw.loss`).
+    temperature: score log-probs of logits / temperature (the sampling temperature; TRL scores at it), in every plan.
+    allow_train_mode: accept a model in train() mode when its train and eval forwards compute the same numbers (no
+    dropout with p > 0, no attention dropout: `models.active_dropout`); the call runs it in eval() and restores each
+    module's mode after. False: any module in train() mode is refused.
+    loss_options: epsilon, epsilon_low, epsilon_high, beta, max_tokens, token_normalizer, kl_ratio, loss_scale
+    (see `longstraw.loss`).
     """
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
+            math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    if not isinstance(allow_train_mode, bool):
+        raise TypeError(f"allow_train_mode must be True or False, got {allow_train_mode!r}")
+    in_train = allow_train_mode and any(m.training for m in model.modules())
+    modes = eval_mode_when_equal(model) if in_train else nullcontext()
+    with modes:
+        return _backward_group(model, group, mode, loss, chunk_size, micro_batch, token_chunk, prompt_state,
+                               context_parallel, checkpoint, offload_state, float(temperature), loss_options)
+
+
+def _backward_group(model, group, mode, loss, chunk_size, micro_batch, token_chunk, prompt_state, context_parallel,
+                    checkpoint, offload_state, temperature, loss_options) -> GroupResult:
     try:
         cfg = make_loss_config(loss, **loss_options)
     except TypeError as err:
-        raise TypeError(f"{err}; valid loss options: epsilon, epsilon_low, epsilon_high, beta, max_tokens") from None
+        raise TypeError(f"{err}; valid loss options: epsilon, epsilon_low, epsilon_high, beta, max_tokens, "
+                        "token_normalizer, kl_ratio, loss_scale") from None
     chunk_size = _positive_int("chunk_size", chunk_size)
     micro_batch = _positive_int("micro_batch", micro_batch)
     token_chunk = _positive_int("token_chunk", token_chunk)
@@ -219,7 +242,7 @@ def backward_group(
     try:
         with checkpointed_layers(model, enabled=checkpoint == "layers"):
             total, logprobs = _run_plan(model, mode, prompt, responses, loss_fn, chunk_size, micro_batch,
-                                        token_chunk, prompt_state, context_parallel, offload_state, stats)
+                                        token_chunk, prompt_state, context_parallel, offload_state, temperature, stats)
     except FloatingPointError as err:
         # A micro-batch refused before its backward; earlier micro-batches of this group did run theirs. Gradients
         # that did not exist before the call are dropped again; existing ones cannot be restored without a copy.
@@ -236,11 +259,12 @@ def backward_group(
 
 
 def _run_plan(model, mode, prompt, responses, loss_fn, chunk_size, micro_batch, token_chunk, prompt_state,
-              context_parallel, offload_state, stats) -> tuple[float, list[torch.Tensor]]:
+              context_parallel, offload_state, temperature, stats) -> tuple[float, list[torch.Tensor]]:
     """The plan itself, phase by phase, with phase times and the state's size put in `stats`."""
     t0 = time.perf_counter()
     if mode in ("standard", "standard_batched"):
-        total, logprobs = standard(model, prompt, responses, loss_fn, batched=mode == "standard_batched")
+        total, logprobs = standard(model, prompt, responses, loss_fn, batched=mode == "standard_batched",
+                                   temperature=temperature)
         stats.update(prompt_state_bytes=0, capture_s=0.0, replay_s=time.perf_counter() - t0, prompt_backward_s=0.0)
         return total, logprobs
     # The last prompt token is replayed with each response, so only prompt[:-1] is captured.
@@ -253,7 +277,8 @@ def _run_plan(model, mode, prompt, responses, loss_fn, chunk_size, micro_batch, 
     t1 = time.perf_counter()
     if mode == "exact":
         state = state.as_leaves()
-    total, logprobs = replay_responses(model, prompt, state, responses, loss_fn, micro_batch, token_chunk)
+    total, logprobs = replay_responses(model, prompt, state, responses, loss_fn, micro_batch, token_chunk,
+                                       temperature)
     t2 = time.perf_counter()
     if mode == "exact":
         prompt_backward(model, prompt[:-1], state)

@@ -4,6 +4,9 @@
 log-probs, backward recomputes each block's logits and softmax. Peak extra memory is one block of logits
 (`token_chunk x vocab`) instead of all of them (8k tokens x 150k vocab in fp32 would be 4.9 GB).
 `naive_logprobs` beside it is the plain reference the parity test compares with.
+
+`temperature` scores log_softmax(logits / temperature), as samplers that draw at a temperature (and TRL's trainer,
+which scores at its sampling temperature) define the policy's log-probs; 1.0 leaves the logits as they are.
 """
 
 from __future__ import annotations
@@ -14,18 +17,22 @@ DEFAULT_TOKEN_CHUNK = 1024
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
-    """hidden (N, d), weight (V, d), targets (N,) -> logp (N,) = log_softmax(hidden @ weight.T)[n, targets[n]]."""
+    """hidden (N, d), weight (V, d), targets (N,) -> logp (N,) = log_softmax(hidden @ weight.T / T)[n, targets[n]]."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, token_chunk: int):  # type: ignore[override]
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, token_chunk: int,  # type: ignore[override]
+                temperature: float = 1.0):
         out = torch.empty(hidden.shape[0], dtype=hidden.dtype, device=hidden.device)
         lse = torch.empty_like(out)
         for s in range(0, hidden.shape[0], token_chunk):
             logits = hidden[s : s + token_chunk] @ weight.t()  # (c, V)
+            if temperature != 1.0:
+                logits.div_(temperature)
             tgt = targets[s : s + token_chunk]
             lse[s : s + token_chunk] = torch.logsumexp(logits, dim=-1)
             out[s : s + token_chunk] = logits.gather(1, tgt[:, None]).squeeze(1) - lse[s : s + token_chunk]
         ctx.token_chunk = token_chunk
+        ctx.temperature = temperature
         ctx.save_for_backward(hidden, weight, targets, lse)  # lse: N numbers, so backward skips a softmax pass
         return out
 
@@ -35,31 +42,39 @@ class _ChunkedLogprobs(torch.autograd.Function):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         d_hidden = torch.empty_like(hidden) if need_h else None
         d_weight = torch.zeros_like(weight) if need_w else None
-        c = ctx.token_chunk
+        c, temperature = ctx.token_chunk, ctx.temperature
         for s in range(0, hidden.shape[0], c):
             h = hidden[s : s + c]
             logits = h @ weight.t()  # (c, V), recomputed
+            if temperature != 1.0:
+                logits.div_(temperature)
             # d logp / d logits = onehot(target) - softmax(logits), scaled by the incoming gradient;
             # softmax = exp(logits - lse) in place, with the forward's lse.
             d_logits = logits.sub_(lse[s : s + c, None]).exp_().mul_(-grad_out[s : s + c, None])
             d_logits.scatter_add_(1, targets[s : s + c, None], grad_out[s : s + c, None])
+            if temperature != 1.0:
+                d_logits.div_(temperature)  # d(logits / T) / d(logits)
             if need_h:
                 d_hidden[s : s + c] = d_logits @ weight
             if need_w:
                 d_weight.addmm_(d_logits.t(), h)
-        return d_hidden, d_weight, None, None
+        return d_hidden, d_weight, None, None, None
 
 
 def chunked_logprobs(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, token_chunk: int = DEFAULT_TOKEN_CHUNK
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, token_chunk: int = DEFAULT_TOKEN_CHUNK,
+    temperature: float = 1.0,
 ) -> torch.Tensor:
-    """hidden (..., d), weight (V, d), targets (...) -> log-probs (...). Differentiable in hidden and weight."""
+    """hidden (..., d), weight (V, d), targets (...) -> log-probs (...) at `temperature`. Differentiable in hidden
+    and weight."""
     shape = targets.shape
-    flat = _ChunkedLogprobs.apply(hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), token_chunk)
+    flat = _ChunkedLogprobs.apply(hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), token_chunk,
+                                  temperature)
     return flat.view(shape)
 
 
-def naive_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def naive_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                   temperature: float = 1.0) -> torch.Tensor:
     """Reference: full logits, log_softmax, gather. Same shapes as `chunked_logprobs`."""
-    logits = hidden @ weight.t()
+    logits = hidden @ weight.t() / temperature
     return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)

@@ -15,6 +15,17 @@ defaults to logp.detach() (on-policy: ρ = 1 but its gradient is that of logp):
 
 With ``beta > 0`` the k3 estimate of KL(π‖π_ref), k3 = exp(ref − logp) − (ref − logp) − 1, is added per token
 (times β) with the same normalisation as the policy term (for gspo: token-mean per response, then /G).
+
+Options that reproduce other trainers' definitions (TRL's `GRPOTrainer`: `longstraw.integrations.trl` sets them;
+README, "From TRL"). Each defaults to LongStraw's own definition:
+
+* ``max_tokens``: dr_grpo's L_max (TRL: `max_completion_length`; ours: the group's longest response).
+* ``token_normalizer``: dapo's denominator instead of the group's Σ|o_i| (TRL: every completion token of the
+  optimizer step's generation batch, so several groups share one denominator).
+* ``kl_ratio``: multiply the k3 term by the ratio, ρ_{i,t} (s_i for gspo) — TRL's `use_bias_correction_kl`, its
+  default. Its value is k3 on-policy, its gradient is not: ∇(ρ·k3) = k3·∇ρ + ∇k3.
+* ``loss_scale``: the group loss times this factor (TRL averages grpo/dr_grpo/gspo over every sequence of the
+  optimizer step, N of them: a group of G then weighs G/N).
 """
 
 from __future__ import annotations
@@ -43,6 +54,9 @@ class LossConfig:
     epsilon_high: float = 0.2  # upper clip: ratio <= 1 + epsilon_high
     beta: float = 0.0  # KL coefficient (k3 estimator against ref_logprobs)
     max_tokens: int | None = None  # dr_grpo's L_max; None = longest response in the group
+    token_normalizer: float | None = None  # dapo's denominator; None = the group's Σ|o_i|
+    kl_ratio: bool = False  # k3 times the ratio (TRL's use_bias_correction_kl)
+    loss_scale: float = 1.0  # the group loss times this
 
 
 def make_loss_config(
@@ -53,8 +67,12 @@ def make_loss_config(
     epsilon_high: float | None = None,
     beta: float = 0.0,
     max_tokens: int | None = None,
+    token_normalizer: float | None = None,
+    kl_ratio: bool = False,
+    loss_scale: float = 1.0,
 ) -> LossConfig:
-    """Validate loss options. `epsilon` sets both clip sides; `epsilon_low`/`epsilon_high` override one side."""
+    """Validate loss options. `epsilon` sets both clip sides; `epsilon_low`/`epsilon_high` override one side.
+    `max_tokens`, `token_normalizer`, `kl_ratio`, `loss_scale`: see the module docstring."""
     if loss not in LOSSES:
         raise ValueError(f"unknown loss {loss!r}: choose one of {', '.join(LOSSES)}")
     low, high = _DEFAULT_CLIP[loss]
@@ -69,7 +87,20 @@ def make_loss_config(
         raise ValueError(f"epsilon_low must be < 1 (the ratio's lower clip is 1 - epsilon_low), got {low}")
     if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
         raise ValueError(f"max_tokens must be a positive int (dr_grpo's L_max), got {max_tokens!r}")
-    return LossConfig(kind=loss, epsilon_low=low, epsilon_high=high, beta=float(beta), max_tokens=max_tokens)
+    if token_normalizer is not None:
+        if loss != "dapo":
+            raise ValueError(f"token_normalizer is dapo's denominator; the {loss} loss has none (use loss='dapo')")
+        if isinstance(token_normalizer, bool) or not isinstance(token_normalizer, (int, float)) or not (
+                math.isfinite(token_normalizer) and token_normalizer > 0):
+            raise ValueError(f"token_normalizer must be a finite number > 0 (a token count), got {token_normalizer!r}")
+    if not isinstance(kl_ratio, bool):
+        raise TypeError(f"kl_ratio must be True or False, got {kl_ratio!r}")
+    if isinstance(loss_scale, bool) or not isinstance(loss_scale, (int, float)) or not (
+            math.isfinite(loss_scale) and loss_scale > 0):
+        raise ValueError(f"loss_scale must be a finite number > 0, got {loss_scale!r}")
+    return LossConfig(kind=loss, epsilon_low=low, epsilon_high=high, beta=float(beta), max_tokens=max_tokens,
+                      token_normalizer=None if token_normalizer is None else float(token_normalizer),
+                      kl_ratio=kl_ratio, loss_scale=float(loss_scale))
 
 
 @dataclass(frozen=True)
@@ -77,7 +108,7 @@ class GroupTotals:
     """Group-wide constants the normalisations need, known before any response is replayed."""
 
     num_responses: int  # G
-    total_tokens: int  # Σ_i |o_i|
+    total_tokens: float  # Σ_i |o_i|, or the config's token_normalizer
     max_tokens: int  # L_max
 
     @staticmethod
@@ -85,7 +116,8 @@ class GroupTotals:
         longest = max(lengths)
         if cfg.max_tokens is not None and cfg.max_tokens < longest:
             raise ValueError(f"max_tokens={cfg.max_tokens} is shorter than the longest response ({longest})")
-        return GroupTotals(len(lengths), sum(lengths), cfg.max_tokens or longest)
+        total = cfg.token_normalizer if cfg.token_normalizer is not None else sum(lengths)
+        return GroupTotals(len(lengths), total, cfg.max_tokens or longest)
 
 
 def _clipped_objective(ratio: torch.Tensor, adv: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
@@ -124,21 +156,25 @@ def response_loss(
         seq_ratio = torch.exp(delta.sum(-1) / lengths)  # (B,)
         per_response = -_clipped_objective(seq_ratio, adv, cfg)
         if cfg.beta:
-            per_response = per_response + cfg.beta * (k3_kl(logp, ref_logp) * mask_f).sum(-1) / lengths
-        return per_response.sum() / g
+            kl = (k3_kl(logp, ref_logp) * mask_f).sum(-1) / lengths
+            per_response = per_response + cfg.beta * (kl * seq_ratio if cfg.kl_ratio else kl)
+        return per_response.sum() / g * cfg.loss_scale
 
-    per_token = -_clipped_objective(torch.exp(delta), adv[:, None], cfg)  # (B, T)
+    ratio = torch.exp(delta)
+    per_token = -_clipped_objective(ratio, adv[:, None], cfg)  # (B, T)
     if cfg.beta:
-        per_token = per_token + cfg.beta * k3_kl(logp, ref_logp)
+        kl = k3_kl(logp, ref_logp)
+        per_token = per_token + cfg.beta * (kl * ratio if cfg.kl_ratio else kl)
     per_token = per_token * mask_f
     if cfg.kind == "grpo":
-        return (per_token.sum(-1) / lengths).sum() / g
+        loss = (per_token.sum(-1) / lengths).sum() / g
     elif cfg.kind == "dr_grpo":
-        return per_token.sum() / (g * totals.max_tokens)
+        loss = per_token.sum() / (g * totals.max_tokens)
     elif cfg.kind == "dapo":
-        return per_token.sum() / totals.total_tokens
+        loss = per_token.sum() / totals.total_tokens
     else:
         raise ValueError(f"unknown loss {cfg.kind!r}: choose one of {', '.join(LOSSES)}")
+    return loss * cfg.loss_scale
 
 
 def compute_advantages(rewards: torch.Tensor, kind: str = "grpo", eps: float = 1e-4) -> torch.Tensor:

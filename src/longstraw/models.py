@@ -11,7 +11,8 @@ import os
 import re
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -295,7 +296,10 @@ def _check_hub(name: str) -> None:
 def _from_hub(name: str, dtype: torch.dtype) -> torch.nn.Module:
     """A hub model: from the local cache if it is there (no network), else after a quick check that the hub has it."""
     try:
-        return AutoModelForCausalLM.from_pretrained(name, dtype=dtype, local_files_only=True)
+        # adapter_kwargs: with PEFT installed, transformers first looks for an adapter_config.json and does not pass
+        # local_files_only on to that lookup, which then retries the hub for ~20 s when it is unreachable.
+        return AutoModelForCausalLM.from_pretrained(name, dtype=dtype, local_files_only=True,
+                                                    adapter_kwargs={"local_files_only": True})
     except OSError:
         pass  # not (completely) in the local cache
     if _hub_offline():
@@ -394,6 +398,51 @@ def check_eval_mode(model: torch.nn.Module) -> None:
                        if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0]
             why = f"dropout active: {', '.join(dropout[:3])}" if dropout else "train-only behaviour such as dropout"
             raise ValueError(f"{where} is in train() mode ({why}): call model.eval() first")
+
+
+# Config fields whose non-zero value makes a forward in train() mode differ from one in eval() mode besides dropout
+# modules and attention dropout (MoE routers that add noise to their logits while training).
+_TRAIN_ONLY_CONFIG = ("router_jitter_noise",)
+
+
+def active_dropout(model: torch.nn.Module) -> list[str]:
+    """What a forward in train() mode would do that eval() does not, one entry per cause ("name p=0.1"): dropout
+    modules with p > 0, attention modules whose `attention_dropout` is > 0 (transformers applies it only in
+    training), and the train-only config fields above. Empty: train() and eval() compute the same numbers."""
+    found = []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
+            found.append(f"{name or 'the model'} p={module.p}")
+        rate = getattr(module, "attention_dropout", None)
+        if isinstance(rate, (int, float)) and not isinstance(rate, bool) and rate > 0:
+            found.append(f"{name or 'the model'}.attention_dropout={rate}")
+    config = getattr(model, "config", None)
+    for key in _TRAIN_ONLY_CONFIG:
+        value = getattr(config, key, None)
+        if isinstance(value, (int, float)) and value > 0:
+            found.append(f"config.{key}={value}")
+    return found
+
+
+@contextmanager
+def eval_mode_when_equal(model: torch.nn.Module) -> Iterator[None]:
+    """Run the block with every module in eval() mode and restore each module's own mode after, for a model in
+    train() mode whose train and eval forwards compute the same numbers (`active_dropout` is empty; else a
+    ValueError names the causes). TRL trains in train() mode with dropout disabled."""
+    active = active_dropout(model)
+    if active:
+        shown = ", ".join(active[:3]) + (f" and {len(active) - 3} more" if len(active) > 3 else "")
+        raise ValueError(f"the model has train-only randomness ({shown}), so its train() forward differs from the "
+                         "eval() forward LongStraw computes: set those to 0 (TRL's disable_dropout=True zeroes the "
+                         "nn.Dropout modules; attention_dropout is set on each attention module from "
+                         "config.attention_dropout) or call model.eval()")
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
 
 
 def check_uniform_dtype(model: torch.nn.Module) -> None:

@@ -39,3 +39,19 @@ def load_tokenizer(name_or_path: str) -> Any:
         return AutoTokenizer.from_pretrained(name_or_path, local_files_only=True)
     except OSError:
         return AutoTokenizer.from_pretrained(name_or_path)
+
+
+def byte_tokenizer_hf() -> Any:
+    """`ByteTokenizer`'s ids as a transformers `PreTrainedTokenizerFast` (bytes 0–255, EOS and pad 256), for
+    libraries that need a transformers tokenizer with the presets (TRL's GRPOTrainer). Built locally, no download."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    table = bytes_to_unicode()  # byte -> the printable character byte-level BPE vocabularies use for it
+    vocab = {table[b]: b for b in range(256)} | {"<eos>": ByteTokenizer.eos_token_id}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(["<eos>"])
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>", pad_token="<eos>")

@@ -68,11 +68,13 @@ def replay_responses(
     loss_fn: LossFn | None,
     micro_batch: int,
     token_chunk: int,
+    temperature: float = 1.0,
 ) -> tuple[float, list[torch.Tensor]]:
     """Forward+backward every response from a fork of `state` (which holds prompt[:-1]).
 
     Gradients accumulate into the parameters and, when the state's tensors require grad (exact plan),
     into their `.grad`. With loss_fn=None it only scores (run it under no_grad: reference/old log-probs).
+    temperature: log-probs of logits / temperature.
     Returns (summed loss, per-response detached logp).
     """
     p = prompt.numel()
@@ -89,6 +91,6 @@ def replay_responses(
             inputs, mask = torch.nn.functional.pad(inputs, (0, 1)), torch.nn.functional.pad(mask, (0, 1))
             targets = torch.nn.functional.pad(targets, (0, 1))
         hidden = run_segment(model, inputs, p - 1, state.fork())  # (k, R_max, d)
-        logp = chunked_logprobs(hidden, weight, targets, token_chunk)  # (k, R_max)
+        logp = chunked_logprobs(hidden, weight, targets, token_chunk, temperature)  # (k, R_max)
         total += finish_batch(logp, mask, idx, loss_fn, responses, logprobs)
     return total, logprobs

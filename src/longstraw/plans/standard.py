@@ -16,8 +16,9 @@ from longstraw.plans.replay import finish_batch, pad
 LossFn = Callable[[torch.Tensor, torch.Tensor, list[int]], torch.Tensor]
 
 
-def _score(model: torch.nn.Module, prompt: torch.Tensor, responses: list[torch.Tensor]):
-    """Full forward of prompt + each response, right-padded. Returns logp (B, R_max) and mask (B, R_max)."""
+def _score(model: torch.nn.Module, prompt: torch.Tensor, responses: list[torch.Tensor], temperature: float = 1.0):
+    """Full forward of prompt + each response, right-padded. Returns logp (B, R_max) and mask (B, R_max), the
+    log-probs of logits / temperature."""
     targets, mask = pad(responses)  # (B, R_max)
     r_max = targets.shape[1]
     inputs = torch.cat([prompt.expand(len(responses), -1), targets], dim=1)  # (B, P + R_max)
@@ -25,15 +26,18 @@ def _score(model: torch.nn.Module, prompt: torch.Tensor, responses: list[torch.T
     # Position P-1+t predicts response token t: keep the last R_max+1 logits and drop the final one.
     logits = model(input_ids=inputs, attention_mask=attention_mask, logits_to_keep=r_max + 1, use_cache=False).logits
     logits = logits[:, :-1]  # (B, R_max, V)
+    if temperature != 1.0:
+        logits = logits / temperature
     logp = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     return logp, mask
 
 
-def standard(model, prompt, responses, loss_fn: LossFn, batched: bool) -> tuple[float, list[torch.Tensor]]:
+def standard(model, prompt, responses, loss_fn: LossFn, batched: bool,
+             temperature: float = 1.0) -> tuple[float, list[torch.Tensor]]:
     """Accumulate the group gradient into the parameters; return (loss, per-response detached logp)."""
     batches = [list(range(len(responses)))] if batched else [[i] for i in range(len(responses))]
     total, logprobs = 0.0, [None] * len(responses)
     for idx in batches:
-        logp, mask = _score(model, prompt, [responses[i] for i in idx])
+        logp, mask = _score(model, prompt, [responses[i] for i in idx], temperature)
         total += finish_batch(logp, mask, idx, loss_fn, responses, logprobs)
     return total, logprobs

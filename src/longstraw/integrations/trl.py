@@ -1,0 +1,324 @@
+"""TRL's `GRPOTrainer` with LongStraw's backward: the one-line change for TRL users.
+
+    from longstraw.integrations.trl import LongStrawGRPOConfig, LongStrawGRPOTrainer
+    trainer = LongStrawGRPOTrainer(model, reward_funcs=..., args=LongStrawGRPOConfig(...), train_dataset=...)
+
+Everything TRL does around the loss stays TRL's: config, datasets and sampler, generation (transformers or vLLM),
+rewards and advantages, the reference model (or the PEFT adapter switched off), old log-probs for
+`num_iterations > 1`, logging, callbacks, optimizer, scheduler and checkpoints. Two methods change:
+
+* `_prepare_inputs` keeps each prompt's G completions together. TRL shuffles the generation batch's rows and cuts
+  them into `steps_per_generation` micro-batches, so a group may be spread over several; here whole groups are
+  dealt to the micro-batches instead (each optimizer step gets whole groups; see `_deal_groups`).
+* `compute_loss` runs `backward_group` once per group of its micro-batch, with the options that make LongStraw's
+  loss TRL's (`_loss_options`; README "From TRL" has the table), so the gradient accumulated over an optimizer step
+  is the one TRL's `compute_loss` would give. It returns the loss value as a tensor without a graph: the backward
+  Trainer then runs on it reaches no parameter.
+
+What the loss cannot reproduce is refused with the reason when the trainer is built, before any parameter is
+touched (`_config_refusals`, `_model_refusals`). Evaluation (`prediction_step`) keeps TRL's own loss code.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+try:
+    from accelerate.utils import is_peft_model
+    from trl import GRPOConfig, GRPOTrainer
+except ImportError as err:  # pragma: no cover - exercised only without the extra
+    raise ImportError(f"longstraw.integrations.trl needs TRL: pip install 'longstraw[trl]' ({err})") from err
+
+from longstraw.api import backward_group
+from longstraw.choices import CHECKPOINT_CHOICES, MODES
+from longstraw.group import Group
+from longstraw.models import check_architecture, eval_mode_when_equal
+
+__all__ = ["LongStrawGRPOConfig", "LongStrawGRPOTrainer"]
+
+# TRL loss types LongStraw has no loss for, and why.
+_UNMAPPED_LOSSES = {
+    "bnpo": "it divides by the tokens of whichever per-device batch TRL's shuffle puts a sequence in, which is not a "
+            "property of the sequence's group",
+    "cispo": "LongStraw has no CISPO loss (clipped, detached importance weights times log-probs)",
+    "sapo": "LongStraw has no SAPO loss (a sigmoid gate instead of clipping)",
+    "luspo": "LongStraw has no LUSPO loss (the sequence ratio weighted by the sequence's length)",
+    "vespo": "LongStraw has no VESPO loss (gamma-weighted sequence ratios)",
+}
+
+
+@dataclass
+class LongStrawGRPOConfig(GRPOConfig):
+    """TRL's `GRPOConfig` plus how LongStraw computes the gradient. A plain `GRPOConfig` works too (these defaults)."""
+
+    longstraw_plan: str = field(
+        default="exact",
+        metadata={"help": "backward_group's mode: 'exact' (TRL's gradient, prompt encoded once), 'detach' (the "
+                          "paper's cheaper plan: the prompt state is a constant, a biased gradient), 'standard' / "
+                          "'standard_batched' (full sequences, the reference)."},
+    )
+    longstraw_chunk_size: int = field(
+        default=2048, metadata={"help": "Prompt tokens per capture chunk (and per prompt-backward chunk for exact)."})
+    longstraw_micro_batch: int = field(default=1, metadata={"help": "Responses replayed at once."})
+    longstraw_checkpoint: str | None = field(
+        default=None,
+        metadata={"help": "'none' or 'layers' (per-layer activation checkpointing); None follows "
+                          "`gradient_checkpointing`."},
+    )
+    longstraw_offload_state: bool = field(
+        default=False, metadata={"help": "Keep the prompt state in host memory (detach/exact)."})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.longstraw_plan not in MODES:
+            raise ValueError(f"longstraw_plan must be one of {', '.join(MODES)}, got {self.longstraw_plan!r}")
+        for name in ("longstraw_chunk_size", "longstraw_micro_batch"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.longstraw_checkpoint is not None and self.longstraw_checkpoint not in CHECKPOINT_CHOICES:
+            raise ValueError(f"longstraw_checkpoint must be None or one of {', '.join(CHECKPOINT_CHOICES)}, got "
+                             f"{self.longstraw_checkpoint!r}")
+
+
+def _settings(args: GRPOConfig) -> dict[str, Any]:
+    """backward_group's plan settings from the config (a plain GRPOConfig gets LongStrawGRPOConfig's defaults)."""
+    checkpoint = getattr(args, "longstraw_checkpoint", None)
+    if checkpoint is None:
+        checkpoint = "layers" if args.gradient_checkpointing else "none"
+    return dict(mode=getattr(args, "longstraw_plan", "exact"), chunk_size=getattr(args, "longstraw_chunk_size", 2048),
+                micro_batch=getattr(args, "longstraw_micro_batch", 1), checkpoint=checkpoint,
+                offload_state=getattr(args, "longstraw_offload_state", False))
+
+
+def _loss_kind(args: GRPOConfig) -> str:
+    """LongStraw's loss for TRL's (loss_type, importance_sampling_level); `_config_refusals` refuses the others."""
+    return "gspo" if args.importance_sampling_level == "sequence" else args.loss_type
+
+
+def _config_refusals(args: GRPOConfig, named: dict[str, Any]) -> list[str]:
+    """Why this configuration cannot be trained with LongStraw's backward (empty: it can)."""
+    out = []
+    loss, level = args.loss_type, args.importance_sampling_level
+    if level == "sequence" and loss != "grpo":
+        out.append(f"importance_sampling_level='sequence' with loss_type={loss!r}: TRL then weights each sequence's "
+                   "ratio by its length (it warns about it); LongStraw's sequence-level loss is GSPO, "
+                   "loss_type='grpo' with importance_sampling_level='sequence'")
+    elif level not in ("token", "sequence"):
+        out.append(f"importance_sampling_level={level!r}: only 'token' and 'sequence' exist")
+    elif loss in _UNMAPPED_LOSSES:
+        out.append(f"loss_type={loss!r}: {_UNMAPPED_LOSSES[loss]}; use grpo, dr_grpo or dapo (gspo: grpo with "
+                   "importance_sampling_level='sequence')")
+    elif loss not in ("grpo", "dr_grpo", "dapo"):
+        out.append(f"loss_type={loss!r} is not one LongStraw maps onto its losses (grpo, dr_grpo, dapo)")
+    if loss == "dr_grpo" and args.max_completion_length is None:
+        out.append("loss_type='dr_grpo' needs max_completion_length (its normaliser)")
+    if args.delta is not None:
+        out.append(f"delta={args.delta}: two-sided clipping of the ratio is not in LongStraw's losses")
+    if args.top_entropy_quantile < 1.0 or args.entropy_coef != 0.0 or args.use_adaptive_entropy:
+        out.append("top_entropy_quantile < 1, entropy_coef or use_adaptive_entropy: they need every token's entropy, "
+                   "which LongStraw's log-prob kernel does not compute")
+    if args.off_policy_mask_threshold is not None:
+        out.append("off_policy_mask_threshold: off-policy sequence masking is not in LongStraw's losses")
+    if args.use_vllm and args.vllm_importance_sampling_correction:
+        out.append("use_vllm with vllm_importance_sampling_correction=True: the per-token importance weights for "
+                   "vLLM's sampling mismatch are not in LongStraw's losses; set vllm_importance_sampling_correction="
+                   "False (vLLM generation itself is kept)")
+    if args.fp16:
+        out.append("fp16=True: Trainer's gradient scaler scales the loss it backpropagates, and LongStraw runs its own "
+                   "backward; load the model in bfloat16 (or float32) and set fp16=False")
+    if args.cast_lm_head_to_fp32:
+        out.append("cast_lm_head_to_fp32=True: LongStraw computes in one dtype and refuses mixed-dtype models")
+    if named.get("tools") or named.get("environment_factory"):
+        out.append("tools / environment_factory: multi-turn completions carry a tool mask (tokens not generated by "
+                   "the model), and LongStraw's loss covers every completion token")
+    if args.world_size > 1 or args.deepspeed or args.fsdp:
+        out.append(f"{args.world_size} processes / DeepSpeed / FSDP: backward_group runs the model's layers directly, "
+                   "so the gradient hooks of DDP, FSDP or DeepSpeed would not run; train in one process (LongStraw's "
+                   "own trainer has FSDP2 and data parallelism)")
+    g, b = args.num_generations, args.per_device_train_batch_size
+    s, spg = args.gradient_accumulation_steps, args.steps_per_generation
+    if (b * spg) % g:
+        out.append(f"per_device_train_batch_size ({b}) x steps_per_generation ({spg}) is not a multiple of "
+                   f"num_generations ({g}): a prompt's group would be split across processes or generation batches, "
+                   "which cannot be put back together")
+    elif spg % s and s % spg:
+        out.append(f"steps_per_generation ({spg}) and gradient_accumulation_steps ({s}): neither divides the other, so "
+                   "a generation batch's groups would straddle optimizer steps")
+    elif spg > s and (b * s) % g:
+        out.append(f"one generation batch feeds {spg // s} optimizer steps of per_device_train_batch_size ({b}) x "
+                   f"gradient_accumulation_steps ({s}) sequences, not a multiple of num_generations ({g}): each step "
+                   "must get whole groups")
+    return out
+
+
+def _refuse(reasons: list[str]) -> None:
+    if reasons:
+        raise ValueError("LongStrawGRPOTrainer cannot train this configuration with LongStraw's backward:\n- "
+                         + "\n- ".join(reasons))
+
+
+class LongStrawGRPOTrainer(GRPOTrainer):
+    """`trl.GRPOTrainer` whose loss and backward are `longstraw.backward_group` over each prompt's group.
+
+    Takes GRPOTrainer's arguments; `args` may be a `LongStrawGRPOConfig` (plan, chunk size, micro-batch, checkpointing,
+    offloading) or a plain `GRPOConfig` (the exact plan). Raises ValueError, listing every reason, for what it cannot
+    train (unmapped loss types, entropy terms, vLLM importance correction, several processes, ...)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        bound = inspect.signature(GRPOTrainer.__init__).bind(self, *args, **kwargs)
+        named = bound.arguments
+        if named.get("args") is None:
+            model = named["model"]
+            name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "") or "model"
+            named["args"] = LongStrawGRPOConfig(f"{name.rstrip('/').split('/')[-1]}-GRPO")
+        _refuse(_config_refusals(named["args"], named))
+        super().__init__(*bound.args[1:], **bound.kwargs)
+        _refuse(self._model_refusals())
+        self._longstraw = _settings(self.args)
+
+    def _policy(self) -> torch.nn.Module:
+        """The causal LM backward_group runs: unwrapped from accelerate, and the PEFT model's LoRA-injected base."""
+        model = self.accelerator.unwrap_model(self.model)
+        return model.get_base_model() if is_peft_model(model) else model
+
+    def _model_refusals(self) -> list[str]:
+        out = []
+        if self._is_vlm:
+            out.append("a multimodal processor: LongStraw replays text-only completions")
+        if self.aux_loss_enabled:
+            out.append("a Mixture-of-Experts load-balancing auxiliary loss (router_aux_loss_coef != 0): it is not in "
+                       "LongStraw's backward; set router_aux_loss_coef=0.0")
+        policy = self._policy()
+        dtype = policy.get_input_embeddings().weight.dtype
+        if self.args.bf16 and dtype != torch.bfloat16:
+            out.append(f"bf16=True with {str(dtype).removeprefix('torch.')} parameters: that is autocast mixed "
+                       "precision, and LongStraw computes in the parameters' dtype; set bf16=False, or load the model "
+                       "in bfloat16")
+        try:  # supported family, dropout off (TRL trains in train() mode), uniform dtype, no logit soft-cap
+            with eval_mode_when_equal(policy):
+                check_architecture(policy, 1)
+        except ValueError as err:
+            out.append(str(err))
+        return out
+
+    def _prepare_inputs(self, generation_batch: Any) -> dict[str, Any]:
+        """TRL's buffering of a generation batch over its micro-steps, with whole groups per micro-batch."""
+        if not self.model.training:
+            return super()._prepare_inputs(generation_batch)  # evaluation: TRL's own path and loss
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        if self._step % generate_every == 0 or self._buffered_inputs is None:
+            self._buffered_inputs = self._deal_groups(self._generate_and_score_completions(generation_batch))
+        return self._buffered_inputs[self._step % self.args.steps_per_generation]
+
+    def _deal_groups(self, batch: dict[str, Any]) -> list[dict[str, Any]]:
+        """Split a generation batch (rows in sampler order: each prompt's G completions consecutive, as TRL's
+        advantage code also assumes) into `steps_per_generation` micro-batches of whole groups. When the batch feeds
+        k optimizer steps, each gets a contiguous 1/k of the groups, spread as evenly as whole groups allow over its
+        micro-batches (some may be empty when there are fewer groups than micro-batches)."""
+        g, rows = self.num_generations, batch["completion_ids"].size(0)
+        prompts = [ids[mask.bool()] for ids, mask in zip(batch["prompt_ids"], batch["prompt_mask"])]
+        for first in range(0, rows, g):
+            if any(not torch.equal(prompts[first], prompts[i]) for i in range(first + 1, first + g)):
+                raise ValueError(f"rows {first}..{first + g - 1} of the generation batch do not share one prompt: "
+                                 "LongStraw needs each prompt's num_generations completions consecutive (TRL's "
+                                 "sampler order); a custom sampler or rollout_func changed it")
+        groups = list(range(rows // g))
+        spg = self.args.steps_per_generation
+        steps = max(spg // self.args.gradient_accumulation_steps, 1)  # optimizer steps this batch feeds, per pass
+        per_step, slices_per_step = len(groups) // steps, spg // steps
+        out = []
+        for step in range(steps):
+            mine = groups[step * per_step:(step + 1) * per_step]
+            base, extra = divmod(len(mine), slices_per_step)
+            start = 0
+            for k in range(slices_per_step):
+                part = mine[start:start + base + (k < extra)]
+                start += len(part)
+                out.append(_rows(batch, [r for grp in part for r in range(grp * g, (grp + 1) * g)], rows))
+        return out
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if return_outputs or not self.model.training:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        g, total = self.num_generations, 0.0
+        for first in range(0, inputs["completion_ids"].size(0), g):
+            total += self._backward_one_group(inputs, range(first, first + g))
+        # Trainer.training_step backpropagates what this returns: a leaf without a graph, so it reaches no parameter.
+        return torch.tensor(total, device=self.accelerator.device, requires_grad=True)
+
+    def _backward_one_group(self, inputs: dict[str, Any], rows: range) -> float:
+        """backward_group over one prompt's completions; masked ones (mask_truncated_completions) are left out, as
+        they add nothing to TRL's loss either, while they still count in its averages (`_loss_options`)."""
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        lengths = {i: int(completion_mask[i].sum()) for i in rows}
+        keep = [i for i in rows if lengths[i] > 0]
+        if not keep:
+            return 0.0
+        for i in keep:
+            if not bool(completion_mask[i, :lengths[i]].all()):
+                raise ValueError(f"completion {i}'s mask is not a prefix of ones: LongStraw scores whole completions "
+                                 "(a rollout_func env_mask is not supported)")
+        advantages = inputs["advantages"]
+        if advantages.dim() != 1:
+            raise ValueError("per-token advantages (B, T) are not supported: LongStraw's losses take one per "
+                             "completion")
+
+        def per_completion(name: str) -> list[torch.Tensor] | None:
+            values = inputs.get(name)
+            return None if values is None else [values[i, :lengths[i]] for i in keep]
+
+        first = rows[0]
+        group = Group(
+            prompt=inputs["prompt_ids"][first][inputs["prompt_mask"][first].bool()],
+            responses=[completion_ids[i, :lengths[i]] for i in keep],
+            advantages=advantages[keep],
+            old_logprobs=per_completion("old_per_token_logps"),
+            ref_logprobs=per_completion("ref_per_token_logps") if self.beta != 0.0 else None,
+        )
+        policy = self._policy()
+        # Trainer may run this under autocast (bf16 with a bfloat16 model): LongStraw computes in the model's dtype.
+        with torch.autocast(policy.device.type, enabled=False):
+            result = backward_group(policy, group, loss=_loss_kind(self.args), temperature=self.temperature,
+                                    allow_train_mode=True, **self._longstraw, **self._loss_options(len(keep), inputs))
+        return result.loss
+
+    def _loss_options(self, kept: int, inputs: dict[str, Any]) -> dict[str, Any]:
+        """The loss options that make one group's share of LongStraw's loss equal to its share of TRL's loss over
+        an optimizer step of S = gradient_accumulation_steps micro-batches of B = per_device_train_batch_size rows:
+
+        * grpo, gspo: TRL averages per-sequence terms over each micro-batch, divided by S, i.e. every row weighs
+          1/(B·S); LongStraw's group loss averages over its `kept` completions: loss_scale = kept/(B·S).
+        * dr_grpo: the same with max_tokens = max_completion_length (TRL's L_max).
+        * dapo: TRL divides by the completion tokens of the generation batch times S/steps_per_generation (the
+          generation batch's tokens per optimizer step): token_normalizer.
+        * clip widths: TRL's epsilon and epsilon_high (default: epsilon); the KL term: beta, and kl_ratio =
+          use_bias_correction_kl (k3 times the ratio)."""
+        kind = _loss_kind(self.args)
+        steps = self.current_gradient_accumulation_steps
+        options: dict[str, Any] = dict(epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high, beta=self.beta,
+                                       kl_ratio=bool(self.args.use_bias_correction_kl))
+        if kind == "dapo":
+            tokens = max(float(inputs["num_items_in_batch"]), 1.0)
+            options["token_normalizer"] = tokens * steps / self.args.steps_per_generation
+        else:
+            options["loss_scale"] = kept / (self.args.per_device_train_batch_size * steps)
+        if kind == "dr_grpo":
+            options["max_tokens"] = self.max_completion_length
+        return options
+
+
+def _rows(batch: dict[str, Any], rows: list[int], total: int) -> dict[str, Any]:
+    """The given rows of every per-row tensor of a generation batch; other entries (num_items_in_batch) as they are."""
+    index = torch.tensor(rows, dtype=torch.long)
+    out = {}
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.size(0) == total:
+            out[key] = value[index.to(value.device)]
+        else:
+            out[key] = value
+    return out
