@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from longstraw.checkpoint import FILENAME
-from longstraw.memory import PeakMemory
+from longstraw.peak import PeakMemory
 from longstraw.rundir import truncate_metrics
 
 if TYPE_CHECKING:

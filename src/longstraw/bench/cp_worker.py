@@ -19,7 +19,7 @@ from longstraw import backward_group
 from longstraw.bench.common import load_bench_model
 from longstraw.bench.worker import make_group
 from longstraw.distributed.context import ContextParallel
-from longstraw.memory import PeakMemory
+from longstraw.peak import PeakMemory
 
 
 def main() -> None:

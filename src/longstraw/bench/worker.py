@@ -19,7 +19,7 @@ import torch
 
 from longstraw import Group, backward_group
 from longstraw.bench.common import load_bench_model
-from longstraw.memory import PeakMemory
+from longstraw.peak import PeakMemory
 
 # Keys a config must carry; the parent (`bench/common.py`: `worker_config`) writes them all.
 CONFIG_KEYS = (

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from longstraw.logprobs import chunked_logprobs
-from longstraw.replay import run_segment
+from longstraw.segment import run_segment
 from longstraw.state.prompt import PromptState
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, list[int]], torch.Tensor]
