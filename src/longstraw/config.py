@@ -14,9 +14,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from longstraw.choices import ADVANTAGES, LOSSES, MODES
-
-TASKS = ("passkey", "multikey", "kv", "jsonl")
+from longstraw.choices import ADVANTAGES, LOSSES, MODES, TASKS
 
 
 def _f(default: Any, help: str) -> Any:  # noqa: A002 - mirrors argparse's name
