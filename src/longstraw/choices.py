@@ -1,7 +1,6 @@
-"""The names the command line offers (plans, losses, advantage estimators, checkpointing, tasks), in a module that
-imports nothing: `longstraw --help` and `--version` build every parser from these without importing torch
-(~5 s on a small CPU machine). The modules that implement them re-export them (`longstraw.api.MODES`, ...).
-"""
+"""The names the command line offers (plans, losses, advantage estimators, checkpointing, tasks, dtypes), in a
+module that imports nothing: `longstraw --help` and `--version` build every parser from these without importing
+torch (~5 s on a small CPU machine). The modules that implement them re-export them (`longstraw.api.MODES`, ...)."""
 
 from __future__ import annotations
 
@@ -10,3 +9,9 @@ LOSSES = ("grpo", "dr_grpo", "dapo", "gspo")
 ADVANTAGES = ("grpo", "mean_centered", "rloo")
 CHECKPOINT_CHOICES = ("none", "layers")
 TASKS = ("passkey", "multikey", "kv", "jsonl")  # `longstraw.tasks.make_task` builds them
+
+# Parameter dtypes under torch's names and their short spellings, with bytes per element (the planner's sizes;
+# `models.load_model` takes the torch dtype of the name, via DTYPE_ALIASES for a short spelling).
+DTYPE_BYTES = {"float32": 4, "fp32": 4, "float64": 8, "fp64": 8, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
+DTYPE_ALIASES = {"fp32": "float32", "fp64": "float64", "bf16": "bfloat16", "fp16": "float16"}
+DTYPES = tuple(name for name in DTYPE_BYTES if name not in DTYPE_ALIASES)  # torch's names: float32, float64, ...

@@ -14,7 +14,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from longstraw.choices import ADVANTAGES, LOSSES, MODES, TASKS
+from longstraw.choices import ADVANTAGES, DTYPES, LOSSES, MODES, TASKS
 
 
 def _f(default: Any, help: str) -> Any:  # noqa: A002 - mirrors argparse's name
@@ -128,7 +128,7 @@ class TrainConfig:
              "dtype float16 is not supported for training: AdamW's eps (1e-8) rounds to 0 in float16 and, without "
              "loss scaling and float32 master weights, the weights become NaN; use --dtype bfloat16 (same memory, "
              "float32's range) or float32")
-        need(self.dtype in ("float32", "bfloat16", "float64"),
+        need(self.dtype in DTYPES,  # float16 is refused above
              f"dtype {self.dtype!r} is unknown: choose float32, bfloat16 or float64")
         for name in ("group_size", "prompts_per_step", "max_new_tokens", "num_iterations", "chunk_size",
                      "micro_batch", "steps", "prompt_tokens", "digits", "num_keys"):

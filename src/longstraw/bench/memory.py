@@ -40,7 +40,7 @@ from longstraw.bench.common import (
 )
 from longstraw.bench.common import run_one as run_one  # where the tests and older callers import it from
 from longstraw.bench.machine import machine_info
-from longstraw.choices import CHECKPOINT_CHOICES, MODES
+from longstraw.choices import CHECKPOINT_CHOICES, DTYPES, MODES
 from longstraw.planner import positive_int
 
 # --demo: B1 at two group sizes, so its G=8 ratios are B1's: 100 s on 2 idle CPU cores (AMD EPYC, 2026-11-29),
@@ -347,7 +347,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"prompt capture chunk (default {B1.chunk_size})")
     parser.add_argument("--micro-batch", type=positive_int,
                         help=f"responses replayed at once (default {B1.micro_batch})")
-    parser.add_argument("--dtype", choices=("float32", "float64", "bfloat16", "float16"),
+    parser.add_argument("--dtype", choices=DTYPES,
                         help=f"parameter dtype (default {B1.dtype})")
     parser.add_argument("--device", help="cpu or cuda[:i] (default cpu); CUDA peak is max_memory_allocated")
     parser.add_argument("--seed", type=int, help="seed of the random group (default 0)")

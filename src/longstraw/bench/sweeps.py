@@ -44,7 +44,7 @@ from longstraw.bench.common import (
 )
 from longstraw.bench.memory import compute_ratios, format_ratios, format_table
 from longstraw.bench.pareto import OFFLOAD_CHOICES, PARETO_SMOKE, ParetoBenchConfig, run_pareto_bench
-from longstraw.choices import CHECKPOINT_CHOICES, MODES
+from longstraw.choices import CHECKPOINT_CHOICES, DTYPES, MODES
 from longstraw.planner import positive_int
 
 # ---------------------------------------------------------------- configs
@@ -251,7 +251,7 @@ def run_arch_bench(cfg: ArchBenchConfig, out: str) -> dict[str, object]:
 
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, one worker process; seconds")
-    parser.add_argument("--dtype", choices=("float32", "float64", "bfloat16", "float16"), help="default float32")
+    parser.add_argument("--dtype", choices=DTYPES, help="default float32")
     parser.add_argument("--device", help="cpu or cuda[:i] (default cpu); CUDA peak is max_memory_allocated")
     parser.add_argument("--seed", type=int, help="seed of the random group (default 0)")
     parser.add_argument("--timeout", type=positive_float, metavar="SECONDS", help="per-configuration limit")

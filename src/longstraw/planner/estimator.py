@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from longstraw.choices import DTYPE_BYTES
 from longstraw.planner.formulas import (
     _recurrent_layers,
     chunk_activation_bytes,
@@ -30,9 +31,6 @@ DEFAULT_CUDA_RESERVE = 2 * GIB
 # Assumed query-block of a DSA indexer scoring a prompt (fp32 scores, reduced over indexer heads).
 DSA_SCORE_ROWS = 256
 
-DTYPE_BYTES = {
-    "float64": 8, "fp64": 8, "float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2,
-}
 
 
 # ---------------------------------------------------------------- the plan
