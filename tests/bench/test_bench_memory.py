@@ -21,8 +21,7 @@ from longstraw.bench.memory import (
     run_memory_bench,
 )
 from longstraw.cli import build_parser, main
-
-MIB = 1024 * 1024
+from longstraw.planner import MIB
 
 
 def test_smoke_bench_writes_every_configuration(tmp_path):

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from longstraw.bench.common import default_out
 from longstraw.bench.machine import machine_info
+from longstraw.planner import MIB
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -95,8 +96,8 @@ def run_from_args(args: argparse.Namespace) -> int:
                "max_state_bytes": max(r["prompt_state_bytes"] for r in ranks),
                "max_time_s": max(r["time_s"] for r in ranks), "wall_s": time.perf_counter() - t0}
         rows.append(row)
-        print(f"  C={c}: per-rank peak {row['max_peak_bytes'] / 2**20:8.1f} MiB  prompt state "
-              f"{row['max_state_bytes'] / 2**20:7.2f} MiB  step {row['max_time_s']:7.2f} s")
+        print(f"  C={c}: per-rank peak {row['max_peak_bytes'] / MIB:8.1f} MiB  prompt state "
+              f"{row['max_state_bytes'] / MIB:7.2f} MiB  step {row['max_time_s']:7.2f} s")
     one = rows[0]
     print("relative to the first C:")
     for row in rows[1:]:

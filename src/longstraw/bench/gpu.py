@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, replace
 from longstraw.bench.common import (
     B1,
     DEFAULT_MODES,
+    GIB,
     MIB,
     PLANNER_SLACK,
     MemoryBenchConfig,
@@ -54,7 +55,7 @@ class GpuBenchConfig:
     chunk_sizes: tuple[int, ...] = (8192, 32768)
     deadline_s: float = 450.0  # stop starting configurations after this (the call's limit is 8 min)
     config_timeout_s: float = 150.0
-    reserve_bytes: int = 1024**3  # CUDA context etc., for the planner's skip decision
+    reserve_bytes: int = GIB  # CUDA context etc., for the planner's skip decision
     isolate: bool = True  # a fresh worker per configuration; False (smoke): one worker per part
 
 

@@ -19,7 +19,7 @@ from longstraw.planner.formulas import (
 from longstraw.planner.spec import ModelSpec
 
 PLANS = ("standard_batched", "standard", "detach", "exact")
-MIB = 1024**2
+MIB = 1024**2  # the package's byte units (peak meter, reports, benches import them from the planner)
 GIB = 1024**3
 
 # The step memory a fresh CPU process adds beyond its tensors (thread pools, BLAS/oneDNN workspaces, the
