@@ -1,10 +1,15 @@
 """The names the command line offers (plans, losses, advantage estimators, checkpointing, tasks, dtypes), in a
 module that imports nothing: `longstraw --help` and `--version` build every parser from these without importing
-torch (~5 s on a small CPU machine). The modules that implement them re-export them (`longstraw.api.MODES`, ...)."""
+torch (~5 s on a small CPU machine). The modules that implement them re-export them (`longstraw.PLANS`,
+`longstraw.planner.PLANS`, ...)."""
 
 from __future__ import annotations
 
-MODES = ("standard", "standard_batched", "detach", "exact")
+PLANS = ("standard", "standard_batched", "detach", "exact")  # `backward_group(plan=...)`, `--plan`, `--plans`
+# How tables, plots and the planner's document list them: the baseline the others are measured against
+# (standard_batched, the whole group in one padded batch as an unmodified trainer runs it) first.
+PLANS_BASELINE_FIRST = ("standard_batched", *(plan for plan in PLANS if plan != "standard_batched"))
+MODES = PLANS  # the older name, kept for importers
 LOSSES = ("grpo", "dr_grpo", "dapo", "gspo")
 ADVANTAGES = ("grpo", "mean_centered", "rloo")
 CHECKPOINT_CHOICES = ("none", "layers")

@@ -14,7 +14,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from longstraw.choices import ADVANTAGES, DTYPES, LOSSES, MODES, TASKS
+from longstraw.choices import ADVANTAGES, DTYPES, LOSSES, PLANS, TASKS
 
 
 def _f(default: Any, help: str) -> Any:  # noqa: A002 - mirrors argparse's name
@@ -115,7 +115,7 @@ class TrainConfig:
         need(self.loss in LOSSES, f"loss {self.loss!r} is unknown: choose one of {', '.join(LOSSES)}")
         need(self.advantage in ADVANTAGES,
              f"advantage {self.advantage!r} is unknown: choose one of {', '.join(ADVANTAGES)}")
-        need(self.plan in MODES, f"plan {self.plan!r} is unknown: choose one of {', '.join(MODES)}")
+        need(self.plan in PLANS, f"plan {self.plan!r} is unknown: choose one of {', '.join(PLANS)}")
         need(not self.offload_state or self.plan in ("detach", "exact"),
              f"offload_state moves the prompt state to host memory; the {self.plan} plan has none: --plan detach or "
              "exact")

@@ -34,7 +34,7 @@ def main() -> None:
     meter = PeakMemory("cpu")
     meter.start()
     t0 = time.perf_counter()
-    result = backward_group(model, group, mode=config["mode"], chunk_size=config["chunk_size"],
+    result = backward_group(model, group, plan=config["mode"], chunk_size=config["chunk_size"],
                             context_parallel=ContextParallel() if world > 1 else None)
     step_s = time.perf_counter() - t0
     rank = dist.get_rank() if world > 1 else 0

@@ -76,7 +76,7 @@ def run_config(config: dict[str, object]) -> dict[str, object]:
     stall0 = _cpu_stall_us()
     t0, c0 = time.perf_counter(), time.process_time()
     result = backward_group(
-        model, group, mode=str(config["mode"]), chunk_size=int(config["chunk_size"]),
+        model, group, plan=str(config["mode"]), chunk_size=int(config["chunk_size"]),
         micro_batch=int(config["micro_batch"]), checkpoint=str(config["checkpoint"]),
         offload_state=bool(config.get("offload_state", False)) and config["mode"] in ("detach", "exact"),
     )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from longstraw.choices import DTYPE_BYTES
+from longstraw.choices import DTYPE_BYTES, PLANS, PLANS_BASELINE_FIRST
 from longstraw.planner.formulas import (
     _recurrent_layers,
     chunk_activation_bytes,
@@ -18,7 +18,6 @@ from longstraw.planner.formulas import (
 )
 from longstraw.planner.spec import ModelSpec
 
-PLANS = ("standard_batched", "standard", "detach", "exact")
 MIB = 1024**2  # the package's byte units (peak meter, reports, benches import them from the planner)
 GIB = 1024**3
 
@@ -221,8 +220,9 @@ def largest_prompt(spec: ModelSpec, inp: PlanInputs, plan: str, limit: int = 2**
     return lo
 
 
-def plan_all(spec: ModelSpec, inp: PlanInputs, plans: tuple[str, ...] = PLANS) -> dict[str, object]:
-    """Every plan's estimate and largest fitting prompt, as the JSON document `longstraw plan --json` prints."""
+def plan_all(spec: ModelSpec, inp: PlanInputs, plans: tuple[str, ...] = PLANS_BASELINE_FIRST) -> dict[str, object]:
+    """Every plan's estimate and largest fitting prompt, as the JSON document `longstraw plan --json` prints (and
+    its table shows): the baseline, standard_batched, first."""
     out: dict[str, object] = {}
     for plan in plans:
         est = estimate(spec, inp, plan)
