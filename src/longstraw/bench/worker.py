@@ -45,7 +45,7 @@ def make_group(
 ) -> Group:
     """Deterministic random group: prompt (P,), G responses of exactly R ids, advantages ~ N(0, 1) (G,).
 
-    The same seed gives the same group in every mode, so modes are compared on identical inputs.
+    The same seed gives the same group for every plan, so plans are compared on identical inputs.
     """
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, vocab_size, (prompt_tokens,), generator=gen)
