@@ -67,7 +67,7 @@ plan-paper: install
 
 # The stress record (README): doubles P until one exact GRPO step fails or takes over 25 min.
 stress: install
-	$(BIN)/python -m longstraw.bench.stress --model tiny-llama-long --mode exact --group-size 4 \
+	$(BIN)/python -m longstraw.bench.stress --model tiny-llama-long --plan exact --group-size 4 \
 		--response-tokens 128 --start 8192 --step-timeout 1500
 
 clean:

@@ -11,9 +11,9 @@ from longstraw import Group, backward_group
 LENGTHS = [5, 9, 1, 7]  # ragged, one single-token response
 
 
-def _run(model, group, mode, **kw):
+def _run(model, group, plan, **kw):
     model.zero_grad(set_to_none=True)
-    result = backward_group(model, group, mode=mode, **kw)
+    result = backward_group(model, group, plan=plan, **kw)
     return result, grads(model)
 
 
@@ -125,21 +125,22 @@ def test_gradients_accumulate_like_backward(family_model):
     """backward_group adds to existing .grad and never zeroes or steps."""
     group = random_group(20, [3, 4], seed=11)
     family_model.zero_grad(set_to_none=True)
-    backward_group(family_model, group, mode="exact", chunk_size=6)
+    backward_group(family_model, group, plan="exact", chunk_size=6)
     once = grads(family_model).clone()
-    backward_group(family_model, group, mode="exact", chunk_size=6)
+    backward_group(family_model, group, "exact", chunk_size=6)  # the plan is also the third positional argument
     assert rel_err(grads(family_model), 2 * once) <= 1e-12
 
 
 def test_stats_report_phases_and_state_size(family_model):
     group = random_group(50, [3, 4], seed=12)
-    result = backward_group(family_model, group, mode="exact", chunk_size=16)
+    result = backward_group(family_model, group, chunk_size=16)  # the exact plan by default
     cfg = family_model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     assert result.stats["prompt_state_bytes"] == 2 * cfg.num_key_value_heads * head_dim * 8 * 49 * 2
     for phase in ("capture_s", "replay_s", "prompt_backward_s"):  # the exact plan runs all three
         assert result.stats[phase] > 0, phase
-    detach = backward_group(family_model, group, mode="detach", chunk_size=16).stats
+    detach = backward_group(family_model, group, mode="detach", chunk_size=16).stats  # mode: plan's older name
+    assert result.stats["mode"] == "exact" and detach["mode"] == "detach"
     assert detach["capture_s"] > 0 and detach["replay_s"] > 0 and detach["prompt_backward_s"] < detach["capture_s"]
     family_model.zero_grad(set_to_none=True)
 

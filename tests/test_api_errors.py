@@ -53,7 +53,9 @@ def _good():
      "out of the model's vocab"),
     (lambda: Group(torch.tensor([1]), [torch.tensor([512])], torch.zeros(1)), {}, ValueError, "id 512 is out"),
     (lambda: random_group(1020, [5], seed=0), {}, ValueError, "max_position_embeddings"),
-    (_good, dict(mode="fast"), ValueError, "unknown mode 'fast'"),
+    (_good, dict(plan="fast"), ValueError, "unknown plan 'fast'"),
+    (_good, dict(mode="fast"), ValueError, "unknown plan 'fast'"),  # mode: the older name of plan
+    (_good, dict(plan="exact", mode="exact"), TypeError, "mode is the older name of plan, give only plan"),
     (_good, dict(loss="ppo"), ValueError, "unknown loss 'ppo'"),
     (_good, dict(micro_batch=0), ValueError, "micro_batch must be an integer >= 1"),
     (_good, dict(micro_batch=1.5), ValueError, "micro_batch"),

@@ -9,7 +9,7 @@ from conftest import ARCH_FAMILIES, grads, random_group, rel_err, tiny_model
 
 from longstraw import backward_group
 from longstraw.checkpointing import checkpointed_layers, decoder_layers
-from longstraw.replay import run_segment
+from longstraw.segment import run_segment
 from longstraw.state.capture import capture_prompt
 
 FAMILIES = ("llama", "qwen3", *ARCH_FAMILIES)

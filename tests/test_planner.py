@@ -323,7 +323,7 @@ def test_recurrent_saved_bytes_match_saved_tensor_hooks(name):
     delta rule), counted with saved-tensor hooks (distinct storages, weights excluded), against
     `planner.model_activation_bytes`: within 8% (measured: b1-mamba2 -2.2%, b1-qwen3-next +3.1%)."""
     from longstraw.planner import model_activation_bytes
-    from longstraw.replay import run_segment
+    from longstraw.segment import run_segment
     from longstraw.state.capture import capture_prompt
 
     model = load_model(name)

@@ -10,9 +10,11 @@ from pathlib import Path
 import longstraw
 
 PACKAGE = Path(longstraw.__file__).parent
-# Front ends and optional layers that may use distributed/ or bench/ (the CLI launches them; the trainer runs
-# data-parallel; compare and the bias meter drive the trainer).
-NOT_CORE = {"cli.py", "trainer.py", "compare.py", "bias.py"}
+# Front ends and the trainer layer, which may use distributed/ or bench/ (the CLI launches them; the trainer and
+# the modules it is made of run data-parallel; compare and the bias meter drive the trainer). The core is the
+# engine under them: api, attention, segment, checkpointing, loss, log-probs, models, state/, plans/, planner/.
+NOT_CORE = {"cli.py", "trainer.py", "compare.py", "bias.py", "checkpoint.py", "optimizer.py", "reporting.py",
+            "sampler.py", "stopping.py", "data.py", "rundir.py", "config.py"}
 NOT_CORE_DIRS = {"distributed", "bench", "integrations"}
 
 

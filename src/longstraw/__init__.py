@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from longstraw.choices import ADVANTAGES, LOSSES, MODES
+from longstraw.choices import ADVANTAGES, LOSSES, PLANS
+from longstraw.choices import MODES as MODES  # the older name of PLANS, kept for importers
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "ADVANTAGES", "LOSSES", "MODES", "SUPPORTED_MODEL_TYPES",
+    "ADVANTAGES", "LOSSES", "PLANS", "SUPPORTED_MODEL_TYPES",
     "Group", "GroupResult", "backward_group", "compute_advantages", "load_model",
 ]
 

@@ -5,7 +5,7 @@ Read top to bottom, a training step is:
      ranges that would overflow the model's dtype;
   2. skip the group when its loss gradient is identically zero (every advantage 0 and beta = 0);
   3. fix the group constants the loss needs (G, Σ|o_i|, L_max) so replays in any grouping add up;
-  4. by mode (each micro-batch's log-probs and loss are checked finite before its backward):
+  4. by plan (each micro-batch's log-probs and loss are checked finite before its backward):
      standard / standard_batched — full prompt+response forwards through the unmodified model;
      detach — capture prompt[:-1] once (no grad), replay each response from a fork of the state;
      exact  — the same with the state as grad-requiring leaves, then the reverse chunked prompt backward.
@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 import torch
 
 from longstraw.checkpointing import check_checkpoint, checkpointed_layers
-from longstraw.choices import MODES
+from longstraw.choices import MODES as MODES  # the older name of PLANS, kept for importers
+from longstraw.choices import PLANS
 from longstraw.group import Group
 from longstraw.logprobs import DEFAULT_TOKEN_CHUNK
 from longstraw.loss import GroupTotals, make_loss_config, response_loss
@@ -52,11 +53,11 @@ def _positive_int(name: str, value: object) -> int:
     return value
 
 
-def _validate(model: torch.nn.Module, group: Group, mode: str, beta: float) -> None:
+def _validate(model: torch.nn.Module, group: Group, plan: str, beta: float) -> None:
     if not isinstance(group, Group):
         raise TypeError(f"group must be a longstraw.Group, got {type(group).__name__}")
-    if mode not in MODES:
-        raise ValueError(f"unknown mode {mode!r}: choose one of {', '.join(MODES)}")
+    if plan not in PLANS:
+        raise ValueError(f"unknown plan {plan!r}: choose one of {', '.join(PLANS)}")
     total = group.prompt.numel() + max(group.lengths)
     check_architecture(model, total)
     vocab = model.get_input_embeddings().num_embeddings
@@ -115,7 +116,7 @@ def _check_ranges(group: Group, dtype: torch.dtype) -> None:
 def backward_group(
     model: torch.nn.Module,
     group: Group,
-    mode: str = "exact",
+    plan: str | None = None,
     loss: str = "grpo",
     chunk_size: int = 2048,
     micro_batch: int = 1,
@@ -126,12 +127,14 @@ def backward_group(
     offload_state: bool = False,
     temperature: float = 1.0,
     allow_train_mode: bool = False,
+    mode: str | None = None,
     **loss_options: float | int | bool | None,
 ) -> GroupResult:
     """Accumulate d(group loss)/d(params) into `.grad`, as `loss.backward()` would (never zeroes or steps).
 
-    mode: standard | standard_batched | detach | exact. chunk_size: prompt tokens per capture chunk (and per
-    prompt-backward chunk in exact mode). micro_batch: responses replayed at once (detach/exact).
+    plan: standard | standard_batched | detach | exact (default exact); `mode` is its older name, still accepted
+    (give one of the two). chunk_size: prompt tokens per capture chunk (and per prompt-backward chunk of the exact
+    plan). micro_batch: responses replayed at once (detach/exact).
     token_chunk: rows per block of the chunked log-prob. prompt_state: a state already captured for this
     prompt (e.g. by the sampler, `Rollout.state`) to reuse instead of capturing again (detach/exact).
     context_parallel: a context-parallel group (`state.sharding.ContextShards`, made by
@@ -148,6 +151,10 @@ def backward_group(
     loss_options: epsilon, epsilon_low, epsilon_high, beta, max_tokens, token_normalizer, kl_ratio, loss_scale
     (see `longstraw.loss`).
     """
+    if plan is not None and mode is not None:
+        raise TypeError(f"backward_group got plan={plan!r} and mode={mode!r}: mode is the older name of plan, give "
+                        "only plan")
+    plan = plan if plan is not None else mode if mode is not None else "exact"
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
             math.isfinite(temperature) and temperature > 0):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
@@ -156,11 +163,11 @@ def backward_group(
     in_train = allow_train_mode and any(m.training for m in model.modules())
     modes = eval_mode_when_equal(model) if in_train else nullcontext()
     with modes:
-        return _backward_group(model, group, mode, loss, chunk_size, micro_batch, token_chunk, prompt_state,
+        return _backward_group(model, group, plan, loss, chunk_size, micro_batch, token_chunk, prompt_state,
                                context_parallel, checkpoint, offload_state, float(temperature), loss_options)
 
 
-def _backward_group(model, group, mode, loss, chunk_size, micro_batch, token_chunk, prompt_state, context_parallel,
+def _backward_group(model, group, plan, loss, chunk_size, micro_batch, token_chunk, prompt_state, context_parallel,
                     checkpoint, offload_state, temperature, loss_options) -> GroupResult:
     try:
         cfg = make_loss_config(loss, **loss_options)
@@ -173,8 +180,8 @@ def _backward_group(model, group, mode, loss, chunk_size, micro_batch, token_chu
     checkpoint = check_checkpoint(checkpoint)
     if not isinstance(offload_state, bool):
         raise TypeError(f"offload_state must be True or False, got {offload_state!r}")
-    _validate(model, group, mode, cfg.beta)
-    if mode == "exact" and chunk_size == 1 and model.config.model_type in RECURRENT_MODEL_TYPES:
+    _validate(model, group, plan, cfg.beta)
+    if plan == "exact" and chunk_size == 1 and model.config.model_type in RECURRENT_MODEL_TYPES:
         raise ValueError(
             f"chunk_size=1 with the exact plan on {model.config.model_type}: its recurrent layers update their "
             "state in place for one-token chunks, which the prompt backward cannot differentiate; use chunk_size >= 2"
@@ -191,13 +198,13 @@ def _backward_group(model, group, mode, loss, chunk_size, micro_batch, token_chu
         raise ValueError("prompt_state was captured for another prompt of the same length (its tokens differ from "
                          "this group's prompt[:-1]): pass the state captured for this prompt, or none")
     if context_parallel is not None:
-        if mode not in ("detach", "exact"):
-            raise ValueError(f"context parallelism shards the prompt state: use mode detach or exact, not {mode}")
+        if plan not in ("detach", "exact"):
+            raise ValueError(f"context parallelism shards the prompt state: use plan detach or exact, not {plan}")
         context_parallel.check_supported(model)
-    if offload_state and mode not in ("detach", "exact"):
-        raise ValueError(f"offload_state moves the prompt state to host memory: the {mode} plan has none; use "
-                         "mode detach or exact")
-    if mode == "exact" and prompt_state is not None and not prompt_state.keep_boundaries:
+    if offload_state and plan not in ("detach", "exact"):
+        raise ValueError(f"offload_state moves the prompt state to host memory: the {plan} plan has none; use "
+                         "plan detach or exact")
+    if plan == "exact" and prompt_state is not None and not prompt_state.keep_boundaries:
         raise ValueError("the exact plan needs a prompt_state captured with keep_boundaries=True (the recurrent "
                          "state at every chunk boundary); pass one, or none")
 
@@ -205,7 +212,7 @@ def _backward_group(model, group, mode, loss, chunk_size, micro_batch, token_chu
     device = model.get_input_embeddings().weight.device
     dtype = model.get_input_embeddings().weight.dtype
     _check_ranges(group, dtype)
-    stats: dict[str, float | int | str] = {"mode": mode, "prompt_tokens": group.prompt.numel(),
+    stats: dict[str, float | int | str] = {"mode": plan, "prompt_tokens": group.prompt.numel(),
                                            "group_size": group.size, "checkpoint": checkpoint,
                                            "offload_state": offload_state}
     if cfg.beta == 0 and not bool((group.advantages != 0).any()):
@@ -241,7 +248,7 @@ def _backward_group(model, group, mode, loss, chunk_size, micro_batch, token_chu
     had_grad = [p.grad is not None for p in params]
     try:
         with checkpointed_layers(model, enabled=checkpoint == "layers"):
-            total, logprobs = _run_plan(model, mode, prompt, responses, loss_fn, chunk_size, micro_batch,
+            total, logprobs = _run_plan(model, plan, prompt, responses, loss_fn, chunk_size, micro_batch,
                                         token_chunk, prompt_state, context_parallel, offload_state, temperature, stats)
     except FloatingPointError as err:
         # A micro-batch refused before its backward; earlier micro-batches of this group did run theirs. Gradients
@@ -258,29 +265,29 @@ def _backward_group(model, group, mode, loss, chunk_size, micro_batch, token_chu
     return GroupResult(loss=total, logprobs=logprobs, stats=stats)
 
 
-def _run_plan(model, mode, prompt, responses, loss_fn, chunk_size, micro_batch, token_chunk, prompt_state,
+def _run_plan(model, plan, prompt, responses, loss_fn, chunk_size, micro_batch, token_chunk, prompt_state,
               context_parallel, offload_state, temperature, stats) -> tuple[float, list[torch.Tensor]]:
     """The plan itself, phase by phase, with phase times and the state's size put in `stats`."""
     t0 = time.perf_counter()
-    if mode in ("standard", "standard_batched"):
-        total, logprobs = standard(model, prompt, responses, loss_fn, batched=mode == "standard_batched",
+    if plan in ("standard", "standard_batched"):
+        total, logprobs = standard(model, prompt, responses, loss_fn, batched=plan == "standard_batched",
                                    temperature=temperature)
         stats.update(prompt_state_bytes=0, capture_s=0.0, replay_s=time.perf_counter() - t0, prompt_backward_s=0.0)
         return total, logprobs
     # The last prompt token is replayed with each response, so only prompt[:-1] is captured.
     state = prompt_state
     if state is None:
-        state = capture_prompt(model, prompt[:-1], chunk_size, keep_boundaries=mode == "exact",
+        state = capture_prompt(model, prompt[:-1], chunk_size, keep_boundaries=plan == "exact",
                                cp=context_parallel, offload=offload_state)
     elif offload_state:
         state = state.offload(prompt.device)
     t1 = time.perf_counter()
-    if mode == "exact":
+    if plan == "exact":
         state = state.as_leaves()
     total, logprobs = replay_responses(model, prompt, state, responses, loss_fn, micro_batch, token_chunk,
                                        temperature)
     t2 = time.perf_counter()
-    if mode == "exact":
+    if plan == "exact":
         prompt_backward(model, prompt[:-1], state)
     t3 = time.perf_counter()
     stats.update(prompt_state_bytes=state.nbytes(), capture_s=t1 - t0, replay_s=t2 - t1, prompt_backward_s=t3 - t2)

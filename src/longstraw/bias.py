@@ -75,7 +75,7 @@ def exact_gradient(model: torch.nn.Module, groups: list[Group], cfg: TrainConfig
             p.grad = None
         for group in groups:
             backward_group(
-                model, group, mode="exact", loss=cfg.loss, chunk_size=cfg.chunk_size, micro_batch=cfg.micro_batch,
+                model, group, plan="exact", loss=cfg.loss, chunk_size=cfg.chunk_size, micro_batch=cfg.micro_batch,
                 checkpoint="layers" if cfg.checkpoint_layers else "none", offload_state=cfg.offload_state,
                 **cfg.loss_options(),
             )

@@ -69,7 +69,7 @@ def _wrap(layer: torch.nn.Module, index: int, config):
         if not torch.is_grad_enabled():
             return inner(layer, *args, **kwargs)  # nothing is saved without grad: nothing to recompute
         cache = kwargs.get("longstraw")
-        # The recompute runs in the backward, after the forward's block (replay.replay_attention) has restored
+        # The recompute runs in the backward, after the forward's block (segment.replay_attention) has restored
         # the model's own attention kernel: it must run with the kernel of the first run.
         kernel = config._attn_implementation
         runs = 0

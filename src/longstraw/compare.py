@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from longstraw.choices import PLANS
 from longstraw.config import TrainConfig, values_from_args
 from longstraw.config import add_arguments as add_train_arguments
 
@@ -70,12 +71,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def parse_plans(text: str) -> list[str]:
-    from longstraw.api import MODES
-
     plans = [p.strip() for p in text.split(",") if p.strip()]
-    unknown = [p for p in plans if p not in MODES]
+    unknown = [p for p in plans if p not in PLANS]
     if unknown:
-        raise ValueError(f"--plans: unknown plan(s) {', '.join(unknown)}; choose from {', '.join(MODES)}")
+        raise ValueError(f"--plans: unknown plan(s) {', '.join(unknown)}; choose from {', '.join(PLANS)}")
     if len(set(plans)) != len(plans):
         raise ValueError(f"--plans: {text!r} names a plan twice")
     if BASELINE not in plans:

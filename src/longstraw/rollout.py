@@ -18,7 +18,7 @@ import torch
 
 from longstraw.logprobs import DEFAULT_TOKEN_CHUNK
 from longstraw.plans.replay import replay_responses
-from longstraw.replay import run_segment
+from longstraw.segment import run_segment
 from longstraw.state.capture import capture_prompt
 from longstraw.state.prompt import PromptState
 from longstraw.state.response import ResponseState

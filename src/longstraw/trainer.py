@@ -103,7 +103,7 @@ class Trainer:
                 for j, r in enumerate(kept):
                     progress.update(step, f"train (pass {it + 1})", j, len(kept))
                     result = backward_group(
-                        self.model, r.group, mode=cfg.plan, loss=cfg.loss, chunk_size=cfg.chunk_size,
+                        self.model, r.group, plan=cfg.plan, loss=cfg.loss, chunk_size=cfg.chunk_size,
                         micro_batch=cfg.micro_batch, prompt_state=r.state if it == 0 else None,
                         context_parallel=self.par.context_parallel,
                         checkpoint="layers" if cfg.checkpoint_layers else "none", offload_state=cfg.offload_state,

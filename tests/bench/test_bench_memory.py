@@ -21,8 +21,7 @@ from longstraw.bench.memory import (
     run_memory_bench,
 )
 from longstraw.cli import build_parser, main
-
-MIB = 1024 * 1024
+from longstraw.planner import MIB
 
 
 def test_smoke_bench_writes_every_configuration(tmp_path):
@@ -40,7 +39,7 @@ def test_smoke_bench_writes_every_configuration(tmp_path):
                 "python", "device"):
         assert doc["machine"].get(key) is not None, key
     seen = {(r["mode"], r["group_size"]) for r in doc["results"]}
-    assert seen == {(m, g) for m in SMOKE.modes for g in SMOKE.groups}
+    assert seen == {(m, g) for m in SMOKE.plans for g in SMOKE.groups}
     for r in doc["results"]:
         assert r["status"] == "ok", r
         # --smoke runs every configuration in one worker: a later configuration may reuse heap pages freed by
@@ -81,7 +80,7 @@ def test_failed_worker_is_recorded_not_raised(tmp_path):
     out = tmp_path / "fail.json"
     proc = subprocess.run(
         [sys.executable, "-m", "longstraw.cli", "bench", "memory", "--smoke", "--prompt-tokens", "4000",
-         "--groups", "2", "--modes", "detach", "--out", str(out)],
+         "--groups", "2", "--plans", "detach", "--out", str(out)],
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 1, proc.stderr[-3000:]
@@ -142,7 +141,7 @@ def test_bad_arguments_are_argparse_errors(capsys):
     for argv, message in [
         (["bench", "memory", "--groups", "0"], "must be >= 1"),
         (["bench", "memory", "--smoke", "--demo"], "not allowed with"),
-        (["bench", "memory", "--modes", "fast"], "invalid choice"),
+        (["bench", "memory", "--plans", "fast"], "invalid choice"),
         (["bench", "memory", "--prompt-tokens", "1"], "--prompt-tokens must be >= 2"),
         (["bench"], "required"),
     ]:
@@ -158,11 +157,11 @@ def test_bad_arguments_are_argparse_errors(capsys):
 def test_checkpoint_dimension_side_by_side_with_planner_prediction(tmp_path, capsys):
     # In-process bench (one worker for all 8 configurations, as --smoke): every plan with and without
     # per-layer activation checkpointing, and the planner's forecast beside each measured peak.
-    config = replace(SMOKE, modes=("detach", "exact"), checkpoints=("none", "layers"), smoke=False)  # full report
+    config = replace(SMOKE, plans=("detach", "exact"), checkpoints=("none", "layers"), smoke=False)  # full report
     doc = run_memory_bench(config, str(tmp_path / "ckpt.json"))
     printed = capsys.readouterr()
     seen = {(r["mode"], r["group_size"], r["checkpoint"]) for r in doc["results"]}
-    assert seen == {(m, g, c) for m in config.modes for g in config.groups for c in config.checkpoints}
+    assert seen == {(m, g, c) for m in config.plans for g in config.groups for c in config.checkpoints}
     for r in doc["results"]:
         assert r["status"] == "ok", r
         assert r["stats"]["checkpoint"] == r["checkpoint"], r
@@ -172,7 +171,7 @@ def test_checkpoint_dimension_side_by_side_with_planner_prediction(tmp_path, cap
     for g in config.groups:
         losses = [r["loss"] for r in doc["results"] if r["group_size"] == g]
         assert max(losses) - min(losses) < 1e-4 * max(1.0, abs(losses[0]))
-    header = format_table(doc["results"], config.groups, config.modes, config.checkpoints).splitlines()[0]
+    header = format_table(doc["results"], config.groups, config.plans, config.checkpoints).splitlines()[0]
     assert [c.strip() for c in header.split("|")[1:]] == ["detach", "detach+ckpt", "exact", "exact+ckpt"]
     assert "detach+ckpt" in printed.out and "exact+ckpt" in printed.out
     ratios = doc["ratios"]
@@ -198,6 +197,13 @@ def test_checkpoint_ratios_on_synthetic_results():
     assert not any(key.endswith("_ckpt_over_plain") for key in plain_only)
     row = format_table(results, [2], ["detach", "exact"], ["none", "layers"]).splitlines()[-1]
     assert "FAILED" in row and "20.0" in row and "50.0" in row
+
+
+def test_plans_option_and_its_older_name():
+    parser = build_parser()
+    for flag in ("--plans", "--modes"):  # --modes: the older name, still accepted
+        args = parser.parse_args(["bench", "memory", "--smoke", flag, "exact", "detach", "exact"])
+        assert config_from_args(args, args.fail).plans == ("exact", "detach")
 
 
 def test_checkpoint_arguments():

@@ -55,7 +55,7 @@ def test_every_benchmark_smoke_runs(tmp_path, capsys):
 
     prompt = docs["prompt"]
     assert {(r["mode"], r["prompt_tokens"]) for r in prompt["results"]} == {
-        (m, p) for m in PROMPT_SMOKE.modes for p in PROMPT_SMOKE.prompts}
+        (m, p) for m in PROMPT_SMOKE.plans for p in PROMPT_SMOKE.prompts}
     assert all(r["predicted_step_bytes"] > 0 for r in prompt["results"])
     assert prompt["summary"]["exact"]["largest_within_budget"] == max(PROMPT_SMOKE.prompts)
 
@@ -66,7 +66,7 @@ def test_every_benchmark_smoke_runs(tmp_path, capsys):
     # The smoke pulls every lever: both checkpoint settings and an offloaded exact configuration.
     assert {r["checkpoint"] for r in pareto["results"]} == {"none", "layers"}
     assert any(r["offload_state"] and r["mode"] == "exact" for r in pareto["results"])
-    for mode in PARETO_SMOKE.modes:
+    for mode in PARETO_SMOKE.plans:
         assert any(r["pareto"] for r in pareto["results"] if r["mode"] == mode), mode
     assert all(isinstance(r["pareto_all"], bool) for r in pareto["results"])
     assert {(r["micro_batch"], r["chunk_size"]) for r in pareto["results"]} == {
@@ -94,7 +94,7 @@ def test_pareto_flags():
 
 
 def test_pareto_grid_offloads_only_plans_with_a_prompt_state():
-    cfg = ParetoBenchConfig(modes=("standard", "exact"), micro_batches=(1,), chunk_sizes=(32,))
+    cfg = ParetoBenchConfig(plans=("standard", "exact"), micro_batches=(1,), chunk_sizes=(32,))
     grid = pareto_grid(cfg)
     assert len(grid) == 2 * 2 + 2  # standard: 2 checkpoint settings; exact: 2 x 2 with offloading
     assert not any(off for mode, *_, off in grid if mode == "standard")
@@ -147,6 +147,7 @@ def test_pareto_lever_options():
     # the smoke profile keeps its offloaded exact configurations only where they fit the grid asked for
     smoke = config_from_args(_pareto_args(["--smoke"]), _fail)
     assert smoke.extra == PARETO_SMOKE.extra and smoke.checkpoints == ("none", "layers")
+    # --modes: the older name of --plans, still accepted
     assert config_from_args(_pareto_args(["--smoke", "--modes", "detach"]), _fail).extra == ()
     assert config_from_args(_pareto_args(["--smoke", "--checkpoint", "none"]), _fail).extra == (
         ("exact", 1, 32, "none", True),)
@@ -178,7 +179,7 @@ def test_prompt_sweep_skips_what_the_planner_says_cannot_fit(tmp_path, capsys):
     (["bench", "memory", "--arch", "llama", "--model", "tiny-llama"], "not both"),
     (["bench", "prompt", "--budget", "lots"], "cannot read memory size"),
     (["bench", "prompt", "--prompts", "1", "8"], "--prompts must all be >= 2"),
-    (["bench", "pareto", "--modes", "standard"], "invalid choice"),
+    (["bench", "pareto", "--plans", "standard"], "invalid choice"),
     (["bench", "pareto", "--micro-batches", "0"], "must be >= 1"),
     (["bench", "pareto", "--checkpoint", "all"], "invalid choice"),
     (["bench", "pareto", "--offload", "true"], "invalid choice"),
@@ -195,7 +196,7 @@ def test_results_directory_default(tmp_path, monkeypatch):
     # bench/results/smoke/, which git ignores (its numbers are not results).
     monkeypatch.chdir(tmp_path)
     assert main(["bench", "pareto", "--smoke", "--micro-batches", "1", "--chunk-sizes", "32",
-                 "--modes", "detach"]) == 0
+                 "--plans", "detach"]) == 0
     assert not [f for f in os.listdir(tmp_path / "bench" / "results") if f.endswith(".json")]
     files = os.listdir(tmp_path / "bench" / "results" / "smoke")
     assert any(f.startswith("pareto-") and f.endswith(".json") for f in files)

@@ -14,7 +14,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from longstraw import load_model
 from longstraw.integrations.trl import LongStrawGRPOConfig, LongStrawGRPOTrainer
-from longstraw.memory import PeakMemory
+from longstraw.peak import PeakMemory
 from longstraw.tokenizer import byte_tokenizer_hf
 
 

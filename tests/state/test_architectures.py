@@ -23,8 +23,8 @@ import torch
 from conftest import ARCH_FAMILIES, grads, random_group, rel_err, tiny_model
 
 from longstraw import backward_group, planner
-from longstraw.replay import run_segment
 from longstraw.rollout import SamplingConfig, sample_group, score_responses
+from longstraw.segment import run_segment
 from longstraw.state.capture import capture_prompt
 
 FP32_INSIDE = ("qwen3_next", "qwen3_5_text", "mamba2", "falcon_h1", "kimi_linear", "deepseek_v3", "glm_moe_dsa")

@@ -5,7 +5,7 @@ import torch
 from conftest import tiny_model
 
 from longstraw import planner
-from longstraw.replay import run_segment
+from longstraw.segment import run_segment
 from longstraw.state.capture import capture_prompt, chunk_bounds
 
 

@@ -70,8 +70,8 @@ def test_a_given_prompt_state_is_offloaded(tiny_llama64):
 
 
 def test_offload_is_refused_for_the_standard_plans(tiny_llama64):
-    with pytest.raises(ValueError, match="has none; use mode detach or exact"):
-        backward_group(tiny_llama64, random_group(10, [3]), mode="standard", offload_state=True)
+    with pytest.raises(ValueError, match="has none; use plan detach or exact"):
+        backward_group(tiny_llama64, random_group(10, [3]), plan="standard", offload_state=True)
 
 
 def test_offloaded_state_keeps_one_layer_on_the_device(monkeypatch):

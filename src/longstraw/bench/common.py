@@ -11,7 +11,8 @@ to run and less at G=8 than at G=2. A fixed threshold returns every large tensor
 same configuration repeats within 1 MiB.
 
 Nothing here imports another bench module (the worker runs as `python -m longstraw.bench.worker`), so every bench
-module can import this one without a cycle; torch, transformers and the planner are imported where used.
+module can import this one without a cycle; torch and transformers are imported where used (the planner, torch-free,
+also at the top: its byte units MIB and GIB).
 """
 
 from __future__ import annotations
@@ -27,11 +28,11 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 
 from longstraw.bench.machine import machine_info
+from longstraw.choices import PLANS_BASELINE_FIRST
+from longstraw.planner import GIB as GIB  # byte units, re-exported to the benches with MIB
+from longstraw.planner import MIB
 
-# Table/column order: the baseline first, then the plans it is compared with.
-DEFAULT_MODES = ("standard_batched", "standard", "detach", "exact")
-MIB = 1024 * 1024
-GIB = 1024**3
+DEFAULT_MODES = PLANS_BASELINE_FIRST  # the older name, kept for importers
 STDERR_TAIL = 4000  # characters of a failed worker's stderr kept in the result file
 BUSY_PRESSURE = 0.1  # a step whose CPU pressure (PSI "some") exceeds this ran on a contended host
 # A step peak below this is under what VmHWM can resolve once heap pages are reused (tiny models, or several
@@ -54,7 +55,7 @@ class MemoryBenchConfig:
     prompt_tokens: int = 4096
     response_tokens: int = 256
     groups: tuple[int, ...] = (2, 4, 8, 16)
-    modes: tuple[str, ...] = DEFAULT_MODES
+    plans: tuple[str, ...] = PLANS_BASELINE_FIRST  # table/column order: the baseline first
     chunk_size: int = 2048
     micro_batch: int = 1
     seed: int = 0

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from longstraw.bench.common import default_out
 from longstraw.bench.machine import machine_info
+from longstraw.planner import MIB
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,7 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--response-tokens", type=int, default=128, help="R (default 128)")
     parser.add_argument("--group-size", type=int, default=2, help="G (default 2)")
     parser.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4], help="context-parallel sizes (default 1 2 4)")
-    parser.add_argument("--mode", choices=("detach", "exact"), default="exact", help="plan (default exact)")
+    parser.add_argument("--plan", "--mode", dest="plan", choices=("detach", "exact"), default="exact",
+                        help="plan (default exact; --mode: the older name)")
     parser.add_argument("--chunk-size", type=int, default=1024, help="prompt capture chunk (default 1024)")
     parser.add_argument("--dtype", default="float32", help="parameter dtype (default float32)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per C before giving up")
@@ -73,7 +75,7 @@ def run_ranks(config: dict, timeout: float) -> list[dict]:
 
 def run_from_args(args: argparse.Namespace) -> int:
     base = {"model": args.model, "dtype": args.dtype, "prompt_tokens": args.prompt_tokens,
-            "response_tokens": args.response_tokens, "group_size": args.group_size, "mode": args.mode,
+            "response_tokens": args.response_tokens, "group_size": args.group_size, "mode": args.plan,
             "chunk_size": args.chunk_size, "seed": 0}
     sizes = args.cp
     if args.smoke:
@@ -95,8 +97,8 @@ def run_from_args(args: argparse.Namespace) -> int:
                "max_state_bytes": max(r["prompt_state_bytes"] for r in ranks),
                "max_time_s": max(r["time_s"] for r in ranks), "wall_s": time.perf_counter() - t0}
         rows.append(row)
-        print(f"  C={c}: per-rank peak {row['max_peak_bytes'] / 2**20:8.1f} MiB  prompt state "
-              f"{row['max_state_bytes'] / 2**20:7.2f} MiB  step {row['max_time_s']:7.2f} s")
+        print(f"  C={c}: per-rank peak {row['max_peak_bytes'] / MIB:8.1f} MiB  prompt state "
+              f"{row['max_state_bytes'] / MIB:7.2f} MiB  step {row['max_time_s']:7.2f} s")
     one = rows[0]
     print("relative to the first C:")
     for row in rows[1:]:

@@ -19,7 +19,7 @@ from longstraw import backward_group
 from longstraw.bench.common import load_bench_model
 from longstraw.bench.worker import make_group
 from longstraw.distributed.context import ContextParallel
-from longstraw.memory import PeakMemory
+from longstraw.peak import PeakMemory
 
 
 def main() -> None:
@@ -34,7 +34,7 @@ def main() -> None:
     meter = PeakMemory("cpu")
     meter.start()
     t0 = time.perf_counter()
-    result = backward_group(model, group, mode=config["mode"], chunk_size=config["chunk_size"],
+    result = backward_group(model, group, plan=config["mode"], chunk_size=config["chunk_size"],
                             context_parallel=ContextParallel() if world > 1 else None)
     step_s = time.perf_counter() - t0
     rank = dist.get_rank() if world > 1 else 0

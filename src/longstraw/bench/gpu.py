@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, replace
 
 from longstraw.bench.common import (
     B1,
-    DEFAULT_MODES,
+    GIB,
     MIB,
     PLANNER_SLACK,
     MemoryBenchConfig,
@@ -36,6 +36,7 @@ from longstraw.bench.common import (
 )
 from longstraw.bench.machine import machine_info
 from longstraw.bench.memory import compute_ratios
+from longstraw.choices import PLANS_BASELINE_FIRST
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ class GpuBenchConfig:
     prompts: tuple[int, ...] = (32768, 65536)
     response_tokens: int = 512
     groups: tuple[int, ...] = (2, 8)
-    modes: tuple[str, ...] = DEFAULT_MODES
+    plans: tuple[str, ...] = PLANS_BASELINE_FIRST
     chunk_size: int = 8192
     pareto_prompt: int = 65536
     pareto_group: int = 8
@@ -54,7 +55,7 @@ class GpuBenchConfig:
     chunk_sizes: tuple[int, ...] = (8192, 32768)
     deadline_s: float = 450.0  # stop starting configurations after this (the call's limit is 8 min)
     config_timeout_s: float = 150.0
-    reserve_bytes: int = 1024**3  # CUDA context etc., for the planner's skip decision
+    reserve_bytes: int = GIB  # CUDA context etc., for the planner's skip decision
     isolate: bool = True  # a fresh worker per configuration; False (smoke): one worker per part
 
 
@@ -128,12 +129,12 @@ def run_gpu_bench(cfg: GpuBenchConfig, out_dir: str) -> dict[str, object]:
         return entries
 
     base = replace(B1, model=cfg.model, dtype=cfg.dtype, device=cfg.device, response_tokens=cfg.response_tokens,
-                   chunk_size=cfg.chunk_size, groups=cfg.groups, modes=cfg.modes)
+                   chunk_size=cfg.chunk_size, groups=cfg.groups, plans=cfg.plans)
     from longstraw.bench.plots import plot_memory, plot_pareto
 
     for p in cfg.prompts:
         job = replace(base, prompt_tokens=p)
-        results = run([(job, mode, g, f"B1 P={p} G={g}") for g in cfg.groups for mode in cfg.modes])
+        results = run([(job, mode, g, f"B1 P={p} G={g}") for g in cfg.groups for mode in cfg.plans])
         doc = {"bench": "memory", "started": summary["started"], "config": asdict(job), "machine": machine,
                "results": results, "ratios": compute_ratios(results)}
         path = os.path.join(out_dir, f"memory-P{p}.json")

@@ -1,6 +1,6 @@
 """`longstraw bench memory`: Bench B1 (docs/design.md §5), peak memory and step time of every plan across group sizes.
 
-Each (mode, G, checkpoint) configuration runs in a fresh `longstraw.bench.worker` subprocess so its peak is its own (a
+Each (plan, G, checkpoint) configuration runs in a fresh `longstraw.bench.worker` subprocess so its peak is its own (a
 process's high-water mark never comes down on its own). A failed worker (OOM-killed, error, timeout) is
 recorded with its stderr tail and the bench moves on. The result file holds the config, the machine, every
 result and the ratios; the table and ratios are also printed. Plans are compared as ratios from one run
@@ -40,7 +40,7 @@ from longstraw.bench.common import (
 )
 from longstraw.bench.common import run_one as run_one  # where the tests and older callers import it from
 from longstraw.bench.machine import machine_info
-from longstraw.choices import CHECKPOINT_CHOICES, MODES
+from longstraw.choices import CHECKPOINT_CHOICES, DTYPES, PLANS
 from longstraw.planner import positive_int
 
 # --demo: B1 at two group sizes, so its G=8 ratios are B1's: 100 s on 2 idle CPU cores (AMD EPYC, 2026-11-29),
@@ -93,17 +93,17 @@ def run_memory_bench(config: MemoryBenchConfig, out: str) -> dict[str, object]:
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     started = time.strftime("%Y-%m-%dT%H:%M:%S")
     machine = machine_info(config.device)
-    plan = [(g, mode, ckpt) for g in config.groups for mode in config.modes for ckpt in config.checkpoints]
-    print(f"bench memory: {describe(config)}; {len(plan)} configurations, one process each", file=sys.stderr)
+    grid = [(g, mode, ckpt) for g in config.groups for mode in config.plans for ckpt in config.checkpoints]
+    print(f"bench memory: {describe(config)}; {len(grid)} configurations, one process each", file=sys.stderr)
     predict = _planner(config)
     results: list[dict[str, object]] = []
     partial = out + ".tmp"
-    batches = [[job] for job in plan] if config.isolate else [plan]
+    batches = [[job] for job in grid] if config.isolate else [grid]
     for batch in batches:
         for entry in run_batch([(config, mode, g, ckpt) for g, mode, ckpt in batch], isolate=config.isolate):
             add_prediction(entry, config, predict)
             results.append(entry)
-            print(_progress_line(len(results), len(plan), entry), file=sys.stderr, flush=True)
+            print(_progress_line(len(results), len(grid), entry), file=sys.stderr, flush=True)
         # A partial file after each configuration: a long run that is interrupted keeps what it measured.
         write_json(partial, _document(config, machine, results, started))
     document = _document(config, machine, results, started)
@@ -115,7 +115,7 @@ def run_memory_bench(config: MemoryBenchConfig, out: str) -> dict[str, object]:
     if config.smoke:
         print(smoke_summary(results, "bench memory"))
     else:
-        print(format_table(results, config.groups, config.modes, config.checkpoints))
+        print(format_table(results, config.groups, config.plans, config.checkpoints))
         predictions = format_predictions(results)
         if predictions:
             print(predictions)
@@ -260,10 +260,10 @@ def compute_ratios(results: list[dict[str, object]]) -> dict[str, object]:
 
 
 def format_table(results: list[dict[str, object]], groups: tuple[int, ...] | list[int],
-                 modes: tuple[str, ...] | list[str], checkpoints: tuple[str, ...] | list[str] = ("none",)) -> str:
+                 plans: tuple[str, ...] | list[str], checkpoints: tuple[str, ...] | list[str] = ("none",)) -> str:
     """Rows G, one column per (mode, checkpoint) labelled `mode` or `mode+ckpt` (peak MiB, step s); FAILED
     where a configuration failed, - if not run."""
-    columns = [(m, c) for m in modes for c in checkpoints]
+    columns = [(m, c) for m in plans for c in checkpoints]
     labels = [column_label(m, c) for m, c in columns]
     width = max(19, *(len(label) for label in labels))
     head = "   G |" + "|".join(f" {label:<{width}} " for label in labels)
@@ -330,8 +330,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"R, every response (default {B1.response_tokens})")
     parser.add_argument("--groups", type=positive_int, nargs="+", metavar="G",
                         help=f"group sizes (default {' '.join(map(str, B1.groups))})")
-    parser.add_argument("--modes", nargs="+", choices=MODES, metavar="MODE",
-                        help=f"plans, of {', '.join(MODES)} (default all four)")
+    parser.add_argument("--plans", "--modes", nargs="+", choices=PLANS, metavar="PLAN", dest="plans",
+                        help=f"plans, of {', '.join(PLANS)} (default all four; --modes: the older name)")
     checkpoint = parser.add_mutually_exclusive_group()
     checkpoint.add_argument("--checkpoint", nargs="+", choices=CHECKPOINT_CHOICES, metavar="MODE",
                             help="activation checkpointing, measured side by side: none, layers or both "
@@ -347,7 +347,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"prompt capture chunk (default {B1.chunk_size})")
     parser.add_argument("--micro-batch", type=positive_int,
                         help=f"responses replayed at once (default {B1.micro_batch})")
-    parser.add_argument("--dtype", choices=("float32", "float64", "bfloat16", "float16"),
+    parser.add_argument("--dtype", choices=DTYPES,
                         help=f"parameter dtype (default {B1.dtype})")
     parser.add_argument("--device", help="cpu or cuda[:i] (default cpu); CUDA peak is max_memory_allocated")
     parser.add_argument("--seed", type=int, help="seed of the random group (default 0)")
@@ -373,7 +373,7 @@ def config_from_args(args: argparse.Namespace, fail: Callable[[str], NoReturn]) 
         "seed": args.seed, "timeout_s": args.timeout, "malloc_mmap_threshold": args.malloc_mmap_threshold,
         # Duplicates would only re-measure a configuration; keep the order given.
         "groups": tuple(dict.fromkeys(args.groups)) if args.groups else None,
-        "modes": tuple(dict.fromkeys(args.modes)) if args.modes else None,
+        "plans": tuple(dict.fromkeys(args.plans)) if args.plans else None,
         "checkpoints": ("layers",) if getattr(args, "checkpoint_layers", False)
         else tuple(dict.fromkeys(args.checkpoint)) if getattr(args, "checkpoint", None) else None,
     }

@@ -27,7 +27,7 @@ from longstraw.bench.common import (
 )
 
 # Plans that keep a prompt state, the only ones `backward_group(offload_state=True)` accepts.
-OFFLOAD_MODES = ("detach", "exact")
+OFFLOAD_PLANS = ("detach", "exact")
 # `bench pareto --offload` words -> ParetoBenchConfig.offloads
 OFFLOAD_CHOICES = {"no": False, "yes": True}
 
@@ -46,7 +46,7 @@ class ParetoBenchConfig:
     prompt_tokens: int = 4096
     response_tokens: int = 256
     group_size: int = 8
-    modes: tuple[str, ...] = ("detach", "exact")
+    plans: tuple[str, ...] = ("detach", "exact")
     micro_batches: tuple[int, ...] = (1, 2, 4, 8)
     chunk_sizes: tuple[int, ...] = (1024, 2048, 4096)
     checkpoints: tuple[str, ...] = ("none", "layers")
@@ -90,7 +90,7 @@ def lever_suffix(checkpoint: str, offload_state: bool) -> str:
 def pareto_grid(cfg: ParetoBenchConfig) -> list[tuple[str, int, int, str, bool]]:
     """(mode, micro_batch, chunk_size, checkpoint, offload_state) for every configuration of the sweep: the grid
     (offloading only for the plans with a prompt state) and then `cfg.extra`, without repeats."""
-    grid = [(mode, k, c, ck, off) for mode in cfg.modes for off in cfg.offloads if not off or mode in OFFLOAD_MODES
+    grid = [(mode, k, c, ck, off) for mode in cfg.plans for off in cfg.offloads if not off or mode in OFFLOAD_PLANS
             for ck in cfg.checkpoints for k in cfg.micro_batches for c in cfg.chunk_sizes]
     return list(dict.fromkeys(grid + [tuple(x) for x in cfg.extra]))  # type: ignore[misc]
 
@@ -157,7 +157,7 @@ def run_pareto_bench(cfg: ParetoBenchConfig, out: str) -> dict[str, object]:
     ok = [r for r in results if r["status"] == "ok"]
     for r, flag in zip(ok, pareto_flags([(r["peak_bytes"], r["time_s"]) for r in ok])):
         r["pareto_all"] = flag
-    for mode in cfg.modes:
+    for mode in cfg.plans:
         mine = [r for r in ok if r["mode"] == mode]
         for r, flag in zip(mine, pareto_flags([(r["peak_bytes"], r["time_s"]) for r in mine])):
             r["pareto"] = flag

@@ -1,6 +1,6 @@
 """The stress record: the longest prompt one GRPO step (`backward_group`) completes on this machine.
 
-`python -m longstraw.bench.stress --model tiny-llama-long --mode exact --group-size 4 --response-tokens 128`
+`python -m longstraw.bench.stress --model tiny-llama-long --plan exact --group-size 4 --response-tokens 128`
 doubles P from `--start` until a step fails, exceeds `--step-timeout`, or the planner predicts more than
 `--budget`; every step runs in a fresh bench worker (peak = VmHWM above the loaded model, docs/design.md §5; the
 whole process's high-water mark is recorded too). Any preset works (`--model`), so a constant-state model (Mamba2,
@@ -17,6 +17,7 @@ from dataclasses import replace
 
 from longstraw.bench.common import B1, GIB, MIB, predictor, run_one, write_json
 from longstraw.bench.machine import machine_info
+from longstraw.choices import PLANS
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,7 +25,8 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m longstraw.bench.stress", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny-llama-long", help="any preset / directory / hub id")
-    parser.add_argument("--mode", default="exact", choices=("exact", "detach", "standard", "standard_batched"))
+    parser.add_argument("--plan", "--mode", dest="plan", default="exact", choices=PLANS,
+                        help="the plan (default exact; --mode: the older name)")
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--response-tokens", type=int, default=128)
     parser.add_argument("--start", type=int, default=32768, help="first prompt length")
@@ -56,14 +58,14 @@ def main(argv: list[str] | None = None) -> int:
                    chunk_size=args.chunk_size, timeout_s=args.step_timeout)
     p = args.start
     while p <= args.max_prompt:
-        predicted = predict(p, args.response_tokens, args.group_size, args.mode, args.chunk_size,
+        predicted = predict(p, args.response_tokens, args.group_size, args.plan, args.chunk_size,
                             1) if predict else None
         if predicted is not None and predicted > budget:
             results.append({"prompt_tokens": p, "status": "skipped", "predicted_step_bytes": predicted,
                             "error": f"planner predicts {predicted / GIB:.2f} GiB > budget {budget / GIB:.2f} GiB"})
             print(f"P={p}: skipped ({results[-1]['error']})", file=sys.stderr)
             break
-        entry = run_one(replace(base, prompt_tokens=p), args.mode, args.group_size)
+        entry = run_one(replace(base, prompt_tokens=p), args.plan, args.group_size)
         entry.update(prompt_tokens=p, predicted_step_bytes=predicted)
         results.append(entry)
         if entry["status"] == "ok":
@@ -82,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     write_json(out, document)
     if ok:
         r = document["record"]
-        print(f"record: {args.model} {args.mode} G={args.group_size} R={args.response_tokens}: "
+        print(f"record: {args.model} {args.plan} G={args.group_size} R={args.response_tokens}: "
               f"P={r['prompt_tokens']} positions in {r['time_s']:.0f} s, step peak {r['peak_bytes'] / MIB:.0f} MiB, "
               f"process high-water {r['high_water_bytes'] / MIB:.0f} MiB; results: {out}")
         return 0

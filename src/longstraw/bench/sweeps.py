@@ -25,7 +25,6 @@ from dataclasses import dataclass, replace
 from typing import NoReturn
 
 from longstraw.bench.common import (
-    DEFAULT_MODES,
     GIB,
     MIB,
     PLANNER_SLACK,
@@ -44,7 +43,7 @@ from longstraw.bench.common import (
 )
 from longstraw.bench.memory import compute_ratios, format_ratios, format_table
 from longstraw.bench.pareto import OFFLOAD_CHOICES, PARETO_SMOKE, ParetoBenchConfig, run_pareto_bench
-from longstraw.choices import CHECKPOINT_CHOICES, MODES
+from longstraw.choices import CHECKPOINT_CHOICES, DTYPES, PLANS, PLANS_BASELINE_FIRST
 from longstraw.planner import positive_int
 
 # ---------------------------------------------------------------- configs
@@ -60,7 +59,7 @@ class PromptBenchConfig:
     prompts: tuple[int, ...] = tuple(1024 * 2**i for i in range(8))
     response_tokens: int = 256
     group_size: int = 4
-    modes: tuple[str, ...] = DEFAULT_MODES
+    plans: tuple[str, ...] = PLANS_BASELINE_FIRST
     chunk_size: int = 2048
     micro_batch: int = 1
     budget_bytes: int = 16 * GIB
@@ -81,7 +80,7 @@ class ArchBenchConfig:
     prompt_tokens: int = 4096
     response_tokens: int = 256
     groups: tuple[int, ...] = (2, 8)
-    modes: tuple[str, ...] = DEFAULT_MODES
+    plans: tuple[str, ...] = PLANS_BASELINE_FIRST
     chunk_size: int = 2048
     micro_batch: int = 1
     seed: int = 0
@@ -95,19 +94,19 @@ PROMPT_SMOKE = PromptBenchConfig(model="tiny-llama", prompts=(64, 128), response
                                  chunk_size=32, budget_bytes=GIB, isolate=False, smoke=True)
 # Smoke: the exact plan only (capture, replay and prompt backward) on every family, so the smoke stays cheap as
 # families are added; the other plans' smoke is `bench memory --smoke`.
-ARCH_SMOKE = ArchBenchConfig(prompt_tokens=64, response_tokens=8, groups=(2,), modes=("exact",), chunk_size=32,
+ARCH_SMOKE = ArchBenchConfig(prompt_tokens=64, response_tokens=8, groups=(2,), plans=("exact",), chunk_size=32,
                              isolate=False, smoke=True)
 
 
-def _table(results: list[dict], row_key: str, row_label: str, rows: list, modes: tuple[str, ...]) -> str:
-    """Rows of `row_key` values, two columns per mode: peak MiB, step s (skipped/FAILED where so)."""
+def _table(results: list[dict], row_key: str, row_label: str, rows: list, plans: tuple[str, ...]) -> str:
+    """Rows of `row_key` values, two columns per plan: peak MiB, step s (skipped/FAILED where so)."""
     width = 19
-    head = f"{row_label:>9} |" + "|".join(f" {m:<{width}} " for m in modes)
-    sub = f"{'':>9} |" + "|".join(f" {'peak MiB':>10}{'time s':>{width - 10}} " for _ in modes)
+    head = f"{row_label:>9} |" + "|".join(f" {m:<{width}} " for m in plans)
+    sub = f"{'':>9} |" + "|".join(f" {'peak MiB':>10}{'time s':>{width - 10}} " for _ in plans)
     lines = [head.rstrip(), sub.rstrip(), "-" * len(sub.rstrip())]
     for value in rows:
         cells = []
-        for mode in modes:
+        for mode in plans:
             hit = [r for r in results if r[row_key] == value and r["mode"] == mode]
             if not hit:
                 cells.append(f" {'-':>10}{'-':>{width - 10}} ")
@@ -144,7 +143,7 @@ def run_prompt_bench(cfg: PromptBenchConfig, out: str) -> dict[str, object]:
     results: list[dict] = document["results"]  # type: ignore[assignment]
     predict = predictor(cfg.model, cfg.dtype)
     available = _available_bytes() if cfg.device == "cpu" else None
-    active = list(cfg.modes)
+    active = list(cfg.plans)
     print(f"bench prompt: {cfg.model} {cfg.dtype}, R={cfg.response_tokens} G={cfg.group_size}, P in "
           f"{list(cfg.prompts)}, budget {_size(cfg.budget_bytes)}", file=sys.stderr)
     for p in cfg.prompts:
@@ -176,7 +175,7 @@ def run_prompt_bench(cfg: PromptBenchConfig, out: str) -> dict[str, object]:
         if not active:
             break
     document["summary"] = prompt_summary(results, cfg)
-    table = _table(results, "prompt_tokens", "P", list(cfg.prompts), cfg.modes) + "\n" + _prompt_lines(
+    table = _table(results, "prompt_tokens", "P", list(cfg.prompts), cfg.plans) + "\n" + _prompt_lines(
         document["summary"])  # type: ignore[arg-type]
     from longstraw.bench.plots import plot_prompt
 
@@ -187,7 +186,7 @@ def run_prompt_bench(cfg: PromptBenchConfig, out: str) -> dict[str, object]:
 def prompt_summary(results: list[dict], cfg: PromptBenchConfig) -> dict[str, object]:
     """Per plan: the largest P measured within the budget and the first P that was over it, failed or skipped."""
     summary: dict[str, object] = {"budget_bytes": cfg.budget_bytes}
-    for mode in cfg.modes:
+    for mode in cfg.plans:
         mine = sorted((r for r in results if r["mode"] == mode), key=lambda r: r["prompt_tokens"])
         within = [r["prompt_tokens"] for r in mine if r["status"] == "ok" and not r["over_budget"]]
         beyond = [r for r in mine if r["status"] != "ok" or r.get("over_budget")]
@@ -223,7 +222,7 @@ def run_arch_bench(cfg: ArchBenchConfig, out: str) -> dict[str, object]:
     for arch in archs:
         model = smoke_preset(arch) if cfg.smoke else arch_preset(arch)
         job_cfg = job_config(cfg, model, cfg.prompt_tokens, cfg.chunk_size, cfg.micro_batch)
-        jobs += [(arch, model, job_cfg, mode, g) for g in cfg.groups for mode in cfg.modes]
+        jobs += [(arch, model, job_cfg, mode, g) for g in cfg.groups for mode in cfg.plans]
     # isolate: a fresh worker per configuration; smoke: one worker for every family's configurations
     batches = [[job] for job in jobs] if cfg.isolate else [jobs]
     for batch in batches:
@@ -237,7 +236,7 @@ def run_arch_bench(cfg: ArchBenchConfig, out: str) -> dict[str, object]:
     for arch in archs:
         mine = [r for r in results if r["arch"] == arch]
         ratios[arch] = compute_ratios(mine)
-        tables.append(f"{arch} ({mine[0]['model']})\n{format_table(mine, cfg.groups, cfg.modes)}\n"
+        tables.append(f"{arch} ({mine[0]['model']})\n{format_table(mine, cfg.groups, cfg.plans)}\n"
                       f"{format_ratios(ratios[arch])}")
     document["ratios"] = ratios
     from longstraw.bench.plots import plot_arch
@@ -251,7 +250,7 @@ def run_arch_bench(cfg: ArchBenchConfig, out: str) -> dict[str, object]:
 
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, one worker process; seconds")
-    parser.add_argument("--dtype", choices=("float32", "float64", "bfloat16", "float16"), help="default float32")
+    parser.add_argument("--dtype", choices=DTYPES, help="default float32")
     parser.add_argument("--device", help="cpu or cuda[:i] (default cpu); CUDA peak is max_memory_allocated")
     parser.add_argument("--seed", type=int, help="seed of the random group (default 0)")
     parser.add_argument("--timeout", type=positive_float, metavar="SECONDS", help="per-configuration limit")
@@ -268,7 +267,8 @@ def add_prompt_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"prompt lengths (default {' '.join(map(str, d.prompts))})")
     parser.add_argument("--response-tokens", type=positive_int, help=f"R (default {d.response_tokens})")
     parser.add_argument("--group-size", type=positive_int, help=f"G (default {d.group_size})")
-    parser.add_argument("--modes", nargs="+", choices=MODES, metavar="MODE", help="plans (default all four)")
+    parser.add_argument("--plans", "--modes", nargs="+", choices=PLANS, metavar="PLAN", dest="plans",
+                        help="plans (default all four; --modes: the older name)")
     parser.add_argument("--chunk-size", type=positive_int, help=f"prompt chunk (default {d.chunk_size})")
     parser.add_argument("--micro-batch", type=positive_int, help="responses replayed at once (default 1)")
     parser.add_argument("--budget", help="memory budget per step, e.g. 16GiB (default 16GiB)")
@@ -281,8 +281,8 @@ def add_pareto_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-tokens", type=positive_int, help=f"P (default {d.prompt_tokens})")
     parser.add_argument("--response-tokens", type=positive_int, help=f"R (default {d.response_tokens})")
     parser.add_argument("--group-size", type=positive_int, help=f"G (default {d.group_size})")
-    parser.add_argument("--modes", nargs="+", choices=("detach", "exact"), metavar="MODE",
-                        help="detach and/or exact (default both)")
+    parser.add_argument("--plans", "--modes", nargs="+", choices=("detach", "exact"), metavar="PLAN", dest="plans",
+                        help="detach and/or exact (default both; --modes: the older name)")
     parser.add_argument("--micro-batches", type=positive_int, nargs="+", metavar="K",
                         help=f"default {' '.join(map(str, d.micro_batches))}")
     parser.add_argument("--chunk-sizes", type=positive_int, nargs="+", metavar="C",
@@ -305,7 +305,8 @@ def add_arch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--response-tokens", type=positive_int, help=f"R (default {d.response_tokens})")
     parser.add_argument("--groups", type=positive_int, nargs="+", metavar="G",
                         help=f"default {' '.join(map(str, d.groups))}")
-    parser.add_argument("--modes", nargs="+", choices=MODES, metavar="MODE", help="plans (default all four)")
+    parser.add_argument("--plans", "--modes", nargs="+", choices=PLANS, metavar="PLAN", dest="plans",
+                        help="plans (default all four; --modes: the older name)")
     parser.add_argument("--chunk-size", type=positive_int, help=f"default {d.chunk_size}")
     parser.add_argument("--micro-batch", type=positive_int, help="default 1")
 
@@ -332,7 +333,7 @@ def config_from_args(args: argparse.Namespace, fail: Callable[[str], NoReturn]):
     if args.bench == "prompt":
         cfg = PROMPT_SMOKE if args.smoke else PromptBenchConfig()
         names = {**_COMMON, "model": "model", "prompts": "prompts", "response_tokens": "response_tokens",
-                 "group_size": "group_size", "modes": "modes", "chunk_size": "chunk_size", "micro_batch": "micro_batch"}
+                 "group_size": "group_size", "plans": "plans", "chunk_size": "chunk_size", "micro_batch": "micro_batch"}
         over = _overrides(args, names)
         if args.budget:
             try:
@@ -347,7 +348,7 @@ def config_from_args(args: argparse.Namespace, fail: Callable[[str], NoReturn]):
     elif args.bench == "pareto":
         cfg = PARETO_SMOKE if args.smoke else ParetoBenchConfig()
         names = {**_COMMON, "model": "model", "prompt_tokens": "prompt_tokens", "response_tokens": "response_tokens",
-                 "group_size": "group_size", "modes": "modes", "micro_batches": "micro_batches",
+                 "group_size": "group_size", "plans": "plans", "micro_batches": "micro_batches",
                  "chunk_sizes": "chunk_sizes", "checkpoint": "checkpoints"}
         over = _overrides(args, names)
         if getattr(args, "offload", None):
@@ -356,14 +357,14 @@ def config_from_args(args: argparse.Namespace, fail: Callable[[str], NoReturn]):
         # The profile's extra configurations stay only where they fit the grid asked for (and --offload decides
         # the offloading on its own).
         cfg = replace(cfg, extra=() if "offloads" in over else tuple(
-            x for x in cfg.extra if x[0] in cfg.modes and x[1] in cfg.micro_batches and x[2] in cfg.chunk_sizes
+            x for x in cfg.extra if x[0] in cfg.plans and x[1] in cfg.micro_batches and x[2] in cfg.chunk_sizes
             and x[3] in cfg.checkpoints))
         if cfg.prompt_tokens < 2:
             fail("--prompt-tokens must be >= 2")
     elif args.bench == "arch":
         cfg = ARCH_SMOKE if args.smoke else ArchBenchConfig()
         names = {**_COMMON, "archs": "archs", "prompt_tokens": "prompt_tokens", "response_tokens": "response_tokens",
-                 "groups": "groups", "modes": "modes", "chunk_size": "chunk_size", "micro_batch": "micro_batch"}
+                 "groups": "groups", "plans": "plans", "chunk_size": "chunk_size", "micro_batch": "micro_batch"}
         cfg = replace(cfg, **_overrides(args, names))
         for arch in cfg.archs:
             try:

@@ -19,7 +19,7 @@ import torch
 
 from longstraw import Group, backward_group
 from longstraw.bench.common import load_bench_model
-from longstraw.memory import PeakMemory
+from longstraw.peak import PeakMemory
 
 # Keys a config must carry; the parent (`bench/common.py`: `worker_config`) writes them all.
 CONFIG_KEYS = (
@@ -45,7 +45,7 @@ def make_group(
 ) -> Group:
     """Deterministic random group: prompt (P,), G responses of exactly R ids, advantages ~ N(0, 1) (G,).
 
-    The same seed gives the same group in every mode, so modes are compared on identical inputs.
+    The same seed gives the same group for every plan, so plans are compared on identical inputs.
     """
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, vocab_size, (prompt_tokens,), generator=gen)
@@ -76,7 +76,7 @@ def run_config(config: dict[str, object]) -> dict[str, object]:
     stall0 = _cpu_stall_us()
     t0, c0 = time.perf_counter(), time.process_time()
     result = backward_group(
-        model, group, mode=str(config["mode"]), chunk_size=int(config["chunk_size"]),
+        model, group, plan=str(config["mode"]), chunk_size=int(config["chunk_size"]),
         micro_batch=int(config["micro_batch"]), checkpoint=str(config["checkpoint"]),
         offload_state=bool(config.get("offload_state", False)) and config["mode"] in ("detach", "exact"),
     )

@@ -134,7 +134,7 @@ def sharded_compute(model: torch.nn.Module, reduce: bool = True) -> Iterator[Non
     else:
         _drop_unsharded_gradients(units)
     # Reshard every unit and reset FSDP's per-forward bookkeeping: the K/V-only forwards of capture stop
-    # inside the last layer (replay.py), which leaves that layer's FSDP state mid-forward.
+    # inside the last layer (segment.py), which leaves that layer's FSDP state mid-forward.
     model.reset_iter_state()
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import re
 
-from longstraw.planner.estimator import DTYPE_BYTES, PlanInputs, plan_all
+from longstraw.planner.estimator import DTYPE_BYTES, GIB, MIB, PlanInputs, plan_all
 from longstraw.planner.spec import BUILTIN_NAMES, load_config, spec_from_config
 
 # ---------------------------------------------------------------- CLI
@@ -14,7 +14,7 @@ from longstraw.planner.spec import BUILTIN_NAMES, load_config, spec_from_config
 
 _UNITS = {
     "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-    "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+    "KIB": 2**10, "MIB": MIB, "GIB": GIB, "TIB": 2**40,
 }
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from longstraw.choices import DTYPE_BYTES, PLANS, PLANS_BASELINE_FIRST
 from longstraw.planner.formulas import (
     _recurrent_layers,
     chunk_activation_bytes,
@@ -20,8 +21,7 @@ from longstraw.planner.formulas import (
 )
 from longstraw.planner.spec import ModelSpec
 
-PLANS = ("standard_batched", "standard", "detach", "exact")
-MIB = 1024**2
+MIB = 1024**2  # the package's byte units (peak meter, reports, benches import them from the planner)
 GIB = 1024**3
 
 # The step memory a fresh CPU process adds beyond its tensors (thread pools, BLAS/oneDNN workspaces, the
@@ -33,9 +33,6 @@ DEFAULT_CUDA_RESERVE = 2 * GIB
 # Assumed query-block of a DSA indexer scoring a prompt (fp32 scores, reduced over indexer heads).
 DSA_SCORE_ROWS = 256
 
-DTYPE_BYTES = {
-    "float64": 8, "fp64": 8, "float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2,
-}
 
 
 # ---------------------------------------------------------------- the plan
@@ -234,8 +231,9 @@ def largest_prompt(spec: ModelSpec, inp: PlanInputs, plan: str, limit: int = 2**
     return lo
 
 
-def plan_all(spec: ModelSpec, inp: PlanInputs, plans: tuple[str, ...] = PLANS) -> dict[str, object]:
-    """Every plan's estimate and largest fitting prompt, as the JSON document `longstraw plan --json` prints."""
+def plan_all(spec: ModelSpec, inp: PlanInputs, plans: tuple[str, ...] = PLANS_BASELINE_FIRST) -> dict[str, object]:
+    """Every plan's estimate and largest fitting prompt, as the JSON document `longstraw plan --json` prints (and
+    its table shows): the baseline, standard_batched, first."""
     out: dict[str, object] = {}
     for plan in plans:
         est = estimate(spec, inp, plan)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from longstraw.replay import run_segment
+from longstraw.segment import run_segment
 from longstraw.state.prompt import GRAD_PARTS, Collected, PromptState
 from longstraw.state.sharding import ContextShards
 

@@ -13,9 +13,11 @@ from collections.abc import Callable
 import torch
 
 from longstraw.logprobs import chunked_logprobs
-from longstraw.replay import run_segment
+from longstraw.segment import run_segment
 from longstraw.state.prompt import PromptState
 
+# A micro-batch's share of the group loss from its log-probs and mask (k, T) and which responses it holds (both
+# plans, replay and standard, call it; `api.backward_group` builds it).
 LossFn = Callable[[torch.Tensor, torch.Tensor, list[int]], torch.Tensor]
 
 

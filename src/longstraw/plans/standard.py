@@ -7,13 +7,9 @@ sequences in one right-padded batch (a trainer with per-device batch G).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
-from longstraw.plans.replay import finish_batch, pad
-
-LossFn = Callable[[torch.Tensor, torch.Tensor, list[int]], torch.Tensor]
+from longstraw.plans.replay import LossFn, finish_batch, pad
 
 
 def _score(model: torch.nn.Module, prompt: torch.Tensor, responses: list[torch.Tensor], temperature: float = 1.0):

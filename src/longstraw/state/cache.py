@@ -9,7 +9,7 @@ replay then reads, autograd fails on the in-place writes, and the concatenation 
 This object answers the same calls functionally, for one segment (a capture chunk, a replayed micro-batch,
 or one decoding step), over a fork of the shared `PromptState`:
 
-* `update` returns the segment's own K/V (or latents) unchanged; the attention kernel (`replay.py`) reads
+* `update` returns the segment's own K/V (or latents) unchanged; the attention kernel (`segment.py`) reads
   the prompt's chunks from the state itself. During sampling it appends to the rollout's `ResponseState`.
 * `get_conv_state` / `get_recurrent_state` hand out a fresh batch-expanded *clone* of the prompt's state (a few
   KB–MB, never the K/V): a layer that writes into it in place (the single-token kernels do) writes into

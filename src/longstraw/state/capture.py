@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from longstraw.replay import run_segment
+from longstraw.segment import run_segment
 from longstraw.state.prompt import Collected, PromptState, prompt_fingerprint
 from longstraw.state.sharding import ContextShards
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from longstraw.choices import TASKS
 from longstraw.tasks.base import (
     Example,
     Task,
@@ -27,7 +28,7 @@ from longstraw.tasks.haystack import MultikeyTask, PasskeyTask, build_haystack
 from longstraw.tasks.jsonl import JsonlTask, load_reward_fn
 from longstraw.tasks.kv import KVTask
 
-TASK_NAMES = ("passkey", "multikey", "kv", "jsonl")
+TASK_NAMES = TASKS  # older name, kept for callers; the tuple lives in `longstraw.choices` (read torch-free by the CLI)
 
 
 def make_task(name: str, **options: Any) -> Task:
@@ -41,7 +42,7 @@ def make_task(name: str, **options: Any) -> Task:
     elif name == "jsonl":
         cls = JsonlTask
     else:
-        raise ValueError(f"unknown task {name!r}; valid names: {', '.join(TASK_NAMES)}")
+        raise ValueError(f"unknown task {name!r}; valid names: {', '.join(TASKS)}")
     # A misspelt option would otherwise surface as a TypeError from the generated __init__; name the valid ones.
     valid = [f.name for f in dataclasses.fields(cls) if f.init]
     unknown = sorted(set(options) - set(valid))
@@ -51,7 +52,7 @@ def make_task(name: str, **options: Any) -> Task:
 
 
 __all__ = [
-    "TASK_NAMES", "Example", "JsonlTask", "KVTask", "MultikeyTask", "PasskeyTask", "Task", "build_haystack",
+    "TASKS", "TASK_NAMES", "Example", "JsonlTask", "KVTask", "MultikeyTask", "PasskeyTask", "Task", "build_haystack",
     "count_tokens", "digit_reward", "first_number", "format_prompt", "load_reward_fn", "make_task",
     "positional_match",
 ]

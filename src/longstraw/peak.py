@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from longstraw.planner import MIB
+
 
 def proc_status_bytes(name: str) -> int | None:
     """A `kB` line of /proc/self/status (VmRSS, VmHWM) in bytes; None off Linux."""
@@ -32,7 +34,7 @@ def reset_cpu_peak() -> bool:
         return False
     hwm, rss = proc_status_bytes("VmHWM"), proc_status_bytes("VmRSS")
     # The write can "succeed" on kernels that ignore value 5; only trust it if HWM actually came down to RSS.
-    return hwm is not None and rss is not None and hwm <= rss + 1024 * 1024
+    return hwm is not None and rss is not None and hwm <= rss + MIB
 
 
 class PeakMemory:
