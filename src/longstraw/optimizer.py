@@ -56,9 +56,11 @@ def mean_gradient(model: torch.nn.Module, divisor: float, none_computed: bool) -
         for p in model.parameters():
             if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
-    params = [p for p in model.parameters() if p.grad is not None]
-    for p in params:
-        p.grad.div_(divisor)
+    params = []
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.div_(divisor)
+            params.append(p)
     return params
 
 
@@ -147,6 +149,7 @@ def _adamw_update_is_finite(optimizer: torch.optim.Optimizer, names: dict[int, s
 def _adamw_slices_are_finite(p: torch.Tensor, state: dict, lr: float, b1: float, b2: float, eps: float,
                              decay: float, step: float) -> bool:
     """Compute parameter p's AdamW update exactly, 4M elements at a time, and say whether it stays finite."""
+    assert p.grad is not None  # only parameters with a gradient are checked
     weight, grad = _local(p.detach()).reshape(-1), _local(p.grad).reshape(-1)
     m = _local(state["exp_avg"]).reshape(-1) if "exp_avg" in state else torch.zeros_like(weight)
     v = _local(state["exp_avg_sq"]).reshape(-1) if "exp_avg_sq" in state else torch.zeros_like(weight)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from longstraw.logprobs import DEFAULT_TOKEN_CHUNK
+from longstraw.models import hf
 from longstraw.plans.replay import replay_responses
 from longstraw.segment import run_segment
 from longstraw.state.capture import capture_prompt
@@ -91,11 +92,11 @@ def sample_group(
         raise ValueError(f"group_size must be >= 1, got {group_size}")
     if prompt.dim() != 1 or prompt.numel() == 0:
         raise ValueError("prompt must be a non-empty 1-D tensor of token ids")
-    device = model.get_input_embeddings().weight.device
+    device = hf(model).get_input_embeddings().weight.device
     prompt = prompt.to(device=device, dtype=torch.long)
     if state is None:
         state = capture_prompt(model, prompt[:-1], chunk_size, keep_boundaries=keep_boundaries, cp=context_parallel)
-    weight = model.get_output_embeddings().weight  # (V, d)
+    weight = hf(model).get_output_embeddings().weight  # (V, d)
     generated = ResponseState(group_size, sampling.max_new_tokens)
     gen = torch.Generator(device=device).manual_seed(seed)
     stop = torch.tensor(sampling.stop_ids, dtype=torch.long, device=device)
@@ -107,6 +108,7 @@ def sample_group(
     lengths = torch.full((group_size,), sampling.max_new_tokens, dtype=torch.long, device=device)
     for step in range(sampling.max_new_tokens):
         hidden = run_segment(model, token, p - 1 + step, state, generated=generated)  # (G, 1, d)
+        assert hidden is not None  # None only with kv_only
         logits = hidden[:, -1] @ weight.t()  # (G, V)
         if logits.dtype in (torch.float16, torch.bfloat16):
             logits = logits.float()  # sample and score in at least fp32
@@ -141,7 +143,7 @@ def score_responses(
 ) -> list[torch.Tensor]:
     """Per-token log-probs (R_i,) of each response under `model`, from one prompt capture (e.g. the frozen
     reference model's log-probs for the KL term). Same replay path as training, without backward."""
-    device = model.get_input_embeddings().weight.device
+    device = hf(model).get_input_embeddings().weight.device
     prompt = prompt.to(device=device, dtype=torch.long)
     if state is None:
         state = capture_prompt(model, prompt[:-1], chunk_size, keep_boundaries=False, cp=context_parallel)

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from longstraw.data import TaskData
     from longstraw.distributed.runtime import Parallel
     from longstraw.reporting import Progress, StepLog
+    from longstraw.state.prompt import PromptState
     from longstraw.tasks import Example
 
 
@@ -36,7 +37,7 @@ class ScoredGroup:
 
     prompt: torch.Tensor
     group: Group
-    state: object  # the captured prompt state, reusable while the weights are unchanged
+    state: PromptState | None  # the captured prompt state, reusable while the weights are unchanged
     rewards: torch.Tensor
 
 

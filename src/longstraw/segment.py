@@ -23,6 +23,7 @@ import torch
 from transformers import AttentionInterface
 
 from longstraw.attention import masked_prefix_attention, prefix_attention
+from longstraw.models import hf
 from longstraw.state.cache import SegmentCache, StateCollected
 from longstraw.state.prompt import Collected, PromptState
 from longstraw.state.response import ResponseState
@@ -55,7 +56,7 @@ def _longstraw_attention(
         raise RuntimeError("longstraw attention called without a SegmentCache (use replay.run_segment)")
     if dropout:
         raise RuntimeError("attention dropout is active: put the model in eval() mode")
-    layer = module.layer_idx
+    layer: int = hf(module).layer_idx
     ctx = longstraw
     ctx.note_window(layer, sliding_window)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
@@ -91,7 +92,7 @@ AttentionInterface.register(ATTN_NAME, _longstraw_attention)
 @contextmanager
 def replay_attention(model: torch.nn.Module) -> Iterator[None]:
     """Swap the model's attention kernel for ours for the duration of the block, then restore it."""
-    config = model.config
+    config = hf(model).config
     previous = config._attn_implementation
     config._attn_implementation = ATTN_NAME
     try:
@@ -141,11 +142,12 @@ def run_segment(
         mask = _indexer_mask(b, t, start, input_ids.device)  # keys: prompt, generated so far, this segment
     with replay_attention(model):
         try:
-            out = model.base_model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
-                                   cache=cache, use_cache=False, longstraw=cache)
+            out = hf(model).base_model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
+                                       cache=cache, use_cache=False, longstraw=cache)
         except StateCollected:
             return None
     cache.finish()
     if generated is not None:
+        assert collect is not None  # set above whenever generated is
         generated.advance(t, collect)
     return out.last_hidden_state

@@ -125,7 +125,7 @@ class Trainer:
             check_weights_finite(self.par, self.model, step)  # in case the step did what the check did not foresee
         self._dirty = True
         self.optimizer.zero_grad(set_to_none=True)
-        lr = self.scheduler.get_last_lr()[0]
+        lr = float(self.scheduler.get_last_lr()[0])  # typed float | Tensor; the trainer sets a float lr
         scheduler_step(self.scheduler)  # every step, also one whose groups were all dropped
         return log.row(self.par, step, n_kept, skipped, loss_total, grad_norm, lr, bias_metrics)
 

@@ -24,13 +24,17 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 from longstraw.bench.machine import machine_info
 from longstraw.choices import PLANS_BASELINE_FIRST
 from longstraw.planner import GIB as GIB  # byte units, re-exported to the benches with MIB
 from longstraw.planner import MIB
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 DEFAULT_MODES = PLANS_BASELINE_FIRST  # the older name, kept for importers
 STDERR_TAIL = 4000  # characters of a failed worker's stderr kept in the result file
@@ -91,7 +95,7 @@ def default_out(bench: str, smoke: bool) -> str:
     return os.path.join(folder, f"{bench}-{time.strftime('%Y%m%d-%H%M%S')}.json")
 
 
-def write_json(path: str, document: dict[str, object]) -> None:
+def write_json(path: str, document: dict[str, Any]) -> None:
     with open(path, "w") as f:
         json.dump(document, f, indent=2)
         f.write("\n")
@@ -104,7 +108,7 @@ def peak_text(peak_bytes: float, width: int = 9) -> str:
     return f"{peak_bytes / MIB:{width}.1f}"
 
 
-def smoke_summary(results: list[dict[str, object]], what: str) -> str:
+def smoke_summary(results: list[dict[str, Any]], what: str) -> str:
     """One line for a smoke run: how many configurations ran, which failed."""
     failed = [r for r in results if r.get("status") not in ("ok", "skipped")]
     lines = [f"{what}: {len(results) - len(failed)} of {len(results)} configurations ran", SMOKE_NOTE]
@@ -112,7 +116,7 @@ def smoke_summary(results: list[dict[str, object]], what: str) -> str:
     return "\n".join(lines)
 
 
-def busy(entry: dict[str, object]) -> bool:
+def busy(entry: dict[str, Any]) -> bool:
     """Whether a measured step ran while other processes competed for the CPU (its time is inflated)."""
     pressure = entry.get("cpu_pressure")
     return isinstance(pressure, float) and pressure > BUSY_PRESSURE
@@ -142,7 +146,7 @@ def _unpack(job: Job) -> tuple[MemoryBenchConfig, str, int, str]:
 
 
 def worker_config(config: MemoryBenchConfig, mode: str, group_size: int,
-                  checkpoint: str = "none") -> dict[str, object]:
+                  checkpoint: str = "none") -> dict[str, Any]:
     """The JSON object `bench/worker.py` reads (every key of its `CONFIG_KEYS`)."""
     return {
         "model": config.model, "dtype": config.dtype, "device": config.device,
@@ -166,9 +170,9 @@ def describe_exit(returncode: int) -> str:
     return f"exit status {returncode}"
 
 
-def run_one(config: MemoryBenchConfig, mode: str, group_size: int, checkpoint: str = "none") -> dict[str, object]:
+def run_one(config: MemoryBenchConfig, mode: str, group_size: int, checkpoint: str = "none") -> dict[str, Any]:
     """Run one configuration in a fresh worker; return its result (status ok or failed), never raise."""
-    entry: dict[str, object] = {"mode": mode, "group_size": group_size, "checkpoint": checkpoint}
+    entry: dict[str, Any] = {"mode": mode, "group_size": group_size, "checkpoint": checkpoint}
     payload = json.dumps(worker_config(config, mode, group_size, checkpoint))
     cmd = [sys.executable, "-m", "longstraw.bench.worker", payload]
     env = dict(os.environ)
@@ -198,13 +202,13 @@ def run_one(config: MemoryBenchConfig, mode: str, group_size: int, checkpoint: s
     return entry
 
 
-def run_batch(jobs: list[Job], isolate: bool = True) -> list[dict[str, object]]:
+def run_batch(jobs: Sequence[Job], isolate: bool = True) -> list[dict[str, Any]]:
     """Run (config, mode, G[, checkpoint]) jobs; isolate: a fresh worker each (the benchmarks), else one worker
     for all, restarted after a failure (`--smoke`: saves a process start per configuration). Never raises."""
     unpacked = [_unpack(job) for job in jobs]
     if isolate or len(jobs) <= 1:
         return [run_one(config, mode, g, ckpt) for config, mode, g, ckpt in unpacked]
-    results: list[dict[str, object]] = []
+    results: list[dict[str, Any]] = []
     while len(results) < len(unpacked):
         rest = unpacked[len(results):]
         config = rest[0][0]
@@ -245,13 +249,13 @@ def load_bench_model(name: str, dtype: str, device: str = "cpu"):
 # ---------------------------------------------------------------- the sweeps' documents
 
 
-def sweep_document(bench: str, config: object, device: str) -> dict[str, object]:
+def sweep_document(bench: str, config: DataclassInstance, device: str) -> dict[str, Any]:
     """A sweep's result document before its first configuration: bench, start time, config, machine, results."""
-    return {"bench": bench, "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "config": asdict(config),  # type: ignore[call-overload]
+    return {"bench": bench, "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "config": asdict(config),
             "machine": machine_info(device), "results": []}
 
 
-def print_progress(index: int, entry: dict[str, object], label: str) -> None:
+def print_progress(index: int, entry: dict[str, Any], label: str) -> None:
     """A sweep's progress line on stderr for one configuration (ok, skipped or FAILED)."""
     head = f"[{index}] {label:<28} {entry['mode']:<17}"
     if entry["status"] == "ok":
@@ -264,15 +268,15 @@ def print_progress(index: int, entry: dict[str, object], label: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def finish_sweep(document: dict[str, object], out: str, table: str, plot: Callable[[dict, str], str | None],
+def finish_sweep(document: dict[str, Any], out: str, table: str, plot: Callable[[dict, str], str | None],
                  smoke: bool = False) -> None:
     """Write the JSON and the plot, print the table (a smoke run: only whether every configuration ran)."""
     document["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     if smoke:
-        table = smoke_summary(document["results"], f"bench {document['bench']}")  # type: ignore[arg-type]
-    contended = [r for r in document["results"] if r.get("status") == "ok" and busy(r)]  # type: ignore[union-attr]
+        table = smoke_summary(document["results"], f"bench {document['bench']}")
+    contended = [r for r in document["results"] if r.get("status") == "ok" and busy(r)]
     if contended and not smoke:
-        document.setdefault("notes", []).append(  # type: ignore[union-attr]
+        document.setdefault("notes", []).append(
             f"{len(contended)} configurations ran while other processes competed for the CPU: their times are "
             "inflated (peaks are not); compare times as ratios within this run")
     write_json(out, document)
@@ -280,7 +284,7 @@ def finish_sweep(document: dict[str, object], out: str, table: str, plot: Callab
         os.remove(out + ".tmp")
     png = plot(document, os.path.splitext(out)[0] + ".png")
     print(table)
-    for note in document.get("notes", []):  # type: ignore[union-attr]
+    for note in document.get("notes", []):
         print(f"note: {note}")
     print(f"results: {out}" + (f", plot: {png}" if png else ""))
 

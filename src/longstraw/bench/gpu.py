@@ -22,6 +22,7 @@ import os
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 from longstraw.bench.common import (
     B1,
@@ -75,25 +76,25 @@ def _device_memory(device: str) -> int | None:
     return torch.cuda.get_device_properties(torch.device(device).index or 0).total_memory
 
 
-def run_gpu_bench(cfg: GpuBenchConfig, out_dir: str) -> dict[str, object]:
+def run_gpu_bench(cfg: GpuBenchConfig, out_dir: str) -> dict[str, Any]:
     """Run part 1 (B1 comparison per P) then part 2 (Pareto); write every document into out_dir."""
     os.makedirs(out_dir, exist_ok=True)
     t_start = time.perf_counter()
     machine = machine_info(cfg.device)
     memory = _device_memory(cfg.device)
     predict = predictor(cfg.model, cfg.dtype, cfg.device)
-    summary: dict[str, object] = {"config": asdict(cfg), "machine": machine, "device_memory_bytes": memory,
-                                  "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "documents": [], "checks": []}
+    summary: dict[str, Any] = {"config": asdict(cfg), "machine": machine, "device_memory_bytes": memory,
+                               "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "documents": [], "checks": []}
 
-    def run(jobs: list[tuple[MemoryBenchConfig, str, int, str]]) -> list[dict[str, object]]:
+    def run(jobs: list[tuple[MemoryBenchConfig, str, int, str]]) -> list[dict[str, Any]]:
         """Decide skips (planner, deadline), run the rest (one worker each, or one for all in smoke runs)."""
-        entries: list[dict[str, object]] = []
+        entries: list[dict[str, Any]] = []
         for job, mode, g, _ in jobs:
             predicted = predict(job.prompt_tokens, cfg.response_tokens, g, mode, job.chunk_size,
                                 job.micro_batch) if predict else None
-            entry: dict[str, object] = {"mode": mode, "group_size": g, "prompt_tokens": job.prompt_tokens,
-                                        "chunk_size": job.chunk_size, "micro_batch": job.micro_batch,
-                                        "predicted_step_bytes": predicted}
+            entry: dict[str, Any] = {"mode": mode, "group_size": g, "prompt_tokens": job.prompt_tokens,
+                                     "chunk_size": job.chunk_size, "micro_batch": job.micro_batch,
+                                     "predicted_step_bytes": predicted}
             if (memory is not None and predicted is not None
                     and predicted > (memory - cfg.reserve_bytes) * (1 + PLANNER_SLACK)):
                 entry.update(status="skipped", error=f"planner predicts {predicted / MIB:.0f} MiB > device memory")
@@ -116,14 +117,14 @@ def run_gpu_bench(cfg: GpuBenchConfig, out_dir: str) -> dict[str, object]:
             if entry.get("status") == "ok":
                 forecast = "(no planner forecast)"
                 if isinstance(predicted, int):
-                    entry["predicted_over_measured"] = predicted / max(1, int(entry["peak_bytes"]))  # type: ignore[arg-type]
+                    entry["predicted_over_measured"] = predicted / max(1, int(entry["peak_bytes"]))
                     forecast = f"(planner {predicted / MIB:9.1f})"
                 note = f"peak {entry['peak_bytes'] / MIB:9.1f} MiB {forecast}  {entry['time_s']:7.2f} s"
             else:
                 note = f"{entry['status']}: {entry.get('error')}"
             print(f"[{time.perf_counter() - t_start:5.0f} s] {label:<24} {mode:<17} {note}", file=sys.stderr,
                   flush=True)
-            summary["checks"].append({k: entry.get(k) for k in (  # type: ignore[union-attr]
+            summary["checks"].append({k: entry.get(k) for k in (
                 "mode", "group_size", "prompt_tokens", "micro_batch", "chunk_size", "status", "peak_bytes",
                 "predicted_step_bytes", "time_s")})
         return entries
@@ -140,7 +141,7 @@ def run_gpu_bench(cfg: GpuBenchConfig, out_dir: str) -> dict[str, object]:
         path = os.path.join(out_dir, f"memory-P{p}.json")
         write_json(path, doc)
         plot_memory(doc, os.path.splitext(path)[0] + ".png")
-        summary["documents"].append(path)  # type: ignore[union-attr]
+        summary["documents"].append(path)
 
     pareto_job = replace(base, prompt_tokens=cfg.pareto_prompt)
     results = run([(replace(pareto_job, micro_batch=k, chunk_size=c), mode, cfg.pareto_group,
@@ -160,13 +161,13 @@ def run_gpu_bench(cfg: GpuBenchConfig, out_dir: str) -> dict[str, object]:
     path = os.path.join(out_dir, "pareto.json")
     write_json(path, doc)
     plot_pareto(doc, os.path.splitext(path)[0] + ".png")
-    summary["documents"].append(path)  # type: ignore[union-attr]
+    summary["documents"].append(path)
     summary["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     summary["wall_s"] = time.perf_counter() - t_start
     write_json(os.path.join(out_dir, "summary.json"), summary)
-    checks = summary["checks"]  # type: ignore[assignment]
-    ok = sum(1 for c in checks if c["status"] == "ok")  # type: ignore[union-attr]
-    print(f"gpu bench: {ok}/{len(checks)} configurations ok in {summary['wall_s']:.0f} s; results in {out_dir}")
+    checks = summary["checks"]
+    n_ok = sum(1 for c in checks if c["status"] == "ok")
+    print(f"gpu bench: {n_ok}/{len(checks)} configurations ok in {summary['wall_s']:.0f} s; results in {out_dir}")
     return summary
 
 
@@ -192,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = args.out_dir or os.environ.get("OUT") or os.path.join(
         "bench", "results", f"gpu-{time.strftime('%Y%m%d-%H%M%S')}")
     summary = run_gpu_bench(cfg, out_dir)
-    return 0 if any(c["status"] == "ok" for c in summary["checks"]) else 1  # type: ignore[union-attr]
+    return 0 if any(c["status"] == "ok" for c in summary["checks"]) else 1
 
 
 if __name__ == "__main__":

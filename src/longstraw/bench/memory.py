@@ -21,7 +21,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, replace
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from longstraw.bench.common import (
     B1,
@@ -59,11 +59,11 @@ def column_label(mode: str, checkpoint: str = "none") -> str:
     return mode if checkpoint == "none" else f"{mode}+ckpt"
 
 
-def _checkpoint_of(entry: dict[str, object]) -> str:
+def _checkpoint_of(entry: dict[str, Any]) -> str:
     return str(entry.get("checkpoint", "none"))  # result files from before the checkpoint dimension: none
 
 
-def _progress_line(index: int, total: int, entry: dict[str, object]) -> str:
+def _progress_line(index: int, total: int, entry: dict[str, Any]) -> str:
     label = column_label(str(entry["mode"]), _checkpoint_of(entry))
     head = f"[{index}/{total}] G={entry['group_size']:<3} {label:<17}"
     if entry["status"] == "ok":
@@ -75,8 +75,8 @@ def _progress_line(index: int, total: int, entry: dict[str, object]) -> str:
     return f"{head} FAILED: {entry['error']}"
 
 
-def _document(config: MemoryBenchConfig, machine: dict[str, object], results: list[dict[str, object]],
-              started: str) -> dict[str, object]:
+def _document(config: MemoryBenchConfig, machine: dict[str, Any], results: list[dict[str, Any]],
+              started: str) -> dict[str, Any]:
     return {
         "bench": "memory",
         "started": started,
@@ -87,7 +87,7 @@ def _document(config: MemoryBenchConfig, machine: dict[str, object], results: li
     }
 
 
-def run_memory_bench(config: MemoryBenchConfig, out: str) -> dict[str, object]:
+def run_memory_bench(config: MemoryBenchConfig, out: str) -> dict[str, Any]:
     """Run every (G, mode, checkpoint) configuration, print progress/table/ratios and, on CPU, the planner's
     prediction beside each measured peak; write the result JSON to `out`."""
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
@@ -96,7 +96,7 @@ def run_memory_bench(config: MemoryBenchConfig, out: str) -> dict[str, object]:
     grid = [(g, mode, ckpt) for g in config.groups for mode in config.plans for ckpt in config.checkpoints]
     print(f"bench memory: {describe(config)}; {len(grid)} configurations, one process each", file=sys.stderr)
     predict = _planner(config)
-    results: list[dict[str, object]] = []
+    results: list[dict[str, Any]] = []
     partial = out + ".tmp"
     batches = [[job] for job in grid] if config.isolate else [grid]
     for batch in batches:
@@ -119,7 +119,7 @@ def run_memory_bench(config: MemoryBenchConfig, out: str) -> dict[str, object]:
         predictions = format_predictions(results)
         if predictions:
             print(predictions)
-        print(format_ratios(document["ratios"]))  # type: ignore[arg-type]
+        print(format_ratios(document["ratios"]))
     contended = [f"G={r['group_size']} {column_label(str(r['mode']), _checkpoint_of(r))}" for r in results if busy(r)]
     if contended and not config.smoke:
         print(f"warning: other processes competed for the CPU during {len(contended)} of {len(results)} steps "
@@ -154,25 +154,25 @@ def _planner(config: MemoryBenchConfig):
     return predictor(config.model, config.dtype, quiet=True)
 
 
-def add_prediction(entry: dict[str, object], config: MemoryBenchConfig, predict) -> None:
+def add_prediction(entry: dict[str, Any], config: MemoryBenchConfig, predict) -> None:
     """Add `predicted_step_bytes` and `prediction_error` (predicted / measured - 1; None when the measured peak
     is not positive) to an ok entry. Nothing when there is no predictor or the planner rejects the input."""
     if predict is None or entry.get("status") != "ok":
         return
     try:
-        g = int(entry["group_size"])  # type: ignore[arg-type]
+        g = int(entry["group_size"])
         predicted = int(predict(config.prompt_tokens, config.response_tokens, g, str(entry["mode"]),
                                 config.chunk_size, config.micro_batch,
                                 checkpoint_layers=_checkpoint_of(entry) == "layers",
                                 offload_state=config.offload_state))
     except Exception:  # a forecast is a side note: it must not cost a measurement
         return
-    measured = float(entry["peak_bytes"])  # type: ignore[arg-type]
+    measured = float(entry["peak_bytes"])
     entry["predicted_step_bytes"] = predicted
     entry["prediction_error"] = predicted / measured - 1 if measured >= PEAK_RESOLUTION else None
 
 
-def format_predictions(results: list[dict[str, object]]) -> str:
+def format_predictions(results: list[dict[str, Any]]) -> str:
     """`planner vs measured`: one line per ok entry with a prediction; "" when there is none."""
     rows = [r for r in results if r.get("status") == "ok" and r.get("predicted_step_bytes") is not None]
     if not rows:
@@ -183,16 +183,16 @@ def format_predictions(results: list[dict[str, object]]) -> str:
         error = r.get("prediction_error")
         err = f"{100 * error:+7.1f}%" if isinstance(error, float) else f"{'n/a':>8}"
         lines.append(f"  {r['group_size']:>4}  {column_label(str(r['mode']), _checkpoint_of(r)):<21} "
-                     f"{float(r['peak_bytes']) / MIB:>12.1f} "  # type: ignore[arg-type]
-                     f"{float(r['predicted_step_bytes']) / MIB:>14.1f} {err}")  # type: ignore[arg-type]
+                     f"{float(r['peak_bytes']) / MIB:>12.1f} "
+                     f"{float(r['predicted_step_bytes']) / MIB:>14.1f} {err}")
     return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- summarising
 
 
-def _ok(results: list[dict[str, object]], mode: str, group_size: int,
-        checkpoint: str = "none") -> dict[str, object] | None:
+def _ok(results: list[dict[str, Any]], mode: str, group_size: int,
+        checkpoint: str = "none") -> dict[str, Any] | None:
     for r in results:
         if (r["mode"] == mode and r["group_size"] == group_size and _checkpoint_of(r) == checkpoint
                 and r.get("status") == "ok"):
@@ -200,13 +200,13 @@ def _ok(results: list[dict[str, object]], mode: str, group_size: int,
     return None
 
 
-def _ratio(results: list[dict[str, object]], key: str, num: str, den: str, g: int) -> float | None:
+def _ratio(results: list[dict[str, Any]], key: str, num: str, den: str, g: int) -> float | None:
     a, b = _ok(results, num, g), _ok(results, den, g)
     if a is None or b is None or not b[key]:
         return None
-    if key == "peak_bytes" and min(float(a[key]), float(b[key])) < PEAK_RESOLUTION:  # type: ignore[arg-type]
+    if key == "peak_bytes" and min(float(a[key]), float(b[key])) < PEAK_RESOLUTION:
         return None
-    return float(a[key]) / float(b[key])  # type: ignore[arg-type]
+    return float(a[key]) / float(b[key])
 
 
 def reference_group_size(group_sizes: list[int]) -> int | None:
@@ -217,7 +217,7 @@ def reference_group_size(group_sizes: list[int]) -> int | None:
     return max(small) if small else min(group_sizes)
 
 
-def compute_ratios(results: list[dict[str, object]]) -> dict[str, object]:
+def compute_ratios(results: list[dict[str, Any]]) -> dict[str, Any]:
     """Plan ratios at the reference G and the detach/exact peak growth from the smallest to the largest G, both
     on the runs without activation checkpointing; when runs with and without it are both present, per plan
     `peak_<mode>_ckpt_over_plain` (checkpointed peak / plain peak at the reference G).
@@ -225,8 +225,8 @@ def compute_ratios(results: list[dict[str, object]]) -> dict[str, object]:
     A ratio whose two configurations are not both ok is None. Growth uses the smallest and largest G that
     succeeded for that mode; `from_g`/`to_g` say which.
     """
-    g_ref = reference_group_size(sorted({int(r["group_size"]) for r in results}))  # type: ignore[arg-type]
-    ratios: dict[str, object] = {"group_size": g_ref}
+    g_ref = reference_group_size(sorted({int(r["group_size"]) for r in results}))
+    ratios: dict[str, Any] = {"group_size": g_ref}
     pairs = [
         ("peak_standard_batched_over_detach", "peak_bytes", "standard_batched", "detach"),
         ("peak_standard_batched_over_exact", "peak_bytes", "standard_batched", "exact"),
@@ -241,25 +241,25 @@ def compute_ratios(results: list[dict[str, object]]) -> dict[str, object]:
         for mode in dict.fromkeys(str(r["mode"]) for r in results if _checkpoint_of(r) == "layers"):
             plain = None if g_ref is None else _ok(results, mode, g_ref)
             ckpt = None if g_ref is None else _ok(results, mode, g_ref, "layers")
-            den = 0.0 if plain is None else float(plain["peak_bytes"])  # type: ignore[arg-type]
-            ratio = (float(ckpt["peak_bytes"]) / den  # type: ignore[arg-type]
-                     if ckpt is not None and den >= PEAK_RESOLUTION <= float(ckpt["peak_bytes"]) else None)  # type: ignore[arg-type]
+            plain_peak = 0.0 if plain is None else float(plain["peak_bytes"])
+            ratio = (float(ckpt["peak_bytes"]) / plain_peak
+                     if ckpt is not None and plain_peak >= PEAK_RESOLUTION <= float(ckpt["peak_bytes"]) else None)
             ratios[f"peak_{mode}_ckpt_over_plain"] = ratio
-    growth: dict[str, object] = {}
+    growth: dict[str, Any] = {}
     for mode in ("detach", "exact"):
-        ok = sorted((int(r["group_size"]), r) for r in results  # type: ignore[arg-type]
+        ok = sorted((int(r["group_size"]), r) for r in results
                     if r["mode"] == mode and _checkpoint_of(r) == "none" and r.get("status") == "ok")
-        if len(ok) < 2 or float(ok[0][1]["peak_bytes"]) < PEAK_RESOLUTION:  # type: ignore[arg-type]
+        if len(ok) < 2 or float(ok[0][1]["peak_bytes"]) < PEAK_RESOLUTION:
             growth[mode] = None
             continue
         (g_min, lo), (g_max, hi) = ok[0], ok[-1]
-        pct = 100.0 * (float(hi["peak_bytes"]) - float(lo["peak_bytes"])) / float(lo["peak_bytes"])  # type: ignore[arg-type]
+        pct = 100.0 * (float(hi["peak_bytes"]) - float(lo["peak_bytes"])) / float(lo["peak_bytes"])
         growth[mode] = {"from_g": g_min, "to_g": g_max, "pct": pct}
     ratios["peak_growth"] = growth
     return ratios
 
 
-def format_table(results: list[dict[str, object]], groups: tuple[int, ...] | list[int],
+def format_table(results: list[dict[str, Any]], groups: tuple[int, ...] | list[int],
                  plans: tuple[str, ...] | list[str], checkpoints: tuple[str, ...] | list[str] = ("none",)) -> str:
     """Rows G, one column per (mode, checkpoint) labelled `mode` or `mode+ckpt` (peak MiB, step s); FAILED
     where a configuration failed, - if not run."""
@@ -279,13 +279,13 @@ def format_table(results: list[dict[str, object]], groups: tuple[int, ...] | lis
             elif r.get("status") != "ok":
                 cell = f"{'FAILED':>{width}}"
             else:
-                cell = f"{peak_text(float(r['peak_bytes']), 10)}{r['time_s']:>{width - 10}.2f}"  # type: ignore[arg-type]
+                cell = f"{peak_text(float(r['peak_bytes']), 10)}{r['time_s']:>{width - 10}.2f}"
             cells.append(f" {cell} ")
         rows.append((f"{g:>4} |" + "|".join(cells)).rstrip())
     return "\n".join(rows)
 
 
-def format_ratios(ratios: dict[str, object]) -> str:
+def format_ratios(ratios: dict[str, Any]) -> str:
     def num(x: object, suffix: str = "x") -> str:
         return "n/a (a configuration failed or was not run, or a peak is under 1 MiB)" if x is None else (
             f"{x:.2f}{suffix}")
@@ -305,7 +305,7 @@ def format_ratios(ratios: dict[str, object]) -> str:
             mode = key[len("peak_"):-len("_ckpt_over_plain")]
             lines.append(f"  {f'peak {mode}+ckpt / {mode}':<32} {num(value)}")
     lines.append("peak growth, smallest to largest G:")
-    for mode, g in (ratios.get("peak_growth") or {}).items():  # type: ignore[union-attr]
+    for mode, g in (ratios.get("peak_growth") or {}).items():
         text = ("n/a (under two ok configurations, or a peak under 1 MiB)" if g is None
                 else f"{g['pct']:+.1f}%  (G={g['from_g']} -> G={g['to_g']})")
         lines.append(f"  {mode:<32} {text}")
@@ -397,7 +397,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     config = config_from_args(args, args.fail)
     out = args.out or default_out("memory", config.smoke)
     document = run_memory_bench(config, out)
-    ok = sum(1 for r in document["results"] if r.get("status") == "ok")  # type: ignore[union-attr]
+    ok = sum(1 for r in document["results"] if r.get("status") == "ok")
     if ok == 0:
         print("bench memory: every configuration failed; see stderr_tail in the result file", file=sys.stderr)
         return 1

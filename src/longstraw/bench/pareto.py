@@ -15,6 +15,7 @@ import math
 import statistics
 import sys
 from dataclasses import dataclass, replace
+from typing import Any
 
 from longstraw.bench.common import (
     MIB,
@@ -92,7 +93,7 @@ def pareto_grid(cfg: ParetoBenchConfig) -> list[tuple[str, int, int, str, bool]]
     (offloading only for the plans with a prompt state) and then `cfg.extra`, without repeats."""
     grid = [(mode, k, c, ck, off) for mode in cfg.plans for off in cfg.offloads if not off or mode in OFFLOAD_PLANS
             for ck in cfg.checkpoints for k in cfg.micro_batches for c in cfg.chunk_sizes]
-    return list(dict.fromkeys(grid + [tuple(x) for x in cfg.extra]))  # type: ignore[misc]
+    return list(dict.fromkeys(grid + [(m, k, c, ck, off) for m, k, c, ck, off in cfg.extra]))
 
 
 def _median_ratio(pairs: list[tuple[float, float]]) -> float | None:
@@ -100,7 +101,7 @@ def _median_ratio(pairs: list[tuple[float, float]]) -> float | None:
     return statistics.median(ratios) if ratios else None
 
 
-def lever_costs(results: list[dict]) -> dict[str, dict[str, dict[str, object]]]:
+def lever_costs(results: list[dict]) -> dict[str, dict[str, dict[str, Any]]]:
     """Per plan and lever: the median of time(lever)/time(plain) and peak(lever)/peak(plain) over the
     (micro_batch, chunk_size) where both ran ok (`pairs` of them); a ratio is None when no plain value was > 0."""
     ok = [r for r in results if r.get("status") == "ok"]
@@ -136,11 +137,11 @@ def _lever_lines(costs: dict) -> list[str]:
     return lines
 
 
-def run_pareto_bench(cfg: ParetoBenchConfig, out: str) -> dict[str, object]:
+def run_pareto_bench(cfg: ParetoBenchConfig, out: str) -> dict[str, Any]:
     """Every (plan, micro_batch, chunk_size, checkpoint, offload); Pareto flags per plan over all its levers
     (`pareto`) and over all (`pareto_all`); the levers' cost as `lever_costs`."""
     document = sweep_document("pareto", cfg, cfg.device)
-    results: list[dict] = document["results"]  # type: ignore[assignment]
+    results: list[dict] = document["results"]
     grid = pareto_grid(cfg)
     print(f"bench pareto: {cfg.model} P={cfg.prompt_tokens} R={cfg.response_tokens} G={cfg.group_size}, "
           f"{len(grid)} configurations", file=sys.stderr)
@@ -163,7 +164,7 @@ def run_pareto_bench(cfg: ParetoBenchConfig, out: str) -> dict[str, object]:
             r["pareto"] = flag
     document["lever_costs"] = costs = lever_costs(results)
     if cfg.device == "cpu" and any(r["offload_state"] for r in results):
-        document.setdefault("notes", []).append(  # type: ignore[union-attr]
+        document.setdefault("notes", []).append(
             "on CPU the offloaded prompt state stays in the same (host) memory: the offload lever's peak shows "
             "its copies, not the device memory it saves on a GPU")
     lines = [f"{'plan':<8} {'k':>3} {'chunk':>6} {'ckpt':>6} {'offload':>7} {'peak MiB':>10} {'time s':>8}  front"]

@@ -14,6 +14,7 @@ import os
 import sys
 import time
 from dataclasses import replace
+from typing import Any
 
 from longstraw.bench.common import B1, GIB, MIB, predictor, run_one, write_json
 from longstraw.bench.machine import machine_info
@@ -48,12 +49,12 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
 
     predict = predictor(args.model, args.dtype)
-    document: dict[str, object] = {
+    document: dict[str, Any] = {
         "bench": "stress", "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine_info("cpu"),
         "config": {k: v for k, v in vars(args).items() if k != "out"}, "command": " ".join(sys.argv),
         "results": [],
     }
-    results: list[dict] = document["results"]  # type: ignore[assignment]
+    results: list[dict] = document["results"]
     base = replace(B1, model=args.model, dtype=args.dtype, response_tokens=args.response_tokens,
                    chunk_size=args.chunk_size, timeout_s=args.step_timeout)
     p = args.start

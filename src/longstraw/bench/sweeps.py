@@ -22,7 +22,7 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from longstraw.bench.common import (
     GIB,
@@ -137,10 +137,10 @@ def _available_bytes() -> int | None:
 # ---------------------------------------------------------------- prompt
 
 
-def run_prompt_bench(cfg: PromptBenchConfig, out: str) -> dict[str, object]:
+def run_prompt_bench(cfg: PromptBenchConfig, out: str) -> dict[str, Any]:
     """P ascending; each still-active plan runs at each P; a plan stops after its first P over the budget."""
     document = sweep_document("prompt", cfg, cfg.device)
-    results: list[dict] = document["results"]  # type: ignore[assignment]
+    results: list[dict] = document["results"]
     predict = predictor(cfg.model, cfg.dtype)
     available = _available_bytes() if cfg.device == "cpu" else None
     active = list(cfg.plans)
@@ -151,10 +151,12 @@ def run_prompt_bench(cfg: PromptBenchConfig, out: str) -> dict[str, object]:
         for mode in active:
             predicted = predict(p, cfg.response_tokens, cfg.group_size, mode, cfg.chunk_size,
                                 cfg.micro_batch) if predict else None
-            entry = {"mode": mode, "group_size": cfg.group_size, "prompt_tokens": p, "predicted_step_bytes": predicted}
+            entry: dict[str, Any] = {"mode": mode, "group_size": cfg.group_size, "prompt_tokens": p,
+                                     "predicted_step_bytes": predicted}
             too_big = predicted is not None and predicted > cfg.budget_bytes * (1 + PLANNER_SLACK)
             no_room = predicted is not None and available is not None and predicted > 0.8 * available
             if too_big or no_room:
+                assert predicted is not None  # both need a prediction
                 why = "the budget" if too_big else "80% of this machine's available memory"
                 entry.update(status="skipped", error=f"planner predicts {predicted / MIB:.0f} MiB, over {why}")
                 skipped.append(entry)
@@ -176,16 +178,16 @@ def run_prompt_bench(cfg: PromptBenchConfig, out: str) -> dict[str, object]:
             break
     document["summary"] = prompt_summary(results, cfg)
     table = _table(results, "prompt_tokens", "P", list(cfg.prompts), cfg.plans) + "\n" + _prompt_lines(
-        document["summary"])  # type: ignore[arg-type]
+        document["summary"])
     from longstraw.bench.plots import plot_prompt
 
     finish_sweep(document, out, table, plot_prompt, cfg.smoke)
     return document
 
 
-def prompt_summary(results: list[dict], cfg: PromptBenchConfig) -> dict[str, object]:
+def prompt_summary(results: list[dict], cfg: PromptBenchConfig) -> dict[str, Any]:
     """Per plan: the largest P measured within the budget and the first P that was over it, failed or skipped."""
-    summary: dict[str, object] = {"budget_bytes": cfg.budget_bytes}
+    summary: dict[str, Any] = {"budget_bytes": cfg.budget_bytes}
     for mode in cfg.plans:
         mine = sorted((r for r in results if r["mode"] == mode), key=lambda r: r["prompt_tokens"])
         within = [r["prompt_tokens"] for r in mine if r["status"] == "ok" and not r["over_budget"]]
@@ -211,11 +213,11 @@ def _prompt_lines(summary: dict) -> str:
 # ---------------------------------------------------------------- arch
 
 
-def run_arch_bench(cfg: ArchBenchConfig, out: str) -> dict[str, object]:
+def run_arch_bench(cfg: ArchBenchConfig, out: str) -> dict[str, Any]:
     """Every (arch, G, plan) at the B1 shape; ratios per arch as `bench memory` computes them."""
     archs = list(cfg.archs) or available_archs()
     document = sweep_document("arch", cfg, cfg.device)
-    results: list[dict] = document["results"]  # type: ignore[assignment]
+    results: list[dict] = document["results"]
     print(f"bench arch: {', '.join(archs)}; P={cfg.prompt_tokens} R={cfg.response_tokens} G in {list(cfg.groups)}",
           file=sys.stderr)
     jobs = []  # (arch, model, job config, mode, G)
@@ -311,9 +313,9 @@ def add_arch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--micro-batch", type=positive_int, help="default 1")
 
 
-def _overrides(args: argparse.Namespace, names: dict[str, str]) -> dict[str, object]:
+def _overrides(args: argparse.Namespace, names: dict[str, str]) -> dict[str, Any]:
     """Explicitly given options as config fields (lists become de-duplicated tuples)."""
-    out: dict[str, object] = {}
+    out: dict[str, Any] = {}
     for arg, field_name in names.items():
         value = getattr(args, arg, None)
         if value is None:
@@ -330,6 +332,7 @@ def config_from_args(args: argparse.Namespace, fail: Callable[[str], NoReturn]):
     """The bench's config (smoke or default) with explicit options applied; bad input -> fail(message)."""
     from longstraw.planner import parse_size
 
+    cfg: PromptBenchConfig | ParetoBenchConfig | ArchBenchConfig
     if args.bench == "prompt":
         cfg = PROMPT_SMOKE if args.smoke else PromptBenchConfig()
         names = {**_COMMON, "model": "model", "prompts": "prompts", "response_tokens": "response_tokens",
@@ -341,8 +344,8 @@ def config_from_args(args: argparse.Namespace, fail: Callable[[str], NoReturn]):
             except ValueError as err:
                 fail(str(err))
         if "prompts" in over:
-            over["prompts"] = tuple(sorted(over["prompts"]))  # type: ignore[arg-type]
-            if min(over["prompts"]) < 2:  # type: ignore[type-var]
+            over["prompts"] = tuple(sorted(over["prompts"]))
+            if min(over["prompts"]) < 2:
                 fail("--prompts must all be >= 2")
         cfg = replace(cfg, **over)
     elif args.bench == "pareto":
@@ -394,7 +397,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         document = run_pareto_bench(cfg, out)
     else:
         document = run_arch_bench(cfg, out)
-    if not any(r.get("status") == "ok" for r in document["results"]):  # type: ignore[union-attr]
+    if not any(r.get("status") == "ok" for r in document["results"]):
         print(f"bench {args.bench}: no configuration ran successfully (failed: see stderr_tail; skipped: see "
               f"error) in {out}", file=sys.stderr)
         return 1

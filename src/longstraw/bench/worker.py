@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
 import torch
 
@@ -54,7 +55,7 @@ def make_group(
     return Group(prompt=prompt, responses=responses, advantages=advantages)
 
 
-def run_config(config: dict[str, object]) -> dict[str, object]:
+def run_config(config: dict[str, Any]) -> dict[str, Any]:
     """Build the model and group, run one measured `backward_group`, return the measurement."""
     missing = [k for k in CONFIG_KEYS if k not in config]
     if missing:
@@ -62,7 +63,7 @@ def run_config(config: dict[str, object]) -> dict[str, object]:
     device = str(config["device"])
     model = load_bench_model(str(config["model"]), str(config["dtype"]), device)
     if int(config.get("max_positions") or 0):  # a measurement past the trained context (bench --max-positions)
-        model.config.max_position_embeddings = int(config["max_positions"])  # type: ignore[arg-type]
+        model.config.max_position_embeddings = int(config["max_positions"])
     group = make_group(
         model.config.vocab_size, int(config["prompt_tokens"]), int(config["response_tokens"]),
         int(config["group_size"]), int(config["seed"]),

@@ -35,12 +35,12 @@ class _ReduceGrad(torch.autograd.Function):
     """Identity forward; all-reduce (sum) of the gradient backward."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
         ctx.group = group
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor):
         grad = grad.contiguous().clone()
         dist.all_reduce(grad, group=ctx.group)
         return grad, None
@@ -50,7 +50,7 @@ class _GatherPartials(torch.autograd.Function):
     """All-gather each rank's partial (out, lse); backward keeps this rank's slice of the (replicated) gradient."""
 
     @staticmethod
-    def forward(ctx, out: torch.Tensor, lse: torch.Tensor, group, rank: int, size: int):  # type: ignore[override]
+    def forward(ctx, out: torch.Tensor, lse: torch.Tensor, group, rank: int, size: int):
         out, lse = out.contiguous(), lse.contiguous()
         outs = [torch.empty(out.shape, dtype=out.dtype, device=out.device) for _ in range(size)]
         lses = [torch.empty(lse.shape, dtype=lse.dtype, device=lse.device) for _ in range(size)]
@@ -60,7 +60,7 @@ class _GatherPartials(torch.autograd.Function):
         return torch.stack(outs), torch.stack(lses)  # (C, ...)
 
     @staticmethod
-    def backward(ctx, d_outs: torch.Tensor, d_lses: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, d_outs: torch.Tensor, d_lses: torch.Tensor):
         return d_outs[ctx.rank], d_lses[ctx.rank], None, None, None
 
 

@@ -224,9 +224,9 @@ class Parallel:
         """Inverse of `full_state`: rank 0 passes the dicts, the others None (they receive them by broadcast).
         optimizer None (on every rank): load the weights only, the optimizer keeps its fresh state."""
         if not self.distributed:
-            model.load_state_dict(model_sd)
+            model.load_state_dict(_given(model_sd))
             if optimizer is not None:
-                optimizer.load_state_dict(optim_sd)
+                optimizer.load_state_dict(_given(optim_sd))
             return
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
@@ -236,12 +236,11 @@ class Parallel:
 
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
         names = _param_names(model)
-        set_model_state_dict(model, model_sd if self.is_main else {}, options=options)
+        set_model_state_dict(model, _given(model_sd) if self.is_main else {}, options=options)
         if optimizer is None:
             return
-        if self.is_main:
-            optim_sd = _indices_to_names(optim_sd, names)
-        set_optimizer_state_dict(model, optimizer, optim_sd if self.is_main else {}, options=options)
+        by_name = _indices_to_names(_given(optim_sd), names) if self.is_main else {}
+        set_optimizer_state_dict(model, optimizer, by_name, options=options)
 
     def broadcast(self, value: Any) -> Any:
         """Rank 0's `value` on every rank."""
@@ -290,6 +289,13 @@ def _names_to_indices(model: torch.nn.Module, optimizer: torch.optim.Optimizer, 
     state = {alias[name]: value for name, value in optim_sd["state"].items()}
     groups = [dict(g, params=[alias[name] for name in g["params"]]) for g in optim_sd["param_groups"]]
     return {"state": state, "param_groups": groups}
+
+
+def _given(state_dict: dict | None) -> dict:
+    """A state dict `load_full_state` needs here: rank 0 (the only process, when not distributed) passes them."""
+    if state_dict is None:
+        raise ValueError("load_full_state: rank 0 must pass the state dicts it loads")
+    return state_dict
 
 
 def _indices_to_names(optim_sd: dict, names: list[str]) -> dict:

@@ -36,7 +36,7 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
 from longstraw.api import backward_group
 from longstraw.choices import CHECKPOINT_CHOICES, MODES
 from longstraw.group import Group
-from longstraw.models import check_architecture, eval_mode_when_equal
+from longstraw.models import check_architecture, eval_mode_when_equal, hf
 
 __all__ = ["LongStrawGRPOConfig", "LongStrawGRPOTrainer"]
 
@@ -100,6 +100,13 @@ def _loss_kind(args: GRPOConfig) -> str:
     return "gspo" if args.importance_sampling_level == "sequence" else args.loss_type
 
 
+def _steps_per_generation(args: GRPOConfig) -> int:
+    """args.steps_per_generation: typed `int | None`, but GRPOConfig.__post_init__ always sets it."""
+    steps = args.steps_per_generation
+    assert steps is not None
+    return steps
+
+
 def _config_refusals(args: GRPOConfig, named: dict[str, Any]) -> list[str]:
     """Why this configuration cannot be trained with LongStraw's backward (empty: it can)."""
     out = []
@@ -141,7 +148,8 @@ def _config_refusals(args: GRPOConfig, named: dict[str, Any]) -> list[str]:
                    "so the gradient hooks of DDP, FSDP or DeepSpeed would not run; train in one process (LongStraw's "
                    "own trainer has FSDP2 and data parallelism)")
     g, b = args.num_generations, args.per_device_train_batch_size
-    s, spg = args.gradient_accumulation_steps, args.steps_per_generation
+    s, spg = args.gradient_accumulation_steps, _steps_per_generation(args)
+    assert g is not None  # GRPOConfig.__post_init__ requires num_generations >= 2
     if (b * spg) % g:
         out.append(f"per_device_train_batch_size ({b}) x steps_per_generation ({spg}) is not a multiple of "
                    f"num_generations ({g}): a prompt's group would be split across processes or generation batches, "
@@ -169,6 +177,14 @@ class LongStrawGRPOTrainer(GRPOTrainer):
     offloading) or a plain `GRPOConfig` (the exact plan). Raises ValueError, listing every reason, for what it cannot
     train (unmapped loss types, entropy terms, vLLM importance correction, several processes, ...)."""
 
+    # What mypy should know about Trainer's attributes here: `args` is a GRPOConfig (Trainer types it as
+    # TrainingArguments), `model` is set, so is num_generations (GRPOConfig requires it); TRL initialises
+    # `_buffered_inputs` to None without an annotation.
+    args: GRPOConfig
+    model: torch.nn.Module
+    num_generations: int
+    _buffered_inputs: list[dict[str, Any]] | None  # type: ignore[assignment]
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         bound = inspect.signature(GRPOTrainer.__init__).bind(self, *args, **kwargs)
         named = bound.arguments
@@ -194,7 +210,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             out.append("a Mixture-of-Experts load-balancing auxiliary loss (router_aux_loss_coef != 0): it is not in "
                        "LongStraw's backward; set router_aux_loss_coef=0.0")
         policy = self._policy()
-        dtype = policy.get_input_embeddings().weight.dtype
+        dtype = hf(policy).get_input_embeddings().weight.dtype
         if self.args.bf16 and dtype != torch.bfloat16:
             out.append(f"bf16=True with {str(dtype).removeprefix('torch.')} parameters: that is autocast mixed "
                        "precision, and LongStraw computes in the parameters' dtype; set bf16=False, or load the model "
@@ -210,10 +226,10 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         """TRL's buffering of a generation batch over its micro-steps, with whole groups per micro-batch."""
         if not self.model.training:
             return super()._prepare_inputs(generation_batch)  # evaluation: TRL's own path and loss
-        generate_every = self.args.steps_per_generation * self.num_iterations
+        generate_every = _steps_per_generation(self.args) * self.num_iterations
         if self._step % generate_every == 0 or self._buffered_inputs is None:
             self._buffered_inputs = self._deal_groups(self._generate_and_score_completions(generation_batch))
-        return self._buffered_inputs[self._step % self.args.steps_per_generation]
+        return self._buffered_inputs[self._step % _steps_per_generation(self.args)]
 
     def _deal_groups(self, batch: dict[str, Any]) -> list[dict[str, Any]]:
         """Split a generation batch (rows in sampler order: each prompt's G completions consecutive, as TRL's
@@ -228,7 +244,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                                  "LongStraw needs each prompt's num_generations completions consecutive (TRL's "
                                  "sampler order); a custom sampler or rollout_func changed it")
         groups = list(range(rows // g))
-        spg = self.args.steps_per_generation
+        spg = _steps_per_generation(self.args)
         steps = max(spg // self.args.gradient_accumulation_steps, 1)  # optimizer steps this batch feeds, per pass
         per_step, slices_per_step = len(groups) // steps, spg // steps
         out = []
@@ -282,7 +298,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         )
         policy = self._policy()
         # Trainer may run this under autocast (bf16 with a bfloat16 model): LongStraw computes in the model's dtype.
-        with torch.autocast(policy.device.type, enabled=False):
+        with torch.autocast(hf(policy).device.type, enabled=False):
             result = backward_group(policy, group, loss=_loss_kind(self.args), temperature=self.temperature,
                                     allow_train_mode=True, **self._longstraw, **self._loss_options(len(keep), inputs))
         return result.loss
@@ -304,7 +320,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                                        kl_ratio=bool(self.args.use_bias_correction_kl))
         if kind == "dapo":
             tokens = max(float(inputs["num_items_in_batch"]), 1.0)
-            options["token_normalizer"] = tokens * steps / self.args.steps_per_generation
+            options["token_normalizer"] = tokens * steps / _steps_per_generation(self.args)
         else:
             options["loss_scale"] = kept / (self.args.per_device_train_batch_size * steps)
         if kind == "dr_grpo":

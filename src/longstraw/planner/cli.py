@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 from longstraw.planner.estimator import DTYPE_BYTES, GIB, MIB, PlanInputs, plan_all
 from longstraw.planner.spec import BUILTIN_NAMES, load_config, spec_from_config
@@ -95,11 +96,11 @@ def _gb(n: int | None) -> str:
     return "-" if n is None else f"{n / 1e9:.2f}"
 
 
-def format_plan(document: dict[str, object]) -> str:
+def format_plan(document: dict[str, Any]) -> str:
     """The table: one row per component, one column per plan (GB = 10^9 bytes), then total, fits, largest P."""
-    plans: dict[str, dict] = document["plans"]  # type: ignore[assignment]
-    inp: dict = document["inputs"]  # type: ignore[assignment]
-    model: dict = document["model"]  # type: ignore[assignment]
+    plans: dict[str, dict] = document["plans"]
+    inp: dict = document["inputs"]
+    model: dict = document["model"]
     names = list(plans)
     rows: list[str] = []
     for est in plans.values():

@@ -8,6 +8,7 @@ import json
 import os
 import re
 from dataclasses import dataclass, field
+from typing import Any, TypedDict
 
 # Chunk length of the chunked gated-delta-rule / Mamba2 scan, whose per-chunk states autograd keeps.
 LINEAR_SCAN_CHUNK = 64
@@ -176,7 +177,13 @@ def _count_params(config) -> tuple[int, int, int]:
     return total, expert, max(per_layer.values(), default=0)
 
 
-def _attention_dims(c) -> dict[str, int]:
+class _AttentionDims(TypedDict):
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+
+def _attention_dims(c) -> _AttentionDims:
     heads = c.num_attention_heads
     return {
         "heads": heads, "kv_heads": getattr(c, "num_key_value_heads", None) or heads,
@@ -199,7 +206,7 @@ def spec_from_config(config, name: str = "") -> ModelSpec:
     mt = c.model_type
     n = c.num_hidden_layers
     total, expert, max_layer = _count_params(c)
-    base: dict[str, object] = {
+    base: dict[str, Any] = {  # ModelSpec's common fields, read from the (untyped) config
         "name": name or mt, "model_type": mt, "hidden": c.hidden_size, "vocab": c.vocab_size,
         "params": total, "expert_params": expert, "max_layer_params": max_layer,
         "tied": bool(getattr(c, "tie_word_embeddings", False)),

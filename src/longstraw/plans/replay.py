@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 
 from longstraw.logprobs import chunked_logprobs
+from longstraw.models import hf
 from longstraw.segment import run_segment
 from longstraw.state.prompt import PromptState
 
@@ -30,6 +31,14 @@ def pad(seqs: list[torch.Tensor], value: int = 0) -> tuple[torch.Tensor, torch.T
         ids[i, : s.numel()] = s
         mask[i, : s.numel()] = True
     return ids, mask
+
+
+def filled(logprobs: list[torch.Tensor | None]) -> list[torch.Tensor]:
+    """The per-response log-probs once `finish_batch` has filled every slot in."""
+    out = [lp for lp in logprobs if lp is not None]
+    if len(out) != len(logprobs):
+        raise RuntimeError("a response's log-probs were not computed")
+    return out
 
 
 def finish_batch(
@@ -80,8 +89,9 @@ def replay_responses(
     Returns (summed loss, per-response detached logp).
     """
     p = prompt.numel()
-    weight = model.get_output_embeddings().weight  # (V, d)
-    total, logprobs = 0.0, [None] * len(responses)
+    weight = hf(model).get_output_embeddings().weight  # (V, d)
+    total = 0.0
+    logprobs: list[torch.Tensor | None] = [None] * len(responses)
     for first in range(0, len(responses), micro_batch):
         idx = list(range(first, min(first + micro_batch, len(responses))))
         segments = [torch.cat([prompt[-1:], responses[i][:-1]]) for i in idx]
@@ -93,6 +103,7 @@ def replay_responses(
             inputs, mask = torch.nn.functional.pad(inputs, (0, 1)), torch.nn.functional.pad(mask, (0, 1))
             targets = torch.nn.functional.pad(targets, (0, 1))
         hidden = run_segment(model, inputs, p - 1, state.fork())  # (k, R_max, d)
+        assert hidden is not None  # None only with kv_only
         logp = chunked_logprobs(hidden, weight, targets, token_chunk, temperature)  # (k, R_max)
         total += finish_batch(logp, mask, idx, loss_fn, responses, logprobs)
-    return total, logprobs
+    return total, filled(logprobs)

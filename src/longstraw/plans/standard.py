@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from longstraw.plans.replay import LossFn, finish_batch, pad
+from longstraw.plans.replay import LossFn, filled, finish_batch, pad
 
 
 def _score(model: torch.nn.Module, prompt: torch.Tensor, responses: list[torch.Tensor], temperature: float = 1.0):
@@ -32,8 +32,9 @@ def standard(model, prompt, responses, loss_fn: LossFn, batched: bool,
              temperature: float = 1.0) -> tuple[float, list[torch.Tensor]]:
     """Accumulate the group gradient into the parameters; return (loss, per-response detached logp)."""
     batches = [list(range(len(responses)))] if batched else [[i] for i in range(len(responses))]
-    total, logprobs = 0.0, [None] * len(responses)
+    total = 0.0
+    logprobs: list[torch.Tensor | None] = [None] * len(responses)
     for idx in batches:
         logp, mask = _score(model, prompt, [responses[i] for i in idx], temperature)
         total += finish_batch(logp, mask, idx, loss_fn, responses, logprobs)
-    return total, logprobs
+    return total, filled(logprobs)

@@ -86,6 +86,7 @@ class SegmentCache:
     def note_window(self, layer: int, window: int | None) -> None:
         """The attention kernel reports each layer's sliding window, so the state can drop what is outside it."""
         if self.collect is not None and window is not None and not self.recomputing:
+            # An int in the dict of tensors (Collected): capture_prompt pops it before the state reads the rest.
             self.collect.setdefault(layer, {})["window"] = window  # type: ignore[assignment]
 
     def finish(self) -> None:
@@ -159,7 +160,7 @@ class SegmentCache:
         self._record(layer_idx, "conv", window)
         return full
 
-    def update_recurrent_state(self, recurrent: torch.Tensor, layer_idx: int | None = None, state_idx: int = 0,
+    def update_recurrent_state(self, recurrent: torch.Tensor, layer_idx: int, state_idx: int = 0,
                                **kwargs) -> torch.Tensor:
         if recurrent.untyped_storage().nbytes() > recurrent.numel() * recurrent.element_size():
             recurrent = recurrent.clone()  # Mamba2's final state is a view of all its scan's chunk states

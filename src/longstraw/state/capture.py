@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from longstraw.models import hf
 from longstraw.segment import run_segment
 from longstraw.state.prompt import Collected, PromptState, prompt_fingerprint
 from longstraw.state.sharding import ContextShards
@@ -31,8 +32,8 @@ def capture_prompt(model: torch.nn.Module, ids: torch.Tensor, chunk_size: int,
     runs every chunk, and keeps the attention parts of its own contiguous slice of chunks only. offload: keep the
     state in host memory, read on the model's device (`PromptState.device`).
     """
-    device = model.get_input_embeddings().weight.device if offload else None
-    state = PromptState(num_layers=model.config.num_hidden_layers, keep_boundaries=keep_boundaries, cp=cp,
+    device = hf(model).get_input_embeddings().weight.device if offload else None
+    state = PromptState(num_layers=hf(model).config.num_hidden_layers, keep_boundaries=keep_boundaries, cp=cp,
                         device=device, fingerprint=prompt_fingerprint(ids))
     bounds = chunk_bounds(ids.numel(), chunk_size)
     for j, (start, end) in enumerate(bounds):
@@ -42,7 +43,7 @@ def capture_prompt(model: torch.nn.Module, ids: torch.Tensor, chunk_size: int,
         for layer, parts in collect.items():
             window = parts.pop("window", None)
             if window is not None:
-                state.windows[layer] = window  # type: ignore[assignment]
+                state.windows[layer] = window  # type: ignore[call-overload]  # an int riding in the tensor dict
         state.append_chunk(start, end, collect)
         if cp is not None and not cp.owns(j, len(bounds)):
             state.drop_attention(j)

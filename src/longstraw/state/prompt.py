@@ -136,6 +136,7 @@ class PromptState:
 
     def _copy_chunks(self, layer: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
         keys, values = self.parts["key"][layer], self.parts["value"][layer]
+        # misc: fetch is typed Optional, and v is not narrowed (a chunk's key and value are kept or dropped together).
         return [(self.bounds[j][0], self.fetch(k), self.fetch(v))  # type: ignore[misc]
                 for j, (k, v) in enumerate(zip(keys, values)) if k is not None]
 

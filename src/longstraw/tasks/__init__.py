@@ -34,7 +34,7 @@ TASK_NAMES = TASKS  # older name, kept for callers; the tuple lives in `longstra
 def make_task(name: str, **options: Any) -> Task:
     """Build task ``name`` with ``options`` as its dataclass fields, e.g. ``make_task("passkey", tokenizer=tok)``."""
     if name == "passkey":
-        cls: type[Task] = PasskeyTask
+        cls: type[PasskeyTask | MultikeyTask | KVTask | JsonlTask] = PasskeyTask  # dataclasses, unlike Task
     elif name == "multikey":
         cls = MultikeyTask
     elif name == "kv":
