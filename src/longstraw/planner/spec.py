@@ -200,6 +200,31 @@ def _moe_layers(c, n: int) -> tuple[str, ...]:
     return tuple("dense" if i < k else "moe" for i in range(n))
 
 
+class _MlaDims(TypedDict):
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    moe_intermediate: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_rope_dim: int
+    qk_nope_dim: int
+    v_head_dim: int
+
+
+def _mla_dims(c) -> _MlaDims:
+    """Latent attention (MLA) dimensions and the dense/expert MLP widths, which Kimi-Linear, DeepSeek-V3 and GLM-DSA
+    configs spell alike (their expert counts are spelled differently)."""
+    return {
+        "heads": c.num_attention_heads, "kv_heads": c.num_attention_heads,
+        "head_dim": c.qk_nope_head_dim + c.qk_rope_head_dim, "intermediate": c.intermediate_size,
+        "moe_intermediate": c.moe_intermediate_size, "q_lora_rank": c.q_lora_rank or 0,
+        "kv_lora_rank": c.kv_lora_rank, "qk_rope_dim": c.qk_rope_head_dim, "qk_nope_dim": c.qk_nope_head_dim,
+        "v_head_dim": c.v_head_dim,
+    }
+
+
 def spec_from_config(config, name: str = "") -> ModelSpec:
     """Read layer kinds and dimensions from a transformers config (text config of a multimodal wrapper)."""
     c = getattr(config, "text_config", None) or config
@@ -256,13 +281,9 @@ def spec_from_config(config, name: str = "") -> ModelSpec:
     elif mt == "kimi_linear":  # KDA layers (linear attention, one head set) + MLA layers, MoE FFNs
         mixers = tuple("linear" if t == "linear_attention" else "mla" for t in layer_types)
         return ModelSpec(
-            **base, mixers=mixers, mlps=_moe_layers(c, n), heads=c.num_attention_heads,
-            kv_heads=c.num_attention_heads, head_dim=c.qk_nope_head_dim + c.qk_rope_head_dim,
-            intermediate=c.intermediate_size, moe_intermediate=c.moe_intermediate_size,
+            **base, mixers=mixers, mlps=_moe_layers(c, n), **_mla_dims(c),
             experts_per_token=c.num_experts_per_token, num_experts=c.num_experts,
-            shared_intermediate=(c.num_shared_experts or 0) * c.moe_intermediate_size,
-            q_lora_rank=c.q_lora_rank or 0, kv_lora_rank=c.kv_lora_rank, qk_rope_dim=c.qk_rope_head_dim,
-            qk_nope_dim=c.qk_nope_head_dim, v_head_dim=c.v_head_dim, lin_key_heads=c.linear_num_heads,
+            shared_intermediate=(c.num_shared_experts or 0) * c.moe_intermediate_size, lin_key_heads=c.linear_num_heads,
             lin_value_heads=c.linear_num_heads, lin_key_dim=c.linear_head_dim, lin_value_dim=c.linear_head_dim,
             conv_kernel=c.linear_conv_kernel_dim,
         )
@@ -275,13 +296,10 @@ def spec_from_config(config, name: str = "") -> ModelSpec:
         else:
             mixers, index_layers, index = ("mla",) * n, (), {}
         return ModelSpec(
-            **base, mixers=mixers, mlps=_moe_layers(c, n), heads=c.num_attention_heads,
-            kv_heads=c.num_attention_heads, head_dim=c.qk_nope_head_dim + c.qk_rope_head_dim,
-            intermediate=c.intermediate_size, moe_intermediate=c.moe_intermediate_size,
+            **base, mixers=mixers, mlps=_moe_layers(c, n), **_mla_dims(c),
             experts_per_token=c.num_experts_per_tok, num_experts=c.n_routed_experts,
-            shared_intermediate=(c.n_shared_experts or 0) * c.moe_intermediate_size,
-            q_lora_rank=c.q_lora_rank or 0, kv_lora_rank=c.kv_lora_rank, qk_rope_dim=c.qk_rope_head_dim,
-            qk_nope_dim=c.qk_nope_head_dim, v_head_dim=c.v_head_dim, index_layers=index_layers, **index,
+            shared_intermediate=(c.n_shared_experts or 0) * c.moe_intermediate_size, index_layers=index_layers,
+            **index,
         )
     else:
         raise ValueError(
