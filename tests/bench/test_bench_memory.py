@@ -220,3 +220,28 @@ def test_checkpoint_arguments():
     for argv in (["--checkpoint", "all"], ["--checkpoint", "none", "--checkpoint-layers"]):
         with pytest.raises(SystemExit):
             parser.parse_args(["bench", "memory", *argv])
+
+
+def test_bench_model_weights_are_resident_before_the_baseline(tmp_path):
+    """A model loaded from safetensors may stay memory-mapped, its pages read in only when the step first touches
+    them (the step's peak would then include the weights). `load_bench_model` reads every weight once: touching
+    them again after loading adds (almost) nothing to the resident set."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from longstraw.bench.common import load_bench_model
+
+    def rss_bytes() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+    config = LlamaConfig(vocab_size=32000, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)  # 2 x 32000 x 256 fp32 embeddings: ~70 MB of weights
+    weights = sum(p.numel() * p.element_size() for p in LlamaForCausalLM(config).parameters())
+    model = load_bench_model(str(tmp_path), "float32")
+    before = rss_bytes()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.sum()
+    assert rss_bytes() - before < 0.1 * weights
