@@ -375,14 +375,15 @@ def test_planner_matches_measured_peaks_recurrent():
 # Every recorded measurement of the current engine that the planner claims (bench/results/, written by `longstraw
 # bench memory`/`bench pareto`/`bench stress`). Older files there were measured before engine fixes the planner now
 # assumes (the recurrent `*-4k.json`/`-after`/`-leakfix` runs, the B1 runs of 2026-11-29 09:52-10:22 before the
-# log-prob fix) and are kept as history. b1-deepseek-v3 (MLA + MoE) is not here: its activation terms are not
-# calibrated (measured 434 / 1467 MiB for detach / exact at B1, predicted 223 / 372; README).
+# log-prob fix) and are kept as history. b1-deepseek-v3 (MLA + MoE): its masked-path and math-SDPA score terms were
+# located on the B1 runs (memory-20261129-121318/-124000) and checked on a second shape (deepseek-2k-all-plans).
 RECORDED = (
     "deep-2k-all-plans", "deep-16k-replay-plans", "deep-16k-exact-ckpt", "deep-16k-standard-ckpt",
     "recurrent-b1-mamba2-4k-clone", "recurrent-b1-mamba2-8k-r100-chunk1024-clone",
     "recurrent-b1-qwen3-next-4k-clone", "recurrent-b1-qwen3-next-8k-r100-chunk1024-clone",
     "memory-20261129-130004", "pareto-b1-llama-quiet", "pareto-levers-b1-llama", "prompt-b1-llama-1GiB-20261129",
     "stress-tiny-llama-long-exact", "stress-tiny-mamba2-exact-131k",
+    "memory-20261129-121318", "memory-20261129-124000", "deepseek-2k-all-plans",
 )
 
 
