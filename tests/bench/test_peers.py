@@ -103,7 +103,10 @@ def test_strongest_peer_ratios():
     assert memory["id"] == "trl-b1x8-ckpt" and memory["peer_over_longstraw"] == {"detach": 2.5, "exact": 2.0}
     assert time_["id"] == "prefix-grouper" and time_["peer_over_longstraw"]["exact"] == pytest.approx(0.9)
     table = format_table({"results": results, "summary": summary})
-    assert "lowest-memory peer: trl-b1x8-ckpt (500.0 MiB)" in table and "exact 0.90x" in table
+    assert "lowest-memory peer configuration: trl-b1x8-ckpt (500.0 MiB); its peak / LongStraw's: detach 2.50, " \
+           "exact 2.00" in table
+    assert "fastest peer configuration: prefix-grouper (4.50 s); its time / LongStraw's: detach 1.12, exact 0.90" \
+           in table
     assert "not installed" in table
 
 

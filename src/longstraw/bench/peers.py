@@ -198,14 +198,15 @@ def format_table(document: dict[str, object]) -> str:
         else:
             cells = f"{'-':>9} {'-':>9} {'-':>12}"
         lines.append(f"{str(r['label']):<{width}}  {str(r.get('status')):<13} {cells}")
-    for what, unit, verb in (("memory", "peak_bytes", "less memory"), ("time", "time_s", "faster")):
+    for what, unit, head, verb in (("memory", "peak_bytes", "lowest-memory", "peak"),
+                                   ("time", "time_s", "fastest", "time")):
         best = summary.get(f"strongest_peer_{what}")
         if not isinstance(best, dict):
             continue
         value = (f"{float(best[unit]) / MIB:.1f} MiB" if unit == "peak_bytes" else f"{float(best[unit]):.2f} s")
-        ratios = ", ".join(f"{plan} {ratio:.2f}x" for plan, ratio in best["peer_over_longstraw"].items())
-        head = "lowest-memory" if what == "memory" else "fastest"
-        lines.append(f"{head} peer: {best['label']} ({value}); peer / LongStraw: {ratios} (> 1: LongStraw {verb})")
+        ratios = ", ".join(f"{plan} {ratio:.2f}" for plan, ratio in best["peer_over_longstraw"].items())
+        lines.append(f"{head} peer configuration: {best['label']} ({value}); its {verb} / LongStraw's: {ratios} "
+                     f"(> 1: LongStraw ahead)")
     return "\n".join(lines)
 
 
