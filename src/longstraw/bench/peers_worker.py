@@ -109,6 +109,7 @@ def _zero_reward(completions: list[Any], **kwargs: Any) -> list[float]:
 def run_trl(config: dict[str, Any]) -> dict[str, Any]:
     """TRL's GRPO training step on the group (module docstring)."""
     try:
+        import trl
         from datasets import Dataset
         from trl import GRPOConfig, GRPOTrainer
     except ImportError as err:
@@ -156,7 +157,7 @@ def run_trl(config: dict[str, Any]) -> dict[str, Any]:
             out = training_step(*a, **kw)
             losses.append(float(out))
             if len(losses) == steps:
-                record.update(meter.stop(), loss=sum(losses), micro_steps=steps,
+                record.update(meter.stop(), loss=sum(losses), micro_steps=steps, peer_version=trl.__version__,
                               gradient_checkpointing=_checkpointing(trainer.model))
                 raise _Measured
             return out
@@ -267,7 +268,10 @@ def run_prefix_grouper(config: dict[str, Any]) -> dict[str, Any]:
     mask = torch.ones_like(logp, dtype=torch.bool)
     loss = response_loss(logp, mask, advantages, GroupTotals.of([r] * g, cfg), cfg)
     loss.backward()
-    return {**meter.stop(), "loss": float(loss.detach()), "gradient_checkpointing": _checkpointing(model)}
+    import prefix_grouper
+
+    return {**meter.stop(), "loss": float(loss.detach()), "gradient_checkpointing": _checkpointing(model),
+            "peer_version": getattr(prefix_grouper, "__version__", None)}
 
 
 PEERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {"trl": run_trl, "prefix_grouper": run_prefix_grouper}
