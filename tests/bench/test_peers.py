@@ -54,6 +54,8 @@ def test_smoke_run_writes_every_configuration_with_a_status(tmp_path, capsys, wo
         if r["peer"] == "trl":  # TRL's own train loop ran the micro-steps, with checkpointing as configured
             assert r["micro_steps"] == r["accumulation"] == shape.group_size // r["batch"]
             assert r["gradient_checkpointing"] == r["checkpoint"]
+            # TRL's head scored only the completions (as on CUDA), not the prompt positions as on CPU
+            assert r["trl_compact_head"] and r["trl_head_rows"] == r["batch"] * shape.response_tokens, r
         if r["peer"] != "longstraw" and r["status"] == "ok":
             assert r["peer_version"], r
     # On-policy, every configuration's grpo loss is -mean(advantages) of the same group.

@@ -7,7 +7,8 @@ responses, advantages: `bench/worker.py`'s `make_group`):
 * LongStraw `detach` and `exact`: `bench/worker.py`, one `backward_group` call.
 * TRL's GRPO training step with per-device batch G (one micro-batch) and with batch 1 x G gradient-accumulation
   steps, each without and with activation checkpointing (TRL's default is with): a real `trl.GRPOTrainer`, only its
-  generation replaced by the group (`bench/peers_worker.py` says exactly what runs).
+  generation replaced by the group, its LM head scoring only the completions as on CUDA (`--trl-all-positions`: as
+  on CPU, every position; `bench/peers_worker.py` says exactly what runs).
 * Prefix Grouper (PyPI `prefix-grouper`), without and with activation checkpointing: its own grouping and attention
   split through an SDPA adapter on CPU, LongStraw's log-prob head and grpo loss (`bench/peers_worker.py`). Optional:
   where it is not importable it is recorded as "not installed" (e.g. installed with `pip install --target DIR
@@ -112,13 +113,14 @@ def _env(smoke: bool, mmap_threshold: int) -> dict[str, str]:
 
 
 def run_peer(shape: PeersShape, row: Configuration, timeout_s: float | None, smoke: bool = False,
-             mmap_threshold: int = B1.malloc_mmap_threshold) -> dict[str, object]:
+             mmap_threshold: int = B1.malloc_mmap_threshold, trl_compact_head: bool = True) -> dict[str, object]:
     """Run a TRL or Prefix Grouper configuration in a fresh `bench/peers_worker.py`; its result (status "ok",
-    "not installed" or "failed", with the error and stderr tail), never raising."""
+    "not installed" or "failed", with the error and stderr tail), never raising. trl_compact_head: TRL's LM head
+    scores only the completions, as on CUDA (`peers_worker._compact_head_on_every_device`)."""
     payload = {"peer": row.peer, "model": shape.model, "dtype": shape.dtype, "device": shape.device,
                "prompt_tokens": shape.prompt_tokens, "response_tokens": shape.response_tokens,
                "group_size": shape.group_size, "seed": shape.seed, "batch": row.batch or shape.group_size,
-               "checkpoint": row.checkpoint}
+               "checkpoint": row.checkpoint, "trl_compact_head": trl_compact_head}
     entry: dict[str, object] = {}
     cmd = [sys.executable, "-m", "longstraw.bench.peers_worker", json.dumps(payload)]
     t0 = time.perf_counter()
@@ -222,18 +224,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=positive_float, default=DEFAULT_TIMEOUT_S,
                         help="seconds per configuration before it is recorded as failed "
                              f"(default {DEFAULT_TIMEOUT_S:g})")
+    parser.add_argument("--trl-all-positions", action="store_true",
+                        help="TRL's LM head as TRL runs it on CPU: every position scored, prompt included (default: "
+                             "only the completions, as TRL does on CUDA; bench/peers_worker.py)")
     parser.add_argument("--out", default=None, help="JSON path (default bench/results/peers-<time>.json; smoke: "
                                                     "under bench/results/smoke/)")
 
 
 def run_peers_bench(shape: PeersShape, out: str, timeout_s: float | None, smoke: bool = False,
-                    rows: list[Configuration] | None = None) -> dict[str, object]:
+                    rows: list[Configuration] | None = None, trl_compact_head: bool = True) -> dict[str, object]:
     """Run every configuration, write the JSON (after each configuration to `out`.tmp, at the end to `out`) and
     print progress on stderr; return the document."""
     rows = configurations(shape.group_size) if rows is None else rows
     document: dict[str, object] = {
         "bench": "peers", "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "shape": asdict(shape), "smoke": smoke,
-        "timeout_s": timeout_s, "machine": machine_info(shape.device), "results": [],
+        "timeout_s": timeout_s, "trl_compact_head": trl_compact_head, "machine": machine_info(shape.device),
+        "results": [],
     }
     results: list[dict[str, object]] = document["results"]  # type: ignore[assignment]
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
@@ -242,7 +248,8 @@ def run_peers_bench(shape: PeersShape, out: str, timeout_s: float | None, smoke:
     ours = [row for row in rows if row.peer == "longstraw"]
     measured = dict(zip((row.id for row in ours), run_longstraw(shape, ours, timeout_s, smoke) if ours else []))
     for index, row in enumerate(rows, 1):
-        entry = measured[row.id] if row.peer == "longstraw" else run_peer(shape, row, timeout_s, smoke)
+        entry = (measured[row.id] if row.peer == "longstraw"
+                 else run_peer(shape, row, timeout_s, smoke, trl_compact_head=trl_compact_head))
         entry = {"id": row.id, "label": row.label, "peer": row.peer, "plan": row.plan, "batch": row.batch,
                  "accumulation": (shape.group_size // row.batch) if row.batch else None,
                  "checkpoint": row.checkpoint, **{k: v for k, v in entry.items() if k not in ("mode", "checkpoint")}}
@@ -272,7 +279,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     if args.prompt_tokens:
         shape = replace(shape, prompt_tokens=args.prompt_tokens)
     out = args.out or default_out("peers", smoke)
-    document = run_peers_bench(shape, out, args.timeout, smoke)
+    document = run_peers_bench(shape, out, args.timeout, smoke, trl_compact_head=not args.trl_all_positions)
     results: list[dict[str, object]] = document["results"]  # type: ignore[assignment]
     if smoke:
         print("\n".join(f"{r['label']}: {r['status']}" for r in results))

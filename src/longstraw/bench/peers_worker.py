@@ -16,9 +16,15 @@ failure exits non-zero with the traceback on stderr, which the parent records.
 returns the group (prompt ids repeated per row, completion ids, masks of ones, the advantages, `num_items_in_batch`)
 as TRL's own method returns it. Everything after that is TRL's and transformers' code: `_prepare_inputs` (shuffle and
 split into micro-batches), `Trainer.training_step` (train mode, `compute_loss`, `accelerator.backward`),
-`GRPOTrainer._compute_loss` with `_get_per_token_logps_and_entropies` through TRL's fused (compact) log-prob head,
-and Trainer's own enabling of activation checkpointing. The measured region runs from the start of the first
-`training_step` to the end of the G / batch-th; the train loop is then stopped before the optimizer step.
+`GRPOTrainer._compute_loss` with `_get_per_token_logps_and_entropies` through TRL's fused log-prob head, and
+Trainer's own enabling of activation checkpointing. One decision is TRL's GPU one rather than its CPU one (config
+`trl_compact_head`, default on; `bench peers --trl-all-positions` turns it off): on CUDA and XPU TRL's head projects
+only the completion positions ("compact"); on other devices it projects every position, prompt included, in
+4096-token x vocabulary tiles (`_compact_head_on_every_device`), which on CPU would make the head, not the method,
+TRL's peak (b1-llama, P = 1024: 1.4 GiB with batch 1 and checkpointing). The tiles themselves still run through
+TRL's torch fallback, which keeps a few [tokens, vocabulary] temporaries where its Triton kernel works in place.
+The measured region runs from the start of the first `training_step` to the end of the G / batch-th; the train loop
+is then stopped before the optimizer step.
 
 **Prefix Grouper** (`peer: "prefix_grouper"`, PyPI `prefix-grouper`, optional): its own code does the grouping and
 the attention split: `PrefixGrouper.from_ungrouped_masks`, `concat_input` (prompt once, then the G responses, one
@@ -106,6 +112,38 @@ def _zero_reward(completions: list[Any], **kwargs: Any) -> list[float]:
     return [0.0] * len(completions)  # never called: generation and scoring are replaced
 
 
+def _compact_head_on_every_device() -> None:
+    """Make TRL's fused LM head score only the completion positions on this device, as it does on CUDA and XPU.
+
+    `add_fused_lm_head`'s forward decides `compact = _use_triton(device)`: with Triton (CUDA, XPU) it projects only
+    the positions whose label is not -100 (the completions); elsewhere it projects every position, prompt included,
+    to keep tile shapes fixed for compilers (Neuron). That is the only use of the name in `trl.trainer.utils`; the
+    kernel (`trl.kernels.chunked_logprob`) keeps its own check and so its torch fallback for the tiles on CPU."""
+    import trl.trainer.utils as trl_utils
+
+    if not hasattr(trl_utils, "_use_triton"):
+        raise RuntimeError("trl.trainer.utils._use_triton is gone: this TRL decides its compact head differently; "
+                           "rerun with --trl-all-positions or update longstraw.bench.peers_worker")
+    trl_utils._use_triton = lambda device: True  # type: ignore[attr-defined]
+
+
+def _count_head_rows() -> list[int]:
+    """Record the rows (positions) each call of TRL's fused head projects: batch x R when compact, batch x (P + R)
+    when not. The list fills as TRL runs; the call is passed on unchanged."""
+    import trl.trainer.utils as trl_utils
+
+    kernel, rows = trl_utils._ChunkedLogProbFunction, []
+
+    class Counted:
+        @staticmethod
+        def apply(hidden: torch.Tensor, *args: Any) -> Any:
+            rows.append(int(hidden.shape[0]))
+            return kernel.apply(hidden, *args)
+
+    trl_utils._ChunkedLogProbFunction = Counted  # type: ignore[attr-defined]
+    return rows
+
+
 def run_trl(config: dict[str, Any]) -> dict[str, Any]:
     """TRL's GRPO training step on the group (module docstring)."""
     try:
@@ -144,6 +182,9 @@ def run_trl(config: dict[str, Any]) -> dict[str, Any]:
             report_to="none", save_strategy="no", logging_strategy="no", disable_tqdm=True,
             seed=int(config["seed"]), dataloader_num_workers=0,
         )
+        if config.get("trl_compact_head", True):
+            _compact_head_on_every_device()
+        head_rows = _count_head_rows()
         trainer = GRPOTrainer(model=model, reward_funcs=_zero_reward, args=args,
                               train_dataset=Dataset.from_dict({"prompt": ["x"] * g}),
                               processing_class=byte_tokenizer_hf())
@@ -158,6 +199,8 @@ def run_trl(config: dict[str, Any]) -> dict[str, Any]:
             losses.append(float(out))
             if len(losses) == steps:
                 record.update(meter.stop(), loss=sum(losses), micro_steps=steps, peer_version=trl.__version__,
+                              trl_compact_head=bool(config.get("trl_compact_head", True)),
+                              trl_head_rows=max(head_rows, default=0),
                               gradient_checkpointing=_checkpointing(trainer.model))
                 raise _Measured
             return out
