@@ -31,6 +31,7 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 from longstraw.bench.common import (
     B1,
@@ -113,7 +114,7 @@ def _env(smoke: bool, mmap_threshold: int) -> dict[str, str]:
 
 
 def run_peer(shape: PeersShape, row: Configuration, timeout_s: float | None, smoke: bool = False,
-             mmap_threshold: int = B1.malloc_mmap_threshold, trl_compact_head: bool = True) -> dict[str, object]:
+             mmap_threshold: int = B1.malloc_mmap_threshold, trl_compact_head: bool = True) -> dict[str, Any]:
     """Run a TRL or Prefix Grouper configuration in a fresh `bench/peers_worker.py`; its result (status "ok",
     "not installed" or "failed", with the error and stderr tail), never raising. trl_compact_head: TRL's LM head
     scores only the completions, as on CUDA (`peers_worker._compact_head_on_every_device`)."""
@@ -121,7 +122,7 @@ def run_peer(shape: PeersShape, row: Configuration, timeout_s: float | None, smo
                "prompt_tokens": shape.prompt_tokens, "response_tokens": shape.response_tokens,
                "group_size": shape.group_size, "seed": shape.seed, "batch": row.batch or shape.group_size,
                "checkpoint": row.checkpoint, "trl_compact_head": trl_compact_head}
-    entry: dict[str, object] = {}
+    entry: dict[str, Any] = {}
     cmd = [sys.executable, "-m", "longstraw.bench.peers_worker", json.dumps(payload)]
     t0 = time.perf_counter()
     try:
@@ -147,55 +148,55 @@ def run_peer(shape: PeersShape, row: Configuration, timeout_s: float | None, smo
 
 
 def run_longstraw(shape: PeersShape, rows: list[Configuration], timeout_s: float | None,
-                  smoke: bool = False) -> list[dict[str, object]]:
+                  smoke: bool = False) -> list[dict[str, Any]]:
     """LongStraw's rows through `bench/worker.py` (a fresh worker each; a smoke run shares one)."""
     config = replace(B1, model=shape.model, dtype=shape.dtype, device=shape.device, prompt_tokens=shape.prompt_tokens,
                      response_tokens=shape.response_tokens, chunk_size=shape.chunk_size, seed=shape.seed,
                      timeout_s=timeout_s)
     jobs = [(config, str(row.plan), shape.group_size) for row in rows]
-    return run_batch(jobs, isolate=not smoke)  # type: ignore[arg-type]
+    return run_batch(jobs, isolate=not smoke)
 
 
 # ---------------------------------------------------------------- the table
 
 
-def _ok(entry: dict[str, object]) -> bool:
-    return entry.get("status") == "ok" and float(entry.get("peak_bytes", 0)) >= PEAK_RESOLUTION  # type: ignore[arg-type]
+def _ok(entry: dict[str, Any]) -> bool:
+    return entry.get("status") == "ok" and float(entry.get("peak_bytes", 0)) >= PEAK_RESOLUTION
 
 
-def summarize(results: list[dict[str, object]]) -> dict[str, object]:
+def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
     """time / exact per configuration, and LongStraw against the strongest peer configuration: the lowest peak
     (peer peak / ours: how many times less memory LongStraw uses) and the fastest (peer time / ours: > 1, LongStraw
     is faster). Empty parts where the needed configurations did not run."""
     by_id = {str(r["id"]): r for r in results}
     exact = by_id.get("longstraw-exact")
-    summary: dict[str, object] = {}
+    summary: dict[str, Any] = {}
     if exact is not None and exact.get("status") == "ok":
-        summary["time_over_exact"] = {str(r["id"]): float(r["time_s"]) / float(exact["time_s"])  # type: ignore[arg-type]
+        summary["time_over_exact"] = {str(r["id"]): float(r["time_s"]) / float(exact["time_s"])
                                       for r in results if r.get("status") == "ok"}
     ours = [r for r in results if r["peer"] == "longstraw" and _ok(r)]
     peers = [r for r in results if r["peer"] != "longstraw" and _ok(r)]
     if ours and peers:
         for what, key in (("memory", "peak_bytes"), ("time", "time_s")):
-            best = min(peers, key=lambda r: float(r[key]))  # type: ignore[arg-type]
+            best = min(peers, key=lambda r: float(r[key]))
             summary[f"strongest_peer_{what}"] = {
                 "id": best["id"], "label": best["label"], key: best[key],
-                "peer_over_longstraw": {str(r["plan"]): float(best[key]) / float(r[key])  # type: ignore[arg-type]
+                "peer_over_longstraw": {str(r["plan"]): float(best[key]) / float(r[key])
                                         for r in ours},
             }
     return summary
 
 
-def format_table(document: dict[str, object]) -> str:
-    results: list[dict[str, object]] = document["results"]  # type: ignore[assignment]
-    summary: dict[str, object] = document["summary"]  # type: ignore[assignment]
-    over: dict[str, float] = summary.get("time_over_exact", {})  # type: ignore[assignment]
+def format_table(document: dict[str, Any]) -> str:
+    results: list[dict[str, Any]] = document["results"]
+    summary: dict[str, Any] = document["summary"]
+    over: dict[str, float] = summary.get("time_over_exact", {})
     width = max(len(str(r["label"])) for r in results)
     lines = [f"{'configuration':<{width}}  {'status':<13} {'peak MiB':>9} {'time s':>9} {'time / exact':>12}"]
     for r in results:
         if r.get("status") == "ok":
             ratio = over.get(str(r["id"]))
-            cells = (f"{peak_text(float(r['peak_bytes']))} {float(r['time_s']):9.2f} "  # type: ignore[arg-type]
+            cells = (f"{peak_text(float(r['peak_bytes']))} {float(r['time_s']):9.2f} "
                      f"{'-' if ratio is None else f'{ratio:.2f}':>12}{'  (host busy)' if busy(r) else ''}")
         else:
             cells = f"{'-':>9} {'-':>9} {'-':>12}"
@@ -232,16 +233,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_peers_bench(shape: PeersShape, out: str, timeout_s: float | None, smoke: bool = False,
-                    rows: list[Configuration] | None = None, trl_compact_head: bool = True) -> dict[str, object]:
+                    rows: list[Configuration] | None = None, trl_compact_head: bool = True) -> dict[str, Any]:
     """Run every configuration, write the JSON (after each configuration to `out`.tmp, at the end to `out`) and
     print progress on stderr; return the document."""
     rows = configurations(shape.group_size) if rows is None else rows
-    document: dict[str, object] = {
+    document: dict[str, Any] = {
         "bench": "peers", "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "shape": asdict(shape), "smoke": smoke,
         "timeout_s": timeout_s, "trl_compact_head": trl_compact_head, "machine": machine_info(shape.device),
         "results": [],
     }
-    results: list[dict[str, object]] = document["results"]  # type: ignore[assignment]
+    results: list[dict[str, Any]] = document["results"]
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     print(f"bench peers: {shape.model} {shape.dtype} {shape.device}, P={shape.prompt_tokens} R={shape.response_tokens} "
           f"G={shape.group_size}; {len(rows)} configurations, each in a fresh process", file=sys.stderr, flush=True)
@@ -256,7 +257,7 @@ def run_peers_bench(shape: PeersShape, out: str, timeout_s: float | None, smoke:
         results.append(entry)
         status = entry.get("status")
         if status == "ok":
-            note = f"peak {peak_text(float(entry['peak_bytes']))} MiB  time {float(entry['time_s']):8.2f} s"  # type: ignore[arg-type]
+            note = f"peak {peak_text(float(entry['peak_bytes']))} MiB  time {float(entry['time_s']):8.2f} s"
         else:
             note = f"{str(status).upper()}: {entry.get('error')}"
         print(f"[{index}/{len(rows)}] {row.label:<50} {note}", file=sys.stderr, flush=True)
@@ -280,13 +281,13 @@ def run_from_args(args: argparse.Namespace) -> int:
         shape = replace(shape, prompt_tokens=args.prompt_tokens)
     out = args.out or default_out("peers", smoke)
     document = run_peers_bench(shape, out, args.timeout, smoke, trl_compact_head=not args.trl_all_positions)
-    results: list[dict[str, object]] = document["results"]  # type: ignore[assignment]
+    results: list[dict[str, Any]] = document["results"]
     if smoke:
         print("\n".join(f"{r['label']}: {r['status']}" for r in results))
         print(SMOKE_NOTE)
     else:
         print(format_table(document))
-    for note in document.get("notes", []):  # type: ignore[attr-defined]
+    for note in document.get("notes", []):
         print(f"note: {note}")
     print(f"results: {out}")
     if not any(r.get("status") == "ok" for r in results):

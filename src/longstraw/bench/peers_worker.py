@@ -43,6 +43,7 @@ logits kept) and LongStraw's grpo loss (`loss.response_loss`). Activation checkp
 from __future__ import annotations
 
 import gc
+import importlib
 import json
 import os
 import sys
@@ -99,7 +100,7 @@ class _Meter:
         }
 
 
-def _checkpointing(model: torch.nn.Module) -> bool:
+def _checkpointing(model: Any) -> bool:
     """Whether transformers' activation checkpointing is on (its newer name first, then the deprecated one)."""
     flag = getattr(model, "is_activation_checkpointing", None)
     return bool(getattr(model, "is_gradient_checkpointing", False) if flag is None else flag)
@@ -108,7 +109,7 @@ def _checkpointing(model: torch.nn.Module) -> bool:
 # ---------------------------------------------------------------- TRL
 
 
-def _zero_reward(completions: list[Any], **kwargs: Any) -> list[float]:
+def _zero_reward(completions: list[Any], **kwargs: Any) -> list[float | None]:
     return [0.0] * len(completions)  # never called: generation and scoring are replaced
 
 
@@ -124,7 +125,7 @@ def _compact_head_on_every_device() -> None:
     if not hasattr(trl_utils, "_use_triton"):
         raise RuntimeError("trl.trainer.utils._use_triton is gone: this TRL decides its compact head differently; "
                            "rerun with --trl-all-positions or update longstraw.bench.peers_worker")
-    trl_utils._use_triton = lambda device: True  # type: ignore[attr-defined]
+    trl_utils._use_triton = lambda device: True
 
 
 def _count_head_rows() -> list[int]:
@@ -140,7 +141,7 @@ def _count_head_rows() -> list[int]:
             rows.append(int(hidden.shape[0]))
             return kernel.apply(hidden, *args)
 
-    trl_utils._ChunkedLogProbFunction = Counted  # type: ignore[attr-defined]
+    trl_utils._ChunkedLogProbFunction = Counted  # type: ignore[misc, assignment]
     return rows
 
 
@@ -188,7 +189,11 @@ def run_trl(config: dict[str, Any]) -> dict[str, Any]:
         trainer = GRPOTrainer(model=model, reward_funcs=_zero_reward, args=args,
                               train_dataset=Dataset.from_dict({"prompt": ["x"] * g}),
                               processing_class=byte_tokenizer_hf())
-        trainer._generate_and_score_completions = lambda generation_batch: dict(scored)  # type: ignore[method-assign]
+
+        def scored_batch(inputs: list[dict[str, Any]]) -> dict[str, Any]:
+            return dict(scored)  # the prompts TRL's sampler drew are not used: the group is the bench's
+
+        trainer._generate_and_score_completions = scored_batch  # type: ignore[method-assign]
         training_step: Callable[..., torch.Tensor] = trainer.training_step
         losses: list[float] = []
 
@@ -243,13 +248,13 @@ def sdpa_adapter(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
     return out.transpose(1, 2).contiguous(), None
 
 
-def prefix_grouper_logprobs(model: torch.nn.Module, prompt: torch.Tensor, responses: torch.Tensor,
+def prefix_grouper_logprobs(model: Any, prompt: torch.Tensor, responses: torch.Tensor,
                             token_chunk: int = 1024) -> torch.Tensor:
     """Per-token log-probs (G, R) of `responses` (G, R) after `prompt` (P,) through Prefix Grouper (module docstring);
     the model's attention implementation must be "prefix_grouper_attention" (`prepare_prefix_grouper`)."""
-    from prefix_grouper import PrefixGrouper
-
     from longstraw.logprobs import chunked_logprobs
+
+    PrefixGrouper = importlib.import_module("prefix_grouper").PrefixGrouper  # noqa: N806 (untyped, optional)
 
     device = prompt.device
     g, r = responses.shape
@@ -273,17 +278,17 @@ def prefix_grouper_logprobs(model: torch.nn.Module, prompt: torch.Tensor, respon
     return logp.view(g, r)
 
 
-def prepare_prefix_grouper(model: torch.nn.Module) -> None:
+def prepare_prefix_grouper(model: Any) -> None:
     """Register Prefix Grouper's attention and our SDPA adapter with transformers and switch the model to it."""
-    try:
-        from prefix_grouper.utils.register_transformers import register_attention
+    try:  # imported by name: an optional package without type information
+        register_attention = importlib.import_module("prefix_grouper.utils.register_transformers").register_attention
     except ImportError as err:
         raise NotInstalled(f"Prefix Grouper cannot be imported ({err}): pip install prefix-grouper") from err
     from transformers import AttentionInterface
 
     register_attention()
     AttentionInterface.register(SDPA_ADAPTER, sdpa_adapter)
-    model.set_attn_implementation("prefix_grouper_attention")  # type: ignore[operator]
+    model.set_attn_implementation("prefix_grouper_attention")
 
 
 def run_prefix_grouper(config: dict[str, Any]) -> dict[str, Any]:
@@ -311,10 +316,8 @@ def run_prefix_grouper(config: dict[str, Any]) -> dict[str, Any]:
     mask = torch.ones_like(logp, dtype=torch.bool)
     loss = response_loss(logp, mask, advantages, GroupTotals.of([r] * g, cfg), cfg)
     loss.backward()
-    import prefix_grouper
-
     return {**meter.stop(), "loss": float(loss.detach()), "gradient_checkpointing": _checkpointing(model),
-            "peer_version": getattr(prefix_grouper, "__version__", None)}
+            "peer_version": getattr(importlib.import_module("prefix_grouper"), "__version__", None)}
 
 
 PEERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {"trl": run_trl, "prefix_grouper": run_prefix_grouper}
