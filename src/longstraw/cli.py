@@ -66,6 +66,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cp_bench.add_arguments(cp_parser)
     cp_parser.set_defaults(fail=cp_parser.error)
+    from longstraw.bench import peers as peers_bench
+
+    peers_parser = benches.add_parser(
+        "peers", help="LongStraw against TRL's GRPO step and Prefix Grouper on one shape: peak memory and time",
+        description="LongStraw detach/exact, TRL (batch G and 1 x G, with and without checkpointing) and Prefix "
+                    "Grouper (when installed), each in a fresh process on the same group; table and JSON.",
+    )
+    peers_bench.add_arguments(peers_parser)
+    peers_parser.set_defaults(fail=peers_parser.error)
 
     from longstraw import planner
 
@@ -123,6 +132,10 @@ def main(argv: list[str] | None = None) -> int:
         from longstraw.bench import cp as cp_bench
 
         return cp_bench.run_from_args(args)
+    if args.command == "bench" and args.bench == "peers":
+        from longstraw.bench import peers as peers_bench
+
+        return peers_bench.run_from_args(args)
     if args.command == "plan":
         from longstraw import planner
 
