@@ -3,6 +3,8 @@ read, gradients accumulated beside it. The same gradients as the resident state,
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from conftest import ARCH_FAMILIES, grads, random_group, rel_err, tiny_model
@@ -124,6 +126,16 @@ def test_offloaded_state_keeps_one_layer_on_the_device(monkeypatch):
     # attention backward returns all chunk gradients of its layer together. Hooks see each one only as it goes
     # back to the host, so they are not measured here.)
     assert measured["none"] >= whole  # every layer's copy alive for the backward: no saving without checkpointing
+    # Prefetch (on by default on a GPU; forced on here): the next attention layer's copies are made while a layer
+    # computes, so one more layer is on the device, as the planner's GPU forecast counts.
+    from longstraw.state import prompt as prompt_module
+
+    monkeypatch.setattr(prompt_module, "_prefetch_by_default", lambda device: device is not None)
+    peak[0] = 0
+    backward_group(model, group, mode="exact", chunk_size=16, checkpoint="layers", offload_state=True)
+    on_gpu = planner.estimate(spec, replace(inp, device="cuda"), "exact").components
+    assert on_gpu["prompt_state"] > forecast["prompt_state"]
+    assert abs(on_gpu["prompt_state"] / peak[0] - 1) <= 0.05, (on_gpu["prompt_state"], peak[0], measured)
 
 
 @pytest.mark.parametrize("family", ("llama", "gemma3-A", "qwen3_next-A", "deepseek_v3"))

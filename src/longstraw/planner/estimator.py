@@ -126,12 +126,13 @@ def estimate(spec: ModelSpec, inp: PlanInputs, plan: str) -> PlanEstimate:
                 # plus the recurrent states being read. Measured by counting the live copies within 5%
                 # (tests/state/test_offload.py).
                 layer = math.ceil(parts.largest_layer / inp.cp)
-                copies = layer
+                # On a GPU the next attention layer's copies are prefetched on a side stream while a layer computes
+                # (state/prompt.py): two layers' copies at once (measured by counting with prefetch forced on).
+                held = 2 if inp.device != "cpu" else 1
+                copies = held * layer
                 if exact:
                     f = min(inp.chunk_size, p - 1) / (p - 1)
-                    copies = max(layer, math.ceil(layer * (1 - f) + parts.attention_grad / inp.cp * f))
-                if inp.device != "cpu":
-                    copies += layer  # the next attention layer's copies, prefetched on a side stream (GPU only)
+                    copies = max(held * layer, math.ceil(held * layer * (1 - f) + parts.attention_grad / inp.cp * f))
                 state = copies + (parts.recurrent_grad if exact else parts.recurrent)  # one boundary's worth
                 state_grad = (layer + parts.recurrent_grad) if exact else 0
             # else: every layer's copy is saved for the backward: the whole state is on the device anyway
