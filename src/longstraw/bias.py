@@ -78,11 +78,7 @@ def exact_gradient(model: torch.nn.Module, groups: list[Group], cfg: TrainConfig
         for p in params:
             p.grad = None
         for group in groups:
-            backward_group(
-                model, group, plan="exact", loss=cfg.loss, chunk_size=cfg.chunk_size, micro_batch=cfg.micro_batch,
-                checkpoint="layers" if cfg.checkpoint_layers else "none", offload_state=cfg.offload_state,
-                **cfg.loss_options(),
-            )
+            backward_group(model, group, plan="exact", **cfg.backward_options())
         # The trainer averages its groups' gradients the same way (sum, then divide by the number of groups).
         exact = [p.grad.div_(len(groups)) if p.grad is not None else None for p in params]
     finally:

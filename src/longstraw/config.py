@@ -29,6 +29,16 @@ class LossOptions(TypedDict, total=False):
     epsilon_high: float
 
 
+class BackwardOptions(LossOptions, total=False):
+    """`TrainConfig.backward_options()`: every `backward_group` keyword the config sets, the plan aside."""
+
+    loss: str
+    chunk_size: int
+    micro_batch: int
+    checkpoint: str
+    offload_state: bool
+
+
 @dataclass
 class TrainConfig:
     # model
@@ -170,6 +180,14 @@ class TrainConfig:
             opts["epsilon_low"] = self.epsilon_low
         if self.epsilon_high >= 0:
             opts["epsilon_high"] = self.epsilon_high
+        return opts
+
+    def backward_options(self) -> BackwardOptions:
+        """The `backward_group` keywords of this config but the plan (the trainer's, or the bias meter's exact)."""
+        opts: BackwardOptions = {"loss": self.loss, "chunk_size": self.chunk_size, "micro_batch": self.micro_batch,
+                                 "checkpoint": "layers" if self.checkpoint_layers else "none",
+                                 "offload_state": self.offload_state}
+        opts.update(self.loss_options())
         return opts
 
     def to_dict(self) -> dict[str, Any]:

@@ -45,9 +45,11 @@ class Sampler:
     """Samples the policy (the `model` passed to each call) on the task of `data`; `reference`: the frozen initial
     policy (beta > 0) or None."""
 
-    def __init__(self, cfg: TrainConfig, data: TaskData, sampling: SamplingConfig, reference: torch.nn.Module | None,
+    def __init__(self, cfg: TrainConfig, data: TaskData, stop_ids: tuple[int, ...], reference: torch.nn.Module | None,
                  par: Parallel) -> None:
-        self.cfg, self.data, self.sampling, self.reference, self.par = cfg, data, sampling, reference, par
+        self.cfg, self.data, self.reference, self.par = cfg, data, reference, par
+        self.sampling = SamplingConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                                       top_p=cfg.top_p, top_k=cfg.top_k, stop_ids=stop_ids)
 
     def step_groups(self, model: torch.nn.Module, step: int, progress: Progress, log: StepLog) -> list[ScoredGroup]:
         """This rank's prompts of 0-based `step` (all of them in one process), sampled and scored, each counted in

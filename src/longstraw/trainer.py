@@ -48,7 +48,7 @@ from longstraw.distributed.runtime import Parallel
 from longstraw.models import load_model
 from longstraw.optimizer import check_weights_finite, clip_and_check, make_optimizer, mean_gradient, scheduler_step
 from longstraw.reporting import Progress, Report, StepLog, plot_metrics, read_metrics
-from longstraw.rollout import SamplingConfig, stop_ids_of
+from longstraw.rollout import stop_ids_of
 from longstraw.rundir import open_run_dir
 from longstraw.sampler import Sampler, ScoredGroup
 from longstraw.stopping import StopSignals, save_after_failure
@@ -77,9 +77,7 @@ class Trainer:
         self.reference = copy.deepcopy(self.model).requires_grad_(False) if cfg.beta > 0 else None  # for the KL
         self.model = self.par.shard(self.model)  # FSDP2 across ranks; unchanged in one process
         self.optimizer, self.scheduler = make_optimizer(self.model, cfg)
-        sampling = SamplingConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-                                  top_k=cfg.top_k, stop_ids=stop_ids_of(self.model, tokenizer))
-        self.sampler = Sampler(cfg, self.data, sampling, self.reference, self.par)
+        self.sampler = Sampler(cfg, self.data, stop_ids_of(self.model, tokenizer), self.reference, self.par)
         self.step = 0
         self.summary: dict[str, Any] = {}
         # Error-path bookkeeping: `_dirty` is True from the first optimizer/scheduler step of a step until the
@@ -102,13 +100,9 @@ class Trainer:
             with self.par.compute(self.model):  # sharded: gradients reduced (averaged over ranks) once, at exit
                 for j, r in enumerate(kept):
                     progress.update(step, f"train (pass {it + 1})", j, len(kept))
-                    result = backward_group(
-                        self.model, r.group, plan=cfg.plan, loss=cfg.loss, chunk_size=cfg.chunk_size,
-                        micro_batch=cfg.micro_batch, prompt_state=r.state if it == 0 else None,
-                        context_parallel=self.par.context_parallel,
-                        checkpoint="layers" if cfg.checkpoint_layers else "none", offload_state=cfg.offload_state,
-                        **cfg.loss_options(),
-                    )
+                    state = r.state if it == 0 else None  # the rollout's prompt state serves the first pass
+                    result = backward_group(self.model, r.group, plan=cfg.plan, prompt_state=state,
+                                            context_parallel=self.par.context_parallel, **cfg.backward_options())
                     if cfg.offload_state:
                         r.state = None  # its host copy served this pass: free the device copy the sampler made
                     loss_total += result.loss / n_kept
