@@ -17,6 +17,8 @@ def _to_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x[:, torch.arange(heads, device=x.device) // (heads // x.shape[1])]
 
 
+# Same signature as `attention.masked_prefix_attention` on purpose (duplicates lists it): the parity tests call both
+# with one set of arguments.
 def naive_masked_prefix_attention(
     query: torch.Tensor,
     key: torch.Tensor,

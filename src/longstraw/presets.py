@@ -19,6 +19,8 @@ from transformers import (
 )
 
 
+# Each preset is one config literal; presets of one family share their shape on purpose (duplicates lists them):
+# a reader sees every number of a preset in one place.
 def _tiny_llama() -> PretrainedConfig:
     return LlamaConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
