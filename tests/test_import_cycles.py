@@ -67,3 +67,20 @@ def test_no_import_cycle(package):
 
 def test_the_cycle_finder_finds_one():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == [["a", "b", "c", "a"]]
+
+
+def whole_package_graph() -> dict[str, set[str]]:
+    """Every module under src/longstraw (packages by their `__init__`), with the package modules it imports."""
+    files = {}
+    for path in (SRC / "longstraw").rglob("*.py"):
+        parts = path.relative_to(SRC).with_suffix("").parts
+        files[".".join(parts[:-1]) if parts[-1] == "__init__" else ".".join(parts)] = path
+    modules = set(files)
+    return {module: _imported(path, module if path.name == "__init__.py" else module.rsplit(".", 1)[0], modules)
+            - {module} for module, path in files.items()}
+
+
+def test_no_import_cycle_in_the_whole_package():
+    graph = whole_package_graph()
+    assert len(graph) > 50 and "longstraw.api" in graph["longstraw.plans.exact"] | graph["longstraw.trainer"]
+    assert _cycles(graph) == []
