@@ -77,7 +77,7 @@ class PromptState:
     fingerprint: str | None = None
     # Offloaded: start the next attention layer's copies when a layer reads its own (module docstring).
     prefetch: bool | None = None  # None: on when `device` is a GPU (`_prefetch_by_default`)
-    _ahead: dict[int, _Prefetched] = field(default_factory=dict, repr=False, compare=False)
+    _ahead: _Prefetched | None = field(default=None, repr=False, compare=False)  # at most one layer ahead
     _last_read: int | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -119,18 +119,19 @@ class PromptState:
 
     def attention_chunks(self, layer: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
         """(start position, key part, value part) of every kept chunk of an attention layer."""
-        ahead = self._ahead.pop(layer, None)
+        ahead, self._ahead = self._ahead, None
         # A copy made under another grad mode would cut (or add) the path to the leaves: made again then.
-        chunks = ahead.take() if ahead is not None and ahead.grad == torch.is_grad_enabled() else None
-        if chunks is None:
+        if ahead is not None and ahead.layer == layer and ahead.grad == torch.is_grad_enabled():
+            chunks = ahead.take()
+        else:
             chunks = self._copy_chunks(layer)
+        del ahead  # a stale prefetch (another layer or grad mode) is freed before the next one starts
         if self.prefetch and self.device is not None:
             step = -1 if self._last_read is not None and layer < self._last_read else 1
             following = next((i for i in range(layer + step, self.num_layers if step > 0 else -1, step)
                               if any(k is not None for k in self.parts["key"][i])), None)
-            self._ahead.clear()  # at most one layer held ahead
             if following is not None:
-                self._ahead[following] = _Prefetched.start(self, following)
+                self._ahead = _Prefetched.start(self, following)
         self._last_read = layer
         return chunks
 
@@ -280,6 +281,7 @@ class _Prefetched:
     made on a side stream; `take` makes the reading stream wait for them and tells the allocator they are used
     there (`record_stream`), so their memory is not reused while that stream still reads them."""
 
+    layer: int
     chunks: list[tuple[int, torch.Tensor, torch.Tensor]]
     grad: bool  # the grad mode they were made under
     event: torch.cuda.Event | None = None
@@ -288,7 +290,7 @@ class _Prefetched:
     def start(state: PromptState, layer: int) -> _Prefetched:
         device = state.device
         if device is None or device.type != "cuda":
-            return _Prefetched(state._copy_chunks(layer), torch.is_grad_enabled())
+            return _Prefetched(layer, state._copy_chunks(layer), torch.is_grad_enabled())
         current = torch.cuda.current_stream(device)
         side = _side_stream(device)
         side.wait_stream(current)  # ordered after what this stream already queued (the pinned host sources)
@@ -296,7 +298,7 @@ class _Prefetched:
             chunks = state._copy_chunks(layer)
             event = torch.cuda.Event()
             event.record(side)
-        return _Prefetched(chunks, torch.is_grad_enabled(), event)
+        return _Prefetched(layer, chunks, torch.is_grad_enabled(), event)
 
     def take(self) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
         if self.event is not None and self.chunks:
