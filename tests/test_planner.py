@@ -408,10 +408,12 @@ def test_planner_against_recorded_measurements(name):
             chunk_size=entry.get("chunk_size", config.get("chunk_size", 2048)),
             micro_batch=entry.get("micro_batch", config.get("micro_batch", 1)), device="cpu", optimizer="none",
             checkpoint_layers=entry.get("checkpoint", "none") == "layers",
-            offload_state=bool(stats.get("offload_state", False)))
+            offload_state=bool(stats.get("offload_state", False)),
+            keep_prompt_graph=int(stats.get("keep_prompt_graph", 0)))
         predicted = estimate(spec, inp, entry["mode"]).step_bytes
         rows.append((f"{entry['mode']} P={inp.prompt_tokens} G={inp.group_size} k={inp.micro_batch} "
-                     f"chunk={inp.chunk_size} ckpt={inp.checkpoint_layers} offload={inp.offload_state}",
+                     f"chunk={inp.chunk_size} ckpt={inp.checkpoint_layers} offload={inp.offload_state} "
+                     f"keep={inp.keep_prompt_graph}",
                      entry["peak_bytes"], predicted))
     assert rows, f"{name}: no measured configuration"
     report = "\n".join(f"{c}: measured {m / 2**20:.1f} MiB, predicted {p / 2**20:.1f} MiB ({100 * (p / m - 1):+.1f}%)"

@@ -125,6 +125,7 @@ def backward_group(
     context_parallel=None,
     checkpoint: str = "none",
     offload_state: bool = False,
+    keep_prompt_graph: int = 0,
     temperature: float = 1.0,
     allow_train_mode: bool = False,
     mode: str | None = None,
@@ -144,6 +145,10 @@ def backward_group(
     micro-batches, the exact plan's prompt-backward chunks, the standard plans' sequences; `checkpointing.py`).
     offload_state: keep the prompt state (and the exact plan's state gradient) in host memory and copy one layer's
     part at a time to the device where it is read (detach/exact; saves device memory with checkpoint="layers").
+    keep_prompt_graph: exact plan, when it captures the prompt itself (no prompt_state): the last N capture chunks
+    run with grad and keep their graph until the prompt backward, which then skips their recompute (one prompt
+    forward fewer per kept chunk, for their activations held through the replays; N >= the number of chunks keeps
+    them all; 0, the default, recomputes every chunk: the lowest peak). `longstraw plan` forecasts its memory.
     temperature: score log-probs of logits / temperature (the sampling temperature; TRL scores at it), in every plan.
     allow_train_mode: accept a model in train() mode when its train and eval forwards compute the same numbers (no
     dropout with p > 0, no attention dropout: `models.active_dropout`); the call runs it in eval() and restores each
@@ -164,11 +169,12 @@ def backward_group(
     modes = eval_mode_when_equal(model) if in_train else nullcontext()
     with modes:
         return _backward_group(model, group, plan, loss, chunk_size, micro_batch, token_chunk, prompt_state,
-                               context_parallel, checkpoint, offload_state, float(temperature), loss_options)
+                               context_parallel, checkpoint, offload_state, keep_prompt_graph, float(temperature),
+                               loss_options)
 
 
 def _backward_group(model, group, plan, loss, chunk_size, micro_batch, token_chunk, prompt_state, context_parallel,
-                    checkpoint, offload_state, temperature, loss_options) -> GroupResult:
+                    checkpoint, offload_state, keep_prompt_graph, temperature, loss_options) -> GroupResult:
     try:
         cfg = make_loss_config(loss, **loss_options)
     except TypeError as err:
@@ -204,6 +210,18 @@ def _backward_group(model, group, plan, loss, chunk_size, micro_batch, token_chu
     if offload_state and plan not in ("detach", "exact"):
         raise ValueError(f"offload_state moves the prompt state to host memory: the {plan} plan has none; use "
                          "plan detach or exact")
+    if isinstance(keep_prompt_graph, bool) or not isinstance(keep_prompt_graph, int) or keep_prompt_graph < 0:
+        raise ValueError(f"keep_prompt_graph must be an integer >= 0 (capture chunks whose graph is kept), got "
+                         f"{keep_prompt_graph!r}")
+    if keep_prompt_graph and plan != "exact":
+        raise ValueError(f"keep_prompt_graph keeps capture graphs for the exact plan's prompt backward; the {plan} "
+                         "plan has none: pass keep_prompt_graph=0 or plan='exact'")
+    if keep_prompt_graph and prompt_state is not None:
+        raise ValueError("keep_prompt_graph keeps the graph of a capture backward_group runs itself, and a "
+                         "prompt_state was passed (captured without one; its capture is already paid for): pass one or "
+                         "the other")
+    if keep_prompt_graph and context_parallel is not None:
+        raise ValueError("keep_prompt_graph is not supported with context parallelism yet: pass keep_prompt_graph=0")
     if plan == "exact" and prompt_state is not None and not prompt_state.keep_boundaries:
         raise ValueError("the exact plan needs a prompt_state captured with keep_boundaries=True (the recurrent "
                          "state at every chunk boundary); pass one, or none")
@@ -214,7 +232,7 @@ def _backward_group(model, group, plan, loss, chunk_size, micro_batch, token_chu
     _check_ranges(group, dtype)
     stats: dict[str, float | int | str] = {"mode": plan, "prompt_tokens": group.prompt.numel(),
                                            "group_size": group.size, "checkpoint": checkpoint,
-                                           "offload_state": offload_state}
+                                           "offload_state": offload_state, "keep_prompt_graph": keep_prompt_graph}
     if cfg.beta == 0 and not bool((group.advantages != 0).any()):
         # Every loss here is A times a function of the ratio (per token, or per sequence for gspo), plus the KL
         # term only when beta > 0: with every A = 0 the gradient is exactly zero, so the passes would add zeros.
@@ -249,7 +267,8 @@ def _backward_group(model, group, plan, loss, chunk_size, micro_batch, token_chu
     try:
         with checkpointed_layers(model, enabled=checkpoint == "layers"):
             total, logprobs = _run_plan(model, plan, prompt, responses, loss_fn, chunk_size, micro_batch,
-                                        token_chunk, prompt_state, context_parallel, offload_state, temperature, stats)
+                                        token_chunk, prompt_state, context_parallel, offload_state, keep_prompt_graph,
+                                        temperature, stats)
     except FloatingPointError as err:
         # A micro-batch refused before its backward; earlier micro-batches of this group did run theirs. Gradients
         # that did not exist before the call are dropped again; existing ones cannot be restored without a copy.
@@ -266,7 +285,8 @@ def _backward_group(model, group, plan, loss, chunk_size, micro_batch, token_chu
 
 
 def _run_plan(model, plan, prompt, responses, loss_fn, chunk_size, micro_batch, token_chunk, prompt_state,
-              context_parallel, offload_state, temperature, stats) -> tuple[float, list[torch.Tensor]]:
+              context_parallel, offload_state, keep_prompt_graph, temperature,
+              stats) -> tuple[float, list[torch.Tensor]]:
     """The plan itself, phase by phase, with phase times and the state's size put in `stats`."""
     t0 = time.perf_counter()
     if plan in ("standard", "standard_batched"):
@@ -276,14 +296,16 @@ def _run_plan(model, plan, prompt, responses, loss_fn, chunk_size, micro_batch, 
         return total, logprobs
     # The last prompt token is replayed with each response, so only prompt[:-1] is captured.
     state = prompt_state
-    if state is None:
+    if state is None:  # the exact plan's state is captured as leaves (and, if asked, with its last chunks' graphs)
         state = capture_prompt(model, prompt[:-1], chunk_size, keep_boundaries=plan == "exact",
-                               cp=context_parallel, offload=offload_state)
-    elif offload_state:
-        state = state.offload(prompt.device)
+                               cp=context_parallel, offload=offload_state, leaves=plan == "exact",
+                               keep_graph=keep_prompt_graph)
+    else:
+        if offload_state:
+            state = state.offload(prompt.device)
+        if plan == "exact":
+            state = state.as_leaves()
     t1 = time.perf_counter()
-    if plan == "exact":
-        state = state.as_leaves()
     total, logprobs = replay_responses(model, prompt, state, responses, loss_fn, micro_batch, token_chunk,
                                        temperature)
     t2 = time.perf_counter()

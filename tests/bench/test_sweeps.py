@@ -61,11 +61,13 @@ def test_every_benchmark_smoke_runs(tmp_path, capsys):
 
     pareto = docs["pareto"]
     grid = pareto_grid(PARETO_SMOKE)
-    assert [(r["mode"], r["micro_batch"], r["chunk_size"], r["checkpoint"], r["offload_state"])
-            for r in pareto["results"]] == grid
+    assert [(r["mode"], r["micro_batch"], r["chunk_size"], r["checkpoint"], r["offload_state"],
+             r["keep_prompt_graph"]) for r in pareto["results"]] == grid
     # The smoke pulls every lever: both checkpoint settings and an offloaded exact configuration.
     assert {r["checkpoint"] for r in pareto["results"]} == {"none", "layers"}
     assert any(r["offload_state"] and r["mode"] == "exact" for r in pareto["results"])
+    kept = [r for r in pareto["results"] if r["keep_prompt_graph"]]
+    assert [r["mode"] for r in kept] == ["exact"] and kept[0]["stats"]["keep_prompt_graph"] == 2
     for mode in PARETO_SMOKE.plans:
         assert any(r["pareto"] for r in pareto["results"] if r["mode"] == mode), mode
     assert all(isinstance(r["pareto_all"], bool) for r in pareto["results"])
@@ -73,7 +75,7 @@ def test_every_benchmark_smoke_runs(tmp_path, capsys):
         (k, c) for k in PARETO_SMOKE.micro_batches for c in PARETO_SMOKE.chunk_sizes}
     costs = pareto["lever_costs"]
     assert set(costs["detach"]) == {"checkpoint"}
-    assert set(costs["exact"]) == {"checkpoint", "offload", "checkpoint+offload"}
+    assert set(costs["exact"]) == {"checkpoint", "offload", "checkpoint+offload", "keep"}
     for mode, levers in costs.items():
         for lever, cost in levers.items():
             assert cost["pairs"] >= 1, (mode, lever)
@@ -97,12 +99,16 @@ def test_pareto_grid_offloads_only_plans_with_a_prompt_state():
     cfg = ParetoBenchConfig(plans=("standard", "exact"), micro_batches=(1,), chunk_sizes=(32,))
     grid = pareto_grid(cfg)
     assert len(grid) == 2 * 2 + 2  # standard: 2 checkpoint settings; exact: 2 x 2 with offloading
-    assert not any(off for mode, *_, off in grid if mode == "standard")
-    assert {(ck, off) for mode, _, _, ck, off in grid if mode == "exact"} == {
+    assert not any(off for mode, *_, off, _ in grid if mode == "standard")
+    assert {(ck, off) for mode, _, _, ck, off, _ in grid if mode == "exact"} == {
         ("none", False), ("layers", False), ("none", True), ("layers", True)}
     # extra configurations come after the grid, without repeating one of it
     extra = (("exact", 1, 32, "none", True), ("exact", 2, 32, "none", True))
-    assert pareto_grid(replace(cfg, extra=extra)) == grid + [("exact", 2, 32, "none", True)]
+    assert pareto_grid(replace(cfg, extra=extra)) == grid + [("exact", 2, 32, "none", True, 0)]
+    # kept capture graphs: a grid of their own for exact only
+    keeps = pareto_grid(replace(cfg, keeps=(0, 2)))
+    assert {keep for mode, *_, keep in keeps if mode == "exact"} == {0, 2}
+    assert {keep for mode, *_, keep in keeps if mode != "exact"} == {0}
 
 
 def test_lever_costs_are_medians_at_equal_micro_batch_and_chunk():
@@ -143,16 +149,18 @@ def test_pareto_lever_options():
     cfg = config_from_args(_pareto_args(["--checkpoint", "layers", "--offload", "yes", "no", "yes"]), _fail)
     assert cfg.checkpoints == ("layers",) and cfg.offloads == (True, False)
     cfg = config_from_args(_pareto_args(["--checkpoint", "none", "--offload", "no"]), _fail)
-    assert {(ck, off) for _, _, _, ck, off in pareto_grid(cfg)} == {("none", False)}
+    assert {(ck, off) for _, _, _, ck, off, _ in pareto_grid(cfg)} == {("none", False)}
     # the smoke profile keeps its offloaded exact configurations only where they fit the grid asked for
     smoke = config_from_args(_pareto_args(["--smoke"]), _fail)
     assert smoke.extra == PARETO_SMOKE.extra and smoke.checkpoints == ("none", "layers")
     # --modes: the older name of --plans, still accepted
     assert config_from_args(_pareto_args(["--smoke", "--modes", "detach"]), _fail).extra == ()
     assert config_from_args(_pareto_args(["--smoke", "--checkpoint", "none"]), _fail).extra == (
-        ("exact", 1, 32, "none", True),)
+        ("exact", 1, 32, "none", True), ("exact", 1, 32, "none", False, 2))
     only = config_from_args(_pareto_args(["--smoke", "--offload", "no"]), _fail)
-    assert only.extra == () and not any(off for *_, off in pareto_grid(only))
+    assert only.extra == () and not any(off for *_, off, _ in pareto_grid(only))
+    keeps = config_from_args(_pareto_args(["--keep-prompt-graph", "0", "2", "--plans", "exact"]), _fail)
+    assert keeps.keeps == (0, 2) and {keep for *_, keep in pareto_grid(keeps)} == {0, 2}
 
 
 def test_architectures_come_from_b1_presets(capsys):

@@ -14,6 +14,7 @@ computes the rotary angles in float32, so ragged prompts agree to ~1e-9 in float
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -180,6 +181,13 @@ def test_qwen3_plain_grpo_config_no_checkpointing(tmp_path, model_dirs, float64_
              gradient_checkpointing=False)
 
 
+def test_kept_prompt_graphs_equal_trl(tmp_path, model_dirs, float64_trl_kernel):
+    """longstraw_keep_prompt_graph: the capture's last two chunks (of 4 prompt tokens) keep their graph instead of
+    being recomputed in the prompt backward: still TRL's gradient."""
+    ours = functools.partial(LongStrawGRPOConfig, longstraw_chunk_size=4, longstraw_keep_prompt_graph=2)
+    _compare(tmp_path, model_dirs, 1e-12, ours=ours, loss_type="grpo", beta=0.04)
+
+
 def test_ragged_prompts(tmp_path, model_dirs, float64_trl_kernel):
     """Prompts of different lengths: TRL's left padding shifts their positions (see the module docstring)."""
     _compare(tmp_path, model_dirs, 1e-8, prompts=RAGGED, loss_type="grpo", beta=0.04)
@@ -252,6 +260,10 @@ def test_refuses_several_reasons_at_once_and_model_level_ones(tmp_path, model_di
         build(dropout, disable_dropout=True)  # TRL's disable_dropout zeroes nn.Dropout modules only
     with pytest.raises(ValueError, match="longstraw_plan must be one of"):
         _config(tmp_path, longstraw_plan="fast")
+    with pytest.raises(ValueError, match="longstraw_keep_prompt_graph must be an integer >= 0"):
+        _config(tmp_path, longstraw_keep_prompt_graph=-1)
+    with pytest.raises(ValueError, match="applies to the exact plan"):
+        _config(tmp_path, longstraw_plan="detach", longstraw_keep_prompt_graph=1)
 
 
 def test_importing_longstraw_does_not_import_trl():

@@ -68,6 +68,7 @@ class MemoryBenchConfig:
     isolate: bool = True  # a fresh worker per configuration; False (--smoke): one worker runs them all
     checkpoints: tuple[str, ...] = ("none",)  # activation checkpointing: "none" and/or "layers", side by side
     offload_state: bool = False  # detach/exact: prompt state in host memory (backward_group(offload_state=True))
+    keep_prompt_graph: int = 0  # exact: capture chunks whose graph is kept (backward_group(keep_prompt_graph=N))
     max_positions: int = 0  # > 0: override the model's max_position_embeddings (a measurement past its context)
     smoke: bool = False  # --smoke: report only that every configuration ran
 
@@ -154,6 +155,7 @@ def worker_config(config: MemoryBenchConfig, mode: str, group_size: int,
         "group_size": group_size, "mode": mode, "chunk_size": config.chunk_size,
         "micro_batch": config.micro_batch, "seed": config.seed, "checkpoint": checkpoint,
         "offload_state": config.offload_state, "max_positions": config.max_positions,
+        "keep_prompt_graph": config.keep_prompt_graph if mode == "exact" else 0,
     }
 
 
@@ -302,8 +304,9 @@ def finish_sweep(document: dict[str, Any], out: str, table: str, plot: Callable[
 
 def predictor(model: str, dtype: str, device: str = "cpu", quiet: bool = False):
     """The planner's step-memory forecast `predict(P, R, G, mode, chunk, micro_batch, checkpoint_layers=False,
-    offload_state=False)` in bytes, what a worker measures (the peak above the loaded model, no optimizer): on CPU
-    with the planner's CPU runtime allowance, on CUDA without a reserve (`max_memory_allocated` counts none).
+    offload_state=False, keep_prompt_graph=0)` in bytes, what a worker measures (the peak above the loaded model, no
+    optimizer): on CPU with the planner's CPU runtime allowance, on CUDA without a reserve (`max_memory_allocated`
+    counts none).
 
     None if the planner cannot read the model or the dtype: the bench then runs without skipping (quiet: no note)."""
     from longstraw import planner
@@ -319,10 +322,11 @@ def predictor(model: str, dtype: str, device: str = "cpu", quiet: bool = False):
         return None
 
     def predict(p: int, r: int, g: int, mode: str, chunk: int, k: int, checkpoint_layers: bool = False,
-                offload_state: bool = False) -> int:
+                offload_state: bool = False, keep_prompt_graph: int = 0) -> int:
         inp = planner.PlanInputs(prompt_tokens=p, response_tokens=r, group_size=g, dtype=dtype, chunk_size=chunk,
                                  micro_batch=k, device="cpu" if on_cpu else "cuda", reserve=None if on_cpu else 0,
-                                 optimizer="none", checkpoint_layers=checkpoint_layers, offload_state=offload_state)
+                                 optimizer="none", checkpoint_layers=checkpoint_layers, offload_state=offload_state,
+                                 keep_prompt_graph=keep_prompt_graph if mode == "exact" else 0)
         return planner.estimate(spec, inp, mode).step_bytes
 
     return predict

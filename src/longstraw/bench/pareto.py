@@ -37,9 +37,9 @@ OFFLOAD_CHOICES = {"no": False, "yes": True}
 class ParetoBenchConfig:
     """Micro-batch x chunk-size x checkpoint x offload grid for detach and exact at B1's P, R and G = 8.
 
-    offloads: True runs only for the plans with a prompt state (detach, exact); `extra` adds single
-    (mode, micro_batch, chunk_size, checkpoint, offload_state) configurations after the grid (the smoke's one
-    offloaded configuration)."""
+    offloads: True runs only for the plans with a prompt state (detach, exact); keeps > 0 only for exact; `extra`
+    adds single (mode, micro_batch, chunk_size, checkpoint, offload_state[, keep_prompt_graph]) configurations
+    after the grid (the smoke's offloaded and kept-graph configurations)."""
 
     model: str = "b1-llama"
     dtype: str = "float32"
@@ -52,7 +52,8 @@ class ParetoBenchConfig:
     chunk_sizes: tuple[int, ...] = (1024, 2048, 4096)
     checkpoints: tuple[str, ...] = ("none", "layers")
     offloads: tuple[bool, ...] = (False, True)
-    extra: tuple[tuple[str, int, int, str, bool], ...] = ()
+    keeps: tuple[int, ...] = (0,)  # exact: capture chunks whose graph is kept (backward_group(keep_prompt_graph))
+    extra: tuple[tuple, ...] = ()  # (mode, k, chunk, checkpoint, offload[, keep])
     seed: int = 0
     timeout_s: float | None = None
     malloc_mmap_threshold: int = 128 * 1024
@@ -64,7 +65,8 @@ class ParetoBenchConfig:
 # without checkpointing), so every lever runs and has a cost: 10 configurations, about as cheap as the 8 before.
 PARETO_SMOKE = ParetoBenchConfig(model="tiny-llama", prompt_tokens=64, response_tokens=8, group_size=4,
                                  micro_batches=(1, 4), chunk_sizes=(32,), offloads=(False,),
-                                 extra=(("exact", 1, 32, "none", True), ("exact", 1, 32, "layers", True)),
+                                 extra=(("exact", 1, 32, "none", True), ("exact", 1, 32, "layers", True),
+                                        ("exact", 1, 32, "none", False, 2)),
                                  isolate=False, smoke=True)
 
 
@@ -77,23 +79,29 @@ def pareto_flags(points: list[tuple[float, float]]) -> list[bool]:
     return flags
 
 
-def lever_name(checkpoint: str, offload_state: bool) -> str:
-    """`plain`, `checkpoint`, `offload` or `checkpoint+offload`: the memory levers a configuration pulls."""
-    levers = (["checkpoint"] if checkpoint != "none" else []) + (["offload"] if offload_state else [])
+def lever_name(checkpoint: str, offload_state: bool, keep: int = 0) -> str:
+    """`plain`, or the levers a configuration pulls joined by "+": `checkpoint`, `offload`, `keep` (the exact
+    plan's kept capture graphs: a lever that spends memory to save time)."""
+    levers = ((["checkpoint"] if checkpoint != "none" else []) + (["offload"] if offload_state else [])
+              + (["keep"] if keep else []))
     return "+".join(levers) or "plain"
 
 
-def lever_suffix(checkpoint: str, offload_state: bool) -> str:
-    """The short label of the levers for tables and plots: "", "+ck", "+off" or "+ck+off"."""
-    return ("+ck" if checkpoint != "none" else "") + ("+off" if offload_state else "")
+def lever_suffix(checkpoint: str, offload_state: bool, keep: int = 0) -> str:
+    """The short label of the levers for tables and plots: "", "+ck", "+off", "+keepN" and their combinations."""
+    return ("+ck" if checkpoint != "none" else "") + ("+off" if offload_state else "") + (f"+keep{keep}" if keep
+                                                                                          else "")
 
 
-def pareto_grid(cfg: ParetoBenchConfig) -> list[tuple[str, int, int, str, bool]]:
-    """(mode, micro_batch, chunk_size, checkpoint, offload_state) for every configuration of the sweep: the grid
-    (offloading only for the plans with a prompt state) and then `cfg.extra`, without repeats."""
-    grid = [(mode, k, c, ck, off) for mode in cfg.plans for off in cfg.offloads if not off or mode in OFFLOAD_PLANS
+def pareto_grid(cfg: ParetoBenchConfig) -> list[tuple[str, int, int, str, bool, int]]:
+    """(mode, micro_batch, chunk_size, checkpoint, offload_state, keep_prompt_graph) for every configuration of the
+    sweep: the grid (offloading only for the plans with a prompt state, kept graphs only for exact) and then
+    `cfg.extra`, without repeats."""
+    grid = [(mode, k, c, ck, off, keep) for mode in cfg.plans for off in cfg.offloads
+            if not off or mode in OFFLOAD_PLANS for keep in (cfg.keeps if mode == "exact" else (0,))
             for ck in cfg.checkpoints for k in cfg.micro_batches for c in cfg.chunk_sizes]
-    return list(dict.fromkeys(grid + [(m, k, c, ck, off) for m, k, c, ck, off in cfg.extra]))
+    extra = [(*x[:5], x[5] if len(x) > 5 else 0) for x in cfg.extra]
+    return list(dict.fromkeys(grid + extra))
 
 
 def _median_ratio(pairs: list[tuple[float, float]]) -> float | None:
@@ -109,10 +117,13 @@ def lever_costs(results: list[dict]) -> dict[str, dict[str, dict[str, Any]]]:
     def key(r: dict) -> tuple:
         return r["mode"], r["micro_batch"], r["chunk_size"]
 
-    plain = {key(r): r for r in ok if lever_name(r["checkpoint"], r["offload_state"]) == "plain"}
+    def levers(r: dict) -> str:
+        return lever_name(r["checkpoint"], r["offload_state"], r.get("keep_prompt_graph", 0))
+
+    plain = {key(r): r for r in ok if levers(r) == "plain"}
     pairs: dict[str, dict[str, list[tuple[dict, dict]]]] = {}
     for r in ok:
-        lever = lever_name(r["checkpoint"], r["offload_state"])
+        lever = levers(r)
         if lever != "plain" and key(r) in plain:
             pairs.setdefault(r["mode"], {}).setdefault(lever, []).append((r, plain[key(r)]))
     return {mode: {lever: {
@@ -147,13 +158,13 @@ def run_pareto_bench(cfg: ParetoBenchConfig, out: str) -> dict[str, Any]:
           f"{len(grid)} configurations", file=sys.stderr)
     batches = [[x] for x in grid] if cfg.isolate else [grid]
     for batch in batches:
-        jobs = [(replace(job_config(cfg, cfg.model, cfg.prompt_tokens, c, k), offload_state=off), mode,
-                 cfg.group_size, ck) for mode, k, c, ck, off in batch]
-        for (_, k, c, ck, off), entry in zip(batch, run_batch(jobs, isolate=cfg.isolate)):
-            entry.update(micro_batch=k, chunk_size=c, checkpoint=ck, offload_state=off,
+        jobs = [(replace(job_config(cfg, cfg.model, cfg.prompt_tokens, c, k), offload_state=off,
+                         keep_prompt_graph=keep), mode, cfg.group_size, ck) for mode, k, c, ck, off, keep in batch]
+        for (_, k, c, ck, off, keep), entry in zip(batch, run_batch(jobs, isolate=cfg.isolate)):
+            entry.update(micro_batch=k, chunk_size=c, checkpoint=ck, offload_state=off, keep_prompt_graph=keep,
                          prompt_tokens=cfg.prompt_tokens)
             results.append(entry)
-            print_progress(len(results), entry, f"k={k} chunk={c}{lever_suffix(ck, off)}")
+            print_progress(len(results), entry, f"k={k} chunk={c}{lever_suffix(ck, off, keep)}")
         write_json(out + ".tmp", document)
     ok = [r for r in results if r["status"] == "ok"]
     for r, flag in zip(ok, pareto_flags([(r["peak_bytes"], r["time_s"]) for r in ok])):
@@ -167,10 +178,11 @@ def run_pareto_bench(cfg: ParetoBenchConfig, out: str) -> dict[str, Any]:
         document.setdefault("notes", []).append(
             "on CPU the offloaded prompt state stays in the same (host) memory: the offload lever's peak shows "
             "its copies, not the device memory it saves on a GPU")
-    lines = [f"{'plan':<8} {'k':>3} {'chunk':>6} {'ckpt':>6} {'offload':>7} {'peak MiB':>10} {'time s':>8}  front"]
+    lines = [f"{'plan':<8} {'k':>3} {'chunk':>6} {'ckpt':>6} {'offload':>7} {'keep':>4} {'peak MiB':>10} "
+             f"{'time s':>8}  front"]
     for r in results:
         head = (f"{r['mode']:<8} {r['micro_batch']:>3} {r['chunk_size']:>6} {r['checkpoint']:>6} "
-                f"{'yes' if r['offload_state'] else 'no':>7}")
+                f"{'yes' if r['offload_state'] else 'no':>7} {r['keep_prompt_graph']:>4}")
         if r["status"] != "ok":
             lines.append(f"{head}  FAILED: {r['error']}")
             continue

@@ -60,12 +60,14 @@ def plot_prompt(document: dict, path: str) -> str | None:
 
 
 # Marker per lever combination in the pareto plot (suffix of the point labels: +ck, +off).
-_LEVER_MARKERS = {"": "o", "+ck": "^", "+off": "s", "+ck+off": "D"}
+_LEVER_MARKERS = {"": "o", "+ck": "^", "+off": "s", "+ck+off": "D", "+keep": "*", "+ck+keep": "P", "+off+keep": "X",
+                  "+ck+off+keep": "h"}
 
 
 def _lever(r: dict) -> str:
     """"", "+ck", "+off" or "+ck+off": the memory levers of a result (older files have neither key)."""
-    return ("+ck" if r.get("checkpoint", "none") != "none" else "") + ("+off" if r.get("offload_state") else "")
+    return (("+ck" if r.get("checkpoint", "none") != "none" else "") + ("+off" if r.get("offload_state") else "")
+            + ("+keep" if r.get("keep_prompt_graph") else ""))
 
 
 def plot_pareto(document: dict, path: str) -> str | None:

@@ -44,7 +44,7 @@ from longstraw.bench.common import (
 from longstraw.bench.memory import compute_ratios, format_ratios, format_table
 from longstraw.bench.pareto import OFFLOAD_CHOICES, PARETO_SMOKE, ParetoBenchConfig, run_pareto_bench
 from longstraw.choices import CHECKPOINT_CHOICES, DTYPES, PLANS, PLANS_BASELINE_FIRST
-from longstraw.planner import positive_int
+from longstraw.planner import non_negative_int, positive_int
 
 # ---------------------------------------------------------------- configs
 
@@ -296,6 +296,9 @@ def add_pareto_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prompt state offloaded to host memory (backward_group(offload_state=True)), each "
                              "setting a grid of its own: no, yes or both (default no yes); yes runs for detach and "
                              "exact only")
+    parser.add_argument("--keep-prompt-graph", type=non_negative_int, nargs="+", metavar="N", dest="keeps",
+                        help="exact only: capture chunks whose graph is kept for the prompt backward "
+                             "(backward_group(keep_prompt_graph=N)), each a grid of its own (default 0)")
 
 
 def add_arch_arguments(parser: argparse.ArgumentParser) -> None:
@@ -352,14 +355,14 @@ def config_from_args(args: argparse.Namespace, fail: Callable[[str], NoReturn]):
         cfg = PARETO_SMOKE if args.smoke else ParetoBenchConfig()
         names = {**_COMMON, "model": "model", "prompt_tokens": "prompt_tokens", "response_tokens": "response_tokens",
                  "group_size": "group_size", "plans": "plans", "micro_batches": "micro_batches",
-                 "chunk_sizes": "chunk_sizes", "checkpoint": "checkpoints"}
+                 "chunk_sizes": "chunk_sizes", "checkpoint": "checkpoints", "keeps": "keeps"}
         over = _overrides(args, names)
         if getattr(args, "offload", None):
             over["offloads"] = tuple(dict.fromkeys(OFFLOAD_CHOICES[w] for w in args.offload))
         cfg = replace(cfg, **over)
         # The profile's extra configurations stay only where they fit the grid asked for (and --offload decides
         # the offloading on its own).
-        cfg = replace(cfg, extra=() if "offloads" in over else tuple(
+        cfg = replace(cfg, extra=() if "offloads" in over or "keeps" in over else tuple(
             x for x in cfg.extra if x[0] in cfg.plans and x[1] in cfg.micro_batches and x[2] in cfg.chunk_sizes
             and x[3] in cfg.checkpoints))
         if cfg.prompt_tokens < 2:

@@ -80,6 +80,7 @@ def run_config(config: dict[str, Any]) -> dict[str, Any]:
         model, group, plan=str(config["mode"]), chunk_size=int(config["chunk_size"]),
         micro_batch=int(config["micro_batch"]), checkpoint=str(config["checkpoint"]),
         offload_state=bool(config.get("offload_state", False)) and config["mode"] in ("detach", "exact"),
+        keep_prompt_graph=int(config.get("keep_prompt_graph", 0)) if config["mode"] == "exact" else 0,
     )
     if on_cuda:
         torch.cuda.synchronize(device)

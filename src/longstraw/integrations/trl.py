@@ -71,6 +71,9 @@ class LongStrawGRPOConfig(GRPOConfig):
     )
     longstraw_offload_state: bool = field(
         default=False, metadata={"help": "Keep the prompt state in host memory (detach/exact)."})
+    longstraw_keep_prompt_graph: int = field(
+        default=0, metadata={"help": "exact: keep the last N capture chunks' graphs instead of recomputing them in "
+                                     "the prompt backward (faster; their activations held through the replays)."})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -80,6 +83,12 @@ class LongStrawGRPOConfig(GRPOConfig):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        keep = self.longstraw_keep_prompt_graph
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
+            raise ValueError(f"longstraw_keep_prompt_graph must be an integer >= 0, got {keep!r}")
+        if keep and self.longstraw_plan != "exact":
+            raise ValueError(f"longstraw_keep_prompt_graph applies to the exact plan, not {self.longstraw_plan!r}: "
+                             "set it to 0")
         if self.longstraw_checkpoint is not None and self.longstraw_checkpoint not in CHECKPOINT_CHOICES:
             raise ValueError(f"longstraw_checkpoint must be None or one of {', '.join(CHECKPOINT_CHOICES)}, got "
                              f"{self.longstraw_checkpoint!r}")
@@ -92,7 +101,8 @@ def _settings(args: GRPOConfig) -> dict[str, Any]:
         checkpoint = "layers" if args.gradient_checkpointing else "none"
     return dict(mode=getattr(args, "longstraw_plan", "exact"), chunk_size=getattr(args, "longstraw_chunk_size", 2048),
                 micro_batch=getattr(args, "longstraw_micro_batch", 1), checkpoint=checkpoint,
-                offload_state=getattr(args, "longstraw_offload_state", False))
+                offload_state=getattr(args, "longstraw_offload_state", False),
+                keep_prompt_graph=getattr(args, "longstraw_keep_prompt_graph", 0))
 
 
 def _loss_kind(args: GRPOConfig) -> str:

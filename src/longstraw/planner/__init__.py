@@ -60,6 +60,7 @@ from longstraw.planner.cli import (
     add_arguments,
     format_plan,
     inputs_from_args,
+    non_negative_int,
     parse_size,
     positive_int,
     run_from_args,
@@ -129,5 +130,6 @@ __all__ = [
     "CPU_RUNTIME_BYTES", "DEFAULT_CUDA_RESERVE", "DSA_SCORE_ROWS", "DTYPE_BYTES", "GIB", "MIB", "PLANS",
     "PlanEstimate", "PlanInputs", "estimate", "largest_prompt", "plan_all",
     # cli
-    "add_arguments", "format_plan", "inputs_from_args", "parse_size", "positive_int", "run_from_args",
+    "add_arguments", "format_plan", "inputs_from_args", "parse_size", "non_negative_int", "positive_int",
+    "run_from_args",
 ]

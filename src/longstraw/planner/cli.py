@@ -60,6 +60,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--offload-state", action="store_true",
                         help="prompt state and its gradient in host memory, one layer's part on the GPU at a time "
                              "(backward_group(offload_state=True)); saves GPU memory with --checkpoint-layers")
+    parser.add_argument("--keep-prompt-graph", type=non_negative_int, default=0, metavar="N",
+                        help="exact: keep the last N capture chunks' graphs for the prompt backward instead of "
+                             "recomputing them (backward_group(keep_prompt_graph=N)): faster, their activations "
+                             "held through the replays")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
 
@@ -76,6 +80,19 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def inputs_from_args(args) -> PlanInputs:
     """PlanInputs from parsed options; raises ValueError on a bad size or combination."""
     if args.prompt_tokens < 2:
@@ -88,7 +105,7 @@ def inputs_from_args(args) -> PlanInputs:
         shard=not args.no_shard, micro_batch=args.micro_batch, chunk_size=args.chunk_size,
         token_chunk=args.token_chunk, optimizer=args.optimizer, device=args.device,
         reserve=parse_size(args.reserve) if args.reserve else None, checkpoint_layers=args.checkpoint_layers,
-        offload_state=args.offload_state,
+        offload_state=args.offload_state, keep_prompt_graph=args.keep_prompt_graph,
     )
 
 
@@ -117,7 +134,9 @@ def format_plan(document: dict[str, Any]) -> str:
         f"{'FSDP/ZeRO-3' if inp['shard'] and inp['gpus'] > 1 else 'no sharding'}, micro-batch "
         f"{inp['micro_batch']}, chunk {inp['chunk_size']}"
         + (", per-layer activation checkpointing" if inp["checkpoint_layers"] else "")
-        + (", prompt state offloaded to host memory" if inp.get("offload_state") else ""),
+        + (", prompt state offloaded to host memory" if inp.get("offload_state") else "")
+        + (f", exact keeps the last {inp['keep_prompt_graph']} capture graph(s)" if inp.get("keep_prompt_graph")
+           else ""),
         head, "-" * len(head),
     ]
     for key in rows:

@@ -59,6 +59,7 @@ class PlanInputs:
     reserve: int | None = None
     checkpoint_layers: bool = False  # per-layer activation checkpointing (backward_group(checkpoint="layers"))
     offload_state: bool = False  # prompt state + its gradient in host memory (backward_group(offload_state=True))
+    keep_prompt_graph: int = 0  # exact: trailing capture chunks whose graph is kept (backward_group(keep_prompt_graph))
 
 
 @dataclass
@@ -82,6 +83,14 @@ def _bytes_of(dtype: str) -> int:
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPE_BYTES)}")
     return DTYPE_BYTES[dtype]
+
+
+def _trailing_tokens(positions: int, chunk: int, n: int) -> int:
+    """Tokens in the last n capture chunks of `positions` (the last chunk holds the remainder)."""
+    if n <= 0:
+        return 0
+    last = positions - (math.ceil(positions / chunk) - 1) * chunk
+    return min(positions, last + (n - 1) * chunk)
 
 
 def estimate(spec: ModelSpec, inp: PlanInputs, plan: str) -> PlanEstimate:
@@ -178,12 +187,28 @@ def estimate(spec: ModelSpec, inp: PlanInputs, plan: str) -> PlanEstimate:
                           else chunk_activation_bytes(spec, b, a, kernel, chunk)
                           + max((x.backward for x in recurrent), default=0))
             # backward transient of one layer (gradients of its MLP input/intermediate), measured ~ (I + d)·b
+            backward_transient = 0
             if not inp.checkpoint_layers:  # (with checkpointing the layer's backward buffers are counted above)
-                chunk_acts += chunk * (spec.intermediate + d) * b
+                backward_transient = chunk * (spec.intermediate + d) * b
+                chunk_acts += backward_transient
             attending = masked_layers(spec) - (spec.mixers[-1] in ("sliding", "mla", "dsa"))
             chunk_acts += masked_score_bytes(spec, a, chunk, chunk if p - 1 > inp.chunk_size else 0, 1,
                                              inp.checkpoint_layers, attending)
-            phases["prompt_backward"] = resident + grads + state + state_grad + chunk_acts
+            # Kept capture graphs: the last N chunks' saved activations, from their capture until their backward
+            # (the first ones the prompt backward reaches): the capture and the replays hold them all, and the
+            # backward of the last chunk runs with all of them alive and its own transient on top.
+            # A kept chunk holds what its forward saved: every layer's activations, or with checkpointing every
+            # layer's input (L·d·b per token); its backward adds the rest of `chunk_acts` on top.
+            saved = (chunk * spec.num_layers * d * b if inp.checkpoint_layers else chunk_acts - backward_transient)
+            kept_tokens = _trailing_tokens(p - 1, inp.chunk_size, inp.keep_prompt_graph)
+            kept = math.ceil(saved * kept_tokens / chunk)
+            if kept:
+                phases["capture"] += kept
+                phases["replay"] += kept
+                comp["kept_prompt_graphs"] = kept
+            recompute = chunk_acts if kept_tokens < p - 1 else 0
+            first = kept + chunk_acts - saved if kept else 0  # the last chunk's backward, every kept graph alive
+            phases["prompt_backward"] = resident + grads + state + state_grad + max(recompute, first)
             comp["prompt_backward_chunk"] = chunk_acts
         prompt_state = state
     else:

@@ -8,6 +8,10 @@ chunk c produced — its K/V slice and its end-of-chunk recurrent/conv state —
 accumulated so far: parameters receive the prompt's share of the gradient, and the state before chunk c
 receives its share, ready for the next iteration. Peak: one chunk's activations + one copy of the state's
 gradient.
+
+Kept graphs (`backward_group(keep_prompt_graph=N)`): the capture ran the last N chunks with grad from the leaves
+and kept their graphs (`PromptState.graphs`); for those chunks the backward goes through the kept graph instead of
+a recompute: one prompt forward fewer per kept chunk, for those chunks' activations held from the capture on.
 """
 
 from __future__ import annotations
@@ -30,12 +34,16 @@ def prompt_backward(model: torch.nn.Module, ids: torch.Tensor, leaves: PromptSta
         produced = leaves.chunk_outputs(j)
         # An offloaded state's gradients live beside it in host memory: bring chunk j's to the compute device.
         upstream = [None if t is None or t.grad is None else leaves.fetch(t.grad) for t in produced]
+        kept = leaves.graphs.pop(j, None)  # the capture's own graph of chunk j, if it was kept
         if cp is None and all(g is None for g in upstream):
             continue  # (under context parallelism every rank recomputes every chunk: collectives run in step)
         collect: Collected = {}
-        with torch.enable_grad():
-            run_segment(model, ids[start:end].unsqueeze(0), start, leaves.prefix(j), collect, kv_only=True)
-        recomputed = PromptState.outputs_of(collect, leaves.num_layers)
+        if kept is not None:
+            recomputed = kept
+        else:
+            with torch.enable_grad():
+                run_segment(model, ids[start:end].unsqueeze(0), start, leaves.prefix(j), collect, kv_only=True)
+            recomputed = PromptState.outputs_of(collect, leaves.num_layers)
         if cp is not None:
             upstream = _owner_gradients(cp, j, leaves.num_chunks, upstream, recomputed)
         pairs = [(out, g) for out, g in zip(recomputed, upstream) if g is not None and out is not None]
@@ -43,7 +51,7 @@ def prompt_backward(model: torch.nn.Module, ids: torch.Tensor, leaves: PromptSta
         for t in produced:
             if t is not None:
                 t.grad = None  # consumed: free this chunk's state gradient
-        del collect, recomputed, pairs  # and this chunk's recompute, before the next one runs
+        del collect, recomputed, pairs, kept  # and this chunk's recompute (or kept graph), before the next one runs
 
 
 def _owner_gradients(cp: ContextShards, j: int, num_chunks: int, upstream: list, recomputed: list) -> list:

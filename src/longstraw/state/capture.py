@@ -22,7 +22,7 @@ def chunk_bounds(length: int, chunk_size: int) -> list[tuple[int, int]]:
 
 def capture_prompt(model: torch.nn.Module, ids: torch.Tensor, chunk_size: int,
                    keep_boundaries: bool = True, cp: ContextShards | None = None,
-                   offload: bool = False) -> PromptState:
+                   offload: bool = False, leaves: bool = False, keep_graph: int = 0) -> PromptState:
     """The state of every layer for `ids` (N,), computed chunk by chunk under no_grad.
 
     Chunk c continues from the state of the chunks before it, so peak activation memory is one chunk's,
@@ -31,20 +31,31 @@ def capture_prompt(model: torch.nn.Module, ids: torch.Tensor, chunk_size: int,
     sliding-window layers drop K/V outside their window. cp (`state.sharding.ContextShards`): every rank
     runs every chunk, and keeps the attention parts of its own contiguous slice of chunks only. offload: keep the
     state in host memory, read on the model's device (`PromptState.device`).
+
+    leaves (the exact plan): store every part as a leaf that requires grad (`PromptState.as_leaves`) as it is
+    captured, so that later chunks read leaves. keep_graph (needs leaves): the last `keep_graph` chunks run with
+    grad and their autograd graph is kept in `state.graphs[j]` (the parts chunk j produced, in `chunk_outputs`
+    order, before they were stored as leaves): the exact plan's prompt backward then backpropagates through it
+    instead of recomputing chunk j's forward. Costs those chunks' activations from here until their backward.
     """
+    if keep_graph and not leaves:
+        raise ValueError("keep_graph keeps the graph from the state's leaves: capture with leaves=True")
     device = hf(model).get_input_embeddings().weight.device if offload else None
     state = PromptState(num_layers=hf(model).config.num_hidden_layers, keep_boundaries=keep_boundaries, cp=cp,
                         device=device, fingerprint=prompt_fingerprint(ids))
     bounds = chunk_bounds(ids.numel(), chunk_size)
     for j, (start, end) in enumerate(bounds):
         collect: Collected = {}
-        with torch.no_grad():
+        graph = j >= len(bounds) - keep_graph
+        with torch.set_grad_enabled(graph):
             run_segment(model, ids[start:end].unsqueeze(0), start, state.fork(), collect, kv_only=True)
         for layer, parts in collect.items():
             window = parts.pop("window", None)
             if window is not None:
                 state.windows[layer] = window  # type: ignore[call-overload]  # an int riding in the tensor dict
-        state.append_chunk(start, end, collect)
+        if graph:
+            state.graphs[j] = PromptState.outputs_of(collect, state.num_layers)
+        state.append_chunk(start, end, collect, leaves=leaves)
         if cp is not None and not cp.owns(j, len(bounds)):
             state.drop_attention(j)
     return state

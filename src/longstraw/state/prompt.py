@@ -77,6 +77,9 @@ class PromptState:
     fingerprint: str | None = None
     # Offloaded: start the next attention layer's copies when a layer reads its own (module docstring).
     prefetch: bool | None = None  # None: on when `device` is a GPU (`_prefetch_by_default`)
+    # Capture chunk j's autograd graph, kept for the exact plan's prompt backward (`capture_prompt(keep_graph=)`):
+    # the parts it produced, in `chunk_outputs` order. Forks and prefixes do not carry it.
+    graphs: dict[int, list[torch.Tensor | None]] = field(default_factory=dict, repr=False, compare=False)
     _ahead: _Prefetched | None = field(default=None, repr=False, compare=False)  # at most one layer ahead
     _last_read: int | None = field(default=None, repr=False, compare=False)
 
@@ -152,8 +155,9 @@ class PromptState:
         return self.fetch(entries[-1]) if entries else None
 
     # --- building -----------------------------------------------------------------------------------------
-    def append_chunk(self, start: int, end: int, collected: Collected) -> None:
-        """Add what chunk [start, end) produced in every layer."""
+    def append_chunk(self, start: int, end: int, collected: Collected, leaves: bool = False) -> None:
+        """Add what chunk [start, end) produced in every layer; `leaves`: as leaves (`as_leaves`), detached from
+        any graph that produced them."""
         if start != self.length:
             raise RuntimeError(f"chunk starts at {start} but the state holds {self.length} positions")
         produced = [frozenset(collected.get(layer, {})) for layer in range(self.num_layers)]
@@ -166,7 +170,12 @@ class PromptState:
             raise RuntimeError(f"chunk produced state parts {produced}, expected {self.layer_parts}")
         for layer in range(self.num_layers):
             for name in PARTS:
-                self.parts[name][layer].append(self._store(collected[layer].get(name)))
+                part = collected[layer].get(name)
+                if leaves and part is not None:
+                    part = _leaf(name, self._store(part.detach()))
+                else:
+                    part = self._store(part)
+                self.parts[name][layer].append(part)
         self.bounds.append((start, end))
         if not self.keep_boundaries:
             self._drop_unneeded()
@@ -247,11 +256,7 @@ class PromptState:
 
         `detach()` shares storage, so nothing is copied. Indexer keys stay constants.
         """
-        def leaf(name: str, t: torch.Tensor | None) -> torch.Tensor | None:
-            if t is None:
-                return None
-            return t.detach().requires_grad_(name in GRAD_PARTS and t.is_floating_point())
-        return self._map(leaf)
+        return self._map(_leaf)
 
     # --- enumeration --------------------------------------------------------------------------------------
     def tensors(self) -> list[torch.Tensor]:
@@ -268,6 +273,13 @@ class PromptState:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+def _leaf(name: str, t: torch.Tensor | None) -> torch.Tensor | None:
+    """A part as a leaf: detached (no copy), requiring grad where the exact plan collects dL/dpart."""
+    if t is None:
+        return None
+    return t.detach().requires_grad_(name in GRAD_PARTS and t.is_floating_point())
 
 
 def _prefetch_by_default(device: torch.device | None) -> bool:
