@@ -6,15 +6,19 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from longstraw.bench import peers
+from longstraw.bench.common import BUSY_LOOP, busy_neighbours, worker_env
 from longstraw.bench.peers import (
     SHAPES,
     Configuration,
+    combine_runs,
     configurations,
     format_table,
     run_peer,
@@ -64,6 +68,12 @@ def test_smoke_run_writes_every_configuration_with_a_status(tmp_path, capsys, wo
     printed = capsys.readouterr().out
     assert "TRL, 1 per batch x 4 accumulation + checkpointing: ok" in printed and str(out) in printed
     assert not os.path.exists(str(out) + ".tmp")
+    # No timing run in a smoke run, and the document says so; no neighbours; the OpenMP policy recorded and printed.
+    assert doc["neighbours"] == 0 and doc["timing_run"].startswith("skipped (smoke)")
+    assert all("timing_run" not in r and "time_fixed_threshold_s" not in r for r in results.values())
+    policy = os.environ.get("OMP_WAIT_POLICY", "unset")
+    assert doc["machine"]["omp_wait_policy"] == policy
+    assert f"busy-loop neighbours: 0; OMP_WAIT_POLICY: {policy}" in printed
 
 
 def test_a_failing_peer_is_recorded_not_raised(tmp_path, workers_see_this_checkout):
@@ -136,3 +146,141 @@ def test_prefix_grouper_path_gives_backward_groups_gradient():
                   cfg).backward()
     for (name, a), b in zip(model.named_parameters(), reference.parameters()):
         assert rel_err(a.grad, b.grad) < 1e-10, name
+
+
+# ---------------------------------------------------------------- timing runs and busy-loop neighbours
+
+
+def _neighbour_pids() -> set[int]:
+    """Live busy-loop children of this process (from /proc: pid, parent, command line)."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().split(b"\0")
+        except OSError:
+            continue
+        if int(ppid) == os.getpid() and BUSY_LOOP.encode() in cmdline and state != "Z":
+            found.add(int(entry))
+    return found
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True  # killed and reaped: no zombie left behind
+    return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc")
+def test_busy_neighbours_start_n_processes_and_kill_them_even_when_the_body_raises():
+    with busy_neighbours(2) as procs:
+        assert len(procs) == 2 and all(p.poll() is None for p in procs)
+        assert {p.pid for p in procs} <= _neighbour_pids()
+    assert all(p.returncode is not None and _gone(p.pid) for p in procs)
+    with pytest.raises(KeyboardInterrupt):
+        with busy_neighbours(1) as procs:
+            raise KeyboardInterrupt
+    assert procs[0].returncode is not None and _gone(procs[0].pid)
+    with busy_neighbours(0) as procs:
+        assert procs == []
+    with pytest.raises(ValueError):
+        with busy_neighbours(-1):
+            pass
+
+
+def test_worker_env_peak_run_fixes_the_threshold_timing_run_removes_it():
+    users = {"PATH": "/bin", "MALLOC_MMAP_THRESHOLD_": "999", "OMP_WAIT_POLICY": "PASSIVE"}
+    peak, timing = worker_env(peers.PEAK_THRESHOLD, base=users), worker_env(peers.TIMING_THRESHOLD, base=users)
+    assert peak["MALLOC_MMAP_THRESHOLD_"] == str(128 * 1024) and "MALLOC_MMAP_THRESHOLD_" not in timing
+    assert peak["OMP_WAIT_POLICY"] == timing["OMP_WAIT_POLICY"] == "PASSIVE" and "OMP_NUM_THREADS" not in timing
+    assert worker_env(0, smoke=True, base={})["OMP_NUM_THREADS"] == "1"
+    assert users["MALLOC_MMAP_THRESHOLD_"] == "999"  # the caller's mapping is not changed
+
+
+def test_each_configuration_has_a_peak_run_then_a_timing_run(tmp_path, monkeypatch, capsys):
+    """The full (not smoke) path without running a model: workers replaced by a stand-in that records each run's
+    environment and the neighbours alive meanwhile, and answers with a time depending on the allocator."""
+    runs: list[dict] = []
+    real_run = subprocess.run
+
+    def worker(cmd, *args, env=None, **kwargs):
+        if cmd[:2] != [sys.executable, "-m"]:  # not a worker (e.g. a library probing the machine)
+            return real_run(cmd, *args, env=env, **kwargs)
+        fixed = "MALLOC_MMAP_THRESHOLD_" in env
+        runs.append({"module": cmd[2], "threshold": env.get("MALLOC_MMAP_THRESHOLD_"),
+                     "neighbours": len(_neighbour_pids()) if os.path.isdir("/proc/self") else 1})
+        peer = json.loads(cmd[3]).get("peer")
+        if peer == "trl" and not fixed:  # the TRL row's timing run fails
+            return subprocess.CompletedProcess(cmd, 1, "", "Traceback ...\nMemoryError")
+        measured = {"peak_bytes": (300 if fixed else 900) * 2**20, "time_s": 5.0 if fixed else 4.0,
+                    "cpu_time_s": 8.0, "cpu_pressure": 0.5 if fixed else 0.6, "hwm_reset": True, "loss": 0.0,
+                    "malloc_mmap_threshold": env.get("MALLOC_MMAP_THRESHOLD_")}
+        if peer:  # the peers' worker prints its status; LongStraw's worker does not
+            measured["status"] = "ok"
+        return subprocess.CompletedProcess(cmd, 0, json.dumps(measured) + "\n", "")
+
+    monkeypatch.setattr(subprocess, "run", worker)
+    shape = SHAPES["b1"]
+    rows = configurations(shape.group_size)
+    rows = [rows[1], rows[2], Configuration("pg-3", "Prefix Grouper (bad)", "prefix_grouper")]
+    real_run_peer = peers.run_peer
+
+    def run_peer_stub(shape_, row, *args, **kwargs):
+        if row.id == "pg-3":  # its peak run fails: no timing run
+            return {"status": "failed", "error": "exit status 1"}
+        return real_run_peer(shape_, row, *args, **kwargs)
+
+    monkeypatch.setattr(peers, "run_peer", run_peer_stub)
+    doc = run_peers_bench(shape, str(tmp_path / "peers.json"), timeout_s=60, rows=rows, neighbours=1)
+    assert [(r["module"], r["threshold"]) for r in runs] == [
+        ("longstraw.bench.worker", "131072"), ("longstraw.bench.worker", None),
+        ("longstraw.bench.peers_worker", "131072"), ("longstraw.bench.peers_worker", None)]
+    assert all(r["neighbours"] == 1 for r in runs) and not _neighbour_pids()
+    exact, trl, bad = doc["results"]
+    assert exact["peak_bytes"] == 300 * 2**20 and exact["time_s"] == 4.0 and exact["time_fixed_threshold_s"] == 5.0
+    assert exact["cpu_pressure"] == 0.6 and exact["cpu_pressure_fixed_threshold"] == 0.5
+    assert exact["malloc_mmap_threshold"] == "131072"  # the peak run's
+    assert exact["timing_run"]["status"] == "ok" and exact["timing_run"]["peak_bytes"] == 900 * 2**20
+    assert exact["timing_run"]["malloc_mmap_threshold"] is None
+    assert trl["status"] == "ok" and trl["peak_bytes"] == 300 * 2**20 and trl["time_s"] is None
+    assert trl["timing_run"]["status"] == "failed" and "MemoryError" in trl["timing_run"]["error"]
+    assert bad["status"] == "failed" and "timing_run" not in bad
+    assert doc["neighbours"] == 1 and "busy-loop neighbour" in doc["notes"][0]
+    assert doc["summary"]["time_over_exact"] == {"longstraw-exact": 1.0}  # TRL has no time
+    assert doc["summary"]["strongest_peer_memory"]["id"] == trl["id"]
+    assert "strongest_peer_time" not in doc["summary"]
+    table = format_table(doc)
+    assert "busy-loop neighbours: 1; OMP_WAIT_POLICY: " in table.splitlines()[0]
+    assert "glibc's default allocator" in table and "fixed at 128 KiB" in table
+    trl_line = next(line for line in table.splitlines() if line.startswith(trl["label"]))
+    assert trl_line.split()[-4:] == ["300.0", "-", "-", "5.00"], trl_line
+    assert "no time: timing run FAILED" in capsys.readouterr().err
+
+
+def test_combine_runs_without_timing_run_keeps_the_peak_runs_result():
+    peak = {"status": "ok", "peak_bytes": 1.0, "time_s": 2.0, "cpu_pressure": 0.0}
+    assert combine_runs(peak, None) == peak
+    failed = {"status": "failed", "error": "x"}
+    assert combine_runs(failed, {"status": "ok", "time_s": 1.0}) == failed
+
+
+def test_neighbours_option_must_not_be_negative(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "peers", "--neighbours", "-1"])
+    assert "must be >= 0" in capsys.readouterr().err
+
+
+def test_timing_run_really_runs_with_glibcs_default_allocator(tmp_path, workers_see_this_checkout):
+    """Two real workers (LongStraw exact at the smoke shape, not smoke mode): each reports the threshold it saw."""
+    shape = SHAPES["smoke"]
+    exact = configurations(shape.group_size)[1]
+    (entry,) = run_peers_bench(shape, str(tmp_path / "peers.json"), timeout_s=300, rows=[exact])["results"]
+    assert entry["status"] == "ok" and entry["malloc_mmap_threshold"] == str(128 * 1024), entry
+    assert entry["timing_run"]["status"] == "ok" and entry["timing_run"]["malloc_mmap_threshold"] is None
+    assert entry["time_s"] == entry["timing_run"]["time_s"] > 0 and entry["time_fixed_threshold_s"] > 0

@@ -8,7 +8,13 @@ Workers run with glibc's mmap threshold fixed (MALLOC_MMAP_THRESHOLD_, 128 KiB b
 dynamic threshold, freed blocks up to 32 MiB are kept in the heap and reused with fragmentation, so VmHWM
 measured the allocator's history more than the plan: on b1-llama, detach at G=2 measured 244-559 MiB from run
 to run and less at G=8 than at G=2. A fixed threshold returns every large tensor to the OS on free, and the
-same configuration repeats within 1 MiB.
+same configuration repeats within 1 MiB. The fixed threshold costs time, though: every allocation above it is a
+fresh mmap, page-faulted on first touch, so a plan that allocates more bytes per step pays more (b1-llama P=4096
+G=8: `exact` allocates ~4.7 GB per step, Prefix Grouper 3.4 GB; in one process exact took 4.9-5.4 s and Prefix
+Grouper 4.0-4.5 s with the fixed threshold, 3.8 s and 3.7-3.9 s with glibc's default). `worker_env` with threshold
+0 removes the variable: glibc's default allocator, what users run (`bench peers` times its configurations so).
+
+`busy_neighbours(n)` runs n busy-loop processes for a block: a reproducible busy host (`bench peers --neighbours`).
 
 Nothing here imports another bench module (the worker runs as `python -m longstraw.bench.worker`), so every bench
 module can import this one without a cycle; torch and transformers are imported where used (the planner, torch-free,
@@ -24,7 +30,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -64,7 +71,7 @@ class MemoryBenchConfig:
     micro_batch: int = 1
     seed: int = 0
     timeout_s: float | None = None  # per configuration; None waits as long as the worker runs
-    malloc_mmap_threshold: int = 128 * 1024  # bytes, for the workers' glibc malloc; 0 keeps glibc's default
+    malloc_mmap_threshold: int = 128 * 1024  # bytes, for the workers' glibc malloc; 0: glibc's default (unset)
     isolate: bool = True  # a fresh worker per configuration; False (--smoke): one worker runs them all
     checkpoints: tuple[str, ...] = ("none",)  # activation checkpointing: "none" and/or "layers", side by side
     offload_state: bool = False  # detach/exact: prompt state in host memory (backward_group(offload_state=True))
@@ -134,6 +141,17 @@ def positive_float(text: str) -> float:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0 (`bench peers --neighbours`)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 # ---------------------------------------------------------------- running a configuration in a fresh worker
 
 
@@ -172,14 +190,51 @@ def describe_exit(returncode: int) -> str:
     return f"exit status {returncode}"
 
 
+def worker_env(malloc_mmap_threshold: int, smoke: bool = False,
+               base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """A worker's environment: `base` (default os.environ) with MALLOC_MMAP_THRESHOLD_ set to the threshold, or
+    removed when it is 0 (glibc's default allocator, even where the caller's shell set one; module docstring).
+    smoke: OMP_NUM_THREADS=1 unless set (a smoke run only checks that everything runs, and two OpenMP threads
+    on a host whose cores are busy with other work slow it heavily). Everything else is inherited, OMP_WAIT_POLICY
+    included (`longstraw.cli.passive_openmp_wait`), so every worker of a bench runs under the same policy."""
+    env = dict(os.environ if base is None else base)
+    if malloc_mmap_threshold:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(malloc_mmap_threshold)
+    else:
+        env.pop("MALLOC_MMAP_THRESHOLD_", None)
+    if smoke:
+        env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+BUSY_LOOP = "while True: pass"  # one neighbour of `busy_neighbours`: a core's worth of competing work
+
+
+@contextmanager
+def busy_neighbours(n: int) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Run `n` busy-loop processes (`python -c "while True: pass"`) while the block runs: a reproducible busy host.
+    They are killed and reaped when the block ends, also when it raises (KeyboardInterrupt included). n = 0: none."""
+    if n < 0:
+        raise ValueError(f"neighbours must be >= 0, got {n}")
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for _ in range(n):
+            procs.append(subprocess.Popen([sys.executable, "-c", BUSY_LOOP], stdin=subprocess.DEVNULL,
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        yield procs
+    finally:
+        for proc in procs:
+            proc.kill()
+        for proc in procs:
+            proc.wait()
+
+
 def run_one(config: MemoryBenchConfig, mode: str, group_size: int, checkpoint: str = "none") -> dict[str, Any]:
     """Run one configuration in a fresh worker; return its result (status ok or failed), never raise."""
     entry: dict[str, Any] = {"mode": mode, "group_size": group_size, "checkpoint": checkpoint}
     payload = json.dumps(worker_config(config, mode, group_size, checkpoint))
     cmd = [sys.executable, "-m", "longstraw.bench.worker", payload]
-    env = dict(os.environ)
-    if config.malloc_mmap_threshold:
-        env["MALLOC_MMAP_THRESHOLD_"] = str(config.malloc_mmap_threshold)  # see the module docstring
+    env = worker_env(config.malloc_mmap_threshold)  # see the module docstring
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=config.timeout_s, env=env)
@@ -215,12 +270,7 @@ def run_batch(jobs: Sequence[Job], isolate: bool = True) -> list[dict[str, Any]]
         rest = unpacked[len(results):]
         config = rest[0][0]
         payload = json.dumps([worker_config(c, m, g, ck) for c, m, g, ck in rest])
-        env = dict(os.environ)
-        if config.malloc_mmap_threshold:
-            env["MALLOC_MMAP_THRESHOLD_"] = str(config.malloc_mmap_threshold)
-        # Smoke runs only check that the benchmarks work: one thread avoids the heavy slowdown of two
-        # OpenMP threads on a host whose cores are busy with other work.
-        env.setdefault("OMP_NUM_THREADS", "1")
+        env = worker_env(config.malloc_mmap_threshold, smoke=True)  # one worker for all: smoke runs
         t0 = time.perf_counter()
         proc = subprocess.run([sys.executable, "-m", "longstraw.bench.worker", payload],
                               capture_output=True, text=True, env=env)

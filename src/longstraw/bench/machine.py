@@ -63,6 +63,9 @@ def machine_info(device: str = "cpu") -> dict[str, object]:
         "device": device,
         # Other processes competing for the cores make step times (not peaks) noisy; this shows whether they were.
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        # OpenMP's wait policy the workers inherit (read by libgomp when torch loads; the `longstraw` command sets
+        # PASSIVE unless the user set it: cli.passive_openmp_wait). It changes times on a busy host, not peaks.
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"),
     }
     if device.startswith("cuda") and torch.cuda.is_available():
         index = torch.device(device).index or 0
