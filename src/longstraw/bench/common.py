@@ -39,6 +39,7 @@ from longstraw.bench.machine import machine_info
 from longstraw.choices import PLANS_BASELINE_FIRST
 from longstraw.planner import GIB as GIB  # byte units, re-exported to the benches with MIB
 from longstraw.planner import MIB
+from longstraw.planner import non_negative_int as non_negative_int  # argparse type, re-exported to the benches
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -138,17 +139,6 @@ def positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    """argparse type: an integer >= 0 (`bench peers --neighbours`)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
 
 
