@@ -83,7 +83,8 @@ def test_a_failing_peer_is_recorded_not_raised(tmp_path, workers_see_this_checko
     (entry,) = doc["results"]
     assert entry["status"] == "failed" and "does not divide" in entry["error"], entry
     assert "Traceback" in entry["stderr_tail"]
-    late = run_peer(shape, configurations(shape.group_size)[2], timeout_s=0.01, smoke=True)
+    trl = next(c for c in configurations(shape.group_size) if c.peer == "trl")
+    late = run_peer(shape, trl, timeout_s=0.01, smoke=True)
     assert late["status"] == "failed" and "timed out" in late["error"]
 
 
@@ -107,6 +108,7 @@ def _row(id_, peer, plan=None, peak=0.0, time_s=1.0, status="ok"):
 def test_strongest_peer_ratios():
     results = [_row("longstraw-detach", "longstraw", "detach", 200, 4.0),
                _row("longstraw-exact", "longstraw", "exact", 250, 5.0),
+               {**_row("longstraw-exact-keep", "longstraw", "exact", 400, 4.0), "keep_prompt_graph": 2},
                _row("trl-b8", "trl", peak=3000, time_s=15.0),
                _row("trl-b1x8-ckpt", "trl", peak=500, time_s=20.0),
                _row("prefix-grouper", "prefix_grouper", peak=1500, time_s=4.5),
@@ -114,8 +116,10 @@ def test_strongest_peer_ratios():
     summary = summarize(results)
     assert summary["time_over_exact"]["trl-b8"] == pytest.approx(3.0)
     memory, time_ = summary["strongest_peer_memory"], summary["strongest_peer_time"]
-    assert memory["id"] == "trl-b1x8-ckpt" and memory["peer_over_longstraw"] == {"detach": 2.5, "exact": 2.0}
+    assert memory["id"] == "trl-b1x8-ckpt" and memory["peer_over_longstraw"] == {"detach": 2.5, "exact": 2.0,
+                                                                                 "exact+keep": 1.25}
     assert time_["id"] == "prefix-grouper" and time_["peer_over_longstraw"]["exact"] == pytest.approx(0.9)
+    assert time_["peer_over_longstraw"]["exact+keep"] == pytest.approx(4.5 / 4.0)
     table = format_table({"results": results, "summary": summary})
     assert "lowest-memory peer configuration: trl-b1x8-ckpt (500.0 MiB); its peak / LongStraw's: detach 2.50, " \
            "exact 2.00" in table
@@ -228,7 +232,8 @@ def test_each_configuration_has_a_peak_run_then_a_timing_run(tmp_path, monkeypat
     monkeypatch.setattr(subprocess, "run", worker)
     shape = SHAPES["b1"]
     rows = configurations(shape.group_size)
-    rows = [rows[1], rows[2], Configuration("pg-3", "Prefix Grouper (bad)", "prefix_grouper")]
+    rows = [rows[1], next(c for c in rows if c.peer == "trl"),
+            Configuration("pg-3", "Prefix Grouper (bad)", "prefix_grouper")]
     real_run_peer = peers.run_peer
 
     def run_peer_stub(shape_, row, *args, **kwargs):

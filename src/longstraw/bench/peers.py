@@ -101,6 +101,9 @@ SHAPES = {
 }
 
 
+KEEP_ALL = 1 << 20
+
+
 @dataclass(frozen=True)
 class Configuration:
     """One row of the table: `peer` "longstraw" (`plan`), "trl" (`batch` per device, G / batch accumulation steps)
@@ -112,12 +115,17 @@ class Configuration:
     plan: str | None = None
     batch: int | None = None
     checkpoint: bool = False
+    keep_prompt_graph: int = 0  # LongStraw exact: capture chunks whose graph is kept (backward_group(...))
 
 
 def configurations(g: int) -> list[Configuration]:
     """The table's rows for group size `g`, LongStraw first (`exact` is the time reference)."""
     rows = [Configuration("longstraw-detach", "LongStraw detach", "longstraw", plan="detach"),
-            Configuration("longstraw-exact", "LongStraw exact", "longstraw", plan="exact")]
+            Configuration("longstraw-exact", "LongStraw exact", "longstraw", plan="exact"),
+            # Every capture chunk's graph kept: the prompt backward recomputes nothing (a Pareto knob: time for
+            # the prompt's activations; KEEP_ALL >= any shape's chunk count).
+            Configuration("longstraw-exact-keep", "LongStraw exact, prompt graph kept", "longstraw", plan="exact",
+                          keep_prompt_graph=KEEP_ALL)]
     for batch, what in ((g, f"{g} per batch"), (1, f"1 per batch x {g} accumulation")):
         tag = f"trl-b{g}" if batch == g else f"trl-b1x{g}"
         rows.append(Configuration(tag, f"TRL, {what}", "trl", batch=batch))
@@ -174,7 +182,8 @@ def run_longstraw(shape: PeersShape, rows: list[Configuration], timeout_s: float
     config = replace(B1, model=shape.model, dtype=shape.dtype, device=shape.device, prompt_tokens=shape.prompt_tokens,
                      response_tokens=shape.response_tokens, chunk_size=shape.chunk_size, seed=shape.seed,
                      timeout_s=timeout_s, malloc_mmap_threshold=mmap_threshold)
-    jobs = [(config, str(row.plan), shape.group_size) for row in rows]
+    jobs = [(replace(config, keep_prompt_graph=row.keep_prompt_graph), str(row.plan), shape.group_size)
+            for row in rows]
     return run_batch(jobs, isolate=not smoke)
 
 
@@ -216,6 +225,11 @@ def _timed(entry: dict[str, Any]) -> bool:
     return entry.get("status") == "ok" and entry.get("time_s") is not None
 
 
+def _ours_name(entry: dict[str, Any]) -> str:
+    """A LongStraw row's short name in the summary: its plan, "+keep" when the capture graphs were kept."""
+    return str(entry["plan"]) + ("+keep" if entry.get("keep_prompt_graph") else "")
+
+
 def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
     """time / exact per configuration, and LongStraw against the strongest peer configuration: the lowest peak
     (peer peak / ours: how many times less memory LongStraw uses) and the fastest (peer time / ours: > 1, LongStraw
@@ -233,8 +247,7 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
             best = min(peers, key=lambda r: float(r[key]))
             summary[f"strongest_peer_{what}"] = {
                 "id": best["id"], "label": best["label"], key: best[key],
-                "peer_over_longstraw": {str(r["plan"]): float(best[key]) / float(r[key])
-                                        for r in ours},
+                "peer_over_longstraw": {_ours_name(r): float(best[key]) / float(r[key]) for r in ours},
             }
     return summary
 
