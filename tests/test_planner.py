@@ -385,6 +385,8 @@ RECORDED = (
     "memory-20261129-130004", "pareto-b1-llama-quiet", "pareto-levers-b1-llama", "prompt-b1-llama-1GiB-20261129",
     "stress-tiny-llama-long-exact", "stress-tiny-mamba2-exact-131k",
     "memory-20261129-121318", "memory-20261129-124000", "deepseek-2k-all-plans",
+    # exact with kept capture graphs (keep_prompt_graph 0/1/2, with and without checkpointing)
+    "pareto-keep-b1-llama", "pareto-keep-deep-smollm2",
 )
 
 

@@ -131,7 +131,10 @@ def passive_openmp_wait(environ: MutableMapping[str, str] | None = None,
     each sequence whole, so it pays this far more often: on a 2-core host with one busy-loop neighbour process,
     the exact plan at b1-llama P=4096 R=256 G=8 slowed from 3.8 s to 10.3 s (2.7x) while Prefix Grouper slowed
     from 3.8 s to 7.1 s (1.9x). With PASSIVE (threads sleep instead of spinning): exact 6.7 s and Prefix Grouper
-    5.8 s on the busy host, and exact 3.85 s against 3.80 s with the default policy on the idle host (no cost).
+    5.8 s on the busy host. `bench peers --neighbours 1` (README "Busy hosts and OpenMP"): exact 2.47x slower with
+    the default wait, 1.71x with PASSIVE (Prefix Grouper 1.84x / 1.65x). Not free on an idle host: waking sleeping
+    threads at every region costs LongStraw +5-15% there (ACTIVE or GOMP_SPINCOUNT=10000 is faster on a dedicated
+    host); this project's machines are shared, so PASSIVE is the command's default.
 
     libgomp reads the variable once, when torch loads it: set later, it has no effect, so nothing is done once
     torch is imported. A value the user set (ACTIVE included) is kept. Bench workers inherit the environment, so

@@ -289,3 +289,16 @@ def test_timing_run_really_runs_with_glibcs_default_allocator(tmp_path, workers_
     assert entry["status"] == "ok" and entry["malloc_mmap_threshold"] == str(128 * 1024), entry
     assert entry["timing_run"]["status"] == "ok" and entry["timing_run"]["malloc_mmap_threshold"] is None
     assert entry["time_s"] == entry["timing_run"]["time_s"] > 0 and entry["time_fixed_threshold_s"] > 0
+
+
+def test_only_runs_the_configurations_named(tmp_path, capsys, workers_see_this_checkout):
+    out = tmp_path / "peers.json"
+    assert main(["bench", "peers", "--smoke", "--only", "longstraw-exact-keep", "longstraw-exact", "--out",
+                 str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert [r["id"] for r in doc["results"]] == ["longstraw-exact-keep", "longstraw-exact"]
+    assert [r["keep_prompt_graph"] > 0 for r in doc["results"]] == [True, False]  # the summary names rows by it
+    assert doc["results"][0]["stats"]["keep_prompt_graph"] > 0 and doc["results"][1]["stats"]["keep_prompt_graph"] == 0
+    with pytest.raises(SystemExit):
+        main(["bench", "peers", "--smoke", "--only", "trl-b7"])
+    assert "unknown configuration(s) trl-b7" in capsys.readouterr().err

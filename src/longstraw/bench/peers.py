@@ -116,6 +116,7 @@ class Configuration:
     batch: int | None = None
     checkpoint: bool = False
     keep_prompt_graph: int = 0  # LongStraw exact: capture chunks whose graph is kept (backward_group(...))
+    micro_batch: int = 1  # LongStraw: responses replayed at once
 
 
 def configurations(g: int) -> list[Configuration]:
@@ -125,7 +126,10 @@ def configurations(g: int) -> list[Configuration]:
             # Every capture chunk's graph kept: the prompt backward recomputes nothing (a Pareto knob: time for
             # the prompt's activations; KEEP_ALL >= any shape's chunk count).
             Configuration("longstraw-exact-keep", "LongStraw exact, prompt graph kept", "longstraw", plan="exact",
-                          keep_prompt_graph=KEEP_ALL)]
+                          keep_prompt_graph=KEEP_ALL),
+            # ... and 4 responses replayed at once: the fast end of exact's Pareto front (bench pareto).
+            Configuration("longstraw-exact-keep-k4", "LongStraw exact, prompt graph kept, 4 at once", "longstraw",
+                          plan="exact", keep_prompt_graph=KEEP_ALL, micro_batch=4)]
     for batch, what in ((g, f"{g} per batch"), (1, f"1 per batch x {g} accumulation")):
         tag = f"trl-b{g}" if batch == g else f"trl-b1x{g}"
         rows.append(Configuration(tag, f"TRL, {what}", "trl", batch=batch))
@@ -182,8 +186,8 @@ def run_longstraw(shape: PeersShape, rows: list[Configuration], timeout_s: float
     config = replace(B1, model=shape.model, dtype=shape.dtype, device=shape.device, prompt_tokens=shape.prompt_tokens,
                      response_tokens=shape.response_tokens, chunk_size=shape.chunk_size, seed=shape.seed,
                      timeout_s=timeout_s, malloc_mmap_threshold=mmap_threshold)
-    jobs = [(replace(config, keep_prompt_graph=row.keep_prompt_graph), str(row.plan), shape.group_size)
-            for row in rows]
+    jobs = [(replace(config, keep_prompt_graph=row.keep_prompt_graph, micro_batch=row.micro_batch), str(row.plan),
+             shape.group_size) for row in rows]
     return run_batch(jobs, isolate=not smoke)
 
 
@@ -226,8 +230,10 @@ def _timed(entry: dict[str, Any]) -> bool:
 
 
 def _ours_name(entry: dict[str, Any]) -> str:
-    """A LongStraw row's short name in the summary: its plan, "+keep" when the capture graphs were kept."""
-    return str(entry["plan"]) + ("+keep" if entry.get("keep_prompt_graph") else "")
+    """A LongStraw row's short name in the summary: its plan, "+keep" when the capture graphs were kept, "+kN" when N
+    responses were replayed at once."""
+    k = entry.get("micro_batch") or 1
+    return str(entry["plan"]) + ("+keep" if entry.get("keep_prompt_graph") else "") + (f"+k{k}" if k > 1 else "")
 
 
 def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -319,6 +325,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--neighbours", type=non_negative_int, default=0, metavar="N",
                         help="run N busy-loop processes (python -c 'while True: pass') during every measured "
                              "configuration: a reproducible busy host (default 0)")
+    parser.add_argument("--only", nargs="+", metavar="ID", default=None,
+                        help="run only these configurations, by id (as in the JSON: longstraw-exact, "
+                             "longstraw-exact-keep, trl-b1x8-ckpt, prefix-grouper, ...); default all")
     parser.add_argument("--trl-all-positions", action="store_true",
                         help="TRL's LM head as TRL runs it on CPU: every position scored, prompt included (default: "
                              "only the completions, as TRL does on CUDA; bench/peers_worker.py)")
@@ -373,7 +382,8 @@ def run_peers_bench(shape: PeersShape, out: str, timeout_s: float | None, smoke:
             entry = combine_runs(peak, timing)
             entry = {"id": row.id, "label": row.label, "peer": row.peer, "plan": row.plan, "batch": row.batch,
                      "accumulation": (shape.group_size // row.batch) if row.batch else None,
-                     "checkpoint": row.checkpoint,
+                     "checkpoint": row.checkpoint, "keep_prompt_graph": row.keep_prompt_graph,
+                     "micro_batch": row.micro_batch if row.peer == "longstraw" else None,
                      **{k: v for k, v in entry.items() if k not in ("mode", "checkpoint")}}
             results.append(entry)
             print(f"[{index}/{len(rows)}] {row.label:<50} {_progress(entry)}", file=sys.stderr, flush=True)
@@ -398,9 +408,16 @@ def run_from_args(args: argparse.Namespace) -> int:
     shape = SHAPES["smoke" if smoke else args.shape]
     if args.prompt_tokens:
         shape = replace(shape, prompt_tokens=args.prompt_tokens)
+    rows = None
+    if args.only:
+        known = {c.id: c for c in configurations(shape.group_size)}
+        unknown = [i for i in args.only if i not in known]
+        if unknown:
+            args.fail(f"--only: unknown configuration(s) {', '.join(unknown)}; choose from {', '.join(known)}")
+        rows = [known[i] for i in dict.fromkeys(args.only)]
     out = args.out or default_out("peers", smoke)
     document = run_peers_bench(shape, out, args.timeout, smoke, trl_compact_head=not args.trl_all_positions,
-                               neighbours=args.neighbours)
+                               neighbours=args.neighbours, rows=rows)
     results: list[dict[str, Any]] = document["results"]
     if smoke:
         print(header(document))
