@@ -67,30 +67,27 @@ def add_arguments(parser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (shared by the planner's and the benchmarks' command lines)."""
+def _int_at_least(text: str, least: int) -> int:
+    """argparse type body: an integer >= `least`, else ArgumentTypeError saying what was given."""
     import argparse
 
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be >= {least}, got {value}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (shared by the planner's and the benchmarks' command lines)."""
+    return _int_at_least(text, 1)
 
 
 def non_negative_int(text: str) -> int:
-    """argparse type: an integer >= 0."""
-    import argparse
-
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+    """argparse type: an integer >= 0 (--keep-prompt-graph here, bench peers --neighbours, bench pareto)."""
+    return _int_at_least(text, 0)
 
 
 def inputs_from_args(args) -> PlanInputs:
