@@ -1,4 +1,4 @@
-"""Chunked, no-grad prefill of the shared prompt into a `PromptState`."""
+"""Chunked prefill of the shared prompt into a `PromptState` (no grad, but for the exact plan's kept chunks)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def chunk_bounds(length: int, chunk_size: int) -> list[tuple[int, int]]:
 def capture_prompt(model: torch.nn.Module, ids: torch.Tensor, chunk_size: int,
                    keep_boundaries: bool = True, cp: ContextShards | None = None,
                    offload: bool = False, leaves: bool = False, keep_graph: int = 0) -> PromptState:
-    """The state of every layer for `ids` (N,), computed chunk by chunk under no_grad.
+    """The state of every layer for `ids` (N,), computed chunk by chunk under no_grad (but for `keep_graph`).
 
     Chunk c continues from the state of the chunks before it, so peak activation memory is one chunk's,
     and the result does not depend on the chunk size (up to float reassociation). keep_boundaries: keep the
