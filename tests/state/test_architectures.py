@@ -20,19 +20,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ARCH_FAMILIES, grads, random_group, rel_err, tiny_model
+from conftest import ARCH_FAMILIES, gradient_tolerance, grads, random_group, rel_err, tiny_model
 
 from longstraw import backward_group, planner
 from longstraw.rollout import SamplingConfig, sample_group, score_responses
 from longstraw.segment import run_segment
 from longstraw.state.capture import capture_prompt
 
-FP32_INSIDE = ("qwen3_next", "qwen3_5_text", "mamba2", "falcon_h1", "kimi_linear", "deepseek_v3", "glm_moe_dsa")
 RECURRENT = ("qwen3_next", "mamba2", "falcon_h1", "kimi_linear")
-
-
-def _tol(family: str) -> float:
-    return 1e-6 if family.split("-")[0] in FP32_INSIDE else 1e-10
+_tol = gradient_tolerance  # conftest: 1e-6 for the FP32_INSIDE families, else 1e-10
 
 
 _MODELS: dict[str, torch.nn.Module] = {}
