@@ -23,20 +23,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from longstraw.attention_fused import choose_kernel, fused_backward, fused_forward, refused
+
 if TYPE_CHECKING:
     from longstraw.state.sharding import ContextShards
 
 
-def _aten_op(name: str):
-    try:
-        return getattr(torch.ops.aten, name)
-    except (AttributeError, RuntimeError):
-        return None
-
-
-# Fused CPU flash-attention op that also returns the log-sum-exp (private ATen op, present in torch >= 2.2).
-_FLASH_CPU = _aten_op("_scaled_dot_product_flash_attention_for_cpu")
-_FLASH_CPU_BWD = _aten_op("_scaled_dot_product_flash_attention_for_cpu_backward")
 # Set False to force the portable kernel everywhere (the parity tests run both).
 USE_FUSED = True
 # Keys per block in the portable kernel: bounds its transient score block to (N, M, KEY_BLOCK).
@@ -45,10 +37,6 @@ KEY_BLOCK = 512
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
-def _fused(q: torch.Tensor) -> bool:
-    return USE_FUSED and _FLASH_CPU is not None and _FLASH_CPU_BWD is not None and q.device.type == "cpu"
 
 
 def _portable_forward(q, k, v, scale: float, causal: bool):
@@ -107,24 +95,6 @@ def _portable_backward(d_out, row, q, k, v, lse, scale: float, causal: bool, nee
     return dq, dk, dv
 
 
-def _fused_backward(d_out, d_lse, q, k, v, out, lse, scale: float, causal: bool):
-    """The fused op's backward with a log-sum-exp gradient folded in.
-
-    Flash backward forms dS = P * (dP − rowsum(dO * O)). Appending one column — dO' = [dO, 1],
-    O' = [O, −dLSE], and zero columns to q, k, v — leaves P and dP unchanged and turns the row sum into
-    rowsum(dO * O) − dLSE, which is exactly the gradient with dLSE included. The scale is passed explicitly
-    because the head dim grew by one. The padded k/v are transient copies of one state chunk at a time (freed
-    before the next chunk), never of the whole state, and cost O(P·D) next to the kernel's O(M·P·D).
-    """
-    zero_col = lambda t: torch.cat([t, t.new_zeros(*t.shape[:-1], 1)], dim=-1)[None]  # noqa: E731
-    d_out_aug = torch.cat([d_out, d_out.new_ones(*d_out.shape[:-1], 1)], dim=-1)[None]
-    out_aug = torch.cat([out, -d_lse.unsqueeze(-1).to(out.dtype)], dim=-1)[None]
-    dq, dk, dv = _FLASH_CPU_BWD(
-        d_out_aug, zero_col(q), zero_col(k), zero_col(v), out_aug, lse[None], 0.0, causal, scale=scale
-    )
-    return dq[0, ..., :-1], dk[0, ..., :-1], dv[0, ..., :-1]
-
-
 class ChunkAttention(torch.autograd.Function):
     """softmax(q K^T * scale) V over a list of key/value chunks, returning the output and its log-sum-exp.
 
@@ -133,22 +103,34 @@ class ChunkAttention(torch.autograd.Function):
     segment's own tokens. Outputs: out (N, M, D), lse (N, M), both differentiable.
 
     Chunks are combined with an online softmax, so only the final out/lse are saved; backward runs each
-    chunk's backward against the global out/lse. Per chunk the fused CPU flash op is used where available,
-    else the portable blocked kernel above (same math; the parity tests compare both with `naive_attention`).
+    chunk's backward against the global out/lse. Per chunk a fused op runs where one takes q's device, dtype
+    and head dim (`attention_fused.choose_kernel`: CPU flash, CUDA flash, CUDA memory-efficient), else the
+    portable blocked kernel above (same math; the parity tests compare every path with `naive_attention`).
+    An op that refuses its inputs at run time is logged once and that chunk runs the portable kernel.
     """
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, scale: float, causal: bool, n: int, *kv: torch.Tensor):
-        fused = _fused(q)
+        kernel = choose_kernel(q, USE_FUSED)
         acc = _acc_dtype(q.dtype)  # merges and log-sum-exps in >= fp32: bf16 would lose ~1% per merge
         out: torch.Tensor | None = None
         lse: torch.Tensor | None = None
+        kernels, aux = [], []
         for k, v in zip(kv[:n], kv[n:]):
-            if fused:
-                o, l = _FLASH_CPU(q[None], k, v, 0.0, causal, scale=scale)
-                o, l = o[0].to(acc), l[0].to(acc)
-            else:
+            o = l = a = None
+            if kernel != "portable":
+                try:
+                    o, l, a = fused_forward(kernel, q, k, v, scale, causal)
+                    o, l = o.to(acc), l.to(acc)
+                except torch.OutOfMemoryError:
+                    raise
+                except RuntimeError as err:  # the op refused these inputs (e.g. an old GPU, a head dim)
+                    refused(kernel, q, err)
+                    kernel = "portable"
+            if o is None or l is None:
                 o, l = _portable_forward(q.to(acc), k[0].to(acc), v[0].to(acc), scale, causal)
+            kernels.append(kernel)
+            aux.append(a)
             if out is None or lse is None:  # the first chunk (both are set together)
                 out, lse = o, l
             else:
@@ -157,7 +139,7 @@ class ChunkAttention(torch.autograd.Function):
                 lse = new
         if out is None or lse is None:
             raise ValueError("ChunkAttention needs at least one key/value chunk")
-        ctx.scale, ctx.causal, ctx.n, ctx.fused = scale, causal, n, fused
+        ctx.scale, ctx.causal, ctx.n, ctx.kernels, ctx.aux = scale, causal, n, kernels, aux
         ctx.save_for_backward(q, out, lse, *kv)
         return out.to(q.dtype), lse
 
@@ -171,16 +153,20 @@ class ChunkAttention(torch.autograd.Function):
         row = (d_out * out).sum(-1) - d_lse  # (N, M), used by the portable kernel
         dq = torch.zeros_like(out)
         dks, dvs = [], []
-        for k, v in zip(kv[:n], kv[n:]):
-            if ctx.fused:  # the op works in q's dtype, with an fp32 log-sum-exp for reduced precision
-                lse_op = lse if lse.dtype == q.dtype else lse.float()
-                dq_j, dk_j, dv_j = _fused_backward(
-                    d_out.to(q.dtype), d_lse, q, k[0], v[0], out.to(q.dtype), lse_op, scale, causal
-                )
-            else:
-                dq_j, dk_j, dv_j = _portable_backward(
-                    d_out, row, q.to(out.dtype), k[0].to(out.dtype), v[0].to(out.dtype), lse, scale, causal, need_kv
-                )
+        for j, (k, v) in enumerate(zip(kv[:n], kv[n:])):
+            grads = None
+            if ctx.kernels[j] != "portable":  # the ops work in q's dtype, with an fp32 log-sum-exp for bf16/fp16
+                try:
+                    grads = fused_backward(ctx.kernels[j], d_out.to(q.dtype), d_lse, q, k, v, out.to(q.dtype),
+                                           lse if lse.dtype == q.dtype else lse.float(), scale, causal, ctx.aux[j])
+                except torch.OutOfMemoryError:
+                    raise
+                except RuntimeError as err:
+                    refused(ctx.kernels[j] + " backward", q, err)
+            if grads is None:
+                grads = _portable_backward(d_out, row, q.to(out.dtype), k[0].to(out.dtype), v[0].to(out.dtype), lse,
+                                           scale, causal, need_kv)
+            dq_j, dk_j, dv_j = grads
             dq += dq_j
             dks.append(dk_j[None].to(k.dtype) if need_kv else None)
             dvs.append(dv_j[None].to(v.dtype) if need_kv else None)
