@@ -134,7 +134,7 @@ def _float32_model_with_grads():
     (dict(advantages=torch.tensor([1e300, -1e300], dtype=torch.float64)), r"advantages\[0\] = 1e\+300 is too large"),
     (dict(advantages=torch.tensor([3e19, -1.0], dtype=torch.float64)), r"advantages\[0\] = 3e\+19 is too large"),
     (dict(ref_logprobs=[torch.full((3,), -1.0), torch.full((2,), -1e300, dtype=torch.float64)]),
-     r"ref_logprobs\[1\] reaches -1e\+300, which is -inf in the model's dtype float32"),
+     r"ref_logprobs\[1\] reaches -1e\+300, which is -inf in the loss's dtype float32"),
 ])
 def test_overflowing_finite_inputs_are_refused_before_any_gradient(mode, change, match):
     model = _float32_model_with_grads()

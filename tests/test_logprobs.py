@@ -48,3 +48,22 @@ def test_chunked_logprobs_at_a_temperature(temperature):
     grads_fast = torch.autograd.grad(fast.sum(), [hidden, weight])
     for a, r in zip(grads_fast, torch.autograd.grad(ref.sum(), [hidden, weight])):
         assert (a - r).abs().max() < 1e-12
+
+
+def test_bfloat16_logprobs_accumulate_in_float32():
+    """precision.py: a bf16 model's log-probs come out in fp32 (log-sum-exp over the vocabulary in fp32), equal to
+    the fp32 reference on the same bf16 logits, and the gradients reach hidden and weight in bf16."""
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(37, 16, generator=gen).to(torch.bfloat16).requires_grad_(True)
+    weight = torch.randn(300, 16, generator=gen).to(torch.bfloat16).requires_grad_(True)
+    targets = torch.randint(0, 300, (37,), generator=gen)
+    logp = chunked_logprobs(hidden, weight, targets, token_chunk=8)
+    assert logp.dtype == torch.float32
+    logits = (hidden.detach() @ weight.detach().t()).float()  # the bf16 product, then fp32 from there on
+    ref = torch.log_softmax(logits, -1).gather(-1, targets[:, None]).squeeze(-1)
+    assert (logp.detach() - ref).abs().max() < 1e-5
+    d_h, d_w = torch.autograd.grad(logp.sum(), [hidden, weight])
+    assert d_h.dtype == d_w.dtype == torch.bfloat16
+    h64, w64 = hidden.detach().double().requires_grad_(True), weight.detach().double().requires_grad_(True)
+    r_h, r_w = torch.autograd.grad(naive_logprobs(h64, w64, targets).sum(), [h64, w64])
+    assert (d_h.double() - r_h).norm() / r_h.norm() < 1e-2 and (d_w.double() - r_w).norm() / r_w.norm() < 1e-2

@@ -2,7 +2,7 @@
 
 Read top to bottom, a training step is:
   1. validate everything (nothing is computed or touched before the inputs are known good), including value
-     ranges that would overflow the model's dtype;
+     ranges that would overflow the loss's dtype (fp32 for a bf16/fp16 model);
   2. skip the group when its loss gradient is identically zero (every advantage 0 and beta = 0);
   3. fix the group constants the loss needs (G, Σ|o_i|, L_max) so replays in any grouping add up;
   4. by plan (each micro-batch's log-probs and loss are checked finite before its backward):
@@ -30,6 +30,7 @@ from longstraw.models import RECURRENT_MODEL_TYPES, check_architecture, eval_mod
 from longstraw.plans.exact import prompt_backward
 from longstraw.plans.replay import replay_responses
 from longstraw.plans.standard import standard
+from longstraw.precision import accumulation_dtype
 from longstraw.state.capture import capture_prompt
 from longstraw.state.prompt import PromptState, prompt_fingerprint
 
@@ -78,26 +79,28 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _check_ranges(group: Group, dtype: torch.dtype) -> None:
-    """Refuse finite inputs that overflow the model's dtype (the loss is computed in it) where the bound is sure.
+    """Refuse finite inputs that overflow the loss's dtype (the model's accumulation dtype: fp32 for a bf16/fp16
+    model, precision.py) where the bound is sure.
 
     Advantages: |A| < sqrt(largest value), leaving room for the products of the backward (a GRPO advantage is
     a few units). old_logprobs: the ratio exp(logp - old) is at most exp(-old) (logp <= 0), so -old + log|A|
-    must stay below log(largest value): in float32/bfloat16 that refuses log-probs below about -88, a
-    probability under 1e-38 that no sampler draws. float16 is exempt (its bound, e^11, would refuse ordinary
-    sampled tokens): there an overflow is caught per micro-batch, before that micro-batch's backward."""
+    must stay below log(largest value): in float32 that refuses log-probs below about -88, a probability under
+    1e-38 that no sampler draws. A float16 loss dtype (not reached: the policy computes a float16 model's loss in
+    float32) would be exempt (its bound, e^11, refuses ordinary sampled tokens): an overflow is then caught per
+    micro-batch, before that micro-batch's backward."""
     finfo = torch.finfo(dtype)
     largest = float(group.advantages.abs().max())
     if not largest < math.sqrt(finfo.max):
         i = int(group.advantages.abs().argmax())
         raise ValueError(
-            f"advantages[{i}] = {float(group.advantages[i]):.3g} is too large for the model's dtype "
+            f"advantages[{i}] = {float(group.advantages[i]):.3g} is too large for the loss's dtype "
             f"{_dtype_name(dtype)}: |advantage| must be < {math.sqrt(finfo.max):.3g} (the square root of its largest "
             "value, leaving room for the gradient's products); rescale the rewards or normalise the advantages"
         )
     for name in ("old_logprobs", "ref_logprobs"):
         for i, lp in enumerate(getattr(group, name) or []):
             if not torch.isfinite(lp.to(dtype)).all():
-                raise ValueError(f"{name}[{i}] reaches {float(lp.min()):.4g}, which is -inf in the model's dtype "
+                raise ValueError(f"{name}[{i}] reaches {float(lp.min()):.4g}, which is -inf in the loss's dtype "
                                  f"{_dtype_name(dtype)}: pass the policy's log-probs, not a fill value")
     if group.old_logprobs is None or dtype == torch.float16:
         return
@@ -228,7 +231,8 @@ def _backward_group(model, group, plan, loss, chunk_size, micro_batch, token_chu
 
     totals = GroupTotals.of(group.lengths, cfg)
     device = model.get_input_embeddings().weight.device
-    dtype = model.get_input_embeddings().weight.dtype
+    # The loss runs in the accumulation dtype (fp32 for a bf16/fp16 model, precision.py), as do its inputs.
+    dtype = accumulation_dtype(model.get_input_embeddings().weight.dtype)
     _check_ranges(group, dtype)
     stats: dict[str, float | int | str] = {"mode": plan, "prompt_tokens": group.prompt.numel(),
                                            "group_size": group.size, "checkpoint": checkpoint,

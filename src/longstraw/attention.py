@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from longstraw.attention_fused import choose_kernel, fused_backward, fused_forward, refused
+from longstraw.precision import accumulation_dtype
 
 if TYPE_CHECKING:
     from longstraw.state.sharding import ContextShards
@@ -33,10 +34,6 @@ if TYPE_CHECKING:
 USE_FUSED = True
 # Keys per block in the portable kernel: bounds its transient score block to (N, M, KEY_BLOCK).
 KEY_BLOCK = 512
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 def _portable_forward(q, k, v, scale: float, causal: bool):
@@ -100,7 +97,8 @@ class ChunkAttention(torch.autograd.Function):
 
     Inputs: q (N, M, D); scale; causal; n; then n key chunks and n value chunks, each (1, N, c_j, D).
     causal = False: every key is visible (the prompt prefix). causal = True (one chunk, M == c): the
-    segment's own tokens. Outputs: out (N, M, D), lse (N, M), both differentiable.
+    segment's own tokens. Outputs: out (N, M, D), lse (N, M), both differentiable, both in the accumulation
+    dtype (fp32 for bf16/fp16 inputs, `precision.py`).
 
     Chunks are combined with an online softmax, so only the final out/lse are saved; backward runs each
     chunk's backward against the global out/lse. Per chunk a fused op runs where one takes q's device, dtype
@@ -112,7 +110,7 @@ class ChunkAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, scale: float, causal: bool, n: int, *kv: torch.Tensor):
         kernel = choose_kernel(q, USE_FUSED)
-        acc = _acc_dtype(q.dtype)  # merges and log-sum-exps in >= fp32: bf16 would lose ~1% per merge
+        acc = accumulation_dtype(q.dtype)  # merges and log-sum-exps in >= fp32: bf16 would lose ~1% per merge
         out: torch.Tensor | None = None
         lse: torch.Tensor | None = None
         kernels, aux = [], []
@@ -141,7 +139,7 @@ class ChunkAttention(torch.autograd.Function):
             raise ValueError("ChunkAttention needs at least one key/value chunk")
         ctx.scale, ctx.causal, ctx.n, ctx.kernels, ctx.aux = scale, causal, n, kernels, aux
         ctx.save_for_backward(q, out, lse, *kv)
-        return out.to(q.dtype), lse
+        return out, lse  # both in the accumulation dtype: the caller merges them, then casts
 
     @staticmethod
     def backward(ctx, d_out: torch.Tensor | None, d_lse: torch.Tensor | None):
@@ -204,7 +202,7 @@ def prefix_attention(
     out, lse = ChunkAttention.apply(q_own, scale, causal, 1, k_own, v_own)
     out, lse = out.view(b, hkv, g, t, d), lse.view(b, hkv, g, t)
     if not prefix_keys and cp is None:
-        return out.reshape(b, h, t, d)
+        return out.to(query.dtype).reshape(b, h, t, d)
     # Prefix: fold batch, group and time into one row set, (B, Hkv, g, T, D) -> (Hkv, B*g*T, D), so the
     # shared prefix K/V (Hkv, P, D) is read once for all sequences and heads, never expanded or copied.
     q_rows = query.view(b, hkv, g, t, d).permute(1, 0, 2, 3, 4).reshape(hkv, b * g * t, d)
@@ -268,7 +266,7 @@ def _masked_part(q, k, v, visible, scale: float, softcap: float | None, expand):
     Returns out (B, H, T, Dv) and lse (B, H, T), in the accumulation dtype."""
     if expand is not None:
         k, v = expand(k, v)  # (1, H, c, Dk), (1, H, c, Dv)
-    acc = _acc_dtype(q.dtype)
+    acc = accumulation_dtype(q.dtype)
     g = q.shape[1] // k.shape[1]
     if g > 1:
         k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from longstraw.precision import REDUCED
+
 log = logging.getLogger(__name__)
 
 
@@ -44,7 +46,6 @@ _EFFICIENT_CUDA_BWD = _aten_op("_scaled_dot_product_efficient_attention_backward
 
 KERNELS = ("cpu_flash", "cuda_flash", "cuda_efficient", "portable")
 FLASH_MAX_HEAD_DIM = 256  # the CUDA flash kernels' limit, after padding
-HALF = (torch.float16, torch.bfloat16)
 _logged: set[tuple[str, str]] = set()
 
 
@@ -72,9 +73,9 @@ def choose_kernel(q: torch.Tensor, enabled: bool = True) -> str:
     if q.device.type != "cuda":
         return "portable"
     key = f"{q.dtype}/D={d}"
-    if q.dtype in HALF and _FLASH_CUDA is not None and round_up(d + 1, 8) <= FLASH_MAX_HEAD_DIM:
+    if q.dtype in REDUCED and _FLASH_CUDA is not None and round_up(d + 1, 8) <= FLASH_MAX_HEAD_DIM:
         return "cuda_flash"
-    if q.dtype in (*HALF, torch.float32) and _EFFICIENT_CUDA is not None:
+    if q.dtype in (*REDUCED, torch.float32) and _EFFICIENT_CUDA is not None:
         return "cuda_efficient"
     _log_once(key, f"no fused CUDA attention op takes {q.dtype} (head dim {d}): using the portable blocked "
                    "kernel (a Python loop over key blocks; slow at long prompts). Use bf16, fp16 or fp32.")

@@ -13,19 +13,36 @@ from __future__ import annotations
 
 import torch
 
+from longstraw.precision import accumulation_dtype
+
 DEFAULT_TOKEN_CHUNK = 1024
 
 
+def _logits(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """h (c, d) @ weight (V, d)^T -> (c, V) in the accumulation dtype (`precision.py`): for bf16/fp16 on CUDA
+    straight from the GEMM's fp32 accumulator (torch.mm's out_dtype), elsewhere cast after the product."""
+    acc = accumulation_dtype(h.dtype)
+    if acc == h.dtype:
+        return h @ weight.t()
+    if h.is_cuda:
+        try:
+            return torch.mm(h, weight.t(), out_dtype=acc)
+        except (RuntimeError, TypeError):  # a torch without out_dtype for this GEMM
+            pass
+    return (h @ weight.t()).to(acc)
+
+
 class _ChunkedLogprobs(torch.autograd.Function):
-    """hidden (N, d), weight (V, d), targets (N,) -> logp (N,) = log_softmax(hidden @ weight.T / T)[n, targets[n]]."""
+    """hidden (N, d), weight (V, d), targets (N,) -> logp (N,) = log_softmax(hidden @ weight.T / T)[n, targets[n]],
+    in the accumulation dtype (fp32 for a bf16/fp16 model; the logits, log-sum-exp and softmax too)."""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, token_chunk: int,
                 temperature: float = 1.0):
-        out = torch.empty(hidden.shape[0], dtype=hidden.dtype, device=hidden.device)
+        out = torch.empty(hidden.shape[0], dtype=accumulation_dtype(hidden.dtype), device=hidden.device)
         lse = torch.empty_like(out)
         for s in range(0, hidden.shape[0], token_chunk):
-            logits = hidden[s : s + token_chunk] @ weight.t()  # (c, V)
+            logits = _logits(hidden[s : s + token_chunk], weight)  # (c, V)
             if temperature != 1.0:
                 logits.div_(temperature)
             tgt = targets[s : s + token_chunk]
@@ -45,15 +62,17 @@ class _ChunkedLogprobs(torch.autograd.Function):
         c, temperature = ctx.token_chunk, ctx.temperature
         for s in range(0, hidden.shape[0], c):
             h = hidden[s : s + c]
-            logits = h @ weight.t()  # (c, V), recomputed
+            logits = _logits(h, weight)  # (c, V), recomputed
             if temperature != 1.0:
                 logits.div_(temperature)
             # d logp / d logits = onehot(target) - softmax(logits), scaled by the incoming gradient;
             # softmax = exp(logits - lse) in place, with the forward's lse.
-            d_logits = logits.sub_(lse[s : s + c, None]).exp_().mul_(-grad_out[s : s + c, None])
-            d_logits.scatter_add_(1, targets[s : s + c, None], grad_out[s : s + c, None])
+            g = grad_out[s : s + c, None].to(logits.dtype)
+            d_logits = logits.sub_(lse[s : s + c, None]).exp_().mul_(-g)
+            d_logits.scatter_add_(1, targets[s : s + c, None], g)
             if temperature != 1.0:
                 d_logits.div_(temperature)  # d(logits / T) / d(logits)
+            d_logits = d_logits.to(weight.dtype)  # the two products run in the model's dtype
             if d_hidden is not None:  # need_h
                 d_hidden[s : s + c] = d_logits @ weight
             if d_weight is not None:  # need_w
@@ -75,6 +94,6 @@ def chunked_logprobs(
 
 def naive_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                    temperature: float = 1.0) -> torch.Tensor:
-    """Reference: full logits, log_softmax, gather. Same shapes as `chunked_logprobs`."""
-    logits = hidden @ weight.t() / temperature
+    """Reference: full logits, log_softmax, gather. Same shapes as `chunked_logprobs`; fp32 for bf16/fp16."""
+    logits = (hidden @ weight.t()).to(accumulation_dtype(hidden.dtype)) / temperature
     return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)

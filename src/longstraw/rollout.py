@@ -19,6 +19,7 @@ import torch
 from longstraw.logprobs import DEFAULT_TOKEN_CHUNK
 from longstraw.models import hf
 from longstraw.plans.replay import replay_responses
+from longstraw.precision import accumulation_dtype
 from longstraw.segment import run_segment
 from longstraw.state.capture import capture_prompt
 from longstraw.state.prompt import PromptState
@@ -125,7 +126,7 @@ def sample_group(
             break
         token = nxt[:, None]
     ids = torch.stack(tokens, dim=1)  # (G, steps)
-    lp = torch.stack(logps, dim=1).to(weight.dtype)
+    lp = torch.stack(logps, dim=1).to(accumulation_dtype(weight.dtype))  # fp32 for bf16 (precision.py)
     responses = [ids[i, : int(lengths[i])].clone() for i in range(group_size)]
     logprobs = [lp[i, : int(lengths[i])].clone() for i in range(group_size)]
     return Rollout(responses=responses, logprobs=logprobs, state=state)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from longstraw.plans.replay import LossFn, filled, finish_batch, pad
+from longstraw.precision import accumulation_dtype
 
 
 def _score(model: torch.nn.Module, prompt: torch.Tensor, responses: list[torch.Tensor], temperature: float = 1.0):
@@ -21,7 +22,7 @@ def _score(model: torch.nn.Module, prompt: torch.Tensor, responses: list[torch.T
     attention_mask = torch.cat([torch.ones_like(prompt).expand(len(responses), -1), mask.long()], dim=1)
     # Position P-1+t predicts response token t: keep the last R_max+1 logits and drop the final one.
     logits = model(input_ids=inputs, attention_mask=attention_mask, logits_to_keep=r_max + 1, use_cache=False).logits
-    logits = logits[:, :-1]  # (B, R_max, V)
+    logits = logits[:, :-1].to(accumulation_dtype(logits.dtype))  # (B, R_max, V); fp32 for bf16 (precision.py)
     if temperature != 1.0:
         logits = logits / temperature
     logp = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
