@@ -78,6 +78,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     peers_bench.add_arguments(peers_parser)
     peers_parser.set_defaults(fail=peers_parser.error)
+    from longstraw.bench import decode as decode_bench
+
+    decode_parser = benches.add_parser(
+        "decode", help="sampling throughput over a long prompt: LongStraw's shared state against transformers' "
+                       "generate",
+        description="Per prompt length: LongStraw (capture_prompt, then sample_group of G responses from the shared "
+                    "state) against transformers (one forward into a DynamicCache repeated G times, then "
+                    "generate): tokens/s, prefill times, prompt-cache bytes, CPU pressure; table and JSON.",
+    )
+    decode_bench.add_arguments(decode_parser)
+    decode_parser.set_defaults(fail=decode_parser.error)
 
     from longstraw import planner
 
@@ -167,6 +178,10 @@ def main(argv: list[str] | None = None) -> int:
         from longstraw.bench import peers as peers_bench
 
         return peers_bench.run_from_args(args)
+    if args.command == "bench" and args.bench == "decode":
+        from longstraw.bench import decode as decode_bench
+
+        return decode_bench.run_from_args(args)
     if args.command == "plan":
         from longstraw import planner
 
