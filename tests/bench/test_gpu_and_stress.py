@@ -31,6 +31,43 @@ def test_gpu_script_dry_run_on_cpu(tmp_path):
     assert {(r["micro_batch"], r["mode"]) for r in pareto["results"]} == {
         (k, m) for k in (1, 2) for m in ("detach", "exact")}
     assert any(r.get("pareto") for r in pareto["results"])
+    longest = json.loads((out / "longest-exact.json").read_text())
+    assert [a["prompt_tokens"] for a in longest["attempts"]] == [128, 256]
+    assert longest["record"]["prompt_tokens"] == 256 and longest["record"]["mode"] == "exact"
+    decode = json.loads((out / "decode.json").read_text())
+    assert [r["prompt_tokens"] for r in decode["results"]] == [64] and summary["decode"]["status"] == "ok"
+    md = (out / "summary.md").read_text()
+    for heading in ("## B1 at P = 64", "## Longest exact step", "## Sampling throughput", "time exact / detach"):
+        assert heading in md
+
+
+def _b1_entry(mode, g, status="ok", peak=None, predicted=None, time_s=1.0):
+    return {"mode": mode, "group_size": g, "status": status, "peak_bytes": peak, "predicted_step_bytes": predicted,
+            "time_s": time_s}
+
+
+def test_gpu_summary_marks_issue_targets_met_or_not():
+    """summary.md: issue 11's targets from measured ratios, and from the planner's forecast only where
+    standard_batched was skipped (beyond the device), never from a peak below resolution."""
+    from longstraw.bench.gpu import markdown
+    from longstraw.bench.memory import compute_ratios
+
+    gib = 2**30
+    results = [_b1_entry("standard_batched", g, "skipped", predicted=500 * gib) for g in (2, 8)]
+    results += [_b1_entry("standard", g, time_s=60.0, peak=80 * gib) for g in (2, 8)]
+    results += [_b1_entry("detach", 2, peak=12 * gib, time_s=10.0), _b1_entry("detach", 8, peak=12.3 * gib, time_s=10.0)]
+    results += [_b1_entry("exact", 2, peak=35 * gib, time_s=18.0), _b1_entry("exact", 8, peak=40 * gib, time_s=18.0)]
+    summary = {"machine": {"gpu_name": "NVIDIA H200", "torch": "x"}, "started": "now", "wall_s": 1.0,
+               "config": {"model": "gpu-llama-1b", "dtype": "bfloat16", "device": "cuda", "response_tokens": 512},
+               "b1": {"131072": {"results": results, "ratios": compute_ratios(results)}}}
+    md = markdown(summary)
+    assert "# bench/gpu.sh on NVIDIA H200" in md
+    assert "detach >= 8x less peak than standard_batched: 40.65x (met from the planner's forecast" in md
+    assert "exact >= 6x less peak than standard_batched: 12.50x (met from the planner's forecast" in md
+    assert "time standard / detach >= 5x: 6.00x (met)" in md
+    assert "time exact / detach <= 1.5x: 1.80x (NOT met)" in md
+    assert "detach peak flat in G (<= 5%): +2.5% (G 2 -> 8) (met)" in md
+    assert "exact peak flat in G (<= 5%): +14.3% (G 2 -> 8) (NOT met)" in md
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a host without CUDA")

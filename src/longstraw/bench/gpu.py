@@ -35,6 +35,7 @@ from longstraw.bench.common import (
     B1,
     GIB,
     MIB,
+    PEAK_RESOLUTION,
     PLANNER_SLACK,
     STDERR_TAIL,
     MemoryBenchConfig,
@@ -306,9 +307,10 @@ def _forecast_ratio(results: list[dict[str, Any]], mode: str, g: Any) -> float |
         return next((r for r in results if r["mode"] == m and r["group_size"] == g), None)
 
     base, plan = at("standard_batched"), at(mode)
-    if not base or not plan or plan.get("status") != "ok" or not base.get("predicted_step_bytes"):
+    if (not base or base.get("status") != "skipped" or not base.get("predicted_step_bytes") or not plan
+            or plan.get("status") != "ok" or float(plan["peak_bytes"]) < PEAK_RESOLUTION):
         return None
-    return float(base["predicted_step_bytes"]) / max(1.0, float(plan["peak_bytes"]))
+    return float(base["predicted_step_bytes"]) / float(plan["peak_bytes"])
 
 
 def markdown(summary: dict[str, Any]) -> str:
