@@ -33,6 +33,7 @@ def _check_widths(*ts: torch.Tensor, flash: bool) -> None:
     assert width % 8 == 0, f"head dim {width} is not a multiple of 8"
     assert not flash or width <= 256
     assert all(t.dim() == 4 and t.stride(-1) == 1 for t in ts)
+    assert all(s % 8 == 0 for t in ts for s in t.stride()[:-1]), "strides aligned as the efficient op needs"
 
 
 def _rng() -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,6 +111,24 @@ def test_emulated_cuda_kernels_match_naive_with_every_gradient(emulated_cuda, ke
     g_ref = torch.autograd.grad((ref * weight).sum(), inputs)
     for a, r in zip(g_fast, g_ref):
         assert (a - r).abs().max() < 1e-12
+
+
+@pytest.mark.parametrize("kernel", ["cuda_flash", "cuda_efficient"])
+def test_state_chunks_are_read_in_place(emulated_cuda, monkeypatch, kernel):
+    """The state's chunks are transposed views (last dim dense): a head dim that needs no padding reaches the op
+    as the same storage, no copy per call (decoding reads every chunk at every step)."""
+    emulated_cuda(kernel)
+    seen = []
+    op = "_FLASH_CUDA" if kernel == "cuda_flash" else "_EFFICIENT_CUDA"
+    real = getattr(fused, op)
+    monkeypatch.setattr(fused, op, lambda q, k, v, *a, **kw: (seen.append(k.data_ptr()), real(q, k, v, *a, **kw))[1])
+    k = torch.randn(1, 40, 2, 16, dtype=torch.float64).transpose(1, 2)  # (1, Hkv, c, D), not contiguous
+    v = torch.randn(1, 40, 2, 16, dtype=torch.float64).transpose(1, 2)
+    q = torch.randn(2, 5, 16, dtype=torch.float64)
+    out, _, _ = fused_forward(kernel, q, k, v, 0.25, False)
+    assert seen == [k.data_ptr()]
+    ref = torch.softmax(q @ k[0].transpose(-1, -2) * 0.25, -1) @ v[0]
+    assert (out - ref).abs().max() < 1e-13
 
 
 @pytest.mark.parametrize("kernel", ["cuda_flash", "cuda_efficient"])

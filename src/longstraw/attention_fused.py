@@ -90,10 +90,12 @@ def refused(kernel: str, q: torch.Tensor, err: Exception) -> None:
 
 
 def _pad(t: torch.Tensor, width: int) -> torch.Tensor:
-    """Zero columns up to `width` in the last dim (no copy when already that wide); contiguous for the ops."""
+    """Zero columns up to `width` in the last dim. No copy when already that wide and the last dim is dense, which
+    is all the ops need: the state's chunks are (1, Hkv, c, D) views of transformers' (1, c, Hkv, D) projections,
+    and a copy of each chunk per call would cost the state's size in traffic every decoding step."""
     extra = width - t.shape[-1]
     if extra == 0:
-        return t.contiguous()
+        return t if t.stride(-1) == 1 else t.contiguous()
     return torch.cat([t, t.new_zeros(*t.shape[:-1], extra)], dim=-1)
 
 

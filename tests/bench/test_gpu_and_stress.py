@@ -55,8 +55,8 @@ def test_gpu_summary_marks_issue_targets_met_or_not():
     gib = 2**30
     results = [_b1_entry("standard_batched", g, "skipped", predicted=500 * gib) for g in (2, 8)]
     results += [_b1_entry("standard", g, time_s=60.0, peak=80 * gib) for g in (2, 8)]
-    results += [_b1_entry("detach", 2, peak=12 * gib, time_s=10.0), _b1_entry("detach", 8, peak=12.3 * gib, time_s=10.0)]
-    results += [_b1_entry("exact", 2, peak=35 * gib, time_s=18.0), _b1_entry("exact", 8, peak=40 * gib, time_s=18.0)]
+    results += [_b1_entry("detach", g, peak=p * gib, time_s=10.0) for g, p in ((2, 12), (8, 12.3))]
+    results += [_b1_entry("exact", g, peak=p * gib, time_s=18.0) for g, p in ((2, 35), (8, 40))]
     summary = {"machine": {"gpu_name": "NVIDIA H200", "torch": "x"}, "started": "now", "wall_s": 1.0,
                "config": {"model": "gpu-llama-1b", "dtype": "bfloat16", "device": "cuda", "response_tokens": 512},
                "b1": {"131072": {"results": results, "ratios": compute_ratios(results)}}}
