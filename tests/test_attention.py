@@ -67,18 +67,24 @@ def test_fused_path_is_used_on_cpu():
     assert fused.choose_kernel(q) == "cpu_flash"
 
 
-def test_bfloat16_stays_close_to_float64(kernel):
-    """Reduced precision: merges and log-sum-exps run in fp32, so bf16 stays within bf16 rounding."""
-    q, k, v, pk, pv = _inputs(2, 4, 2, 9, [5, 7, 3])
+def assert_bfloat16_close_to_float64(d: int = 8) -> None:
+    """prefix_attention in bf16 against float64 on the same rounded inputs, outputs and every gradient: within bf16
+    rounding, because merges and log-sum-exps run in fp32 (shared with tests/test_attention_fused.py)."""
+    q, k, v, pk, pv = _inputs(2, 4, 2, 9, [5, 7, 3], d=d)
     low = [t.detach().to(torch.bfloat16).requires_grad_(True) for t in (q, k, v, *pk, *pv)]
     ref_in = [t.detach().double().requires_grad_(True) for t in low]
+
     def run(ts):
         out = prefix_attention(ts[0], ts[1], ts[2], list(ts[3:6]), list(ts[6:9]), 0.35)
         weight = torch.linspace(-1, 1, out.numel(), dtype=torch.float64).view_as(out)
         return out, torch.autograd.grad((out.double() * weight).sum(), ts)
-    out_low, g_low = run(low)
-    out_ref, g_ref = run(ref_in)
+
+    (out_low, g_low), (out_ref, g_ref) = run(low), run(ref_in)
     assert out_low.dtype == torch.bfloat16
     assert (out_low.double() - out_ref).norm() / out_ref.norm() < 1e-2
     for a, r in zip(g_low, g_ref):
         assert (a.double() - r).norm() / r.norm() < 3e-2
+
+
+def test_bfloat16_stays_close_to_float64(kernel):
+    assert_bfloat16_close_to_float64()

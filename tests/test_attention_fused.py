@@ -18,6 +18,7 @@ import types
 
 import pytest
 import torch
+from test_attention import assert_bfloat16_close_to_float64
 
 import longstraw.attention as attention
 import longstraw.attention_fused as fused
@@ -159,20 +160,7 @@ def test_emulated_cuda_log_sum_exp_gradient(emulated_cuda, kernel):
 def test_emulated_cuda_kernels_in_bfloat16(emulated_cuda, kernel):
     """bf16 through the padded CUDA layout stays within bf16 rounding of float64 (merges in fp32)."""
     emulated_cuda(kernel)
-    q, k, v, pk, pv = _inputs(2, 4, 2, 9, [5, 7, 3], 16)
-    low = [t.detach().to(torch.bfloat16).requires_grad_(True) for t in (q, k, v, *pk, *pv)]
-    ref_in = [t.detach().double().requires_grad_(True) for t in low]
-
-    def run(ts):
-        out = prefix_attention(ts[0], ts[1], ts[2], list(ts[3:6]), list(ts[6:9]), 0.35)
-        weight = torch.linspace(-1, 1, out.numel(), dtype=torch.float64).view_as(out)
-        return out, torch.autograd.grad((out.double() * weight).sum(), ts)
-
-    (out_low, g_low), (out_ref, g_ref) = run(low), run(ref_in)
-    assert out_low.dtype == torch.bfloat16
-    assert (out_low.double() - out_ref).norm() / out_ref.norm() < 1e-2
-    for a, r in zip(g_low, g_ref):
-        assert (a.double() - r).norm() / r.norm() < 3e-2
+    assert_bfloat16_close_to_float64(d=16)
 
 
 @pytest.mark.parametrize("kernel,dtype", [("cuda_flash", torch.bfloat16), ("cuda_flash", torch.float16),

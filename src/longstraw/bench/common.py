@@ -131,6 +131,12 @@ def busy(entry: dict[str, Any]) -> bool:
     return isinstance(pressure, float) and pressure > BUSY_PRESSURE
 
 
+def check_device(device: str, fail: Callable[[str], Any]) -> None:
+    """The benches' --device rule (cpu or cuda[:i]); `fail` reports a bad value (argparse's error, which exits)."""
+    if device != "cpu" and not device.startswith("cuda"):
+        fail(f"--device must be cpu or cuda[:i], got {device!r}")
+
+
 def positive_float(text: str) -> float:
     """argparse type: a number > 0 (the benches' --timeout)."""
     try:

@@ -58,7 +58,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any, NoReturn
 
-from longstraw.bench.common import BUSY_PRESSURE, MIB, SMOKE_NOTE, default_out, write_json
+from longstraw.bench.common import BUSY_PRESSURE, MIB, SMOKE_NOTE, check_device, default_out, write_json
 from longstraw.bench.machine import machine_info
 from longstraw.choices import DTYPES
 from longstraw.planner import positive_int
@@ -410,8 +410,7 @@ def shape_from_args(args: argparse.Namespace, fail: Callable[[str], NoReturn]) -
     shape = replace(shape, **{k: v for k, v in overrides.items() if v is not None})
     if min(shape.prompts) < 2:
         fail("--prompts: every P must be >= 2 (LongStraw captures prompt[:-1] and decodes from the last token)")
-    if shape.device != "cpu" and not shape.device.startswith("cuda"):
-        fail(f"--device must be cpu or cuda[:i], got {shape.device!r}")
+    check_device(shape.device, fail)
     return shape
 
 

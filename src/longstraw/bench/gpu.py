@@ -39,6 +39,7 @@ from longstraw.bench.common import (
     PLANNER_SLACK,
     STDERR_TAIL,
     MemoryBenchConfig,
+    check_device,
     predictor,
     run_batch,
     run_one,
@@ -368,8 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     cfg = SMOKE if args.smoke else GpuBenchConfig()
     if args.device:
-        if args.device != "cpu" and not args.device.startswith("cuda"):
-            parser.error(f"--device must be cpu or cuda[:i], got {args.device!r}")
+        check_device(args.device, parser.error)
         cfg = replace(cfg, device=args.device)
     if args.deadline:
         cfg = replace(cfg, deadline_s=args.deadline)

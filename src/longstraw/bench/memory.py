@@ -30,6 +30,7 @@ from longstraw.bench.common import (
     MemoryBenchConfig,
     arch_preset,
     busy,
+    check_device,
     default_out,
     peak_text,
     positive_float,
@@ -387,8 +388,7 @@ def config_from_args(args: argparse.Namespace, fail: Callable[[str], NoReturn]) 
     config = replace(config, **{k: v for k, v in overrides.items() if v is not None})
     if config.prompt_tokens < 2:
         fail("--prompt-tokens must be >= 2 (detach/exact capture all but the last prompt token)")
-    if config.device != "cpu" and not config.device.startswith("cuda"):
-        fail(f"--device must be cpu or cuda[:i], got {config.device!r}")
+    check_device(config.device, fail)
     return config
 
 

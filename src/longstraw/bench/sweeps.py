@@ -30,6 +30,7 @@ from longstraw.bench.common import (
     PLANNER_SLACK,
     arch_preset,
     available_archs,
+    check_device,
     default_out,
     finish_sweep,
     job_config,
@@ -381,8 +382,7 @@ def config_from_args(args: argparse.Namespace, fail: Callable[[str], NoReturn]):
             fail("--prompt-tokens must be >= 2")
     else:
         fail(f"unknown bench {args.bench!r}")
-    if cfg.device != "cpu" and not cfg.device.startswith("cuda"):
-        fail(f"--device must be cpu or cuda[:i], got {cfg.device!r}")
+    check_device(cfg.device, fail)
     return cfg
 
 
