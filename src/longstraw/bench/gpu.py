@@ -77,6 +77,7 @@ class GpuBenchConfig:
     config_timeout_s: float = 150.0
     reserve_bytes: int = GIB  # CUDA context etc., for the planner's skip decision
     isolate: bool = True  # a fresh worker per configuration; False (smoke): one worker per part
+    plots: bool = True  # PNGs beside the JSON (--no-plots: the device tool returns at most 8 files)
 
 
 SMOKE = replace(GpuBenchConfig(), model="tiny-llama", dtype="float32", device="cpu", run_tests=False, prompts=(64,),
@@ -188,7 +189,8 @@ def run_gpu_bench(cfg: GpuBenchConfig, out_dir: str) -> dict[str, Any]:
         summary.setdefault("b1", {})[str(p)] = {"results": results, "ratios": doc["ratios"]}
         path = os.path.join(out_dir, f"memory-P{p}.json")
         write_json(path, doc)
-        plot_memory(doc, os.path.splitext(path)[0] + ".png")
+        if cfg.plots:
+            plot_memory(doc, os.path.splitext(path)[0] + ".png")
         summary["documents"].append(path)
 
     if cfg.longest_from:
@@ -231,7 +233,8 @@ def _pareto(cfg: GpuBenchConfig, base: MemoryBenchConfig, run, out_dir: str, sum
            "results": results}
     path = os.path.join(out_dir, "pareto.json")
     write_json(path, doc)
-    plot_pareto(doc, os.path.splitext(path)[0] + ".png")
+    if cfg.plots:
+        plot_pareto(doc, os.path.splitext(path)[0] + ".png")
     summary["documents"].append(path)
 
 
@@ -366,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deadline", type=float, help="seconds after which no configuration starts")
     parser.add_argument("--pareto", action="store_true", help="also run the Pareto sweep (part 4) if time remains")
     parser.add_argument("--no-tests", action="store_true", help="skip the gpu tests (part 0)")
+    parser.add_argument("--no-plots", action="store_true", help="JSON and summary.md only (no PNGs)")
     args = parser.parse_args(argv)
     cfg = SMOKE if args.smoke else GpuBenchConfig()
     if args.device:
@@ -377,6 +381,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = replace(cfg, pareto=True)
     if args.no_tests:
         cfg = replace(cfg, run_tests=False)
+    if args.no_plots:
+        cfg = replace(cfg, plots=False)
     if cfg.device.startswith("cuda"):
         import torch
 
