@@ -155,7 +155,10 @@ def estimate(spec: ModelSpec, inp: PlanInputs, plan: str) -> PlanEstimate:
         during_logprob = (segment_activation_bytes(spec, b, a, "replay", r, k, True, scans=False)
                           if inp.checkpoint_layers else acts)
         c = min(inp.token_chunk, tokens)
-        logprob = max(2 * c * v * b, c * v * b + v * d * b)
+        if a > b:  # bf16/fp16: fp32 logits beside the model-dtype product, then beside the gradient's cast
+            logprob = c * v * (a + b) + v * d * b  # (precision.py), with the (V, d) weight gradient
+        else:
+            logprob = max(2 * c * v * b, c * v * b + v * d * b)
         dsa = any(m == "dsa" for m in spec.mixers)
         indexer = DSA_SCORE_ROWS * math.ceil(p / inp.cp) * 4 if dsa else 0
         steady = math.ceil(g / k) > 1  # gradients already resident while the next micro-batch runs
