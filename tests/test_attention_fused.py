@@ -84,6 +84,7 @@ def emulated_cuda(monkeypatch):
     monkeypatch.setattr(fused, "_EFFICIENT_CUDA", fake_efficient)
     monkeypatch.setattr(fused, "_EFFICIENT_CUDA_BWD", fake_efficient_bwd)
     monkeypatch.setattr(fused, "_logged", set())
+    monkeypatch.setattr(fused, "_refusals", set())
 
     def use(kernel: str) -> None:
         monkeypatch.setattr(attention, "choose_kernel", lambda q, enabled=True: kernel)
@@ -225,6 +226,19 @@ def test_refusing_op_falls_back_to_portable_logged_once(emulated_cuda, monkeypat
     for a, r in zip(g, torch.autograd.grad(ref.sum(), [q, *pk])):
         assert (a - r).abs().max() < 1e-12
     assert len(caplog.records) == 1 and "Ampere" in caplog.text and "portable" in caplog.text
+
+
+def test_a_refusal_routes_later_calls_past_the_op(monkeypatch):
+    """After flash refused bf16 at a head dim on CUDA, the choice for it is the memory-efficient op (then, after
+    that refuses too, the portable kernel) without trying the refusing op again; other head dims are unaffected."""
+    monkeypatch.setattr(fused, "_refusals", set())
+    monkeypatch.setattr(fused, "_logged", set())
+    q = _like("cuda", torch.bfloat16, 64)
+    fused.refused("cuda_flash", q, RuntimeError("no"))  # type: ignore[arg-type]
+    assert choose_kernel(q) == "cuda_efficient"  # type: ignore[arg-type]
+    fused.refused("cuda_efficient", q, RuntimeError("no"), "backward")  # type: ignore[arg-type]
+    assert choose_kernel(q) == "portable"  # type: ignore[arg-type]
+    assert choose_kernel(_like("cuda", torch.bfloat16, 128)) == "cuda_flash"  # type: ignore[arg-type]
 
 
 def test_refusing_backward_falls_back_to_portable(emulated_cuda, monkeypatch):

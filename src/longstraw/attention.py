@@ -160,7 +160,7 @@ class ChunkAttention(torch.autograd.Function):
                 except torch.OutOfMemoryError:
                     raise
                 except RuntimeError as err:
-                    refused(ctx.kernels[j] + " backward", q, err)
+                    refused(ctx.kernels[j], q, err, "backward")
             if grads is None:
                 grads = _portable_backward(d_out, row, q.to(out.dtype), k[0].to(out.dtype), v[0].to(out.dtype), lse,
                                            scale, causal, need_kv)

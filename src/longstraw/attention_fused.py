@@ -47,6 +47,8 @@ _EFFICIENT_CUDA_BWD = _aten_op("_scaled_dot_product_efficient_attention_backward
 KERNELS = ("cpu_flash", "cuda_flash", "cuda_efficient", "portable")
 FLASH_MAX_HEAD_DIM = 256  # the CUDA flash kernels' limit, after padding
 _logged: set[tuple[str, str]] = set()
+# (kernel, device type, dtype, head dim) an op refused at run time: later calls go to the portable kernel at once.
+_refusals: set[tuple[str, str, torch.dtype, int]] = set()
 
 
 def _log_once(key: str, reason: str) -> None:
@@ -73,19 +75,27 @@ def choose_kernel(q: torch.Tensor, enabled: bool = True) -> str:
     if q.device.type != "cuda":
         return "portable"
     key = f"{q.dtype}/D={d}"
-    if q.dtype in REDUCED and _FLASH_CUDA is not None and round_up(d + 1, 8) <= FLASH_MAX_HEAD_DIM:
+
+    def usable(kernel: str) -> bool:
+        return (kernel, q.device.type, q.dtype, d) not in _refusals
+
+    if (q.dtype in REDUCED and _FLASH_CUDA is not None and round_up(d + 1, 8) <= FLASH_MAX_HEAD_DIM
+            and usable("cuda_flash")):
         return "cuda_flash"
-    if q.dtype in (*REDUCED, torch.float32) and _EFFICIENT_CUDA is not None:
+    if q.dtype in (*REDUCED, torch.float32) and _EFFICIENT_CUDA is not None and usable("cuda_efficient"):
         return "cuda_efficient"
     _log_once(key, f"no fused CUDA attention op takes {q.dtype} (head dim {d}): using the portable blocked "
                    "kernel (a Python loop over key blocks; slow at long prompts). Use bf16, fp16 or fp32.")
     return "portable"
 
 
-def refused(kernel: str, q: torch.Tensor, err: Exception) -> None:
-    """Log once that an op refused these inputs at run time (the caller then runs the portable kernel)."""
+def refused(kernel: str, q: torch.Tensor, err: Exception, where: str = "forward") -> None:
+    """An op refused these inputs at run time: log it once, and route later calls with this device, dtype and head
+    dim past it (`choose_kernel`: the other CUDA op where it applies, else the portable kernel, which the caller
+    runs for this chunk)."""
+    _refusals.add((kernel, q.device.type, q.dtype, q.shape[-1]))
     _log_once(f"{kernel}/{q.dtype}/D={q.shape[-1]}",
-              f"{kernel} refused {q.dtype} head dim {q.shape[-1]} ({str(err).splitlines()[0][:200]}); "
+              f"{kernel} ({where}) refused {q.dtype} head dim {q.shape[-1]} ({str(err).splitlines()[0][:200]}); "
               "using the portable blocked kernel for it")
 
 
