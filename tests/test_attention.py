@@ -88,3 +88,27 @@ def assert_bfloat16_close_to_float64(d: int = 8) -> None:
 
 def test_bfloat16_stays_close_to_float64(kernel):
     assert_bfloat16_close_to_float64()
+
+
+def test_adjacent_prefix_views_take_one_kernel_call(monkeypatch):
+    """merge_adjacent: chunks that are adjacent views of one tensor reach ChunkAttention as one chunk (no copy); the
+    output equals the per-chunk one; separate tensors, and chunks that require grad, are left as they are."""
+    from longstraw.attention import merge_adjacent
+
+    q, k, v, pk, pv = _inputs(2, 4, 2, 3, [5, 7, 3, 4])
+    whole_k, whole_v = torch.cat([t.detach() for t in pk], 2), torch.cat([t.detach() for t in pv], 2)
+    views_k, views_v = list(whole_k.split([5, 7, 3, 4], 2)), list(whole_v.split([5, 7, 3, 4], 2))
+    mixed_k = views_k[:2] + [pk[2].detach()] + views_k[3:]  # a run of two, then two singles
+    mixed_v = views_v[:2] + [pv[2].detach()] + views_v[3:]
+    seen = []
+    real = attention.ChunkAttention.apply
+    monkeypatch.setattr(attention.ChunkAttention, "apply", lambda *a: (seen.append(a[3]), real(*a))[1])
+    q_, k_, v_ = q.detach(), k.detach(), v.detach()
+    ref = naive_attention(q_, k_, v_, views_k, views_v, 0.3)
+    assert (prefix_attention(q_, k_, v_, views_k, views_v, 0.3) - ref).abs().max() < 1e-13
+    assert (prefix_attention(q_, k_, v_, mixed_k, mixed_v, 0.3) - ref).abs().max() < 1e-13
+    assert seen == [1, 1, 1, 3]  # (own, prefix) per call: the prefix in one run, then in three
+    merged_k, _ = merge_adjacent(views_k, views_v)
+    assert merged_k[0].data_ptr() == whole_k.data_ptr() and merged_k[0].shape == whole_k.shape
+    grad_k = [t.requires_grad_(True) for t in whole_k.clone().split([5, 7, 3, 4], 2)]
+    assert len(merge_adjacent(grad_k, views_v)[0]) == 4

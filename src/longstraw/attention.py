@@ -171,6 +171,33 @@ class ChunkAttention(torch.autograd.Function):
         return (dq.to(q.dtype), None, None, None, *dks, *dvs)
 
 
+def _continues(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """b (1, N, c_b, D) follows a (1, N, c_a, D) along dim 2 in the same storage (views of one coalesced tensor)."""
+    return (a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and a.dtype == b.dtype
+            and a.stride() == b.stride() and a.shape[:2] == b.shape[:2] and a.shape[3] == b.shape[3]
+            and b.storage_offset() == a.storage_offset() + a.shape[2] * a.stride(2))
+
+
+def merge_adjacent(keys: list[torch.Tensor], values: list[torch.Tensor]) -> tuple[list[torch.Tensor],
+                                                                                 list[torch.Tensor]]:
+    """Runs of prefix chunks that are adjacent views of one tensor (`PromptState.coalesce`) as one view each, no
+    copy: one kernel call per run instead of one per chunk (decoding reads the whole prefix per layer and step).
+    Chunks that require grad (the exact plan's leaves, each with its own gradient) are left as they are."""
+    if len(keys) < 2 or any(t.requires_grad for t in (*keys, *values)):
+        return keys, values
+    out_k, out_v = [keys[0]], [values[0]]
+    for k, v in zip(keys[1:], values[1:]):
+        if _continues(out_k[-1], k) and _continues(out_v[-1], v):
+            for runs, t in ((out_k, k), (out_v, v)):
+                head = runs[-1]
+                size = (*head.shape[:2], head.shape[2] + t.shape[2], head.shape[3])
+                runs[-1] = head.as_strided(size, head.stride(), head.storage_offset())
+        else:
+            out_k.append(k)
+            out_v.append(v)
+    return out_k, out_v
+
+
 def prefix_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -206,6 +233,7 @@ def prefix_attention(
     # Prefix: fold batch, group and time into one row set, (B, Hkv, g, T, D) -> (Hkv, B*g*T, D), so the
     # shared prefix K/V (Hkv, P, D) is read once for all sequences and heads, never expanded or copied.
     q_rows = query.view(b, hkv, g, t, d).permute(1, 0, 2, 3, 4).reshape(hkv, b * g * t, d)
+    prefix_keys, prefix_values = merge_adjacent(prefix_keys, prefix_values)
     n = len(prefix_keys)
     if cp is None:
         p_out, p_lse = ChunkAttention.apply(q_rows, scale, False, n, *prefix_keys, *prefix_values)

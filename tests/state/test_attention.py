@@ -73,3 +73,48 @@ def test_replay_continues_the_prompt_like_a_full_forward():
     for row in range(2):
         full = model.model(input_ids=torch.cat([prompt, segs[row]])[None]).last_hidden_state[0, 23:]
         assert (replayed[row] - full).abs().max() < 1e-12
+
+
+def _one_storage(chunks) -> bool:
+    return len({t.untyped_storage().data_ptr() for t in chunks}) == 1
+
+
+def test_capture_coalesces_full_attention_kv_into_one_tensor_per_layer():
+    """`PromptState.coalesce`: after capture each full-attention layer's K and V chunks are adjacent views of one
+    tensor (so a kernel reads them with one call), the values unchanged, the bytes unchanged; leaves (the exact
+    plan's) and an offloaded state keep their own chunks."""
+    import gc
+
+    from longstraw.attention import merge_adjacent
+
+    model = tiny_model("llama", dtype=torch.float32)
+    ids = torch.randint(0, 512, (50,), generator=torch.Generator().manual_seed(1))
+    state = capture_prompt(model, ids, chunk_size=12)
+    leaves = capture_prompt(model, ids, chunk_size=12, leaves=True)
+    assert state.num_chunks == 5 and state.nbytes() == leaves.nbytes()
+    for layer in range(state.num_layers):
+        keys, values = state.keys[layer], state.values[layer]
+        assert _one_storage(keys) and _one_storage(values) and not _one_storage(keys + values)
+        assert keys[0].untyped_storage().nbytes() == sum(t.numel() * t.element_size() for t in keys)
+        for a, b in zip(keys + values, leaves.keys[layer] + leaves.values[layer]):
+            assert torch.equal(a, b)
+        assert not _one_storage(leaves.keys[layer])
+        merged_k, merged_v = merge_adjacent(keys, values)
+        assert len(merged_k) == len(merged_v) == 1
+        assert torch.equal(merged_k[0], torch.cat(keys, dim=2)) and torch.equal(merged_v[0], torch.cat(values, dim=2))
+        assert merge_adjacent(leaves.keys[layer], leaves.values[layer])[0] == leaves.keys[layer]  # leaves: as given
+    offloaded = capture_prompt(model, ids, chunk_size=12, offload=True)
+    assert not _one_storage(offloaded.keys[0])
+    gc.collect()
+
+
+def test_sliding_window_layers_are_not_coalesced():
+    """Their old chunks are dropped as the window moves; one shared tensor would keep them alive."""
+    model = tiny_model("gemma3-A", dtype=torch.float32)
+    ids = torch.randint(0, 512, (60,), generator=torch.Generator().manual_seed(2))
+    state = capture_prompt(model, ids, chunk_size=12)
+    windowed = [layer for layer, w in enumerate(state.windows) if w is not None]
+    full = [layer for layer, w in enumerate(state.windows) if w is None]
+    assert windowed and full
+    assert all(not _one_storage(state.keys[layer]) for layer in windowed)
+    assert all(_one_storage(state.keys[layer]) for layer in full)

@@ -58,4 +58,6 @@ def capture_prompt(model: torch.nn.Module, ids: torch.Tensor, chunk_size: int,
         state.append_chunk(start, end, collect, leaves=leaves)
         if cp is not None and not cp.owns(j, len(bounds)):
             state.drop_attention(j)
+    if not leaves:
+        state.coalesce()  # one contiguous K/V per full-attention layer: one kernel call reads it all
     return state

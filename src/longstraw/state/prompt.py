@@ -180,6 +180,33 @@ class PromptState:
         if not self.keep_boundaries:
             self._drop_unneeded()
 
+    def coalesce(self) -> None:
+        """Hold each full-attention layer's key and value chunks as views of one (1, Hkv, length, D) tensor per part,
+        so that a kernel reads a run of adjacent chunks with one call (`attention.merge_adjacent`: decoding and the
+        detach plan's replays make one fused call per layer instead of one per chunk). In place: a layer's chunks are
+        copied into its tensor and freed before the next layer (a transient of one layer's part).
+
+        Left as they are: sliding-window layers (their old chunks are dropped, which a shared tensor would not free),
+        a context-parallel or offloaded state (chunks dropped, or copied to the device one by one), leaves (the exact
+        plan's per-chunk gradients), and parts that are not 4-D K/V of one shape (MLA latents are coalesced too, as
+        they are (1, 1, c, d): harmless, the masked path reads them per chunk)."""
+        if self.cp is not None or self.device is not None:
+            return
+        for layer in range(self.num_layers):
+            if self.windows[layer] is not None:
+                continue
+            for name in ("key", "value"):
+                entries = self.parts[name][layer]
+                if len(entries) < 2 or any(t is None or t.requires_grad or t.dim() != 4 for t in entries):
+                    continue
+                first = entries[0]
+                assert first is not None
+                if any(t.shape[:2] != first.shape[:2] or t.shape[3] != first.shape[3] or t.dtype != first.dtype
+                       for t in entries if t is not None):
+                    continue
+                whole = torch.cat(entries, dim=2)  # type: ignore[arg-type]  # (1, Hkv, length, D)
+                self.parts[name][layer] = list(whole.split([t.shape[2] for t in entries if t is not None], dim=2))
+
     def drop_attention(self, j: int) -> None:
         """Context parallelism: chunk j's attention parts live on another rank."""
         for name in ("key", "value", "index"):
