@@ -16,7 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _pytest(*args: str, env: dict[str, str]) -> tuple[int, dict[str, int], str]:
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", *args], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
     return proc.returncode, {w: int(n) for n, w in re.findall(r"(\d+) (passed|failed|skipped|error)", out)}, out

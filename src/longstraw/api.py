@@ -85,9 +85,8 @@ def _check_ranges(group: Group, dtype: torch.dtype) -> None:
     Advantages: |A| < sqrt(largest value), leaving room for the products of the backward (a GRPO advantage is
     a few units). old_logprobs: the ratio exp(logp - old) is at most exp(-old) (logp <= 0), so -old + log|A|
     must stay below log(largest value): in float32 that refuses log-probs below about -88, a probability under
-    1e-38 that no sampler draws. A float16 loss dtype (not reached: the policy computes a float16 model's loss in
-    float32) would be exempt (its bound, e^11, refuses ordinary sampled tokens): an overflow is then caught per
-    micro-batch, before that micro-batch's backward."""
+    1e-38 that no sampler draws. (A float16 model's loss runs in float32 too, so its tighter bound, e^11, which
+    ordinary sampled tokens would break, never applies.)"""
     finfo = torch.finfo(dtype)
     largest = float(group.advantages.abs().max())
     if not largest < math.sqrt(finfo.max):
@@ -102,7 +101,7 @@ def _check_ranges(group: Group, dtype: torch.dtype) -> None:
             if not torch.isfinite(lp.to(dtype)).all():
                 raise ValueError(f"{name}[{i}] reaches {float(lp.min()):.4g}, which is -inf in the loss's dtype "
                                  f"{_dtype_name(dtype)}: pass the policy's log-probs, not a fill value")
-    if group.old_logprobs is None or dtype == torch.float16:
+    if group.old_logprobs is None:
         return
     log_max = math.log(finfo.max)
     for i, lp in enumerate(group.old_logprobs):

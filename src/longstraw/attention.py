@@ -243,7 +243,6 @@ def prefix_attention(
         like_out = q_rows.new_zeros(hkv, b * g * t, prefix_values[0].shape[-1] if n else d, dtype=lse.dtype)
         if n:
             p_out, p_lse = ChunkAttention.apply(q_rows, scale, False, n, *prefix_keys, *prefix_values)
-            p_out = p_out.to(lse.dtype)
         else:
             p_out = like_out + 0 * q_rows.sum().to(lse.dtype)  # zero, but in the graph of q_rows
             p_lse = torch.full_like(like_out[..., 0], torch.finfo(lse.dtype).min)

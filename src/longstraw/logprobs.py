@@ -18,7 +18,7 @@ from longstraw.precision import accumulation_dtype
 DEFAULT_TOKEN_CHUNK = 1024
 
 
-def _logits(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def accumulated_logits(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """h (c, d) @ weight (V, d)^T -> (c, V) in the accumulation dtype (`precision.py`): for bf16/fp16 on CUDA
     straight from the GEMM's fp32 accumulator (torch.mm's out_dtype), elsewhere cast after the product."""
     acc = accumulation_dtype(h.dtype)
@@ -42,7 +42,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         out = torch.empty(hidden.shape[0], dtype=accumulation_dtype(hidden.dtype), device=hidden.device)
         lse = torch.empty_like(out)
         for s in range(0, hidden.shape[0], token_chunk):
-            logits = _logits(hidden[s : s + token_chunk], weight)  # (c, V)
+            logits = accumulated_logits(hidden[s : s + token_chunk], weight)  # (c, V)
             if temperature != 1.0:
                 logits.div_(temperature)
             tgt = targets[s : s + token_chunk]
@@ -62,7 +62,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         c, temperature = ctx.token_chunk, ctx.temperature
         for s in range(0, hidden.shape[0], c):
             h = hidden[s : s + c]
-            logits = _logits(h, weight)  # (c, V), recomputed
+            logits = accumulated_logits(h, weight)  # (c, V), recomputed
             if temperature != 1.0:
                 logits.div_(temperature)
             # d logp / d logits = onehot(target) - softmax(logits), scaled by the incoming gradient;

@@ -16,10 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from longstraw.logprobs import DEFAULT_TOKEN_CHUNK
+from longstraw.logprobs import DEFAULT_TOKEN_CHUNK, accumulated_logits
 from longstraw.models import hf
 from longstraw.plans.replay import replay_responses
-from longstraw.precision import accumulation_dtype
 from longstraw.segment import run_segment
 from longstraw.state.capture import capture_prompt
 from longstraw.state.prompt import PromptState
@@ -110,9 +109,7 @@ def sample_group(
     for step in range(sampling.max_new_tokens):
         hidden = run_segment(model, token, p - 1 + step, state, generated=generated)  # (G, 1, d)
         assert hidden is not None  # None only with kv_only
-        logits = hidden[:, -1] @ weight.t()  # (G, V)
-        if logits.dtype in (torch.float16, torch.bfloat16):
-            logits = logits.float()  # sample and score in at least fp32
+        logits = accumulated_logits(hidden[:, -1], weight)  # (G, V): sample and score in >= fp32 (precision.py)
         policy_logp = torch.log_softmax(logits, dim=-1)
         filtered = _filter_logits(logits / sampling.temperature, sampling.top_k, sampling.top_p)
         probs = torch.softmax(filtered, dim=-1)
@@ -126,7 +123,7 @@ def sample_group(
             break
         token = nxt[:, None]
     ids = torch.stack(tokens, dim=1)  # (G, steps)
-    lp = torch.stack(logps, dim=1).to(accumulation_dtype(weight.dtype))  # fp32 for bf16 (precision.py)
+    lp = torch.stack(logps, dim=1)  # (G, steps), in the accumulation dtype: fp32 for bf16 (precision.py)
     responses = [ids[i, : int(lengths[i])].clone() for i in range(group_size)]
     logprobs = [lp[i, : int(lengths[i])].clone() for i in range(group_size)]
     return Rollout(responses=responses, logprobs=logprobs, state=state)

@@ -101,7 +101,7 @@ def _synchronize(device: str) -> None:
 def measure(device: str, fn: Callable[[], Any]) -> tuple[Any, dict[str, Any]]:
     """Run `fn()` as one phase: its result and wall time, CPU time, CPU pressure and peak memory (module docstring).
     On CUDA the phase starts and ends with a synchronize, so the time covers the GPU work it queued."""
-    from longstraw.bench.worker import _cpu_stall_us
+    from longstraw.bench.worker import _cpu_stall_us, cpu_pressure
     from longstraw.peak import PeakMemory
 
     gc.collect()
@@ -114,7 +114,7 @@ def measure(device: str, fn: Callable[[], Any]) -> tuple[Any, dict[str, Any]]:
     _synchronize(device)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     stall1 = _cpu_stall_us()
-    pressure = None if stall0 is None or stall1 is None else min(1.0, (stall1 - stall0) / 1e6 / wall)
+    pressure = cpu_pressure(stall0, stall1, wall)
     return result, {
         "time_s": wall, "cpu_time_s": cpu, "cpu_pressure": pressure,
         "peak_bytes": meter.peak_bytes(), "peak_absolute_bytes": meter.peak_absolute_bytes(),

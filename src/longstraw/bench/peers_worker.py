@@ -55,7 +55,7 @@ from typing import Any
 import torch
 
 from longstraw.bench.common import load_bench_model
-from longstraw.bench.worker import _cpu_stall_us, make_group
+from longstraw.bench.worker import _cpu_stall_us, cpu_pressure, make_group
 from longstraw.peak import PeakMemory
 
 CONFIG_KEYS = ("peer", "model", "dtype", "device", "prompt_tokens", "response_tokens", "group_size", "seed",
@@ -89,7 +89,7 @@ class _Meter:
             torch.cuda.synchronize(self.device)
         step_s, cpu_s = time.perf_counter() - self.t0, time.process_time() - self.c0
         stall1 = _cpu_stall_us()
-        pressure = None if self.stall0 is None or stall1 is None else min(1.0, (stall1 - self.stall0) / 1e6 / step_s)
+        pressure = cpu_pressure(self.stall0, stall1, step_s)
         return {
             "peak_bytes": self.meter.peak_bytes(), "baseline_bytes": self.meter.base,
             "high_water_bytes": self.meter.peak_absolute_bytes(),

@@ -29,6 +29,11 @@ CONFIG_KEYS = (
 )
 
 
+def cpu_pressure(stall0: int | None, stall1: int | None, seconds: float) -> float | None:
+    """The share of `seconds` during which some runnable task waited for a CPU, from two `_cpu_stall_us` readings."""
+    return None if stall0 is None or stall1 is None else min(1.0, (stall1 - stall0) / 1e6 / seconds)
+
+
 def _cpu_stall_us() -> int | None:
     """Cumulative microseconds some runnable task waited for a CPU, system-wide (PSI, Linux >= 4.20)."""
     try:
@@ -88,7 +93,7 @@ def run_config(config: dict[str, Any]) -> dict[str, Any]:
     stall1 = _cpu_stall_us()
     # Share of the step during which runnable tasks queued for a CPU: near 0 on an idle host; high values
     # mean other processes competed for the cores and the wall time is inflated (peaks are unaffected).
-    pressure = None if stall0 is None or stall1 is None else min(1.0, (stall1 - stall0) / 1e6 / step_s)
+    pressure = cpu_pressure(stall0, stall1, step_s)
 
     high = meter.peak_absolute_bytes()
     return {

@@ -196,16 +196,13 @@ class PromptState:
             if self.windows[layer] is not None:
                 continue
             for name in ("key", "value"):
-                entries = self.parts[name][layer]
-                if len(entries) < 2 or any(t is None or t.requires_grad or t.dim() != 4 for t in entries):
+                chunks = [t for t in self.parts[name][layer] if t is not None]
+                if len(chunks) < 2 or len(chunks) < self.num_chunks or any(
+                        t.requires_grad or t.dim() != 4 or t.dtype != chunks[0].dtype
+                        or (t.shape[:2], t.shape[3]) != (chunks[0].shape[:2], chunks[0].shape[3]) for t in chunks):
                     continue
-                first = entries[0]
-                assert first is not None
-                if any(t.shape[:2] != first.shape[:2] or t.shape[3] != first.shape[3] or t.dtype != first.dtype
-                       for t in entries if t is not None):
-                    continue
-                whole = torch.cat(entries, dim=2)  # type: ignore[arg-type]  # (1, Hkv, length, D)
-                self.parts[name][layer] = list(whole.split([t.shape[2] for t in entries if t is not None], dim=2))
+                whole = torch.cat(chunks, dim=2)  # (1, Hkv, length, D)
+                self.parts[name][layer] = list(whole.split([t.shape[2] for t in chunks], dim=2))
 
     def drop_attention(self, j: int) -> None:
         """Context parallelism: chunk j's attention parts live on another rank."""
