@@ -91,24 +91,61 @@ def test_bfloat16_stays_close_to_float64(kernel):
 
 
 def test_adjacent_prefix_views_take_one_kernel_call(monkeypatch):
-    """merge_adjacent: chunks that are adjacent views of one tensor reach ChunkAttention as one chunk (no copy); the
-    output equals the per-chunk one; separate tensors, and chunks that require grad, are left as they are."""
-    from longstraw.attention import merge_adjacent
+    """adjacent_runs: chunks that are adjacent views of one tensor are read with one kernel call (no copy); the
+    output equals the per-chunk one; separate tensors break a run."""
+    from longstraw.attention import adjacent_runs
 
+    if fused._FLASH_CPU is None:
+        pytest.skip("this torch build has no fused CPU flash-attention op")
     q, k, v, pk, pv = _inputs(2, 4, 2, 3, [5, 7, 3, 4])
     whole_k, whole_v = torch.cat([t.detach() for t in pk], 2), torch.cat([t.detach() for t in pv], 2)
     views_k, views_v = list(whole_k.split([5, 7, 3, 4], 2)), list(whole_v.split([5, 7, 3, 4], 2))
     mixed_k = views_k[:2] + [pk[2].detach()] + views_k[3:]  # a run of two, then two singles
     mixed_v = views_v[:2] + [pv[2].detach()] + views_v[3:]
-    seen = []
-    real = attention.ChunkAttention.apply
-    monkeypatch.setattr(attention.ChunkAttention, "apply", lambda *a: (seen.append(a[3]), real(*a))[1])
+    calls = _count_kernel_calls(monkeypatch)
     q_, k_, v_ = q.detach(), k.detach(), v.detach()
     ref = naive_attention(q_, k_, v_, views_k, views_v, 0.3)
     assert (prefix_attention(q_, k_, v_, views_k, views_v, 0.3) - ref).abs().max() < 1e-13
+    assert calls["forward"] == 2  # own tokens, then the whole prefix in one run
     assert (prefix_attention(q_, k_, v_, mixed_k, mixed_v, 0.3) - ref).abs().max() < 1e-13
-    assert seen == [1, 1, 1, 3]  # (own, prefix) per call: the prefix in one run, then in three
-    merged_k, _ = merge_adjacent(views_k, views_v)
-    assert merged_k[0].data_ptr() == whole_k.data_ptr() and merged_k[0].shape == whole_k.shape
-    grad_k = [t.requires_grad_(True) for t in whole_k.clone().split([5, 7, 3, 4], 2)]
-    assert len(merge_adjacent(grad_k, views_v)[0]) == 4
+    assert calls["forward"] == 2 + 4  # own tokens, then the prefix in three runs
+    runs = adjacent_runs(views_k, views_v)
+    assert len(runs) == 1 and runs[0][2] == [5, 7, 3, 4]
+    assert runs[0][0].data_ptr() == whole_k.data_ptr() and runs[0][0].shape == whole_k.shape
+    assert [sizes for _, _, sizes in adjacent_runs(mixed_k, mixed_v)] == [[5, 7], [3], [4]]
+    assert len(adjacent_runs(pk, pv)) == 4  # separate tensors
+
+
+def test_a_run_of_leaves_gives_each_chunk_its_own_gradient(monkeypatch, kernel):
+    """The exact plan's leaves: one leaf per chunk, views of one coalesced tensor. One kernel call forward and one
+    backward read the run, and every leaf's gradient equals the naive reference's for its chunk (float64)."""
+    q, k, v, pk, pv = _inputs(2, 4, 2, 3, [5, 7, 3, 4])
+    whole_k, whole_v = torch.cat([t.detach() for t in pk], 2), torch.cat([t.detach() for t in pv], 2)
+    leaf_k = [t.detach().requires_grad_(True) for t in whole_k.split([5, 7, 3, 4], 2)]
+    leaf_v = [t.detach().requires_grad_(True) for t in whole_v.split([5, 7, 3, 4], 2)]
+    assert len({t.untyped_storage().data_ptr() for t in leaf_k}) == 1
+    calls = _count_kernel_calls(monkeypatch)
+    out = prefix_attention(q, k, v, leaf_k, leaf_v, 0.3)
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(3), dtype=out.dtype)
+    (out * weights).sum().backward()
+    if attention.USE_FUSED:
+        assert calls == {"forward": 2, "backward": 2}  # own tokens, then the four chunks in one run
+    ref = naive_attention(q, k, v, pk, pv, 0.3)
+    assert (out - ref).abs().max() < 1e-13
+    (ref * weights).sum().backward()
+    for got, want in zip(leaf_k + leaf_v, pk + pv):
+        assert got.grad is not None and got.grad.shape == want.shape
+        assert (got.grad - want.grad).abs().max() < 1e-12
+
+
+def _count_kernel_calls(monkeypatch) -> dict[str, int]:
+    """Counts the fused op's forward and backward calls (one per run of key chunks)."""
+    calls = {"forward": 0, "backward": 0}
+    for name in ("forward", "backward"):
+        real = getattr(attention, f"fused_{name}")
+
+        def counted(*a, _real=real, _name=name):
+            calls[_name] += 1
+            return _real(*a)
+        monkeypatch.setattr(attention, f"fused_{name}", counted)
+    return calls

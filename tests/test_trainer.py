@@ -166,8 +166,10 @@ def test_kl_reuse_and_dynamic_sampling_run_and_report(tmp_path):
 
 
 def test_checkpointing_and_offload_train_like_the_plain_run(tmp_path):
-    """`--checkpoint-layers --offload-state` (the memory levers) change no metric and no weight of a 3-step run."""
-    common = ["--model", "tiny-llama", "--task", "jsonl", "--data", str(_jsonl(tmp_path)),
+    """`--checkpoint-layers --offload-state` (the memory levers) change no metric and no weight of a 3-step run.
+    float64: the plain run reads its coalesced prefix in one attention call, the offloaded one chunk by chunk (sums
+    associated differently), which AdamW's normalised steps would lift above a tight tolerance in fp32."""
+    common = ["--model", "tiny-llama", "--dtype", "float64", "--task", "jsonl", "--data", str(_jsonl(tmp_path)),
               "--reward-fn", "rewards_for_tests:even_byte_fraction", "--group-size", "4", "--max-new-tokens", "6",
               "--lr", "1e-3", "--eval-prompts", "0", "--no-plot", "--chunk-size", "8", "--steps", "3"]
     plain, lean = tmp_path / "plain", tmp_path / "lean"
@@ -178,11 +180,11 @@ def test_checkpointing_and_offload_train_like_the_plain_run(tmp_path):
     b = [json.loads(x) for x in (lean / "metrics.jsonl").read_text().splitlines()]
     assert len(a) == len(b) == 3 and any(r["grad_norm"] > 0 for r in a)
     for x, y in zip(a, b):
-        assert x["reward_mean"] == y["reward_mean"] and x["loss"] == pytest.approx(y["loss"], rel=1e-6, abs=1e-9)
+        assert x["reward_mean"] == y["reward_mean"] and x["loss"] == pytest.approx(y["loss"], rel=1e-9, abs=1e-12)
     wa = torch.load(plain / "checkpoint.pt", weights_only=False)["model"]
     wb = torch.load(lean / "checkpoint.pt", weights_only=False)["model"]
     for k in wa:
-        assert float((wa[k] - wb[k]).norm()) <= 1e-6 * max(1.0, float(wa[k].norm())), k
+        assert float((wa[k] - wb[k]).norm()) <= 1e-10 * max(1.0, float(wa[k].norm())), k
     bad = _cli("train", *common, "--plan", "standard", "--offload-state", "--run-dir", str(tmp_path / "x"),
                cwd=tmp_path)
     assert bad.returncode == 2 and "offload_state moves the prompt state" in bad.stderr

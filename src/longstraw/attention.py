@@ -19,6 +19,7 @@ row set `M = B * g * T`, so the prefix K/V of shape (Hkv, P, D) is read once for
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -100,11 +101,13 @@ class ChunkAttention(torch.autograd.Function):
     segment's own tokens. Outputs: out (N, M, D), lse (N, M), both differentiable, both in the accumulation
     dtype (fp32 for bf16/fp16 inputs, `precision.py`).
 
-    Chunks are combined with an online softmax, so only the final out/lse are saved; backward runs each
-    chunk's backward against the global out/lse. Per chunk a fused op runs where one takes q's device, dtype
-    and head dim (`attention_fused.choose_kernel`: CPU flash, CUDA flash, CUDA memory-efficient), else the
-    portable blocked kernel above (same math; the parity tests compare every path with `naive_attention`).
-    An op that refuses its inputs at run time is logged once and that chunk runs the portable kernel.
+    Chunks that are adjacent views of one tensor (`adjacent_runs`) are read as one run; runs are combined with
+    an online softmax, so only the final out/lse are saved; backward runs each run's backward against the
+    global out/lse and hands every input chunk its slice of the run's gradient. Per run a fused op runs where
+    one takes q's device, dtype and head dim (`attention_fused.choose_kernel`: CPU flash, CUDA flash, CUDA
+    memory-efficient), else the portable blocked kernel above (same math; the parity tests compare every path
+    with `naive_attention`). An op that refuses its inputs at run time is logged once and that run, and every
+    later one, runs the portable kernel.
     """
 
     @staticmethod
@@ -114,7 +117,7 @@ class ChunkAttention(torch.autograd.Function):
         out: torch.Tensor | None = None
         lse: torch.Tensor | None = None
         kernels, aux = [], []
-        for k, v in zip(kv[:n], kv[n:]):
+        for k, v, _ in adjacent_runs(kv[:n], kv[n:]):
             o = l = a = None
             if kernel != "portable":
                 try:
@@ -150,8 +153,9 @@ class ChunkAttention(torch.autograd.Function):
         d_lse = torch.zeros_like(lse) if d_lse is None else d_lse.to(lse.dtype)
         row = (d_out * out).sum(-1) - d_lse  # (N, M), used by the portable kernel
         dq = torch.zeros_like(out)
-        dks, dvs = [], []
-        for j, (k, v) in enumerate(zip(kv[:n], kv[n:])):
+        dks: list[torch.Tensor | None] = []
+        dvs: list[torch.Tensor | None] = []
+        for j, (k, v, sizes) in enumerate(adjacent_runs(kv[:n], kv[n:])):
             grads = None
             if ctx.kernels[j] != "portable":  # the ops work in q's dtype, with an fp32 log-sum-exp for bf16/fp16
                 try:
@@ -166,8 +170,10 @@ class ChunkAttention(torch.autograd.Function):
                                            scale, causal, need_kv)
             dq_j, dk_j, dv_j = grads
             dq += dq_j
-            dks.append(dk_j[None].to(k.dtype) if need_kv else None)
-            dvs.append(dv_j[None].to(v.dtype) if need_kv else None)
+            # One gradient per input chunk: a run's gradient split back along the keys (views; a leaf's
+            # AccumulateGrad copies a non-contiguous view into its own .grad).
+            dks.extend(dk_j[None].to(k.dtype).split(sizes, dim=2) if need_kv else [None] * len(sizes))
+            dvs.extend(dv_j[None].to(v.dtype).split(sizes, dim=2) if need_kv else [None] * len(sizes))
         return (dq.to(q.dtype), None, None, None, *dks, *dvs)
 
 
@@ -178,24 +184,28 @@ def _continues(a: torch.Tensor, b: torch.Tensor) -> bool:
             and b.storage_offset() == a.storage_offset() + a.shape[2] * a.stride(2))
 
 
-def merge_adjacent(keys: list[torch.Tensor], values: list[torch.Tensor]) -> tuple[list[torch.Tensor],
-                                                                                 list[torch.Tensor]]:
-    """Runs of prefix chunks that are adjacent views of one tensor (`PromptState.coalesce`) as one view each, no
-    copy: one kernel call per run instead of one per chunk (decoding reads the whole prefix per layer and step).
-    Chunks that require grad (the exact plan's leaves, each with its own gradient) are left as they are."""
-    if len(keys) < 2 or any(t.requires_grad for t in (*keys, *values)):
-        return keys, values
-    out_k, out_v = [keys[0]], [values[0]]
-    for k, v in zip(keys[1:], values[1:]):
-        if _continues(out_k[-1], k) and _continues(out_v[-1], v):
-            for runs, t in ((out_k, k), (out_v, v)):
-                head = runs[-1]
-                size = (*head.shape[:2], head.shape[2] + t.shape[2], head.shape[3])
-                runs[-1] = head.as_strided(size, head.stride(), head.storage_offset())
+def adjacent_runs(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor,
+                                                                                        torch.Tensor, list[int]]]:
+    """Runs of prefix chunks that are adjacent views of one tensor (`PromptState.coalesce`), each as one view over the
+    run and its chunks' key counts: (key (1, N, c, D), value (1, N, c, D), [c_1, ...]). No copy. `ChunkAttention`
+    makes one kernel call per run instead of one per chunk (decoding reads the whole prefix per layer and step; a
+    replay or the exact plan's recompute of chunk c reads chunks 0 ... c-1) and splits a run's gradient back into
+    its chunks, so each of the exact plan's leaves still receives its own. Built on the tensors' data (called inside
+    the autograd function), so the views carry no autograd history."""
+    runs: list[tuple[torch.Tensor, torch.Tensor, list[int]]] = []
+    for k, v in zip(keys, values):
+        if runs and _continues(runs[-1][0], k) and _continues(runs[-1][1], v):
+            head_k, head_v, sizes = runs[-1]
+            runs[-1] = (_extend(head_k, k.shape[2]), _extend(head_v, v.shape[2]), [*sizes, k.shape[2]])
         else:
-            out_k.append(k)
-            out_v.append(v)
-    return out_k, out_v
+            runs.append((k, v, [k.shape[2]]))
+    return runs
+
+
+def _extend(head: torch.Tensor, extra: int) -> torch.Tensor:
+    """head (1, N, c, D) viewed over c + extra keys of its storage (the next chunk's, checked by `_continues`)."""
+    size = (*head.shape[:2], head.shape[2] + extra, head.shape[3])
+    return head.detach().as_strided(size, head.stride(), head.storage_offset())
 
 
 def prefix_attention(
@@ -233,7 +243,6 @@ def prefix_attention(
     # Prefix: fold batch, group and time into one row set, (B, Hkv, g, T, D) -> (Hkv, B*g*T, D), so the
     # shared prefix K/V (Hkv, P, D) is read once for all sequences and heads, never expanded or copied.
     q_rows = query.view(b, hkv, g, t, d).permute(1, 0, 2, 3, 4).reshape(hkv, b * g * t, d)
-    prefix_keys, prefix_values = merge_adjacent(prefix_keys, prefix_values)
     n = len(prefix_keys)
     if cp is None:
         p_out, p_lse = ChunkAttention.apply(q_rows, scale, False, n, *prefix_keys, *prefix_values)

@@ -17,12 +17,33 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 from transformers import (
     AutoModelForCausalLM,
 )
 
 from longstraw.choices import DTYPE_ALIASES, DTYPE_BYTES
 from longstraw.presets import PRESETS
+
+# The oldest transformers whose decoders take the cache protocol `state.cache.SegmentCache` speaks: 5.24 renamed the
+# models' `past_key_values` argument to `cache` (older 5.x would take ours as an unknown keyword and run every
+# segment without it) and made linear-attention layers read their state through get_/update_conv_state calls.
+MIN_TRANSFORMERS = (5, 24)
+
+
+def check_transformers(version: str | None = None) -> None:
+    """Refuse a transformers older than MIN_TRANSFORMERS before any model is built (the failure would otherwise
+    surface deep in a capture as "chunk produced no state", or not at all)."""
+    version = transformers.__version__ if version is None else version
+    found = tuple(int(x) for x in re.findall(r"\d+", version)[:2])
+    if found < MIN_TRANSFORMERS:
+        need = ".".join(map(str, MIN_TRANSFORMERS))
+        raise ImportError(f"LongStraw needs transformers >= {need} (found {version}): older releases pass the cache "
+                          f"under another name, so a prompt state would be silently ignored. Upgrade: "
+                          f"pip install 'transformers>={need},<6'")
+
+
+check_transformers()
 
 # Model types whose every layer kind has a state adapter and a parity test (docs/design.md §4): full attention (GQA),
 # sliding window, gated DeltaNet and KDA linear attention, Mamba2 SSM, MLA latent attention, DSA, MoE FFNs.

@@ -108,3 +108,36 @@ def test_keep_prompt_graph_with_a_given_state_is_refused():
     with pytest.raises(ValueError, match="pass one or the other"):
         backward_group(model, group, plan="exact", chunk_size=16, prompt_state=state, keep_prompt_graph=1)
 
+
+
+@pytest.mark.parametrize("keep", (0, 2))
+def test_exact_plan_reads_its_prefix_in_one_run_per_layer(keep, monkeypatch):
+    """The exact plan's leaves are coalesced (`PromptState.coalesce`): the replays and the prompt backward's
+    recomputes read the prompt chunks before them as one run per layer (one kernel call), forward and backward;
+    with kept capture graphs the kept chunks stay apart. The gradient is unchanged (the float64 tests above)."""
+    import longstraw.attention as attention
+
+    model = _model("llama")
+    group = random_group(70, [5, 9], seed=5)  # prompt[:-1] = 69 tokens: chunks of 16 -> 5 chunks
+    seen: list[tuple[int, int]] = []  # (chunks read, runs) per ChunkAttention call over a prefix
+    recomputes: list[tuple[int, int]] = []  # the same, during the prompt backward's recomputes
+    real_runs, real_segment = attention.adjacent_runs, exact_module.run_segment
+
+    def counted(keys, values):
+        runs = real_runs(keys, values)
+        seen.append((len(keys), len(runs)))
+        return runs
+
+    def recompute(*args, **kwargs):
+        before = len(seen)
+        out = real_segment(*args, **kwargs)
+        recomputes.extend(seen[before:])
+        return out
+
+    monkeypatch.setattr(attention, "adjacent_runs", counted)
+    monkeypatch.setattr(exact_module, "run_segment", recompute)
+    backward_group(model, group, plan="exact", chunk_size=16, micro_batch=2, keep_prompt_graph=keep)
+    replays = [runs for chunks, runs in seen if chunks == 5]  # responses against the whole prompt
+    assert replays and set(replays) == ({1} if keep == 0 else {3})  # kept: [0, 1, 2], [3], [4]
+    # chunk c's recompute reads chunks 0 ... c-1 (c = 1 ... 4 - keep; chunk 0 reads none) as one run
+    assert sorted(set(recomputes)) == [(c, 1) for c in range(1, 5 - keep)]

@@ -81,16 +81,17 @@ def _one_storage(chunks) -> bool:
 
 def test_capture_coalesces_full_attention_kv_into_one_tensor_per_layer():
     """`PromptState.coalesce`: after capture each full-attention layer's K and V chunks are adjacent views of one
-    tensor (so a kernel reads them with one call), the values unchanged, the bytes unchanged; leaves (the exact
-    plan's) and an offloaded state keep their own chunks."""
+    tensor (so a kernel reads them with one call), the values unchanged, the bytes unchanged; the exact plan's leaves
+    too, each chunk still its own leaf; not the chunks whose capture graph is kept, nor an offloaded state."""
     import gc
 
-    from longstraw.attention import merge_adjacent
+    from longstraw.attention import adjacent_runs
 
     model = tiny_model("llama", dtype=torch.float32)
     ids = torch.randint(0, 512, (50,), generator=torch.Generator().manual_seed(1))
     state = capture_prompt(model, ids, chunk_size=12)
     leaves = capture_prompt(model, ids, chunk_size=12, leaves=True)
+    kept = capture_prompt(model, ids, chunk_size=12, leaves=True, keep_graph=2)
     assert state.num_chunks == 5 and state.nbytes() == leaves.nbytes()
     for layer in range(state.num_layers):
         keys, values = state.keys[layer], state.values[layer]
@@ -98,15 +99,17 @@ def test_capture_coalesces_full_attention_kv_into_one_tensor_per_layer():
         assert keys[0].untyped_storage().nbytes() == sum(t.numel() * t.element_size() for t in keys)
         for a, b in zip(keys + values, leaves.keys[layer] + leaves.values[layer]):
             assert torch.equal(a, b)
-        assert not _one_storage(leaves.keys[layer])
-        merged_k, merged_v = merge_adjacent(keys, values)
-        assert len(merged_k) == len(merged_v) == 1
-        assert torch.equal(merged_k[0], torch.cat(keys, dim=2)) and torch.equal(merged_v[0], torch.cat(values, dim=2))
-        assert merge_adjacent(leaves.keys[layer], leaves.values[layer])[0] == leaves.keys[layer]  # leaves: as given
+        runs = adjacent_runs(keys, values)
+        assert len(runs) == 1 and runs[0][2] == [12, 12, 12, 12, 2]
+        assert torch.equal(runs[0][0], torch.cat(keys, dim=2)) and torch.equal(runs[0][1], torch.cat(values, dim=2))
+        assert _one_storage(leaves.keys[layer]) and len(adjacent_runs(leaves.keys[layer], leaves.values[layer])) == 1
+        assert all(t.is_leaf and t.requires_grad and t.grad is None for t in leaves.keys[layer] + leaves.values[layer])
+        # kept graphs (the last two chunks): the first three coalesced, the kept two as captured
+        runs = adjacent_runs(kept.keys[layer], kept.values[layer])
+        assert [sizes for _, _, sizes in runs] == [[12, 12, 12], [12], [2]]
     offloaded = capture_prompt(model, ids, chunk_size=12, offload=True)
     assert not _one_storage(offloaded.keys[0])
     gc.collect()
-
 
 def test_sliding_window_layers_are_not_coalesced():
     """Their old chunks are dropped as the window moves; one shared tensor would keep them alive."""

@@ -47,6 +47,8 @@ def capture_prompt(model: torch.nn.Module, ids: torch.Tensor, chunk_size: int,
     for j, (start, end) in enumerate(bounds):
         collect: Collected = {}
         graph = j >= len(bounds) - keep_graph
+        if graph and j == len(bounds) - keep_graph:
+            state.coalesce()  # now, not after: the kept graphs must lead to the (coalesced) leaves the state keeps
         with torch.set_grad_enabled(graph):
             run_segment(model, ids[start:end].unsqueeze(0), start, state.fork(), collect, kv_only=True)
         for layer, parts in collect.items():
@@ -58,6 +60,6 @@ def capture_prompt(model: torch.nn.Module, ids: torch.Tensor, chunk_size: int,
         state.append_chunk(start, end, collect, leaves=leaves)
         if cp is not None and not cp.owns(j, len(bounds)):
             state.drop_attention(j)
-    if not leaves:
-        state.coalesce()  # one contiguous K/V per full-attention layer: one kernel call reads it all
+    collect = {}  # the last chunk's parts are in the state now: not held twice while coalescing
+    state.coalesce()  # one contiguous K/V per full-attention layer: one kernel call reads it all
     return state

@@ -182,27 +182,39 @@ class PromptState:
 
     def coalesce(self) -> None:
         """Hold each full-attention layer's key and value chunks as views of one (1, Hkv, length, D) tensor per part,
-        so that a kernel reads a run of adjacent chunks with one call (`attention.merge_adjacent`: decoding and the
-        detach plan's replays make one fused call per layer instead of one per chunk). In place: a layer's chunks are
-        copied into its tensor and freed before the next layer (a transient of one layer's part).
+        so that a kernel reads a run of adjacent chunks with one call (`attention.adjacent_runs`: decoding, the
+        replays of both plans and the exact plan's recomputes make one fused call per layer instead of one per
+        chunk). In place: a layer's chunks are copied into its tensor and freed before the next layer (a transient
+        of one layer's part). The exact plan's leaves stay one leaf per chunk, each with its own gradient (views of
+        the shared tensor, detached: `ChunkAttention` splits a run's gradient back into its chunks).
 
         Left as they are: sliding-window layers (their old chunks are dropped, which a shared tensor would not free),
-        a context-parallel or offloaded state (chunks dropped, or copied to the device one by one), leaves (the exact
-        plan's per-chunk gradients), and parts that are not 4-D K/V of one shape (MLA latents are coalesced too, as
-        they are (1, 1, c, d): harmless, the masked path reads them per chunk)."""
-        if self.cp is not None or self.device is not None:
+        a context-parallel or offloaded state (chunks dropped, or copied to the device one by one), chunks whose
+        capture graph is kept (`graphs`: their parts share storage with the graph's outputs, which a copy would hold
+        twice; the capture coalesces the chunks before them before they run, as their graphs must lead to the leaves
+        the state keeps, and a second call leaves a coalesced run as it is), and parts that are not 4-D K/V of one
+        shape (MLA latents are coalesced too, as they are (1, 1, c, d): harmless, the masked path reads them per
+        chunk)."""
+        joined = min(self.graphs, default=self.num_chunks)  # kept graphs are the trailing chunks
+        if self.cp is not None or self.device is not None or joined < 2:
             return
         for layer in range(self.num_layers):
             if self.windows[layer] is not None:
                 continue
             for name in ("key", "value"):
-                chunks = [t for t in self.parts[name][layer] if t is not None]
-                if len(chunks) < 2 or len(chunks) < self.num_chunks or any(
-                        t.requires_grad or t.dim() != 4 or t.dtype != chunks[0].dtype
-                        or (t.shape[:2], t.shape[3]) != (chunks[0].shape[:2], chunks[0].shape[3]) for t in chunks):
+                entries = self.parts[name][layer][:joined]
+                chunks = [t for t in entries if t is not None]
+                if len(chunks) < len(entries) or len({t.untyped_storage().data_ptr() for t in chunks}) == 1:
+                    continue  # a dropped chunk, or already one tensor (coalesced before the kept chunks ran)
+                first = chunks[0]
+                if any(
+                        not t.is_leaf or t.dim() != 4 or t.dtype != first.dtype
+                        or (t.shape[:2], t.shape[3]) != (first.shape[:2], first.shape[3]) for t in chunks):
                     continue
-                whole = torch.cat(chunks, dim=2)  # (1, Hkv, length, D)
-                self.parts[name][layer] = list(whole.split([t.shape[2] for t in chunks], dim=2))
+                whole = torch.cat([t.detach() for t in chunks], dim=2)  # (1, Hkv, joined chunks' length, D)
+                views = whole.split([t.shape[2] for t in chunks], dim=2)
+                self.parts[name][layer][:joined] = [_leaf(name, view) if t.requires_grad else view
+                                                    for t, view in zip(chunks, views)]
 
     def drop_attention(self, j: int) -> None:
         """Context parallelism: chunk j's attention parts live on another rank."""
