@@ -178,7 +178,8 @@ class ChunkAttention(torch.autograd.Function):
 
 
 def _continues(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """b (1, N, c_b, D) follows a (1, N, c_a, D) along dim 2 in the same storage (views of one coalesced tensor)."""
+    """b (1, N, c_b, D) follows a (1, N, c_a, D) along dim 2 in the same storage (views of one tensor,
+    `PromptState._slab`)."""
     return (a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and a.dtype == b.dtype
             and a.stride() == b.stride() and a.shape[:2] == b.shape[:2] and a.shape[3] == b.shape[3]
             and b.storage_offset() == a.storage_offset() + a.shape[2] * a.stride(2))
@@ -186,7 +187,7 @@ def _continues(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def adjacent_runs(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor,
                                                                                         torch.Tensor, list[int]]]:
-    """Runs of prefix chunks that are adjacent views of one tensor (`PromptState.coalesce`), each as one view over the
+    """Runs of prefix chunks that are adjacent views of one tensor (`PromptState._slab`), each as one view over the
     run and its chunks' key counts: (key (1, N, c, D), value (1, N, c, D), [c_1, ...]). No copy. `ChunkAttention`
     makes one kernel call per run instead of one per chunk (decoding reads the whole prefix per layer and step; a
     replay or the exact plan's recompute of chunk c reads chunks 0 ... c-1) and splits a run's gradient back into

@@ -112,9 +112,9 @@ def test_keep_prompt_graph_with_a_given_state_is_refused():
 
 @pytest.mark.parametrize("keep", (0, 2))
 def test_exact_plan_reads_its_prefix_in_one_run_per_layer(keep, monkeypatch):
-    """The exact plan's leaves are coalesced (`PromptState.coalesce`): the replays and the prompt backward's
-    recomputes read the prompt chunks before them as one run per layer (one kernel call), forward and backward;
-    with kept capture graphs the kept chunks stay apart. The gradient is unchanged (the float64 tests above)."""
+    """The exact plan's leaves are views of one tensor per layer (`PromptState._slab`): the replays and the prompt
+    backward's recomputes read the prompt chunks before them as one run per layer (one kernel call), kept capture
+    graphs or not. The gradient is unchanged (the float64 tests above)."""
     import longstraw.attention as attention
 
     model = _model("llama")
@@ -138,6 +138,6 @@ def test_exact_plan_reads_its_prefix_in_one_run_per_layer(keep, monkeypatch):
     monkeypatch.setattr(exact_module, "run_segment", recompute)
     backward_group(model, group, plan="exact", chunk_size=16, micro_batch=2, keep_prompt_graph=keep)
     replays = [runs for chunks, runs in seen if chunks == 5]  # responses against the whole prompt
-    assert replays and set(replays) == ({1} if keep == 0 else {3})  # kept: [0, 1, 2], [3], [4]
+    assert replays and set(replays) == {1}
     # chunk c's recompute reads chunks 0 ... c-1 (c = 1 ... 4 - keep; chunk 0 reads none) as one run
     assert sorted(set(recomputes)) == [(c, 1) for c in range(1, 5 - keep)]

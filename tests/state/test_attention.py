@@ -79,10 +79,10 @@ def _one_storage(chunks) -> bool:
     return len({t.untyped_storage().data_ptr() for t in chunks}) == 1
 
 
-def test_capture_coalesces_full_attention_kv_into_one_tensor_per_layer():
-    """`PromptState.coalesce`: after capture each full-attention layer's K and V chunks are adjacent views of one
-    tensor (so a kernel reads them with one call), the values unchanged, the bytes unchanged; the exact plan's leaves
-    too, each chunk still its own leaf; not the chunks whose capture graph is kept, nor an offloaded state."""
+def test_capture_writes_full_attention_kv_into_one_tensor_per_layer():
+    """`PromptState._slab`: the capture writes each full-attention layer's K and V chunks into one tensor per part,
+    so they are adjacent views of it (a kernel reads them with one call), the values and bytes those of the chunks;
+    the exact plan's leaves too, each chunk still its own leaf, kept capture graphs included; not an offloaded state."""
     import gc
 
     from longstraw.attention import adjacent_runs
@@ -92,24 +92,46 @@ def test_capture_coalesces_full_attention_kv_into_one_tensor_per_layer():
     state = capture_prompt(model, ids, chunk_size=12)
     leaves = capture_prompt(model, ids, chunk_size=12, leaves=True)
     kept = capture_prompt(model, ids, chunk_size=12, leaves=True, keep_graph=2)
-    assert state.num_chunks == 5 and state.nbytes() == leaves.nbytes()
+    plain = capture_prompt(model, ids, chunk_size=50)  # one chunk: no slab needed to be one run
+    assert state.num_chunks == 5 and state.nbytes() == leaves.nbytes() == plain.nbytes()
     for layer in range(state.num_layers):
         keys, values = state.keys[layer], state.values[layer]
         assert _one_storage(keys) and _one_storage(values) and not _one_storage(keys + values)
         assert keys[0].untyped_storage().nbytes() == sum(t.numel() * t.element_size() for t in keys)
         for a, b in zip(keys + values, leaves.keys[layer] + leaves.values[layer]):
             assert torch.equal(a, b)
+        assert torch.allclose(torch.cat(keys, dim=2), plain.keys[layer][0], atol=1e-5)
         runs = adjacent_runs(keys, values)
         assert len(runs) == 1 and runs[0][2] == [12, 12, 12, 12, 2]
         assert torch.equal(runs[0][0], torch.cat(keys, dim=2)) and torch.equal(runs[0][1], torch.cat(values, dim=2))
-        assert _one_storage(leaves.keys[layer]) and len(adjacent_runs(leaves.keys[layer], leaves.values[layer])) == 1
-        assert all(t.is_leaf and t.requires_grad and t.grad is None for t in leaves.keys[layer] + leaves.values[layer])
-        # kept graphs (the last two chunks): the first three coalesced, the kept two as captured
-        runs = adjacent_runs(kept.keys[layer], kept.values[layer])
-        assert [sizes for _, _, sizes in runs] == [[12, 12, 12], [12], [2]]
+        for chunks in (leaves, kept):
+            assert _one_storage(chunks.keys[layer])
+            assert len(adjacent_runs(chunks.keys[layer], chunks.values[layer])) == 1
+            assert all(t.is_leaf and t.requires_grad and t.grad is None
+                       for t in chunks.keys[layer] + chunks.values[layer])
     offloaded = capture_prompt(model, ids, chunk_size=12, offload=True)
     assert not _one_storage(offloaded.keys[0])
     gc.collect()
+
+
+def test_the_capture_reads_earlier_chunks_as_one_run(monkeypatch):
+    """Chunk j of the capture attends to chunks 0 ... j-1 with one kernel call per layer (they are already one run),
+    not j calls."""
+    import longstraw.attention as attention
+
+    model = tiny_model("llama", dtype=torch.float32)
+    ids = torch.randint(0, 512, (50,), generator=torch.Generator().manual_seed(1))
+    seen: list[tuple[int, int]] = []
+    real = attention.adjacent_runs
+
+    def counted(keys, values):
+        runs = real(keys, values)
+        seen.append((len(keys), len(runs)))
+        return runs
+
+    monkeypatch.setattr(attention, "adjacent_runs", counted)
+    capture_prompt(model, ids, chunk_size=12)
+    assert sorted(set(seen)) == [(j, 1) for j in range(1, 5)]
 
 def test_sliding_window_layers_are_not_coalesced():
     """Their old chunks are dropped as the window moves; one shared tensor would keep them alive."""

@@ -178,10 +178,6 @@ def estimate(spec: ModelSpec, inp: PlanInputs, plan: str) -> PlanEstimate:
             capture = max(capture, recurrent_capture_bytes(spec, p - 1, b, inp.chunk_size))
         if masked_layers(spec):  # the masked path's no-grad score tensors of one (chunk x chunk) part
             capture = max(capture, 3 * spec.heads * chunk * chunk * a + 4 * chunk * d * b)
-        if inp.cp == 1 and not inp.offload_state:
-            # PromptState.coalesce (the capture's end, or before the exact plan's kept chunks run) copies one
-            # layer's K (then V) into one tensor
-            capture = max(capture, parts.largest_layer // 2)
         phases["capture"] = resident + state + capture
         phases["replay"] = resident + state + state_grad + replay
         comp.update(prompt_state=state, state_gradients=state_grad, replay_activations=acts,

@@ -41,14 +41,13 @@ def capture_prompt(model: torch.nn.Module, ids: torch.Tensor, chunk_size: int,
     if keep_graph and not leaves:
         raise ValueError("keep_graph keeps the graph from the state's leaves: capture with leaves=True")
     device = hf(model).get_input_embeddings().weight.device if offload else None
+    # capacity: full-attention K/V go into one tensor per layer as chunks arrive (`PromptState._slab`)
     state = PromptState(num_layers=hf(model).config.num_hidden_layers, keep_boundaries=keep_boundaries, cp=cp,
-                        device=device, fingerprint=prompt_fingerprint(ids))
+                        device=device, fingerprint=prompt_fingerprint(ids), capacity=ids.numel())
     bounds = chunk_bounds(ids.numel(), chunk_size)
     for j, (start, end) in enumerate(bounds):
         collect: Collected = {}
         graph = j >= len(bounds) - keep_graph
-        if graph and j == len(bounds) - keep_graph:
-            state.coalesce()  # now, not after: the kept graphs must lead to the (coalesced) leaves the state keeps
         with torch.set_grad_enabled(graph):
             run_segment(model, ids[start:end].unsqueeze(0), start, state.fork(), collect, kv_only=True)
         for layer, parts in collect.items():
@@ -60,6 +59,4 @@ def capture_prompt(model: torch.nn.Module, ids: torch.Tensor, chunk_size: int,
         state.append_chunk(start, end, collect, leaves=leaves)
         if cp is not None and not cp.owns(j, len(bounds)):
             state.drop_attention(j)
-    collect = {}  # the last chunk's parts are in the state now: not held twice while coalescing
-    state.coalesce()  # one contiguous K/V per full-attention layer: one kernel call reads it all
     return state

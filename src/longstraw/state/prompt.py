@@ -80,6 +80,10 @@ class PromptState:
     # Capture chunk j's autograd graph, kept for the exact plan's prompt backward (`capture_prompt(keep_graph=)`):
     # the parts it produced, in `chunk_outputs` order. Forks and prefixes do not carry it.
     graphs: dict[int, list[torch.Tensor | None]] = field(default_factory=dict, repr=False, compare=False)
+    # Positions the capture will hold (set by `capture_prompt`): full-attention K/V are then written into one tensor
+    # per layer and part as chunks arrive (`_slab`), so that a run of chunks is read with one kernel call.
+    capacity: int | None = None
+    _slabs: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
     _ahead: _Prefetched | None = field(default=None, repr=False, compare=False)  # at most one layer ahead
     _last_read: int | None = field(default=None, repr=False, compare=False)
 
@@ -160,6 +164,8 @@ class PromptState:
         any graph that produced them."""
         if start != self.length:
             raise RuntimeError(f"chunk starts at {start} but the state holds {self.length} positions")
+        if self.capacity is not None and end > self.capacity:
+            raise RuntimeError(f"chunk ends at {end}, past the {self.capacity} positions this state was made for")
         produced = [frozenset(collected.get(layer, {})) for layer in range(self.num_layers)]
         if self.layer_parts is None:
             missing = [layer for layer, p in enumerate(produced) if not p]
@@ -171,7 +177,13 @@ class PromptState:
         for layer in range(self.num_layers):
             for name in PARTS:
                 part = collected[layer].get(name)
-                if leaves and part is not None:
+                slab = self._slab(name, layer, part)
+                if slab is not None and part is not None:
+                    slab.data[:, :, start:end].copy_(part.detach())  # `.data`: see `_slab`
+                    part = slab[:, :, start:end]
+                    if leaves:
+                        part = _leaf(name, part)
+                elif leaves and part is not None:
                     part = _leaf(name, self._store(part.detach()))
                 else:
                     part = self._store(part)
@@ -180,41 +192,31 @@ class PromptState:
         if not self.keep_boundaries:
             self._drop_unneeded()
 
-    def coalesce(self) -> None:
-        """Hold each full-attention layer's key and value chunks as views of one (1, Hkv, length, D) tensor per part,
-        so that a kernel reads a run of adjacent chunks with one call (`attention.adjacent_runs`: decoding, the
-        replays of both plans and the exact plan's recomputes make one fused call per layer instead of one per
-        chunk). In place: a layer's chunks are copied into its tensor and freed before the next layer (a transient
-        of one layer's part). The exact plan's leaves stay one leaf per chunk, each with its own gradient (views of
-        the shared tensor, detached: `ChunkAttention` splits a run's gradient back into its chunks).
+    def _slab(self, name: str, layer: int, part: torch.Tensor | None) -> torch.Tensor | None:
+        """The (1, Hkv, capacity, D) tensor a full-attention layer's key or value chunks are written into, allocated
+        at its first chunk; None where chunks are kept as computed. Chunk j is then the view [start_j, end_j) of it, so
+        adjacent chunks are one run (`attention.adjacent_runs`): decoding, the replays of both plans, the exact plan's
+        recomputes and the capture's own later chunks read a layer's prompt with one kernel call, not one per chunk.
+        The exact plan's leaves stay one leaf per chunk (detached views, each with its own gradient: `ChunkAttention`
+        splits a run's gradient back into its chunks). Chunks are written through `.data`, an alias with its own
+        version counter: each region is written once, before anything reads it, and a kept capture graph that saved
+        earlier chunks' leaves must not see the later writes as in-place changes of them.
 
-        Left as they are: sliding-window layers (their old chunks are dropped, which a shared tensor would not free),
-        a context-parallel or offloaded state (chunks dropped, or copied to the device one by one), chunks whose
-        capture graph is kept (`graphs`: their parts share storage with the graph's outputs, which a copy would hold
-        twice; the capture coalesces the chunks before them before they run, as their graphs must lead to the leaves
-        the state keeps, and a second call leaves a coalesced run as it is), and parts that are not 4-D K/V of one
-        shape (MLA latents are coalesced too, as they are (1, 1, c, d): harmless, the masked path reads them per
-        chunk)."""
-        joined = min(self.graphs, default=self.num_chunks)  # kept graphs are the trailing chunks
-        if self.cp is not None or self.device is not None or joined < 2:
-            return
-        for layer in range(self.num_layers):
-            if self.windows[layer] is not None:
-                continue
-            for name in ("key", "value"):
-                entries = self.parts[name][layer][:joined]
-                chunks = [t for t in entries if t is not None]
-                if len(chunks) < len(entries) or len({t.untyped_storage().data_ptr() for t in chunks}) == 1:
-                    continue  # a dropped chunk, or already one tensor (coalesced before the kept chunks ran)
-                first = chunks[0]
-                if any(
-                        not t.is_leaf or t.dim() != 4 or t.dtype != first.dtype
-                        or (t.shape[:2], t.shape[3]) != (first.shape[:2], first.shape[3]) for t in chunks):
-                    continue
-                whole = torch.cat([t.detach() for t in chunks], dim=2)  # (1, Hkv, joined chunks' length, D)
-                views = whole.split([t.shape[2] for t in chunks], dim=2)
-                self.parts[name][layer][:joined] = [_leaf(name, view) if t.requires_grad else view
-                                                    for t, view in zip(chunks, views)]
+        Not for: sliding-window layers (their old chunks are dropped, which a shared tensor would not free), a
+        context-parallel or offloaded state (chunks dropped, or copied to the device one by one), a state without
+        `capacity`, and parts that are not 4-D K/V (MLA latents are (1, 1, c, d) and take a slab too: harmless, the
+        masked path reads them per chunk)."""
+        if (part is None or name not in ("key", "value") or part.dim() != 4 or self.capacity is None
+                or self.cp is not None or self.device is not None or self.windows[layer] is not None):
+            return None
+        slab = self._slabs.get((name, layer))
+        if slab is None:
+            slab = part.new_empty((*part.shape[:2], self.capacity, part.shape[3]), requires_grad=False)
+            self._slabs[(name, layer)] = slab
+        if slab.shape[:2] != part.shape[:2] or slab.shape[3] != part.shape[3] or slab.dtype != part.dtype:
+            raise RuntimeError(f"layer {layer} {name}: chunk of shape {tuple(part.shape)} {part.dtype}, the layer's "
+                               f"earlier chunks were {tuple(slab.shape)} {slab.dtype}")
+        return slab
 
     def drop_attention(self, j: int) -> None:
         """Context parallelism: chunk j's attention parts live on another rank."""
