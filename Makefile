@@ -74,3 +74,9 @@ stress: install
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info
+
+# The wheels bench/gpu.sh installs on a GPU machine that cannot reach PyPI (into .whl/, git-ignored): the
+# transformers this repo pins (constraints.txt), which LongStraw needs (>= 5.24) and older GPU images lack.
+.PHONY: gpu-wheels
+gpu-wheels:
+	$(PY) -m pip download -q --disable-pip-version-check --no-deps -d .whl "$$(grep '^transformers==' constraints.txt)"
