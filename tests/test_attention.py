@@ -149,3 +149,35 @@ def _count_kernel_calls(monkeypatch) -> dict[str, int]:
             return _real(*a)
         monkeypatch.setattr(attention, f"fused_{name}", counted)
     return calls
+
+
+def test_a_runs_backward_goes_in_pieces_of_whole_chunks(monkeypatch, kernel):
+    """BACKWARD_KEYS bounds the keys per backward call (its padded copies and gradients): a run of chunks [5, 7, 3, 4]
+    with at most 8 keys per call takes pieces [5], [7], [3, 4] — three calls, one forward — and every chunk's
+    gradient still equals the naive reference's (float64)."""
+    from longstraw.attention import _pieces
+
+    whole = torch.arange(19.0).view(1, 1, 19, 1)
+    pieces = _pieces(whole, whole, [5, 7, 3, 4], 8)
+    assert [sizes for _, _, sizes in pieces] == [[5], [7], [3, 4]]
+    assert [k.flatten().tolist()[0] for k, _, _ in pieces] == [0.0, 5.0, 12.0]
+    assert [s for _, _, s in _pieces(whole, whole, [5, 7, 3, 4], 100)] == [[5, 7, 3, 4]]
+    assert [s for _, _, s in _pieces(whole, whole, [5, 7, 3, 4], 1)] == [[5], [7], [3], [4]]
+    monkeypatch.setattr(attention, "BACKWARD_KEYS", 8)
+    q, k, v, pk, pv = _inputs(2, 4, 2, 3, [5, 7, 3, 4])
+    whole_k, whole_v = torch.cat([t.detach() for t in pk], 2), torch.cat([t.detach() for t in pv], 2)
+    leaf_k = [t.detach().requires_grad_(True) for t in whole_k.split([5, 7, 3, 4], 2)]
+    leaf_v = [t.detach().requires_grad_(True) for t in whole_v.split([5, 7, 3, 4], 2)]
+    calls = _count_kernel_calls(monkeypatch)
+    out = prefix_attention(q, k, v, leaf_k, leaf_v, 0.3)
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(4), dtype=out.dtype)
+    (out * weights).sum().backward()
+    if attention.USE_FUSED:
+        assert calls == {"forward": 2, "backward": 1 + 3}  # own tokens; the prefix: one run forward, three pieces back
+    q_grad = q.grad.clone()
+    q.grad = None
+    ref = naive_attention(q, k, v, pk, pv, 0.3)
+    (ref * weights).sum().backward()
+    assert (q_grad - q.grad).abs().max() < 1e-12
+    for got, want in zip(leaf_k + leaf_v, pk + pv):
+        assert (got.grad - want.grad).abs().max() < 1e-12

@@ -35,6 +35,11 @@ if TYPE_CHECKING:
 USE_FUSED = True
 # Keys per block in the portable kernel: bounds its transient score block to (N, M, KEY_BLOCK).
 KEY_BLOCK = 512
+# Keys per backward call: a run's backward goes through pieces of whole chunks of at most this many keys (at least
+# one chunk each). Its transients (the padded K/V copies of `fused_backward` and the K/V gradients at the padded
+# width, ~4x a piece's K) stay those of 16K keys instead of a layer's whole prefix (1 GB+ per layer at 10^6 tokens),
+# while each call has enough keys to keep a GPU busy.
+BACKWARD_KEYS = 16384
 
 
 def _portable_forward(q, k, v, scale: float, causal: bool):
@@ -103,7 +108,8 @@ class ChunkAttention(torch.autograd.Function):
 
     Chunks that are adjacent views of one tensor (`adjacent_runs`) are read as one run; runs are combined with
     an online softmax, so only the final out/lse are saved; backward runs each run's backward against the
-    global out/lse and hands every input chunk its slice of the run's gradient. Per run a fused op runs where
+    global out/lse, in pieces of at most `BACKWARD_KEYS` keys, and hands every input chunk its slice of the
+    gradient. Per run a fused op runs where
     one takes q's device, dtype and head dim (`attention_fused.choose_kernel`: CPU flash, CUDA flash, CUDA
     memory-efficient), else the portable blocked kernel above (same math; the parity tests compare every path
     with `naive_attention`). An op that refuses its inputs at run time is logged once and that run, and every
@@ -155,7 +161,9 @@ class ChunkAttention(torch.autograd.Function):
         dq = torch.zeros_like(out)
         dks: list[torch.Tensor | None] = []
         dvs: list[torch.Tensor | None] = []
-        for j, (k, v, sizes) in enumerate(adjacent_runs(kv[:n], kv[n:])):
+        pieces = [(j, k, v, sizes) for j, run in enumerate(adjacent_runs(kv[:n], kv[n:]))
+                  for k, v, sizes in _pieces(*run, BACKWARD_KEYS)]
+        for j, k, v, sizes in pieces:  # run j's kernel (dropout is 0: its random state is never read)
             grads = None
             if ctx.kernels[j] != "portable":  # the ops work in q's dtype, with an fp32 log-sum-exp for bf16/fp16
                 try:
@@ -170,7 +178,7 @@ class ChunkAttention(torch.autograd.Function):
                                            scale, causal, need_kv)
             dq_j, dk_j, dv_j = grads
             dq += dq_j
-            # One gradient per input chunk: a run's gradient split back along the keys (views; a leaf's
+            # One gradient per input chunk: a piece's gradient split back along the keys (views; a leaf's
             # AccumulateGrad copies a non-contiguous view into its own .grad).
             dks.extend(dk_j[None].to(k.dtype).split(sizes, dim=2) if need_kv else [None] * len(sizes))
             dvs.extend(dv_j[None].to(v.dtype).split(sizes, dim=2) if need_kv else [None] * len(sizes))
@@ -201,6 +209,23 @@ def adjacent_runs(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) 
         else:
             runs.append((k, v, [k.shape[2]]))
     return runs
+
+
+def _pieces(k: torch.Tensor, v: torch.Tensor, sizes: list[int], limit: int) -> list[tuple[torch.Tensor, torch.Tensor,
+                                                                                      list[int]]]:
+    """A run (key (1, N, c, D), value, its chunks' key counts) as consecutive pieces of whole chunks with at most
+    `limit` keys each (a longer chunk is a piece of its own): views, no copy."""
+    out: list[tuple[torch.Tensor, torch.Tensor, list[int]]] = []
+    group: list[int] = []
+    start = 0
+    for size in [*sizes, None]:
+        if group and (size is None or sum(group) + size > limit):
+            end = start + sum(group)
+            out.append((k[:, :, start:end], v[:, :, start:end], group))
+            start, group = end, []
+        if size is not None:
+            group.append(size)
+    return out
 
 
 def _extend(head: torch.Tensor, extra: int) -> torch.Tensor:

@@ -143,8 +143,9 @@ def fused_backward(kernel: str, d_out: torch.Tensor, d_lse: torch.Tensor, q: tor
     into rowsum(dO * O) − dLSE, exactly the gradient with dLSE included. Passing the global lse makes P this
     chunk's slice of the full softmax, so per-chunk gradients add up to the full one. The scale is passed
     explicitly because the head dim grew. The CUDA ops take a width that is a multiple of 8 (more zero
-    columns); the CPU op takes D + 1. The padded k/v are transient copies of one chunk (O(c·D), next to the
-    kernel's O(M·c·D) work), never of the whole state.
+    columns); the CPU op takes D + 1. The padded k/v are transient copies of the keys given (O(c·D), next to the
+    kernel's O(M·c·D) work): `ChunkAttention` passes at most `attention.BACKWARD_KEYS` keys per call, never a
+    layer's whole prefix.
     """
     d, m = q.shape[-1], q.shape[-2]
     w = d + 1 if kernel == "cpu_flash" else round_up(d + 1, 8)
