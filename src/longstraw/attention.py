@@ -109,11 +109,10 @@ class ChunkAttention(torch.autograd.Function):
     Chunks that are adjacent views of one tensor (`adjacent_runs`) are read as one run; runs are combined with
     an online softmax, so only the final out/lse are saved; backward runs each run's backward against the
     global out/lse, in pieces of at most `BACKWARD_KEYS` keys, and hands every input chunk its slice of the
-    gradient. Per run a fused op runs where
-    one takes q's device, dtype and head dim (`attention_fused.choose_kernel`: CPU flash, CUDA flash, CUDA
-    memory-efficient), else the portable blocked kernel above (same math; the parity tests compare every path
-    with `naive_attention`). An op that refuses its inputs at run time is logged once and that run, and every
-    later one, runs the portable kernel.
+    gradient. Per run a fused op runs where one takes q's device, dtype and head dim
+    (`attention_fused.choose_kernel`: CPU flash, CUDA flash, CUDA memory-efficient), else the portable blocked
+    kernel above (same math; the parity tests compare every path with `naive_attention`). An op that refuses its
+    inputs at run time is logged once and that run, and every later one, runs the portable kernel.
     """
 
     @staticmethod
@@ -217,14 +216,14 @@ def _pieces(k: torch.Tensor, v: torch.Tensor, sizes: list[int], limit: int) -> l
     `limit` keys each (a longer chunk is a piece of its own): views, no copy."""
     out: list[tuple[torch.Tensor, torch.Tensor, list[int]]] = []
     group: list[int] = []
-    start = 0
+    start = end = 0  # the current piece: keys [start, end), chunks `group`
     for size in [*sizes, None]:
-        if group and (size is None or sum(group) + size > limit):
-            end = start + sum(group)
+        if group and (size is None or end - start + size > limit):
             out.append((k[:, :, start:end], v[:, :, start:end], group))
             start, group = end, []
         if size is not None:
             group.append(size)
+            end += size
     return out
 
 
