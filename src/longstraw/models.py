@@ -26,8 +26,8 @@ from longstraw.choices import DTYPE_ALIASES, DTYPE_BYTES
 from longstraw.presets import PRESETS
 
 # The oldest transformers whose decoders take the cache protocol `state.cache.SegmentCache` speaks: 5.24 renamed the
-# models' `past_key_values` argument to `cache` (older 5.x would take ours as an unknown keyword and run every
-# segment without it) and made linear-attention layers read their state through get_/update_conv_state calls.
+# models' `past_key_values` argument to `cache` (5.17-5.23, checked, take ours as an unknown keyword and run every
+# segment without it; 5.17's linear-attention layers also ask their cache through another interface).
 MIN_TRANSFORMERS = (5, 24)
 
 
