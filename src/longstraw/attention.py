@@ -201,12 +201,16 @@ def adjacent_runs(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) 
     its chunks, so each of the exact plan's leaves still receives its own. Built on the tensors' data (called inside
     the autograd function), so the views carry no autograd history."""
     runs: list[tuple[torch.Tensor, torch.Tensor, list[int]]] = []
-    for k, v in zip(keys, values):
-        if runs and _continues(runs[-1][0], k) and _continues(runs[-1][1], v):
-            head_k, head_v, sizes = runs[-1]
-            runs[-1] = (_extend(head_k, k.shape[2]), _extend(head_v, v.shape[2]), [*sizes, k.shape[2]])
+    first = 0
+    for i in range(1, len(keys) + 1):  # linear: decoding scans a layer's chunks at every step
+        if i < len(keys) and _continues(keys[i - 1], keys[i]) and _continues(values[i - 1], values[i]):
+            continue
+        sizes = [t.shape[2] for t in keys[first:i]]
+        if i - first == 1:
+            runs.append((keys[first], values[first], sizes))
         else:
-            runs.append((k, v, [k.shape[2]]))
+            runs.append((_extend(keys[first], sum(sizes)), _extend(values[first], sum(sizes)), sizes))
+        first = i
     return runs
 
 
@@ -227,10 +231,10 @@ def _pieces(k: torch.Tensor, v: torch.Tensor, sizes: list[int], limit: int) -> l
     return out
 
 
-def _extend(head: torch.Tensor, extra: int) -> torch.Tensor:
-    """head (1, N, c, D) viewed over c + extra keys of its storage (the next chunk's, checked by `_continues`)."""
-    size = (*head.shape[:2], head.shape[2] + extra, head.shape[3])
-    return head.detach().as_strided(size, head.stride(), head.storage_offset())
+def _extend(head: torch.Tensor, keys: int) -> torch.Tensor:
+    """head (1, N, c, D) viewed over `keys` keys of its storage from its start (the following chunks', checked by
+    `_continues`)."""
+    return head.detach().as_strided((*head.shape[:2], keys, head.shape[3]), head.stride(), head.storage_offset())
 
 
 def prefix_attention(

@@ -115,8 +115,8 @@ def test_capture_writes_full_attention_kv_into_one_tensor_per_layer():
 
 
 def test_the_capture_reads_earlier_chunks_as_one_run(monkeypatch):
-    """Chunk j of the capture attends to chunks 0 ... j-1 with one kernel call per layer (they are already one run),
-    not j calls."""
+    """Chunk j of the capture attends to chunks 0 ... j-1 with one kernel call per layer, not j calls: the state
+    hands the whole prefix as one view of its tensor (`PromptState._copy_chunks`), so there is nothing to scan."""
     import longstraw.attention as attention
 
     model = tiny_model("llama", dtype=torch.float32)
@@ -130,8 +130,12 @@ def test_the_capture_reads_earlier_chunks_as_one_run(monkeypatch):
         return runs
 
     monkeypatch.setattr(attention, "adjacent_runs", counted)
-    capture_prompt(model, ids, chunk_size=12)
-    assert sorted(set(seen)) == [(j, 1) for j in range(1, 5)]
+    state = capture_prompt(model, ids, chunk_size=12)
+    assert seen and set(seen) == {(1, 1)}  # every prefix read: one chunk in, one run
+    (start, k, v), = state.attention_chunks(0)
+    assert start == 0 and k.shape[2] == 50 and torch.equal(k, torch.cat(state.keys[0], dim=2))
+    leaves = capture_prompt(model, ids, chunk_size=12, leaves=True)
+    assert len(leaves.attention_chunks(0)) == 5  # leaves: each chunk its own (its own gradient)
 
 def test_sliding_window_layers_are_not_coalesced():
     """Their old chunks are dropped as the window moves; one shared tensor would keep them alive."""

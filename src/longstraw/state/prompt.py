@@ -144,6 +144,12 @@ class PromptState:
 
     def _copy_chunks(self, layer: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
         keys, values = self.parts["key"][layer], self.parts["value"][layer]
+        slab_k, slab_v = self._slabs.get(("key", layer)), self._slabs.get(("value", layer))
+        if (slab_k is not None and slab_v is not None and keys and keys[0] is not None
+                and not keys[0].requires_grad):
+            # The chunks are views of one tensor (`_slab`) and need no gradient of their own: hand the whole prefix
+            # as one view, so no reader scans the chunks for adjacency (decoding does so at every step and layer).
+            return [(0, slab_k[:, :, : self.length], slab_v[:, :, : self.length])]
         # misc: fetch is typed Optional, and v is not narrowed (a chunk's key and value are kept or dropped together).
         return [(self.bounds[j][0], self.fetch(k), self.fetch(v))  # type: ignore[misc]
                 for j, (k, v) in enumerate(zip(keys, values)) if k is not None]
@@ -271,6 +277,7 @@ class PromptState:
             device=self.device if device is None else device,
             fingerprint=self.fingerprint if n == self.num_chunks else None,  # a prefix holds other ids
             prefetch=self.prefetch if device is None else None,  # a state moved elsewhere: its device's default
+            _slabs=self._slabs if device is None else {},  # read by forks and prefixes (which never append)
         )
 
     def prefix(self, num_chunks: int) -> PromptState:
