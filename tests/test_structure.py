@@ -1,5 +1,6 @@
-"""The package's layering: the core (the engine and what it is made of) never imports `distributed/` or `bench/`,
-and the context-parallel group implements the protocol through which the core uses it."""
+"""The package's layering as folder rules: the engine (one group's gradient) imports nothing from the trainer,
+bench, distributed or integrations folders; models/, planner/ and tasks/ none of those either; the top level holds
+few modules; and the context-parallel group implements the protocol through which the engine uses it."""
 
 from __future__ import annotations
 
@@ -10,17 +11,12 @@ from pathlib import Path
 import longstraw
 
 PACKAGE = Path(longstraw.__file__).parent
-# Front ends and the trainer layer, which may use distributed/ or bench/ (the CLI launches them; the trainer and
-# the modules it is made of run data-parallel; compare and the bias meter drive the trainer). The core is the
-# engine under them: api, attention, segment, checkpointing, loss, log-probs, models, state/, plans/, planner/.
-NOT_CORE = {"cli.py", "trainer.py", "compare.py", "bias.py", "checkpoint.py", "optimizer.py", "reporting.py",
-            "sampler.py", "stopping.py", "data.py", "rundir.py", "config.py"}
-NOT_CORE_DIRS = {"distributed", "bench", "integrations"}
+OUTER = ("longstraw.train", "longstraw.bench", "longstraw.distributed", "longstraw.integrations")
+TOP_LEVEL = {"__init__.py", "cli.py", "choices.py", "peak.py"}
 
 
-def _core_modules() -> list[Path]:
-    return sorted(p for p in PACKAGE.rglob("*.py")
-                  if p.relative_to(PACKAGE).parts[0] not in NOT_CORE_DIRS and p.name not in NOT_CORE)
+def _modules(folder: str) -> list[Path]:
+    return sorted((PACKAGE / folder).rglob("*.py"))
 
 
 def _imports(path: Path) -> set[str]:
@@ -35,25 +31,43 @@ def _imports(path: Path) -> set[str]:
     return names
 
 
-def test_the_core_never_imports_distributed_or_bench():
-    modules = _core_modules()
-    assert len(modules) >= 20 and any(p.name == "api.py" for p in modules)
-    offenders = {str(p.relative_to(PACKAGE)): sorted(n for n in _imports(p)
-                                                     if n.startswith(("longstraw.distributed", "longstraw.bench")))
-                 for p in modules}
-    assert not {k: v for k, v in offenders.items() if v}
+def _offenders(folders: tuple[str, ...], forbidden: tuple[str, ...]) -> dict[str, list[str]]:
+    found = {}
+    for folder in folders:
+        for path in _modules(folder):
+            bad = sorted(n for n in _imports(path) if n.startswith(forbidden)
+                         or any(n == f"longstraw.{m}" for m in ("train", "bench", "distributed", "integrations")))
+            if bad:
+                found[str(path.relative_to(PACKAGE))] = bad
+    return found
+
+
+def test_the_engine_imports_nothing_from_train_bench_distributed_or_integrations():
+    assert len(_modules("engine")) >= 20 and (PACKAGE / "engine" / "api.py").exists()
+    assert _offenders(("engine",), OUTER) == {}
+
+
+def test_models_planner_and_tasks_stay_below_the_trainer():
+    assert _offenders(("models", "planner"), OUTER) == {}
+    assert _offenders(("tasks",), ("longstraw.bench", "longstraw.distributed", "longstraw.integrations")) == {}
+
+
+def test_the_top_level_holds_the_cli_and_few_modules():
+    assert {p.name for p in PACKAGE.glob("*.py")} == TOP_LEVEL
+    folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert folders == {"engine", "models", "train", "tasks", "planner", "distributed", "integrations", "bench"}
 
 
 def test_the_walk_sees_function_level_imports(tmp_path):
-    """The check above would catch an import hidden inside a function (how api.py once reached distributed/)."""
+    """The check above would catch an import hidden inside a function."""
     module = tmp_path / "m.py"
     module.write_text("def f():\n    from longstraw.distributed.context import check_supported\n")
     assert "longstraw.distributed.context" in _imports(module)
 
 
-def test_context_parallel_implements_the_core_protocol():
+def test_context_parallel_implements_the_engine_protocol():
     from longstraw.distributed.context import ContextParallel
-    from longstraw.state.sharding import ContextShards
+    from longstraw.engine.state.sharding import ContextShards
 
     wanted = [name for name, _ in inspect.getmembers(ContextShards, inspect.isfunction) if not name.startswith("_")]
     assert {"owner", "owns", "reduce_grad", "merge", "broadcast_from", "check_supported"} <= set(wanted)

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 import longstraw.cli
-import longstraw.trainer  # noqa: F401 - preloaded in the fork server with this module
+import longstraw.train.trainer  # noqa: F401 - preloaded in the fork server with this module
 
 HERE = Path(__file__).parent
 

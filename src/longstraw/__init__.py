@@ -9,37 +9,46 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from longstraw.choices import ADVANTAGES, LOSSES, PLANS
-from longstraw.choices import MODES as MODES  # the older name of PLANS, kept for importers
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ADVANTAGES", "LOSSES", "PLANS", "SUPPORTED_MODEL_TYPES",
-    "Group", "GroupResult", "backward_group", "compute_advantages", "load_model",
+    "BackwardOptions", "Group", "GroupResult", "backward_group", "compute_advantages", "load_model",
 ]
 
 if TYPE_CHECKING:
-    from longstraw.api import GroupResult, backward_group
-    from longstraw.group import Group
-    from longstraw.loss import compute_advantages
-    from longstraw.models import SUPPORTED_MODEL_TYPES, load_model
+    from longstraw.engine.api import GroupResult, backward_group
+    from longstraw.engine.group import Group
+    from longstraw.engine.loss import compute_advantages
+    from longstraw.engine.options import BackwardOptions
+    from longstraw.models.architecture import SUPPORTED_MODEL_TYPES
+    from longstraw.models.loading import load_model
 
 
 def __getattr__(name: str) -> Any:
     if name in ("GroupResult", "backward_group"):
-        from longstraw import api
+        from longstraw.engine import api
 
         return getattr(api, name)
+    elif name == "BackwardOptions":
+        from longstraw.engine.options import BackwardOptions
+
+        return BackwardOptions
     elif name == "Group":
-        from longstraw.group import Group
+        from longstraw.engine.group import Group
 
         return Group
     elif name == "compute_advantages":
-        from longstraw.loss import compute_advantages
+        from longstraw.engine.loss import compute_advantages
 
         return compute_advantages
-    elif name in ("SUPPORTED_MODEL_TYPES", "load_model"):
-        from longstraw import models
+    elif name == "SUPPORTED_MODEL_TYPES":
+        from longstraw.models.architecture import SUPPORTED_MODEL_TYPES
 
-        return getattr(models, name)
+        return SUPPORTED_MODEL_TYPES
+    elif name == "load_model":
+        from longstraw.models.loading import load_model
+
+        return load_model
     raise AttributeError(f"module 'longstraw' has no attribute {name!r}")

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from longstraw import __version__
 
 if TYPE_CHECKING:
-    from longstraw.config import TrainConfig
+    from longstraw.train.config import TrainConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     planner.add_arguments(plan_parser)
     plan_parser.set_defaults(fail=plan_parser.error)
 
-    from longstraw import config
+    from longstraw.train import config
 
     train_parser = commands.add_parser(
         "train", help="GRPO training on a long-context task",
@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train_parser.set_defaults(fail=train_parser.error)
 
-    from longstraw import compare
+    from longstraw.train import compare
 
     compare_parser = commands.add_parser(
         "compare", help="the same training run per plan and seed: held-out reward, weight divergence, plot",
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return planner.run_from_args(args)
     if args.command == "train":
-        from longstraw import config, trainer
+        from longstraw.train import config, trainer
 
         try:
             cfg = config.from_args(args)
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
             return _launch_train(args, cfg, sys.argv[1:] if argv is None else argv)
         return _train(trainer, cfg, args.debug)
     if args.command == "compare":
-        from longstraw import compare
+        from longstraw.train import compare
 
         return compare.run_from_args(args)
     parser.error(f"unknown command {args.command!r}")

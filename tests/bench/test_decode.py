@@ -8,13 +8,13 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_model
+from helpers import tiny_model
 
 from longstraw.bench import decode
 from longstraw.bench.decode import SHAPES, format_table, hf_generate, hf_prefill, shape_from_args
 from longstraw.cli import build_parser, main
-from longstraw.models import PRESETS
-from longstraw.rollout import score_responses
+from longstraw.engine.sampling import score_responses
+from longstraw.models.presets import PRESETS
 
 PHASE_KEYS = {"time_s", "cpu_time_s", "cpu_pressure", "peak_bytes", "peak_absolute_bytes", "peak_source", "hwm_reset"}
 SIDE_KEYS = {"status", "prefill", "decode", "cache_bytes", "tokens_generated", "tokens_per_s"}

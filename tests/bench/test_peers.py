@@ -131,12 +131,12 @@ def test_strongest_peer_ratios():
 @pytest.mark.skipif(not HAVE_PREFIX_GROUPER, reason="Prefix Grouper is optional: pip install prefix-grouper")
 def test_prefix_grouper_path_gives_backward_groups_gradient():
     """The peer measures the same loss on the same group: float64, its gradient equals backward_group's."""
-    from conftest import faithful_float64, rel_err
+    from helpers import EXACT_F64, assert_close, faithful_float64
 
     from longstraw import backward_group, load_model
     from longstraw.bench.peers_worker import prefix_grouper_logprobs, prepare_prefix_grouper
     from longstraw.bench.worker import make_group
-    from longstraw.loss import GroupTotals, make_loss_config, response_loss
+    from longstraw.engine.loss import GroupTotals, make_loss_config, response_loss
 
     p, r, g = 40, 6, 3
     reference = faithful_float64(load_model("tiny-llama", dtype="float64"))
@@ -149,7 +149,7 @@ def test_prefix_grouper_path_gives_backward_groups_gradient():
     response_loss(logp, torch.ones_like(logp, dtype=torch.bool), group.advantages, GroupTotals.of([r] * g, cfg),
                   cfg).backward()
     for (name, a), b in zip(model.named_parameters(), reference.parameters()):
-        assert rel_err(a.grad, b.grad) < 1e-10, name
+        assert_close(f"a.grad {name}", b.grad, a.grad, EXACT_F64)
 
 
 # ---------------------------------------------------------------- timing runs and busy-loop neighbours

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from longstraw import backward_group
 from longstraw.distributed.context import ContextParallel
 
-_spec = importlib.util.spec_from_file_location("tests_conftest", Path(__file__).parent.parent / "conftest.py")
+_spec = importlib.util.spec_from_file_location("tests_helpers", Path(__file__).parent.parent / "helpers.py")
 helpers = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(helpers)
 

@@ -15,7 +15,7 @@ from longstraw import backward_group
 from longstraw.distributed import full_tensor, parallelize, sharded_compute
 from longstraw.distributed.runtime import Parallel
 
-_spec = importlib.util.spec_from_file_location("tests_conftest", Path(__file__).parent.parent / "conftest.py")
+_spec = importlib.util.spec_from_file_location("tests_helpers", Path(__file__).parent.parent / "helpers.py")
 helpers = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(helpers)
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import grads as all_grads
-from conftest import random_group, tiny_model
+from helpers import grads as all_grads
+from helpers import random_group, tiny_model
 
 from longstraw import backward_group
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import rel_err, tiny_model
+from helpers import rel_err, tiny_model
 
 from longstraw import backward_group
 

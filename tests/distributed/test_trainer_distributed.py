@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import rel_err
+from helpers import assert_close, rel_err
 
 import longstraw
 from longstraw.cli import main
@@ -140,7 +140,7 @@ def test_resume_with_another_process_count(tmp_path):
         assert [r["reward_mean"] for r in a] == [r["reward_mean"] for r in b]
         wa = torch.load(tmp_path / "straight" / "checkpoint.pt", weights_only=False)["model"]
         wb = torch.load(tmp_path / name / "checkpoint.pt", weights_only=False)["model"]
-        assert rel_err(_flat(wb), _flat(wa)) <= 1e-5
+        assert_close('_flat(wb)', _flat(wa), _flat(wb), 1e-5)
 
 
 def test_context_parallel_trainer_equals_one_process(tmp_path):

@@ -14,8 +14,8 @@ from trl import GRPOConfig, GRPOTrainer
 
 from longstraw import load_model
 from longstraw.integrations.trl import LongStrawGRPOConfig, LongStrawGRPOTrainer
+from longstraw.models.tokenizer import byte_tokenizer_hf
 from longstraw.peak import PeakMemory
-from longstraw.tokenizer import byte_tokenizer_hf
 
 
 def main() -> None:

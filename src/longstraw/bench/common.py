@@ -289,7 +289,7 @@ def load_bench_model(name: str, dtype: str, device: str = "cpu"):
     and 5 GB of host memory."""
     import torch
 
-    from longstraw.models import load_model
+    from longstraw.models.loading import load_model
 
     model = load_model(name, dtype=dtype, device=device, seed=0, init_on_device=torch.device(device).type == "cuda")
     # Weights loaded from safetensors can stay memory-mapped: their pages become resident only when the step first
@@ -382,15 +382,15 @@ def predictor(model: str, dtype: str, device: str = "cpu", quiet: bool = False):
 
 
 def available_archs() -> list[str]:
-    """Architecture families with a B1-shaped preset `b1-<arch>` in `longstraw.models.PRESETS`."""
-    from longstraw.models import PRESETS
+    """Architecture families with a B1-shaped preset `b1-<arch>` in `longstraw.models.presets.PRESETS`."""
+    from longstraw.models.presets import PRESETS
 
     return sorted(name[len("b1-"):] for name in PRESETS if name.startswith("b1-"))
 
 
 def arch_preset(arch: str) -> str:
     """The preset name of an architecture family (`llama` -> `b1-llama`); ValueError listing those that exist."""
-    from longstraw.models import PRESETS
+    from longstraw.models.presets import PRESETS
 
     name = f"b1-{arch}"
     if name not in PRESETS:
@@ -400,6 +400,6 @@ def arch_preset(arch: str) -> str:
 
 def smoke_preset(arch: str) -> str:
     """The smallest preset of a family for `--smoke`: `tiny-<arch>` if it exists, else `b1-<arch>`."""
-    from longstraw.models import PRESETS
+    from longstraw.models.presets import PRESETS
 
     return f"tiny-{arch}" if f"tiny-{arch}" in PRESETS else arch_preset(arch)

@@ -5,7 +5,7 @@ What runs, in this process, for each prompt length P (the same random prompt, th
 one after the other, the first side's state freed before the second starts):
 
 * LongStraw. prefill: `capture_prompt(model, prompt[:-1], chunk_size, keep_boundaries=False)`, the prompt state
-  the training step consumes (one copy, shared by the G samples). decode: `rollout.sample_group(model, prompt, G,
+  the training step consumes (one copy, shared by the G samples). decode: `sampling.sample_group(model, prompt, G,
   SamplingConfig(max_new_tokens=N, temperature=1.0, stop_ids=()), state=state)`: G responses of exactly N tokens
   as one batch, every step attending to the shared state (never expanded) and to its own tokens. Prompt-cache
   bytes: `PromptState.nbytes()` (every tensor the state holds).
@@ -28,7 +28,7 @@ one after the other, the first side's state freed before the second starts):
 Both decodes sample at temperature 1 from the unfiltered distribution, every response exactly N tokens (no stop
 ids): the table checks that each side produced G x N tokens. tokens/s = G * N / decode wall time. That the two
 decode the same model is tested (tests/bench/test_decode.py: transformers' logits for its own samples equal
-LongStraw's scoring of them; tests/test_rollout.py: LongStraw's sampled log-probs equal a full forward).
+LongStraw's scoring of them; tests/engine/test_sampling.py: LongStraw's sampled log-probs equal a full forward).
 
 Per phase (two prefills, two decodes): wall time, CPU time, CPU pressure (the share of the phase during which
 some runnable task waited for a CPU, from /proc/pressure/cpu as `bench/worker.py` records it; > 10% marks the host
@@ -145,8 +145,8 @@ def cache_bytes(cache) -> int:
 
 def longstraw_side(model, prompt, shape: DecodeShape) -> dict[str, Any]:
     """LongStraw's prefill (`capture_prompt`) and decode (`sample_group` from that state), measured."""
-    from longstraw.rollout import SamplingConfig, sample_group
-    from longstraw.state.capture import capture_prompt
+    from longstraw.engine.sampling import SamplingConfig, sample_group
+    from longstraw.engine.state.capture import capture_prompt
 
     state, prefill = measure(shape.device, lambda: capture_prompt(model, prompt[:-1], shape.chunk_size,
                                                                   keep_boundaries=False))

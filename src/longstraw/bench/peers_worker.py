@@ -153,7 +153,7 @@ def run_trl(config: dict[str, Any]) -> dict[str, Any]:
         from trl import GRPOConfig, GRPOTrainer
     except ImportError as err:
         raise NotInstalled(f"TRL cannot be imported ({err}): pip install 'longstraw[trl]'") from err
-    from longstraw.tokenizer import byte_tokenizer_hf
+    from longstraw.models.tokenizer import byte_tokenizer_hf
 
     device = str(config["device"])
     g, p, r = int(config["group_size"]), int(config["prompt_tokens"]), int(config["response_tokens"])
@@ -252,7 +252,7 @@ def prefix_grouper_logprobs(model: Any, prompt: torch.Tensor, responses: torch.T
                             token_chunk: int = 1024) -> torch.Tensor:
     """Per-token log-probs (G, R) of `responses` (G, R) after `prompt` (P,) through Prefix Grouper (module docstring);
     the model's attention implementation must be "prefix_grouper_attention" (`prepare_prefix_grouper`)."""
-    from longstraw.logprobs import chunked_logprobs
+    from longstraw.engine.logprobs import chunked_logprobs
 
     PrefixGrouper = importlib.import_module("prefix_grouper").PrefixGrouper  # noqa: N806 (untyped, optional)
 
@@ -293,7 +293,7 @@ def prepare_prefix_grouper(model: Any) -> None:
 
 def run_prefix_grouper(config: dict[str, Any]) -> dict[str, Any]:
     """One group's GRPO loss forward and backward through Prefix Grouper (module docstring)."""
-    from longstraw.loss import GroupTotals, make_loss_config, response_loss
+    from longstraw.engine.loss import GroupTotals, make_loss_config, response_loss
 
     device = str(config["device"])
     g, p, r = int(config["group_size"]), int(config["prompt_tokens"]), int(config["response_tokens"])

@@ -4,7 +4,7 @@ or None with a note on stderr when matplotlib is missing or no configuration suc
 from __future__ import annotations
 
 from longstraw.planner import MIB
-from longstraw.reporting import pyplot as _pyplot  # the core's matplotlib set-up (Agg, note when missing)
+from longstraw.train.reporting import pyplot as _pyplot  # the core's matplotlib set-up (Agg, note when missing)
 
 
 def _ok(results: list[dict]) -> list[dict]:

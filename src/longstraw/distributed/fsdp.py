@@ -12,7 +12,7 @@ Why the parameters are gathered once per step instead of layer by layer (FSDP's 
   sampling may drop a rank's groups. Mismatched all-gathers would pair layer k on one rank with layer j on
   another and silently compute garbage (the layers' shards have the same size) or hang.
 * Our replay calls the inner decoder (`model.model`) and reads the output projection's weight directly for the
-  chunked log-prob (`plans/replay.py`, `logprobs.py`), outside any module forward: the root's hooks never run,
+  chunked log-prob (`engine/plans/replay.py`, `logprobs.py`), outside any module forward: the root's hooks never run,
   so hook-driven unsharding would hand the log-prob a sharded `DTensor` (and give its gradient to nobody).
 * Reducing once per step (not once per replay, as required) means every rank holds the full unsharded
   gradient until the reduction anyway, whatever the gathering schedule.

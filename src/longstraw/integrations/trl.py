@@ -33,10 +33,10 @@ try:
 except ImportError as err:  # pragma: no cover - exercised only without the extra
     raise ImportError(f"longstraw.integrations.trl needs TRL: pip install 'longstraw[trl]' ({err})") from err
 
-from longstraw.api import backward_group
 from longstraw.choices import CHECKPOINT_CHOICES, MODES
-from longstraw.group import Group
-from longstraw.models import check_architecture, eval_mode_when_equal, hf
+from longstraw.engine.api import backward_group
+from longstraw.engine.group import Group
+from longstraw.models.architecture import check_architecture, eval_mode_when_equal, hf
 
 __all__ = ["LongStrawGRPOConfig", "LongStrawGRPOTrainer"]
 

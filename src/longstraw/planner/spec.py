@@ -53,7 +53,8 @@ def load_config(name: str):
 
     Raises ValueError (with what is accepted) when nothing matches.
     """
-    from longstraw.models import PACKAGED_GGUF, PRESETS, converted_gguf, resolve_model_path
+    from longstraw.models.loading import PACKAGED_GGUF, converted_gguf, resolve_model_path
+    from longstraw.models.presets import PRESETS
 
     if name == "hybrid-27b":
         return hybrid_27b()

@@ -1,0 +1,405 @@
+"""Attention of new tokens against a shared prompt state, without copying the prompt's K/V.
+
+A replayed segment (a response, or one prompt chunk during capture) attends to two key sets:
+
+* the **prefix**: K/V of every earlier prompt token, stored once as a list of chunks of batch 1 and
+  shared by every sequence of a micro-batch (no expand, no concatenation, no mask: all of it is visible);
+* its **own** tokens: causal attention within the segment.
+
+The two partial softmaxes are merged exactly with their log-sum-exp. Both parts run through one custom
+autograd function, `ChunkAttention` (flash-attention style: online softmax over chunks, recomputation in
+backward), so neither a `[T, P]` nor a `[T, T]` score matrix nor a copy of the prefix K/V is held. Its
+log-sum-exp output is differentiable, which the merge needs and torch's SDPA does not offer.
+`naive_attention` at the end is the plain reference the parity tests compare with.
+
+Shapes: B sequences, H query heads, Hkv key/value heads (GQA: H = Hkv * g), T new tokens, P prefix tokens,
+D head dim. For the prefix, queries of all B sequences and all g heads of a KV group are folded into one
+row set `M = B * g * T`, so the prefix K/V of shape (Hkv, P, D) is read once for all of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from longstraw.engine.kernels.fused import choose_kernel, fused_backward, fused_forward, refused
+from longstraw.engine.precision import accumulation_dtype
+
+if TYPE_CHECKING:
+    from longstraw.engine.state.sharding import ContextShards
+
+
+# Set False to force the portable kernel everywhere (the parity tests run both).
+USE_FUSED = True
+# Keys per block in the portable kernel: bounds its transient score block to (N, M, KEY_BLOCK).
+KEY_BLOCK = 512
+# Keys per backward call: a run's backward goes through pieces of whole chunks of at most this many keys (at least
+# one chunk each). Its transients (the padded K/V copies of `fused_backward` and the K/V gradients at the padded
+# width, ~4x a piece's K) stay those of 16K keys instead of a layer's whole prefix (1 GB+ per layer at 10^6 tokens),
+# while each call has enough keys to keep a GPU busy.
+BACKWARD_KEYS = 16384
+
+
+def _portable_forward(q, k, v, scale: float, causal: bool):
+    """One key chunk, key blocks with an online softmax. q (N, M, D), k/v (N, c, D) -> out (N, M, D), lse (N, M).
+
+    causal (own tokens, M == c): row r sees keys 0 … r; a key block starting at key0 only touches rows >= key0,
+    so every processed row sees at least one key of every block it is in (no all-masked rows, no NaN).
+    """
+    n, m, d = q.shape
+    run_max = torch.full((n, m), float("-inf"), dtype=q.dtype, device=q.device)
+    run_sum = torch.zeros((n, m), dtype=q.dtype, device=q.device)
+    acc = torch.zeros((n, m, d), dtype=q.dtype, device=q.device)
+    for key0 in range(0, k.shape[1], KEY_BLOCK):
+        length = min(KEY_BLOCK, k.shape[1] - key0)
+        r0 = key0 if causal else 0
+        scores = torch.matmul(q[:, r0:], k[:, key0 : key0 + length].transpose(-1, -2)) * scale  # (N, M', c)
+        if causal:
+            scores = scores.masked_fill(~_causal_mask(m - r0, r0, key0, length, q.device), float("-inf"))
+        new_max = torch.maximum(run_max[:, r0:], scores.amax(-1))
+        correction = torch.exp(run_max[:, r0:] - new_max)
+        p = torch.exp(scores - new_max.unsqueeze(-1))
+        run_sum[:, r0:] = run_sum[:, r0:] * correction + p.sum(-1)
+        acc[:, r0:] = acc[:, r0:] * correction.unsqueeze(-1) + torch.matmul(p, v[:, key0 : key0 + length])
+        run_max[:, r0:] = new_max
+    return acc / run_sum.unsqueeze(-1), run_max + torch.log(run_sum)
+
+
+def _causal_mask(rows: int, row0: int, key0: int, length: int, device) -> torch.Tensor:
+    """(rows, length) bool: row row0+i sees key key0+j iff key0+j <= row0+i."""
+    keys = torch.arange(key0, key0 + length, device=device)
+    return keys[None, :] <= torch.arange(row0, row0 + rows, device=device)[:, None]
+
+
+def _portable_backward(d_out, row, q, k, v, lse, scale: float, causal: bool, need_kv: bool):
+    """Gradients of one key chunk given the *global* out/lse: p = exp(s − lse) is this chunk's slice of the
+    full softmax, and dS = p * (dP − row) with row = rowsum(dO * O) − dLSE. Returns dq, dk, dv (dk/dv None
+    unless need_kv)."""
+    m = q.shape[1]
+    dq = torch.zeros_like(q)
+    dk = torch.zeros_like(k) if need_kv else None
+    dv = torch.zeros_like(v) if need_kv else None
+    for key0 in range(0, k.shape[1], KEY_BLOCK):
+        length = min(KEY_BLOCK, k.shape[1] - key0)
+        r0 = key0 if causal else 0
+        kb, vb = k[:, key0 : key0 + length], v[:, key0 : key0 + length]
+        qb, dob = q[:, r0:], d_out[:, r0:]
+        scores = torch.matmul(qb, kb.transpose(-1, -2)) * scale  # (N, M', c)
+        if causal:
+            scores = scores.masked_fill(~_causal_mask(m - r0, r0, key0, length, q.device), float("-inf"))
+        p = torch.exp(scores - lse[:, r0:].unsqueeze(-1))
+        ds = p * (torch.matmul(dob, vb.transpose(-1, -2)) - row[:, r0:].unsqueeze(-1))
+        dq[:, r0:].add_(torch.matmul(ds, kb), alpha=scale)
+        if dk is not None and dv is not None:  # need_kv
+            dk[:, key0 : key0 + length].add_(torch.matmul(ds.transpose(-1, -2), qb), alpha=scale)
+            dv[:, key0 : key0 + length].add_(torch.matmul(p.transpose(-1, -2), dob))
+    return dq, dk, dv
+
+
+class ChunkAttention(torch.autograd.Function):
+    """softmax(q K^T * scale) V over a list of key/value chunks, returning the output and its log-sum-exp.
+
+    Inputs: q (N, M, D); scale; causal; n; then n key chunks and n value chunks, each (1, N, c_j, D).
+    causal = False: every key is visible (the prompt prefix). causal = True (one chunk, M == c): the
+    segment's own tokens. Outputs: out (N, M, D), lse (N, M), both differentiable, both in the accumulation
+    dtype (fp32 for bf16/fp16 inputs, `precision.py`).
+
+    Chunks that are adjacent views of one tensor (`adjacent_runs`) are read as one run; runs are combined with
+    an online softmax, so only the final out/lse are saved; backward runs each run's backward against the
+    global out/lse, in pieces of at most `BACKWARD_KEYS` keys, and hands every input chunk its slice of the
+    gradient. Per run a fused op runs where one takes q's device, dtype and head dim
+    (`attention_fused.choose_kernel`: CPU flash, CUDA flash, CUDA memory-efficient), else the portable blocked
+    kernel above (same math; the parity tests compare every path with `naive_attention`). An op that refuses its
+    inputs at run time is logged once and that run, and every later one, runs the portable kernel.
+    """
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, scale: float, causal: bool, n: int, *kv: torch.Tensor):
+        kernel = choose_kernel(q, USE_FUSED)
+        acc = accumulation_dtype(q.dtype)  # merges and log-sum-exps in >= fp32: bf16 would lose ~1% per merge
+        out: torch.Tensor | None = None
+        lse: torch.Tensor | None = None
+        kernels, aux = [], []
+        for k, v, _ in adjacent_runs(kv[:n], kv[n:]):
+            o = l = a = None
+            if kernel != "portable":
+                try:
+                    o, l, a = fused_forward(kernel, q, k, v, scale, causal)
+                    o, l = o.to(acc), l.to(acc)
+                except torch.OutOfMemoryError:
+                    raise
+                except RuntimeError as err:  # the op refused these inputs (e.g. an old GPU, a head dim)
+                    refused(kernel, q, err)
+                    kernel = "portable"
+            if o is None or l is None:
+                o, l = _portable_forward(q.to(acc), k[0].to(acc), v[0].to(acc), scale, causal)
+            kernels.append(kernel)
+            aux.append(a)
+            if out is None or lse is None:  # the first chunk (both are set together)
+                out, lse = o, l
+            else:
+                new = torch.logaddexp(lse, l)
+                out = out * torch.exp(lse - new).unsqueeze(-1) + o * torch.exp(l - new).unsqueeze(-1)
+                lse = new
+        if out is None or lse is None:
+            raise ValueError("ChunkAttention needs at least one key/value chunk")
+        ctx.scale, ctx.causal, ctx.n, ctx.kernels, ctx.aux = scale, causal, n, kernels, aux
+        ctx.save_for_backward(q, out, lse, *kv)
+        return out, lse  # both in the accumulation dtype: the caller merges them, then casts
+
+    @staticmethod
+    def backward(ctx, d_out: torch.Tensor | None, d_lse: torch.Tensor | None):
+        q, out, lse, *kv = ctx.saved_tensors  # out and lse in the accumulation dtype
+        n, scale, causal = ctx.n, ctx.scale, ctx.causal
+        need_kv = any(ctx.needs_input_grad[4:])
+        d_out = torch.zeros_like(out) if d_out is None else d_out.to(out.dtype).contiguous()
+        d_lse = torch.zeros_like(lse) if d_lse is None else d_lse.to(lse.dtype)
+        row = (d_out * out).sum(-1) - d_lse  # (N, M), used by the portable kernel
+        dq = torch.zeros_like(out)
+        dks: list[torch.Tensor | None] = []
+        dvs: list[torch.Tensor | None] = []
+        pieces = [(j, k, v, sizes) for j, run in enumerate(adjacent_runs(kv[:n], kv[n:]))
+                  for k, v, sizes in _pieces(*run, BACKWARD_KEYS)]
+        for j, k, v, sizes in pieces:  # run j's kernel (dropout is 0: its random state is never read)
+            grads = None
+            if ctx.kernels[j] != "portable":  # the ops work in q's dtype, with an fp32 log-sum-exp for bf16/fp16
+                try:
+                    grads = fused_backward(ctx.kernels[j], d_out.to(q.dtype), d_lse, q, k, v, out.to(q.dtype),
+                                           lse if lse.dtype == q.dtype else lse.float(), scale, causal, ctx.aux[j])
+                except torch.OutOfMemoryError:
+                    raise
+                except RuntimeError as err:
+                    refused(ctx.kernels[j], q, err, "backward")
+            if grads is None:
+                grads = _portable_backward(d_out, row, q.to(out.dtype), k[0].to(out.dtype), v[0].to(out.dtype), lse,
+                                           scale, causal, need_kv)
+            dq_j, dk_j, dv_j = grads
+            dq += dq_j
+            # One gradient per input chunk: a piece's gradient split back along the keys (views; a leaf's
+            # AccumulateGrad copies a non-contiguous view into its own .grad).
+            dks.extend(dk_j[None].to(k.dtype).split(sizes, dim=2) if need_kv else [None] * len(sizes))
+            dvs.extend(dv_j[None].to(v.dtype).split(sizes, dim=2) if need_kv else [None] * len(sizes))
+        return (dq.to(q.dtype), None, None, None, *dks, *dvs)
+
+
+def _continues(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """b (1, N, c_b, D) follows a (1, N, c_a, D) along dim 2 in the same storage (views of one tensor,
+    `PromptState._slab`)."""
+    return (a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and a.dtype == b.dtype
+            and a.stride() == b.stride() and a.shape[:2] == b.shape[:2] and a.shape[3] == b.shape[3]
+            and b.storage_offset() == a.storage_offset() + a.shape[2] * a.stride(2))
+
+
+def adjacent_runs(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor,
+                                                                                        torch.Tensor, list[int]]]:
+    """Runs of prefix chunks that are adjacent views of one tensor (`PromptState._slab`), each as one view over the
+    run and its chunks' key counts: (key (1, N, c, D), value (1, N, c, D), [c_1, ...]). No copy. `ChunkAttention`
+    makes one kernel call per run instead of one per chunk (decoding reads the whole prefix per layer and step; a
+    replay or the exact plan's recompute of chunk c reads chunks 0 ... c-1) and splits a run's gradient back into
+    its chunks, so each of the exact plan's leaves still receives its own. Built on the tensors' data (called inside
+    the autograd function), so the views carry no autograd history."""
+    runs: list[tuple[torch.Tensor, torch.Tensor, list[int]]] = []
+    first = 0
+    for i in range(1, len(keys) + 1):  # linear: decoding scans a layer's chunks at every step
+        if i < len(keys) and _continues(keys[i - 1], keys[i]) and _continues(values[i - 1], values[i]):
+            continue
+        sizes = [t.shape[2] for t in keys[first:i]]
+        if i - first == 1:
+            runs.append((keys[first], values[first], sizes))
+        else:
+            runs.append((_extend(keys[first], sum(sizes)), _extend(values[first], sum(sizes)), sizes))
+        first = i
+    return runs
+
+
+def _pieces(k: torch.Tensor, v: torch.Tensor, sizes: list[int], limit: int) -> list[tuple[torch.Tensor, torch.Tensor,
+                                                                                      list[int]]]:
+    """A run (key (1, N, c, D), value, its chunks' key counts) as consecutive pieces of whole chunks with at most
+    `limit` keys each (a longer chunk is a piece of its own): views, no copy."""
+    out: list[tuple[torch.Tensor, torch.Tensor, list[int]]] = []
+    group: list[int] = []
+    start = end = 0  # the current piece: keys [start, end), chunks `group`
+    for size in [*sizes, None]:
+        if group and (size is None or end - start + size > limit):
+            out.append((k[:, :, start:end], v[:, :, start:end], group))
+            start, group = end, []
+        if size is not None:
+            group.append(size)
+            end += size
+    return out
+
+
+def _extend(head: torch.Tensor, keys: int) -> torch.Tensor:
+    """head (1, N, c, D) viewed over `keys` keys of its storage from its start (the following chunks', checked by
+    `_continues`)."""
+    return head.detach().as_strided((*head.shape[:2], keys, head.shape[3]), head.stride(), head.storage_offset())
+
+
+def prefix_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    prefix_keys: list[torch.Tensor],
+    prefix_values: list[torch.Tensor],
+    scale: float,
+    causal: bool = True,
+    cp: ContextShards | None = None,
+) -> torch.Tensor:
+    """Attention of new tokens over [prefix ; own tokens], exactly merged.
+
+    query (B, H, T, D); key/value (B, Hkv, S, D); prefix chunks (1, Hkv, c_j, D) shared by all B.
+    causal=True (training, capture): S == T and token t sees own tokens 0 … t. Right padding needs no mask
+    beyond causality: a real token never sees a later (padding) position. causal=False (decoding one token
+    per sequence, T == 1): the query sees all S own tokens. Returns (B, H, T, D).
+    cp: a context-parallel group (`state.sharding.ContextShards`) when the prefix is sharded over ranks (this
+    rank's chunks are `prefix_keys`, possibly none): the partial results of all ranks are merged by log-sum-exp.
+    """
+    b, h, t, d = query.shape
+    hkv, s = key.shape[1], key.shape[2]
+    if causal and s != t:
+        raise ValueError(f"causal own attention needs as many keys as queries, got {s} keys for {t} queries")
+    g = h // hkv
+    # Own tokens: repeat the segment's own K/V to H heads (small: S tokens) and fold (B, H) into N.
+    q_own = query.reshape(b * h, t, d)
+    k_own = key.repeat_interleave(g, dim=1).reshape(1, b * h, s, d)
+    v_own = value.repeat_interleave(g, dim=1).reshape(1, b * h, s, d)
+    out, lse = ChunkAttention.apply(q_own, scale, causal, 1, k_own, v_own)
+    out, lse = out.view(b, hkv, g, t, d), lse.view(b, hkv, g, t)
+    if not prefix_keys and cp is None:
+        return out.to(query.dtype).reshape(b, h, t, d)
+    # Prefix: fold batch, group and time into one row set, (B, Hkv, g, T, D) -> (Hkv, B*g*T, D), so the
+    # shared prefix K/V (Hkv, P, D) is read once for all sequences and heads, never expanded or copied.
+    q_rows = query.view(b, hkv, g, t, d).permute(1, 0, 2, 3, 4).reshape(hkv, b * g * t, d)
+    n = len(prefix_keys)
+    if cp is None:
+        p_out, p_lse = ChunkAttention.apply(q_rows, scale, False, n, *prefix_keys, *prefix_values)
+    else:
+        # Every rank must take part in the backward all-reduce of q's gradient, even without chunks of its own.
+        q_rows = cp.reduce_grad(q_rows)
+        like_out = q_rows.new_zeros(hkv, b * g * t, prefix_values[0].shape[-1] if n else d, dtype=lse.dtype)
+        if n:
+            p_out, p_lse = ChunkAttention.apply(q_rows, scale, False, n, *prefix_keys, *prefix_values)
+        else:
+            p_out = like_out + 0 * q_rows.sum().to(lse.dtype)  # zero, but in the graph of q_rows
+            p_lse = torch.full_like(like_out[..., 0], torch.finfo(lse.dtype).min)
+        p_out, p_lse = cp.merge(p_out, p_lse, like_out, like_out[..., 0])
+    p_out = p_out.view(hkv, b, g, t, d).permute(1, 0, 2, 3, 4)  # (B, Hkv, g, T, D)
+    p_lse = p_lse.view(hkv, b, g, t).permute(1, 0, 2, 3)  # (B, Hkv, g, T)
+    total = torch.logaddexp(lse, p_lse)
+    merged = torch.exp(lse - total).unsqueeze(-1) * out + torch.exp(p_lse - total).unsqueeze(-1) * p_out
+    return merged.to(query.dtype).reshape(b, h, t, d)
+
+
+def naive_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    prefix_keys: list[torch.Tensor],
+    prefix_values: list[torch.Tensor],
+    scale: float,
+) -> torch.Tensor:
+    """Plain reference for `prefix_attention`: concatenate, repeat heads, mask, softmax. Same shapes."""
+    b, h, t, d = query.shape
+    hkv = key.shape[1]
+    if prefix_keys:
+        pk = torch.cat(prefix_keys, dim=-2).expand(b, -1, -1, -1)
+        pv = torch.cat(prefix_values, dim=-2).expand(b, -1, -1, -1)
+        key, value = torch.cat([pk, key], dim=-2), torch.cat([pv, value], dim=-2)
+    p = key.shape[-2] - t
+    key = key.repeat_interleave(h // hkv, dim=1)
+    value = value.repeat_interleave(h // hkv, dim=1)
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scale  # (B, H, T, P+T)
+    visible = torch.ones(t, p + t, dtype=torch.bool, device=query.device).tril(diagonal=p)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), value)
+
+
+# --- The masked path: sliding windows, DSA top-k selection, latent (MLA) prefixes, logit soft-capping --------
+#
+# These need a per-(query, key) visibility mask or a per-chunk transform of the prefix, which the fused kernel
+# above does not take. The path below is plain PyTorch (a masked softmax per key part, merged by log-sum-exp)
+# and each prefix chunk runs under activation checkpointing, so what stays saved for backward is the query
+# and the state itself, never a chunk's scores or an expanded MLA chunk. Masked scores use the dtype's most
+# negative finite value (as transformers' eager path does): a row that sees nothing in one part then gets
+# weight exp(lse_part - lse_total) = 0 exactly in the merge, with no NaN in forward or backward.
+
+
+def _masked_part(q, k, v, visible, scale: float, softcap: float | None, expand):
+    """q (B, H, T, D); k/v (Bk, Hkv, c, Dk/Dv) or MLA latents if `expand`; visible (Bv, T, c) bool.
+    Returns out (B, H, T, Dv) and lse (B, H, T), in the accumulation dtype."""
+    if expand is not None:
+        k, v = expand(k, v)  # (1, H, c, Dk), (1, H, c, Dv)
+    acc = accumulation_dtype(q.dtype)
+    g = q.shape[1] // k.shape[1]
+    if g > 1:
+        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    scores = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale  # (B, H, T, c)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~visible[:, None], torch.finfo(acc).min)
+    lse = torch.logsumexp(scores, dim=-1)  # (B, H, T)
+    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.to(acc))
+    return out, lse
+
+
+def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, window: int | None) -> torch.Tensor:
+    """(T, c) bool: query at q_pos sees key at k_pos (causal, and within the sliding window if any:
+    transformers' rule is k > q - window)."""
+    seen = torch.ones(q_pos.numel(), k_pos.numel(), dtype=torch.bool, device=q_pos.device)
+    if causal:
+        seen &= k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        seen &= k_pos[None, :] > q_pos[:, None] - window
+    return seen
+
+
+def masked_prefix_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    prefix: list[tuple[int, torch.Tensor, torch.Tensor]],
+    scale: float,
+    q_pos: torch.Tensor,
+    own_pos: torch.Tensor,
+    window: int | None = None,
+    select: torch.Tensor | None = None,
+    expand=None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Attention of new tokens over [prompt chunks ; own tokens] with positions, windows and selections.
+
+    query (B, H, T, D) at absolute positions q_pos (T,); own key/value (B, Hkv, S, D*) at own_pos (S,), seen
+    causally; prefix: (start, key, value) per prompt chunk, each (1, Hkv, c, D*) — or MLA latents
+    (1, 1, c, d) turned into K/V by `expand(latent, rope_key)`. window: sliding window (keys k > q − window).
+    select: (B, T, P' + S) bool, DSA's chosen keys over [prompt ; own] (P' = positions before own_pos[0]).
+    softcap: tanh logit soft-capping. Returns (B, H, T, Dv). Plain reference: `naive.py`.
+    """
+    b, h, t, _ = query.shape
+    parts = []
+    p_len = int(own_pos[0]) if own_pos.numel() else 0
+    for start, pk, pv in prefix:
+        c = pk.shape[2]
+        k_pos = torch.arange(start, start + c, device=query.device)
+        visible = _visible(q_pos, k_pos, causal=True, window=window)[None]  # (1, T, c)
+        if select is not None:
+            visible = visible & select[:, :, start : start + c]
+        if not bool(visible.any()):
+            continue  # the whole chunk is outside every query's window or selection
+        if torch.is_grad_enabled():
+            parts.append(torch.utils.checkpoint.checkpoint(
+                _masked_part, query, pk, pv, visible, scale, softcap, expand, use_reentrant=False,
+            ))
+        else:
+            parts.append(_masked_part(query, pk, pv, visible, scale, softcap, expand))
+    visible = _visible(q_pos, own_pos, causal=True, window=window)[None]
+    if select is not None:
+        visible = visible & select[:, :, p_len : p_len + own_pos.numel()]
+    parts.append(_masked_part(query, key, value, visible, scale, softcap, None))
+    if len(parts) == 1:
+        return parts[0][0].to(query.dtype)
+    lse = torch.stack([lse for _, lse in parts])  # (n, B, H, T)
+    total = torch.logsumexp(lse, dim=0)
+    out = sum(torch.exp(l - total).unsqueeze(-1) * o for (o, _), l in zip(parts, lse))
+    return out.to(query.dtype)

@@ -1,0 +1,99 @@
+"""Per-token log-probabilities of target ids without materialising the `[N, vocab]` logits.
+
+`chunked_logprobs` runs the output projection over blocks of `token_chunk` rows; forward keeps only the
+log-probs, backward recomputes each block's logits and softmax. Peak extra memory is one block of logits
+(`token_chunk x vocab`) instead of all of them (8k tokens x 150k vocab in fp32 would be 4.9 GB).
+`naive_logprobs` beside it is the plain reference the parity test compares with.
+
+`temperature` scores log_softmax(logits / temperature), as samplers that draw at a temperature (and TRL's trainer,
+which scores at its sampling temperature) define the policy's log-probs; 1.0 leaves the logits as they are.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from longstraw.engine.precision import accumulation_dtype
+
+DEFAULT_TOKEN_CHUNK = 1024
+
+
+def accumulated_logits(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """h (c, d) @ weight (V, d)^T -> (c, V) in the accumulation dtype (`precision.py`): for bf16/fp16 on CUDA
+    straight from the GEMM's fp32 accumulator (torch.mm's out_dtype), elsewhere cast after the product."""
+    acc = accumulation_dtype(h.dtype)
+    if acc == h.dtype:
+        return h @ weight.t()
+    if h.is_cuda:
+        try:
+            return torch.mm(h, weight.t(), out_dtype=acc)
+        except (RuntimeError, TypeError):  # a torch without out_dtype for this GEMM
+            pass
+    return (h @ weight.t()).to(acc)
+
+
+class _ChunkedLogprobs(torch.autograd.Function):
+    """hidden (N, d), weight (V, d), targets (N,) -> logp (N,) = log_softmax(hidden @ weight.T / T)[n, targets[n]],
+    in the accumulation dtype (fp32 for a bf16/fp16 model; the logits, log-sum-exp and softmax too)."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, token_chunk: int,
+                temperature: float = 1.0):
+        out = torch.empty(hidden.shape[0], dtype=accumulation_dtype(hidden.dtype), device=hidden.device)
+        lse = torch.empty_like(out)
+        for s in range(0, hidden.shape[0], token_chunk):
+            logits = accumulated_logits(hidden[s : s + token_chunk], weight)  # (c, V)
+            if temperature != 1.0:
+                logits.div_(temperature)
+            tgt = targets[s : s + token_chunk]
+            lse[s : s + token_chunk] = torch.logsumexp(logits, dim=-1)
+            out[s : s + token_chunk] = logits.gather(1, tgt[:, None]).squeeze(1) - lse[s : s + token_chunk]
+        ctx.token_chunk = token_chunk
+        ctx.temperature = temperature
+        ctx.save_for_backward(hidden, weight, targets, lse)  # lse: N numbers, so backward skips a softmax pass
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        hidden, weight, targets, lse = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        d_hidden = torch.empty_like(hidden) if need_h else None
+        d_weight = torch.zeros_like(weight) if need_w else None
+        c, temperature = ctx.token_chunk, ctx.temperature
+        for s in range(0, hidden.shape[0], c):
+            h = hidden[s : s + c]
+            logits = accumulated_logits(h, weight)  # (c, V), recomputed
+            if temperature != 1.0:
+                logits.div_(temperature)
+            # d logp / d logits = onehot(target) - softmax(logits), scaled by the incoming gradient;
+            # softmax = exp(logits - lse) in place, with the forward's lse.
+            g = grad_out[s : s + c, None].to(logits.dtype)
+            d_logits = logits.sub_(lse[s : s + c, None]).exp_().mul_(-g)
+            d_logits.scatter_add_(1, targets[s : s + c, None], g)
+            if temperature != 1.0:
+                d_logits.div_(temperature)  # d(logits / T) / d(logits)
+            d_logits = d_logits.to(weight.dtype)  # the two products run in the model's dtype
+            if d_hidden is not None:  # need_h
+                d_hidden[s : s + c] = d_logits @ weight
+            if d_weight is not None:  # need_w
+                d_weight.addmm_(d_logits.t(), h)
+        return d_hidden, d_weight, None, None, None
+
+
+def chunked_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, token_chunk: int = DEFAULT_TOKEN_CHUNK,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """hidden (..., d), weight (V, d), targets (...) -> log-probs (...) at `temperature`. Differentiable in hidden
+    and weight."""
+    shape = targets.shape
+    flat = _ChunkedLogprobs.apply(hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), token_chunk,
+                                  temperature)
+    return flat.view(shape)
+
+
+def naive_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                   temperature: float = 1.0) -> torch.Tensor:
+    """Reference: full logits, log_softmax, gather. Same shapes as `chunked_logprobs`; fp32 for bf16/fp16."""
+    logits = (hidden @ weight.t()).to(accumulation_dtype(hidden.dtype)) / temperature
+    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)

@@ -1,0 +1,67 @@
+"""The exact plan's extra phase: reverse chunked prompt backward (docs/design.md §3).
+
+After every response was replayed against the prompt state as leaves, each leaf's `.grad` holds dL/dS for
+its part of the state (K/V or latent chunks, and for recurrent layers the state after the last chunk),
+summed over the whole group. For chunk c = last … first we recompute chunk c's forward with grad from the
+state before it (K/V chunks < c and the recurrent state after chunk c-1, all leaves) and backpropagate what
+chunk c produced — its K/V slice and its end-of-chunk recurrent/conv state — with the upstream gradients
+accumulated so far: parameters receive the prompt's share of the gradient, and the state before chunk c
+receives its share, ready for the next iteration. Peak: one chunk's activations + one copy of the state's
+gradient.
+
+Kept graphs (`backward_group(keep_prompt_graph=N)`): the capture ran the last N chunks with grad from the leaves
+and kept their graphs (`PromptState.graphs`); for those chunks the backward goes through the kept graph instead of
+a recompute: one prompt forward fewer per kept chunk, for those chunks' activations held from the capture on.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from longstraw.engine.segment import run_segment
+from longstraw.engine.state.prompt import GRAD_PARTS, Collected, PromptState
+from longstraw.engine.state.sharding import ContextShards
+
+
+def prompt_backward(model: torch.nn.Module, ids: torch.Tensor, leaves: PromptState) -> None:
+    """ids (N,): the encoded prompt (x[:-1]); leaves: the state the replays used, `.grad` filled."""
+    if not leaves.keep_boundaries and leaves.num_chunks > 1:
+        raise ValueError("the exact plan needs the recurrent state at every chunk boundary: capture the prompt "
+                         "with keep_boundaries=True")
+    cp = leaves.cp
+    for j in reversed(range(leaves.num_chunks)):
+        start, end = leaves.bounds[j]
+        produced = leaves.chunk_outputs(j)
+        # An offloaded state's gradients live beside it in host memory: bring chunk j's to the compute device.
+        upstream = [None if t is None or t.grad is None else leaves.fetch(t.grad) for t in produced]
+        kept = leaves.graphs.pop(j, None)  # the capture's own graph of chunk j, if it was kept
+        if cp is None and all(g is None for g in upstream):
+            continue  # (under context parallelism every rank recomputes every chunk: collectives run in step)
+        collect: Collected = {}
+        if kept is not None:
+            recomputed = kept
+        else:
+            with torch.enable_grad():
+                run_segment(model, ids[start:end].unsqueeze(0), start, leaves.prefix(j), collect, kv_only=True)
+            recomputed = PromptState.outputs_of(collect, leaves.num_layers)
+        if cp is not None:
+            upstream = _owner_gradients(cp, j, leaves.num_chunks, upstream, recomputed)
+        pairs = [(out, g) for out, g in zip(recomputed, upstream) if g is not None and out is not None]
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        for t in produced:
+            if t is not None:
+                t.grad = None  # consumed: free this chunk's state gradient
+        del collect, recomputed, pairs, kept  # and this chunk's recompute (or kept graph), before the next one runs
+
+
+def _owner_gradients(cp: ContextShards, j: int, num_chunks: int, upstream: list, recomputed: list) -> list:
+    """Context parallelism: chunk j's K/V gradients live on its owner; every rank needs them to backpropagate
+    its (replicated) recompute of chunk j. Recurrent parts are replicated, so their gradients are local.
+    GRAD_PARTS order per layer: key, value, conv, recurrent."""
+    attention = [i for i, out in enumerate(recomputed) if out is not None and i % len(GRAD_PARTS) < 2]
+    shared = cp.broadcast_from([upstream[i] for i in attention], [recomputed[i] for i in attention],
+                               cp.owner(j, num_chunks))
+    upstream = list(upstream)
+    for i, g in zip(attention, shared):
+        upstream[i] = g
+    return upstream

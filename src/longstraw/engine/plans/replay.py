@@ -1,0 +1,109 @@
+"""Response replay from a captured prompt state: forward + backward of k responses at a time.
+
+Each response o_i is replayed as the segment `[x[-1]] + o_i[:-1]` at positions P-1 … P+R_i-2 with
+targets o_i: the last prompt token is part of the replayed segment, so the first response token's
+log-prob depends on live activations and carries gradient (docs/design.md §2).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from longstraw.engine.logprobs import chunked_logprobs
+from longstraw.engine.segment import run_segment
+from longstraw.engine.state.prompt import PromptState
+from longstraw.models.architecture import hf
+
+# A micro-batch's share of the group loss from its log-probs and mask (k, T) and which responses it holds (both
+# plans, replay and standard, call it; `api.backward_group` builds it).
+LossFn = Callable[[torch.Tensor, torch.Tensor, list[int]], torch.Tensor]
+
+
+def pad(seqs: list[torch.Tensor], value: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad 1-D id tensors to (B, T_max); returns (ids, mask) with mask True on real tokens."""
+    t = max(s.numel() for s in seqs)
+    ids = torch.full((len(seqs), t), value, dtype=torch.long, device=seqs[0].device)
+    mask = torch.zeros((len(seqs), t), dtype=torch.bool, device=seqs[0].device)
+    for i, s in enumerate(seqs):
+        ids[i, : s.numel()] = s
+        mask[i, : s.numel()] = True
+    return ids, mask
+
+
+def filled(logprobs: list[torch.Tensor | None]) -> list[torch.Tensor]:
+    """The per-response log-probs once `finish_batch` has filled every slot in."""
+    out = [lp for lp in logprobs if lp is not None]
+    if len(out) != len(logprobs):
+        raise RuntimeError("a response's log-probs were not computed")
+    return out
+
+
+def finish_batch(
+    logp: torch.Tensor, mask: torch.Tensor, idx: list[int], loss_fn: LossFn | None,
+    responses: list[torch.Tensor], logprobs: list[torch.Tensor | None],
+) -> float:
+    """Backward this batch's share of the group loss (unless only scoring), keep each response's detached
+    log-probs (k, T) -> logprobs[i] (R_i,), and return the share's value."""
+    value = 0.0
+    if loss_fn is not None:
+        loss = loss_fn(logp, mask, idx)
+        value = float(loss.detach())
+        # Checked before the backward: a non-finite value would turn every gradient it reaches into NaN.
+        if not torch.isfinite(logp.detach()[mask]).all():
+            raise FloatingPointError(
+                f"responses {idx}: the model's log-probs are not finite (its forward overflowed in "
+                f"{str(logp.dtype).removeprefix('torch.')}); this micro-batch's backward was not run. Use float32 or "
+                "bfloat16, or check the weights"
+            )
+        if not math.isfinite(value):
+            raise FloatingPointError(
+                f"responses {idx}: their share of the loss is {value} (the ratio exp(logp - old) or the KL term "
+                f"exp(ref - logp) overflowed {str(logp.dtype).removeprefix('torch.')}); this micro-batch's backward "
+                "was not run. Check old_logprobs/ref_logprobs (the policy's own log-probs, not logits) and the "
+                "advantages, or use a wider dtype"
+            )
+        loss.backward()
+    for row, i in enumerate(idx):
+        logprobs[i] = logp[row, : responses[i].numel()].detach()
+    return value
+
+
+def replay_responses(
+    model: torch.nn.Module,
+    prompt: torch.Tensor,
+    state: PromptState,
+    responses: list[torch.Tensor],
+    loss_fn: LossFn | None,
+    micro_batch: int,
+    token_chunk: int,
+    temperature: float = 1.0,
+) -> tuple[float, list[torch.Tensor]]:
+    """Forward+backward every response from a fork of `state` (which holds prompt[:-1]).
+
+    Gradients accumulate into the parameters and, when the state's tensors require grad (exact plan),
+    into their `.grad`. With loss_fn=None it only scores (run it under no_grad: reference/old log-probs).
+    temperature: log-probs of logits / temperature.
+    Returns (summed loss, per-response detached logp).
+    """
+    p = prompt.numel()
+    weight = hf(model).get_output_embeddings().weight  # (V, d)
+    total = 0.0
+    logprobs: list[torch.Tensor | None] = [None] * len(responses)
+    for first in range(0, len(responses), micro_batch):
+        idx = list(range(first, min(first + micro_batch, len(responses))))
+        segments = [torch.cat([prompt[-1:], responses[i][:-1]]) for i in idx]
+        inputs, mask = pad(segments)  # (k, R_max)
+        targets, _ = pad([responses[i] for i in idx])
+        if inputs.shape[1] == 1:
+            # One-token segments: pad to two. transformers' SSM layers take an in-place single-token path
+            # that autograd cannot differentiate; causality keeps the padding out of the real position.
+            inputs, mask = torch.nn.functional.pad(inputs, (0, 1)), torch.nn.functional.pad(mask, (0, 1))
+            targets = torch.nn.functional.pad(targets, (0, 1))
+        hidden = run_segment(model, inputs, p - 1, state.fork())  # (k, R_max, d)
+        assert hidden is not None  # None only with kv_only
+        logp = chunked_logprobs(hidden, weight, targets, token_chunk, temperature)  # (k, R_max)
+        total += finish_batch(logp, mask, idx, loss_fn, responses, logprobs)
+    return total, filled(logprobs)

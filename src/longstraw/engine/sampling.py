@@ -1,0 +1,160 @@
+"""Sampling G responses from ONE prefill of the shared prompt.
+
+The prompt is captured once (`capture_prompt`, the same state the training step consumes); the G samples
+then decode as one batch, each step attending to the shared prompt state (never copied or expanded) and
+to its own generated tokens (`ResponseState`). Like the training replay, decoding starts from the last
+prompt token, so the state holds prompt[:-1] and can be handed straight to `backward_group`.
+
+Recorded log-probs are the policy's own (temperature 1, no top-k/top-p truncation), whatever the sampling
+temperature: they are what the training step recomputes, so they serve as `old_logprobs`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from longstraw.engine.logprobs import DEFAULT_TOKEN_CHUNK, accumulated_logits
+from longstraw.engine.plans.replay import replay_responses
+from longstraw.engine.segment import run_segment
+from longstraw.engine.state.capture import capture_prompt
+from longstraw.engine.state.prompt import PromptState
+from longstraw.engine.state.response import ResponseState
+from longstraw.models.architecture import hf
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How responses are drawn. top_k = 0 and top_p = 1.0 disable those filters."""
+
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_ids: tuple[int, ...] = ()  # EOS and other stop tokens; the stop token is kept in the response
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0 (use a small value for near-greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+
+
+@dataclass
+class Rollout:
+    """responses: (R_i,) ids each; logprobs: (R_i,) policy log-probs; state: the captured prompt[:-1]."""
+
+    responses: list[torch.Tensor]
+    logprobs: list[torch.Tensor]
+    state: PromptState
+
+
+def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Mask logits (B, V) outside the top-k set and outside the smallest set with probability >= top_p."""
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Drop a token when the mass of the tokens strictly before it already reaches top_p.
+        drop_sorted = (probs.cumsum(-1) - probs) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+@torch.no_grad()
+def sample_group(
+    model: torch.nn.Module,
+    prompt: torch.Tensor,
+    group_size: int,
+    sampling: SamplingConfig,
+    seed: int = 0,
+    chunk_size: int = 2048,
+    state: PromptState | None = None,
+    keep_boundaries: bool = True,
+    context_parallel=None,
+) -> Rollout:
+    """Draw `group_size` responses to `prompt` (P,) with one prompt prefill. Deterministic for a given seed.
+
+    keep_boundaries: capture the recurrent state at every chunk boundary, so the exact plan can reuse the
+    rollout's state (detach-only training can save that memory with False). context_parallel: the prompt
+    state is sharded over that group's ranks, which all call this with the same arguments and get the same
+    samples."""
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    if prompt.dim() != 1 or prompt.numel() == 0:
+        raise ValueError("prompt must be a non-empty 1-D tensor of token ids")
+    device = hf(model).get_input_embeddings().weight.device
+    prompt = prompt.to(device=device, dtype=torch.long)
+    if state is None:
+        state = capture_prompt(model, prompt[:-1], chunk_size, keep_boundaries=keep_boundaries, cp=context_parallel)
+    weight = hf(model).get_output_embeddings().weight  # (V, d)
+    generated = ResponseState(group_size, sampling.max_new_tokens)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    stop = torch.tensor(sampling.stop_ids, dtype=torch.long, device=device)
+
+    p = prompt.numel()
+    token = prompt[-1:].expand(group_size).unsqueeze(1)  # (G, 1): every sample starts from the last prompt token
+    tokens, logps = [], []
+    done = torch.zeros(group_size, dtype=torch.bool, device=device)
+    lengths = torch.full((group_size,), sampling.max_new_tokens, dtype=torch.long, device=device)
+    for step in range(sampling.max_new_tokens):
+        hidden = run_segment(model, token, p - 1 + step, state, generated=generated)  # (G, 1, d)
+        assert hidden is not None  # None only with kv_only
+        logits = accumulated_logits(hidden[:, -1], weight)  # (G, V): sample and score in >= fp32 (precision.py)
+        policy_logp = torch.log_softmax(logits, dim=-1)
+        filtered = _filter_logits(logits / sampling.temperature, sampling.top_k, sampling.top_p)
+        probs = torch.softmax(filtered, dim=-1)
+        nxt = torch.multinomial(probs, 1, generator=gen).squeeze(1)  # (G,)
+        tokens.append(nxt)
+        logps.append(policy_logp.gather(1, nxt[:, None]).squeeze(1))
+        is_stop = torch.isin(nxt, stop) & ~done
+        lengths = torch.where(is_stop, torch.full_like(lengths, step + 1), lengths)
+        done |= is_stop
+        if bool(done.all()):
+            break
+        token = nxt[:, None]
+    ids = torch.stack(tokens, dim=1)  # (G, steps)
+    lp = torch.stack(logps, dim=1)  # (G, steps), in the accumulation dtype: fp32 for bf16 (precision.py)
+    responses = [ids[i, : int(lengths[i])].clone() for i in range(group_size)]
+    logprobs = [lp[i, : int(lengths[i])].clone() for i in range(group_size)]
+    return Rollout(responses=responses, logprobs=logprobs, state=state)
+
+
+@torch.no_grad()
+def score_responses(
+    model: torch.nn.Module,
+    prompt: torch.Tensor,
+    responses: list[torch.Tensor],
+    chunk_size: int = 2048,
+    micro_batch: int = 1,
+    state: PromptState | None = None,
+    context_parallel=None,
+) -> list[torch.Tensor]:
+    """Per-token log-probs (R_i,) of each response under `model`, from one prompt capture (e.g. the frozen
+    reference model's log-probs for the KL term). Same replay path as training, without backward."""
+    device = hf(model).get_input_embeddings().weight.device
+    prompt = prompt.to(device=device, dtype=torch.long)
+    if state is None:
+        state = capture_prompt(model, prompt[:-1], chunk_size, keep_boundaries=False, cp=context_parallel)
+    responses = [r.to(device=device, dtype=torch.long) for r in responses]
+    _, logprobs = replay_responses(model, prompt, state, responses, None, micro_batch, DEFAULT_TOKEN_CHUNK)
+    return logprobs
+
+
+def stop_ids_of(model: torch.nn.Module, tokenizer: object | None = None) -> tuple[int, ...]:
+    """EOS ids from the model's generation config (falling back to the tokenizer's)."""
+    ids: Sequence[int] | int | None = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if ids is None and tokenizer is not None:
+        ids = getattr(tokenizer, "eos_token_id", None)
+    if ids is None:
+        return ()
+    return (ids,) if isinstance(ids, int) else tuple(ids)

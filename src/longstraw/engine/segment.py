@@ -1,0 +1,153 @@
+"""Run a transformers decoder over a segment of new tokens that continues a captured prompt state.
+
+We do not fork the model's code: the unmodified transformers modules compute embeddings, norms, RoPE,
+projections, MLPs/MoE, conv and recurrent kernels. Two things are swapped, both through transformers' own
+extension points:
+
+* the cache object: a `SegmentCache` (state/cache.py) answers the layers' cache calls functionally over a
+  fork of the prompt state (recurrent/conv state, MLA latents, DSA indexer keys) and collects what each
+  layer produced (capture, the exact plan's recompute, decoding);
+* the attention *kernel*, through `AttentionInterface`: `_longstraw_attention` attends to the prompt's
+  chunks in place (read from the state) and to the segment's own tokens, merged exactly by log-sum-exp.
+
+The same function serves capture (prompt chunk c against chunks < c), replay (responses against the whole
+prompt) and decoding (one token per sequence against the prompt and the tokens generated so far).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from transformers import AttentionInterface
+
+from longstraw.engine.kernels.attention import masked_prefix_attention, prefix_attention
+from longstraw.engine.state.cache import SegmentCache, StateCollected
+from longstraw.engine.state.prompt import Collected, PromptState
+from longstraw.engine.state.response import ResponseState
+from longstraw.models.architecture import hf
+
+ATTN_NAME = "longstraw"
+
+
+def _longstraw_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    indices: torch.Tensor | None = None,
+    longstraw: SegmentCache | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention signature: q (B, H, T, D), k/v (B, Hkv, S, D) -> ((B, T, H, D), None).
+
+    k/v are the segment's own tokens (`SegmentCache.update` returned them; while decoding, every generated
+    token's). The prompt's part comes from the state. Plain full attention takes the fused chunked kernel;
+    sliding windows, DSA selections (`indices`, (B, T, topk) over [prompt ; own]), MLA latent prefixes and
+    soft-capping take the masked path.
+    """
+    if longstraw is None:
+        raise RuntimeError("longstraw attention called without a SegmentCache (use replay.run_segment)")
+    if dropout:
+        raise RuntimeError("attention dropout is active: put the model in eval() mode")
+    layer: int = hf(module).layer_idx
+    ctx = longstraw
+    ctx.note_window(layer, sliding_window)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    decoding = ctx.generated is not None
+    prefix = ctx.state.attention_chunks(layer)
+    expand = getattr(module, "expand_kv", None)
+    cp = ctx.state.cp if ctx.state.length > 0 else None
+    if sliding_window is None and indices is None and expand is None and softcap is None:
+        # Decoding: one new token per sequence sees every generated token, so no causal mask among them.
+        out = prefix_attention(query, key, value, [k for _, k, _ in prefix], [v for _, _, v in prefix], scale,
+                               causal=not decoding, cp=cp)
+        return out.transpose(1, 2), None
+    if cp is not None:
+        raise ValueError("context parallelism covers full-attention and recurrent layers only (this layer uses a "
+                         "sliding window, DSA or MLA): run without context parallelism")
+    t, s = query.shape[2], key.shape[2]
+    device = query.device
+    q_pos = torch.arange(ctx.start, ctx.start + t, device=device)
+    own_start = ctx.start + t - s  # decoding: own keys are the generated tokens up to and including this one
+    own_pos = torch.arange(own_start, own_start + s, device=device)
+    select = None
+    if indices is not None:  # DSA: (B, T, topk) positions over [prompt ; own] -> (B, T, P' + S) bool
+        select = torch.zeros(query.shape[0], t, own_start + s, dtype=torch.bool, device=device)
+        select.scatter_(-1, indices.long(), True)
+    out = masked_prefix_attention(query, key, value, prefix, scale, q_pos, own_pos, window=sliding_window,
+                                  select=select, expand=expand, softcap=softcap)
+    return out.transpose(1, 2), None
+
+
+AttentionInterface.register(ATTN_NAME, _longstraw_attention)
+
+
+@contextmanager
+def replay_attention(model: torch.nn.Module) -> Iterator[None]:
+    """Swap the model's attention kernel for ours for the duration of the block, then restore it."""
+    config = hf(model).config
+    previous = config._attn_implementation
+    config._attn_implementation = ATTN_NAME
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous
+
+
+def has_indexer(model: torch.nn.Module) -> bool:
+    """DSA models (GLM-5): some attention layer carries a top-k indexer, which reads a 4-D mask. Read from the
+    config (O(1)), not by walking the modules: this runs once per replay and per decoding step."""
+    return getattr(model.config, "index_topk", None) is not None
+
+
+def _indexer_mask(batch: int, t: int, start: int, device) -> torch.Tensor:
+    """(B, 1, T, start + T) bool: causal visibility over [prompt ; segment], what the DSA indexer masks with."""
+    q_pos = torch.arange(start, start + t, device=device)
+    k_pos = torch.arange(start + t, device=device)
+    return (k_pos[None, :] <= q_pos[:, None])[None, None].expand(batch, 1, t, start + t)
+
+
+def run_segment(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    start: int,
+    state: PromptState,
+    collect: Collected | None = None,
+    generated: ResponseState | None = None,
+    kv_only: bool = False,
+) -> torch.Tensor | None:
+    """Hidden states after the final norm for `input_ids` (B, T) at positions start..start+T-1.
+
+    Every sequence of the batch continues the same prompt state (batch 1, shared). With `generated`
+    (sampling), T must be 1 and the step also attends to, and appends to, the sequences' generated state.
+    With `kv_only` (needs `collect`), the forward stops as soon as every layer's state is in `collect` and
+    None is returned. Returns (B, T, hidden) otherwise.
+    """
+    b, t = input_ids.shape
+    if generated is not None and t != 1:
+        raise ValueError(f"decoding takes one token per sequence per step, got {t}")
+    if generated is not None and collect is None:
+        collect = {}
+    cache = SegmentCache(state, start, b, collect=collect, generated=generated, kv_only=kv_only)
+    position_ids = (torch.arange(t, device=input_ids.device) + start).unsqueeze(0).expand(b, t)
+    mask = None
+    if has_indexer(model):
+        mask = _indexer_mask(b, t, start, input_ids.device)  # keys: prompt, generated so far, this segment
+    with replay_attention(model):
+        try:
+            out = hf(model).base_model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
+                                       cache=cache, use_cache=False, longstraw=cache)
+        except StateCollected:
+            return None
+    cache.finish()
+    if generated is not None:
+        assert collect is not None  # set above whenever generated is
+        generated.advance(t, collect)
+    return out.last_hidden_state

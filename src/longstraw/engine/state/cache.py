@@ -1,0 +1,180 @@
+"""`SegmentCache`: the cache object a transformers model sees while we run a segment over a prompt state.
+
+transformers' decoder layers talk to their cache through a handful of methods (`update` for attention K/V or
+MLA latents, `update_indexer` for DSA, `get/update_conv_state` and `get/update_recurrent_state` for linear
+attention and SSM layers). Its own cache layers update recurrent and conv states **in place** and concatenate
+K/V into new tensors; both are wrong for us (docs/design.md §4, traps): one replay would advance the state another
+replay then reads, autograd fails on the in-place writes, and the concatenation copies the whole prompt K/V.
+
+This object answers the same calls functionally, for one segment (a capture chunk, a replayed micro-batch,
+or one decoding step), over a fork of the shared `PromptState`:
+
+* `update` returns the segment's own K/V (or latents) unchanged; the attention kernel (`segment.py`) reads
+  the prompt's chunks from the state itself. During sampling it appends to the rollout's `ResponseState`.
+* `get_conv_state` / `get_recurrent_state` hand out a fresh batch-expanded *clone* of the prompt's state (a few
+  KB–MB, never the K/V): a layer that writes into it in place (the single-token kernels do) writes into
+  memory nobody else reads. `update_*` return new tensors and never write into the state.
+* Everything a layer produced is put in `collect` (capture, the exact plan's recompute, decoding), and with
+  `kv_only` the forward stops once every layer's state is in (the rest of the network would be wasted work).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from longstraw.engine.state.prompt import Collected, PromptState
+from longstraw.engine.state.response import ResponseState
+
+
+class StateCollected(Exception):
+    """Raised inside the model once every layer's state parts are collected (`kv_only`)."""
+
+
+class SegmentCache:
+    """Cache protocol for one segment of `batch` sequences at positions start … start+T-1."""
+
+    def __init__(self, state: PromptState, start: int, batch: int, collect: Collected | None = None,
+                 generated: ResponseState | None = None, kv_only: bool = False) -> None:
+        if kv_only and collect is None:
+            raise ValueError("kv_only needs a collect dict to put the state in")
+        self.state, self.start, self.batch = state, start, batch
+        self.collect, self.generated, self.kv_only = collect, generated, kv_only
+        self.handed_out: dict[tuple[str, int], torch.Tensor] = {}  # recurrent parts given to a layer
+        # Activation checkpointing (activation_checkpointing.py): what each layer had been handed when it first ran, and
+        # whether a layer is being recomputed in the backward (then nothing is collected again).
+        self._entry: dict[int, dict[tuple[str, int], torch.Tensor]] = {}
+        self.recomputing = False
+
+    # --- bookkeeping --------------------------------------------------------------------------------------
+    @contextmanager
+    def layer(self, index: int, recompute: bool) -> Iterator[None]:
+        """Run decoder layer `index` for the first time, or again as a checkpointing recompute: a recompute
+        starts from the recurrent parts the layer held when it first ran (a conv layer's window was advanced
+        since) and collects nothing (the state is already collected; a second `kv_only` stop must not fire)."""
+        if recompute:
+            for key in [k for k in self.handed_out if k[1] == index]:
+                del self.handed_out[key]
+            self.handed_out.update(self._entry.get(index, {}))
+        else:
+            self._entry[index] = {k: t for k, t in self.handed_out.items() if k[1] == index}
+        self.recomputing = recompute
+        try:
+            yield
+        finally:
+            self.recomputing = False
+            if recompute:
+                # Drop what the recompute handed out and produced: a recurrent layer's final state is not on the
+                # backward's path, so its recomputed graph (and the activations refilled into it) would otherwise
+                # stay alive through this cache, which the checkpoint keeps until the whole backward ends.
+                for key in [k for k in self.handed_out if k[1] == index]:
+                    del self.handed_out[key]
+                self.handed_out.update(self._entry.get(index, {}))
+
+    def _record(self, layer: int, part: str, tensor: torch.Tensor) -> None:
+        if self.collect is None or self.recomputing:
+            return
+        self.collect.setdefault(layer, {})[part] = tensor
+        needed = self.state.layer_parts
+        if self.kv_only and needed is not None and all(
+            needed[layer_].issubset(self.collect.get(layer_, {})) for layer_ in range(self.state.num_layers)
+        ):
+            raise StateCollected
+
+    def note_window(self, layer: int, window: int | None) -> None:
+        """The attention kernel reports each layer's sliding window, so the state can drop what is outside it."""
+        if self.collect is not None and window is not None and not self.recomputing:
+            # An int in the dict of tensors (Collected): capture_prompt pops it before the state reads the rest.
+            self.collect.setdefault(layer, {})["window"] = window  # type: ignore[assignment]
+
+    def finish(self) -> None:
+        """After the forward: recurrent parts a layer updated in place (single-token kernels skip `update_*`)
+        are collected from the clones it was handed."""
+        for (part, layer), tensor in self.handed_out.items():
+            if self.collect is not None and part not in self.collect.get(layer, {}):
+                self.collect.setdefault(layer, {})[part] = tensor
+
+    def _expand(self, t: torch.Tensor) -> torch.Tensor:
+        return t.expand(self.batch, *t.shape[1:])
+
+    # --- attention ----------------------------------------------------------------------------------------
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Attention layers: this segment's K/V (B, Hkv, T, D) or MLA latents (B, 1, T, d). Returned unchanged
+        (the kernel reads the prompt part from the state), or with every generated token's while decoding."""
+        self._record(layer_idx, "key", key)
+        self._record(layer_idx, "value", value)
+        if self.generated is not None:
+            return self.generated.append_kv(layer_idx, key, value)
+        return key, value
+
+    def update_indexer(self, index_key: torch.Tensor, layer_idx: int, *args, **kwargs) -> torch.Tensor:
+        """DSA indexer keys (B, T, d_I) -> keys of [prompt ; earlier generated ; this segment] (B, P'+S, d_I).
+
+        transformers' indexer scores one key tensor, so this builds it per call: a transient copy of the prompt's
+        indexer keys (d_I numbers per position, no grad, one layer at a time), which the reference's own cache
+        also makes. Keeping a joined copy in the state instead would hold it for the whole step."""
+        self._record(layer_idx, "index", index_key)
+        own = self.generated.append_index(layer_idx, index_key) if self.generated is not None else index_key
+        prompt = self.state.index_keys(layer_idx)
+        if prompt is None:
+            return own
+        return torch.cat([self._expand(prompt.to(own.dtype)), own], dim=1)
+
+    # --- linear attention / SSM ---------------------------------------------------------------------------
+    def _current(self, part: str, layer: int) -> torch.Tensor | None:
+        if self.generated is not None and self.generated.has(part, layer):
+            return self.generated.get(part, layer)
+        prompt = self.state.last(part, layer)
+        return None if prompt is None else self._expand(prompt)
+
+    def _hand_out(self, part: str, layer: int) -> torch.Tensor | None:
+        current = self._current(part, layer)
+        if current is None:
+            return None
+        fresh = current.clone()  # differentiable; a layer may write into it in place
+        self.handed_out[(part, layer)] = fresh
+        return fresh
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        return self._hand_out("conv", layer_idx)
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        return self._hand_out("recurrent", layer_idx)
+
+    def update_conv_state(self, inputs: torch.Tensor, layer_idx: int, conv_kernel_size: int | None = None,
+                          **kwargs) -> torch.Tensor:
+        """inputs (B, C, T) -> [previous conv window ; inputs] (B, C, K+T) for the causal conv to read.
+        The new window is the last K columns, zero-padded on the left while fewer than K tokens exist
+        (the conv's own zero padding, so a later segment sees the same left context)."""
+        previous = self.handed_out.get(("conv", layer_idx))
+        full = inputs if previous is None else torch.cat([previous.to(inputs.dtype), inputs], dim=-1)
+        k = conv_kernel_size or (previous.shape[-1] if previous is not None else full.shape[-1])
+        # A copy, not a view: a view would keep the whole (B, C, K+T) input alive for as long as the window is
+        # held (the segment, or with checkpointing the whole backward), where only K columns are needed.
+        window = full[..., -k:].clone()
+        if window.shape[-1] < k:
+            window = torch.nn.functional.pad(window, (k - window.shape[-1], 0))
+        self.handed_out[("conv", layer_idx)] = window
+        self._record(layer_idx, "conv", window)
+        return full
+
+    def update_recurrent_state(self, recurrent: torch.Tensor, layer_idx: int, state_idx: int = 0,
+                               **kwargs) -> torch.Tensor:
+        if recurrent.untyped_storage().nbytes() > recurrent.numel() * recurrent.element_size():
+            recurrent = recurrent.clone()  # Mamba2's final state is a view of all its scan's chunk states
+        self.handed_out[("recurrent", layer_idx)] = recurrent
+        self._record(layer_idx, "recurrent", recurrent)
+        return recurrent
+
+    def is_recording_past(self, layer_idx: int = 0) -> bool:
+        """True makes conv layers take the functional `update_conv_state` path even for one token."""
+        return True
+
+    # --- what model code may ask --------------------------------------------------------------------------
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.start
+
+    def __len__(self) -> int:
+        return self.state.num_layers

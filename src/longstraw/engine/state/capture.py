@@ -1,0 +1,62 @@
+"""Chunked prefill of the shared prompt into a `PromptState` (no grad, but for the exact plan's kept chunks)."""
+
+from __future__ import annotations
+
+import torch
+
+from longstraw.engine.segment import run_segment
+from longstraw.engine.state.prompt import Collected, PromptState, prompt_fingerprint
+from longstraw.engine.state.sharding import ContextShards
+from longstraw.models.architecture import hf
+
+
+def chunk_bounds(length: int, chunk_size: int) -> list[tuple[int, int]]:
+    """[start, end) of each chunk; the last one may be shorter, but never a single token after a full
+    chunk (it joins the previous one): transformers' SSM layers take an in-place single-token path for a
+    one-token continuation, which the exact plan's recompute could not differentiate through."""
+    bounds = [(s, min(s + chunk_size, length)) for s in range(0, length, chunk_size)]
+    if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] == 1:
+        bounds[-2:] = [(bounds[-2][0], length)]
+    return bounds
+
+
+def capture_prompt(model: torch.nn.Module, ids: torch.Tensor, chunk_size: int,
+                   keep_boundaries: bool = True, cp: ContextShards | None = None,
+                   offload: bool = False, leaves: bool = False, keep_graph: int = 0) -> PromptState:
+    """The state of every layer for `ids` (N,), computed chunk by chunk under no_grad (but for `keep_graph`).
+
+    Chunk c continues from the state of the chunks before it, so peak activation memory is one chunk's,
+    and the result does not depend on the chunk size (up to float reassociation). keep_boundaries: keep the
+    recurrent state at every chunk boundary (the exact plan needs them); otherwise only the last, and
+    sliding-window layers drop K/V outside their window. cp (`state.sharding.ContextShards`): every rank
+    runs every chunk, and keeps the attention parts of its own contiguous slice of chunks only. offload: keep the
+    state in host memory, read on the model's device (`PromptState.device`).
+
+    leaves (the exact plan): store every part as a leaf that requires grad (`PromptState.as_leaves`) as it is
+    captured, so that later chunks read leaves. keep_graph (needs leaves): the last `keep_graph` chunks run with
+    grad and their autograd graph is kept in `state.graphs[j]` (the parts chunk j produced, in `chunk_outputs`
+    order, before they were stored as leaves): the exact plan's prompt backward then backpropagates through it
+    instead of recomputing chunk j's forward. Costs those chunks' activations from here until their backward.
+    """
+    if keep_graph and not leaves:
+        raise ValueError("keep_graph keeps the graph from the state's leaves: capture with leaves=True")
+    device = hf(model).get_input_embeddings().weight.device if offload else None
+    # capacity: full-attention K/V go into one tensor per layer as chunks arrive (`PromptState._slab`)
+    state = PromptState(num_layers=hf(model).config.num_hidden_layers, keep_boundaries=keep_boundaries, cp=cp,
+                        device=device, fingerprint=prompt_fingerprint(ids), capacity=ids.numel())
+    bounds = chunk_bounds(ids.numel(), chunk_size)
+    for j, (start, end) in enumerate(bounds):
+        collect: Collected = {}
+        graph = j >= len(bounds) - keep_graph
+        with torch.set_grad_enabled(graph):
+            run_segment(model, ids[start:end].unsqueeze(0), start, state.fork(), collect, kv_only=True)
+        for layer, parts in collect.items():
+            window = parts.pop("window", None)
+            if window is not None:
+                state.windows[layer] = window  # type: ignore[call-overload]  # an int riding in the tensor dict
+        if graph:
+            state.graphs[j] = PromptState.outputs_of(collect, state.num_layers)
+        state.append_chunk(start, end, collect, leaves=leaves)
+        if cp is not None and not cp.owns(j, len(bounds)):
+            state.drop_attention(j)
+    return state

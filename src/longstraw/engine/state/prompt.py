@@ -1,0 +1,377 @@
+"""The captured prompt state of every layer kind (docs/design.md §4), stored as the chunks the capture produced.
+
+Per layer and capture chunk j the state holds whichever of these parts the layer produced:
+
+* ``key`` / ``value`` — attention layers: the chunk's K/V, (1, Hkv, c_j, D), keys after RoPE. For latent
+  attention (MLA: DeepSeek-V3, Kimi, GLM-5) the two parts are what transformers caches instead: the
+  compressed latent c_kv (1, 1, c_j, d_c) and the shared rope key (1, 1, c_j, d_R); the attention kernel
+  expands them (`module.expand_kv`) one chunk at a time.
+* ``index`` — DSA indexer keys (1, c_j, d_I). The reference model computes them under no_grad, so they are
+  never leaves and carry no gradient.
+* ``conv`` / ``recurrent`` — linear-attention / SSM layers (gated DeltaNet, KDA, Mamba2): the state *after*
+  chunk j: the conv window (1, C, K) and the recurrent state ((1, H, d_k, d_v) or (1, H, d_h, N)).
+
+Attention parts are never concatenated: replays read them in place, the exact plan's reverse prompt backward
+needs exactly these chunk boundaries, and a fork is a new set of lists over the same tensors (no copy).
+Recurrent parts are kept at every chunk boundary when `keep_boundaries` (the exact plan recomputes chunk j
+from the state after chunk j-1); otherwise only the last one is kept, and sliding-window layers drop the
+K/V chunks no later token can see. A dropped entry is None.
+
+Offloaded state (`device` set): every part lives in host memory (pinned when the compute device is a GPU) and
+is copied to `device` where it is read — one layer's chunks at a time by the attention kernel, one recurrent
+state at a time by the cache. The copy is differentiable, so the exact plan's leaves stay on the host and their
+gradients accumulate there too. With per-layer activation checkpointing the device then holds one layer's copies
+of the prompt K/V (and one layer's gradient) at a time instead of the whole state; without it, every layer's copy
+is saved for the backward and nothing is gained (the planner says so).
+
+Prefetch (`prefetch`, on by default when the compute device is a GPU): when an attention layer reads its chunks,
+the next attention layer's copies are started at once — on CUDA on a side stream, overlapping the copy with this
+layer's compute; the layer that reads them waits for that stream only. The direction follows the reads (up the
+layers in a forward, down them in a checkpointed backward's recomputes), and at most one layer is held ahead, so
+the device holds two layers' copies instead of one. On the CPU the copies are made at once (no overlap): the
+option runs there only so that its bookkeeping and gradients are tested everywhere.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import torch
+
+from longstraw.engine.state.sharding import ContextShards
+
+PARTS = ("key", "value", "index", "conv", "recurrent")
+GRAD_PARTS = ("key", "value", "conv", "recurrent")  # `index` carries no gradient in the reference model
+RECURRENT_PARTS = ("conv", "recurrent")
+
+# What one chunk's forward produced: collected[layer][part] = tensor.
+Collected = dict[int, dict[str, torch.Tensor]]
+
+
+def prompt_fingerprint(ids: torch.Tensor) -> str:
+    """Identity of the token ids a state holds: their count and a BLAKE2 hash of their int64 bytes.
+
+    Lets `backward_group` refuse a state captured for another prompt of the same length (which would give a
+    silently wrong gradient). Costs one host copy of the ids: 8 MB and a few ms for a million tokens."""
+    data = ids.detach().to(device="cpu", dtype=torch.int64).contiguous()
+    return f"{data.numel()}:{hashlib.blake2b(data.numpy().tobytes(), digest_size=16).hexdigest()}"
+
+
+@dataclass
+class PromptState:
+    """State of prompt positions [0, length) for every layer. `parts[name][l][j]`: part `name` of layer l,
+    chunk j (None where the layer has no such part or the entry was dropped)."""
+
+    num_layers: int
+    keep_boundaries: bool = True
+    parts: dict[str, list[list[torch.Tensor | None]]] = field(default_factory=dict)
+    bounds: list[tuple[int, int]] = field(default_factory=list)  # [start, end) token range of each chunk
+    layer_parts: list[frozenset[str]] | None = None  # which parts each layer produces (known after chunk 0)
+    windows: list[int | None] = field(default_factory=list)  # sliding window per layer (None: full attention)
+    # Context parallelism (`sharding.ContextShards`): this rank holds the attention parts of its own chunks only.
+    cp: ContextShards | None = None
+    # Offloaded: the tensors live in host memory and are copied to this compute device where they are read.
+    device: torch.device | None = None
+    # `prompt_fingerprint` of the ids captured (set by `capture_prompt`; None for a prefix of the state).
+    fingerprint: str | None = None
+    # Offloaded: start the next attention layer's copies when a layer reads its own (module docstring).
+    prefetch: bool | None = None  # None: on when `device` is a GPU (`_prefetch_by_default`)
+    # Capture chunk j's autograd graph, kept for the exact plan's prompt backward (`capture_prompt(keep_graph=)`):
+    # the parts it produced, in `chunk_outputs` order. Forks and prefixes do not carry it.
+    graphs: dict[int, list[torch.Tensor | None]] = field(default_factory=dict, repr=False, compare=False)
+    # Positions the capture will hold (set by `capture_prompt`): full-attention K/V are then written into one tensor
+    # per layer and part as chunks arrive (`_slab`), so that a run of chunks is read with one kernel call.
+    capacity: int | None = None
+    _slabs: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
+    _ahead: _Prefetched | None = field(default=None, repr=False, compare=False)  # at most one layer ahead
+    _last_read: int | None = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in PARTS:
+            self.parts.setdefault(name, [[] for _ in range(self.num_layers)])
+        if not self.windows:
+            self.windows = [None] * self.num_layers
+        if self.prefetch is None:
+            self.prefetch = _prefetch_by_default(self.device)
+
+    # --- shape of the state -------------------------------------------------------------------------------
+    @property
+    def keys(self) -> list[list[torch.Tensor | None]]:
+        return self.parts["key"]
+
+    @property
+    def values(self) -> list[list[torch.Tensor | None]]:
+        return self.parts["value"]
+
+    @property
+    def length(self) -> int:
+        """Number of prompt positions held."""
+        return self.bounds[-1][1] if self.bounds else 0
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.bounds)
+
+    @property
+    def offloaded(self) -> bool:
+        return self.device is not None
+
+    def fetch(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """A tensor of the state where it is computed with: itself, or (offloaded) a differentiable copy on
+        `device` (a copy even when `device` is the CPU, so the offloaded path runs, and is tested, everywhere)."""
+        if t is None or self.device is None:
+            return t
+        return t.to(self.device, non_blocking=True, copy=True)
+
+    def attention_chunks(self, layer: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """(start position, key part, value part) of every kept chunk of an attention layer."""
+        ahead, self._ahead = self._ahead, None
+        # A copy made under another grad mode would cut (or add) the path to the leaves: made again then.
+        if ahead is not None and ahead.layer == layer and ahead.grad == torch.is_grad_enabled():
+            chunks = ahead.take()
+        else:
+            chunks = self._copy_chunks(layer)
+        del ahead  # a stale prefetch (another layer or grad mode) is freed before the next one starts
+        if self.prefetch and self.device is not None:
+            step = -1 if self._last_read is not None and layer < self._last_read else 1
+            following = next((i for i in range(layer + step, self.num_layers if step > 0 else -1, step)
+                              if any(k is not None for k in self.parts["key"][i])), None)
+            if following is not None:
+                self._ahead = _Prefetched.start(self, following)
+        self._last_read = layer
+        return chunks
+
+    def _copy_chunks(self, layer: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        keys, values = self.parts["key"][layer], self.parts["value"][layer]
+        slab_k, slab_v = self._slabs.get(("key", layer)), self._slabs.get(("value", layer))
+        if (slab_k is not None and slab_v is not None and keys and keys[0] is not None
+                and not keys[0].requires_grad):
+            # The chunks are views of one tensor (`_slab`) and need no gradient of their own: hand the whole prefix
+            # as one view, so no reader scans the chunks for adjacency (decoding does so at every step and layer).
+            return [(0, slab_k[:, :, : self.length], slab_v[:, :, : self.length])]
+        # misc: fetch is typed Optional, and v is not narrowed (a chunk's key and value are kept or dropped together).
+        return [(self.bounds[j][0], self.fetch(k), self.fetch(v))  # type: ignore[misc]
+                for j, (k, v) in enumerate(zip(keys, values)) if k is not None]
+
+    def index_keys(self, layer: int) -> torch.Tensor | None:
+        """DSA indexer keys of every prompt position, (1, length, d_I), or None if the layer has none."""
+        chunks = [t for t in self.parts["index"][layer] if t is not None]
+        return self.fetch(torch.cat(chunks, dim=1)) if chunks else None
+
+    def last(self, part: str, layer: int) -> torch.Tensor | None:
+        """The recurrent part of `layer` after the last chunk (what the next token continues from)."""
+        entries = self.parts[part][layer]
+        return self.fetch(entries[-1]) if entries else None
+
+    # --- building -----------------------------------------------------------------------------------------
+    def append_chunk(self, start: int, end: int, collected: Collected, leaves: bool = False) -> None:
+        """Add what chunk [start, end) produced in every layer; `leaves`: as leaves (`as_leaves`), detached from
+        any graph that produced them."""
+        if start != self.length:
+            raise RuntimeError(f"chunk starts at {start} but the state holds {self.length} positions")
+        if self.capacity is not None and end > self.capacity:
+            raise RuntimeError(f"chunk ends at {end}, past the {self.capacity} positions this state was made for")
+        produced = [frozenset(collected.get(layer, {})) for layer in range(self.num_layers)]
+        if self.layer_parts is None:
+            missing = [layer for layer, p in enumerate(produced) if not p]
+            if missing:
+                raise RuntimeError(f"chunk produced no state for layers {missing}")
+            self.layer_parts = produced
+        elif produced != self.layer_parts:
+            raise RuntimeError(f"chunk produced state parts {produced}, expected {self.layer_parts}")
+        for layer in range(self.num_layers):
+            for name in PARTS:
+                part = collected[layer].get(name)
+                slab = self._slab(name, layer, part)
+                if slab is not None and part is not None:
+                    slab.data[:, :, start:end].copy_(part.detach())  # `.data`: see `_slab`
+                    part = slab[:, :, start:end]
+                    if leaves:
+                        part = _leaf(name, part)
+                elif leaves and part is not None:
+                    part = _leaf(name, self._store(part.detach()))
+                else:
+                    part = self._store(part)
+                self.parts[name][layer].append(part)
+        self.bounds.append((start, end))
+        if not self.keep_boundaries:
+            self._drop_unneeded()
+
+    def _slab(self, name: str, layer: int, part: torch.Tensor | None) -> torch.Tensor | None:
+        """The (1, Hkv, capacity, D) tensor a full-attention layer's key or value chunks are written into, allocated
+        at its first chunk; None where chunks are kept as computed. Chunk j is then the view [start_j, end_j) of it, so
+        adjacent chunks are one run (`attention.adjacent_runs`): decoding, the replays of both plans, the exact plan's
+        recomputes and the capture's own later chunks read a layer's prompt with one kernel call, not one per chunk.
+        The exact plan's leaves stay one leaf per chunk (detached views, each with its own gradient: `ChunkAttention`
+        splits a run's gradient back into its chunks). Chunks are written through `.data`, an alias with its own
+        version counter: each region is written once, before anything reads it, and a kept capture graph that saved
+        earlier chunks' leaves must not see the later writes as in-place changes of them.
+
+        Not for: sliding-window layers (their old chunks are dropped, which a shared tensor would not free), a
+        context-parallel or offloaded state (chunks dropped, or copied to the device one by one), a state without
+        `capacity`, and parts that are not 4-D K/V (MLA latents are (1, 1, c, d) and take a slab too: harmless, the
+        masked path reads them per chunk)."""
+        if (part is None or name not in ("key", "value") or part.dim() != 4 or self.capacity is None
+                or self.cp is not None or self.device is not None or self.windows[layer] is not None):
+            return None
+        slab = self._slabs.get((name, layer))
+        if slab is None:
+            slab = part.new_empty((*part.shape[:2], self.capacity, part.shape[3]), requires_grad=False)
+            self._slabs[(name, layer)] = slab
+        if slab.shape[:2] != part.shape[:2] or slab.shape[3] != part.shape[3] or slab.dtype != part.dtype:
+            raise RuntimeError(f"layer {layer} {name}: chunk of shape {tuple(part.shape)} {part.dtype}, the layer's "
+                               f"earlier chunks were {tuple(slab.shape)} {slab.dtype}")
+        return slab
+
+    def drop_attention(self, j: int) -> None:
+        """Context parallelism: chunk j's attention parts live on another rank."""
+        for name in ("key", "value", "index"):
+            for layer in range(self.num_layers):
+                self.parts[name][layer][j] = None
+
+    def _drop_unneeded(self) -> None:
+        """Without boundaries only the last recurrent state matters, and a sliding-window layer's K/V older
+        than its window (W - 1 positions: the next token sees positions > its own − W) never will again."""
+        last = self.num_chunks - 1
+        for layer in range(self.num_layers):
+            for name in RECURRENT_PARTS:
+                entries = self.parts[name][layer]
+                for j in range(last):
+                    entries[j] = None
+            window = self.windows[layer]
+            if window is not None:
+                oldest_needed = self.length - (window - 1)
+                for j, (_, end) in enumerate(self.bounds):
+                    if end <= oldest_needed:
+                        self.parts["key"][layer][j] = None
+                        self.parts["value"][layer][j] = None
+
+    def _store(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """Where a part is kept: as computed, or (offloaded) in host memory, pinned for fast copies to a GPU.
+
+        A part that is a view of a larger tensor is copied out first, so that keeping it does not keep the whole
+        storage alive beside the state. The segment cache already hands out conv windows and recurrent states as
+        copies (`SegmentCache.update_conv_state`); this guards every other part (e.g. K/V sliced from a fused
+        projection) and costs nothing for a part that owns its storage."""
+        if t is None:
+            return None
+        if t.untyped_storage().nbytes() > t.numel() * t.element_size():
+            t = t.clone()
+        if self.device is None or t.device.type == "cpu":
+            return t
+        return t.detach().to("cpu").pin_memory()
+
+    # --- forks and leaves ---------------------------------------------------------------------------------
+    def _map(self, fn, num_chunks: int | None = None, device: torch.device | None = None) -> PromptState:
+        n = self.num_chunks if num_chunks is None else num_chunks
+        return PromptState(
+            num_layers=self.num_layers,
+            keep_boundaries=self.keep_boundaries,
+            parts={name: [[fn(name, t) for t in layer[:n]] for layer in per_layer]
+                   for name, per_layer in self.parts.items()},
+            bounds=list(self.bounds[:n]),
+            layer_parts=self.layer_parts,
+            windows=list(self.windows),
+            cp=self.cp,
+            device=self.device if device is None else device,
+            fingerprint=self.fingerprint if n == self.num_chunks else None,  # a prefix holds other ids
+            prefetch=self.prefetch if device is None else None,  # a state moved elsewhere: its device's default
+            _slabs=self._slabs if device is None else {},  # read by forks and prefixes (which never append)
+        )
+
+    def prefix(self, num_chunks: int) -> PromptState:
+        """A fork holding the first `num_chunks` chunks: new lists, the same tensors (no copy)."""
+        return self._map(lambda name, t: t, num_chunks)
+
+    def fork(self) -> PromptState:
+        """A view for one replay. Replays never write into it (recurrent parts are cloned where a layer
+        would update them in place, see `state.cache`), so sharing the tensors is safe."""
+        return self.prefix(self.num_chunks)
+
+    def offload(self, device: torch.device) -> PromptState:
+        """The same state kept in host memory and read on `device` (see the module docstring)."""
+        if self.offloaded:
+            return self
+        host = PromptState(num_layers=self.num_layers, device=torch.device(device))  # stores as offloaded
+        return self._map(lambda name, t: host._store(t), device=host.device)
+
+    def as_leaves(self) -> PromptState:
+        """The same state as leaf tensors that require grad (the exact plan collects dL/dstate in .grad).
+
+        `detach()` shares storage, so nothing is copied. Indexer keys stay constants.
+        """
+        return self._map(_leaf)
+
+    # --- enumeration --------------------------------------------------------------------------------------
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for per_layer in self.parts.values() for layer in per_layer for t in layer if t is not None]
+
+    def chunk_outputs(self, j: int) -> list[torch.Tensor | None]:
+        """The gradient-carrying parts chunk j produced, layer by layer in GRAD_PARTS order (None kept)."""
+        return [self.parts[name][layer][j] for layer in range(self.num_layers) for name in GRAD_PARTS]
+
+    @staticmethod
+    def outputs_of(collected: Collected, num_layers: int) -> list[torch.Tensor | None]:
+        """A recomputed chunk's parts, in the order of `chunk_outputs`."""
+        return [collected.get(layer, {}).get(name) for layer in range(num_layers) for name in GRAD_PARTS]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+def _leaf(name: str, t: torch.Tensor | None) -> torch.Tensor | None:
+    """A part as a leaf: detached (no copy), requiring grad where the exact plan collects dL/dpart."""
+    if t is None:
+        return None
+    return t.detach().requires_grad_(name in GRAD_PARTS and t.is_floating_point())
+
+
+def _prefetch_by_default(device: torch.device | None) -> bool:
+    """Prefetch pays where a copy can overlap compute: an offloaded state read on a GPU."""
+    return device is not None and device.type == "cuda"
+
+
+@dataclass
+class _Prefetched:
+    """One attention layer's chunk copies, started ahead of the read (see the module docstring). On CUDA they are
+    made on a side stream; `take` makes the reading stream wait for them and tells the allocator they are used
+    there (`record_stream`), so their memory is not reused while that stream still reads them."""
+
+    layer: int
+    chunks: list[tuple[int, torch.Tensor, torch.Tensor]]
+    grad: bool  # the grad mode they were made under
+    event: torch.cuda.Event | None = None
+
+    @staticmethod
+    def start(state: PromptState, layer: int) -> _Prefetched:
+        device = state.device
+        if device is None or device.type != "cuda":
+            return _Prefetched(layer, state._copy_chunks(layer), torch.is_grad_enabled())
+        current = torch.cuda.current_stream(device)
+        side = _side_stream(device)
+        side.wait_stream(current)  # ordered after what this stream already queued (the pinned host sources)
+        with torch.cuda.stream(side):
+            chunks = state._copy_chunks(layer)
+            event = torch.cuda.Event()
+            event.record(side)
+        return _Prefetched(layer, chunks, torch.is_grad_enabled(), event)
+
+    def take(self) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        if self.event is not None and self.chunks:
+            current = torch.cuda.current_stream(self.chunks[0][1].device)
+            current.wait_event(self.event)
+            for _, k, v in self.chunks:
+                k.record_stream(current)
+                v.record_stream(current)
+        return self.chunks
+
+
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One copy stream per GPU, made once (creating a stream per layer would cost a driver call each)."""
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]

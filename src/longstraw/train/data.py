@@ -1,0 +1,106 @@
+"""The trainer's data: the configured task, its prompts per step, their checks, decoding, and the reward.
+
+Data is a pure function of (seed, step, prompt index), so resuming only needs the step number. The whole dataset
+(every jsonl row, or one generated example) is checked against the model's positions before step 1.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from longstraw.tasks import Example, JsonlTask, Task, format_prompt, make_task
+
+if TYPE_CHECKING:
+    from longstraw.train.config import TrainConfig
+
+EVAL_SEED_OFFSET = 1_000_003  # held-out prompts come from a seed stream training never draws from
+
+
+class RewardError(ValueError):
+    """The task's reward function raised or returned a non-finite value (the message names it and the step)."""
+
+
+def derive_seed(*parts: int) -> int:
+    """A stable 63-bit seed from integers (Python's hash() of ints is stable, but mixing keeps streams apart)."""
+    x = 0x9E3779B97F4A7C15
+    for p in parts:
+        x = (x ^ (p + 0x632BE59BD9B4E019 + (x << 6) + (x >> 2))) & 0x7FFFFFFFFFFFFFFF
+    return x
+
+
+def build_task(cfg: TrainConfig, tokenizer: Any) -> Task:
+    """The configured task; options that do not apply to it are not passed."""
+    if cfg.task == "passkey":
+        return make_task("passkey", tokenizer=tokenizer, prompt_tokens=cfg.prompt_tokens, digits=cfg.digits)
+    elif cfg.task == "multikey":
+        return make_task("multikey", tokenizer=tokenizer, prompt_tokens=cfg.prompt_tokens, digits=cfg.digits,
+                         n_keys=cfg.num_keys)
+    elif cfg.task == "kv":
+        return make_task("kv", tokenizer=tokenizer, prompt_tokens=cfg.prompt_tokens)
+    elif cfg.task == "jsonl":
+        options: dict[str, Any] = {"path": cfg.data}
+        if cfg.reward_fn:
+            options["reward_fn"] = cfg.reward_fn
+        return make_task("jsonl", **options)
+    else:
+        raise ValueError(f"unknown task {cfg.task!r}")
+
+
+class TaskData:
+    """The task of `cfg` with its tokenizer; checks every prompt (`validate`) when created."""
+
+    def __init__(self, cfg: TrainConfig, tokenizer: Any, max_positions: int | None) -> None:
+        self.cfg, self.tokenizer, self.max_positions = cfg, tokenizer, max_positions
+        self.task = build_task(cfg, tokenizer)
+        self.validate()
+
+    def encode(self, example: Example, where: str = "") -> torch.Tensor:
+        ids = torch.tensor(format_prompt(self.tokenizer, example.prompt), dtype=torch.long)
+        if ids.numel() == 0:
+            raise ValueError(f"{where or 'the task'}: empty prompt")
+        if self.max_positions is not None and ids.numel() + self.cfg.max_new_tokens > self.max_positions:
+            fix = "shorten it" if where else "lower --prompt-tokens"
+            raise ValueError(
+                f"{where + ': ' if where else ''}prompt of {ids.numel()} tokens + {self.cfg.max_new_tokens} new "
+                f"tokens exceeds the {self.max_positions} positions of model {self.cfg.model!r}: {fix} or lower "
+                "--max-new-tokens"
+            )
+        return ids
+
+    def validate(self) -> None:
+        """Before step 1: every row of a jsonl dataset (non-empty, fits the model's positions with the longest
+        response), or one generated example (haystack/kv prompts land within a word/pair of --prompt-tokens)."""
+        if isinstance(self.task, JsonlTask):
+            for example in self.task.rows:
+                self.encode(example, where=f"{self.task.path}:{example.meta['line']}")
+        else:
+            self.encode(self.examples(0)[0])
+
+    def examples(self, step: int) -> list[Example]:
+        """The prompts of 0-based `step`, each from its own seed (seed, step, index)."""
+        return [self.task.sample(random.Random(derive_seed(self.cfg.seed, step, j)))
+                for j in range(self.cfg.prompts_per_step)]
+
+    def held_out(self) -> list[Example]:
+        """The held-out evaluation's prompts, from a seed stream training never draws from."""
+        return self.task.examples(self.cfg.eval_prompts, seed=self.cfg.seed + EVAL_SEED_OFFSET)
+
+    def decode(self, ids: torch.Tensor) -> str:
+        return self.tokenizer.decode(ids.tolist(), skip_special_tokens=True)
+
+    def reward(self, completion: str, example: Example, where: str) -> float:
+        """The task's reward of one completion; RewardError naming the function and `where` if it fails."""
+        name = repr(self.cfg.reward_fn) if self.cfg.reward_fn else f"of task {self.cfg.task!r}"
+        try:
+            value = float(self.task.reward(completion, example))
+        except Exception as err:
+            if isinstance(err, ValueError) and name in str(err):  # the task's own check already names it
+                raise RewardError(f"{where}: {err}") from err
+            raise RewardError(f"{where}: the reward function {name} raised {type(err).__name__}: {err}") from err
+        if not math.isfinite(value):
+            raise RewardError(f"{where}: the reward function {name} returned {value}; a reward must be finite")
+        return value

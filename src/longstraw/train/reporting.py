@@ -1,0 +1,263 @@
+"""What a training run reports: the progress line, each step's metrics row, the run's output files and plots.
+
+- `StepLog`: one step's numbers on this rank while it runs (time, peak memory, rewards, tokens), then the
+  metrics row over all ranks (`row`: the keys of metrics.jsonl).
+- `Progress`: one line per step on stderr; on a terminal, an in-place bar while the step runs.
+- `Report`: rank 0's outputs (nothing on the other ranks): metrics.jsonl (one row per step, truncated to the
+  checkpoint's step on resume), TensorBoard scalars, the run's messages, and at the end summary.json and
+  progress.png.
+- `read_metrics`, `plot_metrics`: metrics.jsonl back, and its plot.
+- `pyplot`, `save_figure`: matplotlib (Agg backend) or None with a note when it is missing, and the one way every
+  LongStraw plot is written (the benchmark plots and `longstraw compare` use them too).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+
+from longstraw.peak import PeakMemory
+from longstraw.planner import GIB
+from longstraw.train.checkpoints import FILENAME
+from longstraw.train.rundir import truncate_metrics
+
+if TYPE_CHECKING:
+    from longstraw.distributed.runtime import Parallel
+    from longstraw.train.config import TrainConfig
+
+PathLike = TypeVar("PathLike", str, Path)
+
+
+class StepLog:
+    """This rank's share of one step, counted while it runs; `row` gathers every rank's into the metrics row.
+    Created when the step starts: the peak-memory meter and the clock start here."""
+
+    def __init__(self, device: str) -> None:
+        self.meter = PeakMemory(device)
+        self.meter.start()
+        self.t0 = self.t1 = time.perf_counter()
+        self.rewards: list[torch.Tensor] = []
+        self.dropped = self.response_tokens = self.prompt_tokens = 0
+
+    def rollout(self, rewards: torch.Tensor, response_lengths: list[int], prompt_tokens: int, dropped: bool) -> None:
+        """One sampled group: its rewards and response tokens count; its prompt only if the group is kept."""
+        self.rewards.append(rewards)
+        self.response_tokens += sum(response_lengths)
+        self.dropped += dropped
+        self.prompt_tokens += 0 if dropped else prompt_tokens
+
+    def rollouts_done(self) -> None:
+        self.t1 = time.perf_counter()
+
+    def row(self, par: Parallel, step: int, n_kept: int, skipped: int, loss: float, grad_norm: float, lr: float,
+            bias_metrics: dict[str, float]) -> dict[str, Any]:
+        """The step's metrics row (every rank calls: the shares are gathered). n_kept: kept groups over all ranks;
+        skipped: this rank's kept groups whose gradient was exactly zero."""
+        t2 = time.perf_counter() - bias_metrics.get("time_bias_s", 0.0)  # phase times and tok/s: the step's own
+        ranks = par.gather({  # every rank's share of the step, in rank order (= prompt order)
+            "rewards": torch.cat(self.rewards), "dropped": self.dropped, "response_tokens": self.response_tokens,
+            "prompt_tokens": self.prompt_tokens, "peak": self.meter.peak_absolute_bytes(),
+            "t_rollout": self.t1 - self.t0, "t_train": t2 - self.t1, "t_step": t2 - self.t0, "skipped": skipped,
+        })
+        peak = max(x["peak"] for x in ranks)
+        ranks = ranks[:: par.cp_size]  # the ranks of a context-parallel block hold the same groups
+        rewards = torch.cat([x["rewards"] for x in ranks])
+        dropped = sum(x["dropped"] for x in ranks)
+        response_tokens = sum(x["response_tokens"] for x in ranks)
+        prompt_tokens = sum(x["prompt_tokens"] for x in ranks)
+        t_rollout, t_train = max(x["t_rollout"] for x in ranks), max(x["t_train"] for x in ranks)
+        return {
+            "step": step + 1,
+            "reward_mean": float(rewards.mean()),
+            "reward_max": float(rewards.max()),
+            "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "kept_groups": n_kept // par.cp_size,  # a context-parallel block's ranks share their groups
+            "skipped_zero_advantage": sum(x["skipped"] for x in ranks),
+            "dropped_groups": dropped,
+            "response_tokens_mean": response_tokens / max(1, rewards.numel()),
+            "prompt_tokens": prompt_tokens // max(1, n_kept // par.cp_size) if n_kept else 0,
+            "peak_memory_bytes": peak,  # the largest rank's
+            "tokens_per_s": (prompt_tokens + response_tokens) / max(1e-9, max(x["t_step"] for x in ranks)),
+            "time_rollout_s": t_rollout,
+            "time_train_s": t_train,
+            **bias_metrics,
+        }
+
+
+class Progress:
+    """One line per step on stderr; on a terminal, an in-place bar while the step runs."""
+
+    def __init__(self, total_steps: int, enabled: bool = True) -> None:
+        self.total = total_steps
+        self.tty = sys.stderr.isatty()
+        self.enabled = enabled  # only rank 0 prints
+
+    def update(self, step: int, phase: str, done: int, of: int) -> None:
+        if self.tty and self.enabled:
+            width = 20
+            filled = int(width * done / max(1, of))
+            bar = "#" * filled + "-" * (width - filled)
+            print(f"\rstep {step + 1}/{self.total} [{bar}] {phase} {done}/{of}   ", end="", file=sys.stderr, flush=True)
+
+    def step_done(self, m: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        line = (
+            f"step {m['step']}/{self.total} | reward {m['reward_mean']:.3f} (max {m['reward_max']:.3f}) | "
+            f"loss {m['loss']:+.2e} | gnorm {m['grad_norm']:.2f} | peak {m['peak_memory_bytes'] / GIB:.2f} GiB | "
+            f"{m['tokens_per_s']:.0f} tok/s | "
+            f"rollout {m['time_rollout_s']:.1f}s train {m['time_train_s']:.1f}s"
+        )
+        if "bias_cosine" in m:
+            line += f" | bias: cos {m['bias_cosine']:.4f} rel err {m['bias_rel_error']:.3f}"
+        if m["dropped_groups"]:
+            line += f" | dropped {m['dropped_groups']} equal-reward group(s)"
+        if m.get("skipped_zero_advantage"):
+            line += f" | skipped {m['skipped_zero_advantage']} zero-advantage group(s) (no gradient)"
+        print(("\r" if self.tty else "") + line + " " * 4, file=sys.stderr, flush=True)
+
+
+class Report:
+    """Rank 0's outputs of a run; with `enabled` False (the other ranks) it writes and prints nothing.
+    With cfg.tensorboard it needs the tensorboard package (a ValueError saying so, before training)."""
+
+    def __init__(self, cfg: TrainConfig, run_dir: Path, enabled: bool) -> None:
+        self.cfg, self.run_dir, self.enabled = cfg, run_dir, enabled
+        self.metrics_path = run_dir / "metrics.jsonl"
+        self.progress = Progress(cfg.steps, enabled=enabled)
+        self.writer = None
+        if cfg.tensorboard and enabled:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise ValueError("--tensorboard needs the tensorboard package: "
+                                 "pip install 'longstraw[tensorboard]' (or tensorboard)") from None
+            self.writer = SummaryWriter(str(run_dir / "tb"))
+
+    def note(self, text: str) -> None:
+        if self.enabled:
+            print(text, file=sys.stderr)
+
+    def resumed(self, step: int) -> None:
+        """Resumed at `step`: metrics rows past it are removed (those steps are redone)."""
+        if self.enabled:
+            dropped = truncate_metrics(self.metrics_path, step)
+            extra = f" ({dropped} metrics row(s) after it removed)" if dropped else ""
+            self.note(f"resumed from {self.run_dir / FILENAME} at step {step}{extra}")
+
+    def eval_before(self, reward: float) -> None:
+        if self.cfg.eval_prompts:
+            self.note(f"held-out greedy reward before training: {reward:.3f} ({self.cfg.eval_prompts} prompts)")
+
+    def write(self, m: dict[str, Any]) -> None:
+        """Append the step's row to metrics.jsonl."""
+        if self.enabled:
+            with self.metrics_path.open("a") as f:
+                f.write(json.dumps(m) + "\n")
+
+    def show(self, m: dict[str, Any]) -> None:
+        """The step's TensorBoard scalars and its progress line."""
+        if self.writer is not None:
+            for key, value in m.items():
+                if key != "step":
+                    self.writer.add_scalar(key, value, m["step"])
+        self.progress.step_done(m)
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        """The end of a complete run: the evaluation line, summary.json, progress.png, the list of outputs."""
+        if not self.enabled:
+            return
+        if self.cfg.eval_prompts:
+            self.note(f"held-out greedy reward: before {summary.get('eval_before', float('nan')):.3f} -> "
+                      f"after {summary['eval_after']:.3f}")
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        written = [self.metrics_path.name, "summary.json", FILENAME]
+        if self.cfg.plot and plot_metrics(self.metrics_path, self.run_dir / "progress.png"):
+            written.append("progress.png")
+        if self.writer is not None:
+            self.writer.close()
+        self.note(f"outputs in {self.run_dir}: {', '.join(written)}")
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    with path.open() as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+# ---------------------------------------------------------------------------------------------------- plots
+
+
+def pyplot(what: str = "plot") -> Any:
+    """matplotlib.pyplot on the Agg backend, or None with a note on stderr ("no <what> written") without it."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib is not installed: no {what} written (pip install matplotlib)", file=sys.stderr)
+        return None
+    return plt
+
+
+def save_figure(fig: Any, path: PathLike) -> PathLike:
+    """Lay out, write (110 dpi) and close `fig`; returns `path`."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_metrics(metrics_path: Path, out: Path) -> Path | None:
+    """Reward (mean and max) and peak memory per step, and the bias meter's numbers when the run has them, as a
+    PNG. Skipped with a note without matplotlib."""
+    plt = pyplot()
+    if plt is None:
+        return None
+    rows = read_metrics(metrics_path)
+    steps = [r["step"] for r in rows]
+    metered = [r for r in rows if "bias_cosine" in r]
+    fig, axes = plt.subplots(1, 3 if metered else 2, figsize=(15 if metered else 10, 3.6))
+    ax1, ax2 = axes[0], axes[1]
+    means = [r["reward_mean"] for r in rows]
+    window = 5  # one group per step is noisy: show the trend too
+    trend = [sum(means[max(0, i - window + 1) : i + 1]) / len(means[max(0, i - window + 1) : i + 1])
+             for i in range(len(means))]
+    ax1.plot(steps, means, marker="o", alpha=0.45, label="mean")
+    ax1.plot(steps, trend, linewidth=2.2, label=f"mean, {window}-step average")
+    ax1.plot(steps, [r["reward_max"] for r in rows], linestyle="--", alpha=0.6, label="max")
+    ax1.set_xlabel("step")
+    ax1.set_ylabel("reward")
+    ax1.set_ylim(-0.02, 1.02)
+    ax1.legend()
+    ax1.set_title("sampled reward")
+    ax2.plot(steps, [r["peak_memory_bytes"] / GIB for r in rows], marker="o", color="tab:red")
+    ax2.set_xlabel("step")
+    ax2.set_ylabel("GiB")
+    ax2.set_title("peak memory per step")
+    if metered:
+        _bias_panel(axes[2], metered)
+    return save_figure(fig, out)
+
+
+def _bias_panel(ax: Any, rows: list[dict[str, Any]]) -> None:
+    """The bias meter's numbers per metered step (`bias.py`): cosine (left axis), relative error (right)."""
+    steps = [r["step"] for r in rows]
+    ax.plot(steps, [r["bias_cosine"] for r in rows], marker="o", color="tab:green", label="cosine")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cos(g_detach, g_exact)", color="tab:green")
+    right = ax.twinx()
+    right.plot(steps, [r["bias_rel_error"] for r in rows], marker="s", linestyle="--", color="tab:purple",
+               label="relative error")
+    right.set_ylabel("||g_detach - g_exact|| / ||g_exact||", color="tab:purple")
+    ax.set_title("detach plan's gradient bias (meter)")

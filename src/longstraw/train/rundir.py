@@ -1,0 +1,150 @@
+"""The run directory: checked before the model loads, compared with the checkpoint on resume, repaired after a kill.
+
+- `prepare_run_dir`: refuses a path that is a file, that cannot be created or written (a probe file is created
+  and removed), and a directory that already holds a run unless `--resume` (continue it) or `--overwrite`
+  (delete LongStraw's files in it) is given; removes a temporary checkpoint a killed process left behind.
+- `check_resume_config`: the checkpoint's config against this run's. Another model is refused; fields that
+  change what is trained (task, data, loss, group size, learning rate, ...) are refused unless `--force`;
+  fields that only change how it is computed or how long it runs are listed as a note.
+- `truncate_metrics`: after a kill, metrics.jsonl may hold steps past the checkpoint (they are redone on
+  resume) and a half-written last line; both are removed so every step appears once.
+- `open_run_dir`: what the trainer calls (rank 0): `prepare_run_dir`, then on resume the checkpoint read and
+  checked (`checkpoint.load_checkpoint`, `check_resume_config`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from longstraw.train.checkpoints import FILENAME, load_checkpoint, remove_stale_tmp
+
+if TYPE_CHECKING:
+    from longstraw.train.config import TrainConfig
+
+# Files and folders a run writes; `--overwrite` deletes exactly these.
+RUN_OUTPUTS = (FILENAME, FILENAME + ".tmp", "metrics.jsonl", "metrics.jsonl.tmp", "summary.json", "progress.png",
+               "tb")
+# Fields that do not change the trained model: never compared.
+IGNORED_FIELDS = ("run_dir", "resume", "overwrite", "force", "stop_after", "save_every", "eval_prompts",
+                  "tensorboard", "plot", "save_weights_only", "bias_every")
+# Fields that change how a step is computed (float rounding only) or how long the run is: a note on resume.
+NOTED_FIELDS = ("steps", "device", "chunk_size", "micro_batch", "checkpoint_layers", "offload_state", "cp")
+# Every other field (model, dtype, task, data, reward_fn, loss, group_size, lr, seed, ...) changes what is trained:
+# refused on resume unless --force. Unknown future fields fall in this group, the safe side.
+
+
+def open_run_dir(run_dir: Path, cfg: TrainConfig) -> dict[str, Any] | None:
+    """Check and create the run directory; with cfg.resume, read and check its checkpoint (before any model is
+    loaded) and return it, after printing the notes on changed settings."""
+    prepare_run_dir(run_dir, cfg.resume, cfg.overwrite)
+    if not cfg.resume:
+        return None
+    ckpt = load_checkpoint(run_dir)
+    print_notes(check_resume_config(ckpt["config"], cfg.to_dict(), cfg.force, str(run_dir / FILENAME)))
+    return ckpt
+
+
+def prepare_run_dir(run_dir: str | Path, resume: bool, overwrite: bool) -> Path:
+    """Check and create the run directory (before any model is loaded); see the module docstring."""
+    path = Path(run_dir)
+    if resume and overwrite:
+        raise ValueError("--resume continues the run in run_dir and --overwrite deletes it: give only one")
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"run_dir {path} is a file, not a directory: choose another --run-dir")
+    if resume and not (path / FILENAME).is_file():
+        others = [name for name in RUN_OUTPUTS if (path / name).exists()]
+        fix = (f"the run stopped before its first checkpoint ({', '.join(others)} left): start over with "
+               "--overwrite instead of --resume") if others else "run without --resume"
+        raise FileNotFoundError(f"no checkpoint to resume from: {path / FILENAME} does not exist ({fix})")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"cannot create run_dir {path}: {err.strerror or err}; choose another --run-dir") from None
+    probe = path / f".longstraw-write-probe-{os.getpid()}"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise ValueError(
+            f"run_dir {path} is not writable ({err.strerror or err}): fix its permissions or choose another --run-dir"
+        ) from None
+    ours = [name for name in RUN_OUTPUTS if (path / name).exists()]
+    if not resume and ours:
+        if not overwrite:
+            raise ValueError(
+                f"run_dir {path} already holds a run ({', '.join(ours)}): add --resume to continue it, --overwrite "
+                "to delete it and start over, or choose another --run-dir"
+            )
+        for name in ours:
+            target = path / name
+            if target.is_dir():
+                shutil.rmtree(target)
+            else:
+                target.unlink()
+    remove_stale_tmp(path)
+    return path
+
+
+def check_resume_config(saved: dict[str, Any], current: dict[str, Any], force: bool, where: str) -> list[str]:
+    """Compare a checkpoint's config with this run's; raise ValueError for a refused change.
+
+    Returns the notes to print (noted changes, and forced ones). `where` names the checkpoint in messages.
+    """
+    def changed(names: list[str]) -> list[str]:
+        return [f"{k}: {saved[k]!r} -> {current[k]!r}" for k in names]
+
+    common = [k for k in current if k in saved and saved[k] != current[k] and k not in IGNORED_FIELDS]
+    noted = [k for k in common if k in NOTED_FIELDS]
+    refused = [k for k in common if k not in NOTED_FIELDS]
+    notes = []
+    if "model" in refused and not force:
+        raise ValueError(
+            f"checkpoint {where} was trained from model {saved['model']!r}, not {current['model']!r}: resume with "
+            "the same --model (add --force only if it is the same model under another name or path)"
+        )
+    if refused and not force:
+        raise ValueError(
+            f"resuming {where} with settings that change what is trained: {'; '.join(changed(refused))}. Use the "
+            "checkpoint's values, or add --force to continue with the new ones"
+        )
+    if refused:
+        notes.append(f"--force: continuing with changed settings: {'; '.join(changed(refused))}")
+    if noted:
+        notes.append(f"note: resuming with changed settings: {'; '.join(changed(noted))}")
+    return notes
+
+
+def truncate_metrics(path: Path, step: int) -> int:
+    """Keep the rows of steps 1..step (the first of each) and drop the rest; returns how many rows were dropped."""
+    if not path.is_file():
+        return 0
+    kept, dropped, seen = [], 0, set()
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            s = int(row["step"])
+        except (ValueError, KeyError, TypeError):  # a line cut short by a kill
+            dropped += 1
+            continue
+        if s > step or s in seen:
+            dropped += 1
+            continue
+        seen.add(s)
+        kept.append(line)
+    if dropped:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, path)
+    return dropped
+
+
+def print_notes(notes: list[str]) -> None:
+    for note in notes:
+        print(note, file=sys.stderr)

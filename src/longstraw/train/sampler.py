@@ -1,0 +1,113 @@
+"""What the trainer samples from the policy, scored by the task (sampling itself: `engine/sampling.py`).
+
+- `Sampler.step_groups`: this rank's prompts of a step, each through `rollout`; with dynamic sampling, a group
+  whose rewards are all equal (no learning signal) is dropped.
+- `Sampler.rollout`: one prompt of a step: capture it once, sample G responses from that state
+  (`sampling.sample_group`), decode and reward them (`TaskData.reward`), their advantages (`compute_advantages`),
+  and with beta > 0 the frozen reference model's log-probs of them, from its own prompt capture.
+- `Sampler.evaluate`: the mean greedy reward on `eval_prompts` held-out prompts (a seed stream training never
+  draws from), before and after training.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from longstraw.engine.group import Group
+from longstraw.engine.loss import compute_advantages
+from longstraw.engine.sampling import SamplingConfig, sample_group, score_responses
+from longstraw.train.data import derive_seed
+
+if TYPE_CHECKING:
+    from longstraw.distributed.runtime import Parallel
+    from longstraw.engine.state.prompt import PromptState
+    from longstraw.tasks import Example
+    from longstraw.train.config import TrainConfig
+    from longstraw.train.data import TaskData
+    from longstraw.train.reporting import Progress, StepLog
+
+
+@dataclass
+class ScoredGroup:
+    """One prompt's sampled and rewarded group, ready for the gradient passes."""
+
+    prompt: torch.Tensor
+    group: Group
+    state: PromptState | None  # the captured prompt state, reusable while the weights are unchanged
+    rewards: torch.Tensor
+
+
+class Sampler:
+    """Samples the policy (the `model` passed to each call) on the task of `data`; `reference`: the frozen initial
+    policy (beta > 0) or None."""
+
+    def __init__(self, cfg: TrainConfig, data: TaskData, stop_ids: tuple[int, ...], reference: torch.nn.Module | None,
+                 par: Parallel) -> None:
+        self.cfg, self.data, self.reference, self.par = cfg, data, reference, par
+        self.sampling = SamplingConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                                       top_p=cfg.top_p, top_k=cfg.top_k, stop_ids=stop_ids)
+
+    def step_groups(self, model: torch.nn.Module, step: int, progress: Progress, log: StepLog) -> list[ScoredGroup]:
+        """This rank's prompts of 0-based `step` (all of them in one process), sampled and scored, each counted in
+        `log`; the groups kept for the gradient passes (dynamic sampling drops those whose rewards are all equal)."""
+        examples = self.data.examples(step)
+        mine = self.par.share(len(examples))  # this rank's prompts
+        kept: list[ScoredGroup] = []
+        with self.par.compute(model, reduce=False):
+            for j in mine:
+                progress.update(step, "rollout", j - mine.start, len(mine))
+                r = self.rollout(model, step, j, examples[j])
+                drop = self.cfg.dynamic_sampling and bool((r.rewards == r.rewards[0]).all())  # no signal in it
+                log.rollout(r.rewards, r.group.lengths, int(r.prompt.numel()), dropped=drop)
+                if not drop:
+                    kept.append(r)
+        log.rollouts_done()
+        return kept
+
+    def rollout(self, model: torch.nn.Module, step: int, j: int, example: Example) -> ScoredGroup:
+        """Prompt j of 0-based `step`, sampled (its own seed), rewarded, with its advantages."""
+        cfg, data = self.cfg, self.data
+        prompt = data.encode(example)
+        cp = self.par.context_parallel  # None unless ranks share prompts (--cp)
+        # The exact plan reuses this state and needs the recurrent state at every chunk boundary; detach does not.
+        out = sample_group(model, prompt, cfg.group_size, self.sampling, seed=derive_seed(cfg.seed, step, j, 1),
+                           chunk_size=cfg.chunk_size, keep_boundaries=cfg.plan == "exact", context_parallel=cp)
+        rewards = torch.tensor([data.reward(data.decode(r), example, f"step {step + 1}") for r in out.responses],
+                               dtype=torch.float64)
+        advantages = compute_advantages(rewards, cfg.advantage)
+        ref = None
+        if self.reference is not None:
+            ref = score_responses(self.reference, prompt, out.responses, cfg.chunk_size, cfg.micro_batch,
+                                  context_parallel=cp)
+        group = Group(prompt, out.responses, advantages, old_logprobs=out.logprobs, ref_logprobs=ref)
+        return ScoredGroup(prompt=prompt, group=group, state=out.state, rewards=rewards)
+
+    @torch.no_grad()
+    def evaluate(self, model: torch.nn.Module, when: str) -> float:
+        """Mean greedy reward on held-out prompts (NaN with eval_prompts 0). It can take minutes on a CPU, so rank 0
+        says what it is doing and counts the prompts (in place on a terminal)."""
+        cfg, data, par = self.cfg, self.data, self.par
+        if cfg.eval_prompts == 0:
+            return float("nan")
+        greedy = SamplingConfig(max_new_tokens=cfg.max_new_tokens, top_k=1, stop_ids=self.sampling.stop_ids)
+        examples = data.held_out()
+        mine = examples[par.dp_rank :: par.dp_size]  # blocks of ranks split the prompts
+        talk = par.is_main
+        if talk:
+            print(f"held-out evaluation {when}: {len(examples)} prompts, greedy ...", file=sys.stderr, flush=True)
+        tty = sys.stderr.isatty()
+        total = 0.0
+        with par.compute(model, reduce=False):
+            for i, example in enumerate(mine):
+                out = sample_group(model, data.encode(example), 1, greedy, chunk_size=cfg.chunk_size,
+                                   context_parallel=par.context_parallel)
+                total += data.reward(data.decode(out.responses[0]), example, "held-out evaluation")
+                if talk and tty:
+                    print(f"\r  prompt {i + 1}/{len(mine)}   ", end="", file=sys.stderr, flush=True)
+        if talk and tty:
+            print("\r", end="", file=sys.stderr, flush=True)
+        return par.sum(total) / par.cp_size / len(examples)  # a block's ranks all add the same

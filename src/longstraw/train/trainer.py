@@ -1,0 +1,200 @@
+"""The GRPO training loop, top to bottom.
+
+One step, for each of `prompts_per_step` prompts:
+  rollout   — capture the prompt once, sample G responses from that state (`sampling.sample_group`);
+  rewards   — decode, score with the task, drop the group if all rewards are equal (dynamic sampling);
+  advantages— `compute_advantages` (grpo / mean_centered / rloo);
+  reference — with beta > 0, the frozen initial model scores the responses from its own prompt capture;
+then, `num_iterations` times: `backward_group` on every kept group (the first pass reuses the rollout's
+prompt state, later passes recapture because the weights moved; a group whose advantages are all 0 with
+beta = 0 has an exactly zero gradient and is skipped, counted in `skipped_zero_advantage`), average over
+groups, clip the gradient norm, refuse a non-finite norm before the optimizer touches the weights, check that
+the AdamW update leaves every weight and moment finite before applying it, AdamW step. Then the LR schedule.
+
+Data is a pure function of (seed, step, prompt index), so resuming only needs the step number; the
+checkpoint also keeps every RNG state.
+
+Reliability: the run directory and, on resume, the checkpoint (checksum, config, model shapes) are checked
+before the model loads (`rundir.py`, `checkpoints.py`); the whole dataset is checked before step 1. A step
+changes the weights only at its end (optimizer and scheduler steps); until then the last completed step is
+still in memory, so an exception or Ctrl-C/SIGTERM there saves it (`stopping.py` holds a signal that arrives
+during the update or a checkpoint write until they finish). After a kill, a resume truncates metrics.jsonl to
+the checkpoint's step.
+
+Several processes (`longstraw train --nproc N`, or torchrun): each rank takes a contiguous slice of the step's
+prompts (same seeds as one process), rolls out and backpropagates its own groups with the model sharded by
+FSDP2, and the gradients are reduced once per pass (`distributed/`); the step's gradient is the mean over all
+ranks' groups, as in one process. Rank 0 writes metrics and checkpoints (same file format in both cases).
+
+This module is the loop; its parts live in modules named for what they hold: `data.py` (the task, prompts per
+step and their checks, rewards), `sampler.py` (rollout, rewards, advantages, reference log-probs; the held-out
+evaluation), `optimizer.py` (AdamW, its schedule, the mean gradient, clipping and the finiteness guards),
+`reporting.py` (metrics rows, the progress line, metrics.jsonl, TensorBoard, summary.json, plots),
+`checkpoints.py` (saving and restoring a run), `rundir.py` and `stopping.py` (signals, the save after a failure).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+from longstraw.distributed.runtime import Parallel
+from longstraw.engine.api import backward_group
+from longstraw.engine.sampling import stop_ids_of
+from longstraw.models.loading import load_model
+from longstraw.models.tokenizer import load_tokenizer
+from longstraw.train import bias
+from longstraw.train.checkpoints import FILENAME, check_same_shapes, restore_run, rng_state, save_run
+from longstraw.train.config import TrainConfig
+from longstraw.train.data import EVAL_SEED_OFFSET, RewardError, TaskData, build_task
+from longstraw.train.optimizer import (
+    check_weights_finite,
+    clip_and_check,
+    make_optimizer,
+    mean_gradient,
+    scheduler_step,
+)
+from longstraw.train.reporting import Progress, Report, StepLog, plot_metrics, read_metrics
+from longstraw.train.rundir import open_run_dir
+from longstraw.train.sampler import Sampler, ScoredGroup
+from longstraw.train.stopping import StopSignals, save_after_failure
+
+# The names this module held before the step's parts moved out (importable from here as before).
+__all__ = ["EVAL_SEED_OFFSET", "Progress", "RewardError", "ScoredGroup", "Trainer", "build_task", "plot_metrics",
+           "read_metrics", "train"]
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, parallel: Parallel | None = None) -> None:
+        self.cfg = cfg
+        self.par = parallel if parallel is not None else Parallel(device=cfg.device)  # one process by default
+        self.par.share(cfg.prompts_per_step)  # refuse a count the ranks cannot split before loading anything
+        if cfg.bias_every and self.par.distributed:
+            raise ValueError("--bias-every runs in one process only (sharded gradients): drop it or --nproc")
+        self.run_dir = Path(cfg.run_dir)
+        # Rank 0 checks the run directory and, on resume, reads and checks the checkpoint, before the model loads.
+        self._ckpt = open_run_dir(self.run_dir, cfg) if self.par.is_main else None  # dropped once loaded
+        self.model = load_model(cfg.model, dtype=cfg.dtype, device=self.par.device, seed=cfg.seed)
+        if self._ckpt is not None:
+            check_same_shapes(self.model, self._ckpt["model"], self.run_dir / FILENAME)
+        tokenizer = load_tokenizer(cfg.model)  # the data checks every prompt against the model's positions
+        self.data = TaskData(cfg, tokenizer, getattr(self.model.config, "max_position_embeddings", None))
+        self.reference = copy.deepcopy(self.model).requires_grad_(False) if cfg.beta > 0 else None  # for the KL
+        self.model = self.par.shard(self.model)  # FSDP2 across ranks; unchanged in one process
+        self.optimizer, self.scheduler = make_optimizer(self.model, cfg)
+        self.sampler = Sampler(cfg, self.data, stop_ids_of(self.model, tokenizer), self.reference, self.par)
+        self.step = 0
+        self.summary: dict[str, Any] = {}
+        # Error-path bookkeeping: `_dirty` is True from the first optimizer/scheduler step of a step until the
+        # step is complete (its in-memory state is then neither the last step nor the next one).
+        self._dirty = self._saving = False
+        self._saved_step: int | None = None
+        self._steps_done = 0  # completed in this invocation
+        self._boundary_rng: dict[str, Any] | None = None  # the RNG states at the last step boundary
+        self.report = Report(cfg, self.run_dir, enabled=self.par.is_main)  # only rank 0 prints and writes files
+
+    def train_step(self, step: int, progress: Progress) -> dict[str, Any]:
+        cfg = self.cfg
+        log = StepLog(cfg.device)  # this rank's time, peak memory, rewards and tokens; starts the clock
+        kept = self.sampler.step_groups(self.model, step, progress, log)  # rollout, rewards, advantages, reference
+        loss_total, grad_norm, skipped, bias_metrics = 0.0, 0.0, 0, {}
+        n_kept = int(self.par.sum(len(kept)))  # over all ranks: every rank takes the same branches below
+        for it in range(cfg.num_iterations if n_kept else 0):
+            self.optimizer.zero_grad(set_to_none=True)
+            loss_total, skipped = 0.0, 0  # skipped: this rank's groups of zero gradient (advantages all 0, beta 0)
+            with self.par.compute(self.model):  # sharded: gradients reduced (averaged over ranks) once, at exit
+                for j, r in enumerate(kept):
+                    progress.update(step, f"train (pass {it + 1})", j, len(kept))
+                    state = r.state if it == 0 else None  # the rollout's prompt state serves the first pass
+                    result = backward_group(self.model, r.group, plan=cfg.plan, prompt_state=state,
+                                            context_parallel=self.par.context_parallel, **cfg.backward_options())
+                    if cfg.offload_state:
+                        r.state = None  # its host copy served this pass: free the device copy the sampler made
+                    loss_total += result.loss / n_kept
+                    skipped += result.skipped == "zero_advantage"
+            loss_total = self.par.sum(loss_total)
+            params = mean_gradient(self.model, n_kept / self.par.world_size,  # as the loss: the mean over groups
+                                   none_computed=self.par.sum(len(kept) - skipped) == 0)
+            if it == 0 and bias.due(cfg, step):  # the step's own unclipped gradient vs the exact one; changes nothing
+                bias_metrics = bias.measure(self.model, [r.group for r in kept], cfg)
+            # Clip; refuse a non-finite norm, or an update that would make a weight non-finite, before AdamW runs.
+            grad_norm = clip_and_check(self.par, self.optimizer, self.model, params, cfg.max_grad_norm, step)
+            self._dirty = True  # from here until the step is complete, the state is not a step boundary
+            self.optimizer.step()
+            check_weights_finite(self.par, self.model, step)  # in case the step did what the check did not foresee
+        self._dirty = True
+        self.optimizer.zero_grad(set_to_none=True)
+        lr = float(self.scheduler.get_last_lr()[0])  # typed float | Tensor; the trainer sets a float lr
+        scheduler_step(self.scheduler)  # every step, also one whose groups were all dropped
+        return log.row(self.par, step, n_kept, skipped, loss_total, grad_norm, lr, bias_metrics)
+
+    def save(self) -> None:
+        """Checkpoint the current step boundary (every rank calls: a sharded state is gathered to rank 0)."""
+        self._saving = True  # a signal now waits for the write to finish
+        try:
+            save_run(self.par, self.run_dir, self.model, self.optimizer, self.scheduler, self.cfg, self.step,
+                     self.summary, self._boundary_rng)
+            self._saved_step = self.step
+        finally:
+            self._saving = False
+
+    def run(self) -> dict[str, Any]:
+        """Train to cfg.steps (or cfg.stop_after more steps). On an exception or Ctrl-C/SIGTERM after a
+        completed step, the last completed step is checkpointed (one process) before the error propagates."""
+        signals = StopSignals(busy=lambda: self._dirty or self._saving,
+                              describe=lambda: f"finishing step {self.step + 1}'s update, then saving and stopping")
+        with signals:
+            try:
+                return self._run(signals)
+            except BaseException:
+                save_after_failure(self.save, self.run_dir / FILENAME, step=self.step, saved_step=self._saved_step,
+                                   steps_done=self._steps_done, dirty=self._dirty, par=self.par)
+                raise
+
+    def _run(self, signals: StopSignals) -> dict[str, Any]:
+        cfg, report = self.cfg, self.report
+        if cfg.resume:
+            ckpt, self._ckpt = self._ckpt, None  # read and checked in __init__ (rank 0); dropped once loaded
+            self.step, self.summary = restore_run(self.par, ckpt, self.model, self.optimizer, self.scheduler,
+                                                  self.run_dir)
+            self._saved_step = self.step
+            report.resumed(self.step)  # metrics rows past the checkpoint are removed: those steps are redone
+        else:
+            self.summary["eval_before"] = self.sampler.evaluate(self.model, "before training")
+            report.eval_before(self.summary["eval_before"])
+        self._boundary_rng = rng_state()
+        last = min(cfg.steps, self.step + cfg.stop_after) if cfg.stop_after else cfg.steps
+        while self.step < last:
+            m = self.train_step(self.step, report.progress)  # sets _dirty once it changes the weights
+            self.step += 1
+            self._steps_done += 1
+            report.write(m)  # metrics.jsonl, before the step counts as complete
+            self._boundary_rng = rng_state()
+            self._dirty = False  # a step boundary again
+            report.show(m)  # TensorBoard, the progress line
+            if cfg.save_every and self.step % cfg.save_every == 0 and self.step < last:
+                self.save()
+            signals.check()  # a Ctrl-C held during the update stops here, at the boundary
+        if self.step < cfg.steps:  # stopped early on purpose: checkpoint, no final evaluation
+            self.save()
+            signals.check()
+            report.note(f"stopped after step {self.step}; continue with --resume")
+            return self.summary
+        self.summary["eval_after"] = self.sampler.evaluate(self.model, "after training")
+        self.summary["steps"] = self.step
+        self.save()
+        report.finish(self.summary)  # rank 0: the evaluation line, summary.json, progress.png, the outputs
+        return self.summary
+
+
+def train(cfg: TrainConfig) -> dict[str, Any]:
+    """Train in this process, or as one rank of a distributed job when launched by torchrun (WORLD_SIZE > 1)."""
+    parallel = Parallel.start(cfg.device, cp=cfg.cp)
+    try:
+        summary = Trainer(cfg, parallel).run()
+    except BaseException as err:
+        parallel.fail(err)  # the other ranks print this error and exit instead of waiting forever
+        raise
+    parallel.close()
+    return summary

@@ -1,0 +1,69 @@
+"""Chunked log-probs against full logits: values and gradients, float64."""
+
+import pytest
+import torch
+
+from longstraw.engine.logprobs import chunked_logprobs, naive_logprobs
+
+
+@pytest.mark.parametrize("token_chunk", [1, 3, 7, 100])
+def test_chunked_logprobs_match_full_logits(token_chunk):
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 7, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(50, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 50, (2, 7), generator=gen)
+    upstream = torch.randn(2, 7, generator=gen, dtype=torch.float64)
+    fast = chunked_logprobs(hidden, weight, targets, token_chunk)
+    ref = naive_logprobs(hidden, weight, targets)
+    assert fast.shape == (2, 7)
+    assert (fast - ref).abs().max() < 1e-13
+    g_fast = torch.autograd.grad((fast * upstream).sum(), [hidden, weight])
+    g_ref = torch.autograd.grad((ref * upstream).sum(), [hidden, weight])
+    for a, r in zip(g_fast, g_ref):
+        assert (a - r).abs().max() < 1e-12
+
+
+def test_chunked_logprobs_never_saves_full_logits():
+    """Only hidden, weight and targets are kept for backward: nothing of size N x V."""
+    hidden = torch.randn(64, 8, requires_grad=True)
+    weight = torch.randn(1000, 8, requires_grad=True)
+    targets = torch.randint(0, 1000, (64,))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        chunked_logprobs(hidden, weight, targets, token_chunk=16)
+    assert saved and max(saved) <= 1000 * 8
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.3])
+def test_chunked_logprobs_at_a_temperature(temperature):
+    """log_softmax(logits / T): values and gradients against the full-logit reference (TRL scores at T)."""
+    gen = torch.Generator().manual_seed(1)
+    hidden = torch.randn(9, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(50, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 50, (9,), generator=gen)
+    fast = chunked_logprobs(hidden, weight, targets, 4, temperature=temperature)
+    ref = torch.log_softmax(hidden @ weight.t() / temperature, -1).gather(-1, targets[:, None]).squeeze(-1)
+    assert (fast - ref).abs().max() < 1e-13
+    assert (fast - chunked_logprobs(hidden, weight, targets, 4)).abs().max() > 1e-3  # T really changes them
+    grads_fast = torch.autograd.grad(fast.sum(), [hidden, weight])
+    for a, r in zip(grads_fast, torch.autograd.grad(ref.sum(), [hidden, weight])):
+        assert (a - r).abs().max() < 1e-12
+
+
+def test_bfloat16_logprobs_accumulate_in_float32():
+    """precision.py: a bf16 model's log-probs come out in fp32 (log-sum-exp over the vocabulary in fp32), equal to
+    the fp32 reference on the same bf16 logits, and the gradients reach hidden and weight in bf16."""
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(37, 16, generator=gen).to(torch.bfloat16).requires_grad_(True)
+    weight = torch.randn(300, 16, generator=gen).to(torch.bfloat16).requires_grad_(True)
+    targets = torch.randint(0, 300, (37,), generator=gen)
+    logp = chunked_logprobs(hidden, weight, targets, token_chunk=8)
+    assert logp.dtype == torch.float32
+    logits = (hidden.detach() @ weight.detach().t()).float()  # the bf16 product, then fp32 from there on
+    ref = torch.log_softmax(logits, -1).gather(-1, targets[:, None]).squeeze(-1)
+    assert (logp.detach() - ref).abs().max() < 1e-5
+    d_h, d_w = torch.autograd.grad(logp.sum(), [hidden, weight])
+    assert d_h.dtype == d_w.dtype == torch.bfloat16
+    h64, w64 = hidden.detach().double().requires_grad_(True), weight.detach().double().requires_grad_(True)
+    r_h, r_w = torch.autograd.grad(naive_logprobs(h64, w64, targets).sum(), [h64, w64])
+    assert (d_h.double() - r_h).norm() / r_h.norm() < 1e-2 and (d_w.double() - r_w).norm() / r_w.norm() < 1e-2

@@ -1,0 +1,207 @@
+"""What the tests share: tiny random models of every supported family (float64-faithful), random groups, flat
+gradients, and `assert_close` with the tolerances of each kernel class. Imported as `from helpers import ...`
+(tests/ is on pytest's pythonpath); the fixtures live in conftest.py."""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    DeepseekV3Config,
+    FalconH1Config,
+    Gemma3TextConfig,
+    GlmMoeDsaConfig,
+    KimiLinearConfig,
+    LlamaConfig,
+    Mamba2Config,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3_5TextConfig,
+    Qwen3Config,
+    Qwen3NextConfig,
+)
+
+from longstraw import Group
+
+VOCAB = 512
+
+
+def _rms_norm_in_input_dtype(self, x: torch.Tensor) -> torch.Tensor:
+    var = x.pow(2).mean(-1, keepdim=True)
+    return self.weight * (x * torch.rsqrt(var + self.variance_epsilon))
+
+
+def _gemma_rms_norm_in_input_dtype(self, x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight)
+
+
+def faithful_float64(model: torch.nn.Module) -> torch.nn.Module:
+    """transformers' RMSNorm computes in float32 and casts back, which in a float64 model *rounds to
+    float32*: two mathematically equal paths then differ by ~1e-8 of float32 rounding noise, and float64
+    parity at 1e-10 would be meaningless. Tests patch every RMSNorm instance (both sides of every comparison
+    use the same model object) to compute in the input dtype. Library code is untouched."""
+    for module in model.modules():
+        name = type(module).__name__
+        if name == "Gemma3RMSNorm":
+            module.forward = types.MethodType(_gemma_rms_norm_in_input_dtype, module)
+        elif name.endswith("RMSNorm") and hasattr(module, "variance_epsilon") and name != "Qwen3NextRMSNorm":
+            module.forward = types.MethodType(_rms_norm_in_input_dtype, module)
+    return model
+
+
+def _configs() -> dict[str, object]:
+    common = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  vocab_size=VOCAB, max_position_embeddings=1024)
+    return {
+        "llama": LlamaConfig(num_key_value_heads=2, tie_word_embeddings=False, **common),
+        "qwen3": Qwen3Config(num_key_value_heads=1, head_dim=16, tie_word_embeddings=True, **common),
+        "qwen2": Qwen2Config(num_key_value_heads=2, tie_word_embeddings=False, **common),
+        "mistral": MistralConfig(num_key_value_heads=4, sliding_window=None, tie_word_embeddings=False, **common),
+    }
+
+
+def _linear(pattern: str) -> list[str]:
+    """Three layers with each kind first and last: A = linear/full/linear, B = full/linear/full."""
+    return ["linear_attention", "full_attention", "linear_attention"] if pattern == "A" else [
+        "full_attention", "linear_attention", "full_attention"]
+
+
+def _sliding(pattern: str) -> list[str]:
+    return ["sliding_attention", "full_attention", "sliding_attention"] if pattern == "A" else [
+        "full_attention", "sliding_attention", "full_attention"]
+
+
+def _arch_configs() -> dict[str, object]:
+    """Tiny configs of the architecture families (hybrid, sliding-window, latent attention).
+
+    Keys are `family` or `family-PATTERN` for mixed-layer models. Windows (16) are shorter than the tested
+    prompts; DSA keeps index_topk (24) below the prompt length so the selection is exercised, with 16
+    indexer heads so that top-k ties (which would make the selection depend on float noise) do not occur.
+    """
+    c = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, vocab_size=VOCAB,
+             max_position_embeddings=1024)
+    moe = dict(moe_intermediate_size=32, num_key_value_heads=4)
+    mla = dict(kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, head_dim=8)
+    out: dict[str, object] = {
+        "mistral-sw": MistralConfig(num_hidden_layers=2, num_key_value_heads=2, sliding_window=16,
+                                    tie_word_embeddings=False, **c),
+        "mamba2": Mamba2Config(hidden_size=64, num_heads=8, head_dim=16, state_size=16, n_groups=1, conv_kernel=4,
+                               chunk_size=16, num_hidden_layers=2, vocab_size=VOCAB, expand=2,
+                               pad_token_id=None, bos_token_id=None, eos_token_id=None),
+        "falcon_h1": FalconH1Config(num_hidden_layers=2, num_key_value_heads=2, mamba_d_ssm=128, mamba_n_heads=8,
+                                    mamba_d_head=16, mamba_d_state=16, mamba_n_groups=1, mamba_d_conv=4,
+                                    mamba_expand=2, mamba_chunk_size=16, pad_token_id=None, **c),
+        "deepseek_v3": DeepseekV3Config(num_hidden_layers=2, n_shared_experts=1, n_routed_experts=4,
+                                        num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+                                        q_lora_rank=24, **moe, **mla, **c),
+        "glm_moe_dsa": GlmMoeDsaConfig(num_hidden_layers=2, n_shared_experts=1, n_routed_experts=4,
+                                       num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+                                       q_lora_rank=24, index_topk=24, index_head_dim=16, index_n_heads=16,
+                                       indexer_types=["full", "shared"], mlp_layer_types=["dense", "sparse"],
+                                       **moe, **mla, **c),
+    }
+    out["qwen3_5_text"] = Qwen3_5TextConfig(
+        num_hidden_layers=3, num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=8,
+        linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, layer_types=_linear("A"), **c)
+    for pattern in ("A", "B"):
+        out[f"gemma3-{pattern}"] = Gemma3TextConfig(
+            num_hidden_layers=3, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=16,
+            layer_types=_sliding(pattern), **c)
+        out[f"qwen3_next-{pattern}"] = Qwen3NextConfig(
+            num_hidden_layers=3, num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=8,
+            linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+            layer_types=_linear(pattern), **c)
+        out[f"kimi_linear-{pattern}"] = KimiLinearConfig(
+            num_hidden_layers=3, num_experts=4, num_experts_per_token=2, num_shared_experts=1, q_lora_rank=None,
+            linear_head_dim=8, linear_num_heads=4, linear_conv_kernel_dim=4, layer_types=_linear(pattern),
+            mlp_layer_types=["dense", "sparse", "sparse"], pad_token_id=None, bos_token_id=None, eos_token_id=None,
+            **moe, **mla, **c)
+    return out
+
+
+ARCH_FAMILIES = tuple(_arch_configs())
+
+
+# Families whose transformers kernels compute in float32 inside a float64 model
+# (tests/engine/state/test_architectures.py says which kernels): a chunked prompt differs from one full pass by
+# float32 rounding.
+FP32_INSIDE = ("qwen3_next", "qwen3_5_text", "mamba2", "falcon_h1", "kimi_linear", "deepseek_v3", "glm_moe_dsa")
+
+
+def gradient_tolerance(family: str) -> float:
+    """Relative gradient error allowed between a replay plan and the plain forward (`standard`) in float64."""
+    return FP32_KERNELS_F64 if family.split("-")[0] in FP32_INSIDE else EXACT_F64
+
+
+def tiny_model(family: str, dtype: torch.dtype = torch.float64, seed: int = 0) -> torch.nn.Module:
+    """A random-init model of `family` (llama, qwen3, qwen2, mistral, or one of ARCH_FAMILIES), eval mode,
+    params requiring grad. Eager experts for the reference side (grouped_mm has no float64)."""
+    configs = _configs() | _arch_configs()
+    config = configs[family]
+    torch.manual_seed(seed)
+    try:  # sdpa keeps the softmax in float64 (eager attention computes it in float32)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", experts_implementation="eager")
+    except ValueError:  # Mamba2 has no attention layers, hence no sdpa path
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", experts_implementation="eager")
+    model = model.to(dtype).eval()
+    for p in model.parameters():
+        p.requires_grad_(True)
+    if dtype == torch.float64:
+        faithful_float64(model)
+    return model
+
+
+def random_group(prompt_len: int, lengths: list[int], seed: int = 0, dtype=torch.float64, vocab: int = VOCAB,
+                 **extra) -> Group:
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, vocab, (prompt_len,), generator=gen)
+    responses = [torch.randint(0, vocab, (n,), generator=gen) for n in lengths]
+    advantages = torch.randn(len(lengths), generator=gen, dtype=dtype)
+    return Group(prompt=prompt, responses=responses, advantages=advantages, **extra)
+
+
+def grads(model: torch.nn.Module) -> torch.Tensor:
+    """All parameter gradients flattened into one vector (zeros where a parameter got none)."""
+    return torch.cat([
+        (p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in model.parameters()
+    ])
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b||: b is the reference."""
+    return float((a - b).norm() / b.norm())
+
+
+# Relative tolerances by kernel class: what two computations of the same quantity may differ by.
+SAME_ORDER_F64 = 1e-12  # float64, the same operations regrouped (checkpointing, offload, micro-batches, kept graphs)
+EXACT_F64 = 1e-10  # float64, another order of the same sums (a replay from the prompt state vs one full forward)
+FP32_KERNELS_F64 = 1e-6  # a float64 model whose transformers kernels compute in float32 inside (FP32_INSIDE)
+FP32 = 1e-4  # float32, another order of the same sums
+FP16 = 5e-3  # a float16 model against the float64 reference
+BF16 = 5e-2  # a bfloat16 model against the float64 reference
+
+
+def assert_close(name: str, ref: torch.Tensor, got: torch.Tensor, rtol: float) -> float:
+    """Assert ||got - ref|| / ||ref|| <= rtol, naming the quantity in the failure; returns the relative error."""
+    err = rel_err(got, ref)
+    assert err <= rtol, f"{name}: relative error {err:.3g} > {rtol:g}"
+    return err
+
+
+TRAIN_WORDS = ("cats", "rain", "maps", "tea", "snow", "bread")
+
+
+def jsonl_dataset(folder, words: int = 4):
+    """A tiny `{"prompt", "answer"}` jsonl dataset for trainer tests: `folder`/data.jsonl."""
+    import json
+    from pathlib import Path
+
+    path = Path(folder) / "data.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"Say something about {w}.", "answer": w}) + "\n"
+                            for w in TRAIN_WORDS[:words]))
+    return path
+
+

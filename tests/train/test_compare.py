@@ -1,0 +1,142 @@
+"""`longstraw compare`: one run per plan and seed, the table, the plot, resuming, and exact == standard in float64."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import faithful_float64, jsonl_dataset
+
+import longstraw.train.trainer
+from longstraw import cli
+from longstraw.models.loading import load_model
+from longstraw.train.checkpoints import load_checkpoint
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _jsonl(tmp_path: Path) -> Path:
+    return jsonl_dataset(tmp_path)
+
+
+def _common(tmp_path: Path) -> list[str]:
+    # A reward that varies across random responses, so every step has a non-zero gradient.
+    return ["--model", "tiny-llama", "--task", "jsonl", "--data", str(_jsonl(tmp_path)),
+            "--reward-fn", "rewards_for_tests:even_byte_fraction", "--group-size", "4", "--max-new-tokens", "6",
+            "--lr", "1e-3", "--eval-prompts", "2", "--chunk-size", "8", "--steps", "2"]
+
+
+def test_compare_writes_table_and_plot_and_does_not_redo_finished_runs(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "cmp"
+    argv = ["compare", *_common(tmp_path), "--plans", "standard,detach", "--seeds", "2", "--bias-every", "1",
+            "--out", str(out)]
+    assert cli.main(argv) == 0
+    err = capsys.readouterr().err
+    for f in ("compare.png", "compare.md", "compare.json"):
+        assert (out / f).is_file(), f
+    assert err.count(": started (") == 4 and err.count(": finished in ") == 4
+
+    result = json.loads((out / "compare.json").read_text())
+    assert result["plans"] == ["standard", "detach"] and result["seeds"] == [0, 1] and result["steps"] == 2
+    assert sorted((r["plan"], r["seed"]) for r in result["runs"]) == [
+        ("detach", 0), ("detach", 1), ("standard", 0), ("standard", 1)]
+    for plan in ("standard", "detach"):  # the table's numbers are the runs' own summaries
+        afters = [json.loads((out / f"{plan}-seed{s}" / "summary.json").read_text())["eval_after"] for s in (0, 1)]
+        h = result["held_out"][plan]
+        assert h["per_seed"] == afters and h["n"] == 2
+        assert h["mean"] == pytest.approx(sum(afters) / 2) and h["min"] == min(afters) and h["max"] == max(afters)
+        assert h["std"] == pytest.approx(abs(afters[0] - afters[1]) / math.sqrt(2))
+    v = result["vs_standard"]["detach"]
+    assert v["diff"] == pytest.approx(result["held_out"]["detach"]["mean"] - result["held_out"]["standard"]["mean"])
+    if v["rel_diff"] is not None:
+        assert v["within_criterion"] == (abs(v["rel_diff"]) <= 0.05)
+    assert "standard" not in result["vs_standard"] and result["standard_spread"]["std"] == result["held_out"][
+        "standard"]["std"]
+    # Weight divergence: detach trained a different trajectory from the same initial weights.
+    rows = result["weight_divergence"]["detach"]
+    assert [r["seed"] for r in rows] == [0, 1]
+    for r in rows:
+        assert r["standard_update_norm"] > 0 and 1e-6 < r["rel_to_update"] < 10 and 0 < r["rel_to_weights"] < 1
+    md = (out / "compare.md").read_text()
+    assert "| standard | " in md and "| detach | " in md and "within 5%" in md and "| detach | 1 | " in md
+    assert "Bias meter" in md  # the detach runs were metered; the standard runs were not
+    assert "bias_cosine" in (out / "detach-seed0" / "metrics.jsonl").read_text()
+    assert "bias_cosine" not in (out / "standard-seed0" / "metrics.jsonl").read_text()
+
+    # Rerun: nothing is trained again (train() would raise), the outputs are rewritten from the finished runs.
+    mtimes = {p: p.stat().st_mtime_ns for p in out.glob("*/checkpoint.pt")}
+
+    def no_training(cfg):
+        raise AssertionError(f"{cfg.run_dir} was trained again")
+
+    monkeypatch.setattr(longstraw.train.trainer, "train", no_training)
+    (out / "compare.md").unlink()
+    assert cli.main(argv) == 0
+    err = capsys.readouterr().err
+    assert err.count("already finished") == 4 and "not rerun" in err
+    assert (out / "compare.md").read_text() == md
+    assert mtimes == {p: p.stat().st_mtime_ns for p in out.glob("*/checkpoint.pt")}
+
+    # Other settings in the same directory would mix two experiments: refused before anything runs.
+    assert cli.main([*argv[:-2], "--lr", "2e-3", "--out", str(out)]) == 1
+    assert "holds a comparison of other settings (lr: 0.001 -> 0.002)" in capsys.readouterr().err
+
+
+def test_compare_resumes_an_interrupted_run(tmp_path, capsys):
+    """A run that stopped with a checkpoint (here: --stop-after through `train`) is resumed, not restarted."""
+    out = tmp_path / "cmp"
+    common = _common(tmp_path)
+    assert cli.main(["train", *common, "--plan", "detach", "--seed", "0", "--stop-after", "1",
+                     "--run-dir", str(out / "detach-seed0")]) == 0
+    capsys.readouterr()
+    assert cli.main(["compare", *common, "--plans", "standard,detach", "--seeds", "1", "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "detach seed 0: resuming from its checkpoint" in err and "resumed from" in err
+    rows = [json.loads(x) for x in (out / "detach-seed0" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--plans", "exact,detach"], "include it"),
+    (["--plans", "standard,bogus"], "unknown plan(s) bogus"),
+    (["--plans", "standard,exact,standard"], "names a plan twice"),
+    (["--plan", "detach"], "--plan does not apply to compare"),
+    (["--run-dir", "x"], "the runs go under --out"),
+    (["--seeds", "0"], "--seeds must be >= 1"),
+    (["--eval-prompts", "0"], "eval_prompts must be >= 1"),
+])
+def test_compare_bad_options_are_usage_errors(tmp_path, capsys, flags, message):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["compare", *_common(tmp_path), *flags, "--out", str(tmp_path / "o")])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()  # refused before any run
+
+
+def test_exact_and_standard_end_with_the_same_weights_in_float64(tmp_path, monkeypatch, capsys):
+    """Three AdamW steps of `exact` and of `standard` from the same seed, in float64, through compare.
+
+    Measured as compare reports it: ||w_exact - w_standard|| / ||w_standard - w_initial|| over all trainable
+    parameters (the difference relative to how far training moved the weights, the stricter of the two ratios),
+    required <= 1e-10; each tensor is also checked on its own. transformers' RMSNorm computes in float32 even in
+    a float64 model, which alone would leave ~1e-8 of rounding noise between the two plans' different
+    computation orders; the trainer's models are patched to compute it in float64 (helpers.faithful_float64).
+    """
+    monkeypatch.setattr(longstraw.train.trainer, "load_model", lambda *a, **k: faithful_float64(load_model(*a, **k)))
+    out = tmp_path / "cmp"
+    assert cli.main(["compare", *_common(tmp_path), "--dtype", "float64", "--steps", "3", "--plans",
+                     "standard,exact", "--seeds", "1", "--no-plot", "--out", str(out)]) == 0
+    capsys.readouterr()
+    result = json.loads((out / "compare.json").read_text())
+    (row,) = result["weight_divergence"]["exact"]
+    metrics = [json.loads(x) for x in (out / "standard-seed0" / "metrics.jsonl").read_text().splitlines()]
+    assert all(m["grad_norm"] > 0 for m in metrics)  # every step really trained
+    assert row["standard_update_norm"] > 1e-3 * row["standard_weight_norm"]
+    assert row["rel_to_update"] <= 1e-10, row
+    a, b = load_checkpoint(out / "standard-seed0")["model"], load_checkpoint(out / "exact-seed0")["model"]
+    assert a.keys() == b.keys() and a[next(iter(a))].dtype == torch.float64
+    for k in a:
+        assert float((a[k] - b[k]).norm()) <= 1e-12 * max(1.0, float(a[k].norm())), k
+    assert result["held_out"]["exact"]["per_seed"] == result["held_out"]["standard"]["per_seed"]

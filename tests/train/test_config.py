@@ -1,0 +1,122 @@
+"""TrainConfig: TOML + flag precedence, validation messages."""
+
+import argparse
+
+import pytest
+
+from longstraw.train.config import TrainConfig, add_arguments, from_args
+
+
+def _parse(*argv: str) -> TrainConfig:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return from_args(parser.parse_args(list(argv)))
+
+
+def test_toml_then_flags(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('group_size = 16\nloss = "dapo"\nlr = 3e-6\ndynamic_sampling = true\n')
+    cfg = _parse(str(path), "--group-size", "4", "--no-dynamic-sampling")
+    assert (cfg.group_size, cfg.loss, cfg.lr, cfg.dynamic_sampling) == (4, "dapo", 3e-6, False)
+    assert TrainConfig().plan == "exact"
+
+
+@pytest.mark.parametrize("text,match", [
+    ("gruop_size = 4", "unknown option"),
+    ('group_size = "four"', "group_size must be a int"),
+    ("lr = true", "lr must be a float"),
+    ("group_size = [", "not valid TOML"),
+])
+def test_bad_toml(tmp_path, text, match):
+    path = tmp_path / "c.toml"
+    path.write_text(text + "\n")
+    with pytest.raises(ValueError, match=match):
+        _parse(str(path))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(task="maze"), "task 'maze' is unknown"),
+    (dict(plan="fast"), "plan 'fast' is unknown"),
+    (dict(group_size=1), "too small"),
+    (dict(lr=float("nan")), "lr must be a finite"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(task="jsonl"), "needs --data"),
+    (dict(data="x.jsonl"), "only apply to --task jsonl"),
+])
+def test_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        TrainConfig(**kwargs)
+
+
+@pytest.mark.parametrize("flags,match", [
+    (["--epsilon-low", "nan"], "epsilon_low must be a finite number"),
+    (["--epsilon-high", "nan"], "epsilon_high must be a finite number"),
+    (["--epsilon-high", "inf"], "epsilon_high must be a finite number >= 0, or -1"),
+    (["--epsilon-low", "-0.5"], "epsilon_low must be a finite number >= 0, or -1"),
+    (["--epsilon-low", "5"], r"epsilon_low must be < 1 \(the ratio's lower clip is 1 - epsilon_low\)"),
+    (["--beta", "inf"], "beta must be a finite number"),
+    (["--temperature", "nan"], "temperature must be a finite number"),
+    (["--max-grad-norm", "-1"], "max_grad_norm must be a finite number >= 0"),
+    (["--weight-decay", "nan"], "weight_decay must be a finite number"),
+    (["--top-p", "inf"], "top_p must be a finite number"),
+    (["--seed", "-1"], r"seed must be in \[0, 2\*\*63\)"),
+    (["--dtype", "float16"], "float16 is not supported for training: AdamW's eps .* use --dtype bfloat16"),
+    (["--dtype", "int8"], "dtype 'int8' is unknown: choose float32, bfloat16 or float64"),
+    (["--device", "banana"], "device 'banana' is not a torch device: use cpu, cuda or cuda:N"),
+])
+def test_every_numeric_option_is_checked_at_parse_time(flags, match):
+    """Refused while parsing, naming the option: before any model is loaded or any run dir is created."""
+    with pytest.raises(ValueError, match=match):
+        _parse(*flags)
+
+
+def test_nan_and_inf_in_toml_are_refused(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("epsilon_high = nan\n")
+    with pytest.raises(ValueError, match="epsilon_high must be a finite number"):
+        _parse(str(path))
+    path.write_text("lr = inf\n")
+    with pytest.raises(ValueError, match="lr must be a finite number"):
+        _parse(str(path))
+
+
+def test_python_construction_checks_types():
+    with pytest.raises(ValueError, match="group_size must be an integer, got 2.5"):
+        TrainConfig(group_size=2.5)
+    with pytest.raises(ValueError, match="plot must be true or false"):
+        TrainConfig(plot="no")
+
+
+def test_cuda_without_a_gpu_is_refused_at_parse_time():
+    import torch
+
+    if torch.cuda.is_available():  # the refusal is then about a device index that does not exist
+        with pytest.raises(ValueError, match=r"has \d+ CUDA device\(s\)"):
+            _parse("--device", f"cuda:{torch.cuda.device_count()}")
+    else:
+        with pytest.raises(ValueError, match="no CUDA GPU is available .* use --device cpu"):
+            _parse("--device", "cuda")
+
+
+def test_float16_help_and_error_agree():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    help_text = parser.format_help()
+    assert "float16 is refused" in " ".join(help_text.split())
+    assert TrainConfig(dtype="bfloat16").dtype == "bfloat16"
+
+
+def test_loss_options_use_defaults_unless_set():
+    assert TrainConfig().loss_options() == {"beta": 0.0}
+    assert TrainConfig(epsilon_high=0.28, beta=0.1).loss_options() == {"beta": 0.1, "epsilon_high": 0.28}
+
+
+def test_shipped_examples_are_valid_configs():
+    from pathlib import Path
+
+    from longstraw.train.config import load_toml
+
+    examples = sorted((Path(__file__).parent.parent / "examples").glob("*.toml"))
+    assert examples
+    for path in examples:
+        TrainConfig(**load_toml(path))

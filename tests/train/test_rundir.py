@@ -1,0 +1,119 @@
+"""The run directory: refused early when reused, a file or unwritable; config changes on resume; metrics repair."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import train_child
+
+import longstraw.train.trainer
+from longstraw.train.config import TrainConfig
+from longstraw.train.rundir import check_resume_config, truncate_metrics
+from longstraw.train.trainer import Trainer
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Loading a model fails the test: these checks must come first."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the run directory was checked")
+    monkeypatch.setattr(longstraw.train.trainer, "load_model", refuse)
+
+
+def _cfg(run: Path, **kw) -> TrainConfig:
+    return TrainConfig(run_dir=str(run), steps=1, eval_prompts=0, plot=False, **kw)
+
+
+def test_a_run_dir_holding_a_run_is_refused_without_resume_or_overwrite(tmp_path, no_model):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    (run / "checkpoint.pt").write_bytes(b"x")
+    (run / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="already holds a run .*add --resume to continue it, --overwrite"):
+        Trainer(_cfg(run))
+    assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n'  # untouched
+    with pytest.raises(AssertionError, match="model was loaded"):  # --overwrite clears LongStraw's files only
+        Trainer(_cfg(run, overwrite=True))
+    assert sorted(p.name for p in run.iterdir()) == ["notes.txt"]
+    with pytest.raises(ValueError, match="give only one"):
+        Trainer(_cfg(run, overwrite=True, resume=True))
+
+
+def test_a_run_dir_that_is_a_file_or_cannot_be_written_is_refused(tmp_path, no_model):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(ValueError, match="is a file, not a directory"):
+        Trainer(_cfg(afile))
+    with pytest.raises(ValueError, match="cannot create run_dir"):
+        Trainer(_cfg(afile / "run"))
+    if os.geteuid() == 0:  # root writes anywhere permissions allow nothing; sysfs refuses new files even to root
+        locked = Path("/sys/kernel")
+    else:
+        locked = tmp_path / "locked"
+        locked.mkdir()
+        locked.chmod(0o500)
+    with pytest.raises(ValueError, match=f"run_dir {locked} is not writable"):
+        Trainer(_cfg(locked))
+
+
+def test_resume_without_a_checkpoint_says_what_to_do(tmp_path, no_model):
+    with pytest.raises(FileNotFoundError, match="run without --resume"):
+        Trainer(_cfg(tmp_path / "none", resume=True))
+    run = tmp_path / "early"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')  # killed before its first checkpoint
+    with pytest.raises(FileNotFoundError, match="stopped before its first checkpoint .*--overwrite instead"):
+        Trainer(_cfg(run, resume=True))
+
+
+@pytest.mark.parametrize("device", ["banana", "cuda" if not torch.cuda.is_available() else "cuda:999"])
+def test_a_bad_device_is_refused_before_the_run_dir_exists(tmp_path, device):
+    run = tmp_path / "run"
+    code = train_child.run(["train", "--device", device, "--run-dir", str(run)], tmp_path / "log")
+    log = (tmp_path / "log").read_text()
+    assert code == 2 and f"device {device!r}" in log and "Traceback" not in log, log
+    assert not run.exists()
+
+
+def test_config_changes_on_resume():
+    saved = TrainConfig().to_dict()
+    assert check_resume_config(saved, dict(saved, run_dir="elsewhere", eval_prompts=0), False, "ck") == []
+    notes = check_resume_config(saved, dict(saved, chunk_size=64, steps=40), False, "ck")
+    assert notes == ["note: resuming with changed settings: chunk_size: 2048 -> 64; steps: 20 -> 40"]
+    changed = dict(saved, task="kv", loss="dapo", group_size=4)
+    with pytest.raises(ValueError, match=r"change what is trained: task: 'passkey' -> 'kv'; group_size: 8 -> 4; "
+                                         r"loss: 'grpo' -> 'dapo'\. .*add --force"):
+        check_resume_config(saved, changed, False, "ck")
+    assert check_resume_config(saved, changed, True, "ck")[0].startswith("--force: continuing with changed")
+    with pytest.raises(ValueError, match="checkpoint ck was trained from model 'tiny-qwen3', not 'tiny-llama'"):
+        check_resume_config(saved, dict(saved, model="tiny-llama", lr=1.0), False, "ck")
+
+
+def test_resuming_another_model_is_a_clear_error(tmp_path):
+    """Another model name: refused before the model loads; with --force, its shapes are compared first."""
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"prompt": "Say something.", "answer": "ok"}) + "\n")
+    common = ["train", "--task", "jsonl", "--data", str(data), "--group-size", "2", "--max-new-tokens", "2",
+              "--eval-prompts", "0", "--no-plot", "--steps", "2", "--run-dir", str(tmp_path / "run")]
+    assert train_child.run([*common, "--model", "tiny-llama", "--stop-after", "1"], tmp_path / "log") == 0
+    code = train_child.run([*common, "--model", "tiny-qwen3", "--resume"], tmp_path / "log2")
+    log = (tmp_path / "log2").read_text()
+    assert code == 1 and "was trained from model 'tiny-llama', not 'tiny-qwen3'" in log, log
+    code = train_child.run([*common, "--model", "tiny-qwen3", "--resume", "--force"], tmp_path / "log3")
+    log = (tmp_path / "log3").read_text()
+    assert code == 1 and "holds another model than this run's" in log, log
+    assert "size mismatch" not in log and "Traceback" not in log
+
+
+def test_metrics_are_truncated_to_the_checkpoint_step(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    rows = [json.dumps({"step": s, "loss": 0.1 * s}) for s in (1, 2, 3, 3, 4, 5)]
+    path.write_text("\n".join(rows) + '\n{"step": 6, "lo')  # a duplicate and a row cut short by a kill
+    assert truncate_metrics(path, 3) == 4
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2, 3]
+    assert truncate_metrics(path, 3) == 0
