@@ -38,14 +38,14 @@ def test_smoke_bench_writes_every_configuration(tmp_path):
     for key in ("cpu_model", "cpu_count", "cpu_affinity", "memory_total_bytes", "torch", "transformers",
                 "python", "device"):
         assert doc["machine"].get(key) is not None, key
-    seen = {(r["mode"], r["group_size"]) for r in doc["results"]}
+    seen = {(r["plan"], r["group_size"]) for r in doc["results"]}
     assert seen == {(m, g) for m in SMOKE.plans for g in SMOKE.groups}
     for r in doc["results"]:
         assert r["status"] == "ok", r
         # --smoke runs every configuration in one worker: a later configuration may reuse heap pages freed by
         # an earlier one, so its peak can be ~0 (the kernel's RSS counters lag by up to a few hundred KiB).
         assert r["peak_bytes"] > -MIB and r["time_s"] > 0, r
-        assert r["stats"]["mode"] == r["mode"] and r["stats"]["group_size"] == r["group_size"]
+        assert r["stats"]["plan"] == r["plan"] and r["stats"]["group_size"] == r["group_size"]
     # Same seed, same group: every plan computes the same loss.
     for g in SMOKE.groups:
         losses = [r["loss"] for r in doc["results"] if r["group_size"] == g]
@@ -91,8 +91,8 @@ def test_failed_worker_is_recorded_not_raised(tmp_path):
     assert describe_exit(3) == "exit status 3"
 
 
-def _ok(mode: str, g: int, peak_mib: float, time_s: float) -> dict[str, object]:
-    return {"mode": mode, "group_size": g, "status": "ok", "peak_bytes": int(peak_mib * MIB), "time_s": time_s}
+def _ok(plan: str, g: int, peak_mib: float, time_s: float) -> dict[str, object]:
+    return {"plan": plan, "group_size": g, "status": "ok", "peak_bytes": int(peak_mib * MIB), "time_s": time_s}
 
 
 def test_ratios_and_table_on_synthetic_results():
@@ -101,7 +101,7 @@ def test_ratios_and_table_on_synthetic_results():
         _ok("detach", 2, 50, 1.0), _ok("exact", 2, 80, 1.5),
         _ok("standard_batched", 8, 1600, 8.0), _ok("standard", 8, 110, 12.0),
         _ok("detach", 8, 40, 2.0), _ok("exact", 8, 64, 3.0),
-        {"mode": "standard_batched", "group_size": 16, "status": "failed", "error": "killed by SIGKILL"},
+        {"plan": "standard_batched", "group_size": 16, "status": "failed", "error": "killed by SIGKILL"},
         _ok("standard", 16, 120, 24.0), _ok("detach", 16, 60, 4.0), _ok("exact", 16, 88, 6.0),
     ]
     ratios = compute_ratios(results)
@@ -125,7 +125,7 @@ def test_ratios_and_table_on_synthetic_results():
 
 
 def test_missing_or_failed_configurations_give_none():
-    results = [_ok("detach", 4, 10, 1.0), {"mode": "exact", "group_size": 4, "status": "failed", "error": "x"}]
+    results = [_ok("detach", 4, 10, 1.0), {"plan": "exact", "group_size": 4, "status": "failed", "error": "x"}]
     ratios = compute_ratios(results)
     assert ratios["group_size"] == 4
     assert ratios["peak_standard_batched_over_detach"] is None
@@ -160,7 +160,7 @@ def test_checkpoint_dimension_side_by_side_with_planner_prediction(tmp_path, cap
     config = replace(SMOKE, plans=("detach", "exact"), checkpoints=("none", "layers"), smoke=False)  # full report
     doc = run_memory_bench(config, str(tmp_path / "ckpt.json"))
     printed = capsys.readouterr()
-    seen = {(r["mode"], r["group_size"], r["checkpoint"]) for r in doc["results"]}
+    seen = {(r["plan"], r["group_size"], r["checkpoint"]) for r in doc["results"]}
     assert seen == {(m, g, c) for m in config.plans for g in config.groups for c in config.checkpoints}
     for r in doc["results"]:
         assert r["status"] == "ok", r
@@ -186,7 +186,7 @@ def test_checkpoint_ratios_on_synthetic_results():
     results = [
         _ok("detach", 2, 50, 1.0), _ok("exact", 2, 80, 1.5),
         {**_ok("detach", 2, 20, 1.4), "checkpoint": "layers"},
-        {"mode": "exact", "group_size": 2, "checkpoint": "layers", "status": "failed", "error": "x"},
+        {"plan": "exact", "group_size": 2, "checkpoint": "layers", "status": "failed", "error": "x"},
     ]
     ratios = compute_ratios(results)
     assert ratios["peak_detach_ckpt_over_plain"] == pytest.approx(0.4)
@@ -199,11 +199,12 @@ def test_checkpoint_ratios_on_synthetic_results():
     assert "FAILED" in row and "20.0" in row and "50.0" in row
 
 
-def test_plans_option_and_its_older_name():
+def test_plans_option_and_no_older_name():
     parser = build_parser()
-    for flag in ("--plans", "--modes"):  # --modes: the older name, still accepted
-        args = parser.parse_args(["bench", "memory", "--smoke", flag, "exact", "detach", "exact"])
-        assert config_from_args(args, args.fail).plans == ("exact", "detach")
+    args = parser.parse_args(["bench", "memory", "--smoke", "--plans", "exact", "detach", "exact"])
+    assert config_from_args(args, args.fail).plans == ("exact", "detach")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "memory", "--smoke", "--modes", "exact"])
 
 
 def test_checkpoint_arguments():

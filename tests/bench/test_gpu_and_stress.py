@@ -26,14 +26,14 @@ def test_gpu_script_dry_run_on_cpu(tmp_path):
     assert summary["checks"] and all(c["status"] == "ok" for c in summary["checks"]), summary["checks"]
     assert all(c["predicted_step_bytes"] > 0 for c in summary["checks"])
     memory = json.loads((out / "memory-P64.json").read_text())
-    assert {r["mode"] for r in memory["results"]} == {"standard_batched", "standard", "detach", "exact"}
+    assert {r["plan"] for r in memory["results"]} == {"standard_batched", "standard", "detach", "exact"}
     pareto = json.loads((out / "pareto.json").read_text())
-    assert {(r["micro_batch"], r["mode"]) for r in pareto["results"]} == {
+    assert {(r["micro_batch"], r["plan"]) for r in pareto["results"]} == {
         (k, m) for k in (1, 2) for m in ("detach", "exact")}
     assert any(r.get("pareto") for r in pareto["results"])
     longest = json.loads((out / "longest-exact.json").read_text())
     assert [a["prompt_tokens"] for a in longest["attempts"]] == [128, 256]
-    assert longest["record"]["prompt_tokens"] == 256 and longest["record"]["mode"] == "exact"
+    assert longest["record"]["prompt_tokens"] == 256 and longest["record"]["plan"] == "exact"
     decode = json.loads((out / "decode.json").read_text())
     assert [r["prompt_tokens"] for r in decode["results"]] == [64] and summary["decode"]["status"] == "ok"
     md = (out / "summary.md").read_text()
@@ -41,8 +41,8 @@ def test_gpu_script_dry_run_on_cpu(tmp_path):
         assert heading in md
 
 
-def _b1_entry(mode, g, status="ok", peak=None, predicted=None, time_s=1.0):
-    return {"mode": mode, "group_size": g, "status": status, "peak_bytes": peak, "predicted_step_bytes": predicted,
+def _b1_entry(plan, g, status="ok", peak=None, predicted=None, time_s=1.0):
+    return {"plan": plan, "group_size": g, "status": status, "peak_bytes": peak, "predicted_step_bytes": predicted,
             "time_s": time_s}
 
 
@@ -86,7 +86,7 @@ def test_stress_records_the_longest_successful_prompt(tmp_path, capsys):
     doc = json.loads(out.read_text())
     assert [r["prompt_tokens"] for r in doc["results"]] == [64]
     assert doc["record"]["prompt_tokens"] == 64 and doc["record"]["status"] == "ok"
-    assert doc["record"]["stats"]["mode"] == "exact" and doc["record"]["stats"]["group_size"] == 4
+    assert doc["record"]["stats"]["plan"] == "exact" and doc["record"]["stats"]["group_size"] == 4
     # A budget the planner says nothing fits in: skipped before any process starts.
     assert stress.main(["--start", "64", "--budget", "1MiB", "--out", str(tmp_path / "t.json")]) == 1
     (skipped,) = json.loads((tmp_path / "t.json").read_text())["results"]

@@ -20,17 +20,17 @@ def _measure(prompt_tokens: int, response_tokens: int, cases: list[tuple[str, st
     bench = replace(B1, model=MODEL, prompt_tokens=prompt_tokens, response_tokens=response_tokens, chunk_size=2048)
     predict = predictor(MODEL, "float32")
     rows = []
-    for mode, checkpoint in cases:
-        entry = run_one(bench, mode, group_size, checkpoint)
-        assert entry["status"] == "ok", f"{mode}/{checkpoint}: {entry.get('error')}\n{entry.get('stderr_tail')}"
-        predicted = predict(prompt_tokens, response_tokens, group_size, mode, bench.chunk_size, 1,
+    for plan, checkpoint in cases:
+        entry = run_one(bench, plan, group_size, checkpoint)
+        assert entry["status"] == "ok", f"{plan}/{checkpoint}: {entry.get('error')}\n{entry.get('stderr_tail')}"
+        predicted = predict(prompt_tokens, response_tokens, group_size, plan, bench.chunk_size, 1,
                             checkpoint_layers=checkpoint == "layers")
-        rows.append((mode, checkpoint, entry["peak_bytes"], predicted))
+        rows.append((plan, checkpoint, entry["peak_bytes"], predicted))
     report = "\n".join(f"{m:17} {c:6} measured {meas / 2**20:8.1f} MiB  predicted {pred / 2**20:8.1f} MiB "
                        f"({100 * (pred / meas - 1):+.1f}%)" for m, c, meas, pred in rows)
     print(report)
-    for mode, checkpoint, measured, predicted in rows:
-        assert abs(predicted / measured - 1) <= TOLERANCE, f"{mode}/{checkpoint}\n{report}"
+    for plan, checkpoint, measured, predicted in rows:
+        assert abs(predicted / measured - 1) <= TOLERANCE, f"{plan}/{checkpoint}\n{report}"
     return {(m, c): meas for m, c, meas, _ in rows}
 
 

@@ -54,34 +54,34 @@ def test_every_benchmark_smoke_runs(tmp_path, capsys):
         assert doc["results"] and all(r["status"] == "ok" for r in doc["results"]), bench
 
     prompt = docs["prompt"]
-    assert {(r["mode"], r["prompt_tokens"]) for r in prompt["results"]} == {
+    assert {(r["plan"], r["prompt_tokens"]) for r in prompt["results"]} == {
         (m, p) for m in PROMPT_SMOKE.plans for p in PROMPT_SMOKE.prompts}
     assert all(r["predicted_step_bytes"] > 0 for r in prompt["results"])
     assert prompt["summary"]["exact"]["largest_within_budget"] == max(PROMPT_SMOKE.prompts)
 
     pareto = docs["pareto"]
     grid = pareto_grid(PARETO_SMOKE)
-    assert [(r["mode"], r["micro_batch"], r["chunk_size"], r["checkpoint"], r["offload_state"],
+    assert [(r["plan"], r["micro_batch"], r["chunk_size"], r["checkpoint"], r["offload_state"],
              r["keep_prompt_graph"]) for r in pareto["results"]] == grid
     # The smoke pulls every lever: both checkpoint settings and an offloaded exact configuration.
     assert {r["checkpoint"] for r in pareto["results"]} == {"none", "layers"}
-    assert any(r["offload_state"] and r["mode"] == "exact" for r in pareto["results"])
+    assert any(r["offload_state"] and r["plan"] == "exact" for r in pareto["results"])
     kept = [r for r in pareto["results"] if r["keep_prompt_graph"]]
-    assert [r["mode"] for r in kept] == ["exact"] and kept[0]["stats"]["keep_prompt_graph"] == 2
-    for mode in PARETO_SMOKE.plans:
-        assert any(r["pareto"] for r in pareto["results"] if r["mode"] == mode), mode
+    assert [r["plan"] for r in kept] == ["exact"] and kept[0]["stats"]["keep_prompt_graph"] == 2
+    for plan in PARETO_SMOKE.plans:
+        assert any(r["pareto"] for r in pareto["results"] if r["plan"] == plan), plan
     assert all(isinstance(r["pareto_all"], bool) for r in pareto["results"])
     assert {(r["micro_batch"], r["chunk_size"]) for r in pareto["results"]} == {
         (k, c) for k in PARETO_SMOKE.micro_batches for c in PARETO_SMOKE.chunk_sizes}
     costs = pareto["lever_costs"]
     assert set(costs["detach"]) == {"checkpoint"}
     assert set(costs["exact"]) == {"checkpoint", "offload", "checkpoint+offload", "keep"}
-    for mode, levers in costs.items():
+    for plan, levers in costs.items():
         for lever, cost in levers.items():
-            assert cost["pairs"] >= 1, (mode, lever)
-            assert math.isfinite(cost["time_ratio"]) and cost["time_ratio"] > 0, (mode, lever)
+            assert cost["pairs"] >= 1, (plan, lever)
+            assert math.isfinite(cost["time_ratio"]) and cost["time_ratio"] > 0, (plan, lever)
             # smoke peaks are tiny: a plain peak of 0 leaves no peak ratio, else it is finite
-            assert cost["peak_ratio"] is None or math.isfinite(cost["peak_ratio"]), (mode, lever)
+            assert cost["peak_ratio"] is None or math.isfinite(cost["peak_ratio"]), (plan, lever)
 
     arch = docs["arch"]
     assert {r["arch"] for r in arch["results"]} == set(available_archs())
@@ -99,21 +99,21 @@ def test_pareto_grid_offloads_only_plans_with_a_prompt_state():
     cfg = ParetoBenchConfig(plans=("standard", "exact"), micro_batches=(1,), chunk_sizes=(32,))
     grid = pareto_grid(cfg)
     assert len(grid) == 2 * 2 + 2  # standard: 2 checkpoint settings; exact: 2 x 2 with offloading
-    assert not any(off for mode, *_, off, _ in grid if mode == "standard")
-    assert {(ck, off) for mode, _, _, ck, off, _ in grid if mode == "exact"} == {
+    assert not any(off for plan, *_, off, _ in grid if plan == "standard")
+    assert {(ck, off) for plan, _, _, ck, off, _ in grid if plan == "exact"} == {
         ("none", False), ("layers", False), ("none", True), ("layers", True)}
     # extra configurations come after the grid, without repeating one of it
     extra = (("exact", 1, 32, "none", True), ("exact", 2, 32, "none", True))
     assert pareto_grid(replace(cfg, extra=extra)) == grid + [("exact", 2, 32, "none", True, 0)]
     # kept capture graphs: a grid of their own for exact only
     keeps = pareto_grid(replace(cfg, keeps=(0, 2)))
-    assert {keep for mode, *_, keep in keeps if mode == "exact"} == {0, 2}
-    assert {keep for mode, *_, keep in keeps if mode != "exact"} == {0}
+    assert {keep for plan, *_, keep in keeps if plan == "exact"} == {0, 2}
+    assert {keep for plan, *_, keep in keeps if plan != "exact"} == {0}
 
 
 def test_lever_costs_are_medians_at_equal_micro_batch_and_chunk():
     def entry(k, ck, off, t, peak, status="ok"):
-        return {"mode": "exact", "micro_batch": k, "chunk_size": 32, "checkpoint": ck, "offload_state": off,
+        return {"plan": "exact", "micro_batch": k, "chunk_size": 32, "checkpoint": ck, "offload_state": off,
                 "time_s": t, "peak_bytes": peak, "status": status}
 
     results = [entry(1, "none", False, 1.0, 100), entry(1, "layers", False, 2.0, 50),
@@ -153,8 +153,7 @@ def test_pareto_lever_options():
     # the smoke profile keeps its offloaded exact configurations only where they fit the grid asked for
     smoke = config_from_args(_pareto_args(["--smoke"]), _fail)
     assert smoke.extra == PARETO_SMOKE.extra and smoke.checkpoints == ("none", "layers")
-    # --modes: the older name of --plans, still accepted
-    assert config_from_args(_pareto_args(["--smoke", "--modes", "detach"]), _fail).extra == ()
+    assert config_from_args(_pareto_args(["--smoke", "--plans", "detach"]), _fail).extra == ()
     assert config_from_args(_pareto_args(["--smoke", "--checkpoint", "none"]), _fail).extra == (
         ("exact", 1, 32, "none", True), ("exact", 1, 32, "none", False, 2))
     only = config_from_args(_pareto_args(["--smoke", "--offload", "no"]), _fail)

@@ -20,7 +20,7 @@ helpers = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(helpers)
 
 PROMPT, RESPONSES, CHUNK = 61, [5, 1, 9], 8  # 60 encoded positions in 8 chunks: not divisible by 3
-# (family, mode, checkpoint): full attention; a hybrid with recurrent layers; both with per-layer checkpointing
+# (family, plan, checkpoint): full attention; a hybrid with recurrent layers; both with per-layer checkpointing
 CASES = [("llama", "exact", "none"), ("llama", "detach", "none"), ("qwen3_5_text", "exact", "none"),
          ("llama", "exact", "layers"), ("qwen3_5_text", "exact", "layers")]  # full attention; hybrid recurrent
 
@@ -29,12 +29,12 @@ def main() -> None:
     out_path = sys.argv[1]
     dist.init_process_group("gloo")
     results = {}
-    for family, mode, checkpoint in CASES:
+    for family, plan, checkpoint in CASES:
         model = helpers.tiny_model(family, torch.float32)
         group = helpers.random_group(PROMPT, RESPONSES, seed=3, dtype=torch.float32)
-        result = backward_group(model, group, mode=mode, chunk_size=CHUNK, micro_batch=2,
-                                context_parallel=ContextParallel(), checkpoint=checkpoint)
-        results[(family, mode, checkpoint)] = {"grads": helpers.grads(model), "logprobs": result.logprobs,
+        result = backward_group(model, group, plan=plan, chunk_size=CHUNK, micro_batch=2,
+                                context_shards=ContextParallel(), checkpoint=checkpoint)
+        results[(family, plan, checkpoint)] = {"grads": helpers.grads(model), "logprobs": result.logprobs,
                                    "state_bytes": result.stats["prompt_state_bytes"]}
     torch.save(results, f"{out_path}.rank{dist.get_rank()}")
     dist.destroy_process_group()

@@ -1,6 +1,6 @@
 """One rank of the FSDP2 test: two AdamW steps of `backward_group` on this rank's share of a global batch.
 
-argv: OUT_PATH. Every rank runs the same code; rank 0 saves, per (family, mode), the full gradient of each
+argv: OUT_PATH. Every rank runs the same code; rank 0 saves, per (family, plan), the full gradient of each
 step, the full weights after the two steps and how many reduce-scatters each step issued.
 """
 
@@ -19,7 +19,7 @@ _spec = importlib.util.spec_from_file_location("tests_helpers", Path(__file__).p
 helpers = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(helpers)
 
-# (family, mode, checkpoint). qwen3: tied lm_head / embeddings; "layers": per-layer activation checkpointing,
+# (family, plan, checkpoint). qwen3: tied lm_head / embeddings; "layers": per-layer activation checkpointing,
 # whose recomputes run while FSDP2's pre-backward hook holds the layer gathered.
 CASES = [("llama", "detach", "none"), ("llama", "exact", "none"), ("qwen3", "exact", "none"),
          ("llama", "exact", "layers"), ("qwen3", "detach", "layers")]
@@ -48,7 +48,7 @@ def main() -> None:
 
     dist.reduce_scatter_single = counting  # FSDP2 reduces through this function
     results = {}
-    for family, mode, checkpoint in CASES:
+    for family, plan, checkpoint in CASES:
         model = parallelize(helpers.tiny_model(family, torch.float32), par.mesh)
         opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
         record = {"grads": [], "reduce_calls": []}
@@ -59,7 +59,7 @@ def main() -> None:
             calls.clear()
             with sharded_compute(model):
                 for g in mine:
-                    backward_group(model, g, mode=mode, chunk_size=8, micro_batch=2, checkpoint=checkpoint)
+                    backward_group(model, g, plan=plan, chunk_size=8, micro_batch=2, checkpoint=checkpoint)
             record["reduce_calls"].append(len(calls))
             for p in model.parameters():  # FSDP averaged the ranks' sums: make it the mean over all groups
                 p.grad.div_(len(groups) / world)
@@ -67,7 +67,7 @@ def main() -> None:
             opt.step()
         record["weights"] = {n: full_tensor(p.detach()) for n, p in model.named_parameters()}
         record["units"] = 1 + model.config.num_hidden_layers
-        results[f"{family}/{mode}/{checkpoint}"] = record
+        results[f"{family}/{plan}/{checkpoint}"] = record
     if rank == 0:
         torch.save(results, out_path)
     par.close()

@@ -14,15 +14,15 @@ from longstraw import backward_group
 
 HERE = Path(__file__).resolve().parent
 PROMPT, RESPONSES, CHUNK = 61, [5, 1, 9], 8  # as in cp_worker: 60 encoded positions in 8 chunks
-# (family, mode, checkpoint): full attention; a hybrid with recurrent layers; both with per-layer checkpointing
+# (family, plan, checkpoint): full attention; a hybrid with recurrent layers; both with per-layer checkpointing
 CASES = [("llama", "exact", "none"), ("llama", "detach", "none"), ("qwen3_5_text", "exact", "none"),
          ("llama", "exact", "layers"), ("qwen3_5_text", "exact", "layers")]
 
 
-def _single(family: str, mode: str):
+def _single(family: str, plan: str):
     model = tiny_model(family, torch.float32)
     group = random_group(PROMPT, RESPONSES, seed=3, dtype=torch.float32)
-    result = backward_group(model, group, mode=mode, chunk_size=CHUNK, micro_batch=2)
+    result = backward_group(model, group, plan=plan, chunk_size=CHUNK, micro_batch=2)
     return all_grads(model), result.logprobs, result.stats["prompt_state_bytes"]
 
 
@@ -37,12 +37,12 @@ def test_context_parallel_equals_one_process(spawn, tmp_path, world):
     for code, text in results:
         assert code == 0, text
     saved = [torch.load(f"{out}.rank{r}") for r in range(world)]
-    for family, mode, checkpoint in CASES:  # the reference runs without checkpointing
-        _check(family, mode, world, [s[(family, mode, checkpoint)] for s in saved])
+    for family, plan, checkpoint in CASES:  # the reference runs without checkpointing
+        _check(family, plan, world, [s[(family, plan, checkpoint)] for s in saved])
 
 
-def _check(family: str, mode: str, world: int, per_rank: list[dict]) -> None:
-    grads, logprobs, state_bytes = _single(family, mode)
+def _check(family: str, plan: str, world: int, per_rank: list[dict]) -> None:
+    grads, logprobs, state_bytes = _single(family, plan)
     for r in per_rank:
         assert float((r["grads"] - grads).norm() / grads.norm()) <= 1e-5
         for a, b in zip(r["logprobs"], logprobs):

@@ -22,7 +22,7 @@ def _flat(d: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.cat([d[k].flatten() for k in sorted(d)])
 
 
-def _single_process(family: str, mode: str, world: int) -> dict:
+def _single_process(family: str, plan: str, world: int) -> dict:
     """The reference: the worker's loop in this process, every group of each step, no sharding."""
     model = tiny_model(family, torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=worker.LR, eps=worker.EPS)
@@ -31,7 +31,7 @@ def _single_process(family: str, mode: str, world: int) -> dict:
         groups = worker.global_batch(step, world)
         opt.zero_grad(set_to_none=True)
         for g in groups:
-            backward_group(model, g, mode=mode, chunk_size=8, micro_batch=2)
+            backward_group(model, g, plan=plan, chunk_size=8, micro_batch=2)
         for p in model.parameters():
             p.grad.div_(len(groups))
         out["grads"].append({n: p.grad.clone() for n, p in model.named_parameters()})
@@ -58,8 +58,8 @@ def two_ranks(spawn, tmp_path_factory):
     return _ranks(spawn, tmp_path_factory, 2)
 
 
-def _check_equal_to_one_process(got: dict, family: str, mode: str, world: int) -> None:
-    ref = _single_process(family, mode, world)
+def _check_equal_to_one_process(got: dict, family: str, plan: str, world: int) -> None:
+    ref = _single_process(family, plan, world)
     for step in range(worker.STEPS):
         assert sorted(got["grads"][step]) == sorted(ref["grads"][step])
         err = rel_err(_flat(got["grads"][step]), _flat(ref["grads"][step]))
@@ -71,24 +71,24 @@ def _check_equal_to_one_process(got: dict, family: str, mode: str, world: int) -
     assert err <= 1e-5, f"weights after {worker.STEPS} steps: relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("family,mode,checkpoint", worker.CASES)
-def test_fsdp_two_ranks_equal_one_process(two_ranks, family, mode, checkpoint):
+@pytest.mark.parametrize("family,plan,checkpoint", worker.CASES)
+def test_fsdp_two_ranks_equal_one_process(two_ranks, family, plan, checkpoint):
     """The one-process reference runs without checkpointing."""
-    _check_equal_to_one_process(two_ranks[f"{family}/{mode}/{checkpoint}"], family, mode, world=2)
+    _check_equal_to_one_process(two_ranks[f"{family}/{plan}/{checkpoint}"], family, plan, world=2)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family,mode,checkpoint", worker.CASES)
-def test_fsdp_three_ranks_equal_one_process(spawn, tmp_path_factory, family, mode, checkpoint):
+@pytest.mark.parametrize("family,plan,checkpoint", worker.CASES)
+def test_fsdp_three_ranks_equal_one_process(spawn, tmp_path_factory, family, plan, checkpoint):
     """3 ranks: parameters whose first dimension does not divide by 3 are sharded unevenly (FSDP pads)."""
-    got = _ranks(spawn, tmp_path_factory, 3)[f"{family}/{mode}/{checkpoint}"]
-    _check_equal_to_one_process(got, family, mode, world=3)
+    got = _ranks(spawn, tmp_path_factory, 3)[f"{family}/{plan}/{checkpoint}"]
+    _check_equal_to_one_process(got, family, plan, world=3)
     assert got["reduce_calls"] == [got["units"]] * worker.STEPS
 
 
-@pytest.mark.parametrize("family,mode,checkpoint", worker.CASES)
-def test_gradients_are_reduced_once_per_step(two_ranks, family, mode, checkpoint):
+@pytest.mark.parametrize("family,plan,checkpoint", worker.CASES)
+def test_gradients_are_reduced_once_per_step(two_ranks, family, plan, checkpoint):
     """One reduce-scatter per FSDP unit (each decoder layer + the root) per step, however many replays,
     micro-batches and prompt-backward chunks the step ran."""
-    got = two_ranks[f"{family}/{mode}/{checkpoint}"]
+    got = two_ranks[f"{family}/{plan}/{checkpoint}"]
     assert got["reduce_calls"] == [got["units"]] * worker.STEPS

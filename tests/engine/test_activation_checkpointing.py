@@ -13,7 +13,7 @@ from longstraw.engine.segment import run_segment
 from longstraw.engine.state.capture import capture_prompt
 
 FAMILIES = ("llama", "qwen3", *ARCH_FAMILIES)
-MODES = ("standard", "standard_batched", "detach", "exact")
+PLANS = ("standard", "standard_batched", "detach", "exact")
 _MODELS: dict[str, torch.nn.Module] = {}
 
 
@@ -31,15 +31,15 @@ def test_checkpointing_changes_no_gradient(family):
     model = _model(family)
     group = random_group(300, [5, 1, 9], seed=11)
     out = {}
-    for mode in MODES:
+    for plan in PLANS:
         for checkpoint in ("none", "layers"):
             model.zero_grad()
-            result = backward_group(model, group, mode=mode, chunk_size=13, micro_batch=2, checkpoint=checkpoint)
-            out[mode, checkpoint] = (grads(model).clone(), result.logprobs)
+            result = backward_group(model, group, plan=plan, chunk_size=13, micro_batch=2, checkpoint=checkpoint)
+            out[plan, checkpoint] = (grads(model).clone(), result.logprobs)
             assert result.stats["checkpoint"] == checkpoint
-        (g_plain, lp_plain), (g_ck, lp_ck) = out[mode, "none"], out[mode, "layers"]
-        assert_close(f"g_ck {mode}", g_plain, g_ck, SAME_ORDER_F64)
-        assert max(float((a - b).abs().max()) for a, b in zip(lp_ck, lp_plain)) <= 1e-12, mode
+        (g_plain, lp_plain), (g_ck, lp_ck) = out[plan, "none"], out[plan, "layers"]
+        assert_close(f"g_ck {plan}", g_plain, g_ck, SAME_ORDER_F64)
+        assert max(float((a - b).abs().max()) for a, b in zip(lp_ck, lp_plain)) <= 1e-12, plan
     tol = 1e-6 if family.split("-")[0] in ("qwen3_next", "qwen3_5_text", "mamba2", "falcon_h1", "kimi_linear",
                                             "deepseek_v3", "glm_moe_dsa") else 1e-10
     assert_close('out["exact", "layers"][0]', out["standard", "none"][0], out["exact", "layers"][0], tol)

@@ -112,11 +112,11 @@ def test_detach_equals_exact_before_prompt_backward(family_model, monkeypatch):
     assert rel_err(g_exact, g_detach) > 1e-3  # the prompt backward phase adds the missing part
 
 
-@pytest.mark.parametrize("mode", ["standard", "standard_batched", "detach", "exact"])
-def test_first_response_token_carries_gradient(family_model, mode):
+@pytest.mark.parametrize("plan", ["standard", "standard_batched", "detach", "exact"])
+def test_first_response_token_carries_gradient(family_model, plan):
     """Only the first response token's log-prob is in the loss: its gradient must reach the weights."""
     group = random_group(30, [1, 1], seed=10)
-    _, g = _run(family_model, group, mode, chunk_size=8)
+    _, g = _run(family_model, group, plan, chunk_size=8)
     assert g.norm() > 0
     lm_head = family_model.get_output_embeddings().weight
     assert lm_head.grad is not None and lm_head.grad.norm() > 0
@@ -140,8 +140,8 @@ def test_stats_report_phases_and_state_size(family_model):
     assert result.stats["prompt_state_bytes"] == 2 * cfg.num_key_value_heads * head_dim * 8 * 49 * 2
     for phase in ("capture_s", "replay_s", "prompt_backward_s"):  # the exact plan runs all three
         assert result.stats[phase] > 0, phase
-    detach = backward_group(family_model, group, mode="detach", chunk_size=16).stats  # mode: plan's older name
-    assert result.stats["mode"] == "exact" and detach["mode"] == "detach"
+    detach = backward_group(family_model, group, plan="detach", chunk_size=16).stats
+    assert result.stats["plan"] == "exact" and detach["plan"] == "detach"
     assert detach["capture_s"] > 0 and detach["replay_s"] > 0 and detach["prompt_backward_s"] < detach["capture_s"]
     family_model.zero_grad(set_to_none=True)
 
@@ -170,8 +170,8 @@ def llama32():
     return tiny_model("llama", dtype=torch.float32)
 
 
-@pytest.mark.parametrize("mode", ["exact", "detach", "standard", "standard_batched"])
-def test_zero_advantage_group_is_skipped_without_touching_gradients(llama32, mode):
+@pytest.mark.parametrize("plan", ["exact", "detach", "standard", "standard_batched"])
+def test_zero_advantage_group_is_skipped_without_touching_gradients(llama32, plan):
     """Every advantage 0 and beta = 0: the gradient is exactly zero (tests/test_loss.py), so no pass runs."""
     import time
 
@@ -181,7 +181,7 @@ def test_zero_advantage_group_is_skipped_without_touching_gradients(llama32, mod
     zero = Group(base.prompt, base.responses, torch.zeros(len(LENGTHS)), old_logprobs=old)
     family_model.zero_grad(set_to_none=True)
     t0 = time.perf_counter()
-    result = backward_group(family_model, zero, mode=mode, loss="gspo", chunk_size=16)
+    result = backward_group(family_model, zero, plan=plan, loss="gspo", chunk_size=16)
     skipped_s = time.perf_counter() - t0
     assert result.skipped == "zero_advantage" and result.loss == 0.0 and result.logprobs == []
     assert result.stats["replay_s"] == result.stats["capture_s"] == result.stats["prompt_backward_s"] == 0.0
@@ -189,11 +189,11 @@ def test_zero_advantage_group_is_skipped_without_touching_gradients(llama32, mod
     assert all(p.grad is None for p in family_model.parameters())
     for p in family_model.parameters():  # existing gradients are left exactly as they were
         p.grad = torch.full_like(p, 0.5)
-    backward_group(family_model, zero, mode=mode, chunk_size=16)
+    backward_group(family_model, zero, plan=plan, chunk_size=16)
     assert all(bool((p.grad == 0.5).all()) for p in family_model.parameters())
     # The same group with nonzero advantages runs the whole pass; the skip costs a small fraction of it.
     t0 = time.perf_counter()
-    ran = backward_group(family_model, Group(base.prompt, base.responses, base.advantages), mode=mode, chunk_size=16)
+    ran = backward_group(family_model, Group(base.prompt, base.responses, base.advantages), plan=plan, chunk_size=16)
     assert ran.skipped is None and skipped_s < 0.2 * (time.perf_counter() - t0)
     family_model.zero_grad(set_to_none=True)
 
@@ -208,8 +208,8 @@ def test_zero_advantages_with_kl_are_not_skipped(llama32):
     llama32.zero_grad(set_to_none=True)
 
 
-@pytest.mark.parametrize("mode", ["exact", "standard"])
-def test_float16_backward_group_is_numerically_fine(mode):
+@pytest.mark.parametrize("plan", ["exact", "standard"])
+def test_float16_backward_group_is_numerically_fine(plan):
     """float16 stays allowed in backward_group (the trainer refuses it: AdamW needs float32 master weights):
     the gradient is finite and within float16 noise of the float64 reference (measured ~8e-4; bfloat16 ~7e-3).
     It is computed without loss scaling, as a plain loss.backward() would be."""
@@ -218,7 +218,7 @@ def test_float16_backward_group_is_numerically_fine(mode):
     _, g_ref = _run(ref, group, "standard")
     half = tiny_model("llama", dtype=torch.float16)
     half.load_state_dict({k: v.to(torch.float16) for k, v in ref.state_dict().items()})
-    _, g_half = _run(half, group, mode, chunk_size=16)
+    _, g_half = _run(half, group, plan, chunk_size=16)
     assert bool(torch.isfinite(g_half).all()) and rel_err(g_half.double(), g_ref) < 5e-3
 
 
@@ -244,7 +244,7 @@ def test_allow_train_mode_runs_a_dropout_free_model_as_in_eval():
     _, g_eval = _run(model, group, "exact", chunk_size=5)
     model.train()
     model.model.layers[1].eval()  # a mixed state, restored as it was
-    with pytest.raises(ValueError, match="train\\(\\) mode"):
+    with pytest.raises(ValueError, match="train\\(\\) plan"):
         _run(model, group, "exact", chunk_size=5)
     _, g_train = _run(model, group, "exact", chunk_size=5, allow_train_mode=True)
     assert rel_err(g_train, g_eval) == 0.0

@@ -54,8 +54,7 @@ def _good():
     (lambda: Group(torch.tensor([1]), [torch.tensor([512])], torch.zeros(1)), {}, ValueError, "id 512 is out"),
     (lambda: random_group(1020, [5], seed=0), {}, ValueError, "max_position_embeddings"),
     (_good, dict(plan="fast"), ValueError, "unknown plan 'fast'"),
-    (_good, dict(mode="fast"), ValueError, "unknown plan 'fast'"),  # mode: the older name of plan
-    (_good, dict(plan="exact", mode="exact"), TypeError, "mode is the older name of plan, give only plan"),
+    (_good, dict(mode="exact"), TypeError, "unexpected keyword argument 'mode'"),
     (_good, dict(loss="ppo"), ValueError, "unknown loss 'ppo'"),
     (_good, dict(micro_batch=0), ValueError, "micro_batch must be an integer >= 1"),
     (_good, dict(micro_batch=1.5), ValueError, "micro_batch"),
@@ -103,7 +102,7 @@ def test_mixed_dtype_model_is_refused_naming_the_parameter():
     model.model.layers[1].mlp.down_proj.to(torch.float64)
     with pytest.raises(ValueError, match=r"'model.layers.1.mlp.down_proj.weight' is float64 but the model's "
                                          r"embeddings are float32.*model.to\(torch.float32\)"):
-        backward_group(model, random_group(10, [3, 2], seed=0, dtype=torch.float32), mode="exact")
+        backward_group(model, random_group(10, [3, 2], seed=0, dtype=torch.float32), plan="exact")
     assert all(p.grad is None for p in model.parameters())
 
 
@@ -117,7 +116,7 @@ def test_mamba1_is_refused_with_the_reason_before_any_compute():
     assert all(p.grad is None and torch.equal(b, p.detach()) for b, p in zip(before, model.parameters()))
 
 
-MODES_WITH_GRADIENT = ["exact", "detach", "standard"]
+PLANS_WITH_GRADIENT = ["exact", "detach", "standard"]
 
 
 def _float32_model_with_grads():
@@ -127,7 +126,7 @@ def _float32_model_with_grads():
     return m
 
 
-@pytest.mark.parametrize("mode", MODES_WITH_GRADIENT)
+@pytest.mark.parametrize("plan", PLANS_WITH_GRADIENT)
 @pytest.mark.parametrize("change,match", [
     # exp(logp - old) with old = -100 overflows float32 (e^88.7): today a NaN gradient, then the error.
     (dict(old_logprobs=[torch.full((3,), -1.0), torch.full((2,), -100.0)]), r"old_logprobs\[1\] reaches -100"),
@@ -136,13 +135,13 @@ def _float32_model_with_grads():
     (dict(ref_logprobs=[torch.full((3,), -1.0), torch.full((2,), -1e300, dtype=torch.float64)]),
      r"ref_logprobs\[1\] reaches -1e\+300, which is -inf in the loss's dtype float32"),
 ])
-def test_overflowing_finite_inputs_are_refused_before_any_gradient(mode, change, match):
+def test_overflowing_finite_inputs_are_refused_before_any_gradient(plan, change, match):
     model = _float32_model_with_grads()
     base = random_group(10, [3, 2], seed=0, dtype=torch.float32)
     group = Group(**{"prompt": base.prompt, "responses": base.responses, "advantages": base.advantages, **change})
     before = _snapshot(model)
     with pytest.raises(ValueError, match=match):
-        backward_group(model, group, mode=mode, beta=0.1 if "ref_logprobs" in change else 0.0)
+        backward_group(model, group, plan=plan, beta=0.1 if "ref_logprobs" in change else 0.0)
     for (w, g), p in zip(before, model.parameters()):
         assert torch.equal(w, p.detach()) and torch.equal(g, p.grad)
 
@@ -162,14 +161,14 @@ def _overflowing_kl_group(model, bad_first: bool):
     return Group(base.prompt, base.responses, base.advantages, ref_logprobs=ref)
 
 
-@pytest.mark.parametrize("mode", MODES_WITH_GRADIENT)
-def test_overflow_in_a_micro_batch_is_caught_before_its_backward(mode):
+@pytest.mark.parametrize("plan", PLANS_WITH_GRADIENT)
+def test_overflow_in_a_micro_batch_is_caught_before_its_backward(plan):
     # Bad micro-batch first: whatever the gradients held is left exactly as it was.
     model = _float32_model_with_grads()
     group = _overflowing_kl_group(model, bad_first=True)
     before = _snapshot(model)
     with pytest.raises(FloatingPointError, match=r"responses \[0\]: their share of the loss is inf.*as they were"):
-        backward_group(model, group, mode=mode, beta=0.1, micro_batch=1)
+        backward_group(model, group, plan=plan, beta=0.1, micro_batch=1)
     for (w, g), p in zip(before, model.parameters()):
         assert torch.equal(w, p.detach()) and torch.equal(g, p.grad)
 
@@ -177,13 +176,13 @@ def test_overflow_in_a_micro_batch_is_caught_before_its_backward(mode):
     model = tiny_model("llama", dtype=torch.float32)
     group = _overflowing_kl_group(model, bad_first=False)
     with pytest.raises(FloatingPointError, match=r"responses \[1\]: their share.*as they were before this call"):
-        backward_group(model, group, mode=mode, beta=0.1, micro_batch=1)
+        backward_group(model, group, plan=plan, beta=0.1, micro_batch=1)
     assert all(p.grad is None for p in model.parameters())
     # ... and with gradients before, the message says what they now hold.
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     with pytest.raises(FloatingPointError, match=r"hold the \(finite\) contributions of this group's first 1"):
-        backward_group(model, group, mode=mode, beta=0.1, micro_batch=1)
+        backward_group(model, group, plan=plan, beta=0.1, micro_batch=1)
     assert all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())
 
 
@@ -195,15 +194,15 @@ def test_a_state_of_another_prompt_of_the_same_length_is_refused(tiny_llama64):
     other = random_group(20, [3, 2], seed=1)
     assert not torch.equal(group.prompt, other.prompt)
     state = capture_prompt(tiny_llama64, other.prompt[:-1], chunk_size=8)
-    for mode in ("exact", "detach"):
+    for plan in ("exact", "detach"):
         with pytest.raises(ValueError, match="captured for another prompt of the same length"):
-            backward_group(tiny_llama64, group, mode=mode, chunk_size=8, prompt_state=state)
+            backward_group(tiny_llama64, group, plan=plan, chunk_size=8, prompt_state=state)
     assert state.prefix(1).fingerprint is None  # a prefix holds fewer ids
     state.fingerprint = None  # as in a state built by hand
     with pytest.raises(ValueError, match="records no prompt fingerprint"):
-        backward_group(tiny_llama64, group, mode="detach", chunk_size=8, prompt_state=state)
+        backward_group(tiny_llama64, group, plan="detach", chunk_size=8, prompt_state=state)
     assert all(p.grad is None for p in tiny_llama64.parameters())
     own = capture_prompt(tiny_llama64, group.prompt[:-1].to(torch.int32), chunk_size=8)  # any integer dtype
     assert own.fork().fingerprint == own.offload(torch.device("cpu")).fingerprint == own.fingerprint
-    backward_group(tiny_llama64, group, mode="exact", chunk_size=8, prompt_state=own)
+    backward_group(tiny_llama64, group, plan="exact", chunk_size=8, prompt_state=own)
     tiny_llama64.zero_grad(set_to_none=True)

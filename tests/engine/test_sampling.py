@@ -58,10 +58,10 @@ def test_rollout_state_feeds_the_training_step():
     group = Group(prompt, out.responses, torch.tensor([1.0, -0.5, 0.2], dtype=torch.float64),
                   old_logprobs=out.logprobs)
     model.zero_grad(set_to_none=True)
-    backward_group(model, group, mode="exact", chunk_size=8)
+    backward_group(model, group, plan="exact", chunk_size=8)
     fresh = [p.grad.clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
-    backward_group(model, group, mode="exact", chunk_size=8, prompt_state=out.state)
+    backward_group(model, group, plan="exact", chunk_size=8, prompt_state=out.state)
     for a, p in zip(fresh, model.parameters()):
         assert (a - p.grad).abs().max() < 1e-12
     model.zero_grad(set_to_none=True)

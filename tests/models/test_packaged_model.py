@@ -27,7 +27,7 @@ def test_smollm2_loads_from_cache_and_replays_exactly(tmp_path, monkeypatch):
     assert any((tmp_path / "gguf").iterdir())  # converted once, cached
     prompt = torch.tensor(tok.encode("The capital of France is Paris. The capital of Italy is"))
     group = Group(prompt, [torch.tensor(tok.encode(" Rome."))], torch.tensor([1.0]))
-    result = backward_group(model, group, mode="detach")
+    result = backward_group(model, group, plan="detach")
     with torch.no_grad():
         full = model(input_ids=torch.cat([prompt, group.responses[0]])[None]).logits[0, prompt.numel() - 1 : -1]
         ref = torch.log_softmax(full, -1).gather(1, group.responses[0][:, None]).squeeze(1)

@@ -40,7 +40,7 @@ def test_state_formula_matches_the_engines_captured_state(name):
     p = 97  # not a multiple of the chunk: a short last chunk
     group = Group(prompt=torch.randint(0, 500, (p,), generator=gen),
                   responses=[torch.randint(0, 500, (5,), generator=gen)], advantages=torch.ones(1))
-    stats = backward_group(model, group, mode="detach", chunk_size=32).stats
+    stats = backward_group(model, group, plan="detach", chunk_size=32).stats
     predicted, grad = state_bytes(_spec(name), p - 1, 4, 32, exact=False)
     assert stats["prompt_state_bytes"] == predicted and grad == 0
     _, grad_exact = state_bytes(_spec(name), p - 1, 4, 32, exact=True)
@@ -412,8 +412,8 @@ def test_planner_against_recorded_measurements(name):
             checkpoint_layers=entry.get("checkpoint", "none") == "layers",
             offload_state=bool(stats.get("offload_state", False)),
             keep_prompt_graph=int(stats.get("keep_prompt_graph", 0)))
-        predicted = estimate(spec, inp, entry["mode"]).step_bytes
-        rows.append((f"{entry['mode']} P={inp.prompt_tokens} G={inp.group_size} k={inp.micro_batch} "
+        predicted = estimate(spec, inp, entry["plan"]).step_bytes
+        rows.append((f"{entry['plan']} P={inp.prompt_tokens} G={inp.group_size} k={inp.micro_batch} "
                      f"chunk={inp.chunk_size} ckpt={inp.checkpoint_layers} offload={inp.offload_state} "
                      f"keep={inp.keep_prompt_graph}",
                      entry["peak_bytes"], predicted))

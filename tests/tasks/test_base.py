@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from longstraw.tasks import (
-    TASK_NAMES,
+    TASKS,
     Example,
     PasskeyTask,
     count_tokens,
@@ -103,7 +103,7 @@ def test_make_task_names_and_errors(tiny_tokenizer) -> None:
         make_task("needle")
     with pytest.raises(ValueError, match="unknown option.*prompt_len.*valid: tokenizer, prompt_tokens"):
         make_task("passkey", tokenizer=tiny_tokenizer, prompt_len=200)
-    assert TASK_NAMES == ("passkey", "multikey", "kv", "jsonl")
+    assert TASKS == ("passkey", "multikey", "kv", "jsonl")
 
 
 def test_examples_is_seeded(tiny_tokenizer) -> None:

@@ -53,11 +53,11 @@ def test_meter_equals_an_independent_computation_and_leaves_the_run_bit_identica
         c.model.load_state_dict(b.model.state_dict())
         r = c.sampler.rollout(c.model, step, 0, c.data.examples(step)[0])
         grads = {}
-        for mode in ("detach", "exact"):
+        for plan in ("detach", "exact"):
             c.model.zero_grad(set_to_none=True)
-            backward_group(c.model, r.group, mode=mode, loss=cfg.loss, chunk_size=cfg.chunk_size,
+            backward_group(c.model, r.group, plan=plan, loss=cfg.loss, chunk_size=cfg.chunk_size,
                            micro_batch=cfg.micro_batch, **cfg.loss_options())
-            grads[mode] = _flat(c.model)
+            grads[plan] = _flat(c.model)
         gd, ge = grads["detach"], grads["exact"]
         cosine = float(gd @ ge / (gd.norm() * ge.norm()))
         rel_error = float((gd - ge).norm() / ge.norm())
@@ -90,7 +90,7 @@ def test_exact_gradient_restores_grads_and_rng(tiny_llama64):
     groups = [random_group(12, [3, 5], seed=1), random_group(9, [4, 2, 6], seed=2)]
     cfg = TrainConfig(plan="detach", bias_every=1, chunk_size=4)
     model.zero_grad(set_to_none=True)
-    backward_group(model, groups[0], mode="detach", chunk_size=4)
+    backward_group(model, groups[0], plan="detach", chunk_size=4)
     before = [p.grad for p in model.parameters()]
     copies = [g.clone() if g is not None else None for g in before]
     rng = torch.get_rng_state()
@@ -100,7 +100,7 @@ def test_exact_gradient_restores_grads_and_rng(tiny_llama64):
     assert torch.equal(torch.get_rng_state(), rng)
     model.zero_grad(set_to_none=True)
     for g in groups:
-        backward_group(model, g, mode="exact", chunk_size=4)
+        backward_group(model, g, plan="exact", chunk_size=4)
     mean = [p.grad / 2 for p in model.parameters()]
     assert all(torch.allclose(x, y, rtol=0, atol=1e-15) for x, y in zip(exact, mean))
     model.zero_grad(set_to_none=True)

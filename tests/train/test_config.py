@@ -36,7 +36,7 @@ def test_bad_toml(tmp_path, text, match):
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(task="maze"), "task 'maze' is unknown"),
-    (dict(plan="fast"), "plan 'fast' is unknown"),
+    (dict(plan="fast"), "unknown plan 'fast'"),
     (dict(group_size=1), "too small"),
     (dict(lr=float("nan")), "lr must be a finite"),
     (dict(top_p=0.0), "top_p"),

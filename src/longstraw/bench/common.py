@@ -44,7 +44,6 @@ from longstraw.planner import non_negative_int as non_negative_int  # argparse t
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
-DEFAULT_MODES = PLANS_BASELINE_FIRST  # the older name, kept for importers
 STDERR_TAIL = 4000  # characters of a failed worker's stderr kept in the result file
 BUSY_PRESSURE = 0.1  # a step whose CPU pressure (PSI "some") exceeds this ran on a contended host
 # A step peak below this is under what VmHWM can resolve once heap pages are reused (tiny models, or several
@@ -121,7 +120,7 @@ def smoke_summary(results: list[dict[str, Any]], what: str) -> str:
     """One line for a smoke run: how many configurations ran, which failed."""
     failed = [r for r in results if r.get("status") not in ("ok", "skipped")]
     lines = [f"{what}: {len(results) - len(failed)} of {len(results)} configurations ran", SMOKE_NOTE]
-    lines += [f"  FAILED: {r.get('mode')} G={r.get('group_size')}: {r.get('error')}" for r in failed]
+    lines += [f"  FAILED: {r.get('plan')} G={r.get('group_size')}: {r.get('error')}" for r in failed]
     return "\n".join(lines)
 
 
@@ -151,25 +150,25 @@ def positive_float(text: str) -> float:
 # ---------------------------------------------------------------- running a configuration in a fresh worker
 
 
-# A job: (config, mode, G) or (config, mode, G, checkpoint); checkpoint "none" when left out.
+# A job: (config, plan, G) or (config, plan, G, checkpoint); checkpoint "none" when left out.
 Job = tuple[MemoryBenchConfig, str, int] | tuple[MemoryBenchConfig, str, int, str]
 
 
 def _unpack(job: Job) -> tuple[MemoryBenchConfig, str, int, str]:
-    config, mode, g, *rest = job
-    return config, mode, g, (str(rest[0]) if rest else "none")
+    config, plan, g, *rest = job
+    return config, plan, g, (str(rest[0]) if rest else "none")
 
 
-def worker_config(config: MemoryBenchConfig, mode: str, group_size: int,
+def worker_config(config: MemoryBenchConfig, plan: str, group_size: int,
                   checkpoint: str = "none") -> dict[str, Any]:
     """The JSON object `bench/worker.py` reads (every key of its `CONFIG_KEYS`)."""
     return {
         "model": config.model, "dtype": config.dtype, "device": config.device,
         "prompt_tokens": config.prompt_tokens, "response_tokens": config.response_tokens,
-        "group_size": group_size, "mode": mode, "chunk_size": config.chunk_size,
+        "group_size": group_size, "plan": plan, "chunk_size": config.chunk_size,
         "micro_batch": config.micro_batch, "seed": config.seed, "checkpoint": checkpoint,
         "offload_state": config.offload_state, "max_positions": config.max_positions,
-        "keep_prompt_graph": config.keep_prompt_graph if mode == "exact" else 0,
+        "keep_prompt_graph": config.keep_prompt_graph if plan == "exact" else 0,
     }
 
 
@@ -225,10 +224,10 @@ def busy_neighbours(n: int) -> Iterator[list[subprocess.Popen[bytes]]]:
             proc.wait()
 
 
-def run_one(config: MemoryBenchConfig, mode: str, group_size: int, checkpoint: str = "none") -> dict[str, Any]:
+def run_one(config: MemoryBenchConfig, plan: str, group_size: int, checkpoint: str = "none") -> dict[str, Any]:
     """Run one configuration in a fresh worker; return its result (status ok or failed), never raise."""
-    entry: dict[str, Any] = {"mode": mode, "group_size": group_size, "checkpoint": checkpoint}
-    payload = json.dumps(worker_config(config, mode, group_size, checkpoint))
+    entry: dict[str, Any] = {"plan": plan, "group_size": group_size, "checkpoint": checkpoint}
+    payload = json.dumps(worker_config(config, plan, group_size, checkpoint))
     cmd = [sys.executable, "-m", "longstraw.bench.worker", payload]
     env = worker_env(config.malloc_mmap_threshold)  # see the module docstring
     t0 = time.perf_counter()
@@ -256,11 +255,11 @@ def run_one(config: MemoryBenchConfig, mode: str, group_size: int, checkpoint: s
 
 
 def run_batch(jobs: Sequence[Job], isolate: bool = True) -> list[dict[str, Any]]:
-    """Run (config, mode, G[, checkpoint]) jobs; isolate: a fresh worker each (the benchmarks), else one worker
+    """Run (config, plan, G[, checkpoint]) jobs; isolate: a fresh worker each (the benchmarks), else one worker
     for all, restarted after a failure (`--smoke`: saves a process start per configuration). Never raises."""
     unpacked = [_unpack(job) for job in jobs]
     if isolate or len(jobs) <= 1:
-        return [run_one(config, mode, g, ckpt) for config, mode, g, ckpt in unpacked]
+        return [run_one(config, plan, g, ckpt) for config, plan, g, ckpt in unpacked]
     results: list[dict[str, Any]] = []
     while len(results) < len(unpacked):
         rest = unpacked[len(results):]
@@ -272,13 +271,13 @@ def run_batch(jobs: Sequence[Job], isolate: bool = True) -> list[dict[str, Any]]
                               capture_output=True, text=True, env=env)
         lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
         share = (time.perf_counter() - t0) / max(1, len(lines) + (proc.returncode != 0))
-        for (_, mode, g, ckpt), line in zip(rest, lines):
-            results.append({"mode": mode, "group_size": g, "checkpoint": ckpt, "status": "ok", "process_s": share,
+        for (_, plan, g, ckpt), line in zip(rest, lines):
+            results.append({"plan": plan, "group_size": g, "checkpoint": ckpt, "status": "ok", "process_s": share,
                             **json.loads(line)})
         if len(results) < len(unpacked):
-            _, mode, g, ckpt = unpacked[len(results)]
+            _, plan, g, ckpt = unpacked[len(results)]
             error = describe_exit(proc.returncode) if proc.returncode != 0 else "worker printed no result"
-            results.append({"mode": mode, "group_size": g, "checkpoint": ckpt, "status": "failed", "error": error,
+            results.append({"plan": plan, "group_size": g, "checkpoint": ckpt, "status": "failed", "error": error,
                             "stderr_tail": proc.stderr[-STDERR_TAIL:], "process_s": share})
     return results
 
@@ -313,7 +312,7 @@ def sweep_document(bench: str, config: DataclassInstance, device: str) -> dict[s
 
 def print_progress(index: int, entry: dict[str, Any], label: str) -> None:
     """A sweep's progress line on stderr for one configuration (ok, skipped or FAILED)."""
-    head = f"[{index}] {label:<28} {entry['mode']:<17}"
+    head = f"[{index}] {label:<28} {entry['plan']:<17}"
     if entry["status"] == "ok":
         note = f"  (host busy: CPU pressure {entry['cpu_pressure']:.0%})" if busy(entry) else ""
         line = f"{head} peak {peak_text(float(entry['peak_bytes']))} MiB  step {entry['time_s']:8.2f} s{note}"
@@ -349,7 +348,7 @@ def finish_sweep(document: dict[str, Any], out: str, table: str, plot: Callable[
 
 
 def predictor(model: str, dtype: str, device: str = "cpu", quiet: bool = False):
-    """The planner's step-memory forecast `predict(P, R, G, mode, chunk, micro_batch, checkpoint_layers=False,
+    """The planner's step-memory forecast `predict(P, R, G, plan, chunk, micro_batch, checkpoint_layers=False,
     offload_state=False, keep_prompt_graph=0)` in bytes, what a worker measures (the peak above the loaded model, no
     optimizer): on CPU with the planner's CPU runtime allowance, on CUDA without a reserve (`max_memory_allocated`
     counts none).
@@ -367,13 +366,13 @@ def predictor(model: str, dtype: str, device: str = "cpu", quiet: bool = False):
             print(f"note: no planner prediction for {model} ({err}); nothing will be skipped", file=sys.stderr)
         return None
 
-    def predict(p: int, r: int, g: int, mode: str, chunk: int, k: int, checkpoint_layers: bool = False,
+    def predict(p: int, r: int, g: int, plan: str, chunk: int, k: int, checkpoint_layers: bool = False,
                 offload_state: bool = False, keep_prompt_graph: int = 0) -> int:
         inp = planner.PlanInputs(prompt_tokens=p, response_tokens=r, group_size=g, dtype=dtype, chunk_size=chunk,
                                  micro_batch=k, device="cpu" if on_cpu else "cuda", reserve=None if on_cpu else 0,
                                  optimizer="none", checkpoint_layers=checkpoint_layers, offload_state=offload_state,
-                                 keep_prompt_graph=keep_prompt_graph if mode == "exact" else 0)
-        return planner.estimate(spec, inp, mode).step_bytes
+                                 keep_prompt_graph=keep_prompt_graph if plan == "exact" else 0)
+        return planner.estimate(spec, inp, plan).step_bytes
 
     return predict
 

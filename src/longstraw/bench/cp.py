@@ -30,8 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--response-tokens", type=int, default=128, help="R (default 128)")
     parser.add_argument("--group-size", type=int, default=2, help="G (default 2)")
     parser.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4], help="context-parallel sizes (default 1 2 4)")
-    parser.add_argument("--plan", "--mode", dest="plan", choices=("detach", "exact"), default="exact",
-                        help="plan (default exact; --mode: the older name)")
+    parser.add_argument("--plan", dest="plan", choices=("detach", "exact"), default="exact",
+                        help="plan (default exact)")
     parser.add_argument("--chunk-size", type=int, default=1024, help="prompt capture chunk (default 1024)")
     parser.add_argument("--dtype", default="float32", help="parameter dtype (default float32)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per C before giving up")
@@ -75,7 +75,7 @@ def run_ranks(config: dict, timeout: float) -> list[dict]:
 
 def run_from_args(args: argparse.Namespace) -> int:
     base = {"model": args.model, "dtype": args.dtype, "prompt_tokens": args.prompt_tokens,
-            "response_tokens": args.response_tokens, "group_size": args.group_size, "mode": args.plan,
+            "response_tokens": args.response_tokens, "group_size": args.group_size, "plan": args.plan,
             "chunk_size": args.chunk_size, "seed": 0}
     sizes = args.cp
     if args.smoke:
@@ -84,7 +84,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     if any(c < 1 for c in sizes):
         args.fail("--cp sizes must be >= 1")
     print(f"bench cp: {base['model']} {base['dtype']}, P={base['prompt_tokens']} R={base['response_tokens']} "
-          f"G={base['group_size']}, {base['mode']}, chunk {base['chunk_size']}; C in {sizes}, one process per rank")
+          f"G={base['group_size']}, {base['plan']}, chunk {base['chunk_size']}; C in {sizes}, one process per rank")
     rows = []
     for c in sizes:
         t0 = time.perf_counter()

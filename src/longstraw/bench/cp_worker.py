@@ -34,8 +34,8 @@ def main() -> None:
     meter = PeakMemory("cpu")
     meter.start()
     t0 = time.perf_counter()
-    result = backward_group(model, group, plan=config["mode"], chunk_size=config["chunk_size"],
-                            context_parallel=ContextParallel() if world > 1 else None)
+    result = backward_group(model, group, plan=config["plan"], chunk_size=config["chunk_size"],
+                            context_shards=ContextParallel() if world > 1 else None)
     step_s = time.perf_counter() - t0
     rank = dist.get_rank() if world > 1 else 0
     with open(f"{out_path}.rank{rank}", "w") as f:

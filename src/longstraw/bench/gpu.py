@@ -137,10 +137,10 @@ def run_gpu_bench(cfg: GpuBenchConfig, out_dir: str) -> dict[str, Any]:
     def run(jobs: list[tuple[MemoryBenchConfig, str, int, str]]) -> list[dict[str, Any]]:
         """Decide skips (planner, deadline), run the rest (one worker each, or one for all in smoke runs)."""
         entries: list[dict[str, Any]] = []
-        for job, mode, g, _ in jobs:
-            predicted = predict(job.prompt_tokens, cfg.response_tokens, g, mode, job.chunk_size,
+        for job, plan, g, _ in jobs:
+            predicted = predict(job.prompt_tokens, cfg.response_tokens, g, plan, job.chunk_size,
                                 job.micro_batch) if predict else None
-            entry: dict[str, Any] = {"mode": mode, "group_size": g, "prompt_tokens": job.prompt_tokens,
+            entry: dict[str, Any] = {"plan": plan, "group_size": g, "prompt_tokens": job.prompt_tokens,
                                      "chunk_size": job.chunk_size, "micro_batch": job.micro_batch,
                                      "predicted_step_bytes": predicted}
             if (memory is not None and predicted is not None
@@ -149,17 +149,17 @@ def run_gpu_bench(cfg: GpuBenchConfig, out_dir: str) -> dict[str, Any]:
             entries.append(entry)
         todo = [(i, jobs[i]) for i, e in enumerate(entries) if "status" not in e]
         if cfg.isolate:
-            for i, (job, mode, g, _) in todo:
+            for i, (job, plan, g, _) in todo:
                 remaining = left()
                 if remaining < 10:
                     entries[i].update(status="skipped", error="deadline reached")
                     continue
-                entries[i].update(run_one(replace(job, timeout_s=min(cfg.config_timeout_s, remaining)), mode, g))
+                entries[i].update(run_one(replace(job, timeout_s=min(cfg.config_timeout_s, remaining)), plan, g))
         else:
-            measured = run_batch([(job, mode, g) for _, (job, mode, g, _) in todo], isolate=False)
+            measured = run_batch([(job, plan, g) for _, (job, plan, g, _) in todo], isolate=False)
             for (i, _), m in zip(todo, measured):
                 entries[i].update(m)
-        for entry, (job, mode, _, label) in zip(entries, jobs):
+        for entry, (job, plan, _, label) in zip(entries, jobs):
             entry["micro_batch"], entry["chunk_size"] = job.micro_batch, job.chunk_size
             predicted = entry["predicted_step_bytes"]
             if entry.get("status") == "ok":
@@ -170,10 +170,10 @@ def run_gpu_bench(cfg: GpuBenchConfig, out_dir: str) -> dict[str, Any]:
                 note = f"peak {entry['peak_bytes'] / MIB:9.1f} MiB {forecast}  {entry['time_s']:7.2f} s"
             else:
                 note = f"{entry['status']}: {entry.get('error')}"
-            print(f"[{time.perf_counter() - t_start:5.0f} s] {label:<24} {mode:<17} {note}", file=sys.stderr,
+            print(f"[{time.perf_counter() - t_start:5.0f} s] {label:<24} {plan:<17} {note}", file=sys.stderr,
                   flush=True)
             summary["checks"].append({k: entry.get(k) for k in (
-                "mode", "group_size", "prompt_tokens", "micro_batch", "chunk_size", "status", "peak_bytes",
+                "plan", "group_size", "prompt_tokens", "micro_batch", "chunk_size", "status", "peak_bytes",
                 "predicted_step_bytes", "time_s")})
         return entries
 
@@ -183,7 +183,7 @@ def run_gpu_bench(cfg: GpuBenchConfig, out_dir: str) -> dict[str, Any]:
 
     for p in cfg.prompts:
         job = replace(base, prompt_tokens=p)
-        results = run([(job, mode, g, f"B1 P={p} G={g}") for g in cfg.groups for mode in cfg.plans])
+        results = run([(job, plan, g, f"B1 P={p} G={g}") for g in cfg.groups for plan in cfg.plans])
         doc = {"bench": "memory", "started": summary["started"], "config": asdict(job), "machine": machine,
                "results": results, "ratios": compute_ratios(results)}
         summary.setdefault("b1", {})[str(p)] = {"results": results, "ratios": doc["ratios"]}
@@ -217,13 +217,13 @@ def _pareto(cfg: GpuBenchConfig, base: MemoryBenchConfig, run, out_dir: str, sum
     from longstraw.bench.plots import plot_pareto
 
     pareto_job = replace(base, prompt_tokens=cfg.pareto_prompt)
-    results = run([(replace(pareto_job, micro_batch=k, chunk_size=c), mode, cfg.pareto_group,
+    results = run([(replace(pareto_job, micro_batch=k, chunk_size=c), plan, cfg.pareto_group,
                     f"pareto k={k} chunk={c}")
-                   for mode in ("detach", "exact") for k in cfg.micro_batches for c in cfg.chunk_sizes])
+                   for plan in ("detach", "exact") for k in cfg.micro_batches for c in cfg.chunk_sizes])
     from longstraw.bench.pareto import pareto_flags
 
-    for mode in ("detach", "exact"):
-        ok = [r for r in results if r["mode"] == mode and r.get("status") == "ok"]
+    for plan in ("detach", "exact"):
+        ok = [r for r in results if r["plan"] == plan and r.get("status") == "ok"]
         for r, flag in zip(ok, pareto_flags([(r["peak_bytes"], r["time_s"]) for r in ok])):
             r["pareto"] = flag
     pareto_cfg = {"model": cfg.model, "prompt_tokens": cfg.pareto_prompt, "response_tokens": cfg.response_tokens,
@@ -274,7 +274,7 @@ def _longest_exact(cfg: GpuBenchConfig, base: MemoryBenchConfig, run, out_dir: s
         if entry.get("status") != "ok":
             break
         p *= 2
-    ok = [c for c in summary["checks"] if c["mode"] == "exact" and c["status"] == "ok"]
+    ok = [c for c in summary["checks"] if c["plan"] == "exact" and c["status"] == "ok"]
     record = max(ok, key=lambda c: c["prompt_tokens"]) if ok else None
     doc = {"bench": "longest-exact", "config": {"model": cfg.model, "dtype": cfg.dtype, "device": cfg.device,
                                                 "response_tokens": cfg.response_tokens, "group_size": cfg.longest_group,
@@ -305,16 +305,16 @@ def _verdict(value: float | None, threshold: float, at_least: bool) -> str:
     return "met" if (value >= threshold if at_least else value <= threshold) else "NOT met"
 
 
-def _forecast_ratio(results: list[dict[str, Any]], mode: str, g: Any) -> float | None:
-    """standard_batched's forecast peak over `mode`'s measured peak at G = g, when only the forecast exists."""
+def _forecast_ratio(results: list[dict[str, Any]], plan: str, g: Any) -> float | None:
+    """standard_batched's forecast peak over `plan`'s measured peak at G = g, when only the forecast exists."""
     def at(m: str) -> dict[str, Any] | None:
-        return next((r for r in results if r["mode"] == m and r["group_size"] == g), None)
+        return next((r for r in results if r["plan"] == m and r["group_size"] == g), None)
 
-    base, plan = at("standard_batched"), at(mode)
-    if (not base or base.get("status") != "skipped" or not base.get("predicted_step_bytes") or not plan
-            or plan.get("status") != "ok" or float(plan["peak_bytes"]) < PEAK_RESOLUTION):
+    base, measured = at("standard_batched"), at(plan)
+    if (not base or base.get("status") != "skipped" or not base.get("predicted_step_bytes") or not measured
+            or measured.get("status") != "ok" or float(measured["peak_bytes"]) < PEAK_RESOLUTION):
         return None
-    return float(base["predicted_step_bytes"]) / float(plan["peak_bytes"])
+    return float(base["predicted_step_bytes"]) / float(measured["peak_bytes"])
 
 
 def markdown(summary: dict[str, Any]) -> str:
@@ -332,7 +332,7 @@ def markdown(summary: dict[str, Any]) -> str:
                 "| plan | G | status | peak GiB | planner GiB | time s |", "|---|---|---|---|---|---|"]
         for r in b1["results"]:
             time_s = f"{r['time_s']:.2f}" if r.get("status") == "ok" else "-"
-            out.append(f"| {r['mode']} | {r['group_size']} | {r.get('status')} | {_gib(r.get('peak_bytes'))} | "
+            out.append(f"| {r['plan']} | {r['group_size']} | {r.get('status')} | {_gib(r.get('peak_bytes'))} | "
                        f"{_gib(r.get('predicted_step_bytes'))} | {time_s} |")
         ratios = b1["ratios"]
         out += ["", f"Targets at G = {ratios.get('group_size')}:", ""]
@@ -343,10 +343,10 @@ def markdown(summary: dict[str, Any]) -> str:
                     " from the planner's forecast of standard_batched, which was not run (beyond the device)"
             shown = f"{value:.2f}x" if isinstance(value, (int, float)) else "-"
             out.append(f"- {text}: {shown} ({_verdict(value, threshold, at_least)}{note if value else ''})")
-        for mode, growth in ratios.get("peak_growth", {}).items():
+        for plan, growth in ratios.get("peak_growth", {}).items():
             shown = f"{growth['pct']:+.1f}% (G {growth['from_g']} -> {growth['to_g']})" if growth else "-"
             ok = None if not growth else abs(growth["pct"])
-            out.append(f"- {mode} peak flat in G (<= 5%): {shown} ({_verdict(ok, 5.0, False)})")
+            out.append(f"- {plan} peak flat in G (<= 5%): {shown} ({_verdict(ok, 5.0, False)})")
         out.append("")
     longest = summary.get("longest_exact")
     if longest is not None:

@@ -55,9 +55,9 @@ SMOKE = replace(B1, model="tiny-llama", prompt_tokens=64, response_tokens=8, gro
 # ---------------------------------------------------------------- running
 
 
-def column_label(mode: str, checkpoint: str = "none") -> str:
+def column_label(plan: str, checkpoint: str = "none") -> str:
     """A table column / plot line: the plan, `<plan>+ckpt` with per-layer activation checkpointing."""
-    return mode if checkpoint == "none" else f"{mode}+ckpt"
+    return plan if checkpoint == "none" else f"{plan}+ckpt"
 
 
 def _checkpoint_of(entry: dict[str, Any]) -> str:
@@ -65,7 +65,7 @@ def _checkpoint_of(entry: dict[str, Any]) -> str:
 
 
 def _progress_line(index: int, total: int, entry: dict[str, Any]) -> str:
-    label = column_label(str(entry["mode"]), _checkpoint_of(entry))
+    label = column_label(str(entry["plan"]), _checkpoint_of(entry))
     head = f"[{index}/{total}] G={entry['group_size']:<3} {label:<17}"
     if entry["status"] == "ok":
         notes = "" if entry.get("hwm_reset", True) else "  (HWM not reset: peak may be overstated)"
@@ -89,19 +89,19 @@ def _document(config: MemoryBenchConfig, machine: dict[str, Any], results: list[
 
 
 def run_memory_bench(config: MemoryBenchConfig, out: str) -> dict[str, Any]:
-    """Run every (G, mode, checkpoint) configuration, print progress/table/ratios and, on CPU, the planner's
+    """Run every (G, plan, checkpoint) configuration, print progress/table/ratios and, on CPU, the planner's
     prediction beside each measured peak; write the result JSON to `out`."""
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     started = time.strftime("%Y-%m-%dT%H:%M:%S")
     machine = machine_info(config.device)
-    grid = [(g, mode, ckpt) for g in config.groups for mode in config.plans for ckpt in config.checkpoints]
+    grid = [(g, plan, ckpt) for g in config.groups for plan in config.plans for ckpt in config.checkpoints]
     print(f"bench memory: {describe(config)}; {len(grid)} configurations, one process each", file=sys.stderr)
     predict = _planner(config)
     results: list[dict[str, Any]] = []
     partial = out + ".tmp"
     batches = [[job] for job in grid] if config.isolate else [grid]
     for batch in batches:
-        for entry in run_batch([(config, mode, g, ckpt) for g, mode, ckpt in batch], isolate=config.isolate):
+        for entry in run_batch([(config, plan, g, ckpt) for g, plan, ckpt in batch], isolate=config.isolate):
             add_prediction(entry, config, predict)
             results.append(entry)
             print(_progress_line(len(results), len(grid), entry), file=sys.stderr, flush=True)
@@ -121,14 +121,14 @@ def run_memory_bench(config: MemoryBenchConfig, out: str) -> dict[str, Any]:
         if predictions:
             print(predictions)
         print(format_ratios(document["ratios"]))
-    contended = [f"G={r['group_size']} {column_label(str(r['mode']), _checkpoint_of(r))}" for r in results if busy(r)]
+    contended = [f"G={r['group_size']} {column_label(str(r['plan']), _checkpoint_of(r))}" for r in results if busy(r)]
     if contended and not config.smoke:
         print(f"warning: other processes competed for the CPU during {len(contended)} of {len(results)} steps "
               f"({', '.join(contended)}): their times, and the time ratios, are inflated; peaks are not affected")
     from longstraw.bench.plots import plot_memory
 
     # One line per table column: checkpointed runs are their own series, not mixed into their plan's.
-    plotted = {**document, "results": [{**r, "mode": column_label(str(r["mode"]), _checkpoint_of(r))}
+    plotted = {**document, "results": [{**r, "plan": column_label(str(r["plan"]), _checkpoint_of(r))}
                                        for r in results]}
     png = plot_memory(plotted, os.path.splitext(out)[0] + ".png")
     print(f"results: {out}" + (f", plot: {png}" if png else ""))
@@ -162,7 +162,7 @@ def add_prediction(entry: dict[str, Any], config: MemoryBenchConfig, predict) ->
         return
     try:
         g = int(entry["group_size"])
-        predicted = int(predict(config.prompt_tokens, config.response_tokens, g, str(entry["mode"]),
+        predicted = int(predict(config.prompt_tokens, config.response_tokens, g, str(entry["plan"]),
                                 config.chunk_size, config.micro_batch,
                                 checkpoint_layers=_checkpoint_of(entry) == "layers",
                                 offload_state=config.offload_state))
@@ -183,7 +183,7 @@ def format_predictions(results: list[dict[str, Any]]) -> str:
     for r in rows:
         error = r.get("prediction_error")
         err = f"{100 * error:+7.1f}%" if isinstance(error, float) else f"{'n/a':>8}"
-        lines.append(f"  {r['group_size']:>4}  {column_label(str(r['mode']), _checkpoint_of(r)):<21} "
+        lines.append(f"  {r['group_size']:>4}  {column_label(str(r['plan']), _checkpoint_of(r)):<21} "
                      f"{float(r['peak_bytes']) / MIB:>12.1f} "
                      f"{float(r['predicted_step_bytes']) / MIB:>14.1f} {err}")
     return "\n".join(lines)
@@ -192,10 +192,10 @@ def format_predictions(results: list[dict[str, Any]]) -> str:
 # ---------------------------------------------------------------- summarising
 
 
-def _ok(results: list[dict[str, Any]], mode: str, group_size: int,
+def _ok(results: list[dict[str, Any]], plan: str, group_size: int,
         checkpoint: str = "none") -> dict[str, Any] | None:
     for r in results:
-        if (r["mode"] == mode and r["group_size"] == group_size and _checkpoint_of(r) == checkpoint
+        if (r["plan"] == plan and r["group_size"] == group_size and _checkpoint_of(r) == checkpoint
                 and r.get("status") == "ok"):
             return r
     return None
@@ -221,10 +221,10 @@ def reference_group_size(group_sizes: list[int]) -> int | None:
 def compute_ratios(results: list[dict[str, Any]]) -> dict[str, Any]:
     """Plan ratios at the reference G and the detach/exact peak growth from the smallest to the largest G, both
     on the runs without activation checkpointing; when runs with and without it are both present, per plan
-    `peak_<mode>_ckpt_over_plain` (checkpointed peak / plain peak at the reference G).
+    `peak_<plan>_ckpt_over_plain` (checkpointed peak / plain peak at the reference G).
 
     A ratio whose two configurations are not both ok is None. Growth uses the smallest and largest G that
-    succeeded for that mode; `from_g`/`to_g` say which.
+    succeeded for that plan; `from_g`/`to_g` say which.
     """
     g_ref = reference_group_size(sorted({int(r["group_size"]) for r in results}))
     ratios: dict[str, Any] = {"group_size": g_ref}
@@ -239,30 +239,30 @@ def compute_ratios(results: list[dict[str, Any]]) -> dict[str, Any]:
     for name, key, num, den in pairs:
         ratios[name] = None if g_ref is None else _ratio(results, key, num, den, g_ref)
     if {"none", "layers"} <= {_checkpoint_of(r) for r in results}:
-        for mode in dict.fromkeys(str(r["mode"]) for r in results if _checkpoint_of(r) == "layers"):
-            plain = None if g_ref is None else _ok(results, mode, g_ref)
-            ckpt = None if g_ref is None else _ok(results, mode, g_ref, "layers")
+        for plan in dict.fromkeys(str(r["plan"]) for r in results if _checkpoint_of(r) == "layers"):
+            plain = None if g_ref is None else _ok(results, plan, g_ref)
+            ckpt = None if g_ref is None else _ok(results, plan, g_ref, "layers")
             plain_peak = 0.0 if plain is None else float(plain["peak_bytes"])
             ratio = (float(ckpt["peak_bytes"]) / plain_peak
                      if ckpt is not None and plain_peak >= PEAK_RESOLUTION <= float(ckpt["peak_bytes"]) else None)
-            ratios[f"peak_{mode}_ckpt_over_plain"] = ratio
+            ratios[f"peak_{plan}_ckpt_over_plain"] = ratio
     growth: dict[str, Any] = {}
-    for mode in ("detach", "exact"):
+    for plan in ("detach", "exact"):
         ok = sorted((int(r["group_size"]), r) for r in results
-                    if r["mode"] == mode and _checkpoint_of(r) == "none" and r.get("status") == "ok")
+                    if r["plan"] == plan and _checkpoint_of(r) == "none" and r.get("status") == "ok")
         if len(ok) < 2 or float(ok[0][1]["peak_bytes"]) < PEAK_RESOLUTION:
-            growth[mode] = None
+            growth[plan] = None
             continue
         (g_min, lo), (g_max, hi) = ok[0], ok[-1]
         pct = 100.0 * (float(hi["peak_bytes"]) - float(lo["peak_bytes"])) / float(lo["peak_bytes"])
-        growth[mode] = {"from_g": g_min, "to_g": g_max, "pct": pct}
+        growth[plan] = {"from_g": g_min, "to_g": g_max, "pct": pct}
     ratios["peak_growth"] = growth
     return ratios
 
 
 def format_table(results: list[dict[str, Any]], groups: tuple[int, ...] | list[int],
                  plans: tuple[str, ...] | list[str], checkpoints: tuple[str, ...] | list[str] = ("none",)) -> str:
-    """Rows G, one column per (mode, checkpoint) labelled `mode` or `mode+ckpt` (peak MiB, step s); FAILED
+    """Rows G, one column per (plan, checkpoint) labelled `plan` or `plan+ckpt` (peak MiB, step s); FAILED
     where a configuration failed, - if not run."""
     columns = [(m, c) for m in plans for c in checkpoints]
     labels = [column_label(m, c) for m, c in columns]
@@ -273,7 +273,7 @@ def format_table(results: list[dict[str, Any]], groups: tuple[int, ...] | list[i
     for g in groups:
         cells = []
         for m, c in columns:
-            r = next((x for x in results if x["mode"] == m and x["group_size"] == g and _checkpoint_of(x) == c),
+            r = next((x for x in results if x["plan"] == m and x["group_size"] == g and _checkpoint_of(x) == c),
                      None)
             if r is None:
                 cell = f"{'-':>{width}}"
@@ -303,13 +303,13 @@ def format_ratios(ratios: dict[str, Any]) -> str:
     lines += [f"  {label:<32} {num(ratios.get(key))}" for key, label in labels]
     for key, value in ratios.items():
         if key.startswith("peak_") and key.endswith("_ckpt_over_plain"):
-            mode = key[len("peak_"):-len("_ckpt_over_plain")]
-            lines.append(f"  {f'peak {mode}+ckpt / {mode}':<32} {num(value)}")
+            plan = key[len("peak_"):-len("_ckpt_over_plain")]
+            lines.append(f"  {f'peak {plan}+ckpt / {plan}':<32} {num(value)}")
     lines.append("peak growth, smallest to largest G:")
-    for mode, g in (ratios.get("peak_growth") or {}).items():
+    for plan, g in (ratios.get("peak_growth") or {}).items():
         text = ("n/a (under two ok configurations, or a peak under 1 MiB)" if g is None
                 else f"{g['pct']:+.1f}%  (G={g['from_g']} -> G={g['to_g']})")
-        lines.append(f"  {mode:<32} {text}")
+        lines.append(f"  {plan:<32} {text}")
     return "\n".join(lines)
 
 
@@ -331,8 +331,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"R, every response (default {B1.response_tokens})")
     parser.add_argument("--groups", type=positive_int, nargs="+", metavar="G",
                         help=f"group sizes (default {' '.join(map(str, B1.groups))})")
-    parser.add_argument("--plans", "--modes", nargs="+", choices=PLANS, metavar="PLAN", dest="plans",
-                        help=f"plans, of {', '.join(PLANS)} (default all four; --modes: the older name)")
+    parser.add_argument("--plans", nargs="+", choices=PLANS, metavar="PLAN", dest="plans",
+                        help=f"plans, of {', '.join(PLANS)} (default all four)")
     checkpoint = parser.add_mutually_exclusive_group()
     checkpoint.add_argument("--checkpoint", nargs="+", choices=CHECKPOINT_CHOICES, metavar="MODE",
                             help="activation checkpointing, measured side by side: none, layers or both "

@@ -38,7 +38,7 @@ class ParetoBenchConfig:
     """Micro-batch x chunk-size x checkpoint x offload grid for detach and exact at B1's P, R and G = 8.
 
     offloads: True runs only for the plans with a prompt state (detach, exact); keeps > 0 only for exact; `extra`
-    adds single (mode, micro_batch, chunk_size, checkpoint, offload_state[, keep_prompt_graph]) configurations
+    adds single (plan, micro_batch, chunk_size, checkpoint, offload_state[, keep_prompt_graph]) configurations
     after the grid (the smoke's offloaded and kept-graph configurations)."""
 
     model: str = "b1-llama"
@@ -53,7 +53,7 @@ class ParetoBenchConfig:
     checkpoints: tuple[str, ...] = ("none", "layers")
     offloads: tuple[bool, ...] = (False, True)
     keeps: tuple[int, ...] = (0,)  # exact: capture chunks whose graph is kept (backward_group(keep_prompt_graph))
-    extra: tuple[tuple, ...] = ()  # (mode, k, chunk, checkpoint, offload[, keep])
+    extra: tuple[tuple, ...] = ()  # (plan, k, chunk, checkpoint, offload[, keep])
     seed: int = 0
     timeout_s: float | None = None
     malloc_mmap_threshold: int = 128 * 1024
@@ -94,11 +94,11 @@ def lever_suffix(checkpoint: str, offload_state: bool, keep: int = 0) -> str:
 
 
 def pareto_grid(cfg: ParetoBenchConfig) -> list[tuple[str, int, int, str, bool, int]]:
-    """(mode, micro_batch, chunk_size, checkpoint, offload_state, keep_prompt_graph) for every configuration of the
+    """(plan, micro_batch, chunk_size, checkpoint, offload_state, keep_prompt_graph) for every configuration of the
     sweep: the grid (offloading only for the plans with a prompt state, kept graphs only for exact) and then
     `cfg.extra`, without repeats."""
-    grid = [(mode, k, c, ck, off, keep) for mode in cfg.plans for off in cfg.offloads
-            if not off or mode in OFFLOAD_PLANS for keep in (cfg.keeps if mode == "exact" else (0,))
+    grid = [(plan, k, c, ck, off, keep) for plan in cfg.plans for off in cfg.offloads
+            if not off or plan in OFFLOAD_PLANS for keep in (cfg.keeps if plan == "exact" else (0,))
             for ck in cfg.checkpoints for k in cfg.micro_batches for c in cfg.chunk_sizes]
     extra = [(*x[:5], x[5] if len(x) > 5 else 0) for x in cfg.extra]
     return list(dict.fromkeys(grid + extra))
@@ -115,7 +115,7 @@ def lever_costs(results: list[dict]) -> dict[str, dict[str, dict[str, Any]]]:
     ok = [r for r in results if r.get("status") == "ok"]
 
     def key(r: dict) -> tuple:
-        return r["mode"], r["micro_batch"], r["chunk_size"]
+        return r["plan"], r["micro_batch"], r["chunk_size"]
 
     def levers(r: dict) -> str:
         return lever_name(r["checkpoint"], r["offload_state"], r.get("keep_prompt_graph", 0))
@@ -125,12 +125,12 @@ def lever_costs(results: list[dict]) -> dict[str, dict[str, dict[str, Any]]]:
     for r in ok:
         lever = levers(r)
         if lever != "plain" and key(r) in plain:
-            pairs.setdefault(r["mode"], {}).setdefault(lever, []).append((r, plain[key(r)]))
-    return {mode: {lever: {
+            pairs.setdefault(r["plan"], {}).setdefault(lever, []).append((r, plain[key(r)]))
+    return {plan: {lever: {
         "pairs": len(both),
         "time_ratio": _median_ratio([(r["time_s"], p["time_s"]) for r, p in both]),
         "peak_ratio": _median_ratio([(r["peak_bytes"], p["peak_bytes"]) for r, p in both]),
-    } for lever, both in levers.items()} for mode, levers in pairs.items()}
+    } for lever, both in levers.items()} for plan, levers in pairs.items()}
 
 
 def _lever_lines(costs: dict) -> list[str]:
@@ -141,9 +141,9 @@ def _lever_lines(costs: dict) -> list[str]:
         return f"x{v:.2f}" if v is not None else "-"
 
     lines = ["lever cost (median over equal micro_batch and chunk; lever / plain):"]
-    for mode, levers in costs.items():
+    for plan, levers in costs.items():
         for lever, c in levers.items():
-            lines.append(f"  {mode:<8} {lever:<19} time {x(c['time_ratio']):>7}  peak {x(c['peak_ratio']):>7}  "
+            lines.append(f"  {plan:<8} {lever:<19} time {x(c['time_ratio']):>7}  peak {x(c['peak_ratio']):>7}  "
                          f"({c['pairs']} pairs)")
     return lines
 
@@ -159,7 +159,7 @@ def run_pareto_bench(cfg: ParetoBenchConfig, out: str) -> dict[str, Any]:
     batches = [[x] for x in grid] if cfg.isolate else [grid]
     for batch in batches:
         jobs = [(replace(job_config(cfg, cfg.model, cfg.prompt_tokens, c, k), offload_state=off,
-                         keep_prompt_graph=keep), mode, cfg.group_size, ck) for mode, k, c, ck, off, keep in batch]
+                         keep_prompt_graph=keep), plan, cfg.group_size, ck) for plan, k, c, ck, off, keep in batch]
         for (_, k, c, ck, off, keep), entry in zip(batch, run_batch(jobs, isolate=cfg.isolate)):
             entry.update(micro_batch=k, chunk_size=c, checkpoint=ck, offload_state=off, keep_prompt_graph=keep,
                          prompt_tokens=cfg.prompt_tokens)
@@ -169,8 +169,8 @@ def run_pareto_bench(cfg: ParetoBenchConfig, out: str) -> dict[str, Any]:
     ok = [r for r in results if r["status"] == "ok"]
     for r, flag in zip(ok, pareto_flags([(r["peak_bytes"], r["time_s"]) for r in ok])):
         r["pareto_all"] = flag
-    for mode in cfg.plans:
-        mine = [r for r in ok if r["mode"] == mode]
+    for plan in cfg.plans:
+        mine = [r for r in ok if r["plan"] == plan]
         for r, flag in zip(mine, pareto_flags([(r["peak_bytes"], r["time_s"]) for r in mine])):
             r["pareto"] = flag
     document["lever_costs"] = costs = lever_costs(results)
@@ -181,7 +181,7 @@ def run_pareto_bench(cfg: ParetoBenchConfig, out: str) -> dict[str, Any]:
     lines = [f"{'plan':<8} {'k':>3} {'chunk':>6} {'ckpt':>6} {'offload':>7} {'keep':>4} {'peak MiB':>10} "
              f"{'time s':>8}  front"]
     for r in results:
-        head = (f"{r['mode']:<8} {r['micro_batch']:>3} {r['chunk_size']:>6} {r['checkpoint']:>6} "
+        head = (f"{r['plan']:<8} {r['micro_batch']:>3} {r['chunk_size']:>6} {r['checkpoint']:>6} "
                 f"{'yes' if r['offload_state'] else 'no':>7} {r['keep_prompt_graph']:>4}")
         if r["status"] != "ok":
             lines.append(f"{head}  FAILED: {r['error']}")

@@ -384,7 +384,7 @@ def run_peers_bench(shape: PeersShape, out: str, timeout_s: float | None, smoke:
                      "accumulation": (shape.group_size // row.batch) if row.batch else None,
                      "checkpoint": row.checkpoint, "keep_prompt_graph": row.keep_prompt_graph,
                      "micro_batch": row.micro_batch if row.peer == "longstraw" else None,
-                     **{k: v for k, v in entry.items() if k not in ("mode", "checkpoint")}}
+                     **{k: v for k, v in entry.items() if k not in ("plan", "checkpoint")}}
             results.append(entry)
             print(f"[{index}/{len(rows)}] {row.label:<50} {_progress(entry)}", file=sys.stderr, flush=True)
             write_json(out + ".tmp", document)

@@ -11,8 +11,8 @@ def _ok(results: list[dict]) -> list[dict]:
     return [r for r in results if r.get("status") == "ok"]
 
 
-def _series(results: list[dict], mode: str, x_key: str, y_key: str) -> tuple[list[float], list[float]]:
-    pts = sorted((r[x_key], r[y_key]) for r in _ok(results) if r["mode"] == mode)
+def _series(results: list[dict], plan: str, x_key: str, y_key: str) -> tuple[list[float], list[float]]:
+    pts = sorted((r[x_key], r[y_key]) for r in _ok(results) if r["plan"] == plan)
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
@@ -22,12 +22,12 @@ def _two_panels(document: dict, path: str, x_key: str, x_label: str, title: str,
     if plt is None or not _ok(results):
         return None
     fig, (ax_mem, ax_time) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for mode in dict.fromkeys(r["mode"] for r in results):
-        xs, peaks = _series(results, mode, x_key, "peak_bytes")
-        _, times = _series(results, mode, x_key, "time_s")
+    for plan in dict.fromkeys(r["plan"] for r in results):
+        xs, peaks = _series(results, plan, x_key, "peak_bytes")
+        _, times = _series(results, plan, x_key, "time_s")
         if xs:
-            ax_mem.plot(xs, [p / MIB for p in peaks], marker="o", label=mode)
-            ax_time.plot(xs, times, marker="o", label=mode)
+            ax_mem.plot(xs, [p / MIB for p in peaks], marker="o", label=plan)
+            ax_time.plot(xs, times, marker="o", label=plan)
     if budget:
         ax_mem.axhline(budget / MIB, color="red", linestyle="--", linewidth=1, label="budget")
     for ax, label in ((ax_mem, "peak step memory (MiB)"), (ax_time, "step time (s)")):
@@ -78,13 +78,13 @@ def plot_pareto(document: dict, path: str) -> str | None:
     if plt is None or not ok:
         return None
     fig, ax = plt.subplots(figsize=(7, 5))
-    for i, mode in enumerate(dict.fromkeys(r["mode"] for r in ok)):
+    for i, plan in enumerate(dict.fromkeys(r["plan"] for r in ok)):
         color = f"C{i}"
-        pts = [r for r in ok if r["mode"] == mode]
+        pts = [r for r in ok if r["plan"] == plan]
         for lever in dict.fromkeys(_lever(r) for r in pts):
             mine = [r for r in pts if _lever(r) == lever]
             ax.scatter([r["peak_bytes"] / MIB for r in mine], [r["time_s"] for r in mine], color=color,
-                       marker=_LEVER_MARKERS.get(lever, "x"), label=f"{mode}{lever}")
+                       marker=_LEVER_MARKERS.get(lever, "x"), label=f"{plan}{lever}")
         for r in pts:
             ax.annotate(f"k{r['micro_batch']}/c{r['chunk_size']}{_lever(r)}", (r["peak_bytes"] / MIB, r["time_s"]),
                         fontsize=6, alpha=0.7)
@@ -112,15 +112,15 @@ def plot_arch(document: dict, path: str) -> str | None:
         return None
     g = max(r["group_size"] for r in ok)
     archs = list(dict.fromkeys(r["arch"] for r in document["results"]))
-    modes = list(dict.fromkeys(r["mode"] for r in document["results"]))
+    plans = list(dict.fromkeys(r["plan"] for r in document["results"]))
     fig, ax = plt.subplots(figsize=(max(6, 2 + 1.8 * len(archs)), 4.2))
-    width = 0.8 / len(modes)
-    for j, mode in enumerate(modes):
+    width = 0.8 / len(plans)
+    for j, plan in enumerate(plans):
         heights = []
         for arch in archs:
-            hit = [r for r in ok if r["arch"] == arch and r["mode"] == mode and r["group_size"] == g]
+            hit = [r for r in ok if r["arch"] == arch and r["plan"] == plan and r["group_size"] == g]
             heights.append(hit[0]["peak_bytes"] / MIB if hit else 0.0)
-        ax.bar([i + j * width for i in range(len(archs))], heights, width, label=mode)
+        ax.bar([i + j * width for i in range(len(archs))], heights, width, label=plan)
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(archs))], archs)
     ax.set_ylabel(f"peak step memory at G={g} (MiB)")
     ax.set_yscale("log")

@@ -26,8 +26,8 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m longstraw.bench.stress", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny-llama-long", help="any preset / directory / hub id")
-    parser.add_argument("--plan", "--mode", dest="plan", default="exact", choices=PLANS,
-                        help="the plan (default exact; --mode: the older name)")
+    parser.add_argument("--plan", dest="plan", default="exact", choices=PLANS,
+                        help="the plan (default exact)")
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--response-tokens", type=int, default=128)
     parser.add_argument("--start", type=int, default=32768, help="first prompt length")

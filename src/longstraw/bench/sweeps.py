@@ -107,8 +107,8 @@ def _table(results: list[dict], row_key: str, row_label: str, rows: list, plans:
     lines = [head.rstrip(), sub.rstrip(), "-" * len(sub.rstrip())]
     for value in rows:
         cells = []
-        for mode in plans:
-            hit = [r for r in results if r[row_key] == value and r["mode"] == mode]
+        for plan in plans:
+            hit = [r for r in results if r[row_key] == value and r["plan"] == plan]
             if not hit:
                 cells.append(f" {'-':>10}{'-':>{width - 10}} ")
             elif hit[0]["status"] == "ok":
@@ -149,10 +149,10 @@ def run_prompt_bench(cfg: PromptBenchConfig, out: str) -> dict[str, Any]:
           f"{list(cfg.prompts)}, budget {_size(cfg.budget_bytes)}", file=sys.stderr)
     for p in cfg.prompts:
         jobs, skipped = [], []
-        for mode in active:
-            predicted = predict(p, cfg.response_tokens, cfg.group_size, mode, cfg.chunk_size,
+        for plan in active:
+            predicted = predict(p, cfg.response_tokens, cfg.group_size, plan, cfg.chunk_size,
                                 cfg.micro_batch) if predict else None
-            entry: dict[str, Any] = {"mode": mode, "group_size": cfg.group_size, "prompt_tokens": p,
+            entry: dict[str, Any] = {"plan": plan, "group_size": cfg.group_size, "prompt_tokens": p,
                                      "predicted_step_bytes": predicted}
             too_big = predicted is not None and predicted > cfg.budget_bytes * (1 + PLANNER_SLACK)
             no_room = predicted is not None and available is not None and predicted > 0.8 * available
@@ -162,9 +162,9 @@ def run_prompt_bench(cfg: PromptBenchConfig, out: str) -> dict[str, Any]:
                 entry.update(status="skipped", error=f"planner predicts {predicted / MIB:.0f} MiB, over {why}")
                 skipped.append(entry)
             else:
-                jobs.append((entry, mode))
-        ran = run_batch([(job_config(cfg, cfg.model, p, cfg.chunk_size, cfg.micro_batch), mode, cfg.group_size)
-                         for _, mode in jobs], isolate=cfg.isolate)
+                jobs.append((entry, plan))
+        ran = run_batch([(job_config(cfg, cfg.model, p, cfg.chunk_size, cfg.micro_batch), plan, cfg.group_size)
+                         for _, plan in jobs], isolate=cfg.isolate)
         for (entry, _), measured in zip(jobs, ran):
             entry.update(measured)
             entry["prompt_tokens"] = p
@@ -173,7 +173,7 @@ def run_prompt_bench(cfg: PromptBenchConfig, out: str) -> dict[str, Any]:
             results.append(entry)
             print_progress(len(results), entry, f"P={p}")
             if entry["status"] != "ok" or entry.get("over_budget"):
-                active.remove(entry["mode"])
+                active.remove(entry["plan"])
         write_json(out + ".tmp", document)
         if not active:
             break
@@ -189,11 +189,11 @@ def run_prompt_bench(cfg: PromptBenchConfig, out: str) -> dict[str, Any]:
 def prompt_summary(results: list[dict], cfg: PromptBenchConfig) -> dict[str, Any]:
     """Per plan: the largest P measured within the budget and the first P that was over it, failed or skipped."""
     summary: dict[str, Any] = {"budget_bytes": cfg.budget_bytes}
-    for mode in cfg.plans:
-        mine = sorted((r for r in results if r["mode"] == mode), key=lambda r: r["prompt_tokens"])
+    for plan in cfg.plans:
+        mine = sorted((r for r in results if r["plan"] == plan), key=lambda r: r["prompt_tokens"])
         within = [r["prompt_tokens"] for r in mine if r["status"] == "ok" and not r["over_budget"]]
         beyond = [r for r in mine if r["status"] != "ok" or r.get("over_budget")]
-        summary[mode] = {
+        summary[plan] = {
             "largest_within_budget": max(within) if within else None,
             "stopped_at": beyond[0]["prompt_tokens"] if beyond else None,
             "stopped_because": (beyond[0].get("error") or "over budget") if beyond else None,
@@ -203,11 +203,11 @@ def prompt_summary(results: list[dict], cfg: PromptBenchConfig) -> dict[str, Any
 
 def _prompt_lines(summary: dict) -> str:
     lines = [f"budget {_size(summary['budget_bytes'])}:"]
-    for mode, s in summary.items():
-        if mode == "budget_bytes":
+    for plan, s in summary.items():
+        if plan == "budget_bytes":
             continue
         stop = f", stopped at P={s['stopped_at']} ({s['stopped_because']})" if s["stopped_at"] else ""
-        lines.append(f"  {mode:<17} largest P within budget: {s['largest_within_budget']}{stop}")
+        lines.append(f"  {plan:<17} largest P within budget: {s['largest_within_budget']}{stop}")
     return "\n".join(lines)
 
 
@@ -221,15 +221,15 @@ def run_arch_bench(cfg: ArchBenchConfig, out: str) -> dict[str, Any]:
     results: list[dict] = document["results"]
     print(f"bench arch: {', '.join(archs)}; P={cfg.prompt_tokens} R={cfg.response_tokens} G in {list(cfg.groups)}",
           file=sys.stderr)
-    jobs = []  # (arch, model, job config, mode, G)
+    jobs = []  # (arch, model, job config, plan, G)
     for arch in archs:
         model = smoke_preset(arch) if cfg.smoke else arch_preset(arch)
         job_cfg = job_config(cfg, model, cfg.prompt_tokens, cfg.chunk_size, cfg.micro_batch)
-        jobs += [(arch, model, job_cfg, mode, g) for g in cfg.groups for mode in cfg.plans]
+        jobs += [(arch, model, job_cfg, plan, g) for g in cfg.groups for plan in cfg.plans]
     # isolate: a fresh worker per configuration; smoke: one worker for every family's configurations
     batches = [[job] for job in jobs] if cfg.isolate else [jobs]
     for batch in batches:
-        measured = run_batch([(c, mode, g) for _, _, c, mode, g in batch], isolate=cfg.isolate)
+        measured = run_batch([(c, plan, g) for _, _, c, plan, g in batch], isolate=cfg.isolate)
         for (arch, model, _, _, g), entry in zip(batch, measured):
             entry.update(arch=arch, model=model)
             results.append(entry)
@@ -270,8 +270,8 @@ def add_prompt_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"prompt lengths (default {' '.join(map(str, d.prompts))})")
     parser.add_argument("--response-tokens", type=positive_int, help=f"R (default {d.response_tokens})")
     parser.add_argument("--group-size", type=positive_int, help=f"G (default {d.group_size})")
-    parser.add_argument("--plans", "--modes", nargs="+", choices=PLANS, metavar="PLAN", dest="plans",
-                        help="plans (default all four; --modes: the older name)")
+    parser.add_argument("--plans", nargs="+", choices=PLANS, metavar="PLAN", dest="plans",
+                        help="plans (default all four)")
     parser.add_argument("--chunk-size", type=positive_int, help=f"prompt chunk (default {d.chunk_size})")
     parser.add_argument("--micro-batch", type=positive_int, help="responses replayed at once (default 1)")
     parser.add_argument("--budget", help="memory budget per step, e.g. 16GiB (default 16GiB)")
@@ -284,8 +284,8 @@ def add_pareto_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-tokens", type=positive_int, help=f"P (default {d.prompt_tokens})")
     parser.add_argument("--response-tokens", type=positive_int, help=f"R (default {d.response_tokens})")
     parser.add_argument("--group-size", type=positive_int, help=f"G (default {d.group_size})")
-    parser.add_argument("--plans", "--modes", nargs="+", choices=("detach", "exact"), metavar="PLAN", dest="plans",
-                        help="detach and/or exact (default both; --modes: the older name)")
+    parser.add_argument("--plans", nargs="+", choices=("detach", "exact"), metavar="PLAN", dest="plans",
+                        help="detach and/or exact (default both)")
     parser.add_argument("--micro-batches", type=positive_int, nargs="+", metavar="K",
                         help=f"default {' '.join(map(str, d.micro_batches))}")
     parser.add_argument("--chunk-sizes", type=positive_int, nargs="+", metavar="C",
@@ -311,8 +311,8 @@ def add_arch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--response-tokens", type=positive_int, help=f"R (default {d.response_tokens})")
     parser.add_argument("--groups", type=positive_int, nargs="+", metavar="G",
                         help=f"default {' '.join(map(str, d.groups))}")
-    parser.add_argument("--plans", "--modes", nargs="+", choices=PLANS, metavar="PLAN", dest="plans",
-                        help="plans (default all four; --modes: the older name)")
+    parser.add_argument("--plans", nargs="+", choices=PLANS, metavar="PLAN", dest="plans",
+                        help="plans (default all four)")
     parser.add_argument("--chunk-size", type=positive_int, help=f"default {d.chunk_size}")
     parser.add_argument("--micro-batch", type=positive_int, help="default 1")
 

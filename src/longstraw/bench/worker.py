@@ -24,7 +24,7 @@ from longstraw.peak import PeakMemory
 
 # Keys a config must carry; the parent (`bench/common.py`: `worker_config`) writes them all.
 CONFIG_KEYS = (
-    "model", "dtype", "device", "prompt_tokens", "response_tokens", "group_size", "mode", "chunk_size",
+    "model", "dtype", "device", "prompt_tokens", "response_tokens", "group_size", "plan", "chunk_size",
     "micro_batch", "seed", "checkpoint",
 )
 
@@ -82,10 +82,10 @@ def run_config(config: dict[str, Any]) -> dict[str, Any]:
     stall0 = _cpu_stall_us()
     t0, c0 = time.perf_counter(), time.process_time()
     result = backward_group(
-        model, group, plan=str(config["mode"]), chunk_size=int(config["chunk_size"]),
+        model, group, plan=str(config["plan"]), chunk_size=int(config["chunk_size"]),
         micro_batch=int(config["micro_batch"]), checkpoint=str(config["checkpoint"]),
-        offload_state=bool(config.get("offload_state", False)) and config["mode"] in ("detach", "exact"),
-        keep_prompt_graph=int(config.get("keep_prompt_graph", 0)) if config["mode"] == "exact" else 0,
+        offload_state=bool(config.get("offload_state", False)) and config["plan"] in ("detach", "exact"),
+        keep_prompt_graph=int(config.get("keep_prompt_graph", 0)) if config["plan"] == "exact" else 0,
     )
     if on_cuda:
         torch.cuda.synchronize(device)

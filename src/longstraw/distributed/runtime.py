@@ -95,7 +95,7 @@ class Parallel:
     # Context parallelism: blocks of `cp_size` consecutive ranks share each prompt (distributed/context.py);
     # data parallelism runs over the blocks.
     cp_size: int = 1
-    context_parallel: ContextParallel | None = field(default=None, repr=False)
+    context_shards: ContextParallel | None = field(default=None, repr=False)
 
     @classmethod
     def start(cls, device: str = "cpu", timeout_s: float = 1800.0, cp: int = 1) -> Parallel:
@@ -125,15 +125,15 @@ class Parallel:
                                 world_size=world_size, timeout=timedelta(seconds=timeout_s))
         mesh = init_device_mesh(torch.device(device).type, (world_size,))
         watch = FailureWatch(dist.PrefixStore("longstraw_watch", store), rank, world_size)
-        context_parallel = None
+        context_shards = None
         if cp > 1:
             # new_group is collective: every rank creates every block's group, and keeps its own.
             for first in range(0, world_size, cp):
                 group = dist.new_group(list(range(first, first + cp)))
                 if first <= rank < first + cp:
-                    context_parallel = ContextParallel(group)
+                    context_shards = ContextParallel(group)
         return cls(rank=rank, world_size=world_size, local_rank=local_rank, device=device, mesh=mesh, watch=watch,
-                   cp_size=cp, context_parallel=context_parallel)
+                   cp_size=cp, context_shards=context_shards)
 
     @property
     def distributed(self) -> bool:

@@ -22,6 +22,7 @@ from longstraw.engine.segment import run_segment
 from longstraw.engine.state.capture import capture_prompt
 from longstraw.engine.state.prompt import PromptState
 from longstraw.engine.state.response import ResponseState
+from longstraw.engine.state.sharding import ContextShards
 from longstraw.models.architecture import hf
 
 
@@ -80,12 +81,12 @@ def sample_group(
     chunk_size: int = 2048,
     state: PromptState | None = None,
     keep_boundaries: bool = True,
-    context_parallel=None,
+    context_shards: ContextShards | None = None,
 ) -> Rollout:
     """Draw `group_size` responses to `prompt` (P,) with one prompt prefill. Deterministic for a given seed.
 
     keep_boundaries: capture the recurrent state at every chunk boundary, so the exact plan can reuse the
-    rollout's state (detach-only training can save that memory with False). context_parallel: the prompt
+    rollout's state (detach-only training can save that memory with False). context_shards: the prompt
     state is sharded over that group's ranks, which all call this with the same arguments and get the same
     samples."""
     if group_size < 1:
@@ -95,7 +96,8 @@ def sample_group(
     device = hf(model).get_input_embeddings().weight.device
     prompt = prompt.to(device=device, dtype=torch.long)
     if state is None:
-        state = capture_prompt(model, prompt[:-1], chunk_size, keep_boundaries=keep_boundaries, cp=context_parallel)
+        state = capture_prompt(model, prompt[:-1], chunk_size, keep_boundaries=keep_boundaries,
+                               context_shards=context_shards)
     weight = hf(model).get_output_embeddings().weight  # (V, d)
     generated = ResponseState(group_size, sampling.max_new_tokens)
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -137,14 +139,14 @@ def score_responses(
     chunk_size: int = 2048,
     micro_batch: int = 1,
     state: PromptState | None = None,
-    context_parallel=None,
+    context_shards: ContextShards | None = None,
 ) -> list[torch.Tensor]:
     """Per-token log-probs (R_i,) of each response under `model`, from one prompt capture (e.g. the frozen
     reference model's log-probs for the KL term). Same replay path as training, without backward."""
     device = hf(model).get_input_embeddings().weight.device
     prompt = prompt.to(device=device, dtype=torch.long)
     if state is None:
-        state = capture_prompt(model, prompt[:-1], chunk_size, keep_boundaries=False, cp=context_parallel)
+        state = capture_prompt(model, prompt[:-1], chunk_size, keep_boundaries=False, context_shards=context_shards)
     responses = [r.to(device=device, dtype=torch.long) for r in responses]
     _, logprobs = replay_responses(model, prompt, state, responses, None, micro_batch, DEFAULT_TOKEN_CHUNK)
     return logprobs

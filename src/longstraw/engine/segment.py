@@ -63,13 +63,13 @@ def _longstraw_attention(
     decoding = ctx.generated is not None
     prefix = ctx.state.attention_chunks(layer)
     expand = getattr(module, "expand_kv", None)
-    cp = ctx.state.cp if ctx.state.length > 0 else None
+    context_shards = ctx.state.context_shards if ctx.state.length > 0 else None
     if sliding_window is None and indices is None and expand is None and softcap is None:
         # Decoding: one new token per sequence sees every generated token, so no causal mask among them.
         out = prefix_attention(query, key, value, [k for _, k, _ in prefix], [v for _, _, v in prefix], scale,
-                               causal=not decoding, cp=cp)
+                               causal=not decoding, context_shards=context_shards)
         return out.transpose(1, 2), None
-    if cp is not None:
+    if context_shards is not None:
         raise ValueError("context parallelism covers full-attention and recurrent layers only (this layer uses a "
                          "sliding window, DSA or MLA): run without context parallelism")
     t, s = query.shape[2], key.shape[2]

@@ -22,7 +22,7 @@ touched (`_config_refusals`, `_model_refusals`). Evaluation (`prediction_step`) 
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -33,9 +33,9 @@ try:
 except ImportError as err:  # pragma: no cover - exercised only without the extra
     raise ImportError(f"longstraw.integrations.trl needs TRL: pip install 'longstraw[trl]' ({err})") from err
 
-from longstraw.choices import CHECKPOINT_CHOICES, MODES
 from longstraw.engine.api import backward_group
 from longstraw.engine.group import Group
+from longstraw.engine.options import BackwardOptions
 from longstraw.models.architecture import check_architecture, eval_mode_when_equal, hf
 
 __all__ = ["LongStrawGRPOConfig", "LongStrawGRPOTrainer"]
@@ -57,7 +57,7 @@ class LongStrawGRPOConfig(GRPOConfig):
 
     longstraw_plan: str = field(
         default="exact",
-        metadata={"help": "backward_group's mode: 'exact' (TRL's gradient, prompt encoded once), 'detach' (the "
+        metadata={"help": "backward_group's plan: 'exact' (TRL's gradient, prompt encoded once), 'detach' (the "
                           "paper's cheaper plan: the prompt state is a constant, a biased gradient), 'standard' / "
                           "'standard_batched' (full sequences, the reference)."},
     )
@@ -77,32 +77,24 @@ class LongStrawGRPOConfig(GRPOConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.longstraw_plan not in MODES:
-            raise ValueError(f"longstraw_plan must be one of {', '.join(MODES)}, got {self.longstraw_plan!r}")
-        for name in ("longstraw_chunk_size", "longstraw_micro_batch"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        keep = self.longstraw_keep_prompt_graph
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
-            raise ValueError(f"longstraw_keep_prompt_graph must be an integer >= 0, got {keep!r}")
-        if keep and self.longstraw_plan != "exact":
-            raise ValueError(f"longstraw_keep_prompt_graph applies to the exact plan, not {self.longstraw_plan!r}: "
-                             "set it to 0")
-        if self.longstraw_checkpoint is not None and self.longstraw_checkpoint not in CHECKPOINT_CHOICES:
-            raise ValueError(f"longstraw_checkpoint must be None or one of {', '.join(CHECKPOINT_CHOICES)}, got "
-                             f"{self.longstraw_checkpoint!r}")
+        _backward_options(self)  # refused here, when the config is built, not after the first generation
 
 
-def _settings(args: GRPOConfig) -> dict[str, Any]:
-    """backward_group's plan settings from the config (a plain GRPOConfig gets LongStrawGRPOConfig's defaults)."""
+def _backward_options(args: GRPOConfig) -> BackwardOptions:
+    """backward_group's options from the config (a plain GRPOConfig gets LongStrawGRPOConfig's defaults), validated
+    by the engine; the loss and its parameters are set per group (`_loss_options`)."""
     checkpoint = getattr(args, "longstraw_checkpoint", None)
     if checkpoint is None:
         checkpoint = "layers" if args.gradient_checkpointing else "none"
-    return dict(mode=getattr(args, "longstraw_plan", "exact"), chunk_size=getattr(args, "longstraw_chunk_size", 2048),
-                micro_batch=getattr(args, "longstraw_micro_batch", 1), checkpoint=checkpoint,
-                offload_state=getattr(args, "longstraw_offload_state", False),
-                keep_prompt_graph=getattr(args, "longstraw_keep_prompt_graph", 0))
+    try:
+        return BackwardOptions(plan=getattr(args, "longstraw_plan", "exact"),
+                               chunk_size=getattr(args, "longstraw_chunk_size", 2048),
+                               micro_batch=getattr(args, "longstraw_micro_batch", 1), checkpoint=checkpoint,
+                               offload_state=getattr(args, "longstraw_offload_state", False),
+                               keep_prompt_graph=getattr(args, "longstraw_keep_prompt_graph", 0),
+                               allow_train_mode=True)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"LongStrawGRPOConfig's longstraw_* options: {err}") from None
 
 
 def _loss_kind(args: GRPOConfig) -> str:
@@ -205,7 +197,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         _refuse(_config_refusals(named["args"], named))
         super().__init__(*bound.args[1:], **bound.kwargs)
         _refuse(self._model_refusals())
-        self._longstraw = _settings(self.args)
+        self._longstraw = _backward_options(self.args)
 
     def _policy(self) -> torch.nn.Module:
         """The causal LM backward_group runs: unwrapped from accelerate, and the PEFT model's LoRA-injected base."""
@@ -309,8 +301,9 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         policy = self._policy()
         # Trainer may run this under autocast (bf16 with a bfloat16 model): LongStraw computes in the model's dtype.
         with torch.autocast(hf(policy).device.type, enabled=False):
-            result = backward_group(policy, group, loss=_loss_kind(self.args), temperature=self.temperature,
-                                    allow_train_mode=True, **self._longstraw, **self._loss_options(len(keep), inputs))
+            options = replace(self._longstraw, loss=_loss_kind(self.args), temperature=self.temperature,
+                              **self._loss_options(len(keep), inputs))
+            result = backward_group(policy, group, options)
         return result.loss
 
     def _loss_options(self, kept: int, inputs: dict[str, Any]) -> dict[str, Any]:

@@ -38,8 +38,8 @@ assumed expert-parallel (sharded, never gathered). Context parallelism `cp` divi
 prompt state (and its gradient) of detach/exact over `cp` GPUs; every rank keeps all recurrent states (each runs
 every chunk, `StateBytes.per_rank`); the standard plans are not context-parallel.
 
-Memory levers, as the engine implements them: `checkpoint_layers` (engine/activation_checkpointing.py: each layer's input, plus one
-layer's activations and backward buffers while it is recomputed) and `offload_state` (the state and its gradient
+Memory levers, as the engine implements them: `checkpoint_layers` (activation_checkpointing: each layer's input, plus
+one layer's activations and backward buffers while it is recomputed) and `offload_state` (the state and its gradient
 in host memory, one layer's copies on the device; saves nothing without checkpointing).
 
 The package, by what each module holds (every name of the former single module `planner.py`, private helpers

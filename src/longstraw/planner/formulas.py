@@ -294,8 +294,9 @@ def _mlp_width(spec: ModelSpec, layer: int) -> int:
 def segment_activation_bytes(spec: ModelSpec, b: int, a: int, kernel: str, tokens: int, batch: int,
                              checkpoint_layers: bool, scans: bool = True) -> int:
     """Saved bytes of a forward with grad over `batch` rows of `tokens` tokens, plus the recurrent layers' backward
-    transient; with per-layer activation checkpointing (`engine/activation_checkpointing.py`) each layer's input (d·b) is kept, plus,
-    while one layer is recomputed and backpropagated, that layer's activations and its backward's gradient buffers:
+    transient; with per-layer activation checkpointing (`activation_checkpointing`) each layer's input (d·b) is kept,
+    plus, while one layer is recomputed and backpropagated, that layer's activations and its backward's gradient
+    buffers:
     the MLP's four intermediate gradients and two of the hidden size, (4·I + 2·d)·b (measured on deep-smollm2:
     28.2-28.9 KB per token where this gives 28.5), or a recurrent scan's (`RecurrentBytes.backward`).
 

@@ -28,8 +28,6 @@ from longstraw.tasks.haystack import MultikeyTask, PasskeyTask, build_haystack
 from longstraw.tasks.jsonl import JsonlTask, load_reward_fn
 from longstraw.tasks.kv import KVTask
 
-TASK_NAMES = TASKS  # older name, kept for callers; the tuple lives in `longstraw.choices` (read torch-free by the CLI)
-
 
 def make_task(name: str, **options: Any) -> Task:
     """Build task ``name`` with ``options`` as its dataclass fields, e.g. ``make_task("passkey", tokenizer=tok)``."""
@@ -52,7 +50,7 @@ def make_task(name: str, **options: Any) -> Task:
 
 
 __all__ = [
-    "TASKS", "TASK_NAMES", "Example", "JsonlTask", "KVTask", "MultikeyTask", "PasskeyTask", "Task", "build_haystack",
+    "TASKS", "Example", "JsonlTask", "KVTask", "MultikeyTask", "PasskeyTask", "Task", "build_haystack",
     "count_tokens", "digit_reward", "first_number", "format_prompt", "load_reward_fn", "make_task",
     "positional_match",
 ]

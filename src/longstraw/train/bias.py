@@ -78,7 +78,7 @@ def exact_gradient(model: torch.nn.Module, groups: list[Group], cfg: TrainConfig
         for p in params:
             p.grad = None
         for group in groups:
-            backward_group(model, group, plan="exact", **cfg.backward_options())
+            backward_group(model, group, cfg.backward_options(plan="exact"))
         # The trainer averages its groups' gradients the same way (sum, then divide by the number of groups).
         exact = [p.grad.div_(len(groups)) if p.grad is not None else None for p in params]
     finally:

@@ -12,31 +12,17 @@ import math
 import tomllib
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import TYPE_CHECKING, Any
 
-from longstraw.choices import ADVANTAGES, DTYPES, LOSSES, PLANS, TASKS
+from longstraw.choices import ADVANTAGES, DTYPES, LOSSES, TASKS
+
+if TYPE_CHECKING:
+    from longstraw.engine.options import BackwardOptions
+    from longstraw.engine.state.sharding import ContextShards
 
 
 def _f(default: Any, help: str) -> Any:  # noqa: A002 - mirrors argparse's name
     return field(default=default, metadata={"help": help})
-
-
-class LossOptions(TypedDict, total=False):
-    """`TrainConfig.loss_options()`: the loss keywords of `backward_group` that the config sets."""
-
-    beta: float
-    epsilon_low: float
-    epsilon_high: float
-
-
-class BackwardOptions(LossOptions, total=False):
-    """`TrainConfig.backward_options()`: every `backward_group` keyword the config sets, the plan aside."""
-
-    loss: str
-    chunk_size: int
-    micro_batch: int
-    checkpoint: str
-    offload_state: bool
 
 
 @dataclass
@@ -127,16 +113,12 @@ class TrainConfig:
                 need(isinstance(value, str), f"{f.name} must be a string, got {value!r}")
         _check_device(self.device)
         need(self.task in TASKS, f"task {self.task!r} is unknown: choose one of {', '.join(TASKS)}")
+        self.backward_options()  # plan, loss and its parameters, and their combinations: the engine's own rules
         need(self.cp >= 1, f"cp must be >= 1, got {self.cp}")
         need(self.cp == 1 or self.plan in ("detach", "exact"),
              f"cp = {self.cp} shards the prompt state, which the {self.plan} plan does not use: --plan detach or exact")
-        need(self.loss in LOSSES, f"loss {self.loss!r} is unknown: choose one of {', '.join(LOSSES)}")
         need(self.advantage in ADVANTAGES,
              f"advantage {self.advantage!r} is unknown: choose one of {', '.join(ADVANTAGES)}")
-        need(self.plan in PLANS, f"plan {self.plan!r} is unknown: choose one of {', '.join(PLANS)}")
-        need(not self.offload_state or self.plan in ("detach", "exact"),
-             f"offload_state moves the prompt state to host memory; the {self.plan} plan has none: --plan detach or "
-             "exact")
         # The meter measures the detach plan's bias; exact and standard compute the unbiased gradient themselves.
         need(self.bias_every <= 0 or self.plan == "detach",
              f"bias_every measures the detach plan's gradient against the exact one; the {self.plan} plan computes "
@@ -165,30 +147,33 @@ class TrainConfig:
             value = getattr(self, name)
             need(value == -1 or (math.isfinite(value) and value >= 0),
                  f"{name} must be a finite number >= 0, or -1 for the loss's default; got {value}")
-        need(self.epsilon_low < 1,
-             f"epsilon_low must be < 1 (the ratio's lower clip is 1 - epsilon_low), got {self.epsilon_low}")
         need(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
         if self.task == "jsonl":
             need(bool(self.data), "task jsonl needs --data FILE.jsonl")
         else:
             need(not self.data and not self.reward_fn, "--data and --reward-fn only apply to --task jsonl")
 
-    def loss_options(self) -> LossOptions:
-        """Options for `backward_group`; a clip value of -1 means "the loss's own default"."""
-        opts: LossOptions = {"beta": self.beta}
+    def loss_options(self) -> dict[str, float]:
+        """The loss parameters this config sets; a clip value of -1 means "the loss's own default"."""
+        opts = {"beta": self.beta}
         if self.epsilon_low >= 0:
             opts["epsilon_low"] = self.epsilon_low
         if self.epsilon_high >= 0:
             opts["epsilon_high"] = self.epsilon_high
         return opts
 
-    def backward_options(self) -> BackwardOptions:
-        """The `backward_group` keywords of this config but the plan (the trainer's, or the bias meter's exact)."""
-        opts: BackwardOptions = {"loss": self.loss, "chunk_size": self.chunk_size, "micro_batch": self.micro_batch,
-                                 "checkpoint": "layers" if self.checkpoint_layers else "none",
-                                 "offload_state": self.offload_state}
-        opts.update(self.loss_options())
-        return opts
+    def backward_options(self, plan: str | None = None,
+                         context_shards: ContextShards | None = None) -> BackwardOptions:
+        """The `backward_group` options of this config (validated there), with another plan if given (the bias
+        meter's exact) and the run's context-parallel group."""
+        from longstraw.engine.options import BackwardOptions
+
+        clip = self.loss_options()
+        return BackwardOptions(plan=self.plan if plan is None else plan, loss=self.loss, beta=self.beta,
+                               epsilon_low=clip.get("epsilon_low"), epsilon_high=clip.get("epsilon_high"),
+                               chunk_size=self.chunk_size, micro_batch=self.micro_batch,
+                               checkpoint="layers" if self.checkpoint_layers else "none",
+                               offload_state=self.offload_state, context_shards=context_shards)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -72,17 +72,17 @@ class Sampler:
         """Prompt j of 0-based `step`, sampled (its own seed), rewarded, with its advantages."""
         cfg, data = self.cfg, self.data
         prompt = data.encode(example)
-        cp = self.par.context_parallel  # None unless ranks share prompts (--cp)
+        cp = self.par.context_shards  # None unless ranks share prompts (--cp)
         # The exact plan reuses this state and needs the recurrent state at every chunk boundary; detach does not.
         out = sample_group(model, prompt, cfg.group_size, self.sampling, seed=derive_seed(cfg.seed, step, j, 1),
-                           chunk_size=cfg.chunk_size, keep_boundaries=cfg.plan == "exact", context_parallel=cp)
+                           chunk_size=cfg.chunk_size, keep_boundaries=cfg.plan == "exact", context_shards=cp)
         rewards = torch.tensor([data.reward(data.decode(r), example, f"step {step + 1}") for r in out.responses],
                                dtype=torch.float64)
         advantages = compute_advantages(rewards, cfg.advantage)
         ref = None
         if self.reference is not None:
             ref = score_responses(self.reference, prompt, out.responses, cfg.chunk_size, cfg.micro_batch,
-                                  context_parallel=cp)
+                                  context_shards=cp)
         group = Group(prompt, out.responses, advantages, old_logprobs=out.logprobs, ref_logprobs=ref)
         return ScoredGroup(prompt=prompt, group=group, state=out.state, rewards=rewards)
 
@@ -104,7 +104,7 @@ class Sampler:
         with par.compute(model, reduce=False):
             for i, example in enumerate(mine):
                 out = sample_group(model, data.encode(example), 1, greedy, chunk_size=cfg.chunk_size,
-                                   context_parallel=par.context_parallel)
+                                   context_shards=par.context_shards)
                 total += data.reward(data.decode(out.responses[0]), example, "held-out evaluation")
                 if talk and tty:
                     print(f"\r  prompt {i + 1}/{len(mine)}   ", end="", file=sys.stderr, flush=True)

@@ -69,6 +69,7 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, parallel: Parallel | None = None) -> None:
         self.cfg = cfg
         self.par = parallel if parallel is not None else Parallel(device=cfg.device)  # one process by default
+        self.options = cfg.backward_options(context_shards=self.par.context_shards)  # every group's backward
         self.par.share(cfg.prompts_per_step)  # refuse a count the ranks cannot split before loading anything
         if cfg.bias_every and self.par.distributed:
             raise ValueError("--bias-every runs in one process only (sharded gradients): drop it or --nproc")
@@ -107,8 +108,7 @@ class Trainer:
                 for j, r in enumerate(kept):
                     progress.update(step, f"train (pass {it + 1})", j, len(kept))
                     state = r.state if it == 0 else None  # the rollout's prompt state serves the first pass
-                    result = backward_group(self.model, r.group, plan=cfg.plan, prompt_state=state,
-                                            context_parallel=self.par.context_parallel, **cfg.backward_options())
+                    result = backward_group(self.model, r.group, self.options, prompt_state=state)
                     if cfg.offload_state:
                         r.state = None  # its host copy served this pass: free the device copy the sampler made
                     loss_total += result.loss / n_kept

@@ -55,7 +55,7 @@ def test_kept_graphs_give_the_same_gradient(family, monkeypatch):
                                     offload_state=offload, keep_prompt_graph=keep)
             assert_close(f"grads(model) {(family, checkpoint, offload, keep)}", reference, grads(model), SAME_ORDER_F64)
             assert sorted(starts) == [0, 16, 32, 48, 64][: max(0, 5 - keep)], (keep, starts)
-            assert result.stats["mode"] == "exact"
+            assert result.stats["plan"] == "exact"
 
 
 def test_kept_graph_is_released_after_its_backward():

@@ -48,10 +48,10 @@ def test_exact_equals_standard(family, prompt_len, micro_batch):
     model, tol = _model(family), _tol(family)
     group = random_group(prompt_len, [5, 1, 9], seed=prompt_len)
     out = {}
-    for mode in ("standard", "exact", "detach"):
+    for plan in ("standard", "exact", "detach"):
         model.zero_grad()
-        result = backward_group(model, group, mode=mode, chunk_size=13, micro_batch=micro_batch)
-        out[mode] = (grads(model).clone(), result.logprobs)
+        result = backward_group(model, group, plan=plan, chunk_size=13, micro_batch=micro_batch)
+        out[plan] = (grads(model).clone(), result.logprobs)
     (g_std, lp_std), (g_exact, lp_exact), (g_detach, lp_detach) = out["standard"], out["exact"], out["detach"]
     for a, b, c in zip(lp_std, lp_exact, lp_detach):
         assert float((a - b).abs().max()) <= tol and float((a - c).abs().max()) <= tol
@@ -184,7 +184,7 @@ def test_sampled_logprobs_equal_a_full_forward(family):
 def test_one_token_chunks_are_refused_for_recurrent_exact():
     group = random_group(20, [3, 4])
     with pytest.raises(ValueError, match="chunk_size >= 2"):
-        backward_group(_model("mamba2"), group, mode="exact", chunk_size=1)
+        backward_group(_model("mamba2"), group, plan="exact", chunk_size=1)
 
 
 @pytest.mark.parametrize("family", ["qwen3_next-A", "qwen3_5_text", "mamba2", "falcon_h1", "glm_moe_dsa",

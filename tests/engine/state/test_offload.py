@@ -27,16 +27,16 @@ def test_offloaded_state_gives_the_same_gradient(family):
     relative gradient error <= 1e-12 against the resident state without checkpointing."""
     model = _model(family)
     group = random_group(300, [5, 1, 9], seed=3)
-    for mode in ("detach", "exact"):
+    for plan in ("detach", "exact"):
         model.zero_grad()
-        backward_group(model, group, mode=mode, chunk_size=13, micro_batch=2)
+        backward_group(model, group, plan=plan, chunk_size=13, micro_batch=2)
         reference = grads(model).clone()
-        for checkpoint in ("none", "layers") if mode == "exact" else ("layers",):
+        for checkpoint in ("none", "layers") if plan == "exact" else ("layers",):
             model.zero_grad()
-            result = backward_group(model, group, mode=mode, chunk_size=13, micro_batch=2, checkpoint=checkpoint,
+            result = backward_group(model, group, plan=plan, chunk_size=13, micro_batch=2, checkpoint=checkpoint,
                                     offload_state=True)
             assert result.stats["offload_state"] is True
-            assert_close(f"grads(model) {(mode, checkpoint)}", reference, grads(model), SAME_ORDER_F64)
+            assert_close(f"grads(model) {(plan, checkpoint)}", reference, grads(model), SAME_ORDER_F64)
 
 
 def test_offloaded_state_is_read_through_copies():
@@ -66,10 +66,10 @@ def test_a_given_prompt_state_is_offloaded(tiny_llama64):
     state = capture_prompt(tiny_llama64, group.prompt[:-1], chunk_size=8)
     assert state.offload(torch.device("cpu")).device == torch.device("cpu")
     tiny_llama64.zero_grad()
-    backward_group(tiny_llama64, group, mode="exact", chunk_size=8)
+    backward_group(tiny_llama64, group, plan="exact", chunk_size=8)
     reference = grads(tiny_llama64).clone()
     tiny_llama64.zero_grad()
-    backward_group(tiny_llama64, group, mode="exact", chunk_size=8, prompt_state=state, offload_state=True)
+    backward_group(tiny_llama64, group, plan="exact", chunk_size=8, prompt_state=state, offload_state=True)
     assert_close('grads(tiny_llama64)', reference, grads(tiny_llama64), SAME_ORDER_F64)
 
 
@@ -112,7 +112,7 @@ def test_offloaded_state_keeps_one_layer_on_the_device(monkeypatch):
     measured = {}
     for checkpoint in ("layers", "none"):
         peak[0] = 0
-        backward_group(model, group, mode="exact", chunk_size=16, checkpoint=checkpoint, offload_state=True)
+        backward_group(model, group, plan="exact", chunk_size=16, checkpoint=checkpoint, offload_state=True)
         measured[checkpoint] = peak[0]
     parts = planner.state_parts(spec, 199, 4, 16, exact=True)
     whole, one_layer = parts.attention, parts.largest_layer
@@ -134,7 +134,7 @@ def test_offloaded_state_keeps_one_layer_on_the_device(monkeypatch):
 
     monkeypatch.setattr(prompt_module, "_prefetch_by_default", lambda device: device is not None)
     peak[0] = 0
-    backward_group(model, group, mode="exact", chunk_size=16, checkpoint="layers", offload_state=True)
+    backward_group(model, group, plan="exact", chunk_size=16, checkpoint="layers", offload_state=True)
     on_gpu = planner.estimate(spec, replace(inp, device="cuda"), "exact").components
     assert on_gpu["prompt_state"] > forecast["prompt_state"]
     assert abs(on_gpu["prompt_state"] / peak[0] - 1) <= 0.05, (on_gpu["prompt_state"], peak[0], measured)
@@ -152,7 +152,7 @@ def test_prefetched_reads_give_the_same_gradient(family, monkeypatch):
     probe = capture_prompt(model, torch.arange(20), chunk_size=16)
     attention_layers = sum(any(k is not None for k in probe.keys[i]) for i in range(probe.num_layers))
     model.zero_grad()
-    backward_group(model, group, mode="exact", chunk_size=16, micro_batch=1)
+    backward_group(model, group, plan="exact", chunk_size=16, micro_batch=1)
     reference = grads(model).clone()
 
     served = []
@@ -164,16 +164,16 @@ def test_prefetched_reads_give_the_same_gradient(family, monkeypatch):
 
     monkeypatch.setattr(prompt_module, "_prefetch_by_default", lambda device: device is not None)
     monkeypatch.setattr(prompt_module._Prefetched, "take", counting_take)
-    for mode in ("detach", "exact"):
+    for plan in ("detach", "exact"):
         for checkpoint in ("none", "layers"):
             model.zero_grad()
             served.clear()
-            backward_group(model, group, mode=mode, chunk_size=16, micro_batch=1, checkpoint=checkpoint,
+            backward_group(model, group, plan=plan, chunk_size=16, micro_batch=1, checkpoint=checkpoint,
                            offload_state=True)
-            if mode == "exact":
-                assert_close(f"grads(model) {(mode, checkpoint)}", reference, grads(model), SAME_ORDER_F64)
+            if plan == "exact":
+                assert_close(f"grads(model) {(plan, checkpoint)}", reference, grads(model), SAME_ORDER_F64)
             if attention_layers >= 2:  # with one attention layer there is nothing to read ahead
-                assert served, f"{mode}/{checkpoint}: no read was served from a prefetched copy"
+                assert served, f"{plan}/{checkpoint}: no read was served from a prefetched copy"
 
 
 def test_prefetch_holds_at_most_one_layer_ahead_and_follows_the_direction():

@@ -245,7 +245,7 @@ def prefix_attention(
     prefix_values: list[torch.Tensor],
     scale: float,
     causal: bool = True,
-    cp: ContextShards | None = None,
+    context_shards: ContextShards | None = None,
 ) -> torch.Tensor:
     """Attention of new tokens over [prefix ; own tokens], exactly merged.
 
@@ -253,8 +253,8 @@ def prefix_attention(
     causal=True (training, capture): S == T and token t sees own tokens 0 … t. Right padding needs no mask
     beyond causality: a real token never sees a later (padding) position. causal=False (decoding one token
     per sequence, T == 1): the query sees all S own tokens. Returns (B, H, T, D).
-    cp: a context-parallel group (`state.sharding.ContextShards`) when the prefix is sharded over ranks (this
-    rank's chunks are `prefix_keys`, possibly none): the partial results of all ranks are merged by log-sum-exp.
+    context_shards: a context-parallel group (`state.sharding.ContextShards`) when the prefix is sharded over ranks
+    (this rank's chunks are `prefix_keys`, possibly none): the partial results of all ranks are merged by log-sum-exp.
     """
     b, h, t, d = query.shape
     hkv, s = key.shape[1], key.shape[2]
@@ -267,24 +267,24 @@ def prefix_attention(
     v_own = value.repeat_interleave(g, dim=1).reshape(1, b * h, s, d)
     out, lse = ChunkAttention.apply(q_own, scale, causal, 1, k_own, v_own)
     out, lse = out.view(b, hkv, g, t, d), lse.view(b, hkv, g, t)
-    if not prefix_keys and cp is None:
+    if not prefix_keys and context_shards is None:
         return out.to(query.dtype).reshape(b, h, t, d)
     # Prefix: fold batch, group and time into one row set, (B, Hkv, g, T, D) -> (Hkv, B*g*T, D), so the
     # shared prefix K/V (Hkv, P, D) is read once for all sequences and heads, never expanded or copied.
     q_rows = query.view(b, hkv, g, t, d).permute(1, 0, 2, 3, 4).reshape(hkv, b * g * t, d)
     n = len(prefix_keys)
-    if cp is None:
+    if context_shards is None:
         p_out, p_lse = ChunkAttention.apply(q_rows, scale, False, n, *prefix_keys, *prefix_values)
     else:
         # Every rank must take part in the backward all-reduce of q's gradient, even without chunks of its own.
-        q_rows = cp.reduce_grad(q_rows)
+        q_rows = context_shards.reduce_grad(q_rows)
         like_out = q_rows.new_zeros(hkv, b * g * t, prefix_values[0].shape[-1] if n else d, dtype=lse.dtype)
         if n:
             p_out, p_lse = ChunkAttention.apply(q_rows, scale, False, n, *prefix_keys, *prefix_values)
         else:
             p_out = like_out + 0 * q_rows.sum().to(lse.dtype)  # zero, but in the graph of q_rows
             p_lse = torch.full_like(like_out[..., 0], torch.finfo(lse.dtype).min)
-        p_out, p_lse = cp.merge(p_out, p_lse, like_out, like_out[..., 0])
+        p_out, p_lse = context_shards.merge(p_out, p_lse, like_out, like_out[..., 0])
     p_out = p_out.view(hkv, b, g, t, d).permute(1, 0, 2, 3, 4)  # (B, Hkv, g, T, D)
     p_lse = p_lse.view(hkv, b, g, t).permute(1, 0, 2, 3)  # (B, Hkv, g, T)
     total = torch.logaddexp(lse, p_lse)

@@ -1,4 +1,5 @@
-"""The exact plan's extra phase: reverse chunked prompt backward (docs/design.md §3).
+"""The exact plan (ours; docs/design.md §3): the detach plan's replays with the prompt state as grad-requiring
+leaves, then the reverse chunked prompt backward, so the gradient equals standard GRPO's.
 
 After every response was replayed against the prompt state as leaves, each leaf's `.grad` holds dL/dS for
 its part of the state (K/V or latent chunks, and for recurrent layers the state after the last chunk),
@@ -16,11 +17,39 @@ a recompute: one prompt forward fewer per kept chunk, for those chunks' activati
 
 from __future__ import annotations
 
+import time
+
 import torch
 
+from longstraw.engine.options import BackwardOptions
+from longstraw.engine.plans.replay import LossFn, replay_responses
 from longstraw.engine.segment import run_segment
+from longstraw.engine.state.capture import capture_prompt
 from longstraw.engine.state.prompt import GRAD_PARTS, Collected, PromptState
 from longstraw.engine.state.sharding import ContextShards
+
+
+def exact(model: torch.nn.Module, prompt: torch.Tensor, responses: list[torch.Tensor], loss_fn: LossFn,
+          options: BackwardOptions, prompt_state: PromptState | None,
+          stats: dict[str, float | int | str]) -> tuple[float, list[torch.Tensor]]:
+    """prompt (P,), responses [(R_i,)]: the loss's full gradient into the parameters. Captures prompt[:-1] as
+    leaves (with its last `keep_prompt_graph` chunks' graphs), or makes leaves of `prompt_state`; replays every
+    response; then backpropagates the prompt. Phase times and the state's size go into `stats`."""
+    t0 = time.perf_counter()
+    if prompt_state is None:
+        state = capture_prompt(model, prompt[:-1], options.chunk_size, keep_boundaries=True,
+                               context_shards=options.context_shards, offload=options.offload_state, leaves=True,
+                               keep_graph=options.keep_prompt_graph)
+    else:
+        state = (prompt_state.offload(prompt.device) if options.offload_state else prompt_state).as_leaves()
+    t1 = time.perf_counter()
+    total, logprobs = replay_responses(model, prompt, state, responses, loss_fn, options.micro_batch,
+                                       options.token_chunk, options.temperature)
+    t2 = time.perf_counter()
+    prompt_backward(model, prompt[:-1], state)
+    stats.update(prompt_state_bytes=state.nbytes(), capture_s=t1 - t0, replay_s=t2 - t1,
+                 prompt_backward_s=time.perf_counter() - t2)
+    return total, logprobs
 
 
 def prompt_backward(model: torch.nn.Module, ids: torch.Tensor, leaves: PromptState) -> None:
@@ -28,14 +57,14 @@ def prompt_backward(model: torch.nn.Module, ids: torch.Tensor, leaves: PromptSta
     if not leaves.keep_boundaries and leaves.num_chunks > 1:
         raise ValueError("the exact plan needs the recurrent state at every chunk boundary: capture the prompt "
                          "with keep_boundaries=True")
-    cp = leaves.cp
+    context_shards = leaves.context_shards
     for j in reversed(range(leaves.num_chunks)):
         start, end = leaves.bounds[j]
         produced = leaves.chunk_outputs(j)
         # An offloaded state's gradients live beside it in host memory: bring chunk j's to the compute device.
         upstream = [None if t is None or t.grad is None else leaves.fetch(t.grad) for t in produced]
         kept = leaves.graphs.pop(j, None)  # the capture's own graph of chunk j, if it was kept
-        if cp is None and all(g is None for g in upstream):
+        if context_shards is None and all(g is None for g in upstream):
             continue  # (under context parallelism every rank recomputes every chunk: collectives run in step)
         collect: Collected = {}
         if kept is not None:
@@ -44,8 +73,8 @@ def prompt_backward(model: torch.nn.Module, ids: torch.Tensor, leaves: PromptSta
             with torch.enable_grad():
                 run_segment(model, ids[start:end].unsqueeze(0), start, leaves.prefix(j), collect, kv_only=True)
             recomputed = PromptState.outputs_of(collect, leaves.num_layers)
-        if cp is not None:
-            upstream = _owner_gradients(cp, j, leaves.num_chunks, upstream, recomputed)
+        if context_shards is not None:
+            upstream = _owner_gradients(context_shards, j, leaves.num_chunks, upstream, recomputed)
         pairs = [(out, g) for out, g in zip(recomputed, upstream) if g is not None and out is not None]
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         for t in produced:
@@ -54,13 +83,14 @@ def prompt_backward(model: torch.nn.Module, ids: torch.Tensor, leaves: PromptSta
         del collect, recomputed, pairs, kept  # and this chunk's recompute (or kept graph), before the next one runs
 
 
-def _owner_gradients(cp: ContextShards, j: int, num_chunks: int, upstream: list, recomputed: list) -> list:
+def _owner_gradients(context_shards: ContextShards, j: int, num_chunks: int, upstream: list,
+                     recomputed: list) -> list:
     """Context parallelism: chunk j's K/V gradients live on its owner; every rank needs them to backpropagate
     its (replicated) recompute of chunk j. Recurrent parts are replicated, so their gradients are local.
     GRAD_PARTS order per layer: key, value, conv, recurrent."""
     attention = [i for i, out in enumerate(recomputed) if out is not None and i % len(GRAD_PARTS) < 2]
-    shared = cp.broadcast_from([upstream[i] for i in attention], [recomputed[i] for i in attention],
-                               cp.owner(j, num_chunks))
+    shared = context_shards.broadcast_from([upstream[i] for i in attention], [recomputed[i] for i in attention],
+                                           context_shards.owner(j, num_chunks))
     upstream = list(upstream)
     for i, g in zip(attention, shared):
         upstream[i] = g

@@ -21,14 +21,14 @@ def chunk_bounds(length: int, chunk_size: int) -> list[tuple[int, int]]:
 
 
 def capture_prompt(model: torch.nn.Module, ids: torch.Tensor, chunk_size: int,
-                   keep_boundaries: bool = True, cp: ContextShards | None = None,
+                   keep_boundaries: bool = True, context_shards: ContextShards | None = None,
                    offload: bool = False, leaves: bool = False, keep_graph: int = 0) -> PromptState:
     """The state of every layer for `ids` (N,), computed chunk by chunk under no_grad (but for `keep_graph`).
 
     Chunk c continues from the state of the chunks before it, so peak activation memory is one chunk's,
     and the result does not depend on the chunk size (up to float reassociation). keep_boundaries: keep the
     recurrent state at every chunk boundary (the exact plan needs them); otherwise only the last, and
-    sliding-window layers drop K/V outside their window. cp (`state.sharding.ContextShards`): every rank
+    sliding-window layers drop K/V outside their window. context_shards (`state.sharding.ContextShards`): every rank
     runs every chunk, and keeps the attention parts of its own contiguous slice of chunks only. offload: keep the
     state in host memory, read on the model's device (`PromptState.device`).
 
@@ -42,8 +42,9 @@ def capture_prompt(model: torch.nn.Module, ids: torch.Tensor, chunk_size: int,
         raise ValueError("keep_graph keeps the graph from the state's leaves: capture with leaves=True")
     device = hf(model).get_input_embeddings().weight.device if offload else None
     # capacity: full-attention K/V go into one tensor per layer as chunks arrive (`PromptState._slab`)
-    state = PromptState(num_layers=hf(model).config.num_hidden_layers, keep_boundaries=keep_boundaries, cp=cp,
-                        device=device, fingerprint=prompt_fingerprint(ids), capacity=ids.numel())
+    state = PromptState(num_layers=hf(model).config.num_hidden_layers, keep_boundaries=keep_boundaries,
+                        context_shards=context_shards, device=device, fingerprint=prompt_fingerprint(ids),
+                        capacity=ids.numel())
     bounds = chunk_bounds(ids.numel(), chunk_size)
     for j, (start, end) in enumerate(bounds):
         collect: Collected = {}
@@ -57,6 +58,6 @@ def capture_prompt(model: torch.nn.Module, ids: torch.Tensor, chunk_size: int,
         if graph:
             state.graphs[j] = PromptState.outputs_of(collect, state.num_layers)
         state.append_chunk(start, end, collect, leaves=leaves)
-        if cp is not None and not cp.owns(j, len(bounds)):
+        if context_shards is not None and not context_shards.owns(j, len(bounds)):
             state.drop_attention(j)
     return state

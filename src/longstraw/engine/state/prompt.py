@@ -70,7 +70,7 @@ class PromptState:
     layer_parts: list[frozenset[str]] | None = None  # which parts each layer produces (known after chunk 0)
     windows: list[int | None] = field(default_factory=list)  # sliding window per layer (None: full attention)
     # Context parallelism (`sharding.ContextShards`): this rank holds the attention parts of its own chunks only.
-    cp: ContextShards | None = None
+    context_shards: ContextShards | None = None
     # Offloaded: the tensors live in host memory and are copied to this compute device where they are read.
     device: torch.device | None = None
     # `prompt_fingerprint` of the ids captured (set by `capture_prompt`; None for a prefix of the state).
@@ -213,7 +213,7 @@ class PromptState:
         `capacity`, and parts that are not 4-D K/V (MLA latents are (1, 1, c, d) and take a slab too: harmless, the
         masked path reads them per chunk)."""
         if (part is None or name not in ("key", "value") or part.dim() != 4 or self.capacity is None
-                or self.cp is not None or self.device is not None or self.windows[layer] is not None):
+                or self.context_shards is not None or self.device is not None or self.windows[layer] is not None):
             return None
         slab = self._slabs.get((name, layer))
         if slab is None:
@@ -273,7 +273,7 @@ class PromptState:
             bounds=list(self.bounds[:n]),
             layer_parts=self.layer_parts,
             windows=list(self.windows),
-            cp=self.cp,
+            context_shards=self.context_shards,
             device=self.device if device is None else device,
             fingerprint=self.fingerprint if n == self.num_chunks else None,  # a prefix holds other ids
             prefetch=self.prefetch if device is None else None,  # a state moved elsewhere: its device's default

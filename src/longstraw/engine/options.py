@@ -1,0 +1,107 @@
+"""`BackwardOptions`: how `backward_group` computes one group's gradient, validated once on construction.
+
+The same object serves the Python API (`backward_group(model, group, options)` or its keywords), the trainer
+(`TrainConfig.backward_options()`) and the TRL integration, so every rule about a combination of options lives
+here, in one place. What can only be checked against a model, a group or a prompt state (the architecture, the
+prompt's length, a recurrent model's chunk size) is checked by `backward_group` before anything runs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+
+from longstraw.choices import PLANS
+from longstraw.engine.activation_checkpointing import check_checkpoint
+from longstraw.engine.logprobs import DEFAULT_TOKEN_CHUNK
+from longstraw.engine.loss import LossConfig, make_loss_config
+from longstraw.engine.state.sharding import ContextShards
+
+PROMPT_STATE_PLANS = ("detach", "exact")  # the plans that capture a prompt state (the others run full sequences)
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class BackwardOptions:
+    """Every option of one group's backward.
+
+    plan: standard | standard_batched | detach | exact.
+    loss and its parameters (`longstraw.engine.loss`): epsilon (both clip sides), epsilon_low, epsilon_high (None:
+    the loss's default), beta (KL coefficient), max_tokens (dr_grpo's L_max), token_normalizer (dapo's
+    denominator), kl_ratio (k3 times the ratio), loss_scale (the group loss times this).
+    chunk_size: prompt tokens per capture chunk (and per prompt-backward chunk of the exact plan).
+    micro_batch: responses replayed at once (detach/exact). token_chunk: rows per block of the chunked log-prob.
+    checkpoint: "none" or "layers" (per-layer activation checkpointing of every forward with grad).
+    offload_state: keep the prompt state (and the exact plan's state gradient) in host memory, one layer's part
+    copied to the device where it is read (detach/exact).
+    keep_prompt_graph: exact plan, capturing itself: the last N capture chunks keep their graph until the prompt
+    backward, which then skips their recompute (0: recompute every chunk, the lowest peak).
+    temperature: log-probs of logits / temperature (the sampling temperature), in every plan.
+    allow_train_mode: accept a model in train() mode whose train and eval forwards compute the same numbers.
+    context_shards: a context-parallel group (`state.sharding.ContextShards`, made by
+    `distributed.context.ContextParallel`) (detach/exact): each rank keeps 1/C of the prompt's attention state.
+    """
+
+    plan: str = "exact"
+    loss: str = "grpo"
+    epsilon: float | None = None
+    epsilon_low: float | None = None
+    epsilon_high: float | None = None
+    beta: float = 0.0
+    max_tokens: int | None = None
+    token_normalizer: float | None = None
+    kl_ratio: bool = False
+    loss_scale: float = 1.0
+    chunk_size: int = 2048
+    micro_batch: int = 1
+    token_chunk: int = DEFAULT_TOKEN_CHUNK
+    checkpoint: str = "none"
+    offload_state: bool = False
+    keep_prompt_graph: int = 0
+    temperature: float = 1.0
+    allow_train_mode: bool = False
+    context_shards: ContextShards | None = field(default=None, compare=False)
+    loss_config: LossConfig = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.plan not in PLANS:
+            raise ValueError(f"unknown plan {self.plan!r}: choose one of {', '.join(PLANS)}")
+        object.__setattr__(self, "loss_config", make_loss_config(
+            self.loss, epsilon=self.epsilon, epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high,
+            beta=self.beta, max_tokens=self.max_tokens, token_normalizer=self.token_normalizer,
+            kl_ratio=self.kl_ratio, loss_scale=self.loss_scale))
+        for name in ("chunk_size", "micro_batch", "token_chunk"):
+            _positive_int(name, getattr(self, name))
+        object.__setattr__(self, "checkpoint", check_checkpoint(self.checkpoint))
+        temperature = self.temperature
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
+                math.isfinite(temperature) and temperature > 0):
+            raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+        object.__setattr__(self, "temperature", float(temperature))
+        for name in ("offload_state", "allow_train_mode"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        plan, keep = self.plan, self.keep_prompt_graph
+        if self.context_shards is not None and plan not in PROMPT_STATE_PLANS:
+            raise ValueError(f"context parallelism shards the prompt state: use plan detach or exact, not {plan}")
+        if self.offload_state and plan not in PROMPT_STATE_PLANS:
+            raise ValueError(f"offload_state moves the prompt state to host memory: the {plan} plan has none; use "
+                             "plan detach or exact")
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
+            raise ValueError(f"keep_prompt_graph must be an integer >= 0 (capture chunks whose graph is kept), got "
+                             f"{keep!r}")
+        if keep and plan != "exact":
+            raise ValueError(f"keep_prompt_graph keeps capture graphs for the exact plan's prompt backward; the {plan} "
+                             "plan has none: pass keep_prompt_graph=0 or plan='exact'")
+        if keep and self.context_shards is not None:
+            raise ValueError("keep_prompt_graph is not supported with context parallelism: pass keep_prompt_graph=0")
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """The options a caller sets (every field but the derived `loss_config`)."""
+        return tuple(f.name for f in fields(cls) if f.init)
