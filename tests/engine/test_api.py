@@ -6,7 +6,7 @@ import torch
 from helpers import BF16, EXACT_F64, FP32, SAME_ORDER_F64, assert_close, grads, random_group, rel_err, tiny_model
 
 import longstraw.engine.api as api
-from longstraw import Group, backward_group
+from longstraw import BackwardOptions, Group, backward_group
 
 LENGTHS = [5, 9, 1, 7]  # ragged, one single-token response
 
@@ -128,7 +128,7 @@ def test_gradients_accumulate_like_backward(family_model):
     family_model.zero_grad(set_to_none=True)
     backward_group(family_model, group, plan="exact", chunk_size=6)
     once = grads(family_model).clone()
-    backward_group(family_model, group, "exact", chunk_size=6)  # the plan is also the third positional argument
+    backward_group(family_model, group, BackwardOptions(plan="exact", chunk_size=6))  # the options object
     assert_close('grads(family_model)', 2 * once, grads(family_model), SAME_ORDER_F64)
 
 

@@ -206,3 +206,20 @@ def test_a_state_of_another_prompt_of_the_same_length_is_refused(tiny_llama64):
     assert own.fork().fingerprint == own.offload(torch.device("cpu")).fingerprint == own.fingerprint
     backward_group(tiny_llama64, group, plan="exact", chunk_size=8, prompt_state=own)
     tiny_llama64.zero_grad(set_to_none=True)
+
+
+def test_options_are_validated_once_and_keywords_apply_on_top():
+    """A BackwardOptions refuses a bad combination when it is built; keywords given with it replace its fields."""
+    from longstraw import BackwardOptions
+
+    with pytest.raises(ValueError, match="offload_state moves the prompt state to host memory"):
+        BackwardOptions(plan="standard", offload_state=True)
+    with pytest.raises(ValueError, match="keep_prompt_graph keeps capture graphs for the exact plan"):
+        BackwardOptions(plan="detach", keep_prompt_graph=1)
+    with pytest.raises(ValueError, match="epsilon_low must be < 1"):
+        BackwardOptions(epsilon_low=1.5)
+    base = BackwardOptions(plan="detach", chunk_size=8)
+    with pytest.raises(ValueError, match="keep_prompt_graph keeps capture graphs"):  # replaced, then validated
+        backward_group(tiny_model("llama"), random_group(10, [3, 2]), base, keep_prompt_graph=2)
+    with pytest.raises(TypeError, match="options must be a longstraw.BackwardOptions"):
+        backward_group(tiny_model("llama"), random_group(10, [3, 2]), "exact")
