@@ -61,13 +61,13 @@ bench-demo: install
 bench-smoke: install
 	for b in memory prompt pareto arch; do $(BIN)/longstraw bench $$b --smoke || exit 1; done
 
-# The planner's forecast at the paper's scale (README, "The paper's scale, on paper"): the lean settings with which
+# The planner's forecast at the paper's scale (docs/planner.md): the lean settings with which
 # both detach and exact fit (per-layer activation checkpointing, prompt state offloaded to host memory).
 plan-paper: install
 	$(BIN)/longstraw plan --model hybrid-27b --prompt-tokens 2100000 --response-tokens 4096 --group-size 8 \
 		--gpus 8 --gpu-memory 96GB --dtype bf16 --cp 8 --chunk-size 8192 --checkpoint-layers --offload-state
 
-# The stress record (README): doubles P until one exact GRPO step fails or takes over 25 min.
+# The stress record (docs/benchmarks.md): doubles P until one exact GRPO step fails or takes over 25 min.
 stress: install
 	$(BIN)/python -m longstraw.bench.stress --model tiny-llama-long --plan exact --group-size 4 \
 		--response-tokens 128 --start 8192 --step-timeout 1500

@@ -24,6 +24,7 @@ from transformers import (
 )
 
 from longstraw import Group
+from longstraw.engine.kernels.attention import prefix_attention
 
 VOCAB = 512
 
@@ -204,4 +205,33 @@ def jsonl_dataset(folder, words: int = 4):
                             for w in TRAIN_WORDS[:words]))
     return path
 
+
+# Attention kernels: random inputs with a prefix in chunks, and the bf16 check the kernels' tests share.
+def attention_inputs(b, h, hkv, t, chunks, d=8, seed=0):
+    """Float64 leaves: q (b, h, t, d), own k/v (b, hkv, t, d), prefix chunks (1, hkv, c, d) of `chunks` lengths."""
+    gen = torch.Generator().manual_seed(seed)
+    mk = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64).requires_grad_(True)  # noqa: E731
+    q, k, v = mk(b, h, t, d), mk(b, hkv, t, d), mk(b, hkv, t, d)
+    pk = [mk(1, hkv, c, d) for c in chunks]
+    pv = [mk(1, hkv, c, d) for c in chunks]
+    return q, k, v, pk, pv
+
+
+def assert_bfloat16_close_to_float64(d: int = 8) -> None:
+    """prefix_attention in bf16 against float64 on the same rounded inputs, outputs and every gradient: within bf16
+    rounding, because merges and log-sum-exps run in fp32 (the portable and fused kernels' tests share it)."""
+    q, k, v, pk, pv = attention_inputs(2, 4, 2, 9, [5, 7, 3], d=d)
+    low = [t.detach().to(torch.bfloat16).requires_grad_(True) for t in (q, k, v, *pk, *pv)]
+    ref_in = [t.detach().double().requires_grad_(True) for t in low]
+
+    def run(ts):
+        out = prefix_attention(ts[0], ts[1], ts[2], list(ts[3:6]), list(ts[6:9]), 0.35)
+        weight = torch.linspace(-1, 1, out.numel(), dtype=torch.float64).view_as(out)
+        return out, torch.autograd.grad((out.double() * weight).sum(), ts)
+
+    (out_low, g_low), (out_ref, g_ref) = run(low), run(ref_in)
+    assert out_low.dtype == torch.bfloat16
+    assert (out_low.double() - out_ref).norm() / out_ref.norm() < 1e-2
+    for a, r in zip(g_low, g_ref):
+        assert (a.double() - r).norm() / r.norm() < 3e-2
 

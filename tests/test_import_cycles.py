@@ -1,4 +1,4 @@
-"""No import cycle among the modules of `longstraw.bench` and of `longstraw.planner` (issue 14): every import is
+"""No import cycle among the modules of `longstraw.bench` and of `longstraw.planner`: every import is
 counted, including the lazy ones inside functions, since a lazy import only hides a cycle until it runs."""
 
 from __future__ import annotations

@@ -142,7 +142,7 @@ def passive_openmp_wait(environ: MutableMapping[str, str] | None = None,
     each sequence whole, so it pays this far more often: on a 2-core host with one busy-loop neighbour process,
     the exact plan at b1-llama P=4096 R=256 G=8 slowed from 3.8 s to 10.3 s (2.7x) while Prefix Grouper slowed
     from 3.8 s to 7.1 s (1.9x). With PASSIVE (threads sleep instead of spinning): exact 6.7 s and Prefix Grouper
-    5.8 s on the busy host. `bench peers --neighbours 1` (README "Busy hosts and OpenMP"): exact 2.47x slower with
+    5.8 s on the busy host. `bench peers --neighbours 1` (docs/benchmarks.md): exact 2.47x slower with
     the default wait, 1.71x with PASSIVE (Prefix Grouper 1.84x / 1.65x). Not free on an idle host: waking sleeping
     threads at every region costs LongStraw +3-15% there (ACTIVE or GOMP_SPINCOUNT=10000 is faster on a dedicated
     host); this project's machines are shared, so PASSIVE is the command's default.

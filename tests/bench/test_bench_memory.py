@@ -204,7 +204,7 @@ def test_plans_option_and_no_older_name():
     args = parser.parse_args(["bench", "memory", "--smoke", "--plans", "exact", "detach", "exact"])
     assert config_from_args(args, args.fail).plans == ("exact", "detach")
     with pytest.raises(SystemExit):
-        parser.parse_args(["bench", "memory", "--smoke", "--modes", "exact"])
+        parser.parse_args(["bench", "memory", "--smoke", "--modes", "exact"])  # the old name: refused
 
 
 def test_checkpoint_arguments():

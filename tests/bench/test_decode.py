@@ -1,6 +1,6 @@
 """`longstraw bench decode`: the smoke run end to end (every field, G x N tokens per side, prompt-cache bytes exactly
 G times apart), bad options refused, a failed side recorded, and transformers' side decoding the same model as
-LongStraw's. (LongStraw's own sampled log-probs against a full forward: tests/test_rollout.py.)"""
+LongStraw's. (LongStraw's own sampled log-probs against a full forward: tests/engine/test_sampling.py.)"""
 
 from __future__ import annotations
 

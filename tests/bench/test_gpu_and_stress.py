@@ -46,8 +46,8 @@ def _b1_entry(plan, g, status="ok", peak=None, predicted=None, time_s=1.0):
             "time_s": time_s}
 
 
-def test_gpu_summary_marks_issue_targets_met_or_not():
-    """summary.md: issue 11's targets from measured ratios, and from the planner's forecast only where
+def test_gpu_summary_marks_targets_met_or_not():
+    """summary.md: the GPU targets from measured ratios, and from the planner's forecast only where
     standard_batched was skipped (beyond the device), never from a peak below resolution."""
     from longstraw.bench.gpu import markdown
     from longstraw.bench.memory import compute_ratios

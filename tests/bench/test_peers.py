@@ -1,4 +1,4 @@
-"""`longstraw bench peers` (issue 12): the smoke run end to end, failures recorded rather than raised, the table's
+"""`longstraw bench peers`: the smoke run end to end, failures recorded rather than raised, the table's
 strongest-peer ratios, and the Prefix Grouper path's gradient against LongStraw's on the same group."""
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The planner at depth: a 30-layer model (deep-smollm2, SmolLM2-135M's shape) measured against the forecast,
-with and without per-layer activation checkpointing, every plan that fits this machine (issue 10, item 3).
+with and without per-layer activation checkpointing, every plan that fits this machine.
 
 The default suite runs a short prompt (the checkpointed replay plans, where checkpointing changes the forecast
-most); the slow test runs P = 16,384 (the README's table). Bound: ±10% of the measured step peak."""
+most); the slow test runs P = 16,384 (docs/planner.md). Bound: ±10% of the measured step peak."""
 
 from __future__ import annotations
 

@@ -172,7 +172,7 @@ def llama32():
 
 @pytest.mark.parametrize("plan", ["exact", "detach", "standard", "standard_batched"])
 def test_zero_advantage_group_is_skipped_without_touching_gradients(llama32, plan):
-    """Every advantage 0 and beta = 0: the gradient is exactly zero (tests/test_loss.py), so no pass runs."""
+    """Every advantage 0 and beta = 0: the gradient is exactly zero (tests/engine/test_loss.py), so no pass runs."""
     import time
 
     family_model = llama32

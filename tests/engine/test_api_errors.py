@@ -54,7 +54,7 @@ def _good():
     (lambda: Group(torch.tensor([1]), [torch.tensor([512])], torch.zeros(1)), {}, ValueError, "id 512 is out"),
     (lambda: random_group(1020, [5], seed=0), {}, ValueError, "max_position_embeddings"),
     (_good, dict(plan="fast"), ValueError, "unknown plan 'fast'"),
-    (_good, dict(mode="exact"), TypeError, "unexpected keyword argument 'mode'"),
+    (_good, dict(mode="exact"), TypeError, "unexpected keyword argument 'mode'"),  # the old name: refused
     (_good, dict(loss="ppo"), ValueError, "unknown loss 'ppo'"),
     (_good, dict(micro_batch=0), ValueError, "micro_batch must be an integer >= 1"),
     (_good, dict(micro_batch=1.5), ValueError, "micro_batch"),
@@ -128,7 +128,7 @@ def _float32_model_with_grads():
 
 @pytest.mark.parametrize("plan", PLANS_WITH_GRADIENT)
 @pytest.mark.parametrize("change,match", [
-    # exp(logp - old) with old = -100 overflows float32 (e^88.7): today a NaN gradient, then the error.
+    # exp(logp - old) with old = -100 overflows float32 (e^88.7): a NaN gradient, were it not refused.
     (dict(old_logprobs=[torch.full((3,), -1.0), torch.full((2,), -100.0)]), r"old_logprobs\[1\] reaches -100"),
     (dict(advantages=torch.tensor([1e300, -1e300], dtype=torch.float64)), r"advantages\[0\] = 1e\+300 is too large"),
     (dict(advantages=torch.tensor([3e19, -1.0], dtype=torch.float64)), r"advantages\[0\] = 3e\+19 is too large"),

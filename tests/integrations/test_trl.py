@@ -1,4 +1,4 @@
-"""`LongStrawGRPOTrainer` against `trl.GRPOTrainer` (issue 12): one training step of each on the same tiny
+"""`LongStrawGRPOTrainer` against `trl.GRPOTrainer`: one training step of each on the same tiny
 random-init model, dataset, reward function, seed and completions (generation is replaced by a fixed function of
 the prompt), 2 prompts per step, G = 4; the optimizer step's gradient and the parameters after it must agree.
 Then what the trainer refuses, and the README's "From TRL" snippet.

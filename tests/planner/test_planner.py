@@ -26,7 +26,7 @@ from longstraw.planner import (
     state_parts,
 )
 
-TOLERANCE = 0.15  # the bound on |predicted / measured - 1| of the training-step memory
+TOLERANCE = 0.15  # the planner's bound on |predicted / measured - 1| of the training-step memory
 
 
 def _spec(name: str):
@@ -373,10 +373,8 @@ def test_planner_matches_measured_peaks_recurrent():
         assert abs(predicted / measured - 1) <= RECURRENT_TOLERANCE, f"{model} {case}\n{report}"
 
 
-# Every recorded measurement of the current engine that the planner claims (bench/results/, written by `longstraw
-# bench memory`/`bench pareto`/`bench stress`). Older files there were measured before engine fixes the planner now
-# assumes (the recurrent `*-4k.json`/`-after`/`-leakfix` runs, the B1 runs of 2026-11-29 09:52-10:22 before the
-# log-prob fix) and are kept as history. b1-deepseek-v3 (MLA + MoE): its masked-path and math-SDPA score terms were
+# Every recorded measurement of the engine that the planner claims (bench/results/, written by `longstraw bench
+# memory`/`bench pareto`/`bench stress`). b1-deepseek-v3 (MLA + MoE): its masked-path and math-SDPA score terms are
 # located on the B1 runs (memory-20261129-121318/-124000) and checked on a second shape (deepseek-2k-all-plans).
 RECORDED = (
     "deep-2k-all-plans", "deep-16k-replay-plans", "deep-16k-exact-ckpt", "deep-16k-standard-ckpt",

@@ -1,5 +1,5 @@
 """What `bench/gpu.sh` runs: the gpu tests, Bench B1's comparison at a ~1B model, the longest prompt of one exact
-step, and sampling throughput, in one call with a wall-clock deadline (8 minutes on one H200, per issue 11),
+step, and sampling throughput, in one call with a wall-clock deadline (8 minutes on one H200),
 every configuration in a fresh worker. Parts in order of priority; nothing starts after the deadline:
 
   0. the gpu-marked tests (`pytest -m gpu tests/gpu`: fused CUDA attention vs portable vs naive in bf16/fp16/fp32,
@@ -286,7 +286,7 @@ def _longest_exact(cfg: GpuBenchConfig, base: MemoryBenchConfig, run, out_dir: s
     return {"record": record, "attempted": [(a["prompt_tokens"], a.get("status")) for a in attempts]}
 
 
-# Issue 11's targets at G = 8 (ratios from compute_ratios): (key, threshold, at least?, text).
+# The GPU targets at G = 8 (ratios from compute_ratios): (key, threshold, at least?, text).
 TARGETS = (
     ("peak_standard_batched_over_detach", 8.0, True, "detach >= 8x less peak than standard_batched"),
     ("peak_standard_batched_over_exact", 6.0, True, "exact >= 6x less peak than standard_batched"),

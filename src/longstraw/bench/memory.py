@@ -44,8 +44,8 @@ from longstraw.bench.machine import machine_info
 from longstraw.choices import CHECKPOINT_CHOICES, DTYPES, PLANS
 from longstraw.planner import positive_int
 
-# --demo: B1 at two group sizes, so its G=8 ratios are B1's: 100 s on 2 idle CPU cores (AMD EPYC, 2026-11-29),
-# about 3 min when other processes hold a core. P=2048, R=128 took 61 s but changes the ratios (10x, not 16x).
+# --demo: B1 at two group sizes, so its G=8 ratios are B1's: about 100 s on 2 idle CPU cores, about 3 min
+# when other processes hold a core. P=2048, R=128 took 61 s but changes the ratios (10x, not 16x).
 DEMO = replace(B1, groups=(2, 8))
 # --smoke: the tiny preset; seconds, most of it process start-up. Used by the test.
 SMOKE = replace(B1, model="tiny-llama", prompt_tokens=64, response_tokens=8, groups=(2, 4), chunk_size=32,

@@ -1,4 +1,4 @@
-"""`longstraw bench peers`: LongStraw against what users run today, on one shape, in one run (issue 12).
+"""`longstraw bench peers`: LongStraw against what users run today, on one shape, in one run.
 
 Configurations on the same model weights and the same group (prompt, G responses, advantages: `bench/worker.py`'s
 `make_group`), each run twice, each time in a fresh process:

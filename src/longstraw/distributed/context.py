@@ -1,4 +1,4 @@
-"""Context parallelism: the prompt state split along the sequence over C ranks (issue 5, part 3).
+"""Context parallelism: the prompt state split along the sequence over C ranks.
 
 Design: *replicated segments, sharded state.* Every rank of the context-parallel group runs every segment —
 each capture chunk, each replayed micro-batch, each recomputed chunk of the exact plan — on the same tokens,

@@ -3,7 +3,7 @@
 It is exactly `torchrun --standalone --nproc-per-node N -m longstraw.cli train ...` (torch.distributed.run's
 API, called in-process): torchrun's agent starts the workers, sets RANK / WORLD_SIZE / LOCAL_RANK /
 MASTER_ADDR / MASTER_PORT, stops the others when one fails and reports which rank failed and why. For several
-machines, run torchrun yourself with its rendezvous flags (README, "Several GPUs").
+machines, run torchrun yourself with its rendezvous flags (docs/distributed.md).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ With ``beta > 0`` the k3 estimate of KL(π‖π_ref), k3 = exp(ref − logp) −
 (times β) with the same normalisation as the policy term (for gspo: token-mean per response, then /G).
 
 Options that reproduce other trainers' definitions (TRL's `GRPOTrainer`: `longstraw.integrations.trl` sets them;
-README, "From TRL"). Each defaults to LongStraw's own definition:
+docs/trl.md). Each defaults to LongStraw's own definition:
 
 * ``max_tokens``: dr_grpo's L_max (TRL: `max_completion_length`; ours: the group's longest response).
 * ``token_normalizer``: dapo's denominator instead of the group's Σ|o_i| (TRL: every completion token of the

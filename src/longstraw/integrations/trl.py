@@ -11,7 +11,7 @@ rewards and advantages, the reference model (or the PEFT adapter switched off), 
   them into `steps_per_generation` micro-batches, so a group may be spread over several; here whole groups are
   dealt to the micro-batches instead (each optimizer step gets whole groups; see `_deal_groups`).
 * `compute_loss` runs `backward_group` once per group of its micro-batch, with the options that make LongStraw's
-  loss TRL's (`_loss_options`; README "From TRL" has the table), so the gradient accumulated over an optimizer step
+  loss TRL's (`_loss_options`; docs/trl.md has the table), so the gradient accumulated over an optimizer step
   is the one TRL's `compute_loss` would give. It returns the loss value as a tensor without a graph: the backward
   Trainer then runs on it reaches no parameter.
 

@@ -23,14 +23,14 @@ in LongStraw's attention kernel (RMSNorm: an fp32 copy of the input + the normal
 output, (4 + 2b)·width; SwiGLU MLP: 4·I·b; attention through `prefix_attention`: q, k and v repeated to H
 heads, q regrouped for the prefix, the output projection's input (5·H·D·b) and two partial outputs in the
 accumulation dtype (2·H·D·a); standard attention through SDPA: (2·H·D + 2·Hkv·D)·b). Full-attention
-families (llama, qwen2/3, mistral) are validated against measured peaks (tests/test_planner.py); the
+families (llama, qwen2/3, mistral) are validated against measured peaks (tests/planner/test_planner.py); the
 formulas for linear attention, Mamba2, MLA, DSA and MoE layers are counted the same way from transformers'
 torch paths. Recurrent layers (gated DeltaNet, Mamba2: `RecurrentBytes`) are counted per segment, padded to
 their scan's chunk, with the no-grad capture's transient and the backward's; b1-mamba2 and b1-qwen3-next
 (3 gated-DeltaNet + 1 attention layer, MoE) are validated against measured peaks for standard, detach and exact
 with and without checkpointing (within 10%, slow test; bench/results/recurrent-*-clone.json).
 The prompt-state formulas of every family are pinned exactly against captured states
-(tests/state/test_architectures.py).
+(tests/engine/state/test_architectures.py).
 
 Multi-GPU assumptions: FSDP/ZeRO-3 divides weights, gradients and optimizer state over the GPUs and gathers
 one decoder layer at a time (two in flight: prefetch) plus that layer's unsharded gradient; MoE experts are

@@ -133,7 +133,7 @@ def estimate(spec: ModelSpec, inp: PlanInputs, plan: str) -> PlanEstimate:
                 # One layer's copy of its attention part is on the device at a time (replay: the whole prefix;
                 # prompt backward: the chunks before chunk j, plus chunk j's gradient of every layer brought over),
                 # plus the recurrent states being read. Measured by counting the live copies within 5%
-                # (tests/state/test_offload.py).
+                # (tests/engine/state/test_offload.py).
                 layer = math.ceil(parts.largest_layer / inp.cp)
                 # On a GPU the next attention layer's copies are prefetched on a side stream while a layer computes
                 # (state/prompt.py): two layers' copies at once (measured by counting with prefetch forced on).

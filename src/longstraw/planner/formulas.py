@@ -321,8 +321,8 @@ def segment_activation_bytes(spec: ModelSpec, b: int, a: int, kernel: str, token
 def standard_checkpointed_step_bytes(spec: ModelSpec, b: int, a: int, tokens: int, seqs: int, logits: int,
                                      grads: int, steady: bool) -> int:
     """Step bytes of a standard plan's forward+backward over `seqs` rows of `tokens` tokens with per-layer
-    checkpointing, as the phases follow each other (located with torch.profiler's allocation events on deep-smollm2,
-    P = 1024-4096, standard and standard_batched; tests/test_planner.py validates the sum at P = 2048 and 16,384):
+    checkpointing, as the phases follow each other (located with torch.profiler's allocation events on deep-smollm2, P =
+    1024-4096, standard and standard_batched; tests/planner/test_planner.py validates the sum at P = 2048 and 16,384):
 
     * logits: every layer's input (n·d·b) + the log-probs' tensors;
     * layers, backward from the last: a layer recomputed holds its saved activations plus one gradient buffer of

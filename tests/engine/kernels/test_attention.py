@@ -2,19 +2,11 @@
 
 import pytest
 import torch
+from helpers import assert_bfloat16_close_to_float64, attention_inputs
 
 import longstraw.engine.kernels.attention as attention
 import longstraw.engine.kernels.fused as fused
 from longstraw.engine.kernels.attention import naive_attention, prefix_attention
-
-
-def _inputs(b, h, hkv, t, chunks, d=8, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    mk = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64).requires_grad_(True)  # noqa: E731
-    q, k, v = mk(b, h, t, d), mk(b, hkv, t, d), mk(b, hkv, t, d)
-    pk = [mk(1, hkv, c, d) for c in chunks]
-    pv = [mk(1, hkv, c, d) for c in chunks]
-    return q, k, v, pk, pv
 
 
 @pytest.fixture(params=["fused", "portable"])
@@ -30,7 +22,7 @@ def kernel(request, monkeypatch):
 @pytest.mark.parametrize("b,h,hkv", [(1, 4, 4), (2, 4, 2), (3, 8, 1)])
 @pytest.mark.parametrize("chunks", [[], [1], [3, 7], [5, 2, 11]])
 def test_prefix_attention_matches_naive_with_gradients(kernel, b, h, hkv, chunks):
-    q, k, v, pk, pv = _inputs(b, h, hkv, 9, chunks)
+    q, k, v, pk, pv = attention_inputs(b, h, hkv, 9, chunks)
     inputs = [q, k, v, *pk, *pv]
     weight = torch.randn(b, h, 9, 8, dtype=torch.float64)
     fast = prefix_attention(q, k, v, pk, pv, 0.35)
@@ -44,7 +36,7 @@ def test_prefix_attention_matches_naive_with_gradients(kernel, b, h, hkv, chunks
 
 def test_prefix_gradients_skip_when_state_is_constant(kernel):
     """Detach plan: the state does not require grad, the kernel must still give dq exactly."""
-    q, k, v, pk, pv = _inputs(2, 4, 2, 6, [4, 4])
+    q, k, v, pk, pv = attention_inputs(2, 4, 2, 6, [4, 4])
     pk = [t.detach() for t in pk]
     pv = [t.detach() for t in pv]
     out = prefix_attention(q, k, v, pk, pv, 0.3).sum()
@@ -54,36 +46,17 @@ def test_prefix_gradients_skip_when_state_is_constant(kernel):
 
 
 def test_gradcheck_prefix_kernel(kernel):
-    q, k, v, pk, pv = _inputs(1, 2, 1, 3, [2, 3], d=4)
+    q, k, v, pk, pv = attention_inputs(1, 2, 1, 3, [2, 3], d=4)
     fn = lambda q, k, v, a, b, c, d: prefix_attention(q, k, v, [a, b], [c, d], 0.5)  # noqa: E731
     assert torch.autograd.gradcheck(fn, (q, k, v, *pk, *pv))
 
 
 def test_fused_path_is_used_on_cpu():
     """The fast path must actually be taken where available, or the benchmarks measure the slow one."""
-    q, k, v, pk, pv = _inputs(1, 2, 1, 3, [2])
+    q, k, v, pk, pv = attention_inputs(1, 2, 1, 3, [2])
     if fused._FLASH_CPU is None:
         pytest.skip("this torch build has no fused CPU flash-attention op")
     assert fused.choose_kernel(q) == "cpu_flash"
-
-
-def assert_bfloat16_close_to_float64(d: int = 8) -> None:
-    """prefix_attention in bf16 against float64 on the same rounded inputs, outputs and every gradient: within bf16
-    rounding, because merges and log-sum-exps run in fp32 (shared with tests/test_attention_fused.py)."""
-    q, k, v, pk, pv = _inputs(2, 4, 2, 9, [5, 7, 3], d=d)
-    low = [t.detach().to(torch.bfloat16).requires_grad_(True) for t in (q, k, v, *pk, *pv)]
-    ref_in = [t.detach().double().requires_grad_(True) for t in low]
-
-    def run(ts):
-        out = prefix_attention(ts[0], ts[1], ts[2], list(ts[3:6]), list(ts[6:9]), 0.35)
-        weight = torch.linspace(-1, 1, out.numel(), dtype=torch.float64).view_as(out)
-        return out, torch.autograd.grad((out.double() * weight).sum(), ts)
-
-    (out_low, g_low), (out_ref, g_ref) = run(low), run(ref_in)
-    assert out_low.dtype == torch.bfloat16
-    assert (out_low.double() - out_ref).norm() / out_ref.norm() < 1e-2
-    for a, r in zip(g_low, g_ref):
-        assert (a.double() - r).norm() / r.norm() < 3e-2
 
 
 def test_bfloat16_stays_close_to_float64(kernel):
@@ -97,7 +70,7 @@ def test_adjacent_prefix_views_take_one_kernel_call(monkeypatch):
 
     if fused._FLASH_CPU is None:
         pytest.skip("this torch build has no fused CPU flash-attention op")
-    q, k, v, pk, pv = _inputs(2, 4, 2, 3, [5, 7, 3, 4])
+    q, k, v, pk, pv = attention_inputs(2, 4, 2, 3, [5, 7, 3, 4])
     whole_k, whole_v = torch.cat([t.detach() for t in pk], 2), torch.cat([t.detach() for t in pv], 2)
     views_k, views_v = list(whole_k.split([5, 7, 3, 4], 2)), list(whole_v.split([5, 7, 3, 4], 2))
     mixed_k = views_k[:2] + [pk[2].detach()] + views_k[3:]  # a run of two, then two singles
@@ -119,7 +92,7 @@ def test_adjacent_prefix_views_take_one_kernel_call(monkeypatch):
 def test_a_run_of_leaves_gives_each_chunk_its_own_gradient(monkeypatch, kernel):
     """The exact plan's leaves: one leaf per chunk, views of one coalesced tensor. One kernel call forward and one
     backward read the run, and every leaf's gradient equals the naive reference's for its chunk (float64)."""
-    q, k, v, pk, pv = _inputs(2, 4, 2, 3, [5, 7, 3, 4])
+    q, k, v, pk, pv = attention_inputs(2, 4, 2, 3, [5, 7, 3, 4])
     whole_k, whole_v = torch.cat([t.detach() for t in pk], 2), torch.cat([t.detach() for t in pv], 2)
     leaf_k = [t.detach().requires_grad_(True) for t in whole_k.split([5, 7, 3, 4], 2)]
     leaf_v = [t.detach().requires_grad_(True) for t in whole_v.split([5, 7, 3, 4], 2)]
@@ -164,7 +137,7 @@ def test_a_runs_backward_goes_in_pieces_of_whole_chunks(monkeypatch, kernel):
     assert [s for _, _, s in _pieces(whole, whole, [5, 7, 3, 4], 100)] == [[5, 7, 3, 4]]
     assert [s for _, _, s in _pieces(whole, whole, [5, 7, 3, 4], 1)] == [[5], [7], [3], [4]]
     monkeypatch.setattr(attention, "BACKWARD_KEYS", 8)
-    q, k, v, pk, pv = _inputs(2, 4, 2, 3, [5, 7, 3, 4])
+    q, k, v, pk, pv = attention_inputs(2, 4, 2, 3, [5, 7, 3, 4])
     whole_k, whole_v = torch.cat([t.detach() for t in pk], 2), torch.cat([t.detach() for t in pv], 2)
     leaf_k = [t.detach().requires_grad_(True) for t in whole_k.split([5, 7, 3, 4], 2)]
     leaf_v = [t.detach().requires_grad_(True) for t in whole_v.split([5, 7, 3, 4], 2)]

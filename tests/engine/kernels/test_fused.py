@@ -18,7 +18,7 @@ import types
 
 import pytest
 import torch
-from test_attention import assert_bfloat16_close_to_float64
+from helpers import assert_bfloat16_close_to_float64
 
 import longstraw.engine.kernels.attention as attention
 import longstraw.engine.kernels.fused as fused

@@ -14,7 +14,7 @@ k/v (1, N, c, D) — N heads, M query rows, c keys — the ops see them as batch
 Their backward ops do not take a gradient of the log-sum-exp; `fused_backward` folds it in exactly (see there).
 The CUDA paths have not run on a GPU yet: the CPU suite checks them against emulations of the CUDA ops built from
 the CPU op (same semantics, the CUDA ops' head-dim and log-sum-exp-padding rules asserted) and their calls
-against the real ops' schemas on the meta device (tests/test_attention_fused.py); tests/gpu/ run them on CUDA.
+against the real ops' schemas on the meta device (tests/engine/kernels/test_fused.py); tests/gpu/ run them on CUDA.
 """
 
 from __future__ import annotations

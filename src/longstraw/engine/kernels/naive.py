@@ -2,7 +2,7 @@
 
 One full score matrix over every key, one explicit mask built from absolute positions, one softmax. Nothing
 is chunked, checkpointed or merged, and nothing from `attention.py` is used: this is what the fast path must
-equal (tests/test_attention_naive.py compares outputs, log-sum-exps and gradients in float64).
+equal (tests/engine/kernels/test_naive.py compares outputs, log-sum-exps and gradients in float64).
 """
 
 from __future__ import annotations
