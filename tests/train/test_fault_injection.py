@@ -8,8 +8,8 @@ passes its checksum, a resume finishes the run, the stale temporary file is gone
 once with the straight run's values, and the final weights are torch.equal to the straight run's.
 
 The counts go to stdout and to fault_injection.json under the test's tmp dir (for the reliability table in
-docs/usage.md). Children are forked from a server that has already imported torch (`train_child`): ~25 process starts would
-otherwise cost ~5 s each.
+docs/usage.md). Children are forked from a server that has already imported torch (`train_child`): ~25 process
+starts would otherwise cost ~5 s each.
 """
 
 from __future__ import annotations
