@@ -43,13 +43,14 @@ def test_planner_at_depth_short_prompt():
 @pytest.mark.slow
 def test_planner_at_depth_16k():
     """P = 16,384, R = 128, G = 2 (about an hour on 2 CPU cores): detach and exact with and without checkpointing
-    (bench/results/deep-16k-replay-plans.json, deep-16k-exact-ckpt.json: -4.4 ... -1.4%)."""
+    (bench/results/memory-deep-smollm2-16k-replay-plans-20261130.json,
+    memory-deep-smollm2-16k-exact-ckpt-20261130.json: -4.4 ... -1.4%)."""
     _measure(16384, 128, [("detach", "none"), ("detach", "layers"), ("exact", "none"), ("exact", "layers")])
 
 
 @pytest.mark.slow
 def test_planner_at_depth_16k_standard_checkpointed():
     """The standard plans at P = 16,384 with checkpointing (without it, one 16,512-token sequence through 30
-    layers needs ~24 GiB of activations): bench/results/deep-16k-standard-ckpt.json, 28 min on 2 idle cores
-    (measured 2648.9 / 4116.9 MiB, predicted -0.4% / +0.1%)."""
+    layers needs ~24 GiB of activations): bench/results/memory-deep-smollm2-16k-standard-ckpt-20261130.json, 28 min
+    on 2 idle cores (measured 2648.9 / 4116.9 MiB, predicted -0.4% / +0.1%)."""
     _measure(16384, 128, [("standard", "layers"), ("standard_batched", "layers")])

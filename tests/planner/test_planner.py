@@ -349,7 +349,7 @@ def test_recurrent_saved_bytes_match_saved_tensor_hooks(name):
 def test_planner_matches_measured_peaks_recurrent():
     """b1-mamba2 and b1-qwen3-next (3 gated-DeltaNet + 1 attention layer, MoE) at P = 4096, R = 128, G = 2, chunk
     2048: standard, detach and exact, each with and without per-layer activation checkpointing, within 10% of the
-    measured step (7 min on 2 idle CPU cores; bench/results/recurrent-*-4k-clone.json)."""
+    measured step (7 min on 2 idle CPU cores; bench/results/memory-b1-*-4k-recurrent-20261130.json)."""
     jobs = [(model, plan, checkpoint) for model in RECURRENT_MODELS for plan, checkpoint in RECURRENT_CASES]
 
     def one(job):
@@ -375,16 +375,20 @@ def test_planner_matches_measured_peaks_recurrent():
 
 # Every recorded measurement of the engine that the planner claims (bench/results/, written by `longstraw bench
 # memory`/`bench pareto`/`bench stress`). b1-deepseek-v3 (MLA + MoE): its masked-path and math-SDPA score terms are
-# located on the B1 runs (memory-20261129-121318/-124000) and checked on a second shape (deepseek-2k-all-plans).
+# located on the B1 runs (memory-b1-deepseek-v3-4k-20261129-1213/-1240) and checked on a second shape
+# (memory-b1-deepseek-v3-2k-all-plans-20261130).
 RECORDED = (
-    "deep-2k-all-plans", "deep-16k-replay-plans", "deep-16k-exact-ckpt", "deep-16k-standard-ckpt",
-    "recurrent-b1-mamba2-4k-clone", "recurrent-b1-mamba2-8k-r100-chunk1024-clone",
-    "recurrent-b1-qwen3-next-4k-clone", "recurrent-b1-qwen3-next-8k-r100-chunk1024-clone",
-    "memory-20261129-130004", "pareto-b1-llama-quiet", "pareto-levers-b1-llama", "prompt-b1-llama-1GiB-20261129",
-    "stress-tiny-llama-long-exact", "stress-tiny-mamba2-exact-131k",
-    "memory-20261129-121318", "memory-20261129-124000", "deepseek-2k-all-plans",
+    "memory-deep-smollm2-2k-all-plans-20261130", "memory-deep-smollm2-16k-replay-plans-20261130",
+    "memory-deep-smollm2-16k-exact-ckpt-20261130", "memory-deep-smollm2-16k-standard-ckpt-20261130",
+    "memory-b1-mamba2-4k-recurrent-20261130", "memory-b1-mamba2-8k-r100-chunk1024-recurrent-20261130",
+    "memory-b1-qwen3-next-4k-recurrent-20261130", "memory-b1-qwen3-next-8k-r100-chunk1024-recurrent-20261130",
+    "memory-b1-llama-4k-20261129-1300", "pareto-b1-llama-4k-quiet-20261129", "pareto-b1-llama-4k-levers-20261130",
+    "prompt-b1-llama-1GiB-20261129",
+    "stress-tiny-llama-long-exact-20261129", "stress-tiny-mamba2-131k-exact-20261130",
+    "memory-b1-deepseek-v3-4k-20261129-1213", "memory-b1-deepseek-v3-4k-20261129-1240",
+    "memory-b1-deepseek-v3-2k-all-plans-20261130",
     # exact with kept capture graphs (keep_prompt_graph 0/1/2, with and without checkpointing)
-    "pareto-keep-b1-llama", "pareto-keep-deep-smollm2",
+    "pareto-b1-llama-4k-keep-20261130", "pareto-deep-smollm2-2k-keep-20261130",
 )
 
 
@@ -394,7 +398,7 @@ def test_planner_against_recorded_measurements(name):
     formula change is checked against all the measurements at once (without rerunning hours of benchmarks)."""
     from pathlib import Path
 
-    document = json.loads((Path(__file__).parents[1] / "bench" / "results" / f"{name}.json").read_text())
+    document = json.loads((Path(__file__).parents[2] / "bench" / "results" / f"{name}.json").read_text())
     config = document["config"]
     spec = _spec(config["model"])
     rows = []

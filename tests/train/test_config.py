@@ -116,7 +116,7 @@ def test_shipped_examples_are_valid_configs():
 
     from longstraw.train.config import load_toml
 
-    examples = sorted((Path(__file__).parent.parent / "examples").glob("*.toml"))
+    examples = sorted((Path(__file__).parents[2] / "examples").glob("*.toml"))
     assert examples
     for path in examples:
         TrainConfig(**load_toml(path))

@@ -15,7 +15,7 @@ import longstraw
 from longstraw.train.config import TrainConfig
 from longstraw.train.trainer import Progress, Trainer
 
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).parents[1]  # tests/: the reward modules the children import
 SRC = Path(longstraw.__file__).resolve().parents[1]  # the children import the longstraw this process tests
 
 

@@ -7,11 +7,11 @@ a measured peak (`predictor`), the B1-shaped presets per architecture family, an
 Workers run with glibc's mmap threshold fixed (MALLOC_MMAP_THRESHOLD_, 128 KiB by default). With glibc's dynamic
 threshold, freed blocks up to 32 MiB are kept in the heap and reused with fragmentation, so VmHWM measured the
 allocator's history more than the plan: on b1-llama, detach at G=2 measured 244-559 MiB from run to run and less at
-G=8 than at G=2 (bench/results/memory-20261129-085805-glibc-dynamic-mmap.json). A fixed threshold returns every
-large tensor to the OS on free, and the same configuration repeats within 1 MiB. The fixed threshold costs time,
-though: every allocation above it is a fresh mmap, page-faulted on first touch, so a plan that allocates more bytes
-per step pays more (b1-llama P=4096 G=8: `exact` allocates ~4.7 GB per step, Prefix Grouper 3.4 GB; in one process
-exact took 4.9-5.4 s and Prefix Grouper 4.0-4.5 s with the fixed threshold, 3.8 s and 3.7-3.9 s with glibc's
+G=8 than at G=2 (bench/results/memory-b1-llama-4k-glibc-dynamic-mmap-20261129-0858.json). A fixed threshold returns
+every large tensor to the OS on free, and the same configuration repeats within 1 MiB. The fixed threshold costs
+time, though: every allocation above it is a fresh mmap, page-faulted on first touch, so a plan that allocates more
+bytes per step pays more (b1-llama P=4096 G=8: `exact` allocates ~4.7 GB per step, Prefix Grouper 3.4 GB; in one
+process exact took 4.9-5.4 s and Prefix Grouper 4.0-4.5 s with the fixed threshold, 3.8 s and 3.7-3.9 s with glibc's
 default). `worker_env` with threshold 0 removes the variable: glibc's default allocator, what users run (`bench
 peers` times its configurations so).
 
@@ -294,8 +294,8 @@ def load_bench_model(name: str, dtype: str, device: str = "cpu"):
     model = load_model(name, dtype=dtype, device=device, seed=0, init_on_device=torch.device(device).type == "cuda")
     # Weights loaded from safetensors can stay memory-mapped: their pages become resident only when the step first
     # reads them, so they would count in the step's peak (VmHWM) and not in the baseline taken before it. Reading
-    # every weight once makes them resident first (bench/results/smollm2-32k-exact-ckpt.json was recorded without
-    # this read: its baseline RSS, 378 MB, is below the 538 MB of fp32 weights alone).
+    # every weight once makes them resident first (bench/results/memory-smollm2-135m-32k-exact-ckpt-20261130.json was
+    # recorded without this read: its baseline RSS, 378 MB, is below the 538 MB of fp32 weights alone).
     with torch.no_grad():
         for p in model.parameters():
             p.sum()

@@ -28,7 +28,7 @@ formulas for linear attention, Mamba2, MLA, DSA and MoE layers are counted the s
 torch paths. Recurrent layers (gated DeltaNet, Mamba2: `RecurrentBytes`) are counted per segment, padded to
 their scan's chunk, with the no-grad capture's transient and the backward's; b1-mamba2 and b1-qwen3-next
 (3 gated-DeltaNet + 1 attention layer, MoE) are validated against measured peaks for standard, detach and exact
-with and without checkpointing (within 10%, slow test; bench/results/recurrent-*-clone.json).
+with and without checkpointing (within 10%, slow test; bench/results/memory-b1-*-recurrent-20261130.json).
 The prompt-state formulas of every family are pinned exactly against captured states
 (tests/engine/state/test_architectures.py).
 

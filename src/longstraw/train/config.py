@@ -113,7 +113,6 @@ class TrainConfig:
                 need(isinstance(value, str), f"{f.name} must be a string, got {value!r}")
         _check_device(self.device)
         need(self.task in TASKS, f"task {self.task!r} is unknown: choose one of {', '.join(TASKS)}")
-        self.backward_options()  # plan, loss and its parameters, and their combinations: the engine's own rules
         need(self.cp >= 1, f"cp must be >= 1, got {self.cp}")
         need(self.cp == 1 or self.plan in ("detach", "exact"),
              f"cp = {self.cp} shards the prompt state, which the {self.plan} plan does not use: --plan detach or exact")
@@ -152,6 +151,7 @@ class TrainConfig:
             need(bool(self.data), "task jsonl needs --data FILE.jsonl")
         else:
             need(not self.data and not self.reward_fn, "--data and --reward-fn only apply to --task jsonl")
+        self.backward_options()  # plan, loss and its parameters, and their combinations: the engine's own rules
 
     def loss_options(self) -> dict[str, float]:
         """The loss parameters this config sets; a clip value of -1 means "the loss's own default"."""
