@@ -5,7 +5,7 @@ import pytest
 import torch
 from helpers import BF16, EXACT_F64, FP32, SAME_ORDER_F64, assert_close, grads, random_group, rel_err, tiny_model
 
-import longstraw.engine.api as api
+import longstraw.engine.plans.exact as exact_plan
 from longstraw import BackwardOptions, Group, backward_group
 
 LENGTHS = [5, 9, 1, 7]  # ragged, one single-token response
@@ -104,7 +104,7 @@ def test_detach_and_exact_agree_with_one_token_prompt(family_model):
 def test_detach_equals_exact_before_prompt_backward(family_model, monkeypatch):
     group = random_group(60, LENGTHS, seed=9)
     _, g_detach = _run(family_model, group, "detach", chunk_size=16, micro_batch=2)
-    monkeypatch.setattr(api, "prompt_backward", lambda *args: None)
+    monkeypatch.setattr(exact_plan, "prompt_backward", lambda *args: None)
     _, g_partial = _run(family_model, group, "exact", chunk_size=16, micro_batch=2)
     assert_close('g_partial', g_detach, g_partial, 1e-13)
     monkeypatch.undo()
@@ -244,7 +244,7 @@ def test_allow_train_mode_runs_a_dropout_free_model_as_in_eval():
     _, g_eval = _run(model, group, "exact", chunk_size=5)
     model.train()
     model.model.layers[1].eval()  # a mixed state, restored as it was
-    with pytest.raises(ValueError, match="train\\(\\) plan"):
+    with pytest.raises(ValueError, match="train\\(\\) mode"):
         _run(model, group, "exact", chunk_size=5)
     _, g_train = _run(model, group, "exact", chunk_size=5, allow_train_mode=True)
     assert rel_err(g_train, g_eval) == 0.0

@@ -59,7 +59,7 @@ def _good():
     (_good, dict(micro_batch=0), ValueError, "micro_batch must be an integer >= 1"),
     (_good, dict(micro_batch=1.5), ValueError, "micro_batch"),
     (_good, dict(chunk_size=0), ValueError, "chunk_size"),
-    (_good, dict(gamma=0.9), TypeError, "valid loss options"),
+    (_good, dict(gamma=0.9), TypeError, "unexpected keyword argument .gamma.; valid options: plan, loss"),
     (_good, dict(beta=0.1), ValueError, "ref_logprobs"),
     (lambda: "not a group", {}, TypeError, "longstraw.Group"),
 ])

@@ -124,9 +124,9 @@ def backward_group(
     reuse instead of capturing again (detach/exact; prompt[:-1], with keep_boundaries=True for exact).
     """
     options = _options(options, settings)
-    _check(model, group, options, prompt_state)
     training = options.allow_train_mode and any(m.training for m in model.modules())
     with eval_mode_when_equal(model) if training else nullcontext():
+        _check(model, group, options, prompt_state)
         return _backward(model, group, options, prompt_state)
 
 
