@@ -181,6 +181,7 @@ SAME_ORDER_F64 = 1e-12  # float64, the same operations regrouped (checkpointing,
 EXACT_F64 = 1e-10  # float64, another order of the same sums (a replay from the prompt state vs one full forward)
 FP32_KERNELS_F64 = 1e-6  # a float64 model whose transformers kernels compute in float32 inside (FP32_INSIDE)
 FP32 = 1e-4  # float32, another order of the same sums
+FP32_RANKS = 1e-5  # float32, the same sums reduced across ranks (all-reduce, sharded gradients)
 FP16 = 5e-3  # a float16 model against the float64 reference
 BF16 = 5e-2  # a bfloat16 model against the float64 reference
 
