@@ -106,8 +106,9 @@ def float64_trl_kernel(monkeypatch):
 
 
 def _train(trainer_cls, config_cls, model_dir, tmp_path, dtype=torch.float64, prompts=PROMPTS, peft_config=None,
-           **config):
-    """One run from the saved model; returns (gradient per optimizer step, parameters after)."""
+           sample=False, **config):
+    """One run from the saved model; returns (gradient per optimizer step, parameters after). sample: TRL's own
+    generation (transformers' generate) instead of the fixed completions."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     if dtype == torch.float64:
@@ -121,7 +122,8 @@ def _train(trainer_cls, config_cls, model_dir, tmp_path, dtype=torch.float64, pr
     trainer = trainer_cls(model, reward_funcs=_reward, args=config_cls(output_dir=str(tmp_path / "out"), **settings),
                           train_dataset=Dataset.from_dict({"prompt": list(prompts)}),
                           processing_class=byte_tokenizer_hf(), callbacks=[gradients], peft_config=peft_config)
-    trainer._generate_single_turn = _completions.__get__(trainer)
+    if not sample:
+        trainer._generate_single_turn = _completions.__get__(trainer)
     trainer.train()
     params = torch.cat([p.detach().flatten() for p in trainer.model.parameters() if p.requires_grad])
     return gradients.steps, params
@@ -302,3 +304,21 @@ def test_step_peak_memory_is_flat_in_num_generations(tmp_path):
     assert ours[8] <= 1.05 * ours[2] + 8, (ours, trl_peaks)
     assert trl_peaks[8] - trl_peaks[2] >= 20 * max(ours[8] - ours[2], 8), (ours, trl_peaks)
     assert ours[8] < trl_peaks[2], (ours, trl_peaks)
+
+
+def test_two_steps_with_sampling_equal_trl(tmp_path, model_dirs):
+    """TRL's own sampling over two optimizer steps (temperature 1): the second step samples from the weights the
+    first step made, with the random stream the first step left, so both trainers must draw the same numbers in
+    between (TRL shuffles each generation batch with torch.randperm; the drop-in makes the same draw)."""
+    config = dict(max_steps=2, temperature=1.0, learning_rate=0.05, per_device_train_batch_size=G,
+                  generation_batch_size=G)
+    g_trl, p_trl = _train(GRPOTrainer, GRPOConfig, model_dirs["qwen3"], tmp_path / "trl", dtype=torch.float32,
+                          sample=True, **config)
+    g_ls, p_ls = _train(LongStrawGRPOTrainer, LongStrawGRPOConfig, model_dirs["qwen3"], tmp_path / "ls",
+                        dtype=torch.float32, sample=True, **config)
+    assert len(g_ls) == len(g_trl) == 2
+    for step, (a, b) in enumerate(zip(g_ls, g_trl)):
+        assert b.norm() > 0
+        assert_close(f"step {step + 1} gradient", b, a, 1e-6)
+    assert_close("parameters after 2 steps", p_trl, p_ls, 1e-6)
+

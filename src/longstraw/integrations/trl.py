@@ -230,7 +230,11 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             return super()._prepare_inputs(generation_batch)  # evaluation: TRL's own path and loss
         generate_every = _steps_per_generation(self.args) * self.num_iterations
         if self._step % generate_every == 0 or self._buffered_inputs is None:
-            self._buffered_inputs = self._deal_groups(self._generate_and_score_completions(generation_batch))
+            batch = self._generate_and_score_completions(generation_batch)
+            # TRL shuffles the batch's rows here with torch.randperm; whole groups are dealt instead, but the same
+            # draw is made, so that the global random stream, hence the next generation's samples, stay TRL's.
+            torch.randperm(len(next(v for v in batch.values() if v is not None)))
+            self._buffered_inputs = self._deal_groups(batch)
         return self._buffered_inputs[self._step % _steps_per_generation(self.args)]
 
     def _deal_groups(self, batch: dict[str, Any]) -> list[dict[str, Any]]:
