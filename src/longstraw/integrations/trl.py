@@ -213,10 +213,9 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                        "LongStraw's backward; set router_aux_loss_coef=0.0")
         policy = self._policy()
         dtype = hf(policy).get_input_embeddings().weight.dtype
-        if self.args.bf16 and dtype != torch.bfloat16:
-            out.append(f"bf16=True with {str(dtype).removeprefix('torch.')} parameters: that is autocast mixed "
-                       "precision, and LongStraw computes in the parameters' dtype; set bf16=False, or load the model "
-                       "in bfloat16")
+        if self.args.bf16 and dtype not in (torch.bfloat16, torch.float32):
+            out.append(f"bf16=True with {str(dtype).removeprefix('torch.')} parameters: bf16 autocast runs over "
+                       "float32 (or bfloat16) parameters; load the model in float32 or bfloat16, or set bf16=False")
         try:  # supported family, dropout off (TRL trains in train() mode), uniform dtype, no logit soft-cap
             with eval_mode_when_equal(policy):
                 check_architecture(policy, 1)
@@ -303,8 +302,11 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             ref_logprobs=per_completion("ref_per_token_logps") if self.beta != 0.0 else None,
         )
         policy = self._policy()
-        # Trainer may run this under autocast (bf16 with a bfloat16 model): LongStraw computes in the model's dtype.
-        with torch.autocast(hf(policy).device.type, enabled=False):
+        # bf16=True over float32 parameters is autocast mixed precision, which accelerate applies around the prepared
+        # model's forward; LongStraw runs the layers itself, so it enters the same autocast around the whole group
+        # (forwards, recomputes and their backward). Over bfloat16 parameters it computes in their dtype.
+        autocast = bool(self.args.bf16) and hf(policy).get_input_embeddings().weight.dtype == torch.float32
+        with torch.autocast(hf(policy).device.type, dtype=torch.bfloat16, enabled=autocast):
             options = replace(self._longstraw, loss=_loss_kind(self.args), temperature=self.temperature,
                               **self._loss_options(len(keep), inputs))
             result = backward_group(policy, group, options)
