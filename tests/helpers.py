@@ -4,8 +4,14 @@ gradients, and `assert_close` with the tolerances of each kernel class. Imported
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
 import types
+from pathlib import Path
 
+import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
@@ -236,3 +242,36 @@ def assert_bfloat16_close_to_float64(d: int = 8) -> None:
     for a, r in zip(g_low, g_ref):
         assert (a.double() - r).norm() / r.norm() < 3e-2
 
+
+# Multi-process tests: ranks started by hand with torch.distributed's environment (gloo on 127.0.0.1).
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(args: list[str], world: int, timeout: float = 300.0, cwd: Path | None = None,
+              paths: list[Path] | None = None, env: dict[str, str] | None = None) -> list[tuple[int, str]]:
+    """Run `python <args>` as `world` ranks (torch.distributed's environment, a free port on 127.0.0.1); return
+    (exit code, stdout+stderr) per rank. `paths`: the children's PYTHONPATH; `env`: more variables. Kills all on
+    timeout."""
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        variables = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                         LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                         OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(str(p) for p in paths or []), **(env or {}))
+        variables.pop("TORCHELASTIC_RUN_ID", None)
+        procs.append(subprocess.Popen([sys.executable, *args], env=variables, cwd=cwd, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    results = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=timeout)
+            results.append((p.returncode, out))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        outs = [p.communicate()[0] for p in procs]
+        pytest.fail(f"ranks did not finish within {timeout} s (a hang); their output:\n" + "\n---\n".join(outs))
+    return results

@@ -20,6 +20,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,65 +29,22 @@ pytest.importorskip("trl", reason="TRL is an optional extra: pip install 'longst
 
 import trl.trainer.utils  # noqa: E402
 from datasets import Dataset  # noqa: E402
-from helpers import assert_close, faithful_float64, rel_err, tiny_model  # noqa: E402
-from transformers import AutoModelForCausalLM, TrainerCallback  # noqa: E402
+from helpers import assert_close, rel_err, run_ranks, tiny_model  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+from trl_setup import (  # noqa: E402
+    MAX_COMPLETION,
+    PROMPTS,
+    RAGGED,
+    ROOT,
+    Float64LogProbs,
+    G,
+    reward,
+    train,
+)
 
 from longstraw.integrations.trl import LongStrawGRPOConfig, LongStrawGRPOTrainer  # noqa: E402
 from longstraw.models.tokenizer import byte_tokenizer_hf  # noqa: E402
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-G = 4
-MAX_COMPLETION = 12
-PROMPTS = [f"Question {i:02d}: what is the colour of item {i:02d}?" for i in range(8)]  # equal lengths
-RAGGED = [p + " Please." * (i % 3) for i, p in enumerate(PROMPTS)]
-
-
-class _Float64LogProbs:
-    """TRL's `ChunkedLogProbFunction` interface computed plainly in the input dtype (TRL's accumulates in float32):
-    log_softmax(logits * logit_scale / temperature) at the targets, and the entropy TRL logs."""
-
-    @staticmethod
-    def apply(hidden, weight, bias, targets, temperature, chunk_size, softcap, logit_scale, outputs):
-        assert softcap is None
-        logits = hidden @ weight.t() + (0 if bias is None else bias)
-        logp = torch.log_softmax(logits * logit_scale * (1 / temperature), dim=-1)
-        entropy = -(logp.exp() * logp).sum(-1) if "entropy" in outputs else None
-        return logp.gather(-1, targets[:, None]).squeeze(-1), entropy, None, None, None
-
-
-def _completions(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-    """Stands in for `GRPOTrainer._generate_single_turn`: the j-th completion of a prompt is a fixed function of the
-    prompt's ids and j, so both trainers train on the same completions. Lengths 3, 8, 5 end with EOS; the 4th is
-    cut at max_completion_length (no EOS) for some prompts, which mask_truncated_completions then drops, and for
-    others ends with EOS at 6 tokens, so groups differ in their longest completion (dr_grpo's normaliser)."""
-    eos = self.processing_class.eos_token_id
-    out = []
-    for k, ids in enumerate(prompt_ids):
-        j = k % num_generations
-        gen = torch.Generator().manual_seed(sum(ids) * 8 + j)
-        truncated = j == 3 and sum(ids) % 2 == 0
-        n = [3, 8, 5, MAX_COMPLETION if truncated else 6][j]
-        tokens = torch.randint(97, 123, (n,), generator=gen).tolist()  # lower-case letters
-        if not truncated:
-            tokens[-1] = eos
-        out.append(tokens)
-    return out, None
-
-
-def _reward(completions, **kwargs):
-    return [float(c.count("a") + c.count("e") + len(c) % 3) for c in completions]
-
-
-class _Gradients(TrainerCallback):
-    """Each optimizer step's gradient, flattened, just before the optimizer uses it."""
-
-    def __init__(self):
-        self.steps = []
-
-    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        self.steps.append(torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten()
-                                     for p in model.parameters() if p.requires_grad]).clone())
 
 
 @pytest.fixture(scope="module")
@@ -102,36 +60,12 @@ def model_dirs(tmp_path_factory):
 
 @pytest.fixture
 def float64_trl_kernel(monkeypatch):
-    monkeypatch.setattr(trl.trainer.utils, "_ChunkedLogProbFunction", _Float64LogProbs)
-
-
-def _train(trainer_cls, config_cls, model_dir, tmp_path, dtype=torch.float64, prompts=PROMPTS, peft_config=None,
-           sample=False, **config):
-    """One run from the saved model; returns (gradient per optimizer step, parameters after). sample: TRL's own
-    generation (transformers' generate) instead of the fixed completions."""
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-    if dtype == torch.float64:
-        faithful_float64(model)
-    settings = dict(per_device_train_batch_size=2 * G, num_generations=G, max_completion_length=MAX_COMPLETION,
-                    max_steps=1, learning_rate=0.5, optim="sgd", lr_scheduler_type="constant", max_grad_norm=0.0,
-                    bf16=False, report_to="none", save_strategy="no", seed=0, logging_steps=1, disable_tqdm=True,
-                    temperature=0.7)
-    settings.update(config)
-    gradients = _Gradients()
-    trainer = trainer_cls(model, reward_funcs=_reward, args=config_cls(output_dir=str(tmp_path / "out"), **settings),
-                          train_dataset=Dataset.from_dict({"prompt": list(prompts)}),
-                          processing_class=byte_tokenizer_hf(), callbacks=[gradients], peft_config=peft_config)
-    if not sample:
-        trainer._generate_single_turn = _completions.__get__(trainer)
-    trainer.train()
-    params = torch.cat([p.detach().flatten() for p in trainer.model.parameters() if p.requires_grad])
-    return gradients.steps, params
+    monkeypatch.setattr(trl.trainer.utils, "_ChunkedLogProbFunction", Float64LogProbs)
 
 
 def _compare(tmp_path, model_dirs, tol, family="llama", ours=LongStrawGRPOConfig, **config):
-    g_trl, p_trl = _train(GRPOTrainer, GRPOConfig, model_dirs[family], tmp_path / "trl", **config)
-    g_ls, p_ls = _train(LongStrawGRPOTrainer, ours, model_dirs[family], tmp_path / "ls", **config)
+    g_trl, p_trl = train(GRPOTrainer, GRPOConfig, model_dirs[family], tmp_path / "trl", **config)
+    g_ls, p_ls = train(LongStrawGRPOTrainer, ours, model_dirs[family], tmp_path / "ls", **config)
     assert len(g_ls) == len(g_trl) == config.get("max_steps", 1)
     for a, b in zip(g_ls, g_trl):
         assert b.norm() > 0
@@ -210,9 +144,9 @@ def test_lora_adapter(tmp_path, model_dirs, float64_trl_kernel):
 
 def test_the_comparison_catches_a_different_gradient(tmp_path, model_dirs, float64_trl_kernel):
     """The detach plan (the prompt state held constant: a biased gradient) must not pass as TRL's."""
-    (g_ls,), _ = _train(LongStrawGRPOTrainer, LongStrawGRPOConfig, model_dirs["llama"], tmp_path / "ls",
+    (g_ls,), _ = train(LongStrawGRPOTrainer, LongStrawGRPOConfig, model_dirs["llama"], tmp_path / "ls",
                         loss_type="grpo", longstraw_plan="detach")
-    (g_trl,), _ = _train(GRPOTrainer, GRPOConfig, model_dirs["llama"], tmp_path / "trl", loss_type="grpo")
+    (g_trl,), _ = train(GRPOTrainer, GRPOConfig, model_dirs["llama"], tmp_path / "trl", loss_type="grpo")
     assert rel_err(g_ls, g_trl) > 1e-3
 
 
@@ -242,14 +176,14 @@ def test_refuses_what_it_cannot_compute(tmp_path, model_dirs, overrides, reason)
     model = AutoModelForCausalLM.from_pretrained(model_dirs["llama"])
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(ValueError, match=re.escape(reason)):
-        LongStrawGRPOTrainer(model, reward_funcs=_reward, args=_config(tmp_path, **overrides),
+        LongStrawGRPOTrainer(model, reward_funcs=reward, args=_config(tmp_path, **overrides),
                              train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=byte_tokenizer_hf())
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
 
 
 def test_refuses_several_reasons_at_once_and_model_level_ones(tmp_path, model_dirs):
     def build(model, **overrides):
-        return LongStrawGRPOTrainer(model, reward_funcs=_reward, args=_config(tmp_path, **overrides),
+        return LongStrawGRPOTrainer(model, reward_funcs=reward, args=_config(tmp_path, **overrides),
                                     train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
                                     processing_class=byte_tokenizer_hf())
 
@@ -312,9 +246,9 @@ def test_two_steps_with_sampling_equal_trl(tmp_path, model_dirs):
     between (TRL shuffles each generation batch with torch.randperm; the drop-in makes the same draw)."""
     config = dict(max_steps=2, temperature=1.0, learning_rate=0.05, per_device_train_batch_size=G,
                   generation_batch_size=G)
-    g_trl, p_trl = _train(GRPOTrainer, GRPOConfig, model_dirs["qwen3"], tmp_path / "trl", dtype=torch.float32,
+    g_trl, p_trl = train(GRPOTrainer, GRPOConfig, model_dirs["qwen3"], tmp_path / "trl", dtype=torch.float32,
                           sample=True, **config)
-    g_ls, p_ls = _train(LongStrawGRPOTrainer, LongStrawGRPOConfig, model_dirs["qwen3"], tmp_path / "ls",
+    g_ls, p_ls = train(LongStrawGRPOTrainer, LongStrawGRPOConfig, model_dirs["qwen3"], tmp_path / "ls",
                         dtype=torch.float32, sample=True, **config)
     assert len(g_ls) == len(g_trl) == 2
     for step, (a, b) in enumerate(zip(g_ls, g_trl)):
@@ -332,7 +266,7 @@ def test_bf16_autocast_over_float32_weights_matches_trl(tmp_path, model_dirs):
     for name, trainer, config, bf16 in (("trl", GRPOTrainer, GRPOConfig, True),
                                         ("ls", LongStrawGRPOTrainer, LongStrawGRPOConfig, True),
                                         ("trl-fp32", GRPOTrainer, GRPOConfig, False)):
-        runs[name] = _train(trainer, config, model_dirs["qwen3"], tmp_path / name, dtype=torch.float32, bf16=bf16,
+        runs[name] = train(trainer, config, model_dirs["qwen3"], tmp_path / name, dtype=torch.float32, bf16=bf16,
                             use_cpu=True)
     (g_trl,), p_trl = runs["trl"]
     (g_ls,), p_ls = runs["ls"]
@@ -355,7 +289,7 @@ def test_trl_minimal_example_on_trl_defaults(tmp_path, model_dirs, monkeypatch):
     monkeypatch.chdir(tmp_path)
     byte_tokenizer_hf().save_pretrained(model_dirs["qwen3"])
     before = torch.cat([p.flatten() for p in AutoModelForCausalLM.from_pretrained(model_dirs["qwen3"]).parameters()])
-    trainer = LongStrawGRPOTrainer(model=model_dirs["qwen3"], reward_funcs=_reward,
+    trainer = LongStrawGRPOTrainer(model=model_dirs["qwen3"], reward_funcs=reward,
                                    train_dataset=Dataset.from_dict({"prompt": PROMPTS[:1]}))
     assert trainer.args.bf16 and trainer.num_generations == 8
     assert trainer.model.get_input_embeddings().weight.dtype == torch.float32
@@ -363,3 +297,40 @@ def test_trl_minimal_example_on_trl_defaults(tmp_path, model_dirs, monkeypatch):
     after = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
     assert torch.isfinite(after).all() and not torch.equal(after, before)
 
+
+
+# Data parallelism: each case trains `trl.GRPOTrainer` and the drop-in on 2 processes (gloo) for 2 optimizer steps.
+DDP_CASES = {
+    "grpo": dict(loss_type="grpo", max_steps=2),
+    "dapo-beta": dict(loss_type="dapo", beta=0.04, max_steps=2),
+    "iterations-accumulation": dict(loss_type="grpo", num_iterations=2, gradient_accumulation_steps=2,
+                                    per_device_train_batch_size=G, max_steps=2),
+    "lora": dict(loss_type="grpo", beta=0.04, max_steps=2, lora=True),
+}
+
+
+@pytest.fixture(scope="module")
+def ddp_runs(model_dirs, tmp_path_factory):
+    """2 ranks running every case, with torchrun's environment and ACCELERATE_USE_CPU=1: accelerate's MULTI_CPU
+    over gloo (`accelerate launch --cpu` would start one process on this machine)."""
+    out = tmp_path_factory.mktemp("trl-ddp")
+    here = Path(__file__).resolve().parent
+    ranks = run_ranks([str(here / "trl_ddp_child.py"), model_dirs["llama"], str(out), json.dumps(DDP_CASES)], 2,
+                      timeout=900, paths=[here, here.parent, Path(ROOT) / "src"], env={"ACCELERATE_USE_CPU": "1"})
+    for code, output in ranks:
+        assert code == 0, output[-4000:]
+    return out
+
+
+@pytest.mark.parametrize("case", list(DDP_CASES))
+def test_two_processes_equal_trl_two_processes(ddp_runs, case):
+    """float64, DDP on 2 processes: after each of 2 optimizer steps the drop-in's gradient equals TRL's, and so do
+    the parameters after (TRL's DDP averages the ranks' gradients; the drop-in all-reduces them once per step)."""
+    trl_run = torch.load(ddp_runs / f"{case}-trl.pt", weights_only=False)
+    ours = torch.load(ddp_runs / f"{case}-longstraw.pt", weights_only=False)
+    assert trl_run["world"] == ours["world"] == 2
+    assert len(trl_run["steps"]) == len(ours["steps"]) == 2
+    for step, (a, b) in enumerate(zip(ours["steps"], trl_run["steps"])):
+        assert b.norm() > 0
+        assert_close(f"{case} step {step + 1} gradient", b, a, 1e-12)
+    assert_close(f"{case} parameters after 2 steps", trl_run["params"], ours["params"], 1e-12)

@@ -1,0 +1,45 @@
+"""One rank of a data-parallel TRL run (torchrun, gloo, ACCELERATE_USE_CPU=1: accelerate's MULTI_CPU).
+
+argv: MODEL_DIR OUT_DIR CASES_JSON. For every case (a name and GRPOConfig overrides), `trl.GRPOTrainer` and
+`LongStrawGRPOTrainer` each train from the saved float64 model on the same fixed completions (trl_setup.py); rank 0
+saves each optimizer step's gradient and the parameters after, per case and trainer, to OUT_DIR/<case>-<trainer>.pt.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import trl.trainer.utils
+from trl import GRPOConfig, GRPOTrainer
+from trl_setup import Float64LogProbs, train
+
+from longstraw.integrations.trl import LongStrawGRPOConfig, LongStrawGRPOTrainer
+
+
+def main() -> None:
+    model_dir, out, cases = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])
+    trl.trainer.utils._ChunkedLogProbFunction = Float64LogProbs  # as the float64 tests in one process
+    for name, overrides in cases.items():
+        peft = overrides.pop("lora", None)
+        for label, trainer, config in (("trl", GRPOTrainer, GRPOConfig),
+                                       ("longstraw", LongStrawGRPOTrainer, LongStrawGRPOConfig)):
+            peft_config = None
+            if peft:
+                from peft import LoraConfig
+
+                peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+                                         init_lora_weights=False, task_type="CAUSAL_LM")
+            steps, params = train(trainer, config, model_dir, out / f"{name}-{label}", peft_config=peft_config,
+                                  **overrides)
+            if dist.get_rank() == 0:
+                torch.save({"steps": steps, "params": params, "world": dist.get_world_size()},
+                           out / f"{name}-{label}.pt")
+            dist.barrier()
+
+
+if __name__ == "__main__":
+    main()

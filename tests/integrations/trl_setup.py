@@ -1,0 +1,93 @@
+"""What the TRL equality tests share, in one process or in several (trl_ddp_child.py): the fixed completions
+that stand in for generation, the reward, the float64 log-prob kernel swapped into TRL, the gradient recorder, and
+one training run from a saved model."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from datasets import Dataset
+from helpers import faithful_float64
+from transformers import AutoModelForCausalLM, TrainerCallback
+
+from longstraw.models.tokenizer import byte_tokenizer_hf
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+G = 4
+MAX_COMPLETION = 12
+PROMPTS = [f"Question {i:02d}: what is the colour of item {i:02d}?" for i in range(8)]  # equal lengths
+RAGGED = [p + " Please." * (i % 3) for i, p in enumerate(PROMPTS)]
+
+
+class Float64LogProbs:
+    """TRL's `ChunkedLogProbFunction` interface computed plainly in the input dtype (TRL's accumulates in float32):
+    log_softmax(logits * logit_scale / temperature) at the targets, and the entropy TRL logs."""
+
+    @staticmethod
+    def apply(hidden, weight, bias, targets, temperature, chunk_size, softcap, logit_scale, outputs):
+        assert softcap is None
+        logits = hidden @ weight.t() + (0 if bias is None else bias)
+        logp = torch.log_softmax(logits * logit_scale * (1 / temperature), dim=-1)
+        entropy = -(logp.exp() * logp).sum(-1) if "entropy" in outputs else None
+        return logp.gather(-1, targets[:, None]).squeeze(-1), entropy, None, None, None
+
+
+def completions(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+    """Stands in for `GRPOTrainer._generate_single_turn`: the j-th completion of a prompt is a fixed function of the
+    prompt's ids and j, so both trainers train on the same completions. Lengths 3, 8, 5 end with EOS; the 4th is
+    cut at max_completion_length (no EOS) for some prompts, which mask_truncated_completions then drops, and for
+    others ends with EOS at 6 tokens, so groups differ in their longest completion (dr_grpo's normaliser)."""
+    eos = self.processing_class.eos_token_id
+    out = []
+    for k, ids in enumerate(prompt_ids):
+        j = k % num_generations
+        gen = torch.Generator().manual_seed(sum(ids) * 8 + j)
+        truncated = j == 3 and sum(ids) % 2 == 0
+        n = [3, 8, 5, MAX_COMPLETION if truncated else 6][j]
+        tokens = torch.randint(97, 123, (n,), generator=gen).tolist()  # lower-case letters
+        if not truncated:
+            tokens[-1] = eos
+        out.append(tokens)
+    return out, None
+
+
+def reward(completions, **kwargs):
+    return [float(c.count("a") + c.count("e") + len(c) % 3) for c in completions]
+
+
+class Gradients(TrainerCallback):
+    """Each optimizer step's gradient, flattened, just before the optimizer uses it."""
+
+    def __init__(self):
+        self.steps = []
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.steps.append(torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten()
+                                     for p in model.parameters() if p.requires_grad]).clone())
+
+
+def train(trainer_cls, config_cls, model_dir, tmp_path, dtype=torch.float64, prompts=PROMPTS, peft_config=None,
+           sample=False, **config):
+    """One run from the saved model; returns (gradient per optimizer step, parameters after). sample: TRL's own
+    generation (transformers' generate) instead of the fixed completions."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    if dtype == torch.float64:
+        faithful_float64(model)
+    settings = dict(per_device_train_batch_size=2 * G, num_generations=G, max_completion_length=MAX_COMPLETION,
+                    max_steps=1, learning_rate=0.5, optim="sgd", lr_scheduler_type="constant", max_grad_norm=0.0,
+                    bf16=False, report_to="none", save_strategy="no", seed=0, logging_steps=1, disable_tqdm=True,
+                    temperature=0.7)
+    settings.update(config)
+    gradients = Gradients()
+    trainer = trainer_cls(model, reward_funcs=reward, args=config_cls(output_dir=str(tmp_path / "out"), **settings),
+                          train_dataset=Dataset.from_dict({"prompt": list(prompts)}),
+                          processing_class=byte_tokenizer_hf(), callbacks=[gradients], peft_config=peft_config)
+    if not sample:
+        trainer._generate_single_turn = completions.__get__(trainer)
+    trainer.train()
+    params = torch.cat([p.detach().flatten() for p in trainer.model.parameters() if p.requires_grad])
+    return gradients.steps, params
+
+
