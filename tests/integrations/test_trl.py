@@ -171,6 +171,7 @@ def _config(tmp_path, **overrides):
     (dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, steps_per_generation=3),
      "neither divides the other"),
     (dict(per_device_train_batch_size=2, steps_per_generation=2), "each step must get whole groups"),
+    (dict(fsdp="full_shard"), "DeepSpeed / FSDP: backward_group runs the model's layers itself"),
 ])
 def test_refuses_what_it_cannot_compute(tmp_path, model_dirs, overrides, reason):
     model = AutoModelForCausalLM.from_pretrained(model_dirs["llama"])
@@ -334,3 +335,12 @@ def test_two_processes_equal_trl_two_processes(ddp_runs, case):
         assert b.norm() > 0
         assert_close(f"{case} step {step + 1} gradient", b, a, 1e-12)
     assert_close(f"{case} parameters after 2 steps", trl_run["params"], ours["params"], 1e-12)
+
+
+def test_ddp_example_trains_two_steps_on_two_processes(tmp_path):
+    """examples/trl_ddp.py as documented (torchrun's environment, ACCELERATE_USE_CPU=1), 2 processes over gloo."""
+    ranks = run_ranks([os.path.join(ROOT, "examples", "trl_ddp.py")], 2, timeout=600, cwd=tmp_path,
+                      paths=[Path(ROOT) / "src"], env={"ACCELERATE_USE_CPU": "1", "OUTPUT_DIR": str(tmp_path / "out")})
+    for code, output in ranks:
+        assert code == 0, output[-4000:]
+    assert "trained 2 steps on 2 processes" in ranks[0][1]

@@ -206,6 +206,12 @@ class LongStrawGRPOTrainer(GRPOTrainer):
 
     def _model_refusals(self) -> list[str]:
         out = []
+        kind = str(self.accelerator.distributed_type.value)
+        if kind in ("DEEPSPEED", "FSDP", "MEGATRON_LM", "XLA"):
+            out.append(f"accelerate's {kind}: backward_group runs the model's layers itself, outside the wrapper whose "
+                       "hooks gather sharded parameters and reduce their gradients; use data parallelism (DDP, "
+                       "accelerate's MULTI_GPU / MULTI_CPU), or LongStraw's own trainer (FSDP2, `longstraw train "
+                       "--nproc`)")
         if self._is_vlm:
             out.append("a multimodal processor: LongStraw replays text-only completions")
         if self.aux_loss_enabled:
