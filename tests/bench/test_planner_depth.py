@@ -34,8 +34,11 @@ def _measure(prompt_tokens: int, response_tokens: int, cases: list[tuple[str, st
     return {(m, c): meas for m, c, meas, _ in rows}
 
 
+@pytest.mark.slow
 def test_planner_at_depth_short_prompt():
-    """P = 1024, R = 64: detach and exact with and without checkpointing; checkpointing lowers exact's peak."""
+    """P = 1024, R = 64: detach and exact with and without checkpointing; checkpointing lowers exact's peak (about
+    2 min of four fresh workers; the default suite checks the planner at this depth against the recorded
+    measurement memory-deep-smollm2-2k-all-plans-20261130, tests/planner/test_planner.py)."""
     peaks = _measure(1024, 64, [("detach", "none"), ("detach", "layers"), ("exact", "none"), ("exact", "layers")])
     assert peaks["exact", "layers"] < peaks["exact", "none"]
 
