@@ -46,10 +46,12 @@ def test_every_relative_link_resolves():
 
 
 def test_no_process_history_in_docs_or_code():
-    """Code and docs say what and why; history (issue numbers, dated runs, "previous run") belongs in git."""
-    history = re.compile(r"\bissue [0-9]|\bprevious run|\bthis session|\blast session|\bsession's\b")
+    """Code and docs say what and why; process history (numbered tasks, dated runs, earlier runs) belongs in git."""
+    # The phrases are split so that this file does not itself contain what it looks for.
+    history = re.compile("|".join(("is" "sue [0-9]", "prev" "ious run", "this sess" "ion", "last sess" "ion",
+                                   "sess" "ion's")))
     files = [*_pages(), *ROOT.glob("src/longstraw/**/*.py"), *ROOT.glob("tests/**/*.py")]
-    found = [f"{f.relative_to(ROOT)}:{i + 1}" for f in files if f.name != os.path.basename(__file__)
+    found = [f"{f.relative_to(ROOT)}:{i + 1}" for f in files
              for i, line in enumerate(f.read_text().splitlines()) if history.search(line)]
     assert len(files) > 100 and not found, found
 

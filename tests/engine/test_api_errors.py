@@ -189,7 +189,7 @@ def test_overflow_in_a_micro_batch_is_caught_before_its_backward(plan):
 def test_a_state_of_another_prompt_of_the_same_length_is_refused(tiny_llama64):
     from longstraw.engine.state.capture import capture_prompt
 
-    tiny_llama64.zero_grad(set_to_none=True)  # a session fixture: other tests leave gradients on it
+    tiny_llama64.zero_grad(set_to_none=True)  # a fixture shared by every test: others leave gradients on it
     group = random_group(20, [3, 2], seed=0)
     other = random_group(20, [3, 2], seed=1)
     assert not torch.equal(group.prompt, other.prompt)

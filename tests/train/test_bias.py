@@ -15,7 +15,8 @@ from longstraw.engine.api import backward_group
 from longstraw.models.loading import load_model
 from longstraw.train import bias
 from longstraw.train.config import TrainConfig
-from longstraw.train.trainer import Progress, Trainer, plot_metrics
+from longstraw.train.reporting import Progress, plot_metrics
+from longstraw.train.trainer import Trainer
 
 TIME_KEYS = ("peak_memory_bytes", "tokens_per_s", "time_rollout_s", "time_train_s")
 

@@ -13,7 +13,8 @@ from helpers import jsonl_dataset
 
 import longstraw
 from longstraw.train.config import TrainConfig
-from longstraw.train.trainer import Progress, Trainer
+from longstraw.train.reporting import Progress
+from longstraw.train.trainer import Trainer
 
 TESTS = Path(__file__).parents[1]  # tests/: the reward modules the children import
 SRC = Path(longstraw.__file__).resolve().parents[1]  # the children import the longstraw this process tests

@@ -54,8 +54,6 @@ included, is still importable from `longstraw.planner` itself):
 
 from __future__ import annotations
 
-from longstraw.planner.cli import _UNITS as _UNITS
-from longstraw.planner.cli import _gb as _gb
 from longstraw.planner.cli import (
     add_arguments,
     format_plan,
@@ -79,7 +77,6 @@ from longstraw.planner.estimator import (
     largest_prompt,
     plan_all,
 )
-from longstraw.planner.estimator import _bytes_of as _bytes_of
 from longstraw.planner.formulas import (
     RECURRENT_MIXERS,
     RecurrentBytes,
@@ -94,15 +91,6 @@ from longstraw.planner.formulas import (
     state_bytes,
     state_parts,
 )
-from longstraw.planner.formulas import _layer_per_token as _layer_per_token
-from longstraw.planner.formulas import _mixer_activation_bytes as _mixer_activation_bytes
-from longstraw.planner.formulas import _mlp_activation_bytes as _mlp_activation_bytes
-from longstraw.planner.formulas import _mlp_width as _mlp_width
-from longstraw.planner.formulas import _norm as _norm
-from longstraw.planner.formulas import _padded as _padded
-from longstraw.planner.formulas import _per_token_state_bytes as _per_token_state_bytes
-from longstraw.planner.formulas import _recurrent_bytes as _recurrent_bytes
-from longstraw.planner.formulas import _recurrent_layers as _recurrent_layers
 from longstraw.planner.spec import (
     BUILTIN_NAMES,
     LINEAR_SCAN_CHUNK,
@@ -114,9 +102,6 @@ from longstraw.planner.spec import (
     load_config,
     spec_from_config,
 )
-from longstraw.planner.spec import _attention_dims as _attention_dims
-from longstraw.planner.spec import _count_params as _count_params
-from longstraw.planner.spec import _moe_layers as _moe_layers
 
 __all__ = [
     # spec

@@ -168,9 +168,9 @@ class TrainConfig:
         meter's exact) and the run's context-parallel group."""
         from longstraw.engine.options import BackwardOptions
 
-        clip = self.loss_options()
         return BackwardOptions(plan=self.plan if plan is None else plan, loss=self.loss, beta=self.beta,
-                               epsilon_low=clip.get("epsilon_low"), epsilon_high=clip.get("epsilon_high"),
+                               epsilon_low=self.epsilon_low if self.epsilon_low >= 0 else None,
+                               epsilon_high=self.epsilon_high if self.epsilon_high >= 0 else None,
                                chunk_size=self.chunk_size, micro_batch=self.micro_batch,
                                checkpoint="layers" if self.checkpoint_layers else "none",
                                offload_state=self.offload_state, context_shards=context_shards)

@@ -47,7 +47,7 @@ from longstraw.models.tokenizer import load_tokenizer
 from longstraw.train import bias
 from longstraw.train.checkpoints import FILENAME, check_same_shapes, restore_run, rng_state, save_run
 from longstraw.train.config import TrainConfig
-from longstraw.train.data import EVAL_SEED_OFFSET, RewardError, TaskData, build_task
+from longstraw.train.data import TaskData
 from longstraw.train.optimizer import (
     check_weights_finite,
     clip_and_check,
@@ -55,14 +55,10 @@ from longstraw.train.optimizer import (
     mean_gradient,
     scheduler_step,
 )
-from longstraw.train.reporting import Progress, Report, StepLog, plot_metrics, read_metrics
+from longstraw.train.reporting import Progress, Report, StepLog
 from longstraw.train.rundir import open_run_dir
-from longstraw.train.sampler import Sampler, ScoredGroup
+from longstraw.train.sampler import Sampler
 from longstraw.train.stopping import StopSignals, save_after_failure
-
-# The names this module held before the step's parts moved out (importable from here as before).
-__all__ = ["EVAL_SEED_OFFSET", "Progress", "RewardError", "ScoredGroup", "Trainer", "build_task", "plot_metrics",
-           "read_metrics", "train"]
 
 
 class Trainer:
