@@ -22,7 +22,8 @@ the block with every parameter a plain tensor (no collective inside: ranks may d
 `lm_head` read is just a tensor read, the exact plan's prompt backward and its early-stopping K/V recompute
 work as in one process), then reduce-scatters each unit's accumulated gradient once and reshards.
 FSDP settings: `reshard_after_forward=False`, `set_reshard_after_backward(False)`,
-`set_requires_gradient_sync(False)`: the hooks still run but do no communication.
+`set_requires_gradient_sync(False)`: the hooks still run but do no communication. A model another library sharded
+(accelerate's FSDP2 for TRL, with its own settings) gets these settings for the block only (`_compute_settings`).
 
 Memory per rank: sharded parameters, gradients and optimizer state at rest (1/W each); during a step, the full
 parameters and the full gradient (the price of one reduction per step); plus the prompt state.
@@ -121,21 +122,55 @@ def sharded_compute(model: torch.nn.Module, reduce: bool = True) -> Iterator[Non
         yield
         return
     units = _units(model)
-    for unit in units:
-        unit.unshard()
+    with _compute_settings(model):
+        for unit in units:
+            unit.unshard()
+        try:
+            yield
+        except BaseException:
+            model.reset_iter_state()  # local only: reshard, clear FSDP's per-iteration trackers
+            _drop_unsharded_gradients(units)
+            raise
+        if reduce:
+            _reduce_accumulated_gradients(model)
+        else:
+            _drop_unsharded_gradients(units)
+        # Reshard every unit and reset FSDP's per-forward bookkeeping: the K/V-only forwards of capture stop
+        # inside the last layer (segment.py), which leaves that layer's FSDP state mid-forward.
+        model.reset_iter_state()
+
+
+@contextmanager
+def _compute_settings(model: FSDPModule) -> Iterator[None]:
+    """`parallelize`'s settings for the block, whoever sharded the model; the model's own restored after.
+
+    Inside: no resharding after a layer's forward or backward (the block reads parameters outside module forwards),
+    no communication from the hooks (`sharded_compute` reduces once), zeros reduce-scattered for unused parameters,
+    SUM reductions on gloo (it has no AVG). FSDP's root is fixed first: its lazy initialisation runs at the first
+    forward through a sharded module, and the block may enter at an inner module (`model.model`)."""
+    state = model._get_fsdp_state()
+    state._lazy_init()
+    states = state._state_ctx.all_states
+    groups = [g for s in states for g in s._fsdp_param_groups]
+    names = ("post_forward_mesh_info", "reshard_after_backward", "reduce_grads", "all_reduce_grads",
+             "reduce_scatter_unused_params", "force_sum_reduction_for_comms")
+    saved = [{name: getattr(g, name) for name in names} for g in groups]
+    auto = [s._auto_reshard_after_forward for s in states]
+    model.set_reshard_after_forward(False)
+    model.set_reshard_after_backward(False)
+    model.set_requires_gradient_sync(False)
+    model.set_reduce_scatter_unused_params(True)
+    for group in groups:
+        if group.mesh_info.mesh.device_type == "cpu":
+            group.force_sum_reduction_for_comms = True
     try:
         yield
-    except BaseException:
-        model.reset_iter_state()  # local only: reshard, clear FSDP's per-iteration trackers
-        _drop_unsharded_gradients(units)
-        raise
-    if reduce:
-        _reduce_accumulated_gradients(model)
-    else:
-        _drop_unsharded_gradients(units)
-    # Reshard every unit and reset FSDP's per-forward bookkeeping: the K/V-only forwards of capture stop
-    # inside the last layer (segment.py), which leaves that layer's FSDP state mid-forward.
-    model.reset_iter_state()
+    finally:
+        for group, values in zip(groups, saved):
+            for name, value in values.items():
+                setattr(group, name, value)
+        for s, value in zip(states, auto):
+            s._auto_reshard_after_forward = value
 
 
 def _drop_unsharded_gradients(units: list[FSDPModule]) -> None:
