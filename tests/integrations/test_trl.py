@@ -171,7 +171,14 @@ def _config(tmp_path, **overrides):
     (dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, steps_per_generation=3),
      "neither divides the other"),
     (dict(per_device_train_batch_size=2, steps_per_generation=2), "each step must get whole groups"),
-    (dict(fsdp="full_shard"), "DeepSpeed / FSDP: backward_group runs the model's layers itself"),
+    (dict(fsdp=True, fsdp_config={"version": 1}), "FSDP version 1: LongStraw runs under FSDP2"),
+    (dict(fsdp=True, fsdp_config={"cpu_offload": True}), "FSDP cpu_offload"),
+    (dict(fsdp=True, fsdp_config={"activation_checkpointing": True}, gradient_checkpointing=False),
+     "FSDP activation_checkpointing wraps the decoder layers"),
+    (dict(longstraw_cp=0), "longstraw_cp must be an integer >= 1"),
+    (dict(longstraw_cp=2, longstraw_plan="standard"), "longstraw_cp=2 shards the prompt state"),
+    (dict(longstraw_cp=2, longstraw_keep_prompt_graph=1), "longstraw_keep_prompt_graph is not supported"),
+    (dict(longstraw_cp=2), "longstraw_cp=2 needs a number of processes that is a multiple of 2, got 1"),
 ])
 def test_refuses_what_it_cannot_compute(tmp_path, model_dirs, overrides, reason):
     model = AutoModelForCausalLM.from_pretrained(model_dirs["llama"])
@@ -300,41 +307,80 @@ def test_trl_minimal_example_on_trl_defaults(tmp_path, model_dirs, monkeypatch):
 
 
 
-# Data parallelism: each case trains `trl.GRPOTrainer` and the drop-in on 2 processes (gloo) for 2 optimizer steps.
-DDP_CASES = {
+# Several processes: each case trains `trl.GRPOTrainer` and the drop-in on 2 processes (gloo) for 2 optimizer steps,
+# with DDP (accelerate's MULTI_CPU) or FSDP2 (`fsdp=True`: TrainingArguments' FSDP, version 2, full shard).
+_CASES = {
     "grpo": dict(loss_type="grpo", max_steps=2),
     "dapo-beta": dict(loss_type="dapo", beta=0.04, max_steps=2),
     "iterations-accumulation": dict(loss_type="grpo", num_iterations=2, gradient_accumulation_steps=2,
                                     per_device_train_batch_size=G, max_steps=2),
     "lora": dict(loss_type="grpo", beta=0.04, max_steps=2, lora=True),
 }
+# Context parallelism (`longstraw_cp=2`: the two processes exchange their groups and each holds half of every
+# prompt's state, in capture chunks of 8 tokens so that each prompt's ~45 tokens are split) against TRL on the same
+# two processes, which keeps whole sequences on each.
+_CP = dict(longstraw_cp=2, longstraw_chunk_size=8)
+MULTI_PROCESS_CASES = {**{f"ddp-{name}": case for name, case in _CASES.items()},
+                       **{f"fsdp2-{name}": dict(case, fsdp=True) for name, case in _CASES.items()},
+                       "ddp-cp2-grpo": dict(_CASES["grpo"], **_CP),
+                       "fsdp2-cp2-dapo-beta": dict(_CASES["dapo-beta"], fsdp=True, **_CP),
+                       "fsdp2-cp2-iterations-accumulation": dict(_CASES["iterations-accumulation"], fsdp=True,
+                                                                 **_CP)}
 
 
 @pytest.fixture(scope="module")
-def ddp_runs(model_dirs, tmp_path_factory):
+def multi_process_runs(model_dirs, tmp_path_factory):
     """2 ranks running every case, with torchrun's environment and ACCELERATE_USE_CPU=1: accelerate's MULTI_CPU
     over gloo (`accelerate launch --cpu` would start one process on this machine)."""
     out = tmp_path_factory.mktemp("trl-ddp")
     here = Path(__file__).resolve().parent
-    ranks = run_ranks([str(here / "trl_ddp_child.py"), model_dirs["llama"], str(out), json.dumps(DDP_CASES)], 2,
+    ranks = run_ranks([str(here / "trl_ddp_child.py"), model_dirs["llama"], str(out), json.dumps(MULTI_PROCESS_CASES)], 2,
                       timeout=900, paths=[here, here.parent, Path(ROOT) / "src"], env={"ACCELERATE_USE_CPU": "1"})
     for code, output in ranks:
         assert code == 0, output[-4000:]
     return out
 
 
-@pytest.mark.parametrize("case", list(DDP_CASES))
-def test_two_processes_equal_trl_two_processes(ddp_runs, case):
-    """float64, DDP on 2 processes: after each of 2 optimizer steps the drop-in's gradient equals TRL's, and so do
-    the parameters after (TRL's DDP averages the ranks' gradients; the drop-in all-reduces them once per step)."""
-    trl_run = torch.load(ddp_runs / f"{case}-trl.pt", weights_only=False)
-    ours = torch.load(ddp_runs / f"{case}-longstraw.pt", weights_only=False)
+@pytest.mark.parametrize("case", list(MULTI_PROCESS_CASES))
+def test_two_processes_equal_trl_two_processes(multi_process_runs, case):
+    """float64, 2 processes: after each of 2 optimizer steps the drop-in's gradient equals TRL's, and so do the
+    parameters after. DDP: TRL's DDP averages the ranks' gradients, the drop-in all-reduces them once per step.
+    FSDP2: both shard the parameters; the drop-in gathers them once per micro-batch and reduce-scatters once."""
+    trl_run = torch.load(multi_process_runs / f"{case}-trl.pt", weights_only=False)
+    ours = torch.load(multi_process_runs / f"{case}-longstraw.pt", weights_only=False)
     assert trl_run["world"] == ours["world"] == 2
+    sharded = case.startswith("fsdp2")
+    assert trl_run["fsdp"] == ours["fsdp"] == trl_run["sharded"] == ours["sharded"] == sharded
     assert len(trl_run["steps"]) == len(ours["steps"]) == 2
     for step, (a, b) in enumerate(zip(ours["steps"], trl_run["steps"])):
         assert b.norm() > 0
         assert_close(f"{case} step {step + 1} gradient", b, a, 1e-12)
     assert_close(f"{case} parameters after 2 steps", trl_run["params"], ours["params"], 1e-12)
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_fsdp2_example_trains_two_steps_on_two_processes(tmp_path, cp):
+    """examples/trl_fsdp2.py (and --cp 2) on 2 processes over gloo, with accelerate's FSDP path enabled on CPU by the
+    shim (accelerate itself runs FSDP on accelerators only)."""
+    here = Path(__file__).resolve().parent
+    ranks = run_ranks([str(here / "cpu_fsdp_shim.py"), os.path.join(ROOT, "examples", "trl_fsdp2.py"), "--cp", str(cp)],
+                      2, timeout=600, cwd=tmp_path, paths=[here, here.parent, Path(ROOT) / "src"],
+                      env={"ACCELERATE_USE_CPU": "1", "OUTPUT_DIR": str(tmp_path / "out")})
+    for code, output in ranks:
+        assert code == 0, output[-4000:]
+    assert f"trained 2 steps on 2 processes (FSDP, context-parallel blocks of {cp})" in ranks[0][1]
+
+
+def test_accelerate_config_files_describe_what_the_docs_say():
+    """examples/accelerate/*.yaml load as accelerate configs: FSDP version 2 without offload or FSDP's activation
+    checkpointing (both refused), and plain multi-GPU data parallelism."""
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    fsdp = load_config_from_file(os.path.join(ROOT, "examples", "accelerate", "fsdp2.yaml"))
+    assert fsdp.distributed_type.value == "FSDP" and fsdp.fsdp_config["fsdp_version"] == 2
+    assert not fsdp.fsdp_config["fsdp_offload_params"] and not fsdp.fsdp_config["fsdp_activation_checkpointing"]
+    ddp = load_config_from_file(os.path.join(ROOT, "examples", "accelerate", "ddp.yaml"))
+    assert ddp.distributed_type.value == "MULTI_GPU"
 
 
 def test_ddp_example_trains_two_steps_on_two_processes(tmp_path):

@@ -1,8 +1,10 @@
-"""One rank of a data-parallel TRL run (torchrun, gloo, ACCELERATE_USE_CPU=1: accelerate's MULTI_CPU).
+"""One rank of a multi-process TRL run (torchrun, gloo, ACCELERATE_USE_CPU=1: accelerate's MULTI_CPU; a case with
+`fsdp=True` shards the model with FSDP2).
 
 argv: MODEL_DIR OUT_DIR CASES_JSON. For every case (a name and GRPOConfig overrides), `trl.GRPOTrainer` and
 `LongStrawGRPOTrainer` each train from the saved float64 model on the same fixed completions (trl_setup.py); rank 0
-saves each optimizer step's gradient and the parameters after, per case and trainer, to OUT_DIR/<case>-<trainer>.pt.
+saves each optimizer step's gradient and the parameters after (whole tensors), and whether the run was sharded, per
+case and trainer, to OUT_DIR/<case>-<trainer>.pt.
 """
 
 from __future__ import annotations
@@ -15,15 +17,18 @@ import torch
 import torch.distributed as dist
 import trl.trainer.utils
 from trl import GRPOConfig, GRPOTrainer
-from trl_setup import Float64LogProbs, train
+from trl_setup import Float64LogProbs, accelerate_fsdp_on_cpu, train
 
+from longstraw.distributed.fsdp import full_tensor
 from longstraw.integrations.trl import LongStrawGRPOConfig, LongStrawGRPOTrainer
 
 
 def main() -> None:
     model_dir, out, cases = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])
     trl.trainer.utils._ChunkedLogProbFunction = Float64LogProbs  # as the float64 tests in one process
+    accelerate_fsdp_on_cpu()
     for name, overrides in cases.items():
+        overrides = dict(overrides)
         peft = overrides.pop("lora", None)
         for label, trainer, config in (("trl", GRPOTrainer, GRPOConfig),
                                        ("longstraw", LongStrawGRPOTrainer, LongStrawGRPOConfig)):
@@ -33,10 +38,16 @@ def main() -> None:
 
                 peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
                                          init_lora_weights=False, task_type="CAUSAL_LM")
+            if label == "trl":  # LongStraw's own options are not TRL's
+                settings = {k: v for k, v in overrides.items() if not k.startswith("longstraw_")}
+            else:
+                settings = dict(overrides)
+            info: dict[str, bool] = {}
             steps, params = train(trainer, config, model_dir, out / f"{name}-{label}", peft_config=peft_config,
-                                  **overrides)
+                                  info=info, **settings)
+            steps, params = [full_tensor(s) for s in steps], full_tensor(params)
             if dist.get_rank() == 0:
-                torch.save({"steps": steps, "params": params, "world": dist.get_world_size()},
+                torch.save({"steps": steps, "params": params, "world": dist.get_world_size(), **info},
                            out / f"{name}-{label}.pt")
             dist.barrier()
 

@@ -20,6 +20,32 @@ PROMPTS = [f"Question {i:02d}: what is the colour of item {i:02d}?" for i in ran
 RAGGED = [p + " Please." * (i % 3) for i, p in enumerate(PROMPTS)]
 
 
+def accelerate_fsdp_on_cpu() -> None:
+    """Let accelerate run its FSDP path on CPU processes (gloo). accelerate enables FSDP only for accelerator
+    distributed types (MULTI_GPU, ...) and on MULTI_CPU drops the FSDP plugin silently, so without this a CPU test of
+    `fsdp=True` would run plain DDP. Every `AcceleratorState()` re-reads the process state (MULTI_CPU), so the patch
+    is on its initialiser: a plugin it was given is kept, with its mixed precision set, and the distributed type is
+    FSDP, as on a GPU. Model preparation is then accelerate's own (`fsdp2_prepare_model`: `fully_shard` per
+    transformer layer and the root, on a CPU device mesh)."""
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedType
+
+    init = AcceleratorState.__init__
+
+    def patched(self, *args, fsdp_plugin=None, **kwargs):
+        init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        if self.distributed_type != DistributedType.MULTI_CPU:
+            return
+        if fsdp_plugin is not None and getattr(self, "fsdp_plugin", None) is None:
+            if self.mixed_precision != "no":
+                fsdp_plugin.set_mixed_precision(self.mixed_precision)
+            self.fsdp_plugin = fsdp_plugin
+        if getattr(self, "fsdp_plugin", None) is not None:
+            self.distributed_type = DistributedType.FSDP
+
+    AcceleratorState.__init__ = patched
+
+
 class Float64LogProbs:
     """TRL's `ChunkedLogProbFunction` interface computed plainly in the input dtype (TRL's accumulates in float32):
     log_softmax(logits * logit_scale / temperature) at the targets, and the entropy TRL logs."""
@@ -68,9 +94,13 @@ class Gradients(TrainerCallback):
 
 
 def train(trainer_cls, config_cls, model_dir, tmp_path, dtype=torch.float64, prompts=PROMPTS, peft_config=None,
-           sample=False, **config):
+           sample=False, info=None, **config):
     """One run from the saved model; returns (gradient per optimizer step, parameters after). sample: TRL's own
-    generation (transformers' generate) instead of the fixed completions."""
+    generation (transformers' generate) instead of the fixed completions. info: a dict that gets how the run was
+    distributed ("fsdp": accelerate's FSDP on, "sharded": the parameters are DTensors)."""
+    # accelerate sets ACCELERATE_USE_FSDP=true for good once it is given an FSDP plugin, which would make every later
+    # run in this process FSDP (version 1); a run with fsdp=True passes its plugin itself.
+    os.environ.pop("ACCELERATE_USE_FSDP", None)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     if dtype == torch.float64:
@@ -87,6 +117,11 @@ def train(trainer_cls, config_cls, model_dir, tmp_path, dtype=torch.float64, pro
     if not sample:
         trainer._generate_single_turn = completions.__get__(trainer)
     trainer.train()
+    if info is not None:
+        from torch.distributed.tensor import DTensor
+
+        info["fsdp"] = bool(trainer.is_fsdp_enabled)
+        info["sharded"] = isinstance(next(trainer.model.parameters()), DTensor)
     params = torch.cat([p.detach().flatten() for p in trainer.model.parameters() if p.requires_grad])
     return gradients.steps, params
 

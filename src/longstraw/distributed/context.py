@@ -124,6 +124,22 @@ class ContextParallel:
         return out
 
 
+def context_blocks(cp: int) -> ContextParallel:
+    """This rank's context-parallel group when the world's ranks form blocks of `cp` consecutive ranks ([0, cp),
+    [cp, 2cp), ...). `new_group` is collective: every rank creates every block's group, and keeps its own."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if cp < 1 or world % cp:
+        raise ValueError(f"context-parallel blocks of {cp} ranks need a number of processes that is a multiple of "
+                         f"{cp}, got {world}")
+    mine = None
+    for first in range(0, world, cp):
+        group = dist.new_group(list(range(first, first + cp)))
+        if first <= rank < first + cp:
+            mine = ContextParallel(group)
+    assert mine is not None
+    return mine
+
+
 def check_supported(model: torch.nn.Module) -> None:
     """Refuse layer kinds whose attention does not run through the fused path (windows, MLA, DSA)."""
     from longstraw.planner import spec_from_config

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from longstraw.distributed.context import ContextParallel
+from longstraw.distributed.context import ContextParallel, context_blocks
 from longstraw.distributed.fsdp import clip_grad_norm, parallelize, sharded_compute
 
 FAILURE_KEY = "longstraw/failure"
@@ -125,13 +125,7 @@ class Parallel:
                                 world_size=world_size, timeout=timedelta(seconds=timeout_s))
         mesh = init_device_mesh(torch.device(device).type, (world_size,))
         watch = FailureWatch(dist.PrefixStore("longstraw_watch", store), rank, world_size)
-        context_shards = None
-        if cp > 1:
-            # new_group is collective: every rank creates every block's group, and keeps its own.
-            for first in range(0, world_size, cp):
-                group = dist.new_group(list(range(first, first + cp)))
-                if first <= rank < first + cp:
-                    context_shards = ContextParallel(group)
+        context_shards = context_blocks(cp) if cp > 1 else None
         return cls(rank=rank, world_size=world_size, local_rank=local_rank, device=device, mesh=mesh, watch=watch,
                    cp_size=cp, context_shards=context_shards)
 
