@@ -25,11 +25,14 @@ from longstraw.integrations.trl import LongStrawGRPOConfig, LongStrawGRPOTrainer
 
 def main() -> None:
     model_dir, out, cases = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])
-    trl.trainer.utils._ChunkedLogProbFunction = Float64LogProbs  # as the float64 tests in one process
+    trl_kernel = trl.trainer.utils._ChunkedLogProbFunction
     accelerate_fsdp_on_cpu()
     for name, overrides in cases.items():
         overrides = dict(overrides)
         peft = overrides.pop("lora", None)
+        dtype = getattr(torch, overrides.pop("dtype", "float64"))
+        # float64: TRL's log-prob kernel (which accumulates in float32) swapped for a plain one, as in one process
+        trl.trainer.utils._ChunkedLogProbFunction = Float64LogProbs if dtype == torch.float64 else trl_kernel
         for label, trainer, config in (("trl", GRPOTrainer, GRPOConfig),
                                        ("longstraw", LongStrawGRPOTrainer, LongStrawGRPOConfig)):
             peft_config = None
@@ -44,7 +47,7 @@ def main() -> None:
                 settings = dict(overrides)
             info: dict[str, bool] = {}
             steps, params = train(trainer, config, model_dir, out / f"{name}-{label}", peft_config=peft_config,
-                                  info=info, **settings)
+                                  info=info, dtype=dtype, **settings)
             steps, params = [full_tensor(s) for s in steps], full_tensor(params)
             if dist.get_rank() == 0:
                 torch.save({"steps": steps, "params": params, "world": dist.get_world_size(), **info},
