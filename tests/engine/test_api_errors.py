@@ -223,3 +223,60 @@ def test_options_are_validated_once_and_keywords_apply_on_top():
         backward_group(tiny_model("llama"), random_group(10, [3, 2]), base, keep_prompt_graph=2)
     with pytest.raises(TypeError, match="options must be a longstraw.BackwardOptions"):
         backward_group(tiny_model("llama"), random_group(10, [3, 2]), "exact")
+
+
+def _llama(seed: int = 0, **changes) -> torch.nn.Module:
+    """tiny llama (float64) with config changes: another layer count or K/V-head count."""
+    from helpers import _configs, faithful_float64
+    from transformers import AutoModelForCausalLM
+
+    config = _configs()["llama"]
+    for name, value in changes.items():
+        setattr(config, name, value)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(torch.float64).eval()
+    faithful_float64(model)
+    return model
+
+
+@pytest.mark.parametrize("producer,match", [
+    (lambda: _llama(seed=1), "captured with other weights"),
+    (lambda: _llama(num_hidden_layers=3), "num_hidden_layers 3 \\(state\\) vs 2 \\(model\\)"),
+    (lambda: _llama(num_key_value_heads=4), "num_key_value_heads 4 \\(state\\) vs 2 \\(model\\)"),
+])
+def test_a_state_another_model_captured_is_refused(producer, match):
+    """Another model of the same shape, one with more layers, one with another K/V-head count (whose K/V would
+    reach the kernel with the wrong head count): refused, naming what differs, before any gradient."""
+    from longstraw.engine.state.capture import capture_prompt
+
+    model, group = _llama(), random_group(20, [3, 2])
+    state = capture_prompt(producer(), group.prompt[:-1], chunk_size=8)
+    for plan in ("exact", "detach"):
+        with pytest.raises(ValueError, match=f"does not belong to this model.*{match}"):
+            backward_group(model, group, plan=plan, chunk_size=8, prompt_state=state)
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_state_captured_before_an_optimizer_step_is_refused(fused):
+    """The same model after an AdamW step (fused AdamW too, which PyTorch's version counters do not see): the state
+    is stale and refused; captured again, it is accepted."""
+    from longstraw.engine.state.capture import capture_prompt
+
+    model, group = _llama(), random_group(20, [3, 2])
+    state = capture_prompt(model, group.prompt[:-1], chunk_size=8)
+    backward_group(model, group, plan="detach", chunk_size=8, prompt_state=state)  # its own weights: accepted
+    torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused).step()
+    model.zero_grad(set_to_none=True)
+    with pytest.raises(ValueError, match="captured with other weights"):
+        backward_group(model, group, plan="exact", chunk_size=8, prompt_state=state)
+    assert all(p.grad is None for p in model.parameters())
+    backward_group(model, group, plan="exact", chunk_size=8,
+                   prompt_state=capture_prompt(model, group.prompt[:-1], chunk_size=8))
+
+
+def test_no_trainable_parameter_is_a_clear_error():
+    model = _llama().requires_grad_(False)
+    for plan in ("standard", "detach", "exact"):
+        with pytest.raises(ValueError, match="no parameter of the model requires grad"):
+            backward_group(model, random_group(20, [3, 2]), plan=plan, chunk_size=8)

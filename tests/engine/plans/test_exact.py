@@ -139,3 +139,23 @@ def test_exact_plan_reads_its_prefix_in_one_run_per_layer(keep, monkeypatch):
     assert replays and set(replays) == {1}
     # chunk c's recompute reads chunks 0 ... c-1 (c = 1 ... 4 - keep; chunk 0 reads none) as one run
     assert sorted(set(recomputes)) == [(c, 1) for c in range(1, 5 - keep)]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_next-A", "mamba2", "deepseek_v3"])
+def test_frozen_embeddings_and_first_layer_train_in_every_plan(family):
+    """The common recipe of freezing the embeddings and the first layer: every plan trains, and the trainable
+    parameters' gradients equal the standard plan's (float64). In the exact plan the first layer's recomputed K/V
+    then have no trainable path: the prompt backward stops there instead of failing."""
+    gradients = {}
+    for plan in ("standard", "detach", "exact"):
+        model = tiny_model(family)
+        model.get_input_embeddings().requires_grad_(False)
+        model.base_model.layers[0].requires_grad_(False)
+        group = random_group(24, [5, 7, 3], seed=3)
+        backward_group(model, group, plan=plan, chunk_size=8)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
+        gradients[plan] = torch.cat([p.grad.flatten() for p in trainable])
+    assert gradients["standard"].norm() > 0
+    assert_close(f"{family} exact", gradients["standard"], gradients["exact"], gradient_tolerance(family))
+    assert (gradients["detach"] - gradients["standard"]).norm() > 0  # detach's bias: the prompt state is constant

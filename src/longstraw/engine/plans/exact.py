@@ -75,8 +75,12 @@ def prompt_backward(model: torch.nn.Module, ids: torch.Tensor, leaves: PromptSta
             recomputed = PromptState.outputs_of(collect, leaves.num_layers)
         if context_shards is not None:
             upstream = _owner_gradients(context_shards, j, leaves.num_chunks, upstream, recomputed)
-        pairs = [(out, g) for out, g in zip(recomputed, upstream) if g is not None and out is not None]
-        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        # A part computed from frozen parameters and frozen inputs only (e.g. the first layer's K/V with the
+        # embeddings and that layer frozen) has no trainable path: its gradient stops here.
+        pairs = [(out, g) for out, g in zip(recomputed, upstream)
+                 if g is not None and out is not None and out.requires_grad]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         for t in produced:
             if t is not None:
                 t.grad = None  # consumed: free this chunk's state gradient
