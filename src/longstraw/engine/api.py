@@ -34,6 +34,7 @@ from longstraw.engine.plans.replay import LossFn
 from longstraw.engine.plans.standard import standard
 from longstraw.engine.precision import accumulation_dtype
 from longstraw.engine.state.prompt import PromptState, prompt_fingerprint
+from longstraw.engine.state.provenance import mismatch, provenance
 from longstraw.models.architecture import RECURRENT_MODEL_TYPES, check_architecture, eval_mode_when_equal, hf
 
 
@@ -147,6 +148,9 @@ def _check(model: torch.nn.Module, group: Group, options: BackwardOptions, promp
     """What the options alone cannot say: this model, this group and this reused state."""
     if not isinstance(group, Group):
         raise TypeError(f"group must be a longstraw.Group, got {type(group).__name__}")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError("no parameter of the model requires grad, so there is nothing to train: unfreeze the "
+                         "parameters to train (param.requires_grad_(True)) or add an adapter")
     _check_model_and_group(model, group, options.loss_config.beta)
     plan = options.plan
     model_type = hf(model).config.model_type
@@ -158,10 +162,10 @@ def _check(model: torch.nn.Module, group: Group, options: BackwardOptions, promp
     if options.context_shards is not None:
         options.context_shards.check_supported(model)
     if prompt_state is not None:
-        _check_prompt_state(prompt_state, group, options)
+        _check_prompt_state(model, prompt_state, group, options)
 
 
-def _check_prompt_state(state: PromptState, group: Group, options: BackwardOptions) -> None:
+def _check_prompt_state(model: torch.nn.Module, state: PromptState, group: Group, options: BackwardOptions) -> None:
     if state.length != group.prompt.numel() - 1:
         raise ValueError(
             f"prompt_state holds {state.length} positions but this prompt needs {group.prompt.numel() - 1} "
@@ -173,6 +177,10 @@ def _check_prompt_state(state: PromptState, group: Group, options: BackwardOptio
     if state.fingerprint != prompt_fingerprint(group.prompt[:-1]):
         raise ValueError("prompt_state was captured for another prompt of the same length (its tokens differ from "
                          "this group's prompt[:-1]): pass the state captured for this prompt, or none")
+    why = "it records no model" if state.provenance is None else mismatch(state.provenance, provenance(model))
+    if why is not None:
+        raise ValueError(f"prompt_state does not belong to this model and its current weights: {why}. Pass a state "
+                         "captured by this model since its last update, or none")
     if options.keep_prompt_graph:
         raise ValueError("keep_prompt_graph keeps the graph of a capture backward_group runs itself, and a "
                          "prompt_state was passed (captured without one; its capture is already paid for): pass one or "
