@@ -9,7 +9,7 @@ PLANS = ("standard", "standard_batched", "detach", "exact")  # `backward_group(p
 # How tables, plots and the planner's document list them: the baseline the others are measured against
 # (standard_batched, the whole group in one padded batch as an unmodified trainer runs it) first.
 PLANS_BASELINE_FIRST = ("standard_batched", *(plan for plan in PLANS if plan != "standard_batched"))
-LOSSES = ("grpo", "dr_grpo", "dapo", "gspo")
+LOSSES = ("grpo", "dr_grpo", "dapo", "gspo", "luspo", "cispo", "sapo", "vespo")
 ADVANTAGES = ("grpo", "mean_centered", "rloo")
 CHECKPOINT_CHOICES = ("none", "layers")
 TASKS = ("passkey", "multikey", "kv", "jsonl")  # `longstraw.tasks.make_task` builds them

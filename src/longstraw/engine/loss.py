@@ -1,31 +1,54 @@
 """GRPO-family losses and advantage estimators, as pure tensor functions.
 
 Every loss here is a sum over responses of a per-response term once the group's constants are fixed
-(G, Σ|o_i|, L_max), so a group replayed one response at a time, k at a time, or all at once gives the same
-total: `response_loss` returns the batch's share of the group loss, and the shares add up.
+(G, Σ|o_i|, L_max, or a normaliser the caller passes), so a group replayed one response at a time, k at a time, or
+all at once gives the same total: `response_loss` returns the batch's share of the group loss, and the shares add
+up.
 
-Definitions (docs/design.md §5), with per-token log-probs logp_{i,t}, ratio ρ_{i,t} = exp(logp − old) where `old`
-defaults to logp.detach() (on-policy: ρ = 1 but its gradient is that of logp):
+Definitions (docs/design.md §5), with per-token log-probs logp_{i,t}, log-ratio r_{i,t} = logp − old where `old`
+defaults to logp.detach() (on-policy: ratio 1 but its gradient is that of logp), and the importance ratio ρ: per
+token, ρ_{i,t} = exp(r_{i,t}), or per sequence, s_i = exp((1/|o_i|) Σ_t r_{i,t}) spread over the response's tokens
+(gspo and luspo by default; `sequence_ratio` chooses). m_{i,t} = min(ρ A_i, clip(ρ, 1−ε_low, 1+ε_high) A_i):
 
-* ``grpo``:    L = −(1/G) Σ_i (1/|o_i|) Σ_t min(ρ A_i, clip(ρ, 1−ε_low, 1+ε_high) A_i)
-* ``dr_grpo``: L = −(1/(G·L_max)) Σ_i Σ_t min(…)            (L_max = `max_tokens`, default max_i |o_i|)
-* ``dapo``:    L = −(1/Σ_i|o_i|) Σ_i Σ_t min(…)              (clip-higher: ε_low 0.2, ε_high 0.28)
-* ``gspo``:    s_i = exp((1/|o_i|) Σ_t (logp − old)),  L = −(1/G) Σ_i min(s_i A_i, clip(s_i) A_i)
+* ``grpo``:    L = −(1/G) Σ_i (1/|o_i|) Σ_t m_{i,t}
+* ``dr_grpo``: L = −(1/(G·L_max)) Σ_i Σ_t m_{i,t}            (L_max = `max_tokens`, default max_i |o_i|)
+* ``dapo``:    L = −(1/Σ_i|o_i|) Σ_i Σ_t m_{i,t}              (clip-higher: ε_low 0.2, ε_high 0.28)
+* ``gspo``:    grpo with the sequence ratio: L = −(1/G) Σ_i min(s_i A_i, clip(s_i) A_i)
                (ε_low 3e-4, ε_high 4e-4, the GSPO paper's values)
+* ``luspo``:   gspo with each response weighted by its length: L = −(1/G) Σ_i |o_i| min(s_i A_i, clip(s_i) A_i),
+               i.e. −(1/G) Σ_i Σ_t m_{i,t}; GSPO's clip widths
+* ``cispo``:   L = −(1/Σ_i|o_i|) Σ_i Σ_t sg(min(ρ, ε_max)) A_i logp_{i,t}: the importance weight, capped at
+               ε_max = `epsilon_high` (the cap itself, not 1 + ε; default 5.0) and detached (sg), times the
+               log-prob, so every token keeps a gradient; no lower clip
+* ``sapo``:    L = −(1/G) Σ_i (1/|o_i|) Σ_t (4/τ) σ(τ (ρ − 1)) A_i: a sigmoid gate instead of the clip (its slope
+               at ρ = 1 is 1, so on-policy it is grpo), τ = `sapo_temperature_pos` (1.0) where A_i > 0, else
+               `sapo_temperature_neg` (1.05); no clip widths
+* ``vespo``:   L = −(1/Σ_i|o_i|) Σ_i Σ_t φ_i A_i logp_{i,t}, φ_i = sg(e^λ w_i^k e^{−λ w_i}) with w_i the sequence's
+               product of token ratios, exp(Σ_t r_{i,t}) (each r_{i,t} clamped to [−20, 20], their sum to
+               [ln 1e-8, 20]; a non-finite φ counts 0), and (k, λ) = (`vespo_k_pos`, `vespo_lambda_pos`) = (2, 3)
+               where A_i ≥ 0, else (`vespo_k_neg`, `vespo_lambda_neg`) = (3, 2), λ floored at 1e-4; φ(1) = 1;
+               no clip widths (the reference implementation's clamps, as TRL has them)
 
 With ``beta > 0`` the k3 estimate of KL(π‖π_ref), k3 = exp(ref − logp) − (ref − logp) − 1, is added per token
-(times β) with the same normalisation as the policy term (for gspo: token-mean per response, then /G).
+(times β) with the same normalisation as the policy term.
 
 Options that reproduce other trainers' definitions (TRL's `GRPOTrainer`: `longstraw.integrations.trl` sets them;
 docs/trl.md). Each defaults to LongStraw's own definition:
 
 * ``max_tokens``: dr_grpo's L_max (TRL: `max_completion_length`; ours: the group's longest response).
-* ``token_normalizer``: dapo's denominator instead of the group's Σ|o_i| (TRL: every completion token of the
-  optimizer step's generation batch, so several groups share one denominator).
-* ``kl_ratio``: multiply the k3 term by the ratio, ρ_{i,t} (s_i for gspo) — TRL's `use_bias_correction_kl`, its
-  default. Its value is k3 on-policy, its gradient is not: ∇(ρ·k3) = k3·∇ρ + ∇k3.
-* ``loss_scale``: the group loss times this factor (TRL averages grpo/dr_grpo/gspo over every sequence of the
-  optimizer step, N of them: a group of G then weighs G/N).
+* ``token_normalizer``: the denominator of the token-normalised losses (dapo, cispo, vespo) instead of the group's
+  Σ|o_i| (TRL: every completion token of the optimizer step's generation batch, so several groups share one
+  denominator; for its bnpo, the micro-batch's tokens).
+* ``kl_ratio``: multiply the k3 term by the ratio ρ (token or sequence, as the policy term's) — TRL's
+  `use_bias_correction_kl`, its default. Its value is k3 on-policy, its gradient is not: ∇(ρ·k3) = k3·∇ρ + ∇k3.
+* ``loss_scale``: the group loss times this factor (TRL averages grpo/dr_grpo/gspo/sapo/luspo over every sequence of
+  the optimizer step, N of them: a group of G then weighs G/N).
+* ``sequence_ratio``: the ratio's level, True for the sequence's s_i, False for per-token ρ; None is the loss's own
+  (sequence for gspo and luspo, token for the others; gspo refuses False: it is grpo). TRL's
+  `importance_sampling_level`: with dapo, dr_grpo, cispo or sapo it spreads s_i over the tokens, so a response's
+  term is its length times s_i's.
+* ``delta``: two-sided clipping (INTELLECT-2) for the clipped losses (grpo, dr_grpo, dapo, gspo, luspo):
+  m = min(min(ρ, δ) A, clip(ρ) A), which bounds a negative advantage's term when ρ runs above 1 + ε_high.
 """
 
 from __future__ import annotations
@@ -37,12 +60,20 @@ import torch
 
 from longstraw.choices import ADVANTAGES, LOSSES
 
+# The losses whose policy term is the clipped m_{i,t}, with their default clip widths (ε_low, ε_high).
 _DEFAULT_CLIP = {
     "grpo": (0.2, 0.2),
     "dr_grpo": (0.2, 0.2),
     "dapo": (0.2, 0.28),
     "gspo": (3e-4, 4e-4),
+    "luspo": (3e-4, 4e-4),
 }
+_CISPO_CAP = 5.0  # cispo's default ε_max (ScaleRL's recommended value)
+_SEQUENCE_RATIO = ("gspo", "luspo")  # the losses whose ratio is the sequence's unless `sequence_ratio` says otherwise
+_TOKEN_NORMALISED = ("dapo", "cispo", "vespo")  # divided by a token count, which `token_normalizer` replaces
+_SAPO_TEMPERATURES = (1.0, 1.05)  # (A > 0, A <= 0), the SAPO paper's
+_VESPO_SHAPE = (2.0, 3.0, 3.0, 2.0)  # (k_pos, lambda_pos, k_neg, lambda_neg), the VESPO paper's
+_VESPO_MIN_LAMBDA = 1e-4
 
 
 @dataclass(frozen=True)
@@ -50,13 +81,29 @@ class LossConfig:
     """Which loss and its coefficients. Build it with `make_loss_config`, which fills per-loss defaults."""
 
     kind: str = "grpo"
-    epsilon_low: float = 0.2  # lower clip: ratio >= 1 - epsilon_low
-    epsilon_high: float = 0.2  # upper clip: ratio <= 1 + epsilon_high
+    epsilon_low: float = 0.2  # lower clip: ratio >= 1 - epsilon_low (unused by cispo, sapo, vespo)
+    epsilon_high: float = 0.2  # upper clip: ratio <= 1 + epsilon_high; cispo: the weight's cap ε_max itself
     beta: float = 0.0  # KL coefficient (k3 estimator against ref_logprobs)
     max_tokens: int | None = None  # dr_grpo's L_max; None = longest response in the group
-    token_normalizer: float | None = None  # dapo's denominator; None = the group's Σ|o_i|
+    token_normalizer: float | None = None  # dapo/cispo/vespo's denominator; None = the group's Σ|o_i|
     kl_ratio: bool = False  # k3 times the ratio (TRL's use_bias_correction_kl)
     loss_scale: float = 1.0  # the group loss times this
+    sequence_ratio: bool = False  # the ratio is the sequence's s_i (gspo, luspo) rather than per token
+    delta: float | None = None  # two-sided clipping of the clipped losses: min(ratio, delta) in the unclipped term
+    sapo_temperature_pos: float = _SAPO_TEMPERATURES[0]  # sapo's gate temperature where A > 0
+    sapo_temperature_neg: float = _SAPO_TEMPERATURES[1]  # ... and where A <= 0
+    vespo_k_pos: float = _VESPO_SHAPE[0]  # vespo's power k where A >= 0
+    vespo_lambda_pos: float = _VESPO_SHAPE[1]  # vespo's decay λ where A >= 0
+    vespo_k_neg: float = _VESPO_SHAPE[2]  # ... where A < 0
+    vespo_lambda_neg: float = _VESPO_SHAPE[3]
+
+
+def _finite(name: str, value: object, positive: bool) -> float:
+    """`value` as a float, refused unless it is a finite number (> 0 when `positive`)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or (
+            positive and value <= 0):
+        raise ValueError(f"{name} must be a finite number{' > 0' if positive else ''}, got {value!r}")
+    return float(value)
 
 
 def make_loss_config(
@@ -70,16 +117,41 @@ def make_loss_config(
     token_normalizer: float | None = None,
     kl_ratio: bool = False,
     loss_scale: float = 1.0,
+    sequence_ratio: bool | None = None,
+    delta: float | None = None,
+    sapo_temperature_pos: float | None = None,
+    sapo_temperature_neg: float | None = None,
+    vespo_k_pos: float | None = None,
+    vespo_lambda_pos: float | None = None,
+    vespo_k_neg: float | None = None,
+    vespo_lambda_neg: float | None = None,
 ) -> LossConfig:
-    """Validate loss options. `epsilon` sets both clip sides; `epsilon_low`/`epsilon_high` override one side.
-    `max_tokens`, `token_normalizer`, `kl_ratio`, `loss_scale`: see the module docstring."""
+    """Validate loss options. `epsilon` sets both clip sides; `epsilon_low`/`epsilon_high` override one side (cispo
+    takes `epsilon_high` only, its weight cap; sapo and vespo have no clip). The sapo_* and vespo_* options belong to
+    their loss (None: its default). `max_tokens`, `token_normalizer`, `kl_ratio`, `loss_scale`, `sequence_ratio`,
+    `delta`: see the module docstring."""
     if loss not in LOSSES:
         raise ValueError(f"unknown loss {loss!r}: choose one of {', '.join(LOSSES)}")
-    low, high = _DEFAULT_CLIP[loss]
-    if epsilon is not None:
-        low = high = float(epsilon)
-    low = float(epsilon_low) if epsilon_low is not None else low
-    high = float(epsilon_high) if epsilon_high is not None else high
+    if loss in _DEFAULT_CLIP:
+        low, high = _DEFAULT_CLIP[loss]
+        if epsilon is not None:
+            low = high = float(epsilon)
+        low = float(epsilon_low) if epsilon_low is not None else low
+        high = float(epsilon_high) if epsilon_high is not None else high
+    elif loss == "cispo":
+        if epsilon is not None or epsilon_low is not None:
+            raise ValueError("cispo caps its importance weight from above only: set epsilon_high (the cap ε_max "
+                             "itself), not epsilon or epsilon_low")
+        low, high = LossConfig.epsilon_low, _CISPO_CAP
+        if epsilon_high is not None:
+            high = _finite("cispo's epsilon_high (the weight cap)", epsilon_high, positive=True)
+    elif loss in ("sapo", "vespo"):
+        if epsilon is not None or epsilon_low is not None or epsilon_high is not None:
+            raise ValueError(f"the {loss} loss has no clip widths (its weight is smooth): leave epsilon, epsilon_low "
+                             "and epsilon_high unset")
+        low, high = LossConfig.epsilon_low, LossConfig.epsilon_high
+    else:
+        raise ValueError(f"unknown loss {loss!r}: choose one of {', '.join(LOSSES)}")
     for name, value in (("epsilon_low", low), ("epsilon_high", high), ("beta", float(beta))):
         if not math.isfinite(value) or value < 0:
             raise ValueError(f"{name} must be a finite number >= 0, got {value}")
@@ -88,8 +160,9 @@ def make_loss_config(
     if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
         raise ValueError(f"max_tokens must be a positive int (dr_grpo's L_max), got {max_tokens!r}")
     if token_normalizer is not None:
-        if loss != "dapo":
-            raise ValueError(f"token_normalizer is dapo's denominator; the {loss} loss has none (use loss='dapo')")
+        if loss not in _TOKEN_NORMALISED:
+            raise ValueError(f"token_normalizer is the denominator of {', '.join(_TOKEN_NORMALISED)}; the {loss} loss "
+                             "has none (use loss='dapo')")
         if isinstance(token_normalizer, bool) or not isinstance(token_normalizer, (int, float)) or not (
                 math.isfinite(token_normalizer) and token_normalizer > 0):
             raise ValueError(f"token_normalizer must be a finite number > 0 (a token count), got {token_normalizer!r}")
@@ -98,9 +171,40 @@ def make_loss_config(
     if isinstance(loss_scale, bool) or not isinstance(loss_scale, (int, float)) or not (
             math.isfinite(loss_scale) and loss_scale > 0):
         raise ValueError(f"loss_scale must be a finite number > 0, got {loss_scale!r}")
+    if sequence_ratio is None:
+        sequence_ratio = loss in _SEQUENCE_RATIO
+    elif not isinstance(sequence_ratio, bool):
+        raise TypeError(f"sequence_ratio must be True, False or None, got {sequence_ratio!r}")
+    elif loss == "gspo" and not sequence_ratio:
+        raise ValueError("gspo is grpo with the sequence ratio: for per-token ratios use loss='grpo'")
+    if delta is not None:
+        if loss not in _DEFAULT_CLIP:
+            raise ValueError(f"delta bounds the unclipped ratio of the clipped losses ({', '.join(_DEFAULT_CLIP)}); "
+                             f"the {loss} loss has none")
+        delta = _finite("delta", delta, positive=True)
+    sapo = _own_parameters(loss, "sapo", _SAPO_TEMPERATURES, positive=True,
+                            sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg)
+    vespo = _own_parameters(loss, "vespo", _VESPO_SHAPE, positive=False, vespo_k_pos=vespo_k_pos,
+                             vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
+                             vespo_lambda_neg=vespo_lambda_neg)
     return LossConfig(kind=loss, epsilon_low=low, epsilon_high=high, beta=float(beta), max_tokens=max_tokens,
                       token_normalizer=None if token_normalizer is None else float(token_normalizer),
-                      kl_ratio=kl_ratio, loss_scale=float(loss_scale))
+                      kl_ratio=kl_ratio, loss_scale=float(loss_scale), sequence_ratio=sequence_ratio, delta=delta,
+                      **sapo, **vespo)
+
+
+def _own_parameters(loss: str, owner: str, defaults: tuple[float, ...], positive: bool,
+                     **given: float | None) -> dict[str, float]:
+    """The `owner` loss's own parameters (`given`, None: the default), refused when set for another loss."""
+    out = {}
+    for (name, value), default in zip(given.items(), defaults):
+        if value is None:
+            out[name] = default
+        elif loss != owner:
+            raise ValueError(f"{name} is a parameter of the {owner} loss, not of {loss} (use loss={owner!r})")
+        else:
+            out[name] = _finite(name, value, positive)
+    return out
 
 
 @dataclass(frozen=True)
@@ -120,12 +224,6 @@ class GroupTotals:
         return GroupTotals(len(lengths), total, cfg.max_tokens or longest)
 
 
-def _clipped_objective(ratio: torch.Tensor, adv: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
-    """min(ρ A, clip(ρ) A), elementwise; adv broadcasts against ratio."""
-    clipped = ratio.clamp(1.0 - cfg.epsilon_low, 1.0 + cfg.epsilon_high)
-    return torch.minimum(ratio * adv, clipped * adv)
-
-
 def k3_kl(logp: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """k3 estimator of KL(π‖π_ref) per token: exp(ref − logp) − (ref − logp) − 1 (≥ 0, unbiased)."""
     delta = ref - logp
@@ -137,6 +235,45 @@ def _kl_to(ref_logp: torch.Tensor | None, logp: torch.Tensor) -> torch.Tensor:
     if ref_logp is None:
         raise ValueError("beta > 0 needs ref_logp (the reference model's log-probs)")
     return k3_kl(logp, ref_logp)
+
+
+def _by_sign(positive: torch.Tensor, if_true: float, if_false: float, like: torch.Tensor) -> torch.Tensor:
+    """`if_true` where `positive`, else `if_false`, in `like`'s dtype and device (torch.where of two Python floats
+    gives the default dtype, float32, which would round e.g. 1.05 in a float64 loss)."""
+    def full(value: float) -> torch.Tensor:
+        return torch.tensor(value, dtype=like.dtype, device=like.device)
+
+    return torch.where(positive, full(if_true), full(if_false))
+
+
+def _vespo_weight(log_ratio: torch.Tensor, adv: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
+    """φ_i per response (B, 1), detached: e^λ w^k e^{−λ w} in log space, w = exp(Σ_t r_{i,t}) with the clamps of the
+    module docstring. log_ratio: (B, T), zero on padding."""
+    with torch.no_grad():
+        log_w = log_ratio.clamp(-20.0, 20.0).sum(-1, keepdim=True).clamp(math.log(1e-8), 20.0)
+        nonneg = adv >= 0
+        k = _by_sign(nonneg, cfg.vespo_k_pos, cfg.vespo_k_neg, log_w)
+        lam = _by_sign(nonneg, cfg.vespo_lambda_pos, cfg.vespo_lambda_neg, log_w).clamp(min=_VESPO_MIN_LAMBDA)
+        return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def _policy_term(logp: torch.Tensor, log_ratio: torch.Tensor, ratio: torch.Tensor, adv: torch.Tensor,
+                 cfg: LossConfig) -> torch.Tensor:
+    """The policy part of the per-token loss (before the mask and the normalisation); broadcasts to (B, T).
+    ratio: (B, T) per token or (B, 1) per sequence; adv: (B, 1)."""
+    if cfg.kind in _DEFAULT_CLIP:
+        clipped = ratio.clamp(1.0 - cfg.epsilon_low, 1.0 + cfg.epsilon_high)
+        unclipped = ratio if cfg.delta is None else ratio.clamp(max=cfg.delta)
+        return -torch.minimum(unclipped * adv, clipped * adv)
+    elif cfg.kind == "cispo":
+        return -ratio.clamp(max=cfg.epsilon_high).detach() * adv * logp
+    elif cfg.kind == "sapo":
+        tau = _by_sign(adv > 0, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg, ratio)
+        return -torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * adv
+    elif cfg.kind == "vespo":
+        return -_vespo_weight(log_ratio, adv, cfg) * adv * logp
+    else:
+        raise ValueError(f"unknown loss {cfg.kind!r}: choose one of {', '.join(LOSSES)}")
 
 
 def response_loss(
@@ -155,30 +292,26 @@ def response_loss(
     mask_f = mask.to(logp.dtype)
     lengths = mask_f.sum(-1)  # (B,)
     old = logp.detach() if old_logp is None else old_logp
-    delta = (logp - old) * mask_f  # padding contributes 0 (and its logp gets no gradient)
-    adv = advantages.to(logp.dtype)
-    g = totals.num_responses
-
-    if cfg.kind == "gspo":
-        seq_ratio = torch.exp(delta.sum(-1) / lengths)  # (B,)
-        per_response = -_clipped_objective(seq_ratio, adv, cfg)
-        if cfg.beta:
-            kl = (_kl_to(ref_logp, logp) * mask_f).sum(-1) / lengths
-            per_response = per_response + cfg.beta * (kl * seq_ratio if cfg.kl_ratio else kl)
-        return per_response.sum() / g * cfg.loss_scale
-
-    ratio = torch.exp(delta)
-    per_token = -_clipped_objective(ratio, adv[:, None], cfg)  # (B, T)
+    log_ratio = (logp - old) * mask_f  # padding contributes 0 (and its logp gets no gradient)
+    adv = advantages.to(logp.dtype)[:, None]  # (B, 1)
+    if cfg.sequence_ratio:
+        ratio = torch.exp(log_ratio.sum(-1, keepdim=True) / lengths[:, None])  # (B, 1): s_i on every token
+    else:
+        ratio = torch.exp(log_ratio)  # (B, T)
+    per_token = _policy_term(logp, log_ratio, ratio, adv, cfg)
     if cfg.beta:
         kl = _kl_to(ref_logp, logp)
         per_token = per_token + cfg.beta * (kl * ratio if cfg.kl_ratio else kl)
-    per_token = per_token * mask_f
-    if cfg.kind == "grpo":
+    per_token = per_token * mask_f  # (B, T)
+    g = totals.num_responses
+    if cfg.kind in ("grpo", "gspo", "sapo"):
         loss = (per_token.sum(-1) / lengths).sum() / g
     elif cfg.kind == "dr_grpo":
         loss = per_token.sum() / (g * totals.max_tokens)
-    elif cfg.kind == "dapo":
+    elif cfg.kind in _TOKEN_NORMALISED:
         loss = per_token.sum() / totals.total_tokens
+    elif cfg.kind == "luspo":
+        loss = per_token.sum() / g
     else:
         raise ValueError(f"unknown loss {cfg.kind!r}: choose one of {', '.join(LOSSES)}")
     return loss * cfg.loss_scale

@@ -32,8 +32,10 @@ class BackwardOptions:
 
     plan: standard | standard_batched | detach | exact.
     loss and its parameters (`longstraw.engine.loss`): epsilon (both clip sides), epsilon_low, epsilon_high (None:
-    the loss's default), beta (KL coefficient), max_tokens (dr_grpo's L_max), token_normalizer (dapo's
-    denominator), kl_ratio (k3 times the ratio), loss_scale (the group loss times this).
+    the loss's default; cispo's epsilon_high is its weight cap), beta (KL coefficient), max_tokens (dr_grpo's L_max),
+    token_normalizer (dapo/cispo/vespo's denominator), kl_ratio (k3 times the ratio), loss_scale (the group loss times
+    this), sequence_ratio (the ratio per sequence or per token; None: the loss's own), delta (two-sided clipping),
+    sapo_temperature_pos/_neg and vespo_k_pos/_lambda_pos/_k_neg/_lambda_neg (those losses' shapes; None: default).
     chunk_size: prompt tokens per capture chunk (and per prompt-backward chunk of the exact plan).
     micro_batch: responses replayed at once (detach/exact). token_chunk: rows per block of the chunked log-prob.
     checkpoint: "none" or "layers" (per-layer activation checkpointing of every forward with grad).
@@ -57,6 +59,14 @@ class BackwardOptions:
     token_normalizer: float | None = None
     kl_ratio: bool = False
     loss_scale: float = 1.0
+    sequence_ratio: bool | None = None
+    delta: float | None = None
+    sapo_temperature_pos: float | None = None
+    sapo_temperature_neg: float | None = None
+    vespo_k_pos: float | None = None
+    vespo_lambda_pos: float | None = None
+    vespo_k_neg: float | None = None
+    vespo_lambda_neg: float | None = None
     chunk_size: int = 2048
     micro_batch: int = 1
     token_chunk: int = DEFAULT_TOKEN_CHUNK
@@ -74,7 +84,10 @@ class BackwardOptions:
         object.__setattr__(self, "loss_config", make_loss_config(
             self.loss, epsilon=self.epsilon, epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high,
             beta=self.beta, max_tokens=self.max_tokens, token_normalizer=self.token_normalizer,
-            kl_ratio=self.kl_ratio, loss_scale=self.loss_scale))
+            kl_ratio=self.kl_ratio, loss_scale=self.loss_scale, sequence_ratio=self.sequence_ratio, delta=self.delta,
+            sapo_temperature_pos=self.sapo_temperature_pos, sapo_temperature_neg=self.sapo_temperature_neg,
+            vespo_k_pos=self.vespo_k_pos, vespo_lambda_pos=self.vespo_lambda_pos, vespo_k_neg=self.vespo_k_neg,
+            vespo_lambda_neg=self.vespo_lambda_neg))
         for name in ("chunk_size", "micro_batch", "token_chunk"):
             _positive_int(name, getattr(self, name))
         object.__setattr__(self, "checkpoint", check_checkpoint(self.checkpoint))
