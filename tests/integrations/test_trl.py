@@ -158,13 +158,6 @@ def _config(tmp_path, **overrides):
 
 
 @pytest.mark.parametrize("overrides,reason", [
-    (dict(loss_type="bnpo"), "loss_type='bnpo': it divides by the tokens of whichever per-device batch"),
-    (dict(loss_type="cispo"), "no CISPO loss"),
-    (dict(loss_type="sapo"), "no SAPO loss"),
-    (dict(loss_type="luspo", importance_sampling_level="sequence"), "importance_sampling_level='sequence' with"),
-    (dict(loss_type="vespo"), "no VESPO loss"),
-    (dict(loss_type="dapo", importance_sampling_level="sequence"), "weights each sequence's ratio by its length"),
-    (dict(delta=1.5), "two-sided clipping"),
     (dict(top_entropy_quantile=0.2), "every token's entropy"),
     (dict(entropy_coef=0.01), "every token's entropy"),
     (dict(off_policy_mask_threshold=0.5), "off-policy sequence masking"),
@@ -195,8 +188,8 @@ def test_refuses_several_reasons_at_once_and_model_level_ones(tmp_path, model_di
                                     train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
                                     processing_class=byte_tokenizer_hf())
 
-    with pytest.raises(ValueError, match="(?s)no CISPO loss.*two-sided clipping"):
-        build(model_dirs["llama"], loss_type="cispo", delta=2.0)
+    with pytest.raises(ValueError, match="(?s)sapo_temperature_neg must be.*every token's entropy"):
+        build(model_dirs["llama"], loss_type="sapo", sapo_temperature_neg=0.0, entropy_coef=0.01)
     with pytest.raises(ValueError, match="bf16=True with float64 parameters"):
         build(AutoModelForCausalLM.from_pretrained(model_dirs["llama"], dtype=torch.float64), bf16=True, use_cpu=True)
     dropout = AutoModelForCausalLM.from_pretrained(model_dirs["llama"], attention_dropout=0.1)
@@ -337,10 +330,11 @@ MULTI_PROCESS_CASES |= {"fsdp2-float32": dict(_CASES["grpo"], fsdp=True, dtype="
 def multi_process_runs(model_dirs, tmp_path_factory):
     """2 ranks running every case, with torchrun's environment and ACCELERATE_USE_CPU=1: accelerate's MULTI_CPU
     over gloo (`accelerate launch --cpu` would start one process on this machine)."""
-    out = tmp_path_factory.mktemp("trl-ddp")
+    out = tmp_path_factory.mktemp("trl-multi")
     here = Path(__file__).resolve().parent
-    ranks = run_ranks([str(here / "trl_ddp_child.py"), model_dirs["llama"], str(out), json.dumps(MULTI_PROCESS_CASES)], 2,
-                      timeout=900, paths=[here, here.parent, Path(ROOT) / "src"], env={"ACCELERATE_USE_CPU": "1"})
+    ranks = run_ranks([str(here / "trl_ddp_child.py"), model_dirs["llama"], str(out),
+                       json.dumps(MULTI_PROCESS_CASES)], 2, timeout=900, paths=[here, here.parent, Path(ROOT) / "src"],
+                      env={"ACCELERATE_USE_CPU": "1"})
     for code, output in ranks:
         assert code == 0, output[-4000:]
     return out

@@ -33,22 +33,19 @@ try:
 except ImportError as err:  # pragma: no cover - exercised only without the extra
     raise ImportError(f"longstraw.integrations.trl needs TRL: pip install 'longstraw[trl]' ({err})") from err
 
+from longstraw.distributed.context import check_supported as check_context_supported
+from longstraw.distributed.context import context_blocks
+from longstraw.distributed.fsdp import sharded_compute
 from longstraw.engine.api import backward_group
 from longstraw.engine.group import Group
+from longstraw.engine.loss import make_loss_config
 from longstraw.engine.options import BackwardOptions
 from longstraw.models.architecture import check_architecture, eval_mode_when_equal, hf
 
 __all__ = ["LongStrawGRPOConfig", "LongStrawGRPOTrainer"]
 
-# TRL loss types LongStraw has no loss for, and why.
-_UNMAPPED_LOSSES = {
-    "bnpo": "it divides by the tokens of whichever per-device batch TRL's shuffle puts a sequence in, which is not a "
-            "property of the sequence's group",
-    "cispo": "LongStraw has no CISPO loss (clipped, detached importance weights times log-probs)",
-    "sapo": "LongStraw has no SAPO loss (a sigmoid gate instead of clipping)",
-    "luspo": "LongStraw has no LUSPO loss (the sequence ratio weighted by the sequence's length)",
-    "vespo": "LongStraw has no VESPO loss (gamma-weighted sequence ratios)",
-}
+# TRL's loss types, each mapped onto a LongStraw loss by `_loss_kind` (docs/trl.md, "What it maps").
+_TRL_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
 
 
 @dataclass
@@ -74,6 +71,11 @@ class LongStrawGRPOConfig(GRPOConfig):
     longstraw_keep_prompt_graph: int = field(
         default=0, metadata={"help": "exact: keep the last N capture chunks' graphs instead of recomputing them in "
                                      "the prompt backward (faster; their activations held through the replays)."})
+    longstraw_cp: int = field(
+        default=1,
+        metadata={"help": "Context parallelism: blocks of this many consecutive processes exchange their groups and "
+                          "backpropagate each together, each process holding 1/C of every prompt's state (detach or "
+                          "exact plan; full-attention and recurrent layers). Must divide the number of processes."})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -87,7 +89,7 @@ def _backward_options(args: GRPOConfig) -> BackwardOptions:
     if checkpoint is None:
         checkpoint = "layers" if args.gradient_checkpointing else "none"
     try:
-        return BackwardOptions(plan=getattr(args, "longstraw_plan", "exact"),
+        options = BackwardOptions(plan=getattr(args, "longstraw_plan", "exact"),
                                chunk_size=getattr(args, "longstraw_chunk_size", 2048),
                                micro_batch=getattr(args, "longstraw_micro_batch", 1), checkpoint=checkpoint,
                                offload_state=getattr(args, "longstraw_offload_state", False),
@@ -95,11 +97,58 @@ def _backward_options(args: GRPOConfig) -> BackwardOptions:
                                allow_train_mode=True)
     except (TypeError, ValueError) as err:
         raise ValueError(f"LongStrawGRPOConfig's longstraw_* options: {err}") from None
+    cp = _context_size(args)
+    if cp > 1 and options.plan not in ("detach", "exact"):
+        raise ValueError(f"LongStrawGRPOConfig's longstraw_cp={cp} shards the prompt state: use longstraw_plan "
+                         f"'exact' or 'detach', not {options.plan!r}")
+    if cp > 1 and options.keep_prompt_graph:
+        raise ValueError("LongStrawGRPOConfig's longstraw_keep_prompt_graph is not supported with longstraw_cp > 1: "
+                         "set it to 0")
+    return options
+
+
+def _context_size(args: GRPOConfig) -> int:
+    cp = getattr(args, "longstraw_cp", 1)
+    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
+        raise ValueError(f"LongStrawGRPOConfig's longstraw_cp must be an integer >= 1 (processes per context-parallel "
+                         f"block), got {cp!r}")
+    return cp
 
 
 def _loss_kind(args: GRPOConfig) -> str:
-    """LongStraw's loss for TRL's (loss_type, importance_sampling_level); `_config_refusals` refuses the others."""
-    return "gspo" if args.importance_sampling_level == "sequence" else args.loss_type
+    """LongStraw's loss for TRL's loss_type: grpo with importance_sampling_level='sequence' is gspo, bnpo is dapo
+    with the micro-batch's tokens as its denominator (`_loss_options`), the others are LongStraw's loss of the same
+    name; the ratio's level of the others is `_loss_parameters`'s sequence_ratio."""
+    loss = args.loss_type
+    if loss == "grpo":
+        return "gspo" if args.importance_sampling_level == "sequence" else "grpo"
+    elif loss == "bnpo":
+        return "dapo"
+    elif loss in _TRL_LOSS_TYPES:
+        return loss
+    else:
+        raise ValueError(f"loss_type={loss!r} is not one LongStraw maps onto its losses ({', '.join(_TRL_LOSS_TYPES)})")
+
+
+def _loss_parameters(args: GRPOConfig) -> dict[str, Any]:
+    """backward_group's loss options that TRL's config fixes (the per-micro-batch normalisers are `_loss_options`'s):
+    the KL term, the ratio's level, and the clip widths (with delta) or the loss's own shape. TRL applies delta to its
+    clipped losses only (grpo, dr_grpo, dapo, bnpo, luspo), and its epsilon_high is cispo's cap ε_max itself, as
+    LongStraw's."""
+    kind = _loss_kind(args)
+    high = args.epsilon if args.epsilon_high is None else args.epsilon_high
+    out: dict[str, Any] = dict(beta=args.beta, kl_ratio=bool(args.use_bias_correction_kl),
+                               sequence_ratio=args.importance_sampling_level == "sequence")
+    if kind == "cispo":
+        out["epsilon_high"] = high
+    elif kind == "sapo":
+        out.update(sapo_temperature_pos=args.sapo_temperature_pos, sapo_temperature_neg=args.sapo_temperature_neg)
+    elif kind == "vespo":
+        out.update(vespo_k_pos=args.vespo_k_pos, vespo_lambda_pos=args.vespo_lambda_pos, vespo_k_neg=args.vespo_k_neg,
+                   vespo_lambda_neg=args.vespo_lambda_neg)
+    else:
+        out.update(epsilon_low=args.epsilon, epsilon_high=high, delta=args.delta)
+    return out
 
 
 def _steps_per_generation(args: GRPOConfig) -> int:
@@ -113,21 +162,22 @@ def _config_refusals(args: GRPOConfig, named: dict[str, Any]) -> list[str]:
     """Why this configuration cannot be trained with LongStraw's backward (empty: it can)."""
     out = []
     loss, level = args.loss_type, args.importance_sampling_level
-    if level == "sequence" and loss != "grpo":
-        out.append(f"importance_sampling_level='sequence' with loss_type={loss!r}: TRL then weights each sequence's "
-                   "ratio by its length (it warns about it); LongStraw's sequence-level loss is GSPO, "
-                   "loss_type='grpo' with importance_sampling_level='sequence'")
-    elif level not in ("token", "sequence"):
+    if level not in ("token", "sequence"):
         out.append(f"importance_sampling_level={level!r}: only 'token' and 'sequence' exist")
-    elif loss in _UNMAPPED_LOSSES:
-        out.append(f"loss_type={loss!r}: {_UNMAPPED_LOSSES[loss]}; use grpo, dr_grpo or dapo (gspo: grpo with "
-                   "importance_sampling_level='sequence')")
-    elif loss not in ("grpo", "dr_grpo", "dapo"):
-        out.append(f"loss_type={loss!r} is not one LongStraw maps onto its losses (grpo, dr_grpo, dapo)")
+    elif loss not in _TRL_LOSS_TYPES:
+        out.append(f"loss_type={loss!r} is not one LongStraw maps onto its losses ({', '.join(_TRL_LOSS_TYPES)})")
+    else:
+        try:  # the engine's checks of the loss options, here rather than at the first step
+            make_loss_config(_loss_kind(args), **_loss_parameters(args))
+        except (TypeError, ValueError) as err:
+            out.append(f"loss_type={loss!r} with these options: {err}")
+    if loss == "bnpo" and args.num_generations and args.per_device_train_batch_size % args.num_generations:
+        out.append(f"loss_type='bnpo' with per_device_train_batch_size ({args.per_device_train_batch_size}) not a "
+                   f"multiple of num_generations ({args.num_generations}): bnpo divides by the tokens of a micro-batch "
+                   "of per_device_train_batch_size rows, and the drop-in's micro-batches hold whole groups, so they "
+                   "would not have that many rows (some more, some none)")
     if loss == "dr_grpo" and args.max_completion_length is None:
         out.append("loss_type='dr_grpo' needs max_completion_length (its normaliser)")
-    if args.delta is not None:
-        out.append(f"delta={args.delta}: two-sided clipping of the ratio is not in LongStraw's losses")
     if args.top_entropy_quantile < 1.0 or args.entropy_coef != 0.0 or args.use_adaptive_entropy:
         out.append("top_entropy_quantile < 1, entropy_coef or use_adaptive_entropy: they need every token's entropy, "
                    "which LongStraw's log-prob kernel does not compute")
@@ -141,14 +191,18 @@ def _config_refusals(args: GRPOConfig, named: dict[str, Any]) -> list[str]:
         out.append("fp16=True: Trainer's gradient scaler scales the loss it backpropagates, and LongStraw runs its own "
                    "backward; load the model in bfloat16 (or float32) and set fp16=False")
     if args.cast_lm_head_to_fp32:
-        out.append("cast_lm_head_to_fp32=True: LongStraw computes in one dtype and refuses mixed-dtype models")
+        out.append("cast_lm_head_to_fp32=True: over bfloat16/float16 parameters it makes the LM head's weights float32 "
+                   "and the rest not, a mixed-dtype model, which backward_group refuses (it computes in the "
+                   "parameters' one dtype, the log-probs accumulated in float32); over float32 parameters under bf16 "
+                   "autocast TRL runs the head outside the autocast, which backward_group's autocast region does not; "
+                   "over float32 without autocast it changes nothing: set cast_lm_head_to_fp32=False")
     if named.get("tools") or named.get("environment_factory"):
         out.append("tools / environment_factory: multi-turn completions carry a tool mask (tokens not generated by "
                    "the model), and LongStraw's loss covers every completion token")
-    if args.deepspeed or args.fsdp:
-        out.append("DeepSpeed / FSDP: backward_group runs the model's layers itself, outside the wrapper whose hooks "
-                   "gather sharded parameters and reduce their gradients; use data parallelism (DDP: several "
-                   "processes without deepspeed/fsdp), or LongStraw's own trainer (FSDP2, longstraw train --nproc)")
+    if args.deepspeed:
+        out.append(_DEEPSPEED)
+    if args.fsdp:
+        out.extend(_fsdp_refusals(args.fsdp_plugin_args or {}))
     g, b = args.num_generations, args.per_device_train_batch_size
     s, spg = args.gradient_accumulation_steps, _steps_per_generation(args)
     assert g is not None  # GRPOConfig.__post_init__ requires num_generations >= 2
@@ -163,6 +217,32 @@ def _config_refusals(args: GRPOConfig, named: dict[str, Any]) -> list[str]:
         out.append(f"one generation batch feeds {spg // s} optimizer steps of per_device_train_batch_size ({b}) x "
                    f"gradient_accumulation_steps ({s}) sequences, not a multiple of num_generations ({g}): each step "
                    "must get whole groups")
+    return out
+
+
+_DEEPSPEED = ("DeepSpeed: its engine owns the backward (`engine.backward`) and gathers ZeRO-3's partitioned parameters "
+              "from hooks on module forwards, while backward_group runs the layers itself and backpropagates its own "
+              "losses; use FSDP2 (`fsdp=True`, or accelerate's `fsdp_version: 2`), which shards parameters, "
+              "gradients and optimizer state as ZeRO-3 does")
+
+
+def _fsdp_refusals(plugin: Any) -> list[str]:
+    """What LongStraw cannot run of an FSDP configuration: TrainingArguments' `fsdp_plugin_args` (a dict) or
+    accelerate's `FullyShardedDataParallelPlugin` (an `accelerate launch` config file)."""
+    get = plugin.get if isinstance(plugin, dict) else lambda name, default=None: getattr(plugin, name, default)
+    out = []
+    version = get("fsdp_version", 2)
+    if version != 2:
+        out.append(f"FSDP version {version}: LongStraw runs under FSDP2 (`fully_shard`), whose sharded modules it can "
+                   "gather once per micro-batch; set fsdp_config={'version': 2} (accelerate: fsdp_version: 2)")
+    offload = get("cpu_offload", False)  # TrainingArguments: a bool; the plugin: an FSDP2 offload policy
+    if offload is True or type(offload).__name__ == "CPUOffloadPolicy" or getattr(offload, "offload_params", False):
+        out.append("FSDP cpu_offload: not supported by LongStraw's gathered compute; keep the prompt state in host "
+                   "memory instead (longstraw_offload_state=True)")
+    if get("activation_checkpointing", False):
+        out.append("FSDP activation_checkpointing wraps the decoder layers, which backward_group runs itself; use "
+                   "gradient_checkpointing=True (or longstraw_checkpoint='layers'): LongStraw's per-layer "
+                   "checkpointing")
     return out
 
 
@@ -198,6 +278,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         super().__init__(*bound.args[1:], **bound.kwargs)
         _refuse(self._model_refusals())
         self._longstraw = _backward_options(self.args)
+        cp = _context_size(self.args)
+        self._context = context_blocks(cp) if cp > 1 else None
 
     def _policy(self) -> torch.nn.Module:
         """The causal LM backward_group runs: unwrapped from accelerate, and the PEFT model's LoRA-injected base."""
@@ -207,11 +289,13 @@ class LongStrawGRPOTrainer(GRPOTrainer):
     def _model_refusals(self) -> list[str]:
         out = []
         kind = str(self.accelerator.distributed_type.value)
-        if kind in ("DEEPSPEED", "FSDP", "MEGATRON_LM", "XLA"):
-            out.append(f"accelerate's {kind}: backward_group runs the model's layers itself, outside the wrapper whose "
-                       "hooks gather sharded parameters and reduce their gradients; use data parallelism (DDP, "
-                       "accelerate's MULTI_GPU / MULTI_CPU), or LongStraw's own trainer (FSDP2, `longstraw train "
-                       "--nproc`)")
+        if kind == "DEEPSPEED":
+            out.append(_DEEPSPEED)
+        elif kind == "FSDP":
+            out.extend(_fsdp_refusals(self.accelerator.state.fsdp_plugin))
+        elif kind in ("MEGATRON_LM", "XLA"):
+            out.append(f"accelerate's {kind}: backward_group runs the model's layers itself, outside the wrapper that "
+                       "distributes them; use DDP (accelerate's MULTI_GPU / MULTI_CPU) or FSDP2")
         if self._is_vlm:
             out.append("a multimodal processor: LongStraw replays text-only completions")
         if self.aux_loss_enabled:
@@ -227,6 +311,15 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 check_architecture(policy, 1)
         except ValueError as err:
             out.append(str(err))
+        cp, world = _context_size(self.args), self.accelerator.num_processes
+        if cp > 1 and world % cp:
+            out.append(f"longstraw_cp={cp} needs a number of processes that is a multiple of {cp}, got {world}: launch "
+                       f"{cp * max(1, world // cp)} processes, or set longstraw_cp=1")
+        if cp > 1:
+            try:
+                check_context_supported(policy)
+            except ValueError as err:
+                out.append(f"longstraw_cp={cp}: {err}")
         return out
 
     def _prepare_inputs(self, generation_batch: Any) -> dict[str, Any]:
@@ -273,12 +366,29 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         if return_outputs or not self.model.training:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         g, total = self.num_generations, 0.0
-        for first in range(0, inputs["completion_ids"].size(0), g):
-            total += self._backward_one_group(inputs, range(first, first + g))
-        if self.accelerator.num_processes > 1 and self.accelerator.sync_gradients:
+        # FSDP2: every parameter gathered once for the micro-batch, the gradients reduce-scattered (averaged over the
+        # processes) into the sharded .grad once at the end; every process enters, whatever its number of groups.
+        batches = [inputs] if self._context is None else self._context_batches(inputs)
+        with sharded_compute(self.accelerator.unwrap_model(self.model)):
+            for batch in batches:
+                for first in range(0, batch["completion_ids"].size(0), g):
+                    total += self._backward_one_group(batch, range(first, first + g))
+        if self.accelerator.num_processes > 1 and self.accelerator.sync_gradients and not self.is_fsdp_enabled:
             self._average_gradients()  # the last micro-batch of an optimizer step: what DDP's reducer would do
         # Trainer.training_step backpropagates what this returns: a leaf without a graph, so it reaches no parameter.
         return torch.tensor(total, device=self.accelerator.device, requires_grad=True)
+
+    def _context_batches(self, inputs: dict[str, Any]) -> list[dict[str, Any]]:
+        """Context parallelism: the micro-batches of every process of this block, in rank order. Every process of
+        the block then backpropagates every group of them, each holding 1/C of each prompt's state; each group's loss
+        is scaled by 1/C (`_backward_one_group`), so that the C copies of the block's gradient that the data-parallel
+        reduction averages add up to TRL's."""
+        assert self._context is not None
+        mine = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+        gathered: list[Any] = [None] * self._context.size
+        torch.distributed.all_gather_object(gathered, mine, group=self._context.group)
+        device = self.accelerator.device
+        return [{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()} for batch in gathered]
 
     def _average_gradients(self) -> None:
         """Data parallelism: the mean of every trainable parameter's gradient over the processes, in one all-reduce
@@ -331,6 +441,9 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         with torch.autocast(hf(policy).device.type, dtype=torch.bfloat16, enabled=autocast):
             options = replace(self._longstraw, loss=_loss_kind(self.args), temperature=self.temperature,
                               **self._loss_options(len(keep), inputs))
+            if self._context is not None:
+                options = replace(options, context_shards=self._context,
+                                  loss_scale=options.loss_scale / self._context.size)
             result = backward_group(policy, group, options)
         return result.loss
 
@@ -338,18 +451,23 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         """The loss options that make one group's share of LongStraw's loss equal to its share of TRL's loss over
         an optimizer step of S = gradient_accumulation_steps micro-batches of B = per_device_train_batch_size rows:
 
-        * grpo, gspo: TRL averages per-sequence terms over each micro-batch, divided by S, i.e. every row weighs
-          1/(B·S); LongStraw's group loss averages over its `kept` completions: loss_scale = kept/(B·S).
+        * grpo, gspo, sapo, luspo: TRL averages per-sequence terms over each micro-batch, divided by S, i.e. every row
+          weighs 1/(B·S); LongStraw's group loss averages over its `kept` completions: loss_scale = kept/(B·S).
         * dr_grpo: the same with max_tokens = max_completion_length (TRL's L_max).
-        * dapo: TRL divides by the completion tokens of the generation batch times S/steps_per_generation (the
-          generation batch's tokens per optimizer step): token_normalizer.
-        * clip widths: TRL's epsilon and epsilon_high (default: epsilon); the KL term: beta, and kl_ratio =
-          use_bias_correction_kl (k3 times the ratio)."""
+        * dapo, cispo, vespo: TRL divides by the completion tokens of the generation batch times
+          S/steps_per_generation (the generation batch's tokens per optimizer step): token_normalizer.
+        * bnpo (LongStraw's dapo): TRL divides by the tokens of the micro-batch, at least 1, times S: token_normalizer.
+          This micro-batch holds whole groups and TRL's holds shuffled rows, the same number B of them
+          (`_config_refusals` requires B to be a multiple of G): the normaliser is the one TRL's shuffle would give
+          had it kept the groups together, equal to TRL's run when the micro-batch is the whole generation batch.
+        * the rest (`_loss_parameters`): the KL term, the ratio's level, the clip widths and delta or the loss's shape.
+        """
         kind = _loss_kind(self.args)
         steps = self.current_gradient_accumulation_steps
-        options: dict[str, Any] = dict(epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high, beta=self.beta,
-                                       kl_ratio=bool(self.args.use_bias_correction_kl))
-        if kind == "dapo":
+        options = _loss_parameters(self.args)
+        if self.args.loss_type == "bnpo":
+            options["token_normalizer"] = max(float(inputs["completion_mask"].sum()), 1.0) * steps
+        elif kind in ("dapo", "cispo", "vespo"):
             # TRL's: the generation batch's completion tokens over all processes, per process and micro-batch
             tokens = max(float(inputs["num_items_in_batch"]), 1.0) / self.accelerator.num_processes
             options["token_normalizer"] = tokens * steps / _steps_per_generation(self.args)
