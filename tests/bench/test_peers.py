@@ -6,8 +6,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -302,3 +304,61 @@ def test_only_runs_the_configurations_named(tmp_path, capsys, workers_see_this_c
     with pytest.raises(SystemExit):
         main(["bench", "peers", "--smoke", "--only", "trl-b7"])
     assert "unknown configuration(s) trl-b7" in capsys.readouterr().err
+
+
+def _children(pid: int) -> list[int]:
+    """The direct children of process `pid` (Linux /proc)."""
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        out += [int(c) for c in (task / "children").read_text().split()]
+    return out
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads child processes from Linux's /proc")
+def test_sigterm_ends_the_bench_and_its_busy_neighbours(tmp_path):
+    """`timeout` sends SIGTERM: the bench stops with one line and status 143, and its busy-loop neighbours end with
+    it instead of running forever."""
+    code = "import sys; from longstraw.cli import main; sys.exit(main(sys.argv[1:]))"
+    env = dict(os.environ, PYTHONPATH=SRC)
+    proc = subprocess.Popen([sys.executable, "-c", code, "bench", "peers", "--smoke", "--neighbours", "2",
+                             "--out", str(tmp_path / "peers.json")], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    busy: list[int] = []
+    deadline = time.monotonic() + 120
+    while len(busy) < 2 and time.monotonic() < deadline and proc.poll() is None:
+        busy = [c for c in _children(proc.pid) if BUSY_LOOP in Path(f"/proc/{c}/cmdline").read_text()]
+        time.sleep(0.1)
+    assert len(busy) == 2, "the bench did not start its two neighbours"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err[-2000:]
+    assert "stopped by SIGTERM" in err and "Traceback" not in err
+    deadline = time.monotonic() + 10
+    while any(_running(pid) for pid in busy) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_running(pid) for pid in busy)
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["peers", "--smoke", "--out", "{tmp}"], "is a directory: give the results file's path"),
+    (["decode", "--smoke", "--device", "cuda"], "no CUDA GPU"),
+    (["decode", "--smoke", "--model", "/nonexistent"], "--model: model '/nonexistent' is not a preset"),
+    (["memory", "--smoke", "--out", "{tmp}"], "is a directory"),
+])
+def test_bench_options_fail_before_any_work(tmp_path, capsys, argv, match):
+    """One line from argparse (exit 2), no traceback, nothing written."""
+    if "cuda" in argv and torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA GPU")
+    with pytest.raises(SystemExit) as stop:
+        main(["bench", *[a.replace("{tmp}", str(tmp_path)) for a in argv]])
+    assert stop.value.code == 2
+    assert match in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []

@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from longstraw.bench.machine import machine_info
@@ -132,9 +133,43 @@ def busy(entry: dict[str, Any]) -> bool:
 
 
 def check_device(device: str, fail: Callable[[str], Any]) -> None:
-    """The benches' --device rule (cpu or cuda[:i]); `fail` reports a bad value (argparse's error, which exits)."""
+    """The benches' --device rule (cpu or cuda[:i], a GPU this machine has); `fail` reports a bad value (argparse's
+    error, which exits)."""
     if device != "cpu" and not device.startswith("cuda"):
         fail(f"--device must be cpu or cuda[:i], got {device!r}")
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            fail(f"--device {device}: this machine has no CUDA GPU (or torch was built without CUDA); use --device cpu")
+        index = torch.device(device).index
+        if index is not None and index >= torch.cuda.device_count():
+            fail(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+
+
+def check_out(out: str | None, fail: Callable[[str], Any]) -> None:
+    """The benches' --out rule: a file path (not a directory) whose folder exists or can be made."""
+    if out is None:
+        return
+    path = Path(out)
+    if path.is_dir():
+        fail(f"--out {out} is a directory: give the results file's path, e.g. {path / 'results.json'}")
+    parent = path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        fail(f"--out {out}: {parent} is not a writable directory")
+
+
+def check_model(name: str, fail: Callable[[str], Any]) -> None:
+    """The benches' --model rule: a preset, packaged model, local directory or file, or a hub id, checked before
+    any work (`models.loading.check_model_name`)."""
+    from longstraw.models.loading import check_model_name
+
+    try:
+        check_model_name(name)
+    except ValueError as err:
+        fail(f"--model: {err}")
 
 
 def positive_float(text: str) -> float:

@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from longstraw.bench.common import default_out
+from longstraw.bench.common import check_out, default_out
 from longstraw.bench.machine import machine_info
 from longstraw.planner import MIB
 
@@ -74,6 +74,7 @@ def run_ranks(config: dict, timeout: float) -> list[dict]:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
+    check_out(args.out, args.fail)
     base = {"model": args.model, "dtype": args.dtype, "prompt_tokens": args.prompt_tokens,
             "response_tokens": args.response_tokens, "group_size": args.group_size, "plan": args.plan,
             "chunk_size": args.chunk_size, "seed": 0}

@@ -58,7 +58,16 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any, NoReturn
 
-from longstraw.bench.common import BUSY_PRESSURE, MIB, SMOKE_NOTE, check_device, default_out, write_json
+from longstraw.bench.common import (
+    BUSY_PRESSURE,
+    MIB,
+    SMOKE_NOTE,
+    check_device,
+    check_model,
+    check_out,
+    default_out,
+    write_json,
+)
 from longstraw.bench.machine import machine_info
 from longstraw.choices import DTYPES
 from longstraw.planner import positive_int
@@ -411,6 +420,8 @@ def shape_from_args(args: argparse.Namespace, fail: Callable[[str], NoReturn]) -
     if min(shape.prompts) < 2:
         fail("--prompts: every P must be >= 2 (LongStraw captures prompt[:-1] and decodes from the last token)")
     check_device(shape.device, fail)
+    check_model(shape.model, fail)
+    check_out(args.out, fail)
     return shape
 
 

@@ -31,6 +31,7 @@ from longstraw.bench.common import (
     arch_preset,
     busy,
     check_device,
+    check_out,
     default_out,
     peak_text,
     positive_float,
@@ -394,6 +395,7 @@ def config_from_args(args: argparse.Namespace, fail: Callable[[str], NoReturn]) 
 
 def run_from_args(args: argparse.Namespace) -> int:
     """Entry point of `longstraw bench memory`: exit status 0 if at least one configuration succeeded."""
+    check_out(args.out, args.fail)
     config = config_from_args(args, args.fail)
     out = args.out or default_out("memory", config.smoke)
     document = run_memory_bench(config, out)

@@ -48,6 +48,8 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -59,6 +61,7 @@ from longstraw.bench.common import (
     STDERR_TAIL,
     busy,
     busy_neighbours,
+    check_out,
     default_out,
     describe_exit,
     non_negative_int,
@@ -349,6 +352,18 @@ def _progress(entry: dict[str, Any]) -> str:
                    f"{float(entry['time_fixed_threshold_s']):.2f} s)")
 
 
+@contextmanager
+def _announce_partial(out: str, results: list[dict[str, Any]]) -> Iterator[None]:
+    """On an interrupt or error mid-run, say where the configurations finished so far are (`out`.tmp)."""
+    try:
+        yield
+    except BaseException:
+        if results:
+            print(f"bench peers: {len(results)} configuration(s) finished before it stopped; their results are in "
+                  f"{out}.tmp", file=sys.stderr, flush=True)
+        raise
+
+
 def run_peers_bench(shape: PeersShape, out: str, timeout_s: float | None, smoke: bool = False,
                     rows: list[Configuration] | None = None, trl_compact_head: bool = True,
                     neighbours: int = 0) -> dict[str, Any]:
@@ -369,7 +384,7 @@ def run_peers_bench(shape: PeersShape, out: str, timeout_s: float | None, smoke:
     runs = "once (peak run only: smoke)" if smoke else "twice (peak run, then timing run)"
     print(f"{header(document)}; {len(rows)} configurations, each {runs} in a fresh process",
           file=sys.stderr, flush=True)
-    with busy_neighbours(neighbours):
+    with busy_neighbours(neighbours), _announce_partial(out, results):
         ours = [row for row in rows if row.peer == "longstraw"]
         # A smoke run shares one LongStraw worker (run_batch without isolation); otherwise each run is its own.
         shared = dict(zip((row.id for row in ours), run_longstraw(shape, ours, timeout_s, smoke=True)
@@ -404,6 +419,7 @@ def run_peers_bench(shape: PeersShape, out: str, timeout_s: float | None, smoke:
 
 def run_from_args(args: argparse.Namespace) -> int:
     """Entry point of `longstraw bench peers`: exit status 0 if at least one configuration ran."""
+    check_out(args.out, args.fail)
     smoke = args.smoke or args.shape == "smoke"
     shape = SHAPES["smoke" if smoke else args.shape]
     if args.prompt_tokens:

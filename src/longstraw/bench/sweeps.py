@@ -31,6 +31,7 @@ from longstraw.bench.common import (
     arch_preset,
     available_archs,
     check_device,
+    check_out,
     default_out,
     finish_sweep,
     job_config,
@@ -388,6 +389,7 @@ def config_from_args(args: argparse.Namespace, fail: Callable[[str], NoReturn]):
 
 def run_from_args(args: argparse.Namespace) -> int:
     """Entry point of `longstraw bench prompt|pareto|arch`: exit 0 if at least one configuration succeeded."""
+    check_out(args.out, args.fail)
     if args.bench == "arch" and args.list:
         print("\n".join(f"{a}\t{arch_preset(a)}" for a in available_archs()))
         return 0
