@@ -144,6 +144,17 @@ def _options(options: BackwardOptions | None, settings: dict[str, Any]) -> Backw
     return replace(options, **settings) if settings else options
 
 
+def _check_materialised(model: torch.nn.Module) -> None:
+    """Refuse a model with a parameter or buffer on the meta device (a shape without data, as left by building
+    under `torch.device("meta")` or an unfinished lazy load): every forward would fail deep inside, naming nothing."""
+    for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        for name, tensor in named:
+            if tensor.is_meta:
+                raise ValueError(f"{kind} {name} is on the meta device (a shape with no data): load or initialise the "
+                                 "model's weights (e.g. load_model(...), or to_empty(device=...) and then "
+                                 "load_state_dict) before backward_group")
+
+
 def _check(model: torch.nn.Module, group: Group, options: BackwardOptions, prompt_state: PromptState | None) -> None:
     """What the options alone cannot say: this model, this group and this reused state."""
     if not isinstance(group, Group):
@@ -151,6 +162,7 @@ def _check(model: torch.nn.Module, group: Group, options: BackwardOptions, promp
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("no parameter of the model requires grad, so there is nothing to train: unfreeze the "
                          "parameters to train (param.requires_grad_(True)) or add an adapter")
+    _check_materialised(model)
     _check_model_and_group(model, group, options.loss_config.beta)
     plan = options.plan
     model_type = hf(model).config.model_type
@@ -201,8 +213,9 @@ def _backward(model: torch.nn.Module, group: Group, options: BackwardOptions,
                                            "offload_state": options.offload_state,
                                            "keep_prompt_graph": options.keep_prompt_graph}
     if options.loss_config.beta == 0 and not bool((group.advantages != 0).any()):
-        # Every loss here is A times a function of the ratio (per token, or per sequence for gspo), plus the KL
-        # term only when beta > 0: with every A = 0 the gradient is exactly zero, so the passes would add zeros.
+        # Every loss's policy term is A times a function of the ratio and log-probs (cispo and vespo weigh logp by
+        # detached weights), plus the KL term only when beta > 0: with every A = 0 the gradient is exactly zero, so
+        # the passes would add zeros.
         stats.update(prompt_state_bytes=prompt_state.nbytes() if prompt_state is not None else 0, capture_s=0.0,
                      replay_s=0.0, prompt_backward_s=0.0)
         return GroupResult(loss=0.0, logprobs=[], stats=stats, skipped="zero_advantage")
@@ -218,7 +231,7 @@ def _loss_fn(group: Group, options: BackwardOptions, device: torch.device,
              dtype: torch.dtype) -> tuple[LossFn, list[int]]:
     """The loss of a micro-batch of this group, and a counter of the micro-batches whose loss was built (hence
     backpropagated unless the finite check refused it)."""
-    totals = GroupTotals.of(group.lengths, options.loss_config)
+    totals = GroupTotals.of(group.loss_lengths, options.loss_config)  # normalisers count loss tokens only
     advantages = group.advantages.to(device=device, dtype=dtype)
     backwards = [0]
 
@@ -234,6 +247,11 @@ def _loss_fn(group: Group, options: BackwardOptions, device: torch.device,
     def loss_fn(logp: torch.Tensor, mask: torch.Tensor, idx: list[int]) -> torch.Tensor:
         """This micro-batch's share of the group loss; logp/mask (k, T), idx: which responses."""
         backwards[0] += 1
+        if group.loss_masks is not None:  # masked tokens: in the forward, not in the loss
+            loss_mask = torch.zeros(mask.shape, dtype=torch.bool, device=device)
+            for row, i in enumerate(idx):
+                loss_mask[row, : group.loss_masks[i].numel()] = group.loss_masks[i].to(device)
+            mask = mask & loss_mask
         return response_loss(
             logp, mask, advantages[idx], totals, options.loss_config,
             old_logp=padded(group.old_logprobs, idx, logp.shape),

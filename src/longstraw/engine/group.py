@@ -35,6 +35,11 @@ class Group:
 
     old_logprobs / ref_logprobs, when given, are one (R_i,) tensor per response: the sampling policy's
     log-probs (PPO clipping, GSPO) and a frozen reference model's (KL penalty).
+
+    loss_masks, when given, is one (R_i,) bool tensor per response, True where the token is the policy's action:
+    False tokens (an agent's tool outputs and observations) run through the model (they are context for what
+    follows) but add no loss, and every normaliser counts only True tokens (docs/design.md §5). Each response
+    needs at least one True token.
     """
 
     prompt: torch.Tensor
@@ -42,6 +47,7 @@ class Group:
     advantages: torch.Tensor
     old_logprobs: list[torch.Tensor] | None = None
     ref_logprobs: list[torch.Tensor] | None = None
+    loss_masks: list[torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         _check_ids("prompt", self.prompt)
@@ -66,6 +72,24 @@ class Group:
                 _check_float(f"{name}[{i}]", lp, (r.numel(),))
                 if (lp > 0).any():
                     raise ValueError(f"{name}[{i}] has positive values: log-probs must be <= 0")
+        if self.loss_masks is not None:
+            self._check_loss_masks(g)
+
+    def _check_loss_masks(self, g: int) -> None:
+        masks = self.loss_masks
+        if not isinstance(masks, (list, tuple)) or len(masks) != g:
+            raise ValueError(f"loss_masks must be a list of {g} bool tensors, one per response")
+        self.loss_masks = list(masks)
+        for i, (m, r) in enumerate(zip(masks, self.responses)):
+            if not isinstance(m, torch.Tensor) or m.dtype != torch.bool:
+                raise TypeError(f"loss_masks[{i}] must be a torch.bool tensor (True: the token is in the loss), got "
+                                f"{m.dtype if isinstance(m, torch.Tensor) else type(m).__name__}")
+            if tuple(m.shape) != (r.numel(),):
+                raise ValueError(f"loss_masks[{i}] must have shape ({r.numel()},) like responses[{i}], got "
+                                 f"{tuple(m.shape)}")
+            if not bool(m.any()):
+                raise ValueError(f"loss_masks[{i}] masks every token of responses[{i}]: a response needs at least "
+                                 "one token in the loss (leave it out of the group instead)")
 
     @property
     def size(self) -> int:
@@ -75,6 +99,13 @@ class Group:
     @property
     def lengths(self) -> list[int]:
         return [r.numel() for r in self.responses]
+
+    @property
+    def loss_lengths(self) -> list[int]:
+        """Tokens in each response's loss: the True tokens of its loss mask (all of them without masks)."""
+        if self.loss_masks is None:
+            return self.lengths
+        return [int(m.sum()) for m in self.loss_masks]
 
     def max_token_id(self) -> int:
         return max(int(self.prompt.max()), *(int(r.max()) for r in self.responses))

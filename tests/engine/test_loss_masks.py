@@ -1,0 +1,146 @@
+"""Per-token loss masks (`Group.loss_masks`): masked tokens run through the model but add no loss, and every
+normaliser counts only unmasked tokens. The reference is a plain restatement over transformers' full-sequence
+forward (float64)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import assert_close, gradient_tolerance, grads, random_group, tiny_model
+
+from longstraw import Group, backward_group
+
+LENGTHS = [6, 9, 4]
+
+
+def _masks(lengths: list[int]) -> list[torch.Tensor]:
+    """Response i: a stretch of 'observation' tokens in the middle is masked (as a tool output would be)."""
+    out = []
+    for i, n in enumerate(lengths):
+        m = torch.ones(n, dtype=torch.bool)
+        m[1 + i % 2: 1 + i % 2 + n // 3] = False
+        out.append(m)
+    return out
+
+
+def _group(prompt_len: int = 20, seed: int = 0, beta: bool = False, **extra) -> Group:
+    g = random_group(prompt_len, LENGTHS, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    olds = [-torch.rand(n, generator=gen, dtype=torch.float64) * 2 - 0.5 for n in LENGTHS]
+    refs = [-torch.rand(n, generator=gen, dtype=torch.float64) * 2 - 0.5 for n in LENGTHS] if beta else None
+    return Group(prompt=g.prompt, responses=g.responses, advantages=g.advantages, old_logprobs=olds,
+                 ref_logprobs=refs, loss_masks=_masks(LENGTHS), **extra)
+
+
+def _reference_loss(model, group: Group, loss: str, beta: float, eps=(0.2, 0.2), l_max: int | None = None):
+    """TRL's definitions with `completion_mask * tool_mask`, over a plain forward of each prompt + response."""
+    terms, masks, lens = [], [], []
+    for i, r in enumerate(group.responses):
+        ids = torch.cat([group.prompt, r])[None]
+        logits = model(ids).logits[0, group.prompt.numel() - 1: -1]  # (R, V): the logits that predict r
+        logp = torch.log_softmax(logits, -1).gather(-1, r[:, None]).squeeze(-1)
+        m = group.loss_masks[i].to(logp.dtype)
+        log_ratio = logp - group.old_logprobs[i]
+        a = group.advantages[i]
+        if loss == "gspo":
+            ratio = torch.exp((log_ratio * m).sum() / m.sum()).expand_as(logp)
+        else:
+            ratio = torch.exp(log_ratio)
+        term = -torch.minimum(ratio * a, ratio.clamp(1 - eps[0], 1 + eps[1]) * a)
+        if beta:
+            d = group.ref_logprobs[i] - logp
+            term = term + beta * (torch.exp(d) - d - 1)
+        terms.append(term * m)
+        masks.append(m)
+        lens.append(m.sum())
+    g = len(terms)
+    if loss in ("grpo", "gspo"):
+        return sum(t.sum() / n for t, n in zip(terms, lens)) / g
+    if loss == "dr_grpo":
+        return sum(t.sum() for t in terms) / (g * (l_max or max(int(n) for n in lens)))
+    if loss == "dapo":
+        return sum(t.sum() for t in terms) / sum(lens)
+    raise ValueError(loss)
+
+
+@pytest.mark.parametrize("loss,beta", [("grpo", 0.0), ("grpo", 0.05), ("dr_grpo", 0.0), ("dapo", 0.05), ("gspo", 0.0)])
+def test_masked_loss_equals_the_plain_restatement(loss, beta):
+    """Every plan's gradient with masks equals the reference's: normalisers count only unmasked tokens, the KL term
+    too. gspo's sequence ratio averages the unmasked tokens."""
+    group = _group(beta=beta > 0)
+    eps = {"dapo": (0.2, 0.28), "gspo": (3e-4, 4e-4)}.get(loss, (0.2, 0.2))
+    reference = tiny_model("llama")
+    _reference_loss(reference, group, loss, beta, eps).backward()
+    for plan in ("standard", "standard_batched", "exact"):
+        model = tiny_model("llama")
+        backward_group(model, group, plan=plan, loss=loss, beta=beta, chunk_size=8)
+        assert_close(f"{loss} {plan}", grads(reference), grads(model), 1e-10)
+
+
+def test_masks_change_the_gradient_and_an_all_true_mask_does_not():
+    """The test data reaches the mask: masking changes the gradient; masks of all True equal no masks, bitwise."""
+    group = _group()
+    plain = Group(prompt=group.prompt, responses=group.responses, advantages=group.advantages,
+                  old_logprobs=group.old_logprobs)
+    ones = Group(prompt=group.prompt, responses=group.responses, advantages=group.advantages,
+                 old_logprobs=group.old_logprobs, loss_masks=[torch.ones(n, dtype=torch.bool) for n in LENGTHS])
+    out = {}
+    for name, g in (("masked", group), ("plain", plain), ("ones", ones)):
+        model = tiny_model("llama")
+        backward_group(model, g, plan="exact", chunk_size=8)
+        out[name] = grads(model)
+    assert torch.equal(out["plain"], out["ones"])
+    assert (out["masked"] - out["plain"]).norm() > 1e-3 * out["plain"].norm()
+
+
+def test_a_masked_tokens_log_probs_have_no_effect():
+    """Perturbing the old and reference log-probs of masked tokens leaves the gradient bitwise unchanged."""
+    group = _group(beta=True)
+    olds = [o.clone() for o in group.old_logprobs]
+    refs = [r.clone() for r in group.ref_logprobs]
+    for o, r, m in zip(olds, refs, group.loss_masks):
+        o[~m] -= 3.0
+        r[~m] -= 5.0
+    perturbed = Group(prompt=group.prompt, responses=group.responses, advantages=group.advantages,
+                      old_logprobs=olds, ref_logprobs=refs, loss_masks=group.loss_masks)
+    out = []
+    for g in (group, perturbed):
+        model = tiny_model("llama")
+        backward_group(model, g, plan="exact", beta=0.05, chunk_size=8)
+        out.append(grads(model))
+    assert torch.equal(out[0], out[1])
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_next-A", "mamba2", "deepseek_v3"])
+def test_exact_equals_standard_with_masks(family):
+    group = _group(beta=True)
+    out = {}
+    for plan in ("standard", "exact", "detach"):
+        model = tiny_model(family)
+        backward_group(model, group, plan=plan, beta=0.05, chunk_size=8)
+        out[plan] = grads(model)
+    assert_close(f"{family} exact", out["standard"], out["exact"], gradient_tolerance(family))
+    assert (out["detach"] - out["standard"]).norm() > 0  # detach's prompt state is a constant: its bias
+
+
+@pytest.mark.parametrize("options", [dict(micro_batch=2), dict(checkpoint="layers"), dict(offload_state=True),
+                                     dict(micro_batch=3, checkpoint="layers", offload_state=True)])
+def test_masks_with_micro_batches_checkpointing_and_offload(options):
+    group = _group()
+    reference, model = tiny_model("llama"), tiny_model("llama")
+    backward_group(reference, group, plan="standard")
+    backward_group(model, group, plan="exact", chunk_size=8, **options)
+    assert_close(f"{options}", grads(reference), grads(model), 1e-10)
+
+
+@pytest.mark.parametrize("masks,error,match", [
+    (lambda: [torch.ones(n, dtype=torch.bool) for n in LENGTHS[:2]], ValueError, "list of 3 bool tensors"),
+    (lambda: [torch.ones(n + 1, dtype=torch.bool) for n in LENGTHS], ValueError, "must have shape \\(6,\\)"),
+    (lambda: [torch.ones(n) for n in LENGTHS], TypeError, "must be a torch.bool tensor"),
+    (lambda: [torch.zeros(n, dtype=torch.bool) if i == 1 else torch.ones(n, dtype=torch.bool)
+              for i, n in enumerate(LENGTHS)], ValueError, "masks every token of responses\\[1\\]"),
+])
+def test_bad_masks_are_refused_when_the_group_is_built(masks, error, match):
+    g = random_group(20, LENGTHS)
+    with pytest.raises(error, match=match):
+        Group(prompt=g.prompt, responses=g.responses, advantages=g.advantages, loss_masks=masks())
