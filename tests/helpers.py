@@ -15,14 +15,17 @@ import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    Cohere2Config,
     DeepseekV3Config,
     FalconH1Config,
     Gemma3TextConfig,
+    Glm4MoeConfig,
     GlmMoeDsaConfig,
     KimiLinearConfig,
     LlamaConfig,
     Mamba2Config,
     MistralConfig,
+    NemotronHConfig,
     Qwen2Config,
     Qwen3_5TextConfig,
     Qwen3Config,
@@ -44,15 +47,40 @@ def _gemma_rms_norm_in_input_dtype(self, x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight)
 
 
+def _layer_norm_in_input_dtype(self, x: torch.Tensor) -> torch.Tensor:
+    centred = x - x.mean(-1, keepdim=True)
+    return self.weight * (centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+
+def _logits_in_input_dtype(model: torch.nn.Module) -> None:
+    """Nemotron-H's causal LM returns `lm_head(h).float()`: an upcast for a bf16 or fp32 model, a rounding to float32
+    in a float64 one. Its output's logits are replaced by the output projection's own (float64) result: a hook on
+    `lm_head` keeps it and a hook on the model hands it back."""
+    kept: dict[str, torch.Tensor] = {}
+    model.get_output_embeddings().register_forward_hook(lambda module, args, out: kept.update(logits=out))
+
+    def restore(module, args, out):
+        if "logits" in kept:
+            out.logits = kept.pop("logits")
+        return out
+
+    model.register_forward_hook(restore)
+
+
 def faithful_float64(model: torch.nn.Module) -> torch.nn.Module:
     """transformers' RMSNorm computes in float32 and casts back, which in a float64 model *rounds to
     float32*: two mathematically equal paths then differ by ~1e-8 of float32 rounding noise, and float64
     parity at 1e-10 would be meaningless. Tests patch every RMSNorm instance (both sides of every comparison
-    use the same model object) to compute in the input dtype. Library code is untouched."""
+    use the same model object) to compute in the input dtype, and likewise Cohere2's LayerNorm and Nemotron-H's
+    float32 logits. Library code is untouched."""
     for module in model.modules():
         name = type(module).__name__
         if name == "Gemma3RMSNorm":
             module.forward = types.MethodType(_gemma_rms_norm_in_input_dtype, module)
+        elif name == "NemotronHForCausalLM":
+            _logits_in_input_dtype(module)
+        elif name == "Cohere2LayerNorm":  # a LayerNorm without bias, also computed in float32
+            module.forward = types.MethodType(_layer_norm_in_input_dtype, module)
         elif name.endswith("RMSNorm") and hasattr(module, "variance_epsilon") and name != "Qwen3NextRMSNorm":
             module.forward = types.MethodType(_rms_norm_in_input_dtype, module)
     return model
@@ -86,6 +114,12 @@ def _arch_configs() -> dict[str, object]:
     Keys are `family` or `family-PATTERN` for mixed-layer models. Windows (16) are shorter than the tested
     prompts; DSA keeps index_topk (24) below the prompt length so the selection is exercised, with 16
     indexer heads so that top-k ties (which would make the selection depend on float noise) do not occur.
+    Cohere2 keeps its default logit_scale (0.0625), so a log-prob that missed it would fail every comparison with
+    transformers' logits; its layers are in a real model's order (sliding, then a global layer without RoPE).
+    Nemotron-H has one block of each kind (Mamba2, attention, MLP, MoE), a stateless block last as in real models;
+    at the default initializer_range (0.02) its SSM state is so small beside the mixer's D skip that zeroing it moves
+    the log-probs by 7e-7, under the tolerance, so the test model initialises at 0.07 (3.9e-4; larger values push
+    transformers' own token-by-token decoding 1e-5 away from its full forward).
     """
     c = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, vocab_size=VOCAB,
              max_position_embeddings=1024)
@@ -109,6 +143,17 @@ def _arch_configs() -> dict[str, object]:
                                        indexer_types=["full", "shared"], mlp_layer_types=["dense", "sparse"],
                                        **moe, **mla, **c),
     }
+    out["cohere2"] = Cohere2Config(num_hidden_layers=2, num_key_value_heads=2, sliding_window=16,
+                                   layer_types=["sliding_attention", "full_attention"], pad_token_id=None,
+                                   bos_token_id=None, eos_token_id=None, **c)
+    out["glm4_moe"] = Glm4MoeConfig(num_hidden_layers=2, num_key_value_heads=2, head_dim=16, n_shared_experts=1,
+                                    n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
+                                    moe_intermediate_size=32, use_qk_norm=True, attention_bias=True, **c)
+    out["nemotron_h"] = NemotronHConfig(
+        layers_block_type=["linear_attention", "full_attention", "mlp", "moe"], num_key_value_heads=2, head_dim=16,
+        mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=1, conv_kernel=4, chunk_size=16,
+        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=32,
+        initializer_range=0.07, pad_token_id=None, bos_token_id=None, eos_token_id=None, **c)
     out["qwen3_5_text"] = Qwen3_5TextConfig(
         num_hidden_layers=3, num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=8,
         linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, layer_types=_linear("A"), **c)
@@ -135,7 +180,8 @@ ARCH_FAMILIES = tuple(_arch_configs())
 # Families whose transformers kernels compute in float32 inside a float64 model
 # (tests/engine/state/test_architectures.py says which kernels): a chunked prompt differs from one full pass by
 # float32 rounding.
-FP32_INSIDE = ("qwen3_next", "qwen3_5_text", "mamba2", "falcon_h1", "kimi_linear", "deepseek_v3", "glm_moe_dsa")
+FP32_INSIDE = ("qwen3_next", "qwen3_5_text", "mamba2", "falcon_h1", "kimi_linear", "deepseek_v3", "glm_moe_dsa",
+               "cohere2", "glm4_moe", "nemotron_h")
 
 
 def gradient_tolerance(family: str) -> float:

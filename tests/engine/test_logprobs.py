@@ -50,6 +50,26 @@ def test_chunked_logprobs_at_a_temperature(temperature):
         assert (a - r).abs().max() < 1e-12
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_chunked_logprobs_with_a_logit_scale(temperature):
+    """Cohere2's forward returns lm_head(h) * logit_scale: log_softmax(h @ W.T * s / T), values and gradients, against
+    the full-logit reference, and the naive reference agrees."""
+    gen = torch.Generator().manual_seed(2)
+    hidden = torch.randn(9, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(50, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 50, (9,), generator=gen)
+    fast = chunked_logprobs(hidden, weight, targets, 4, temperature=temperature, logit_scale=0.0625)
+    logits = hidden @ weight.t() * 0.0625 / temperature
+    ref = torch.log_softmax(logits, -1).gather(-1, targets[:, None]).squeeze(-1)
+    assert (fast - ref).abs().max() < 1e-13
+    assert (naive_logprobs(hidden, weight, targets, temperature, logit_scale=0.0625) - ref).abs().max() < 1e-13
+    unscaled = chunked_logprobs(hidden, weight, targets, 4, temperature=temperature)
+    assert (fast - unscaled).abs().max() > 1e-1  # the scale really changes them
+    grads_fast = torch.autograd.grad(fast.sum(), [hidden, weight])
+    for a, r in zip(grads_fast, torch.autograd.grad(ref.sum(), [hidden, weight])):
+        assert (a - r).abs().max() < 1e-12
+
+
 def test_bfloat16_logprobs_accumulate_in_float32():
     """precision.py: a bf16 model's log-probs come out in fp32 (log-sum-exp over the vocabulary in fp32), equal to
     the fp32 reference on the same bf16 logits, and the gradients reach hidden and weight in bf16."""

@@ -40,6 +40,7 @@ from trl_setup import (  # noqa: E402
     Float64LogProbs,
     G,
     reward,
+    rollout_with_observations,
     train,
 )
 
@@ -140,6 +141,19 @@ def test_lora_adapter(tmp_path, model_dirs, float64_trl_kernel):
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
                            init_lora_weights=False, task_type="CAUSAL_LM")
     _compare(tmp_path, model_dirs, 1e-12, loss_type="grpo", beta=0.04, peft_config=lora)
+
+
+@pytest.mark.parametrize("config", [dict(loss_type="grpo", beta=0.04), dict(loss_type="dapo"),
+                                    dict(loss_type="bnpo"), dict(loss_type="dr_grpo", num_iterations=2),
+                                    dict(loss_type="grpo", importance_sampling_level="sequence")])
+def test_observation_tokens_are_masked_as_trl_masks_them(tmp_path, model_dirs, float64_trl_kernel, config):
+    """Multi-turn completions whose observation tokens TRL masks out of the loss (a rollout_func's env_mask, which
+    TRL turns into the same tool mask as `tools`' results): the drop-in's loss masks give TRL's update, float64,
+    2 steps. Without the masks the gradient differs (the test data reaches them)."""
+    g_ls, g_trl = _compare(tmp_path, model_dirs, 1e-12, rollout_func=rollout_with_observations, max_steps=2,
+                           **config)
+    g_plain, _ = train(GRPOTrainer, GRPOConfig, model_dirs["llama"], tmp_path / "plain", max_steps=2, **config)
+    assert rel_err(g_plain[0], g_trl[0]) > 1e-3
 
 
 def test_the_comparison_catches_a_different_gradient(tmp_path, model_dirs, float64_trl_kernel):

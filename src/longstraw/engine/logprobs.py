@@ -7,6 +7,10 @@ log-probs, backward recomputes each block's logits and softmax. Peak extra memor
 
 `temperature` scores log_softmax(logits / temperature), as samplers that draw at a temperature (and TRL's trainer,
 which scores at its sampling temperature) define the policy's log-probs; 1.0 leaves the logits as they are.
+
+`logit_scale` is a factor the model's own forward applies to the projection before anything else (Cohere2's
+`logits = lm_head(h) * logit_scale`: `models.architecture.logit_scale` says which factor a model uses). The logits
+scored are then (hidden @ weight.T) * logit_scale / temperature, in that order, as transformers computes them.
 """
 
 from __future__ import annotations
@@ -32,24 +36,33 @@ def accumulated_logits(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (h @ weight.t()).to(acc)
 
 
+def _scaled(logits: torch.Tensor, logit_scale: float, temperature: float) -> torch.Tensor:
+    """logits * logit_scale / temperature, in place (the order transformers' forward and the samplers use)."""
+    if logit_scale != 1.0:
+        logits.mul_(logit_scale)
+    if temperature != 1.0:
+        logits.div_(temperature)
+    return logits
+
+
 class _ChunkedLogprobs(torch.autograd.Function):
-    """hidden (N, d), weight (V, d), targets (N,) -> logp (N,) = log_softmax(hidden @ weight.T / T)[n, targets[n]],
-    in the accumulation dtype (fp32 for a bf16/fp16 model; the logits, log-sum-exp and softmax too)."""
+    """hidden (N, d), weight (V, d), targets (N,) -> logp (N,) = log_softmax(hidden @ weight.T * s / T)[n, targets[n]]
+    (s: logit_scale), in the accumulation dtype (fp32 for a bf16/fp16 model; the logits, log-sum-exp and softmax
+    too)."""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, token_chunk: int,
-                temperature: float = 1.0):
+                temperature: float = 1.0, logit_scale: float = 1.0):
         out = torch.empty(hidden.shape[0], dtype=accumulation_dtype(hidden.dtype), device=hidden.device)
         lse = torch.empty_like(out)
         for s in range(0, hidden.shape[0], token_chunk):
-            logits = accumulated_logits(hidden[s : s + token_chunk], weight)  # (c, V)
-            if temperature != 1.0:
-                logits.div_(temperature)
+            logits = _scaled(accumulated_logits(hidden[s : s + token_chunk], weight), logit_scale,
+                             temperature)  # (c, V)
             tgt = targets[s : s + token_chunk]
             lse[s : s + token_chunk] = torch.logsumexp(logits, dim=-1)
             out[s : s + token_chunk] = logits.gather(1, tgt[:, None]).squeeze(1) - lse[s : s + token_chunk]
         ctx.token_chunk = token_chunk
-        ctx.temperature = temperature
+        ctx.temperature, ctx.logit_scale = temperature, logit_scale
         ctx.save_for_backward(hidden, weight, targets, lse)  # lse: N numbers, so backward skips a softmax pass
         return out
 
@@ -59,12 +72,10 @@ class _ChunkedLogprobs(torch.autograd.Function):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         d_hidden = torch.empty_like(hidden) if need_h else None
         d_weight = torch.zeros_like(weight) if need_w else None
-        c, temperature = ctx.token_chunk, ctx.temperature
+        c, temperature, logit_scale = ctx.token_chunk, ctx.temperature, ctx.logit_scale
         for s in range(0, hidden.shape[0], c):
             h = hidden[s : s + c]
-            logits = accumulated_logits(h, weight)  # (c, V), recomputed
-            if temperature != 1.0:
-                logits.div_(temperature)
+            logits = _scaled(accumulated_logits(h, weight), logit_scale, temperature)  # (c, V), recomputed
             # d logp / d logits = onehot(target) - softmax(logits), scaled by the incoming gradient;
             # softmax = exp(logits - lse) in place, with the forward's lse.
             g = grad_out[s : s + c, None].to(logits.dtype)
@@ -72,28 +83,30 @@ class _ChunkedLogprobs(torch.autograd.Function):
             d_logits.scatter_add_(1, targets[s : s + c, None], g)
             if temperature != 1.0:
                 d_logits.div_(temperature)  # d(logits / T) / d(logits)
+            if logit_scale != 1.0:
+                d_logits.mul_(logit_scale)  # d(projection * s) / d(projection)
             d_logits = d_logits.to(weight.dtype)  # the two products run in the model's dtype
             if d_hidden is not None:  # need_h
                 d_hidden[s : s + c] = d_logits @ weight
             if d_weight is not None:  # need_w
                 d_weight.addmm_(d_logits.t(), h)
-        return d_hidden, d_weight, None, None, None
+        return d_hidden, d_weight, None, None, None, None
 
 
 def chunked_logprobs(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, token_chunk: int = DEFAULT_TOKEN_CHUNK,
-    temperature: float = 1.0,
+    temperature: float = 1.0, logit_scale: float = 1.0,
 ) -> torch.Tensor:
-    """hidden (..., d), weight (V, d), targets (...) -> log-probs (...) at `temperature`. Differentiable in hidden
-    and weight."""
+    """hidden (..., d), weight (V, d), targets (...) -> log-probs (...) of the logits (hidden @ weight.T) *
+    logit_scale at `temperature`. Differentiable in hidden and weight."""
     shape = targets.shape
     flat = _ChunkedLogprobs.apply(hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), token_chunk,
-                                  temperature)
+                                  temperature, logit_scale)
     return flat.view(shape)
 
 
 def naive_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                   temperature: float = 1.0) -> torch.Tensor:
+                   temperature: float = 1.0, logit_scale: float = 1.0) -> torch.Tensor:
     """Reference: full logits, log_softmax, gather. Same shapes as `chunked_logprobs`; fp32 for bf16/fp16."""
-    logits = (hidden @ weight.t()).to(accumulation_dtype(hidden.dtype)) / temperature
+    logits = (hidden @ weight.t() * logit_scale).to(accumulation_dtype(hidden.dtype)) / temperature
     return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)

@@ -23,7 +23,7 @@ from longstraw.engine.state.capture import capture_prompt
 from longstraw.engine.state.prompt import PromptState
 from longstraw.engine.state.response import ResponseState
 from longstraw.engine.state.sharding import ContextShards
-from longstraw.models.architecture import hf
+from longstraw.models.architecture import hf, logit_scale
 
 
 @dataclass(frozen=True)
@@ -99,6 +99,7 @@ def sample_group(
         state = capture_prompt(model, prompt[:-1], chunk_size, keep_boundaries=keep_boundaries,
                                context_shards=context_shards)
     weight = hf(model).get_output_embeddings().weight  # (V, d)
+    scale = logit_scale(model)  # the factor the model's own forward applies to the projection (Cohere2)
     generated = ResponseState(group_size, sampling.max_new_tokens)
     gen = torch.Generator(device=device).manual_seed(seed)
     stop = torch.tensor(sampling.stop_ids, dtype=torch.long, device=device)
@@ -112,6 +113,8 @@ def sample_group(
         hidden = run_segment(model, token, p - 1 + step, state, generated=generated)  # (G, 1, d)
         assert hidden is not None  # None only with kv_only
         logits = accumulated_logits(hidden[:, -1], weight)  # (G, V): sample and score in >= fp32 (precision.py)
+        if scale != 1.0:
+            logits = logits * scale
         policy_logp = torch.log_softmax(logits, dim=-1)
         filtered = _filter_logits(logits / sampling.temperature, sampling.top_k, sampling.top_p)
         probs = torch.softmax(filtered, dim=-1)

@@ -35,10 +35,10 @@ check_transformers()
 # sliding window, gated DeltaNet and KDA linear attention, Mamba2 SSM, MLA latent attention, DSA, MoE FFNs.
 SUPPORTED_MODEL_TYPES = (
     "llama", "qwen2", "qwen3", "mistral", "gemma3_text", "qwen3_next", "mamba2", "falcon_h1", "deepseek_v3",
-    "glm_moe_dsa", "kimi_linear", "qwen3_5_text",
+    "glm_moe_dsa", "kimi_linear", "qwen3_5_text", "cohere2", "glm4_moe", "nemotron_h",
 )
 # Those with conv/recurrent layers: their single-token kernels update state in place (see state/cache.py).
-RECURRENT_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "mamba2", "falcon_h1", "kimi_linear")
+RECURRENT_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "mamba2", "falcon_h1", "kimi_linear", "nemotron_h")
 
 
 def hf(module: torch.nn.Module) -> Any:
@@ -46,6 +46,29 @@ def hf(module: torch.nn.Module) -> Any:
     an attention module's `layer_idx`, ...). torch's stubs type every attribute a Module does not declare as
     `Tensor | Module`, which hides those (the model may also be a PEFT or FSDP2 wrapper); a no-op at run time."""
     return module
+
+
+def stateless_layers(model: torch.nn.Module) -> frozenset[int]:
+    """Indices of the decoder layers that keep no prompt state because they have no token mixer: Nemotron-H's
+    blocks are each one of a Mamba2 mixer, attention, an MLP or an MoE (`config.layers_block_type`), and its MLP and
+    MoE blocks read nothing from earlier positions. Every layer of the other supported families mixes tokens."""
+    config = hf(model).config
+    if config.model_type == "nemotron_h":
+        return frozenset(i for i, kind in enumerate(config.layers_block_type) if kind in ("mlp", "moe"))
+    else:
+        return frozenset()
+
+
+def logit_scale(model: torch.nn.Module) -> float:
+    """The factor the model's forward multiplies its output projection by: Cohere2's `config.logit_scale`
+    (`logits = lm_head(h) * logit_scale`, 0.0625 in Command R7B); 1.0 for every other supported family, whose forward
+    returns the projection as it is. Every log-prob LongStraw computes from the output projection applies it: a
+    missing factor would give other log-probs and a silently wrong gradient."""
+    config = hf(model).config
+    if config.model_type == "cohere2":
+        return float(config.logit_scale)
+    else:
+        return 1.0
 
 
 # Architectures refused for a reason beyond "not built yet": replaying them would be silently wrong.

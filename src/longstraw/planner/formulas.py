@@ -218,7 +218,7 @@ def _mixer_activation_bytes(spec: ModelSpec, mixer: str, b: int, a: int, kernel:
             if kernel == "replay":
                 attn += h * qk * b + h * v * a
         return proj + attn
-    elif mixer in ("linear", "mamba"):
+    elif mixer in ("linear", "mamba", "none"):
         return 0
     else:
         raise ValueError(f"unknown mixer kind {mixer!r}")
@@ -239,11 +239,11 @@ def _mlp_activation_bytes(spec: ModelSpec, mlp: str, b: int) -> int:
 
 
 def _layer_per_token(spec: ModelSpec, layer: int, b: int, a: int, kernel: str) -> int:
-    """Saved bytes per token of decoder layer `layer` (norms + mixer + MLP) without its recurrent scan."""
-    mlp = spec.mlps[layer]
-    norms = _norm(spec.hidden, b) * (2 if mlp != "none" else 1)
-    return norms + _mixer_activation_bytes(spec, spec.mixers[layer], b, a, kernel) + _mlp_activation_bytes(
-        spec, mlp, b)
+    """Saved bytes per token of decoder layer `layer` (norms + mixer + MLP) without its recurrent scan: one norm in
+    front of each of the mixer and the MLP the layer has (Nemotron-H's blocks have one of them)."""
+    mixer, mlp = spec.mixers[layer], spec.mlps[layer]
+    norms = _norm(spec.hidden, b) * ((mixer != "none") + (mlp != "none"))
+    return norms + _mixer_activation_bytes(spec, mixer, b, a, kernel) + _mlp_activation_bytes(spec, mlp, b)
 
 
 def layer_activation_bytes(spec: ModelSpec, layer: int, b: int, a: int, kernel: str, tokens: int,
@@ -261,18 +261,25 @@ def model_activation_bytes(spec: ModelSpec, b: int, a: int, kernel: str, tokens:
     return batch * tokens * (layers + _norm(spec.hidden, b) + 8) + rec
 
 
+def last_state_layer(spec: ModelSpec) -> int:
+    """The last layer that keeps prompt state: where a capture or prompt-backward chunk's forward stops. The last
+    layer but in Nemotron-H, whose trailing MLP/MoE blocks (mixer `none`) keep none."""
+    return max(i for i, mixer in enumerate(spec.mixers) if mixer != "none")
+
+
 def chunk_activation_bytes(spec: ModelSpec, b: int, a: int, kernel: str, tokens: int) -> int:
     """Saved bytes of a prompt-backward chunk recompute of `tokens` tokens: the forward stops once the last layer's
-    state is produced, so that layer contributes its input norm (and q/k-norm, computed before its K), and a
-    recurrent last layer its scan too (its state comes out of it), without the gated norm and output projection."""
-    last_layer = spec.num_layers - 1
+    state is produced (`last_state_layer`), so that layer contributes its input norm (and q/k-norm, computed before
+    its K), and a recurrent last layer its scan too (its state comes out of it), without the gated norm and output
+    projection; the layers after it never run."""
+    last_layer = last_state_layer(spec)
     layers = sum(_layer_per_token(spec, i, b, a, kernel) for i in range(last_layer))
     last = _norm(spec.hidden, b)
-    if spec.qk_norm and spec.mixers[-1] in ("attention", "sliding"):
+    if spec.qk_norm and spec.mixers[last_layer] in ("attention", "sliding"):
         last += (4 + b) * (spec.heads + spec.kv_heads) * spec.head_dim
     rec = sum(recurrent_bytes(spec, spec.mixers[i], tokens, b).saved for i in _recurrent_layers(spec)
               if i < last_layer)
-    tail = recurrent_bytes(spec, spec.mixers[-1], tokens, b)
+    tail = recurrent_bytes(spec, spec.mixers[last_layer], tokens, b)
     return tokens * (layers + last + 8) + rec + tail.saved - tail.tail
 
 

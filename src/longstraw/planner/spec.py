@@ -100,7 +100,8 @@ def load_config(name: str):
 @dataclass(frozen=True)
 class ModelSpec:
     """What the planner needs from a config. `mixers[l]`: attention | sliding | linear | mamba | mla | dsa |
-    attention+mamba (Falcon-H1's parallel heads); `mlps[l]`: dense | moe | none. Sizes are element counts."""
+    attention+mamba (Falcon-H1's parallel heads) | none (Nemotron-H's MLP/MoE blocks); `mlps[l]`: dense | moe | none.
+    Sizes are element counts."""
 
     name: str
     model_type: str
@@ -150,7 +151,7 @@ class ModelSpec:
 
 PLANNER_MODEL_TYPES = (
     "llama", "qwen2", "qwen3", "mistral", "gemma3_text", "qwen3_next", "qwen3_5_text", "mamba2", "falcon_h1",
-    "deepseek_v3", "glm_moe_dsa", "kimi_linear",
+    "deepseek_v3", "glm_moe_dsa", "kimi_linear", "cohere2", "glm4_moe", "nemotron_h",
 )
 
 
@@ -226,6 +227,28 @@ def _mla_dims(c) -> _MlaDims:
     }
 
 
+def _nemotron_h_blocks(kinds: list[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(mixers, mlps) of Nemotron-H's blocks, each of which is one token mixer or one MLP (`layers_block_type`)."""
+    mixers, mlps = [], []
+    for kind in kinds:
+        if kind == "linear_attention":  # transformers' name for its Mamba2 blocks
+            mixers.append("mamba")
+            mlps.append("none")
+        elif kind == "full_attention":
+            mixers.append("attention")
+            mlps.append("none")
+        elif kind == "mlp":
+            mixers.append("none")
+            mlps.append("dense")
+        elif kind == "moe":
+            mixers.append("none")
+            mlps.append("moe")
+        else:
+            raise ValueError(f"unknown Nemotron-H block type {kind!r} (known: linear_attention, full_attention, mlp, "
+                             "moe)")
+    return tuple(mixers), tuple(mlps)
+
+
 def spec_from_config(config, name: str = "") -> ModelSpec:
     """Read layer kinds and dimensions from a transformers config (text config of a multimodal wrapper)."""
     c = getattr(config, "text_config", None) or config
@@ -239,7 +262,9 @@ def spec_from_config(config, name: str = "") -> ModelSpec:
         "max_positions": int(getattr(c, "max_position_embeddings", 0) or 0),
     }
     layer_types = list(getattr(c, "layer_types", None) or [])
-    if mt in ("llama", "qwen2", "qwen3", "mistral", "gemma3_text"):
+    if mt in ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "cohere2"):
+        # Cohere2: sliding layers and global layers without RoPE (same state), attention and MLP in parallel behind
+        # one LayerNorm (counted as two norms: a small overestimate)
         window = getattr(c, "sliding_window", None) or 0
         if not layer_types:
             uses = getattr(c, "use_sliding_window", True) and window
@@ -263,6 +288,22 @@ def spec_from_config(config, name: str = "") -> ModelSpec:
             intermediate=c.intermediate_size, lin_key_heads=c.linear_num_key_heads,
             lin_value_heads=c.linear_num_value_heads, lin_key_dim=c.linear_key_head_dim,
             lin_value_dim=c.linear_value_head_dim, conv_kernel=c.linear_conv_kernel_dim, **moe,
+        )
+    elif mt == "glm4_moe":  # GQA (partial rotary, optional q/k norm) with DeepSeek-style MoE FFNs
+        return ModelSpec(
+            **base, mixers=("attention",) * n, mlps=_moe_layers(c, n), **_attention_dims(c), qk_norm=c.use_qk_norm,
+            intermediate=c.intermediate_size, moe_intermediate=c.moe_intermediate_size,
+            experts_per_token=c.num_experts_per_tok, num_experts=c.n_routed_experts,
+            shared_intermediate=(c.n_shared_experts or 0) * c.moe_intermediate_size,
+        )
+    elif mt == "nemotron_h":  # each block one of: Mamba2 mixer, attention (no RoPE), MLP, MoE
+        mixers, mlps = _nemotron_h_blocks(c.layers_block_type)
+        return ModelSpec(
+            **base, mixers=mixers, mlps=mlps, **_attention_dims(c), intermediate=c.intermediate_size,
+            moe_intermediate=c.moe_intermediate_size, experts_per_token=c.num_experts_per_tok,
+            num_experts=c.n_routed_experts, shared_intermediate=c.moe_shared_expert_intermediate_size,
+            mamba_heads=c.mamba_num_heads, mamba_head_dim=c.mamba_head_dim, mamba_state=c.ssm_state_size,
+            mamba_groups=c.n_groups, conv_kernel=c.conv_kernel, mamba_chunk=c.chunk_size or MAMBA_SCAN_CHUNK,
         )
     elif mt == "mamba2":
         return ModelSpec(

@@ -27,7 +27,7 @@ from longstraw.engine.sampling import SamplingConfig, sample_group, score_respon
 from longstraw.engine.segment import run_segment
 from longstraw.engine.state.capture import capture_prompt
 
-RECURRENT = ("qwen3_next", "mamba2", "falcon_h1", "kimi_linear")
+RECURRENT = ("qwen3_next", "mamba2", "falcon_h1", "kimi_linear", "nemotron_h")
 _tol = gradient_tolerance  # helpers: 1e-6 for the FP32_INSIDE families, else 1e-10
 
 
@@ -130,8 +130,26 @@ def test_state_bytes_match_design_formula(family):
     assert state.nbytes() == planner.state_bytes(spec, 40, 8, 16, exact=True)[0]
     lean = capture_prompt(model, torch.arange(40), chunk_size=16, keep_boundaries=False)
     assert lean.nbytes() == planner.state_bytes(spec, 40, 8, 16, exact=False)[0]
-    if family.startswith(("mistral-sw", "gemma3")):  # windowed layers keep only chunks reaching the last W-1
+    if family.startswith(("mistral-sw", "gemma3", "cohere2")):  # windowed layers keep only chunks reaching the last W-1
         assert lean.nbytes() < state.nbytes()
+
+
+def test_blocks_without_a_token_mixer_keep_no_state():
+    """Nemotron-H (Mamba2, attention, MLP, MoE blocks): the MLP and MoE blocks keep no state part, and once chunk 0
+    has shown which parts each block keeps, a capture chunk's forward stops after the last block that mixes tokens
+    (the trailing MLP and MoE blocks never run for chunks 1 and 2)."""
+    model = _model("nemotron_h")
+    calls: list[int] = []
+    hooks = [block.register_forward_pre_hook(lambda module, args, i=i: calls.append(i))
+             for i, block in enumerate(model.model.layers)]
+    try:
+        state = capture_prompt(model, torch.arange(40), chunk_size=16)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert state.layer_parts == [frozenset({"conv", "recurrent"}), frozenset({"key", "value"}), frozenset(),
+                                 frozenset()]
+    assert calls == [0, 1, 2, 3, 0, 1, 0, 1]
 
 
 def _router_choices(model, run) -> list[torch.Tensor]:
@@ -153,7 +171,8 @@ def _router_choices(model, run) -> list[torch.Tensor]:
     return seen
 
 
-@pytest.mark.parametrize("family", ["qwen3_next-A", "deepseek_v3", "glm_moe_dsa", "kimi_linear-B"])
+@pytest.mark.parametrize("family", ["qwen3_next-A", "deepseek_v3", "glm_moe_dsa", "kimi_linear-B", "glm4_moe",
+                                    "nemotron_h"])
 def test_moe_router_choices_match_the_full_forward(family):
     model = _model(family)
     gen = torch.Generator().manual_seed(2)
@@ -167,7 +186,7 @@ def test_moe_router_choices_match_the_full_forward(family):
 
 
 @pytest.mark.parametrize("family", ["qwen3_next-B", "mamba2", "falcon_h1", "deepseek_v3", "glm_moe_dsa",
-                                    "kimi_linear-A", "gemma3-A", "mistral-sw"])
+                                    "kimi_linear-A", "gemma3-A", "mistral-sw", "cohere2", "glm4_moe", "nemotron_h"])
 def test_sampled_logprobs_equal_a_full_forward(family):
     """Decoding one token at a time (the in-place single-token kernels run on the sampler's own clones)
     records the log-probs a full forward of prompt + response gives."""
@@ -188,7 +207,7 @@ def test_one_token_chunks_are_refused_for_recurrent_exact():
 
 
 @pytest.mark.parametrize("family", ["qwen3_next-A", "qwen3_5_text", "mamba2", "falcon_h1", "glm_moe_dsa",
-                                    "kimi_linear-A"])
+                                    "kimi_linear-A", "cohere2", "glm4_moe", "nemotron_h"])
 def test_replay_is_within_the_references_own_chunking_noise(family):
     """For the FP32_INSIDE families: transformers' own chunked continuation (its DynamicCache, the prompt in
     13-token chunks) vs its full forward sets the float32 noise floor; our replay (capture chunks of 13) must

@@ -15,7 +15,7 @@ import torch
 from longstraw.engine.logprobs import chunked_logprobs
 from longstraw.engine.segment import run_segment
 from longstraw.engine.state.prompt import PromptState
-from longstraw.models.architecture import hf
+from longstraw.models.architecture import hf, logit_scale
 
 # A micro-batch's share of the group loss from its log-probs and mask (k, T) and which responses it holds (both
 # plans, replay and standard, call it; `api.backward_group` builds it).
@@ -90,6 +90,7 @@ def replay_responses(
     """
     p = prompt.numel()
     weight = hf(model).get_output_embeddings().weight  # (V, d)
+    scale = logit_scale(model)  # the factor the model's own forward applies to the projection (Cohere2)
     total = 0.0
     logprobs: list[torch.Tensor | None] = [None] * len(responses)
     for first in range(0, len(responses), micro_batch):
@@ -104,6 +105,6 @@ def replay_responses(
             targets = torch.nn.functional.pad(targets, (0, 1))
         hidden = run_segment(model, inputs, p - 1, state.fork())  # (k, R_max, d)
         assert hidden is not None  # None only with kv_only
-        logp = chunked_logprobs(hidden, weight, targets, token_chunk, temperature)  # (k, R_max)
+        logp = chunked_logprobs(hidden, weight, targets, token_chunk, temperature, scale)  # (k, R_max)
         total += finish_batch(logp, mask, idx, loss_fn, responses, logprobs)
     return total, filled(logprobs)

@@ -68,6 +68,9 @@ class PromptState:
     parts: dict[str, list[list[torch.Tensor | None]]] = field(default_factory=dict)
     bounds: list[tuple[int, int]] = field(default_factory=list)  # [start, end) token range of each chunk
     layer_parts: list[frozenset[str]] | None = None  # which parts each layer produces (known after chunk 0)
+    # Layers without a token mixer (Nemotron-H's MLP and MoE blocks: `architecture.stateless_layers`): they produce
+    # no part, which for any other layer means its cache calls were lost (refused at the first chunk).
+    stateless: frozenset[int] = frozenset()
     windows: list[int | None] = field(default_factory=list)  # sliding window per layer (None: full attention)
     # Context parallelism (`sharding.ContextShards`): this rank holds the attention parts of its own chunks only.
     context_shards: ContextShards | None = None
@@ -174,15 +177,18 @@ class PromptState:
             raise RuntimeError(f"chunk ends at {end}, past the {self.capacity} positions this state was made for")
         produced = [frozenset(collected.get(layer, {})) for layer in range(self.num_layers)]
         if self.layer_parts is None:
-            missing = [layer for layer, p in enumerate(produced) if not p]
+            missing = [layer for layer, p in enumerate(produced) if not p and layer not in self.stateless]
             if missing:
                 raise RuntimeError(f"chunk produced no state for layers {missing}")
+            extra = [layer for layer, p in enumerate(produced) if p and layer in self.stateless]
+            if extra:
+                raise RuntimeError(f"layers {extra} have no token mixer but produced state parts")
             self.layer_parts = produced
         elif produced != self.layer_parts:
             raise RuntimeError(f"chunk produced state parts {produced}, expected {self.layer_parts}")
         for layer in range(self.num_layers):
             for name in PARTS:
-                part = collected[layer].get(name)
+                part = collected.get(layer, {}).get(name)
                 slab = self._slab(name, layer, part)
                 if slab is not None and part is not None:
                     slab.data[:, :, start:end].copy_(part.detach())  # `.data`: see `_slab`
@@ -272,6 +278,7 @@ class PromptState:
                    for name, per_layer in self.parts.items()},
             bounds=list(self.bounds[:n]),
             layer_parts=self.layer_parts,
+            stateless=self.stateless,
             windows=list(self.windows),
             context_shards=self.context_shards,
             device=self.device if device is None else device,
