@@ -188,6 +188,23 @@ def test_cli_json_and_table(capsys, tmp_path):
         assert json.loads(capsys.readouterr().out)["model"]["layers"] == 2
 
 
+@pytest.mark.parametrize("family, kinds", [
+    ("cohere2", {"sliding": 1, "attention": 1}),
+    ("glm4_moe", {"attention": 2}),
+    ("nemotron_h", {"mamba": 1, "attention": 1, "none": 2}),  # its MLP and MoE blocks mix no tokens
+])
+def test_plan_reads_the_added_families(family, kinds, capsys, tmp_path):
+    """`longstraw plan` on a directory holding the tests' tiny config of each family: every plan is estimated."""
+    from helpers import _arch_configs
+
+    _arch_configs()[family].save_pretrained(tmp_path)
+    assert main(["plan", "--model", str(tmp_path), "--prompt-tokens", "500", "--response-tokens", "50",
+                 "--group-size", "4", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["model"]["model_type"] == family and doc["model"]["layer_kinds"] == kinds
+    assert set(doc["plans"]) == set(PLANS) and doc["plans"]["exact"]["prompt_state_bytes"] > 0
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--gpu-memory", "lots"], "cannot read memory size 'lots'"),
     (["--gpu-memory", "96"], "cannot read memory size '96'"),
