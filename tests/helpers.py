@@ -216,6 +216,19 @@ def random_group(prompt_len: int, lengths: list[int], seed: int = 0, dtype=torch
     return Group(prompt=prompt, responses=responses, advantages=advantages, **extra)
 
 
+def masked(group: Group) -> Group:
+    """`group` with loss masks: in each response of 3 or more tokens, the tokens [1, 1 + R//3) are masked, as an
+    agent's tool output inside a response would be."""
+    masks = []
+    for r in group.responses:
+        m = torch.ones(r.numel(), dtype=torch.bool)
+        if r.numel() >= 3:
+            m[1: 1 + r.numel() // 3] = False
+        masks.append(m)
+    return Group(prompt=group.prompt, responses=group.responses, advantages=group.advantages,
+                 old_logprobs=group.old_logprobs, ref_logprobs=group.ref_logprobs, loss_masks=masks)
+
+
 def grads(model: torch.nn.Module) -> torch.Tensor:
     """All parameter gradients flattened into one vector (zeros where a parameter got none)."""
     return torch.cat([

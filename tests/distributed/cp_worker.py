@@ -36,6 +36,13 @@ def main() -> None:
                                 context_shards=ContextParallel(), checkpoint=checkpoint)
         results[(family, plan, checkpoint)] = {"grads": helpers.grads(model), "logprobs": result.logprobs,
                                    "state_bytes": result.stats["prompt_state_bytes"]}
+    # Loss masks (an agent's observation tokens): the llama exact case again with masked tokens.
+    model = helpers.tiny_model("llama", torch.float32)
+    group = helpers.masked(helpers.random_group(PROMPT, RESPONSES, seed=3, dtype=torch.float32))
+    result = backward_group(model, group, plan="exact", chunk_size=CHUNK, micro_batch=2,
+                            context_shards=ContextParallel())
+    results["masked"] = {"grads": helpers.grads(model), "logprobs": result.logprobs,
+                         "state_bytes": result.stats["prompt_state_bytes"]}
     torch.save(results, f"{out_path}.rank{dist.get_rank()}")
     dist.destroy_process_group()
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import FP32_RANKS, assert_close, random_group, tiny_model
+from helpers import FP32_RANKS, assert_close, masked, random_group, tiny_model
 from helpers import grads as all_grads
 
 from longstraw import backward_group
@@ -39,6 +39,12 @@ def test_context_parallel_equals_one_process(spawn, tmp_path, world):
     saved = [torch.load(f"{out}.rank{r}") for r in range(world)]
     for family, plan, checkpoint in CASES:  # the reference runs without checkpointing
         _check(family, plan, world, [s[(family, plan, checkpoint)] for s in saved])
+    # With loss masks (llama, exact): the same gradient as one process with the same masks.
+    model = tiny_model("llama", torch.float32)
+    backward_group(model, masked(random_group(PROMPT, RESPONSES, seed=3, dtype=torch.float32)), plan="exact",
+                   chunk_size=CHUNK, micro_batch=2)
+    for s in saved:
+        assert_close(f"masked gradient on C = {world}", all_grads(model), s["masked"]["grads"], FP32_RANKS)
 
 
 def _check(family: str, plan: str, world: int, per_rank: list[dict]) -> None:

@@ -6,6 +6,7 @@ import torch
 
 from longstraw.engine.segment import run_segment
 from longstraw.engine.state.prompt import Collected, PromptState, prompt_fingerprint
+from longstraw.engine.state.provenance import provenance
 from longstraw.engine.state.sharding import ContextShards
 from longstraw.models.architecture import hf, stateless_layers
 
@@ -44,6 +45,7 @@ def capture_prompt(model: torch.nn.Module, ids: torch.Tensor, chunk_size: int,
     # capacity: full-attention K/V go into one tensor per layer as chunks arrive (`PromptState._slab`)
     state = PromptState(num_layers=hf(model).config.num_hidden_layers, keep_boundaries=keep_boundaries,
                         context_shards=context_shards, device=device, fingerprint=prompt_fingerprint(ids),
+                        provenance=provenance(model),
                         capacity=ids.numel(), stateless=stateless_layers(model))
     bounds = chunk_bounds(ids.numel(), chunk_size)
     for j, (start, end) in enumerate(bounds):

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from longstraw.engine.state.provenance import Provenance
 from longstraw.engine.state.sharding import ContextShards
 
 PARTS = ("key", "value", "index", "conv", "recurrent")
@@ -78,6 +79,8 @@ class PromptState:
     device: torch.device | None = None
     # `prompt_fingerprint` of the ids captured (set by `capture_prompt`; None for a prefix of the state).
     fingerprint: str | None = None
+    # The capturing model's identity and weights digest (`provenance.provenance`, set by `capture_prompt`).
+    provenance: Provenance | None = None
     # Offloaded: start the next attention layer's copies when a layer reads its own (module docstring).
     prefetch: bool | None = None  # None: on when `device` is a GPU (`_prefetch_by_default`)
     # Capture chunk j's autograd graph, kept for the exact plan's prompt backward (`capture_prompt(keep_graph=)`):
@@ -283,6 +286,7 @@ class PromptState:
             context_shards=self.context_shards,
             device=self.device if device is None else device,
             fingerprint=self.fingerprint if n == self.num_chunks else None,  # a prefix holds other ids
+            provenance=self.provenance,
             prefetch=self.prefetch if device is None else None,  # a state moved elsewhere: its device's default
             _slabs=self._slabs if device is None else {},  # read by forks and prefixes (which never append)
         )
