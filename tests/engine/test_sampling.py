@@ -86,3 +86,85 @@ def test_score_responses_equals_full_forward():
     with torch.no_grad():
         for lp, r in zip(scored, responses):
             assert (lp - _full_logprobs(model, prompt, r)).abs().max() < 1e-10
+
+
+# ---------------------------------------------------------------------------------------- multi-turn rollouts
+
+class _Lookup:
+    """A deterministic environment: the observation for sequence i's k-th call is 5 + k tokens derived from i and
+    k; the third call ends the episode. Records every call."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int]] = []
+
+    def __call__(self, i: int, response: torch.Tensor) -> torch.Tensor | None:
+        k = sum(1 for j, _ in self.calls if j == i)
+        self.calls.append((i, response.numel()))
+        if k == 2:
+            return None
+        return torch.tensor([(7 * i + 11 * k + t) % 500 for t in range(5 + k)])
+
+
+def _call_token(model, prompt, cfg) -> int:
+    """The token the model samples most often at this setting: a tool call's end that will occur."""
+    free = sample_group(model, prompt, 6, cfg, seed=2, chunk_size=8)
+    return int(torch.cat(free.responses).bincount().argmax())
+
+
+def test_multi_turn_rollout_feeds_observations_into_each_sequences_state(monkeypatch):
+    """Observation tokens appear verbatim after each tool call, masked; their sequences' later tokens were decoded
+    from a state that holds them (the recorded log-probs equal a full forward over prompt + response); the prompt
+    is captured once and its state does not grow with G."""
+    model = tiny_model("llama")
+    prompt = torch.randint(0, 512, (30,), generator=torch.Generator().manual_seed(4))
+    base = SamplingConfig(max_new_tokens=48, temperature=1.0, top_k=3)
+    call = _call_token(model, prompt, base)
+    cfg = SamplingConfig(max_new_tokens=48, temperature=1.0, top_k=3, call_end=(call,), max_turns=3)
+    captures = []
+    real = rollout.capture_prompt
+    monkeypatch.setattr(rollout, "capture_prompt", lambda *a, **k: captures.append(1) or real(*a, **k))
+    env = _Lookup()
+    out = sample_group(model, prompt, 4, cfg, seed=1, chunk_size=8, environment=env)
+    assert captures == [1] and env.calls, "no tool call happened: the test needs one"
+    assert out.loss_masks is not None and out.turns is not None
+    for i, (resp, mask, lp) in enumerate(zip(out.responses, out.loss_masks, out.logprobs)):
+        assert mask.shape == resp.shape and bool(mask[0])
+        observed = resp[~mask]
+        calls = [n for j, n in env.calls if j == i]
+        expected = [t for k in range(min(len(calls), 2)) for t in range(5 + k)]
+        assert out.turns[i] == 1 + int((~mask).any()) + int(len(calls) > 1 and len(observed) > 5)
+        for n in calls[:2]:
+            assert int(resp[n - 1]) == call and bool(mask[n - 1])  # the call is the model's, in the loss
+        assert observed.numel() <= len(expected)
+        with torch.no_grad():
+            assert (lp - _full_logprobs(model, prompt, resp)).abs().max() < 1e-10
+    assert out.state.nbytes() == sample_group(model, prompt, 1, cfg, seed=1, chunk_size=8,
+                                              environment=_Lookup()).state.nbytes()
+
+
+def test_multi_turn_rollout_trains_with_its_masks():
+    """The rollout's responses, log-probs and masks make a group: exact from the rollout's own state equals the
+    standard plan with the same masks (float64)."""
+    model = tiny_model("llama")
+    prompt = torch.randint(0, 512, (30,), generator=torch.Generator().manual_seed(4))
+    base = SamplingConfig(max_new_tokens=40, temperature=1.0, top_k=3)
+    cfg = SamplingConfig(max_new_tokens=40, temperature=1.0, top_k=3, call_end=(_call_token(model, prompt, base),),
+                         max_turns=3)
+    out = sample_group(model, prompt, 3, cfg, seed=1, chunk_size=8, environment=_Lookup())
+    assert any(bool((~m).any()) for m in out.loss_masks)
+    group = Group(prompt, out.responses, torch.tensor([1.0, -0.5, 0.2], dtype=torch.float64),
+                  old_logprobs=out.logprobs, loss_masks=out.loss_masks)
+    model.zero_grad(set_to_none=True)
+    backward_group(model, group, plan="exact", chunk_size=8, prompt_state=out.state)
+    exact = torch.cat([p.grad.flatten() for p in model.parameters()])
+    model.zero_grad(set_to_none=True)
+    backward_group(model, group, plan="standard")
+    standard = torch.cat([p.grad.flatten() for p in model.parameters()])
+    assert float((exact - standard).norm() / standard.norm()) < 1e-10
+
+
+def test_an_environment_needs_a_call_end():
+    with pytest.raises(ValueError, match="needs SamplingConfig.call_end"):
+        sample_group(tiny_model("llama"), torch.arange(10), 2, SamplingConfig(), environment=_Lookup())
+    with pytest.raises(ValueError, match="max_turns must be >= 1"):
+        SamplingConfig(max_turns=0)

@@ -7,11 +7,18 @@ prompt token, so the state holds prompt[:-1] and can be handed straight to `back
 
 Recorded log-probs are the policy's own (temperature 1, no top-k/top-p truncation), whatever the sampling
 temperature: they are what the training step recomputes, so they serve as `old_logprobs`.
+
+Multi-turn rollouts (an agent calling tools): with an `environment`, a sequence whose generated tokens end with
+`SamplingConfig.call_end` (a tool call's closing tokens) hands its response so far to the environment, which returns
+the observation's token ids (or None: the episode ends). The observation is fed into that sequence's own state, one
+token per decode step in lockstep with the other sequences' decoding (a forced token instead of a sampled one), so the
+shared prompt state is never re-encoded or copied; its tokens are in the response with `loss_masks` False. Up to
+`max_turns` model turns; the response budget (`max_new_tokens`) counts generated and observation tokens.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -35,10 +42,15 @@ class SamplingConfig:
     top_p: float = 1.0
     top_k: int = 0
     stop_ids: tuple[int, ...] = ()  # EOS and other stop tokens; the stop token is kept in the response
+    # Multi-turn (with an `environment`): the token ids that end a tool call, and the most model turns.
+    call_end: tuple[int, ...] = ()
+    max_turns: int = 1
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.max_turns < 1:
+            raise ValueError(f"max_turns must be >= 1, got {self.max_turns}")
         if not self.temperature > 0:
             raise ValueError(f"temperature must be > 0 (use a small value for near-greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -47,13 +59,21 @@ class SamplingConfig:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
 
 
+# environment(i, response_so_far) -> the observation's token ids (1-D), or None to end sequence i's episode.
+Environment = Callable[[int, torch.Tensor], "torch.Tensor | None"]
+
+
 @dataclass
 class Rollout:
-    """responses: (R_i,) ids each; logprobs: (R_i,) policy log-probs; state: the captured prompt[:-1]."""
+    """responses: (R_i,) ids each; logprobs: (R_i,) policy log-probs; state: the captured prompt[:-1].
+    loss_masks (multi-turn): (R_i,) bool, False on observation tokens; None without an environment. turns: the
+    model turns of each response (1 without an environment)."""
 
     responses: list[torch.Tensor]
     logprobs: list[torch.Tensor]
     state: PromptState
+    loss_masks: list[torch.Tensor] | None = None
+    turns: list[int] | None = None
 
 
 def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -82,13 +102,17 @@ def sample_group(
     state: PromptState | None = None,
     keep_boundaries: bool = True,
     context_shards: ContextShards | None = None,
+    environment: Environment | None = None,
 ) -> Rollout:
     """Draw `group_size` responses to `prompt` (P,) with one prompt prefill. Deterministic for a given seed.
 
     keep_boundaries: capture the recurrent state at every chunk boundary, so the exact plan can reuse the
     rollout's state (detach-only training can save that memory with False). context_shards: the prompt
     state is sharded over that group's ranks, which all call this with the same arguments and get the same
-    samples."""
+    samples. environment: multi-turn rollouts (module docstring); it must be deterministic for the ranks of a
+    context-parallel group to stay in step."""
+    if environment is not None and not sampling.call_end:
+        raise ValueError("an environment needs SamplingConfig.call_end: the token ids that end a tool call")
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
     if prompt.dim() != 1 or prompt.numel() == 0:
@@ -109,6 +133,7 @@ def sample_group(
     tokens, logps = [], []
     done = torch.zeros(group_size, dtype=torch.bool, device=device)
     lengths = torch.full((group_size,), sampling.max_new_tokens, dtype=torch.long, device=device)
+    turns = _Turns(group_size, sampling, environment)
     for step in range(sampling.max_new_tokens):
         hidden = run_segment(model, token, p - 1 + step, state, generated=generated)  # (G, 1, d)
         assert hidden is not None  # None only with kv_only
@@ -119,9 +144,11 @@ def sample_group(
         filtered = _filter_logits(logits / sampling.temperature, sampling.top_k, sampling.top_p)
         probs = torch.softmax(filtered, dim=-1)
         nxt = torch.multinomial(probs, 1, generator=gen).squeeze(1)  # (G,)
+        forced = turns.forced(nxt)  # observation tokens replace the samples of sequences in an observation
         tokens.append(nxt)
         logps.append(policy_logp.gather(1, nxt[:, None]).squeeze(1))
-        is_stop = torch.isin(nxt, stop) & ~done
+        is_stop = (torch.isin(nxt, stop) & ~forced) | turns.after(step, nxt, forced, tokens, done)
+        is_stop &= ~done
         lengths = torch.where(is_stop, torch.full_like(lengths, step + 1), lengths)
         done |= is_stop
         if bool(done.all()):
@@ -131,7 +158,63 @@ def sample_group(
     lp = torch.stack(logps, dim=1)  # (G, steps), in the accumulation dtype: fp32 for bf16 (precision.py)
     responses = [ids[i, : int(lengths[i])].clone() for i in range(group_size)]
     logprobs = [lp[i, : int(lengths[i])].clone() for i in range(group_size)]
-    return Rollout(responses=responses, logprobs=logprobs, state=state)
+    if environment is None:
+        return Rollout(responses=responses, logprobs=logprobs, state=state)
+    masks = turns.loss_masks([int(n) for n in lengths])
+    return Rollout(responses=responses, logprobs=logprobs, state=state, loss_masks=masks, turns=turns.turns)
+
+
+class _Turns:
+    """The multi-turn bookkeeping of `sample_group`: each sequence's pending observation tokens, which steps were
+    observation tokens (the loss masks), and how many model turns it has had. Without an environment it forces
+    nothing and ends nothing."""
+
+    def __init__(self, group_size: int, sampling: SamplingConfig, environment: Environment | None) -> None:
+        self.sampling, self.environment = sampling, environment
+        self.pending: list[list[int]] = [[] for _ in range(group_size)]
+        self.observed: list[list[bool]] = [[] for _ in range(group_size)]  # per step: an observation token
+        self.turns = [1] * group_size
+
+    def forced(self, nxt: torch.Tensor) -> torch.Tensor:
+        """Put each observing sequence's next observation token into `nxt` (G,) in place; which were forced."""
+        forced = torch.zeros(nxt.shape, dtype=torch.bool, device=nxt.device)
+        for i, queue in enumerate(self.pending):
+            if queue:
+                nxt[i] = queue.pop(0)
+                forced[i] = True
+            self.observed[i].append(bool(forced[i]))
+        return forced
+
+    def after(self, step: int, nxt: torch.Tensor, forced: torch.Tensor, tokens: list[torch.Tensor],
+              done: torch.Tensor) -> torch.Tensor:
+        """Sequences whose episode ends at this step: a tool call past `max_turns`, an environment that returns None
+        or an observation that does not fit the budget. Calls the environment for the others' tool calls."""
+        ends = torch.zeros(nxt.shape, dtype=torch.bool, device=nxt.device)
+        if self.environment is None:
+            return ends
+        call = self.sampling.call_end
+        if step + 1 < len(call):
+            return ends
+        tail = torch.stack(tokens[-len(call):], dim=1)  # (G, len(call))
+        calls = (tail == torch.tensor(call, device=nxt.device)).all(1) & ~forced & ~done
+        for i in calls.nonzero().flatten().tolist():
+            if any(self.observed[i][-len(call):]):
+                continue  # the call's tokens must all be the model's own
+            if self.turns[i] >= self.sampling.max_turns:
+                ends[i] = True
+                continue
+            response = torch.stack([t[i] for t in tokens])
+            observation = self.environment(i, response)
+            room = self.sampling.max_new_tokens - (step + 1)
+            if observation is None or observation.numel() == 0 or observation.numel() >= room:
+                ends[i] = True  # the episode is over, or its observation (and a reply) would not fit
+                continue
+            self.pending[i] = [int(t) for t in observation.reshape(-1)]
+            self.turns[i] += 1
+        return ends
+
+    def loss_masks(self, lengths: list[int]) -> list[torch.Tensor]:
+        return [~torch.tensor(self.observed[i][:n], dtype=torch.bool) for i, n in enumerate(lengths)]
 
 
 @torch.no_grad()
