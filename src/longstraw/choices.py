@@ -12,7 +12,7 @@ PLANS_BASELINE_FIRST = ("standard_batched", *(plan for plan in PLANS if plan != 
 LOSSES = ("grpo", "dr_grpo", "dapo", "gspo", "luspo", "cispo", "sapo", "vespo")
 ADVANTAGES = ("grpo", "mean_centered", "rloo")
 CHECKPOINT_CHOICES = ("none", "layers")
-TASKS = ("passkey", "multikey", "kv", "jsonl")  # `longstraw.tasks.make_task` builds them
+TASKS = ("passkey", "multikey", "kv", "jsonl", "lookup")  # `longstraw.tasks.make_task` builds them
 
 # Parameter dtypes under torch's names and their short spellings, with bytes per element (the planner's sizes;
 # `models.load_model` takes the torch dtype of the name, via DTYPE_ALIASES for a short spelling).

@@ -5,7 +5,8 @@
     ids = format_prompt(tok, ex.prompt)          # chat-formatted token ids
     r = task.reward(completion_text, ex)         # float in [0, 1]
 
-Tasks: ``passkey`` and ``multikey`` (haystack.py), ``kv`` (kv.py), ``jsonl`` (jsonl.py). ``make_task`` is a plain
+Tasks: ``passkey`` and ``multikey`` (haystack.py), ``kv`` (kv.py), ``jsonl`` (jsonl.py), and the agent task
+``lookup`` (lookup.py: answered with a tool whose results the environment appends). ``make_task`` is a plain
 if/elif over those names; options are the task dataclass's fields.
 """
 
@@ -27,18 +28,21 @@ from longstraw.tasks.base import (
 from longstraw.tasks.haystack import MultikeyTask, PasskeyTask, build_haystack
 from longstraw.tasks.jsonl import JsonlTask, load_reward_fn
 from longstraw.tasks.kv import KVTask
+from longstraw.tasks.lookup import LookupTask
 
 
 def make_task(name: str, **options: Any) -> Task:
     """Build task ``name`` with ``options`` as its dataclass fields, e.g. ``make_task("passkey", tokenizer=tok)``."""
     if name == "passkey":
-        cls: type[PasskeyTask | MultikeyTask | KVTask | JsonlTask] = PasskeyTask  # dataclasses, unlike Task
+        cls: type[PasskeyTask | MultikeyTask | KVTask | JsonlTask | LookupTask] = PasskeyTask  # dataclasses
     elif name == "multikey":
         cls = MultikeyTask
     elif name == "kv":
         cls = KVTask
     elif name == "jsonl":
         cls = JsonlTask
+    elif name == "lookup":
+        cls = LookupTask
     else:
         raise ValueError(f"unknown task {name!r}; valid names: {', '.join(TASKS)}")
     # A misspelt option would otherwise surface as a TypeError from the generated __init__; name the valid ones.
@@ -50,7 +54,7 @@ def make_task(name: str, **options: Any) -> Task:
 
 
 __all__ = [
-    "TASKS", "Example", "JsonlTask", "KVTask", "MultikeyTask", "PasskeyTask", "Task", "build_haystack",
+    "TASKS", "Example", "JsonlTask", "KVTask", "LookupTask", "MultikeyTask", "PasskeyTask", "Task", "build_haystack",
     "count_tokens", "digit_reward", "first_number", "format_prompt", "load_reward_fn", "make_task",
     "positional_match",
 ]

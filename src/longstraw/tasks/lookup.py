@@ -1,0 +1,140 @@
+"""``lookup``: an agent task over a long directory, answered with a lookup tool.
+
+The prompt is a long directory of people (``name -> id``, one line each) and a question about a field that is not
+in it: "What is the phone number of Ana Lopez?" (``hops=1``) or "... of Ana Lopez's manager?" (``hops=2``). The
+phone and the manager live in records the model reads with a tool: it writes ``<lookup>3817</lookup>`` and the
+environment (``observe``) appends ``<result>phone: 5521, manager: 6120</result>``; it answers with
+``<answer>5521</answer>``. One hop needs one lookup (find the id in the directory, look it up); two hops need a
+second lookup with the manager's id from the first result. The environment is a pure function of the example and the
+response so far: deterministic and seeded, with no I/O.
+
+Length is set by ``n_people`` or by ``prompt_tokens`` (the largest directory whose prompt fits; + tokenizer).
+
+Reward: 1.0 when the first ``<answer>…</answer>`` holds the phone number, else 0.0; plus ``format_reward`` (default 0)
+for each well-formed lookup of an id that exists, at most ``hops`` of them (a denser signal for small models).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from longstraw.tasks.base import Example, Task, count_tokens
+
+CALL_OPEN, CALL_CLOSE = "<lookup>", "</lookup>"
+_CALL = re.compile(r"<lookup>\s*(\d+)\s*</lookup>")
+_ANSWER = re.compile(r"<answer>\s*(\d+)\s*</answer>")
+_SYLLABLES = ("ka", "lo", "mi", "ra", "ne", "to", "sa", "vi", "do", "pe", "lu", "ri", "an", "el", "os", "ta")
+
+INSTRUCTIONS = (
+    "You are an agent with one tool. To read the record of a person, write <lookup>ID</lookup> with the person's id "
+    "from the directory; the record follows as <result>...</result>. Records hold a phone number and the id of the "
+    "person's manager. When you know the answer, write <answer>PHONE</answer>.\n\nDirectory:\n"
+)
+
+
+def _name(rng: random.Random) -> str:
+    return " ".join("".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(2, 3))).capitalize() for _ in range(2))
+
+
+def _people(rng: random.Random, n: int) -> list[tuple[str, int, int, int]]:
+    """n people (name, id, phone, manager id), distinct names and ids; managers are other people of the list."""
+    names: set[str] = set()
+    ids = rng.sample(range(1000, 10000), n)
+    people = []
+    for k in range(n):
+        name = _name(rng)
+        while name in names:
+            name = _name(rng)
+        names.add(name)
+        j = rng.randrange(n - 1)  # another person: skip k
+        manager = ids[j + 1 if j >= k else j]
+        people.append((name, ids[k], rng.randint(1000, 9999), manager))
+    return people
+
+
+def _question(name: str, hops: int) -> str:
+    return f"What is the phone number of {name}?" if hops == 1 else f"What is the phone number of {name}'s manager?"
+
+
+def _prompt(people: list[tuple[str, int, int, int]], asked: int, hops: int) -> str:
+    lines = "".join(f"{name} -> id {pid}\n" for name, pid, _, _ in people)
+    return f"{INSTRUCTIONS}{lines}\nQuestion: {_question(people[asked][0], hops)}"
+
+
+@dataclass
+class LookupTask(Task):
+    """Answer a question about a directory with ``<lookup>ID</lookup>`` calls; give ``n_people`` or
+    ``prompt_tokens`` (+ tokenizer). ``hops``: lookups the answer needs (1 or 2)."""
+
+    tokenizer: Any = None
+    prompt_tokens: int | None = None
+    n_people: int | None = None
+    hops: int = 1
+    format_reward: float = 0.0
+
+    def __post_init__(self) -> None:
+        if (self.prompt_tokens is None) == (self.n_people is None):
+            raise ValueError("give exactly one of prompt_tokens (with a tokenizer) or n_people")
+        if self.prompt_tokens is not None and self.tokenizer is None:
+            raise ValueError("prompt_tokens needs a tokenizer to count tokens with")
+        if self.n_people is not None and self.n_people < 2:
+            raise ValueError(f"n_people must be >= 2 (a person and a manager), got {self.n_people}")
+        if self.hops not in (1, 2):
+            raise ValueError(f"hops must be 1 or 2 (lookups the answer needs), got {self.hops}")
+        if not 0.0 <= self.format_reward <= 1.0:
+            raise ValueError(f"format_reward must be in [0, 1], got {self.format_reward}")
+
+    def _fit(self, rng: random.Random) -> list[tuple[str, int, int, int]]:
+        """The largest directory whose prompt fits ``prompt_tokens`` (one line is ~8-12 tokens)."""
+        assert self.prompt_tokens is not None
+        base = count_tokens(self.tokenizer, _prompt(_people(random.Random(0), 2), 0, self.hops))
+        if base > self.prompt_tokens:
+            raise ValueError(f"prompt_tokens={self.prompt_tokens} is too small: two people already take {base} tokens")
+        sample = _people(random.Random(1), 64)
+        per_line = max(1, (count_tokens(self.tokenizer, "".join(f"{n} -> id {i}\n" for n, i, _, _ in sample)) + 63)
+                       // 64)
+        n = max(2, 2 + (self.prompt_tokens - base) // per_line)
+        state = rng.getstate()
+        while True:
+            rng.setstate(state)
+            people = _people(rng, n)
+            if n == 2 or count_tokens(self.tokenizer, _prompt(people, 0, self.hops)) <= self.prompt_tokens:
+                return people
+            n = max(2, n - max(1, n // 50))
+
+    def sample(self, rng: random.Random) -> Example:
+        people_rng = random.Random(rng.getrandbits(64))  # the count depends on the tokenizer; keep rng's stream fixed
+        people = _people(people_rng, self.n_people) if self.n_people is not None else self._fit(people_rng)
+        asked = people_rng.randrange(len(people))
+        records = {pid: (phone, manager) for _, pid, phone, manager in people}
+        target = people[asked][1] if self.hops == 1 else people[asked][3]
+        prompt = _prompt(people, asked, self.hops)
+        n_tok = count_tokens(self.tokenizer, prompt) if self.tokenizer is not None else None
+        meta = {"task": "lookup", "hops": self.hops, "asked": people[asked][0], "records": records,
+                "people": len(people), "prompt_tokens": n_tok}
+        return Example(prompt, str(records[target][0]), meta)
+
+    def observe(self, response: str, example: Example) -> str | None:
+        """The environment: the result of the response's last lookup call, or None when the response holds an
+        answer (the episode is over) or ends with no call."""
+        if _ANSWER.search(response):
+            return None
+        calls = list(_CALL.finditer(response))
+        if not calls or not response.rstrip().endswith(CALL_CLOSE):
+            return None
+        pid = int(calls[-1].group(1))
+        record = example.meta["records"].get(pid)
+        if record is None:
+            return f"\n<result>no person has id {pid}</result>\n"
+        return f"\n<result>phone: {record[0]}, manager: {record[1]}</result>\n"
+
+    def reward(self, completion: str, example: Example) -> float:
+        found = _ANSWER.search(completion)
+        score = float(found is not None and found.group(1) == example.answer)
+        if self.format_reward:
+            valid = [m for m in _CALL.finditer(completion) if int(m.group(1)) in example.meta["records"]]
+            score += self.format_reward * min(len(valid), self.hops)
+        return score
