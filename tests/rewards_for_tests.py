@@ -25,3 +25,8 @@ def raises_on_call_10(completion: str, answer: str) -> float:
 def nan_on_call_4(completion: str, answer: str) -> float:
     """even_byte_fraction, but the 4th call returns NaN: with G = 3, the first reward of step 2."""
     return float("nan") if _counted() == 4 else even_byte_fraction(completion, answer)
+
+
+def huge_alternating(completion: str, answer: str) -> float:
+    """+1e308 and -1e308 in turn: every reward is finite, but their spread overflows float64 (grpo's std)."""
+    return 1e308 if _counted() % 2 else -1e308

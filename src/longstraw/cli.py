@@ -187,10 +187,11 @@ def main(argv: list[str] | None = None) -> int:
 
         return planner.run_from_args(args)
     if args.command == "train":
-        from longstraw.train import config, trainer
+        from longstraw.train import config, data, trainer
 
         try:
             cfg = config.from_args(args)
+            data.check_data(cfg)  # a jsonl file's lines and held-out split, before the run directory is created
         except (ValueError, FileNotFoundError) as err:
             args.fail(str(err))
         if args.nproc != 1:

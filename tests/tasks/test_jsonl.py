@@ -126,3 +126,17 @@ def test_custom_reward_and_normalize_conflict(data: Path) -> None:
 def test_sample_uses_rng(data: Path) -> None:
     task = JsonlTask(data)
     assert task.sample(random.Random(0)) == task.sample(random.Random(0))
+
+
+def test_undecodable_bytes_and_lone_surrogates_name_file_and_line(tmp_path: Path) -> None:
+    """latin-1 bytes (not UTF-8) and a JSON escape of half a surrogate pair (no character; no tokenizer encodes
+    it) are refused when the file is read, naming file, line and field, never as a bare codec error later."""
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(b'{"prompt": "a", "answer": "b"}\n{"prompt": "caf\xe9", "answer": "b"}\n')
+    with pytest.raises(ValueError, match=rf"{latin}:2: not UTF-8 \(byte 0xe9 at column 16\)"):
+        make_task("jsonl", path=latin)
+    lone = _write(tmp_path / "lone.jsonl", ['{"prompt": "ok", "answer": "b"}', '{"prompt": "x", "answer": "a\\ud800"}'])
+    with pytest.raises(ValueError, match=rf"{lone}:2: field 'answer' holds a lone surrogate .* at character 2"):
+        make_task("jsonl", path=lone)
+    pair = _write(tmp_path / "pair.jsonl", ['{"prompt": "\\ud83d\\ude00", "answer": "b"}'])
+    assert make_task("jsonl", path=pair).rows[0].prompt == "\U0001f600"  # both halves: one character

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -13,7 +16,7 @@ from helpers import faithful_float64, jsonl_dataset
 import longstraw.train.trainer
 from longstraw import cli
 from longstraw.models.loading import load_model
-from longstraw.train.checkpoints import load_checkpoint
+from longstraw.train.checkpoints import load_checkpoint, save_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -106,6 +109,8 @@ def test_compare_resumes_an_interrupted_run(tmp_path, capsys):
     (["--plan", "detach"], "--plan does not apply to compare"),
     (["--run-dir", "x"], "the runs go under --out"),
     (["--seeds", "0"], "--seeds must be >= 1"),
+    (["--seeds", "3-"], "a range is not accepted, set the first seed with --seed"),
+    (["--seeds", "100000000000"], "--seeds must be <= 100, got 100000000000"),
     (["--eval-prompts", "0"], "eval_prompts must be >= 1"),
 ])
 def test_compare_bad_options_are_usage_errors(tmp_path, capsys, flags, message):
@@ -140,3 +145,162 @@ def test_exact_and_standard_end_with_the_same_weights_in_float64(tmp_path, monke
     for k in a:
         assert float((a[k] - b[k]).norm()) <= 1e-12 * max(1.0, float(a[k].norm())), k
     assert result["held_out"]["exact"]["per_seed"] == result["held_out"]["standard"]["per_seed"]
+
+
+def test_out_that_is_a_file_is_a_usage_error(tmp_path, capsys):
+    (tmp_path / "f").write_text("")
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["compare", *_common(tmp_path), "--out", str(tmp_path / "f")])
+    assert exit_info.value.code == 2 and f"--out {tmp_path / 'f'} is a file, not a directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("lines, message", [
+    ("resume = true\nstop_after = 1\n", "compare does not use resume, stop_after (resume: compare resumes"),
+    ("force = true\n", "compare does not use force"),
+    ("overwrite = true\n", "pass --overwrite on the command line"),
+])
+def test_toml_keys_compare_does_not_use_are_refused(tmp_path, capsys, lines, message):
+    """Dropping them in silence would run something else than the file says; a destructive option is taken from the
+    command line only (a file reused later must not delete runs)."""
+    toml = tmp_path / "c.toml"
+    toml.write_text(lines)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["compare", str(toml), *_common(tmp_path), "--out", str(tmp_path / "o")])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A finished comparison (standard, detach; 2 seeds; 1 step) from a train TOML that sets plan and run_dir,
+    with --no-plot and the jsonl task's exact-match reward, which a random tiny model never earns (reward 0)."""
+    root = tmp_path_factory.mktemp("finished")
+    data = jsonl_dataset(root)
+    toml = root / "train.toml"
+    train_run = root / "train-run"
+    toml.write_text(f'plan = "exact"\nrun_dir = "{train_run}"\nmodel = "tiny-llama"\ntask = "jsonl"\n'
+                    f'data = "{data}"\ngroup_size = 2\nmax_new_tokens = 4\neval_prompts = 1\nchunk_size = 8\n')
+    out = root / "cmp"
+    argv = ["compare", str(toml), "--plans", "standard,detach", "--seeds", "2", "--steps", "1", "--no-plot"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            code = cli.main([*argv, "--out", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    return {"argv": argv, "out": out, "code": code, "err": err.getvalue(), "root": root, "toml": toml}
+
+
+def _copy(finished, tmp_path: Path) -> tuple[list[str], Path]:
+    out = tmp_path / "cmp"
+    shutil.copytree(finished["out"], out)
+    return [*finished["argv"], "--out", str(out)], out
+
+
+def _no_training(monkeypatch) -> list:
+    """trainer.train records its config and stops the comparison (exit 1) instead of training."""
+    calls = []
+
+    def record(cfg):
+        calls.append(cfg)
+        raise ValueError("stopped by the test")
+
+    monkeypatch.setattr(longstraw.train.trainer, "train", record)
+    return calls
+
+
+def test_a_train_toml_no_plot_and_a_zero_baseline(finished):
+    """plan and run_dir of a train TOML are not used, with a note; --no-plot stops compare's plot too; against a
+    standard reward of 0 the 5% verdict is "not measurable", never "yes"."""
+    assert finished["code"] == 0, finished["err"]
+    out = finished["out"]
+    assert "train.toml's plan and run_dir not used: the runs go under" in finished["err"]
+    assert not (finished["root"] / "train-run").exists()
+    assert not list(out.rglob("*.png"))  # neither compare.png nor any run's progress.png
+    result = json.loads((out / "compare.json").read_text())
+    assert result["held_out"]["standard"]["mean"] == 0.0  # the premise: exact match is never earned here
+    v = result["vs_standard"]["detach"]
+    assert v["rel_diff"] is None and v["within_criterion"] is None
+    assert "| not measurable |" in (out / "compare.md").read_text()
+
+
+def test_a_reused_run_trained_further_is_refused_and_rerun_only_with_overwrite(finished, tmp_path, capsys,
+                                                                               monkeypatch):
+    argv, out = _copy(finished, tmp_path)
+    run = out / "standard-seed0"
+    assert cli.main(["train", str(finished["toml"]), "--plan", "standard", "--seed", "0", "--steps", "2",
+                     "--resume", "--no-plot", "--run-dir", str(run)]) == 0
+    capsys.readouterr()
+    before = {p: p.read_bytes() for p in out.glob("compare*")}
+    calls = _no_training(monkeypatch)
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert (f"{run} was trained further than this comparison: its checkpoint is at step 2, the comparison trains "
+            f"--steps 1; delete {run} to train that run again") in err
+    assert calls == [] and before == {p: p.read_bytes() for p in out.glob("compare*")}  # nothing written
+
+    assert cli.main([*argv, "--overwrite"]) == 1 and "stopped by the test" in capsys.readouterr().err
+    assert (calls[0].plan, calls[0].seed, calls[0].overwrite) == ("standard", 0, True)
+
+
+def test_a_reused_run_of_other_settings_is_refused_naming_them(finished, tmp_path, capsys, monkeypatch):
+    argv, out = _copy(finished, tmp_path)
+    run = out / "detach-seed1"
+    ckpt = load_checkpoint(run)
+    ckpt["config"]["lr"] = 0.5
+    save_checkpoint(run, ckpt)
+    calls = _no_training(monkeypatch)
+    assert cli.main(argv) == 1
+    assert (f"{run} holds a run of other settings than this comparison's detach seed 1 (lr: 0.5 -> 1e-05)"
+            in capsys.readouterr().err)
+    assert calls == []
+
+
+def test_fewer_seeds_or_plans_never_drop_them_from_the_summary(finished, tmp_path, capsys, monkeypatch):
+    argv, out = _copy(finished, tmp_path)
+    summary = (out / "compare.json").read_bytes()
+    calls = _no_training(monkeypatch)
+    assert cli.main([*argv, "--seeds", "1"]) == 1
+    assert ("summarises seed(s) 1 that this invocation leaves out, and rewriting it would drop them: pass --plans "
+            "standard,detach --seeds 2") in capsys.readouterr().err
+    assert cli.main([*argv, "--plans", "standard,exact"]) == 1
+    assert "summarises plan(s) detach that this invocation leaves out" in capsys.readouterr().err
+    assert calls == [] and (out / "compare.json").read_bytes() == summary
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda run: (run / "summary.json").write_text(""), "summary.json is empty"),
+    (lambda run: (run / "summary.json").write_text('{"eval_before": 0.0,\n "eval_af'),
+     "summary.json:2: not valid JSON"),
+    (lambda run: (run / "metrics.jsonl").write_text((run / "metrics.jsonl").read_text()[:30]),
+     "metrics.jsonl:1: not a metrics row, the file is cut short or damaged"),
+    (lambda run: (run / "metrics.jsonl").write_text(""), "metrics.jsonl holds step rows none"),
+])
+def test_damaged_files_of_a_reused_run_are_one_line_errors(finished, tmp_path, capsys, monkeypatch, damage, message):
+    argv, out = _copy(finished, tmp_path)
+    damage(out / "standard-seed1")
+    calls = _no_training(monkeypatch)
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]  # after the note on the TOML's plan and run_dir
+    assert last.startswith("longstraw compare: error: ") and message in last
+    assert f"delete {out / 'standard-seed1'} to train that run again" in last
+    assert "Traceback" not in err and calls == []
+
+
+def test_a_value_refused_after_a_run_started_leaves_nothing_that_refuses_the_corrected_rerun(tmp_path, capsys,
+                                                                                           monkeypatch):
+    """--max-new-tokens 4000 is refused once the model is loaded (2048 positions); the corrected command is not
+    refused as "other settings" by the record of the attempt, which trained nothing."""
+    out = tmp_path / "o"
+    argv = ["compare", *_common(tmp_path), "--plans", "standard,exact", "--seeds", "1", "--out", str(out)]
+    assert cli.main([*argv, "--max-new-tokens", "4000"]) == 1
+    assert "exceeds the 2048 positions" in capsys.readouterr().err
+    calls = _no_training(monkeypatch)
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert "records other settings (max_new_tokens: 4000 -> 6), but no run has saved a step under them" in err
+    assert "holds a comparison of other settings" not in err
+    assert [(c.plan, c.max_new_tokens) for c in calls] == [("standard", 6)]

@@ -56,6 +56,7 @@ def test_validation(kwargs, match):
     (["--epsilon-low", "5"], r"epsilon_low must be < 1 \(the ratio's lower clip is 1 - epsilon_low\)"),
     (["--beta", "inf"], "beta must be a finite number"),
     (["--temperature", "nan"], "temperature must be a finite number"),
+    (["--temperature", "1e-45"], r"temperature must be >= 0.001, got 1e-45: .* for greedy sampling use --top-k 1"),
     (["--max-grad-norm", "-1"], "max_grad_norm must be a finite number >= 0"),
     (["--weight-decay", "nan"], "weight_decay must be a finite number"),
     (["--top-p", "inf"], "top_p must be a finite number"),
@@ -120,3 +121,23 @@ def test_shipped_examples_are_valid_configs():
     assert examples
     for path in examples:
         TrainConfig(**load_toml(path))
+
+
+def test_toml_that_is_not_utf8_names_file_and_line(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_bytes(b'steps = 3\nmodel = "caf\xe9"\n')
+    with pytest.raises(ValueError, match=rf"{path}:2: not UTF-8 \(byte 0xe9\)"):
+        _parse(str(path))
+    path.write_text("steps = 3\nlr = \n")
+    with pytest.raises(ValueError, match=rf"{path}: not valid TOML: .*\(at line 2, column 6\)"):
+        _parse(str(path))
+
+
+def test_overwrite_is_taken_from_the_command_line_only(tmp_path):
+    """A file reused for a later run must not delete that run's directory: overwrite = true is refused."""
+    path = tmp_path / "c.toml"
+    path.write_text("overwrite = true\n")
+    with pytest.raises(ValueError, match="pass --overwrite on the command line"):
+        _parse(str(path))
+    path.write_text("overwrite = false\n")
+    assert _parse(str(path), "--overwrite").overwrite is True

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -154,3 +155,33 @@ def test_a_signal_during_an_update_is_held_until_the_step_ends():
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(1)
     assert signal.getsignal(signal.SIGTERM) is before  # handlers restored
+
+
+def test_rewards_too_large_to_normalise_are_the_rewards_fault(tmp_path, capsys):
+    """Rewards of +-1e308 are finite, but grpo's standard deviation of them is not: the error names the rewards of
+    the group and the reward function's scale, not the advantages they would have produced."""
+    from longstraw import cli
+
+    run = tmp_path / "run"
+    assert cli.main([*_common(_data(tmp_path), "rewards_for_tests:huge_alternating", steps=1), "--run-dir",
+                     str(run)]) == 1
+    err = capsys.readouterr().err
+    assert ("error: step 1: rewards of group 1 are too large to normalise: [1e+308, -1e+308, 1e+308] (their grpo "
+            "advantages overflow float64 on the way); scale the reward function's values down") in err
+    assert "advantages contains NaN or inf" not in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("advantage, rewards, why", [
+    ("grpo", [1e200, 0.0, 0.0], "overflow float64 on the way"),  # std = inf: every advantage would be a silent 0
+    ("rloo", [1e30, 0.0, 0.0], "reach 1e+30, beyond the 1.84e+19 the loss can hold in float32"),
+])
+def test_rewards_whose_advantages_overflow_are_refused(advantage, rewards, why):
+    from longstraw.engine.loss import compute_advantages
+    from longstraw.train.data import RewardError
+    from longstraw.train.sampler import check_normalisable
+
+    r = torch.tensor(rewards, dtype=torch.float64)
+    with pytest.raises(RewardError, match=rf"rewards of group 1 are too large to normalise: .*{re.escape(why)}"):
+        check_normalisable(r, compute_advantages(r, advantage), advantage, torch.float32, "step 2: rewards of group 1")
+    small = torch.tensor([1.0, 0.0, 0.5], dtype=torch.float64)
+    check_normalisable(small, compute_advantages(small, advantage), advantage, torch.float32, "step 2")

@@ -48,6 +48,22 @@ def glm5_class():
 BUILTIN_NAMES = ("hybrid-27b", "glm5-class")
 
 
+def read_config_json(path: str) -> dict[str, Any]:
+    """A config.json's object; ValueError naming the file and line when it is not UTF-8 JSON or not an object."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        data = json.loads(raw)
+    except UnicodeDecodeError as err:
+        line = raw[: err.start].count(b"\n") + 1
+        raise ValueError(f"{path}:{line}: not UTF-8 (byte 0x{raw[err.start]:02x}): save it as UTF-8") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}:{err.lineno}: not valid JSON: {err.msg} (column {err.colno})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} holds a JSON {type(data).__name__}, not an object: not a transformers config.json")
+    return data
+
+
 def load_config(name: str):
     """A transformers config from a built-in name, a LongStraw preset, a directory or config.json, or a hub id.
 
@@ -69,17 +85,19 @@ def load_config(name: str):
     elif name.endswith(".json") and os.path.isfile(name):
         from transformers import AutoConfig
 
-        with open(name) as f:
-            data = json.load(f)
+        data = read_config_json(name)
         if "model_type" not in data:
             raise ValueError(f"{name} has no model_type: not a transformers config.json")
+        check_head_counts(data, name)
         model_type = data.pop("model_type")
         return AutoConfig.for_model(model_type, **data)
     elif os.path.isdir(name):
         from transformers import AutoConfig
 
-        if not os.path.isfile(os.path.join(name, "config.json")):
+        path = os.path.join(name, "config.json")
+        if not os.path.isfile(path):
             raise ValueError(f"directory {name!r} has no config.json")
+        check_head_counts(read_config_json(path), path)
         return AutoConfig.from_pretrained(name)
     else:
         from transformers import AutoConfig
@@ -249,9 +267,23 @@ def _nemotron_h_blocks(kinds: list[str]) -> tuple[tuple[str, ...], tuple[str, ..
     return tuple(mixers), tuple(mlps)
 
 
+def check_head_counts(values: dict[str, Any], where: str) -> None:
+    """Refuse a head count below 1 (`num_attention_heads`, `num_key_value_heads`, `linear_num_value_heads`, ..., in
+    a nested text config too) before transformers' config or model divides by it, which is a ZeroDivisionError
+    traceback; None stays allowed (transformers' "same as the heads")."""
+    for key, value in sorted(values.items()):
+        if isinstance(value, dict):
+            check_head_counts(value, where)
+        elif (isinstance(key, str) and key.endswith("heads") and isinstance(value, int)
+              and not isinstance(value, bool) and value < 1):
+            raise ValueError(f"{where}: {key} = {value}; a model needs at least one head (the head size and the "
+                             "grouping of query heads per key/value head divide by it): fix the config")
+
+
 def spec_from_config(config, name: str = "") -> ModelSpec:
     """Read layer kinds and dimensions from a transformers config (text config of a multimodal wrapper)."""
     c = getattr(config, "text_config", None) or config
+    check_head_counts(c.to_dict(), name or c.model_type)
     mt = c.model_type
     n = c.num_hidden_layers
     total, expert, max_layer = _count_params(c)

@@ -68,8 +68,13 @@ def load_rows(path: str | Path) -> list[Example]:
     if not path.is_file():
         raise ValueError(f"jsonl file not found: {path}")
     rows: list[Example] = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with path.open("rb") as f:  # bytes, decoded line by line, so an undecodable byte is reported with its line
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}): "
+                                 "save the file as UTF-8") from None
             if not line.strip():
                 continue
             try:
@@ -85,6 +90,14 @@ def load_rows(path: str | Path) -> list[Example]:
             for k in ("prompt", "answer"):
                 if not isinstance(obj[k], str):
                     raise ValueError(f"{path}:{lineno}: field {k!r} must be a string, got {type(obj[k]).__name__}")
+                # JSON's \uXXXX escapes can spell half of a surrogate pair, which is no character: no tokenizer
+                # can encode it, so it would fail later without saying where it came from.
+                try:
+                    obj[k].encode("utf-8")
+                except UnicodeEncodeError as e:
+                    raise ValueError(f"{path}:{lineno}: field {k!r} holds a lone surrogate "
+                                     f"({obj[k][e.start]!r} at character {e.start + 1}), which is not a character: "
+                                     "fix the \\u escape (a pair needs both halves)") from None
             if not obj["prompt"].strip():
                 raise ValueError(f"{path}:{lineno}: empty prompt; every line needs a non-empty \"prompt\"")
             meta = {k: v for k, v in obj.items() if k not in ("prompt", "answer")}

@@ -18,7 +18,12 @@ step) and the initial weights are the same for every plan of a seed. Then it wri
 Resumable: a run whose summary.json exists is not rerun (a line says so); one that stopped with a checkpoint is
 resumed (`--resume`), one that stopped before its first checkpoint is started over. OUT/compare-config.json holds
 the compared config; a rerun with other settings is refused (they would mix two experiments), except for the
-plans and seeds, which may grow. `--overwrite` reruns everything.
+plans and seeds, which may grow but not shrink (compare.json would lose runs it summarised). The record binds once
+some run has a checkpoint: a first invocation that failed before any run saved one leaves nothing to refuse.
+Every run found in OUT is checked against the run this comparison would train before anything is written or
+trained: its checkpoint's config (what differs is listed), its step (a run trained further than --steps is
+refused), and that summary.json and metrics.jsonl read back whole. `--overwrite` (command line only: a TOML file
+cannot ask for it) reruns everything.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import argparse
 import gc
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -34,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from longstraw.choices import PLANS
-from longstraw.train.config import TrainConfig, values_from_args
+from longstraw.train.config import TrainConfig, load_toml, values_from_args
 from longstraw.train.config import add_arguments as add_train_arguments
 
 DEFAULT_PLANS = "standard,exact,detach"
@@ -44,8 +50,13 @@ CRITERION = 0.05  # the paper's acceptance threshold on |relative held-out rewar
 PER_RUN_FIELDS = ("plan", "seed", "run_dir", "resume", "overwrite", "force", "stop_after")
 # Fields that change neither what is trained nor what is measured: free to differ between invocations.
 FREE_FIELDS = ("device", "save_every", "tensorboard", "plot", "save_weights_only")
+# Fields a run's own checkpoint config may differ in from the comparison's run: where and how it was invoked.
+RUN_INVOCATION_FIELDS = ("run_dir", "resume", "overwrite", "force", "stop_after")
 CONFIG_FILE = "compare-config.json"
 RUN_FILE = "compare-run.json"  # per run: wall time of the invocation that finished it
+CHECKPOINT_FILE = "checkpoint.pt"  # checkpoints.FILENAME, named here so the command's checks import no torch
+# Each seed trains one run per plan; beyond this a typo (an extra digit) would start days of runs.
+MAX_SEEDS = 100
 
 
 # Train flags that compare sets itself: refused with the reason when given, hidden from --help.
@@ -53,6 +64,9 @@ REFUSED_FLAGS = {"plan": "compare runs every plan of --plans", "run_dir": "the r
                  "resume": "compare resumes unfinished runs itself",
                  "stop_after": "every run of a comparison runs to --steps",
                  "force": "a comparison's runs must share one config"}
+# TOML keys a train config file normally sets and compare replaces for every run: accepted with a note, so a
+# train TOML (examples/demo.toml) serves both commands. The other refused flags are refused as TOML keys too.
+REPLACED_KEYS = ("plan", "run_dir")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,12 +76,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             action.help = argparse.SUPPRESS
     parser.add_argument("--plans", default=DEFAULT_PLANS,
                         help=f"comma-separated plans to compare, {BASELINE} included (default: {DEFAULT_PLANS})")
-    parser.add_argument("--seeds", type=int, default=3,
-                        help="seeds per plan: seed, seed+1, ... (the config's seed first; default: 3)")
+    parser.add_argument("--seeds", type=seed_count, default=3,
+                        help=f"seeds per plan, 1 to {MAX_SEEDS}: seed, seed+1, ... (the config's seed first; "
+                             "default: 3)")
     parser.add_argument("--out", default=None,
                         help="parent directory of the runs and of compare.{md,json,png} (default: "
                              "runs/compare-<config file name>)")
     parser.add_argument("--debug", action="store_true", help="on an expected error also print the traceback")
+
+
+def seed_count(text: str) -> int:
+    """--seeds: a whole number (its range is checked by `plan_runs`, for callers from Python too)."""
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"a number of seeds (runs of seed, seed+1, ..., seed+N-1), e.g. --seeds 3; got {text!r}: a "
+            "range is not accepted, set the first seed with --seed") from None
 
 
 def parse_plans(text: str) -> list[str]:
@@ -109,7 +134,12 @@ def plan_runs(values: dict[str, Any], plans: list[str], n_seeds: int, out: Path,
     """The seeds and every run's config, checked (ValueError) before anything is written."""
     if n_seeds < 1:
         raise ValueError(f"--seeds must be >= 1, got {n_seeds}")
+    if n_seeds > MAX_SEEDS:
+        raise ValueError(f"--seeds must be <= {MAX_SEEDS}, got {n_seeds}: each seed trains one run per plan; split a "
+                         "larger study into comparisons with other --seed and --out")
     seed0 = int(values.get("seed", 0))
+    if seed0 + n_seeds > 2**63:
+        raise ValueError(f"--seeds {n_seeds} from seed {seed0} passes the largest seed (2**63 - 1): lower --seed")
     seeds = [seed0 + k for k in range(n_seeds)]
     configs = run_configs(values, plans, seeds, out, overwrite)
     if configs[0].eval_prompts < 1:
@@ -121,18 +151,166 @@ def _comparable(cfg: TrainConfig) -> dict[str, Any]:
     return {k: v for k, v in cfg.to_dict().items() if k not in PER_RUN_FIELDS and k not in FREE_FIELDS}
 
 
-def check_same_experiment(out: Path, cfg: TrainConfig, overwrite: bool) -> None:
-    """Refuse to mix two experiments in one OUT: the compared settings must equal the recorded ones."""
+def read_json(path: Path, fix: str) -> Any:
+    """A JSON file's value; ValueError naming the file and line when it is empty, cut short or not JSON."""
+    raw = path.read_bytes()
+    if not raw.strip():
+        raise ValueError(f"{path} is empty: {fix}")
+    try:
+        return json.loads(raw)
+    except UnicodeDecodeError as err:
+        line = raw[: err.start].count(b"\n") + 1
+        raise ValueError(f"{path}:{line}: not UTF-8 (byte 0x{raw[err.start]:02x}): {fix}") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}:{err.lineno}: not valid JSON ({err.msg}, column {err.colno}; cut short or "
+                         f"damaged?): {fix}") from None
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Write through a temporary file and a rename, so an interrupted write never leaves a truncated file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _runs_with_progress(out: Path) -> list[Path]:
+    """Run directories under `out` holding a checkpoint or a summary: work that a change of settings would mix."""
+    if not out.is_dir():
+        return []
+    return sorted(d for d in out.iterdir()
+                  if d.is_dir() and ((d / CHECKPOINT_FILE).is_file() or (d / "summary.json").is_file()))
+
+
+def check_same_experiment(out: Path, mine: dict[str, Any]) -> None:
+    """Refuse to mix two experiments in one OUT: the compared settings must equal the recorded ones, once a run
+    has saved something under them (until then the record is of an attempt that trained nothing: replaced)."""
     path = out / CONFIG_FILE
-    mine = _comparable(cfg)
-    if path.is_file() and not overwrite:
-        saved = json.loads(path.read_text())
-        differ = [f"{k}: {saved[k]!r} -> {mine[k]!r}" for k in mine if k in saved and saved[k] != mine[k]]
-        if differ:
-            raise ValueError(f"{out} holds a comparison of other settings ({'; '.join(differ)}): choose another "
-                             "--out, or add --overwrite to rerun every run with the new ones")
+    if not path.is_file():
+        return
+    saved = read_json(path, f"delete it (every run in {out} is still checked against this comparison)")
+    if not isinstance(saved, dict):
+        raise ValueError(f"{path} is not a JSON object: delete it (every run in {out} is still checked against this "
+                         "comparison)")
+    differ = [f"{k}: {saved[k]!r} -> {mine[k]!r}" for k in mine if k in saved and saved[k] != mine[k]]
+    if not differ:
+        return
+    progressed = _runs_with_progress(out)
+    if not progressed:
+        print(f"compare: {path} records other settings ({'; '.join(differ)}), but no run has saved a step under "
+              "them: replaced", file=sys.stderr)
+        return
+    raise ValueError(f"{out} holds a comparison of other settings ({'; '.join(differ)}): choose another --out, or "
+                     "add --overwrite to rerun every run with the new ones")
+
+
+def record_experiment(out: Path, mine: dict[str, Any]) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(mine, indent=2) + "\n")
+    _write_atomically(out / CONFIG_FILE, json.dumps(mine, indent=2) + "\n")
+
+
+def check_out_dir(out: Path) -> None:
+    """--out must be a directory, or creatable as one (checked without creating it)."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file, not a directory: choose another --out")
+    parent = out
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"--out {out}: {parent} is a file, so the directory cannot be created: choose another --out")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {out}: {parent} is not writable: choose another --out")
+
+
+def check_summary_kept(out: Path, plans: list[str], seeds: list[int]) -> None:
+    """Refuse an invocation whose compare.json would lose plans or seeds the existing one summarises."""
+    path = out / "compare.json"
+    if not path.is_file():
+        return
+    fix = "delete it to summarise only this invocation's runs"
+    old = read_json(path, fix)
+    if not (isinstance(old, dict) and isinstance(old.get("plans"), list) and isinstance(old.get("seeds"), list)):
+        raise ValueError(f"{path} lacks its plans and seeds (not written by compare?): {fix}")
+    lost_plans = [p for p in old["plans"] if p not in plans]
+    lost_seeds = [s for s in old["seeds"] if s not in seeds]
+    if not lost_plans and not lost_seeds:
+        return
+    lost = ([f"plan(s) {', '.join(lost_plans)}"] if lost_plans else []) + (
+        [f"seed(s) {', '.join(map(str, lost_seeds))}"] if lost_seeds else [])
+    all_plans = plans + [p for p in old["plans"] if p not in plans]
+    n_seeds = max([*seeds, *(s for s in old["seeds"] if isinstance(s, int))]) - seeds[0] + 1
+    raise ValueError(f"{path} summarises {' and '.join(lost)} that this invocation leaves out, and rewriting it would "
+                     f"drop them: pass --plans {','.join(all_plans)} --seeds {n_seeds} (finished runs are reused), "
+                     "or choose another --out")
+
+
+def _redo(run_dir: Path) -> str:
+    return (f"delete {run_dir} to train that run again, choose another --out, or add --overwrite to rerun every "
+            "run")
+
+
+def _checkpoint_step_and_config(run_dir: Path) -> tuple[int, dict[str, Any]]:
+    """A checkpoint's step and config, read without its tensors' bytes (memory-mapped, not checksummed: the weight
+    divergence later loads the whole checkpoint and verifies it)."""
+    import torch
+
+    path = run_dir / CHECKPOINT_FILE
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as err:  # torch raises several types for truncated/corrupt files
+        first = str(err).splitlines()[0] if str(err) else ""
+        raise ValueError(f"checkpoint {path} cannot be read ({type(err).__name__}: {first}): "
+                         f"{_redo(run_dir)}") from None
+    if not (isinstance(data, dict) and isinstance(data.get("step"), int) and isinstance(data.get("config"), dict)):
+        raise ValueError(f"checkpoint {path} lacks its step or config (not a LongStraw checkpoint?): "
+                         f"{_redo(run_dir)}")
+    return data["step"], data["config"]
+
+
+def check_existing_run(cfg: TrainConfig) -> None:
+    """Refuse a run already in `cfg.run_dir` that this comparison cannot reuse or resume as it is: trained with
+    another config (the differences listed), past `cfg.steps`, or finished with files that do not read back."""
+    run_dir = Path(cfg.run_dir)
+    has_checkpoint = (run_dir / CHECKPOINT_FILE).is_file()
+    summary_path = run_dir / "summary.json"
+    if not has_checkpoint:
+        if summary_path.is_file():
+            raise ValueError(f"{run_dir} has summary.json but no {CHECKPOINT_FILE} (compare reads the final weights "
+                             f"from it): {_redo(run_dir)}")
+        return  # nothing saved: the run starts over
+    step, saved = _checkpoint_step_and_config(run_dir)
+    if step > cfg.steps:
+        raise ValueError(f"{run_dir} was trained further than this comparison: its checkpoint is at step {step}, the "
+                         f"comparison trains --steps {cfg.steps}; {_redo(run_dir)}")
+    mine = cfg.to_dict()
+    skip = RUN_INVOCATION_FIELDS + FREE_FIELDS
+    differ = [f"{k}: {saved[k]!r} -> {v!r}" for k, v in mine.items() if k not in skip and k in saved and saved[k] != v]
+    if differ:
+        raise ValueError(f"{run_dir} holds a run of other settings than this comparison's {cfg.plan} seed {cfg.seed} "
+                         f"({'; '.join(differ)}): {_redo(run_dir)}")
+    if not summary_path.is_file():
+        return  # unfinished: resumed from its checkpoint
+    summary = read_json(summary_path, _redo(run_dir))
+    finished = (isinstance(summary, dict) and isinstance(summary.get("eval_after"), (int, float))
+                and isinstance(summary.get("eval_before"), (int, float)))
+    if not finished:
+        raise ValueError(f"{summary_path} lacks the held-out rewards (eval_before, eval_after): {_redo(run_dir)}")
+    if summary.get("steps", step) != step or step != cfg.steps:
+        raise ValueError(f"{summary_path} describes step {summary.get('steps')} but {CHECKPOINT_FILE} is at step "
+                         f"{step} (the run changed after it finished): {_redo(run_dir)}")
+    from longstraw.train.reporting import read_metrics
+
+    metrics_path = run_dir / "metrics.jsonl"
+    if not metrics_path.is_file():
+        raise ValueError(f"{run_dir} has no metrics.jsonl: {_redo(run_dir)}")
+    try:
+        rows = read_metrics(metrics_path)
+    except ValueError as err:
+        raise ValueError(f"{err}: {_redo(run_dir)}") from None
+    got = [r.get("step") for r in rows]
+    if got != list(range(1, step + 1)) or not all(isinstance(r.get("reward_mean"), (int, float)) for r in rows):
+        shown = "none" if not got else f"{got[0]}..{got[-1]} ({len(got)} rows)"
+        raise ValueError(f"{metrics_path} holds step rows {shown}, not one row with reward_mean per step 1..{step}: "
+                         f"{_redo(run_dir)}")
 
 
 def run_all(configs: list[TrainConfig], overwrite: bool = False) -> None:
@@ -144,8 +322,8 @@ def run_all(configs: list[TrainConfig], overwrite: bool = False) -> None:
         run_dir = Path(cfg.run_dir)
         name = f"[{i}/{len(configs)}] {cfg.plan} seed {cfg.seed}"
         summary_path = run_dir / "summary.json"
-        if summary_path.is_file() and not overwrite:
-            after = json.loads(summary_path.read_text()).get("eval_after", float("nan"))
+        if summary_path.is_file() and not overwrite:  # checked by check_existing_run before anything ran
+            after = read_json(summary_path, _redo(run_dir)).get("eval_after", float("nan"))
             print(f"compare: {name}: already finished ({summary_path} exists), not rerun; held-out greedy "
                   f"reward {after:.3f}", file=sys.stderr, flush=True)
             continue
@@ -171,10 +349,11 @@ def _spread(values: list[float]) -> dict[str, Any]:
 
 
 def _relative(diff: float, base: float) -> float | None:
-    """diff / |base|; 0 when both are 0; None (no finite ratio) when only the base is 0."""
+    """diff / |base|; None when the base is 0: no relative difference is measurable against it (0 vs 0 says
+    nothing either: a model that never scores cannot show a plan training worse)."""
     if base != 0:
         return diff / abs(base)
-    return 0.0 if diff == 0 else None
+    return None
 
 
 def weight_divergence(model: str, dtype: str, seeds: list[int], plans: list[str],
@@ -219,10 +398,13 @@ def summarize(configs: list[TrainConfig], plans: list[str], seeds: list[int]) ->
     runs = []
     for c in configs:
         rd = Path(c.run_dir)
-        summary = json.loads((rd / "summary.json").read_text())
+        summary = read_json(rd / "summary.json", _redo(rd))
         rows = read_metrics(rd / "metrics.jsonl")
+        if not rows:
+            raise ValueError(f"{rd / 'metrics.jsonl'} holds no step: {_redo(rd)}")
         last = rows[-min(10, len(rows)):]
-        timing = json.loads((rd / RUN_FILE).read_text()) if (rd / RUN_FILE).is_file() else {}
+        timing = read_json(rd / RUN_FILE, "delete it (it only holds the run's wall time)") if (
+            rd / RUN_FILE).is_file() else {}
         run = {"plan": c.plan, "seed": c.seed, "run_dir": str(rd), "eval_before": summary["eval_before"],
                "eval_after": summary["eval_after"], "sampled_reward_last": statistics.fmean(
                    r["reward_mean"] for r in last), "sampled_reward_last_steps": len(last),
@@ -250,7 +432,8 @@ def summarize(configs: list[TrainConfig], plans: list[str], seeds: list[int]) ->
         paired = [by[plan, s]["eval_after"] - by[BASELINE, s]["eval_after"] for s in seeds]
         vs[plan] = {
             "diff": diff, "rel_diff": rel,
-            "within_criterion": rel is not None and abs(rel) <= CRITERION,
+            # None: not measurable (standard's mean is 0, so no relative difference exists).
+            "within_criterion": None if rel is None else abs(rel) <= CRITERION,
             "diff_over_standard_std": diff / base["std"] if base["std"] > 0 else None,
             "paired_diff_per_seed": paired, "paired_diff_min": min(paired), "paired_diff_max": max(paired),
         }
@@ -293,7 +476,8 @@ def markdown(result: dict[str, Any]) -> str:
             cmp = "(baseline) | | | "
         else:
             rel = "n/a" if v["rel_diff"] is None else f"{v['rel_diff']:+.1%}"
-            cmp = (f"{v['diff']:+.3f} | {rel} | {'yes' if v['within_criterion'] else 'no'} | "
+            within = {None: "not measurable", True: "yes", False: "no"}[v["within_criterion"]]
+            cmp = (f"{v['diff']:+.3f} | {rel} | {within} | "
                    f"{v['paired_diff_min']:+.3f} – {v['paired_diff_max']:+.3f}")
         lines.append(f"| {plan} | {h['mean']:.3f} ± {h['std']:.3f} | {h['min']:.3f} – {h['max']:.3f} | "
                      f"{h['before_mean']:.3f} | {cmp} | {h['sampled_reward_last_mean']:.3f} |")
@@ -380,17 +564,49 @@ def plot(configs: list[TrainConfig], result: dict[str, Any], out: Path) -> Path 
 # ---------------------------------------------------------------------------------------------------- command
 
 
+def check_options(values: dict[str, Any], plans: list[str], n_seeds: int, out: Path,
+                  overwrite: bool) -> tuple[list[int], list[TrainConfig]]:
+    """The options, checked without a model and before anything is written: every run's config, --out, the data
+    file (its rows, reward function and held-out split). ValueError with what to change."""
+    from longstraw.train.data import check_data
+
+    seeds, configs = plan_runs(values, plans, n_seeds, out, overwrite)
+    check_out_dir(out)
+    check_data(configs[0])
+    return seeds, configs
+
+
+def check_out_state(plans: list[str], seeds: list[int], configs: list[TrainConfig], out: Path,
+                    overwrite: bool) -> None:
+    """What OUT already holds, checked before anything is written: the recorded experiment, that compare.json keeps
+    its plans and seeds, and every run already there (`check_existing_run`). Nothing to check with overwrite."""
+    if overwrite:
+        return
+    check_same_experiment(out, _comparable(configs[0]))
+    check_summary_kept(out, plans, seeds)
+    for cfg in configs:
+        check_existing_run(cfg)
+
+
 def compare(values: dict[str, Any], plans: list[str], n_seeds: int, out: Path, overwrite: bool = False,
             ) -> dict[str, Any]:
     """Run (or reuse) every (seed, plan) run and write compare.{json,md,png} into `out`; returns the result."""
-    seeds, configs = plan_runs(values, plans, n_seeds, out, overwrite)
-    check_same_experiment(out, configs[0], overwrite)
+    seeds, configs = check_options(values, plans, n_seeds, out, overwrite)
+    return run_checked(values, plans, seeds, configs, out, overwrite)
+
+
+def run_checked(values: dict[str, Any], plans: list[str], seeds: list[int], configs: list[TrainConfig], out: Path,
+                overwrite: bool) -> dict[str, Any]:
+    """`compare` once its options are checked: check OUT, record the experiment, train what is missing, write the
+    outputs."""
+    check_out_state(plans, seeds, configs, out, overwrite)
+    record_experiment(out, _comparable(configs[0]))
     run_all(configs, overwrite)
     result = summarize(configs, plans, seeds)
-    (out / "compare.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "compare.md").write_text(markdown(result))
+    _write_atomically(out / "compare.json", json.dumps(result, indent=2) + "\n")
+    _write_atomically(out / "compare.md", markdown(result))
     written = ["compare.json", "compare.md"]
-    if plot(configs, result, out):
+    if values.get("plot", True) and plot(configs, result, out):  # --no-plot: no compare.png either
         written.append("compare.png")
     print(markdown(result))
     print(f"compare: outputs in {out}: {', '.join(written)}", file=sys.stderr)
@@ -405,17 +621,30 @@ def run_from_args(args: argparse.Namespace) -> int:
         if getattr(args, name, None) is not None:
             args.fail(f"--{name.replace('_', '-')} does not apply to compare: {why}")
     try:
+        file_keys = load_toml(args.config) if args.config else {}
+        refused = [k for k in file_keys if k in REFUSED_FLAGS and k not in REPLACED_KEYS]
+        if refused:
+            reasons = "; ".join(f"{k}: {REFUSED_FLAGS[k]}" for k in refused)
+            raise ValueError(f"{args.config}: compare does not use {', '.join(refused)} ({reasons}): remove them from "
+                             "the file")
         values = values_from_args(args)
+        replaced = [k for k in REPLACED_KEYS if k in file_keys]
+        for key in replaced:
+            del values[key]
         plans = parse_plans(args.plans)
         if args.out is not None:
             out = Path(args.out)
         else:
             out = Path("runs") / f"compare-{Path(args.config).stem if args.config else 'flags'}"
-        plan_runs(values, plans, args.seeds, out, False)  # bad options are a usage error, before any run
+        overwrite = bool(values.get("overwrite", False))
+        seeds, configs = check_options(values, plans, args.seeds, out, overwrite)  # a usage error
     except (ValueError, FileNotFoundError) as err:
         args.fail(str(err))
+    if replaced:
+        print(f"compare: {args.config}'s {' and '.join(replaced)} not used: the runs go under {out}, one per plan of "
+              "--plans", file=sys.stderr)
     try:
-        compare(values, plans, args.seeds, out, overwrite=bool(values.get("overwrite", False)))
+        run_checked(values, plans, seeds, configs, out, overwrite)
     except KeyboardInterrupt as err:
         signum = getattr(err, "signum", signal.SIGINT)
         print(f"longstraw compare: stopped by {signal.Signals(signum).name}; run the same command again to "

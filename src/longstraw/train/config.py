@@ -16,6 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 from longstraw.choices import ADVANTAGES, DTYPES, LOSSES, TASKS
 
+# The sampler divides the logits by the temperature in the model's dtype (float32's range for float32 and bfloat16
+# models). At 1e-3 a logit keeps 35 orders of magnitude of headroom below float32's largest value (3.4e38), and a
+# logit gap of 0.01 already weighs e^10 : 1, so a lower temperature changes nothing but the risk: a subnormal such
+# as 1e-45 turns every logit into inf and the probabilities into NaN.
+MIN_TEMPERATURE = 1e-3
+
 if TYPE_CHECKING:
     from longstraw.engine.options import BackwardOptions
     from longstraw.engine.state.sharding import ContextShards
@@ -43,14 +49,16 @@ class TrainConfig:
     group_size: int = _f(8, "responses sampled per prompt (G)")
     prompts_per_step: int = _f(1, "prompts (groups) per optimizer step")
     max_new_tokens: int = _f(16, "tokens sampled per response at most")
-    temperature: float = _f(1.0, "sampling temperature")
+    temperature: float = _f(1.0, f"sampling temperature, >= {MIN_TEMPERATURE} (below it sampling is greedy in all but "
+                                 "name and logits / temperature can overflow; for greedy use top_k = 1)")
     top_p: float = _f(1.0, "nucleus sampling mass (1.0 = off)")
     top_k: int = _f(0, "top-k sampling (0 = off)")
     # objective
     loss: str = _f("grpo", f"loss: {', '.join(LOSSES)}")
     advantage: str = _f("grpo", f"advantage estimator: {', '.join(ADVANTAGES)}")
     epsilon_low: float = _f(-1.0, "lower clip (ratio >= 1 - eps), in [0, 1); -1 = the loss's default")
-    epsilon_high: float = _f(-1.0, "upper clip (ratio <= 1 + eps), >= 0; -1 = the loss's default")
+    epsilon_high: float = _f(-1.0, "upper clip (ratio <= 1 + eps; cispo: the weight's cap itself), >= 0; -1 = the "
+                                   "loss's default")
     beta: float = _f(0.0, "KL coefficient against a frozen copy of the initial model (k3 estimator)")
     num_iterations: int = _f(1, "optimizer updates per rollout (>1 reuses it with PPO clipping)")
     dynamic_sampling: bool = _f(False, "drop groups whose rewards are all equal (DAPO)")
@@ -140,7 +148,11 @@ class TrainConfig:
         for name in ("lr", "temperature", "top_p", "beta", "weight_decay", "max_grad_norm"):
             value = getattr(self, name)
             need(math.isfinite(value) and value >= 0, f"{name} must be a finite number >= 0, got {value}")
-        need(self.lr > 0 and self.temperature > 0, "lr and temperature must be > 0")
+        need(self.lr > 0, "lr must be > 0")
+        need(self.temperature >= MIN_TEMPERATURE,
+             f"temperature must be >= {MIN_TEMPERATURE}, got {self.temperature}: below it sampling is already greedy "
+             "in all but name, and logits / temperature can overflow to inf (1e-45 makes every logit inf); for greedy "
+             "sampling use --top-k 1")
         # The clip widths: -1 (exactly) asks for the loss's own default; anything else must be a usable width.
         for name in ("epsilon_low", "epsilon_high"):
             value = getattr(self, name)
@@ -202,15 +214,26 @@ def load_toml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"config file not found: {path}")
-    with path.open("rb") as f:
-        try:
-            data = tomllib.load(f)
-        except tomllib.TOMLDecodeError as err:
-            raise ValueError(f"{path}: not valid TOML: {err}") from None
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = raw[: err.start].count(b"\n") + 1
+        raise ValueError(f"{path}:{line}: not UTF-8 (byte 0x{raw[err.start]:02x}): TOML files are UTF-8; save it as "
+                         "UTF-8") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:  # its message ends with "(at line N, column M)"
+        raise ValueError(f"{path}: not valid TOML: {err}") from None
     known = {f.name for f in fields(TrainConfig)}
     unknown = sorted(set(data) - known)
     if unknown:
         raise ValueError(f"{path}: unknown option(s) {', '.join(unknown)}; valid options: {', '.join(sorted(known))}")
+    # A destructive option is honoured only when typed for this invocation: a file reused for a later run would
+    # otherwise delete that run's directory without anyone asking for it.
+    if data.get("overwrite") is True:
+        raise ValueError(f"{path}: overwrite = true deletes the run already in run_dir; a file cannot ask for that: "
+                         "remove it from the file and pass --overwrite on the command line")
     types = {f.name: (f.type if isinstance(f.type, str) else f.type.__name__) for f in fields(TrainConfig)}
     accepts = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
     for key, value in data.items():

@@ -2,6 +2,11 @@
 
 Data is a pure function of (seed, step, prompt index), so resuming only needs the step number. The whole dataset
 (every jsonl row, or one generated example) is checked against the model's positions before step 1.
+
+Held-out prompts are never trained on. A generated task draws them from a seed stream training never draws from. A
+jsonl file is split once (`split_rows`): `eval_prompts` distinct rows, chosen by a shuffle of the row indices with
+a fixed seed (the same rows for every run seed, so seeds differ by their training only), are held out, and training
+draws only from the other rows. A file too small to leave a row to train on is refused.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ if TYPE_CHECKING:
     from longstraw.train.config import TrainConfig
 
 EVAL_SEED_OFFSET = 1_000_003  # held-out prompts come from a seed stream training never draws from
+HELD_OUT_SPLIT_SEED = 20_240_601  # the jsonl split's shuffle: fixed, so every run seed holds out the same rows
 
 
 class RewardError(ValueError):
@@ -50,12 +56,45 @@ def build_task(cfg: TrainConfig, tokenizer: Any) -> Task:
         raise ValueError(f"unknown task {cfg.task!r}")
 
 
+def split_rows(n_rows: int, held_out: int, where: str) -> tuple[list[int], list[int]]:
+    """(training rows, held-out rows), disjoint, as sorted indices into a jsonl file's `n_rows` rows: `held_out`
+    rows chosen by a fixed-seed shuffle are held out. ValueError naming `where` when no row would be left to train
+    on."""
+    if held_out == 0:
+        return list(range(n_rows)), []
+    if held_out >= n_rows:
+        raise ValueError(
+            f"{where} has {n_rows} row(s), too few to hold out eval_prompts = {held_out} for the held-out evaluation "
+            f"(rows never trained on) and keep at least one to train on: lower --eval-prompts to at most "
+            f"{n_rows - 1}, or add rows to the file"
+        )
+    order = list(range(n_rows))
+    random.Random(HELD_OUT_SPLIT_SEED).shuffle(order)
+    return sorted(order[held_out:]), sorted(order[:held_out])
+
+
+def check_data(cfg: TrainConfig) -> None:
+    """What can be checked of the data without the model, before anything is written: a jsonl file's rows (every
+    line parsed and decoded), its reward function (imported) and its held-out split (ValueError naming the file)."""
+    if cfg.task == "jsonl":
+        task = build_task(cfg, tokenizer=None)
+        assert isinstance(task, JsonlTask)
+        split_rows(len(task.rows), cfg.eval_prompts, str(task.path))
+
+
 class TaskData:
     """The task of `cfg` with its tokenizer; checks every prompt (`validate`) when created."""
 
     def __init__(self, cfg: TrainConfig, tokenizer: Any, max_positions: int | None) -> None:
         self.cfg, self.tokenizer, self.max_positions = cfg, tokenizer, max_positions
         self.task = build_task(cfg, tokenizer)
+        # jsonl: the rows training draws from and the held-out rows, disjoint; None for generated tasks.
+        self.train_rows: list[Example] | None = None
+        self.held_out_rows: list[Example] | None = None
+        if isinstance(self.task, JsonlTask):
+            train, held = split_rows(len(self.task.rows), cfg.eval_prompts, str(self.task.path))
+            self.train_rows = [self.task.rows[i] for i in train]
+            self.held_out_rows = [self.task.rows[i] for i in held]
         self.validate()
 
     def encode(self, example: Example, where: str = "") -> torch.Tensor:
@@ -81,12 +120,22 @@ class TaskData:
             self.encode(self.examples(0)[0])
 
     def examples(self, step: int) -> list[Example]:
-        """The prompts of 0-based `step`, each from its own seed (seed, step, index)."""
-        return [self.task.sample(random.Random(derive_seed(self.cfg.seed, step, j)))
-                for j in range(self.cfg.prompts_per_step)]
+        """The prompts of 0-based `step`, each from its own seed (seed, step, index); a jsonl file's rows uniformly
+        (with replacement) from its training rows."""
+        out = []
+        for j in range(self.cfg.prompts_per_step):
+            rng = random.Random(derive_seed(self.cfg.seed, step, j))
+            if self.train_rows is not None:
+                out.append(self.train_rows[rng.randrange(len(self.train_rows))])
+            else:
+                out.append(self.task.sample(rng))
+        return out
 
     def held_out(self) -> list[Example]:
-        """The held-out evaluation's prompts, from a seed stream training never draws from."""
+        """The held-out evaluation's prompts: a jsonl file's held-out rows, or a generated task's from a seed stream
+        training never draws from."""
+        if self.held_out_rows is not None:
+            return list(self.held_out_rows)
         return self.task.examples(self.cfg.eval_prompts, seed=self.cfg.seed + EVAL_SEED_OFFSET)
 
     def decode(self, ids: torch.Tensor) -> str:

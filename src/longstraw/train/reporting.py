@@ -188,8 +188,22 @@ class Report:
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    with path.open() as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The rows of a metrics.jsonl; ValueError naming the file and line for one that is not a JSON object (a file
+    cut short or damaged)."""
+    rows = []
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                row = json.loads(raw)
+            except (UnicodeDecodeError, json.JSONDecodeError) as err:
+                raise ValueError(f"{path}:{lineno}: not a metrics row, the file is cut short or damaged "
+                                 f"({type(err).__name__}: {str(err).splitlines()[0]})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{lineno}: not a metrics row (a JSON {type(row).__name__}, not an object)")
+            rows.append(row)
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------------- plots

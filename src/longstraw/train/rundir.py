@@ -4,7 +4,8 @@
   and removed), and a directory that already holds a run unless `--resume` (continue it) or `--overwrite`
   (delete LongStraw's files in it) is given; removes a temporary checkpoint a killed process left behind.
 - `check_resume_config`: the checkpoint's config against this run's. Another model is refused; fields that
-  change what is trained (task, data, loss, group size, learning rate, ...) are refused unless `--force`;
+  change what is trained (task, data, loss, group size, learning rate, ...; for a jsonl file also eval_prompts,
+  which sets the held-out rows training never draws) are refused unless `--force`;
   fields that only change how it is computed or how long it runs are listed as a note.
 - `truncate_metrics`: after a kill, metrics.jsonl may hold steps past the checkpoint (they are redone on
   resume) and a half-written last line; both are removed so every step appears once.
@@ -98,7 +99,10 @@ def check_resume_config(saved: dict[str, Any], current: dict[str, Any], force: b
     def changed(names: list[str]) -> list[str]:
         return [f"{k}: {saved[k]!r} -> {current[k]!r}" for k in names]
 
-    common = [k for k in current if k in saved and saved[k] != current[k] and k not in IGNORED_FIELDS]
+    # A jsonl file's held-out rows are `eval_prompts` rows that training never draws (data.split_rows): there the
+    # count changes which rows are trained on.
+    ignored = [k for k in IGNORED_FIELDS if not (k == "eval_prompts" and current.get("task") == "jsonl")]
+    common = [k for k in current if k in saved and saved[k] != current[k] and k not in ignored]
     noted = [k for k in common if k in NOTED_FIELDS]
     refused = [k for k in common if k not in NOTED_FIELDS]
     notes = []
