@@ -99,11 +99,11 @@ def test_format_prompt_without_chat_template(tiny_tokenizer) -> None:
 
 def test_make_task_names_and_errors(tiny_tokenizer) -> None:
     assert isinstance(make_task("passkey", tokenizer=tiny_tokenizer, prompt_tokens=200), PasskeyTask)
-    with pytest.raises(ValueError, match="valid names: passkey, multikey, kv, jsonl"):
+    with pytest.raises(ValueError, match="valid names: passkey, multikey, kv, jsonl, lookup"):
         make_task("needle")
     with pytest.raises(ValueError, match="unknown option.*prompt_len.*valid: tokenizer, prompt_tokens"):
         make_task("passkey", tokenizer=tiny_tokenizer, prompt_len=200)
-    assert TASKS == ("passkey", "multikey", "kv", "jsonl")
+    assert TASKS == ("passkey", "multikey", "kv", "jsonl", "lookup")
 
 
 def test_examples_is_seeded(tiny_tokenizer) -> None:

@@ -40,9 +40,13 @@ class TrainConfig:
     device: str = _f("cpu", "torch device: cpu, cuda or cuda:N (checked to exist before anything is loaded)")
     # task
     task: str = _f("passkey", f"task: {', '.join(TASKS)}")
-    prompt_tokens: int = _f(256, "approximate prompt length in tokens (passkey, multikey, kv)")
+    prompt_tokens: int = _f(256, "approximate prompt length in tokens (passkey, multikey, kv, lookup)")
     digits: int = _f(5, "digits of the hidden key (passkey, multikey)")
     num_keys: int = _f(4, "named keys in the prompt, one asked for (multikey) / pairs (kv)")
+    hops: int = _f(1, "lookups the answer needs, 1 or 2 (lookup)")
+    max_turns: int = _f(3, "model turns per response, each but the last ending in a tool call whose result the "
+                           "environment appends (lookup; single-turn tasks have one)")
+    format_reward: float = _f(0.0, "reward per well-formed lookup of an existing id, up to hops of them (lookup)")
     data: str = _f("", "jsonl file of {prompt, answer} lines (task jsonl)")
     reward_fn: str = _f("", "python reward 'module:function' called as fn(completion, answer) (task jsonl)")
     # group and sampling
@@ -138,13 +142,16 @@ class TrainConfig:
         need(self.dtype in DTYPES,  # float16 is refused above
              f"dtype {self.dtype!r} is unknown: choose float32, bfloat16 or float64")
         for name in ("group_size", "prompts_per_step", "max_new_tokens", "num_iterations", "chunk_size",
-                     "micro_batch", "steps", "prompt_tokens", "digits", "num_keys"):
+                     "micro_batch", "steps", "prompt_tokens", "digits", "num_keys", "max_turns"):
             need(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("save_every", "eval_prompts", "warmup_steps", "top_k", "stop_after", "bias_every"):
             need(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
         need(0 <= self.seed < 2**63, f"seed must be in [0, 2**63), got {self.seed}")
         need(self.group_size >= 2 or self.advantage == "mean_centered",
              f"group_size {self.group_size} is too small: GRPO compares responses within a group; use >= 2")
+        need(self.hops in (1, 2), f"hops must be 1 or 2, got {self.hops}")
+        need(math.isfinite(self.format_reward) and 0 <= self.format_reward <= 1,
+             f"format_reward must be in [0, 1], got {self.format_reward}")
         for name in ("lr", "temperature", "top_p", "beta", "weight_decay", "max_grad_norm"):
             value = getattr(self, name)
             need(math.isfinite(value) and value >= 0, f"{name} must be a finite number >= 0, got {value}")

@@ -17,7 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from longstraw.engine.sampling import Environment
 from longstraw.tasks import Example, JsonlTask, Task, format_prompt, make_task
+from longstraw.tasks.base import encode
+from longstraw.tasks.lookup import CALL_CLOSE, LookupTask
 
 if TYPE_CHECKING:
     from longstraw.train.config import TrainConfig
@@ -47,6 +50,9 @@ def build_task(cfg: TrainConfig, tokenizer: Any) -> Task:
                          n_keys=cfg.num_keys)
     elif cfg.task == "kv":
         return make_task("kv", tokenizer=tokenizer, prompt_tokens=cfg.prompt_tokens)
+    elif cfg.task == "lookup":
+        return make_task("lookup", tokenizer=tokenizer, prompt_tokens=cfg.prompt_tokens, hops=cfg.hops,
+                         format_reward=cfg.format_reward)
     elif cfg.task == "jsonl":
         options: dict[str, Any] = {"path": cfg.data}
         if cfg.reward_fn:
@@ -140,6 +146,28 @@ class TaskData:
 
     def decode(self, ids: torch.Tensor) -> str:
         return self.tokenizer.decode(ids.tolist(), skip_special_tokens=True)
+
+    @property
+    def call_end(self) -> tuple[int, ...]:
+        """An agent task's tool-call closing tokens (the sampler hands the response to the environment when a
+        response ends with them); () for single-turn tasks. A BPE tokenizer may merge the closing tag with what
+        precedes it; the tag's own tokenization is the one the environment answers."""
+        if not isinstance(self.task, LookupTask):
+            return ()
+        return tuple(encode(self.tokenizer, CALL_CLOSE))
+
+    def environment(self, example: Example) -> Environment | None:
+        """The agent task's environment for one prompt (`sampling.Environment`): sequence i's response so far ->
+        the observation's token ids, or None when its episode is over; None for single-turn tasks."""
+        task = self.task
+        if not isinstance(task, LookupTask):
+            return None
+
+        def observe(i: int, response: torch.Tensor) -> torch.Tensor | None:
+            text = task.observe(self.decode(response), example)
+            return None if text is None else torch.tensor(encode(self.tokenizer, text), dtype=torch.long)
+
+        return observe
 
     def reward(self, completion: str, example: Example, where: str) -> float:
         """The task's reward of one completion; RewardError naming the function and `where` if it fails."""

@@ -67,6 +67,7 @@ class ScoredGroup:
     group: Group
     state: PromptState | None  # the captured prompt state, reusable while the weights are unchanged
     rewards: torch.Tensor
+    turns: int = 0  # model turns over the group's responses (an agent task's; one per response otherwise)
 
 
 class Sampler:
@@ -76,8 +77,12 @@ class Sampler:
     def __init__(self, cfg: TrainConfig, data: TaskData, stop_ids: tuple[int, ...], reference: torch.nn.Module | None,
                  par: Parallel) -> None:
         self.cfg, self.data, self.reference, self.par = cfg, data, reference, par
+        # An agent task's responses are turns: a tool call's closing tokens hand the response to the environment.
+        self.call_end = data.call_end
+        self.max_turns = cfg.max_turns if self.call_end else 1
         self.sampling = SamplingConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                                       top_p=cfg.top_p, top_k=cfg.top_k, stop_ids=stop_ids)
+                                       top_p=cfg.top_p, top_k=cfg.top_k, stop_ids=stop_ids, call_end=self.call_end,
+                                       max_turns=self.max_turns)
 
     def step_groups(self, model: torch.nn.Module, step: int, progress: Progress, log: StepLog) -> list[ScoredGroup]:
         """This rank's prompts of 0-based `step` (all of them in one process), sampled and scored, each counted in
@@ -90,7 +95,9 @@ class Sampler:
                 progress.update(step, "rollout", j - mine.start, len(mine))
                 r = self.rollout(model, step, j, examples[j])
                 drop = self.cfg.dynamic_sampling and bool((r.rewards == r.rewards[0]).all())  # no signal in it
-                log.rollout(r.rewards, r.group.lengths, int(r.prompt.numel()), dropped=drop)
+                masks = r.group.loss_masks
+                log.rollout(r.rewards, r.group.lengths, int(r.prompt.numel()), dropped=drop, turns=r.turns,
+                            observation_tokens=0 if masks is None else sum(int((~m).sum()) for m in masks))
                 if not drop:
                     kept.append(r)
         log.rollouts_done()
@@ -103,7 +110,8 @@ class Sampler:
         cp = self.par.context_shards  # None unless ranks share prompts (--cp)
         # The exact plan reuses this state and needs the recurrent state at every chunk boundary; detach does not.
         out = sample_group(model, prompt, cfg.group_size, self.sampling, seed=derive_seed(cfg.seed, step, j, 1),
-                           chunk_size=cfg.chunk_size, keep_boundaries=cfg.plan == "exact", context_shards=cp)
+                           chunk_size=cfg.chunk_size, keep_boundaries=cfg.plan == "exact", context_shards=cp,
+                           environment=data.environment(example))
         rewards = torch.tensor([data.reward(data.decode(r), example, f"step {step + 1}") for r in out.responses],
                                dtype=torch.float64)
         advantages = compute_advantages(rewards, cfg.advantage)
@@ -113,8 +121,11 @@ class Sampler:
         if self.reference is not None:
             ref = score_responses(self.reference, prompt, out.responses, cfg.chunk_size, cfg.micro_batch,
                                   context_shards=cp)
-        group = Group(prompt, out.responses, advantages, old_logprobs=out.logprobs, ref_logprobs=ref)
-        return ScoredGroup(prompt=prompt, group=group, state=out.state, rewards=rewards)
+        # loss_masks: an agent task's observation tokens are context, not the policy's actions
+        group = Group(prompt, out.responses, advantages, old_logprobs=out.logprobs, ref_logprobs=ref,
+                      loss_masks=out.loss_masks)
+        return ScoredGroup(prompt=prompt, group=group, state=out.state, rewards=rewards,
+                           turns=sum(out.turns) if out.turns is not None else len(out.responses))
 
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module, when: str) -> float:
@@ -123,7 +134,8 @@ class Sampler:
         cfg, data, par = self.cfg, self.data, self.par
         if cfg.eval_prompts == 0:
             return float("nan")
-        greedy = SamplingConfig(max_new_tokens=cfg.max_new_tokens, top_k=1, stop_ids=self.sampling.stop_ids)
+        greedy = SamplingConfig(max_new_tokens=cfg.max_new_tokens, top_k=1, stop_ids=self.sampling.stop_ids,
+                                call_end=self.call_end, max_turns=self.max_turns)
         examples = data.held_out()
         mine = examples[par.dp_rank :: par.dp_size]  # blocks of ranks split the prompts
         talk = par.is_main
@@ -134,7 +146,7 @@ class Sampler:
         with par.compute(model, reduce=False):
             for i, example in enumerate(mine):
                 out = sample_group(model, data.encode(example), 1, greedy, chunk_size=cfg.chunk_size,
-                                   context_shards=par.context_shards)
+                                   context_shards=par.context_shards, environment=data.environment(example))
                 total += data.reward(data.decode(out.responses[0]), example, "held-out evaluation")
                 if talk and tty:
                     print(f"\r  prompt {i + 1}/{len(mine)}   ", end="", file=sys.stderr, flush=True)
