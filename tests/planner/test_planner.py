@@ -441,3 +441,21 @@ def test_planner_against_recorded_measurements(name):
                        for c, m, p in rows)
     for case, measured, predicted in rows:
         assert abs(predicted / measured - 1) <= 0.10, f"{name} {case}\n{report}"
+
+
+def test_observation_tokens_cost_what_response_tokens_cost(capsys):
+    """An agent's observation tokens run through the model like generated ones (masked from the loss only): the
+    forecast for R generated + O observation tokens is the forecast for R + O, and the header says so."""
+    from longstraw.cli import main
+
+    base = ["plan", "--model", "b1-llama", "--prompt-tokens", "8192", "--group-size", "8", "--dtype", "float32",
+            "--device", "cpu", "--json"]
+    assert main([*base, "--response-tokens", "192", "--observation-tokens", "384"]) == 0
+    agent = json.loads(capsys.readouterr().out)
+    assert main([*base, "--response-tokens", "576"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert {n: p["total_bytes"] for n, p in agent["plans"].items()} == \
+        {n: p["total_bytes"] for n, p in plain["plans"].items()}
+    assert agent["inputs"]["observation_tokens"] == 384 and agent["inputs"]["response_tokens"] == 576
+    assert main([*base[:-1], "--response-tokens", "192", "--observation-tokens", "384"]) == 0
+    assert "R=576 (of which 384 observation tokens)" in capsys.readouterr().out

@@ -39,7 +39,12 @@ def add_arguments(parser) -> None:
                         help=f"built-in ({', '.join(BUILTIN_NAMES)}), a preset (b1-llama, ...), a directory with "
                              "config.json, a config.json file, or a hub id")
     parser.add_argument("--prompt-tokens", type=positive_int, required=True, help="P")
-    parser.add_argument("--response-tokens", type=positive_int, required=True, help="R (every response)")
+    parser.add_argument("--response-tokens", type=positive_int, required=True,
+                        help="R (every response): generated tokens, or an agent's whole response")
+    parser.add_argument("--observation-tokens", type=non_negative_int, default=0,
+                        help="tokens an environment appends to each response (an agent's tool results): in the "
+                             "response's forward, activations and K/V like R (added to it), masked from the loss "
+                             "(default 0)")
     parser.add_argument("--group-size", type=positive_int, required=True, help="G")
     parser.add_argument("--gpus", type=positive_int, default=1, help="GPUs sharing the step (default 1)")
     parser.add_argument("--gpu-memory", default="80GB", help="memory per GPU, e.g. 96GB or 80GiB (default 80GB)")
@@ -97,7 +102,8 @@ def inputs_from_args(args) -> PlanInputs:
     if args.cp > args.gpus:
         raise ValueError(f"--cp {args.cp} needs at least as many GPUs (--gpus {args.gpus})")
     return PlanInputs(
-        prompt_tokens=args.prompt_tokens, response_tokens=args.response_tokens, group_size=args.group_size,
+        prompt_tokens=args.prompt_tokens, response_tokens=args.response_tokens + args.observation_tokens,
+        observation_tokens=args.observation_tokens, group_size=args.group_size,
         dtype=args.dtype, gpus=args.gpus, gpu_memory=parse_size(args.gpu_memory), cp=args.cp,
         shard=not args.no_shard, micro_batch=args.micro_batch, chunk_size=args.chunk_size,
         token_chunk=args.token_chunk, optimizer=args.optimizer, device=args.device,
@@ -126,7 +132,9 @@ def format_plan(document: dict[str, Any]) -> str:
     lines = [
         f"{model['name']} ({model['model_type']}, {model['params'] / 1e9:.2f}B params, layers "
         + ", ".join(f"{k}x{v}" for k, v in model["layer_kinds"].items()) + ")",
-        f"P={inp['prompt_tokens']} R={inp['response_tokens']} G={inp['group_size']} {inp['dtype']}, "
+        f"P={inp['prompt_tokens']} R={inp['response_tokens']}"
+        + (f" (of which {inp['observation_tokens']} observation tokens)" if inp.get("observation_tokens") else "")
+        + f" G={inp['group_size']} {inp['dtype']}, "
         f"{inp['gpus']} GPU(s) x {inp['gpu_memory'] / 1e9:.1f} GB, cp={inp['cp']}, "
         f"{'FSDP/ZeRO-3' if inp['shard'] and inp['gpus'] > 1 else 'no sharding'}, micro-batch "
         f"{inp['micro_batch']}, chunk {inp['chunk_size']}"

@@ -61,6 +61,9 @@ class PlanInputs:
     checkpoint_layers: bool = False  # per-layer activation checkpointing (backward_group(checkpoint="layers"))
     offload_state: bool = False  # prompt state + its gradient in host memory (backward_group(offload_state=True))
     keep_prompt_graph: int = 0  # exact: trailing capture chunks whose graph is kept (backward_group(keep_prompt_graph))
+    # Of response_tokens, those an environment appended (an agent's tool results): the same memory as generated
+    # tokens (they run through the model and LongStraw computes their log-probs too), only masked from the loss.
+    observation_tokens: int = 0
 
 
 @dataclass
