@@ -246,3 +246,18 @@ def test_bench_model_weights_are_resident_before_the_baseline(tmp_path):
         for p in model.parameters():
             p.sum()
     assert rss_bytes() - before < 0.1 * weights
+
+
+def test_multi_turn_groups_mask_each_turns_observation():
+    """`--turns 3 --observation-tokens 4` with R = 2: responses of 3 x (2 + 4) tokens whose loss masks are True on
+    each turn's 2 generated tokens only; the worker runs such a group through backward_group."""
+    from longstraw.bench.worker import make_group, run_config
+
+    group = make_group(512, 16, 2, 3, seed=0, turns=3, observation_tokens=4)
+    assert group.lengths == [18] * 3
+    assert group.loss_masks is not None
+    assert [m.tolist() for m in group.loss_masks] == [([True] * 2 + [False] * 4) * 3] * 3
+    result = run_config({"model": "tiny-llama", "dtype": "float32", "device": "cpu", "prompt_tokens": 16,
+                         "response_tokens": 2, "group_size": 2, "plan": "exact", "chunk_size": 8, "micro_batch": 1,
+                         "seed": 0, "checkpoint": "none", "turns": 3, "observation_tokens": 4})
+    assert result["peak_bytes"] > 0 and result["stats"]["group_size"] == 2

@@ -67,6 +67,10 @@ class MemoryBenchConfig:
     device: str = "cpu"
     prompt_tokens: int = 4096
     response_tokens: int = 256
+    # Multi-turn groups (an agent's): each response is `turns` turns of response_tokens generated tokens followed by
+    # observation_tokens an environment appended (masked from the loss): turns * (R + O) tokens in all.
+    turns: int = 1
+    observation_tokens: int = 0
     groups: tuple[int, ...] = (2, 4, 8, 16)
     plans: tuple[str, ...] = PLANS_BASELINE_FIRST  # table/column order: the baseline first
     chunk_size: int = 2048
@@ -205,6 +209,7 @@ def worker_config(config: MemoryBenchConfig, plan: str, group_size: int,
         "micro_batch": config.micro_batch, "seed": config.seed, "checkpoint": checkpoint,
         "offload_state": config.offload_state, "max_positions": config.max_positions,
         "keep_prompt_graph": config.keep_prompt_graph if plan == "exact" else 0,
+        "turns": config.turns, "observation_tokens": config.observation_tokens,
     }
 
 

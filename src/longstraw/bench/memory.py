@@ -138,7 +138,10 @@ def run_memory_bench(config: MemoryBenchConfig, out: str) -> dict[str, Any]:
 
 def describe(config: MemoryBenchConfig) -> str:
     return (f"{config.model} {config.dtype} on {config.device}, "
-            f"P={config.prompt_tokens} R={config.response_tokens}, G in {list(config.groups)}, "
+            f"P={config.prompt_tokens} R={config.response_tokens}"
+            + (f" x {config.turns} turns + {config.observation_tokens} observation tokens each (masked)"
+               if config.observation_tokens else "")
+            + f", G in {list(config.groups)}, "
             f"chunk {config.chunk_size}, micro-batch {config.micro_batch}, "
             f"checkpoint {' + '.join(config.checkpoints)}"
             + (", prompt state offloaded" if config.offload_state else "")
@@ -163,7 +166,8 @@ def add_prediction(entry: dict[str, Any], config: MemoryBenchConfig, predict) ->
         return
     try:
         g = int(entry["group_size"])
-        predicted = int(predict(config.prompt_tokens, config.response_tokens, g, str(entry["plan"]),
+        response_tokens = config.turns * (config.response_tokens + config.observation_tokens)
+        predicted = int(predict(config.prompt_tokens, response_tokens, g, str(entry["plan"]),
                                 config.chunk_size, config.micro_batch,
                                 checkpoint_layers=_checkpoint_of(entry) == "layers",
                                 offload_state=config.offload_state))
@@ -330,6 +334,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-tokens", type=positive_int, help=f"P (default {B1.prompt_tokens})")
     parser.add_argument("--response-tokens", type=positive_int,
                         help=f"R, every response (default {B1.response_tokens})")
+    parser.add_argument("--turns", type=positive_int, help="multi-turn groups: turns per response (default 1)")
+    parser.add_argument("--observation-tokens", type=positive_int, metavar="O",
+                        help="multi-turn groups: observation tokens after each turn's R generated ones, masked from "
+                             "the loss (an agent's tool results)")
     parser.add_argument("--groups", type=positive_int, nargs="+", metavar="G",
                         help=f"group sizes (default {' '.join(map(str, B1.groups))})")
     parser.add_argument("--plans", nargs="+", choices=PLANS, metavar="PLAN", dest="plans",
@@ -370,6 +378,7 @@ def config_from_args(args: argparse.Namespace, fail: Callable[[str], NoReturn]) 
     overrides = {
         "model": args.model, "dtype": args.dtype, "device": args.device,
         "prompt_tokens": args.prompt_tokens, "response_tokens": args.response_tokens,
+        "turns": getattr(args, "turns", None), "observation_tokens": getattr(args, "observation_tokens", None),
         "chunk_size": args.chunk_size, "micro_batch": args.micro_batch,
         "offload_state": getattr(args, "offload_state", None), "max_positions": getattr(args, "max_positions", None),
         "seed": args.seed, "timeout_s": args.timeout, "malloc_mmap_threshold": args.malloc_mmap_threshold,

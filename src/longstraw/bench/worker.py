@@ -47,17 +47,26 @@ def _cpu_stall_us() -> int | None:
 
 
 def make_group(
-    vocab_size: int, prompt_tokens: int, response_tokens: int, group_size: int, seed: int
+    vocab_size: int, prompt_tokens: int, response_tokens: int, group_size: int, seed: int, turns: int = 1,
+    observation_tokens: int = 0,
 ) -> Group:
     """Deterministic random group: prompt (P,), G responses of exactly R ids, advantages ~ N(0, 1) (G,).
+    Multi-turn (observation_tokens > 0): each response is `turns` turns of R generated ids and O observation ids,
+    (turns * (R + O),), with loss masks False on the observations.
 
     The same seed gives the same group for every plan, so plans are compared on identical inputs.
     """
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, vocab_size, (prompt_tokens,), generator=gen)
-    responses = [torch.randint(0, vocab_size, (response_tokens,), generator=gen) for _ in range(group_size)]
+    length = turns * (response_tokens + observation_tokens)
+    responses = [torch.randint(0, vocab_size, (length,), generator=gen) for _ in range(group_size)]
     advantages = torch.randn(group_size, generator=gen)
-    return Group(prompt=prompt, responses=responses, advantages=advantages)
+    masks = None
+    if observation_tokens:
+        turn = torch.cat([torch.ones(response_tokens, dtype=torch.bool),
+                          torch.zeros(observation_tokens, dtype=torch.bool)])  # (R + O,): one turn's mask
+        masks = [turn.repeat(turns) for _ in range(group_size)]
+    return Group(prompt=prompt, responses=responses, advantages=advantages, loss_masks=masks)
 
 
 def run_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -71,7 +80,8 @@ def run_config(config: dict[str, Any]) -> dict[str, Any]:
         model.config.max_position_embeddings = int(config["max_positions"])
     group = make_group(
         model.config.vocab_size, int(config["prompt_tokens"]), int(config["response_tokens"]),
-        int(config["group_size"]), int(config["seed"]),
+        int(config["group_size"]), int(config["seed"]), int(config.get("turns", 1)),
+        int(config.get("observation_tokens", 0)),
     )
     on_cuda = torch.device(device).type == "cuda"
     # Drop garbage from model construction so it is neither in the baseline nor freed mid-step.
