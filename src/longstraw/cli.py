@@ -78,6 +78,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     peers_bench.add_arguments(peers_parser)
     peers_parser.set_defaults(fail=peers_parser.error)
+    from longstraw.bench import trl_scale as trl_scale_bench
+
+    trl_scale_parser = benches.add_parser(
+        "trl-scale", help="TRL's GRPOTrainer and the drop-in on 2 processes: DDP, FSDP2, context parallelism",
+        description="trl.GRPOTrainer (DDP, FSDP2) and LongStrawGRPOTrainer (DDP, FSDP2, FSDP2 + cp 2), each as 2 "
+                    "fresh CPU processes (gloo) training one group per rank for one optimizer step: per-rank peak "
+                    "memory, tensors at rest, prompt state, step time, beside `longstraw plan`'s forecast; table and "
+                    "JSON. Needs the trl extra.",
+    )
+    trl_scale_bench.add_arguments(trl_scale_parser)
+    trl_scale_parser.set_defaults(fail=trl_scale_parser.error)
     from longstraw.bench import decode as decode_bench
 
     decode_parser = benches.add_parser(
@@ -178,6 +189,10 @@ def main(argv: list[str] | None = None) -> int:
         from longstraw.bench import peers as peers_bench
 
         return peers_bench.run_from_args(args)
+    if args.command == "bench" and args.bench == "trl-scale":
+        from longstraw.bench import trl_scale as trl_scale_bench
+
+        return trl_scale_bench.run_from_args(args)
     if args.command == "bench" and args.bench == "decode":
         from longstraw.bench import decode as decode_bench
 

@@ -1,6 +1,7 @@
 """What the TRL equality tests share, in one process or in several (trl_ddp_child.py): the fixed completions
 that stand in for generation, the reward, the float64 log-prob kernel swapped into TRL, the gradient recorder, and
-one training run from a saved model."""
+one training run from a saved model; and, for the children, accelerate's FSDP path on CPU processes
+(`accelerate_fsdp_on_cpu`, from `longstraw.integrations.accelerate_cpu`, which `longstraw bench trl-scale` uses too)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from datasets import Dataset
 from helpers import faithful_float64
 from transformers import AutoModelForCausalLM, TrainerCallback
 
+from longstraw.integrations.accelerate_cpu import accelerate_fsdp_on_cpu  # noqa: F401
 from longstraw.models.tokenizer import byte_tokenizer_hf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -18,32 +20,6 @@ G = 4
 MAX_COMPLETION = 12
 PROMPTS = [f"Question {i:02d}: what is the colour of item {i:02d}?" for i in range(8)]  # equal lengths
 RAGGED = [p + " Please." * (i % 3) for i, p in enumerate(PROMPTS)]
-
-
-def accelerate_fsdp_on_cpu() -> None:
-    """Let accelerate run its FSDP path on CPU processes (gloo). accelerate enables FSDP only for accelerator
-    distributed types (MULTI_GPU, ...) and on MULTI_CPU drops the FSDP plugin silently, so without this a CPU test of
-    `fsdp=True` would run plain DDP. Every `AcceleratorState()` re-reads the process state (MULTI_CPU), so the patch
-    is on its initialiser: a plugin it was given is kept, with its mixed precision set, and the distributed type is
-    FSDP, as on a GPU. Model preparation is then accelerate's own (`fsdp2_prepare_model`: `fully_shard` per
-    transformer layer and the root, on a CPU device mesh)."""
-    from accelerate.state import AcceleratorState
-    from accelerate.utils import DistributedType
-
-    init = AcceleratorState.__init__
-
-    def patched(self, *args, fsdp_plugin=None, **kwargs):
-        init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
-        if self.distributed_type != DistributedType.MULTI_CPU:
-            return
-        if fsdp_plugin is not None and getattr(self, "fsdp_plugin", None) is None:
-            if self.mixed_precision != "no":
-                fsdp_plugin.set_mixed_precision(self.mixed_precision)
-            self.fsdp_plugin = fsdp_plugin
-        if getattr(self, "fsdp_plugin", None) is not None:
-            self.distributed_type = DistributedType.FSDP
-
-    AcceleratorState.__init__ = patched
 
 
 class Float64LogProbs:
