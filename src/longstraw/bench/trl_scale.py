@@ -12,9 +12,9 @@ Default shape: b1-llama, float32, P = 8192 prompt tokens, G = 8 completions of R
 Per row the table gives the largest rank's: step peak (VmHWM above the RSS at the start of the step, after the model
 was prepared: the whole step, optimizer included), the local bytes of parameters + optimizer state at rest, the
 step peak plus those (what the rank holds at its peak, tensors only), the process's absolute VmHWM, the prompt state
-a rank holds, the step's wall and CPU time and CPU pressure; then `longstraw plan`'s forecast of the step peak (`step_bytes`: the
-peak above the weights, `--optimizer none`) for the same configuration and measured / forecast. The forecasts:
-TRL rows are `standard_batched` (G full sequences in one batch), the drop-in's `exact`, both with
+a rank holds, the step's wall and CPU time and CPU pressure; then `longstraw plan`'s forecast of the step peak
+(`step_bytes`: the peak above the weights, `--optimizer none`) for the same configuration and measured / forecast.
+The forecasts: TRL rows are `standard_batched` (G full sequences in one batch), the drop-in's `exact`, both with
 `--checkpoint-layers` when checkpointing is on, `--gpus 2`, `--no-shard` for DDP, `--cp 2` for the context-parallel
 row. The planner models FSDP as FSDP's own schedule, a layer gathered at a time; the drop-in runs under
 `sharded_compute`, which gathers every parameter once and holds the full gradient until one reduce-scatter: its
