@@ -173,30 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     passive_openmp_wait()  # first: before any command imports torch
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "bench" and args.bench == "memory":
-        from longstraw.bench import memory
-
-        return memory.run_from_args(args)
-    if args.command == "bench" and args.bench in ("prompt", "pareto", "arch"):
-        from longstraw.bench import sweeps
-
-        return sweeps.run_from_args(args)
-    if args.command == "bench" and args.bench == "cp":
-        from longstraw.bench import cp as cp_bench
-
-        return cp_bench.run_from_args(args)
-    if args.command == "bench" and args.bench == "peers":
-        from longstraw.bench import peers as peers_bench
-
-        return peers_bench.run_from_args(args)
-    if args.command == "bench" and args.bench == "trl-scale":
-        from longstraw.bench import trl_scale as trl_scale_bench
-
-        return trl_scale_bench.run_from_args(args)
-    if args.command == "bench" and args.bench == "decode":
-        from longstraw.bench import decode as decode_bench
-
-        return decode_bench.run_from_args(args)
+    if args.command == "bench":
+        return _bench(args)
     if args.command == "plan":
         from longstraw import planner
 
@@ -218,6 +196,62 @@ def main(argv: list[str] | None = None) -> int:
         return compare.run_from_args(args)
     parser.error(f"unknown command {args.command!r}")
     return 2
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM raised as an exception, like Ctrl-C's KeyboardInterrupt; `signum` gives the exit status."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(f"signal {signum}")
+
+
+def _bench(args: argparse.Namespace) -> int:
+    """Run a benchmark. SIGTERM (what `timeout` and schedulers send) is raised like Ctrl-C, so every process the
+    bench started is ended on the way out (its `finally` blocks run; `subprocess.run` kills its child); either ends
+    with one line and status 128 + signal, no traceback."""
+    import signal
+
+    def terminate(signum: int, frame: object) -> None:
+        raise _Terminated(signum)
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        return _run_bench(args)
+    except KeyboardInterrupt as err:
+        signum = getattr(err, "signum", signal.SIGINT)
+        print(f"longstraw bench {args.bench}: stopped by {signal.Signals(signum).name}", file=sys.stderr)
+        return 128 + int(signum)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    if args.bench == "memory":
+        from longstraw.bench import memory
+
+        return memory.run_from_args(args)
+    if args.bench in ("prompt", "pareto", "arch"):
+        from longstraw.bench import sweeps
+
+        return sweeps.run_from_args(args)
+    if args.bench == "cp":
+        from longstraw.bench import cp as cp_bench
+
+        return cp_bench.run_from_args(args)
+    if args.bench == "peers":
+        from longstraw.bench import peers as peers_bench
+
+        return peers_bench.run_from_args(args)
+    if args.bench == "trl-scale":
+        from longstraw.bench import trl_scale as trl_scale_bench
+
+        return trl_scale_bench.run_from_args(args)
+    if args.bench == "decode":
+        from longstraw.bench import decode as decode_bench
+
+        return decode_bench.run_from_args(args)
+    raise ValueError(f"unknown bench {args.bench!r}")
 
 
 def _train(trainer: ModuleType, cfg: TrainConfig, debug: bool) -> int:

@@ -54,6 +54,16 @@ def completions(self, prompt_ids, images, multimodal_fields, num_generations, ha
     return out, None
 
 
+def rollout_with_observations(prompts, trainer):
+    """A multi-turn stand-in for TRL's `rollout_func`: the fixed completions of `completions` (one per entry of
+    `prompts`, which holds each prompt G times), where tokens [1, 1 + n//3) of each are an environment's
+    observation: `env_mask` 0 there (TRL turns it into its tool mask, as it does for `tools`' results)."""
+    prompt_ids = [trainer.processing_class(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    completion_ids, _ = completions(trainer, prompt_ids, None, None, trainer.num_generations)
+    env_mask = [[0 if 1 <= t < 1 + len(ids) // 3 else 1 for t in range(len(ids))] for ids in completion_ids]
+    return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None, "env_mask": env_mask}
+
+
 def reward(completions, **kwargs):
     return [float(c.count("a") + c.count("e") + len(c) % 3) for c in completions]
 
@@ -70,7 +80,7 @@ class Gradients(TrainerCallback):
 
 
 def train(trainer_cls, config_cls, model_dir, tmp_path, dtype=torch.float64, prompts=PROMPTS, peft_config=None,
-           sample=False, info=None, **config):
+           sample=False, info=None, rollout_func=None, **config):
     """One run from the saved model; returns (gradient per optimizer step, parameters after). sample: TRL's own
     generation (transformers' generate) instead of the fixed completions. info: a dict that gets how the run was
     distributed ("fsdp": accelerate's FSDP on, "sharded": the parameters are DTensors)."""
@@ -89,8 +99,9 @@ def train(trainer_cls, config_cls, model_dir, tmp_path, dtype=torch.float64, pro
     gradients = Gradients()
     trainer = trainer_cls(model, reward_funcs=reward, args=config_cls(output_dir=str(tmp_path / "out"), **settings),
                           train_dataset=Dataset.from_dict({"prompt": list(prompts)}),
-                          processing_class=byte_tokenizer_hf(), callbacks=[gradients], peft_config=peft_config)
-    if not sample:
+                          processing_class=byte_tokenizer_hf(), callbacks=[gradients], peft_config=peft_config,
+                          rollout_func=rollout_func)
+    if not sample and rollout_func is None:
         trainer._generate_single_turn = completions.__get__(trainer)
     trainer.train()
     if info is not None:
