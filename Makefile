@@ -66,6 +66,9 @@ bench-smoke: install
 plan-paper: install
 	$(BIN)/longstraw plan --model hybrid-27b --prompt-tokens 2100000 --response-tokens 4096 --group-size 8 \
 		--gpus 8 --gpu-memory 96GB --dtype bf16 --cp 8 --chunk-size 8192 --checkpoint-layers --offload-state
+	$(BIN)/longstraw plan --model hybrid-27b --prompt-tokens 2100000 --response-tokens 4096 --group-size 8 \
+		--gpus 8 --gpu-memory 96GB --dtype bf16 --cp 8 --chunk-size 8192 --checkpoint-layers --offload-state \
+		--fsdp-gather layer
 
 # The stress record (docs/benchmarks.md): doubles P until one exact GRPO step fails or takes over 25 min.
 stress: install

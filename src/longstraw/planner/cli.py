@@ -51,6 +51,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPE_BYTES), help="parameter dtype")
     parser.add_argument("--cp", type=positive_int, default=1, help="context-parallel degree of the prompt state")
     parser.add_argument("--no-shard", action="store_true", help="replicate weights/grads/optimizer (no FSDP)")
+    parser.add_argument("--fsdp-gather", choices=("all", "layer"), default="all",
+                        help="how FSDP gathers parameters for detach/exact: all (default: what LongStraw's "
+                             "sharded_compute does, the whole model and the full gradient through the step) or layer "
+                             "(a layer at a time: a forecast for layer-wise gathering, not built)")
     parser.add_argument("--micro-batch", type=positive_int, default=1, help="responses replayed at once")
     parser.add_argument("--chunk-size", type=positive_int, default=2048, help="prompt chunk (capture/backward)")
     parser.add_argument("--token-chunk", type=positive_int, default=1024, help="rows per log-prob block")
@@ -108,7 +112,7 @@ def inputs_from_args(args) -> PlanInputs:
         shard=not args.no_shard, micro_batch=args.micro_batch, chunk_size=args.chunk_size,
         token_chunk=args.token_chunk, optimizer=args.optimizer, device=args.device,
         reserve=parse_size(args.reserve) if args.reserve else None, checkpoint_layers=args.checkpoint_layers,
-        offload_state=args.offload_state, keep_prompt_graph=args.keep_prompt_graph,
+        offload_state=args.offload_state, keep_prompt_graph=args.keep_prompt_graph, fsdp_gather=args.fsdp_gather,
     )
 
 
@@ -136,7 +140,10 @@ def format_plan(document: dict[str, Any]) -> str:
         + (f" (of which {inp['observation_tokens']} observation tokens)" if inp.get("observation_tokens") else "")
         + f" G={inp['group_size']} {inp['dtype']}, "
         f"{inp['gpus']} GPU(s) x {inp['gpu_memory'] / 1e9:.1f} GB, cp={inp['cp']}, "
-        f"{'FSDP/ZeRO-3' if inp['shard'] and inp['gpus'] > 1 else 'no sharding'}, micro-batch "
+        f"{'FSDP/ZeRO-3' if inp['shard'] and inp['gpus'] > 1 else 'no sharding'}"
+        + (f" (LongStraw's plans gather {'every parameter' if inp.get('fsdp_gather', 'all') == 'all' else 'a layer'}"
+           " at a time)" if inp["shard"] and inp["gpus"] > 1 else "")
+        + ", micro-batch "
         f"{inp['micro_batch']}, chunk {inp['chunk_size']}"
         + (", per-layer activation checkpointing" if inp["checkpoint_layers"] else "")
         + (", prompt state offloaded to host memory" if inp.get("offload_state") else "")

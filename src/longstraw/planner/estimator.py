@@ -61,6 +61,10 @@ class PlanInputs:
     checkpoint_layers: bool = False  # per-layer activation checkpointing (backward_group(checkpoint="layers"))
     offload_state: bool = False  # prompt state + its gradient in host memory (backward_group(offload_state=True))
     keep_prompt_graph: int = 0  # exact: trailing capture chunks whose graph is kept (backward_group(keep_prompt_graph))
+    # FSDP gathering of LongStraw's plans (detach, exact): "all" (what `distributed.fsdp.sharded_compute` does today:
+    # every parameter and the full gradient through the step) or "layer" (one layer at a time, as FSDP's hooks do
+    # for the standard plans; not built for LongStraw's replay).
+    fsdp_gather: str = "all"
     # Of response_tokens, those an environment appended (an agent's tool results): the same memory as generated
     # tokens (they run through the model and LongStraw computes their log-probs too), only masked from the loss.
     observation_tokens: int = 0
@@ -117,6 +121,14 @@ def estimate(spec: ModelSpec, inp: PlanInputs, plan: str) -> PlanEstimate:
     else:
         raise ValueError(f"unknown optimizer {inp.optimizer!r}: adamw or none")
     gathered = (2 * max(spec.max_layer_params, v * d) + spec.max_layer_params) * b if shards > 1 else 0
+    if inp.fsdp_gather not in ("all", "layer"):
+        raise ValueError(f"fsdp_gather must be 'all' or 'layer', got {inp.fsdp_gather!r}")
+    if shards > 1 and plan in ("detach", "exact") and inp.fsdp_gather == "all":
+        # LongStraw under FSDP (its trainer and the TRL drop-in: `distributed.fsdp.sharded_compute`) gathers every
+        # parameter once for the whole block and reduce-scatters the gradient once at its end: during the step a
+        # rank holds the full parameters and the full, unsharded gradient (measured: `bench trl-scale`).
+        gathered = n * b
+        grads = n * b
     if inp.reserve is not None:
         runtime = inp.reserve
     elif inp.device == "cpu":
