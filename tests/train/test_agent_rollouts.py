@@ -41,5 +41,6 @@ def test_the_trainers_sampler_runs_multi_turn_rollouts(monkeypatch, tmp_path):
         observed = response[~mask].tolist()
         assert len(observed) % len(observation) == 0 and observed == observation * (len(observed) // len(observation))
     assert scored.turns > cfg.group_size and log.observation_tokens == sum(int((~m).sum()) for m in masks)
+    assert scored.tool_calls >= scored.turns - cfg.group_size and log.tool_calls == scored.tool_calls
     backward_group(model, scored.group, plan="exact", chunk_size=cfg.chunk_size, prompt_state=scored.state)
     assert any(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in model.parameters())

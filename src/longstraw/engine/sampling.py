@@ -67,13 +67,14 @@ Environment = Callable[[int, torch.Tensor], "torch.Tensor | None"]
 class Rollout:
     """responses: (R_i,) ids each; logprobs: (R_i,) policy log-probs; state: the captured prompt[:-1].
     loss_masks (multi-turn): (R_i,) bool, False on observation tokens; None without an environment. turns: the
-    model turns of each response (1 without an environment)."""
+    model turns of each response (1 without an environment); tool_calls: the environment's calls per response."""
 
     responses: list[torch.Tensor]
     logprobs: list[torch.Tensor]
     state: PromptState
     loss_masks: list[torch.Tensor] | None = None
     turns: list[int] | None = None
+    tool_calls: list[int] | None = None
 
 
 def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -161,7 +162,8 @@ def sample_group(
     if environment is None:
         return Rollout(responses=responses, logprobs=logprobs, state=state)
     masks = turns.loss_masks([int(n) for n in lengths])
-    return Rollout(responses=responses, logprobs=logprobs, state=state, loss_masks=masks, turns=turns.turns)
+    return Rollout(responses=responses, logprobs=logprobs, state=state, loss_masks=masks, turns=turns.turns,
+                   tool_calls=turns.calls)
 
 
 class _Turns:
@@ -174,6 +176,7 @@ class _Turns:
         self.pending: list[list[int]] = [[] for _ in range(group_size)]
         self.observed: list[list[bool]] = [[] for _ in range(group_size)]  # per step: an observation token
         self.turns = [1] * group_size
+        self.calls = [0] * group_size  # the environment's calls
 
     def forced(self, nxt: torch.Tensor) -> torch.Tensor:
         """Put each observing sequence's next observation token into `nxt` (G,) in place; which were forced."""
@@ -205,6 +208,7 @@ class _Turns:
                 continue
             response = torch.stack([t[i] for t in tokens])
             observation = self.environment(i, response)
+            self.calls[i] += 1
             room = self.sampling.max_new_tokens - (step + 1)
             if observation is None or observation.numel() == 0 or observation.numel() >= room:
                 ends[i] = True  # the episode is over, or its observation (and a reply) would not fit

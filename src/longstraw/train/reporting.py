@@ -43,15 +43,17 @@ class StepLog:
         self.t0 = self.t1 = time.perf_counter()
         self.rewards: list[torch.Tensor] = []
         self.dropped = self.response_tokens = self.prompt_tokens = self.observation_tokens = self.turns = 0
+        self.tool_calls = 0
 
     def rollout(self, rewards: torch.Tensor, response_lengths: list[int], prompt_tokens: int, dropped: bool,
-                observation_tokens: int = 0, turns: int | None = None) -> None:
+                observation_tokens: int = 0, turns: int | None = None, tool_calls: int = 0) -> None:
         """One sampled group: its rewards and response tokens count (and an agent task's observation tokens and
         model turns); its prompt only if the group is kept."""
         self.rewards.append(rewards)
         self.response_tokens += sum(response_lengths)
         self.observation_tokens += observation_tokens
         self.turns += len(response_lengths) if turns is None else turns
+        self.tool_calls += tool_calls
         self.dropped += dropped
         self.prompt_tokens += 0 if dropped else prompt_tokens
 
@@ -66,7 +68,7 @@ class StepLog:
         ranks = par.gather({  # every rank's share of the step, in rank order (= prompt order)
             "rewards": torch.cat(self.rewards), "dropped": self.dropped, "response_tokens": self.response_tokens,
             "prompt_tokens": self.prompt_tokens, "peak": self.meter.peak_absolute_bytes(),
-            "observation_tokens": self.observation_tokens, "turns": self.turns,
+            "observation_tokens": self.observation_tokens, "turns": self.turns, "tool_calls": self.tool_calls,
             "t_rollout": self.t1 - self.t0, "t_train": t2 - self.t1, "t_step": t2 - self.t0, "skipped": skipped,
         })
         peak = max(x["peak"] for x in ranks)
@@ -91,6 +93,7 @@ class StepLog:
             # agent tasks: tokens the environment appended (in the responses, not in the loss), model turns
             "observation_tokens_mean": sum(x["observation_tokens"] for x in ranks) / max(1, rewards.numel()),
             "turns_mean": sum(x["turns"] for x in ranks) / max(1, rewards.numel()),
+            "tool_calls_mean": sum(x["tool_calls"] for x in ranks) / max(1, rewards.numel()),
             "prompt_tokens": prompt_tokens // max(1, n_kept // par.cp_size) if n_kept else 0,
             "peak_memory_bytes": peak,  # the largest rank's
             "tokens_per_s": (prompt_tokens + response_tokens) / max(1e-9, max(x["t_step"] for x in ranks)),

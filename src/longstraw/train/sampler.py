@@ -68,6 +68,7 @@ class ScoredGroup:
     state: PromptState | None  # the captured prompt state, reusable while the weights are unchanged
     rewards: torch.Tensor
     turns: int = 0  # model turns over the group's responses (an agent task's; one per response otherwise)
+    tool_calls: int = 0  # the environment's calls over the group's responses
 
 
 class Sampler:
@@ -97,6 +98,7 @@ class Sampler:
                 drop = self.cfg.dynamic_sampling and bool((r.rewards == r.rewards[0]).all())  # no signal in it
                 masks = r.group.loss_masks
                 log.rollout(r.rewards, r.group.lengths, int(r.prompt.numel()), dropped=drop, turns=r.turns,
+                            tool_calls=r.tool_calls,
                             observation_tokens=0 if masks is None else sum(int((~m).sum()) for m in masks))
                 if not drop:
                     kept.append(r)
@@ -125,7 +127,8 @@ class Sampler:
         group = Group(prompt, out.responses, advantages, old_logprobs=out.logprobs, ref_logprobs=ref,
                       loss_masks=out.loss_masks)
         return ScoredGroup(prompt=prompt, group=group, state=out.state, rewards=rewards,
-                           turns=sum(out.turns) if out.turns is not None else len(out.responses))
+                           turns=sum(out.turns) if out.turns is not None else len(out.responses),
+                           tool_calls=sum(out.tool_calls) if out.tool_calls is not None else 0)
 
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module, when: str) -> float:
