@@ -93,7 +93,10 @@ def test_bad_values_are_refused_through_the_subcommands_usage(argv, message, cap
     assert "usage: longstraw bench decode" in err and message in err
 
 
-def test_options_override_the_shape():
+def test_options_override_the_shape(monkeypatch):
+    # --device cuda:1 is checked to exist: this CPU test stands in a machine with two GPUs.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     args = build_parser().parse_args(["bench", "decode", "--prompts", "4096", "4096", "512", "--group-size", "4",
                                       "--new-tokens", "8", "--chunk-size", "1024", "--device", "cuda:1",
                                       "--model", "gpu-llama-1b", "--dtype", "bfloat16"])
