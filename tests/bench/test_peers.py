@@ -323,9 +323,10 @@ def _running(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads child processes from Linux's /proc")
-def test_sigterm_ends_the_bench_and_its_busy_neighbours(tmp_path):
-    """`timeout` sends SIGTERM: the bench stops with one line and status 143, and its busy-loop neighbours end with
-    it instead of running forever."""
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_ends_the_bench_and_its_busy_neighbours(tmp_path, signum):
+    """`timeout` sends SIGTERM, Ctrl-C SIGINT: the bench stops with one line and status 128 + signal, and its
+    busy-loop neighbours end with it instead of running forever."""
     code = "import sys; from longstraw.cli import main; sys.exit(main(sys.argv[1:]))"
     env = dict(os.environ, PYTHONPATH=SRC)
     proc = subprocess.Popen([sys.executable, "-c", code, "bench", "peers", "--smoke", "--neighbours", "2",
@@ -337,10 +338,10 @@ def test_sigterm_ends_the_bench_and_its_busy_neighbours(tmp_path):
         busy = [c for c in _children(proc.pid) if BUSY_LOOP in Path(f"/proc/{c}/cmdline").read_text()]
         time.sleep(0.1)
     assert len(busy) == 2, "the bench did not start its two neighbours"
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signum)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 143, err[-2000:]
-    assert "stopped by SIGTERM" in err and "Traceback" not in err
+    assert proc.returncode == 128 + signum, err[-2000:]
+    assert f"stopped by {signal.Signals(signum).name}" in err and "Traceback" not in err
     deadline = time.monotonic() + 10
     while any(_running(pid) for pid in busy) and time.monotonic() < deadline:
         time.sleep(0.1)
