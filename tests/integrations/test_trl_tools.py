@@ -131,8 +131,12 @@ def train(trainer_cls, config_cls, model_dir, tmp_path, drop_tool_mask=False, **
     return gradients.steps, masks
 
 
-@pytest.mark.parametrize("config", [dict(loss_type="grpo", beta=0.04), dict(loss_type="dapo"),
-                                    dict(loss_type="dr_grpo", num_iterations=2)], ids=["grpo", "dapo", "dr_grpo"])
+# grpo with the KL term runs in the default suite; the other normalisers (each ~1 min of three trainings) in
+# `make test-slow` (the rollout_func env_mask test of test_trl.py covers them on the same mask path by default).
+@pytest.mark.parametrize("config", [
+    pytest.param(dict(loss_type="grpo", beta=0.04), id="grpo"),
+    pytest.param(dict(loss_type="dapo"), id="dapo", marks=pytest.mark.slow),
+    pytest.param(dict(loss_type="dr_grpo", num_iterations=2), id="dr_grpo", marks=pytest.mark.slow)])
 def test_tool_results_are_masked_as_trl_masks_them(tmp_path, model_dir, float64_trl_kernel, config):
     """TRL's tool-call loop runs (the tool is called, its results are in the completions with tool_mask 0) and the
     drop-in's update equals TRL's; without the tool mask the gradient differs (the test data reaches the masks)."""
