@@ -340,27 +340,44 @@ MULTI_PROCESS_CASES |= {"fsdp2-float32": dict(_CASES["grpo"], fsdp=True, dtype="
                         "fsdp2-bf16": dict(_CASES["grpo"], fsdp=True, dtype="float32", bf16=True, use_cpu=True)}
 
 
-@pytest.fixture(scope="module")
-def multi_process_runs(model_dirs, tmp_path_factory):
-    """2 ranks running every case, with torchrun's environment and ACCELERATE_USE_CPU=1: accelerate's MULTI_CPU
-    over gloo (`accelerate launch --cpu` would start one process on this machine)."""
-    out = tmp_path_factory.mktemp("trl-multi")
+# The default suite runs one case of each layout and the mixed-precision pair (~1 minute of two-process runs);
+# `make test-slow` the others.
+DEFAULT_CASES = ("ddp-dapo-beta", "fsdp2-iterations-accumulation", "fsdp2-cp2-dapo-beta", "fsdp2-float32",
+                 "fsdp2-bf16")
+
+
+def _launch(cases: dict, model_dir: str, out: Path) -> Path:
+    """2 ranks running `cases`, with torchrun's environment and ACCELERATE_USE_CPU=1: accelerate's MULTI_CPU over
+    gloo (`accelerate launch --cpu` would start one process on this machine)."""
     here = Path(__file__).resolve().parent
-    ranks = run_ranks([str(here / "trl_ddp_child.py"), model_dirs["llama"], str(out),
-                       json.dumps(MULTI_PROCESS_CASES)], 2, timeout=900, paths=[here, here.parent, Path(ROOT) / "src"],
-                      env={"ACCELERATE_USE_CPU": "1"})
+    ranks = run_ranks([str(here / "trl_ddp_child.py"), model_dir, str(out), json.dumps(cases)], 2, timeout=900,
+                      paths=[here, here.parent, Path(ROOT) / "src"], env={"ACCELERATE_USE_CPU": "1"})
     for code, output in ranks:
         assert code == 0, output[-4000:]
     return out
 
 
-@pytest.mark.parametrize("case", FLOAT64_CASES)
-def test_two_processes_equal_trl_two_processes(multi_process_runs, case):
+@pytest.fixture(scope="module")
+def multi_process_runs(model_dirs, tmp_path_factory):
+    return _launch({k: MULTI_PROCESS_CASES[k] for k in DEFAULT_CASES}, model_dirs["llama"],
+                   tmp_path_factory.mktemp("trl-multi"))
+
+
+@pytest.fixture(scope="module")
+def slow_multi_process_runs(model_dirs, tmp_path_factory):
+    return _launch({k: v for k, v in MULTI_PROCESS_CASES.items() if k not in DEFAULT_CASES}, model_dirs["llama"],
+                   tmp_path_factory.mktemp("trl-multi-slow"))
+
+
+@pytest.mark.parametrize("case", [c if c in DEFAULT_CASES else pytest.param(c, marks=pytest.mark.slow)
+                                  for c in FLOAT64_CASES])
+def test_two_processes_equal_trl_two_processes(request, case):
     """float64, 2 processes: after each of 2 optimizer steps the drop-in's gradient equals TRL's, and so do the
     parameters after. DDP: TRL's DDP averages the ranks' gradients, the drop-in all-reduces them once per step.
     FSDP2: both shard the parameters; the drop-in gathers them once per micro-batch and reduce-scatters once."""
-    trl_run = torch.load(multi_process_runs / f"{case}-trl.pt", weights_only=False)
-    ours = torch.load(multi_process_runs / f"{case}-longstraw.pt", weights_only=False)
+    runs = request.getfixturevalue("multi_process_runs" if case in DEFAULT_CASES else "slow_multi_process_runs")
+    trl_run = torch.load(runs / f"{case}-trl.pt", weights_only=False)
+    ours = torch.load(runs / f"{case}-longstraw.pt", weights_only=False)
     assert trl_run["world"] == ours["world"] == 2
     sharded = case.startswith("fsdp2")
     assert trl_run["fsdp"] == ours["fsdp"] == trl_run["sharded"] == ours["sharded"] == sharded
