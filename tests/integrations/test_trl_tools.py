@@ -26,7 +26,7 @@ from helpers import assert_close, faithful_float64, rel_err, tiny_model  # noqa:
 from transformers import AutoModelForCausalLM  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from trl.chat_template_utils import qwen3_chat_template  # noqa: E402
-from trl_setup import Float64LogProbs, G, Gradients  # noqa: E402
+from trl_setup import SETTINGS, Float64LogProbs, G, Gradients  # noqa: E402
 
 from longstraw.integrations.trl import LongStrawGRPOConfig, LongStrawGRPOTrainer  # noqa: E402
 from longstraw.models.tokenizer import byte_tokenizer_hf  # noqa: E402
@@ -106,11 +106,7 @@ def train(trainer_cls, config_cls, model_dir, tmp_path, drop_tool_mask=False, **
     faithful_float64(model)
     tokenizer = byte_tokenizer_hf()
     tokenizer.chat_template = qwen3_chat_template
-    settings = dict(per_device_train_batch_size=2 * G, num_generations=G, max_completion_length=MAX_COMPLETION,
-                    max_steps=2, learning_rate=0.5, optim="sgd", lr_scheduler_type="constant", max_grad_norm=0.0,
-                    bf16=False, report_to="none", save_strategy="no", seed=0, logging_steps=1, disable_tqdm=True,
-                    temperature=0.7)
-    settings.update(config)
+    settings = dict(SETTINGS, max_completion_length=MAX_COMPLETION, max_steps=2, **config)
     gradients = Gradients()
     trainer = trainer_cls(model, reward_funcs=reward, args=config_cls(output_dir=str(tmp_path / "out"), **settings),
                           train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=tokenizer,

@@ -79,6 +79,13 @@ class Gradients(TrainerCallback):
                                      for p in model.parameters() if p.requires_grad]).clone())
 
 
+# The GRPOConfig every equality test starts from (SGD, constant lr, no clipping: the update is the gradient).
+SETTINGS = dict(per_device_train_batch_size=2 * G, num_generations=G, max_completion_length=MAX_COMPLETION,
+                max_steps=1, learning_rate=0.5, optim="sgd", lr_scheduler_type="constant", max_grad_norm=0.0,
+                bf16=False, report_to="none", save_strategy="no", seed=0, logging_steps=1, disable_tqdm=True,
+                temperature=0.7)
+
+
 def train(trainer_cls, config_cls, model_dir, tmp_path, dtype=torch.float64, prompts=PROMPTS, peft_config=None,
            sample=False, info=None, rollout_func=None, **config):
     """One run from the saved model; returns (gradient per optimizer step, parameters after). sample: TRL's own
@@ -91,11 +98,7 @@ def train(trainer_cls, config_cls, model_dir, tmp_path, dtype=torch.float64, pro
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     if dtype == torch.float64:
         faithful_float64(model)
-    settings = dict(per_device_train_batch_size=2 * G, num_generations=G, max_completion_length=MAX_COMPLETION,
-                    max_steps=1, learning_rate=0.5, optim="sgd", lr_scheduler_type="constant", max_grad_norm=0.0,
-                    bf16=False, report_to="none", save_strategy="no", seed=0, logging_steps=1, disable_tqdm=True,
-                    temperature=0.7)
-    settings.update(config)
+    settings = dict(SETTINGS, **config)
     gradients = Gradients()
     trainer = trainer_cls(model, reward_funcs=reward, args=config_cls(output_dir=str(tmp_path / "out"), **settings),
                           train_dataset=Dataset.from_dict({"prompt": list(prompts)}),
