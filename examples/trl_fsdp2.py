@@ -22,6 +22,7 @@ import torch
 from datasets import Dataset
 
 from longstraw import load_model
+from longstraw.distributed import end_process_group
 from longstraw.integrations.trl import LongStrawGRPOConfig, LongStrawGRPOTrainer
 from longstraw.models.tokenizer import byte_tokenizer_hf
 
@@ -55,3 +56,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    end_process_group()  # after the trainer is gone: gloo's threads stop cleanly instead of aborting at exit

@@ -19,6 +19,7 @@ import trl.trainer.utils
 from trl import GRPOConfig, GRPOTrainer
 from trl_setup import Float64LogProbs, accelerate_fsdp_on_cpu, train
 
+from longstraw.distributed import end_process_group
 from longstraw.distributed.fsdp import full_tensor
 from longstraw.integrations.trl import LongStrawGRPOConfig, LongStrawGRPOTrainer
 
@@ -57,3 +58,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    end_process_group()

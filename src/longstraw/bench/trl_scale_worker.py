@@ -50,6 +50,7 @@ import torch
 
 from longstraw.bench.common import load_bench_model
 from longstraw.bench.worker import _cpu_stall_us, cpu_pressure
+from longstraw.distributed import end_process_group
 from longstraw.peak import PeakMemory, proc_status_bytes
 
 
@@ -251,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(f"{out_path}.rank{rank}", "w") as f:
             json.dump(results, f)
         gc.collect()
+    end_process_group()
     return 0
 
 

@@ -14,6 +14,7 @@ watcher covers the message, and ranks on other nodes.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import threading
@@ -258,6 +259,18 @@ class Parallel:
         dist.barrier()
         if self.watch is not None:
             self.watch.stop()
+        end_process_group()
+
+
+def end_process_group() -> None:
+    """Destroy the default process group, if any, while Python is fully alive and after whatever held it is gone.
+
+    Call it once the trainer is out of scope. gloo's worker threads must be joined before interpreter exit (a
+    process that leaves them aborts: "terminate called without an active exception"), and a DDP model's reducer
+    holds the group too: freed after the group was destroyed, it joins those threads while holding the GIL that a
+    thread still releasing a tensor needs (a deadlock). So: collect the trainer first, then destroy the group."""
+    gc.collect()
+    if dist.is_initialized():
         dist.destroy_process_group()
 
 
