@@ -1,0 +1,293 @@
+"""verl's actor update with LongStraw's backward: each prompt encoded once per mini-batch, not once per response.
+
+Turned on by verl's own plug-in point, no fork of verl:
+
+    actor_rollout_ref.model.external_lib=longstraw.integrations.verl
+
+verl imports this module in every worker when it reads the model config; importing it puts `LongStrawFSDPEngine` in
+verl's engine registry for the language model's FSDP backends (`strategy` fsdp or fsdp2, FSDP2 recommended), so the
+actor's `TrainingWorker` builds it instead of `FSDPEngineWithLMHead`. verl's data flow is kept: rollout, rewards,
+advantages, old and reference log-probs (forward-only passes stay verl's), mini-batches and PPO epochs, FSDP
+sharding, the optimizer, gradient clipping, checkpoints and logging. One method changes: `forward_backward_batch`
+of a training mini-batch regroups its rows by prompt and runs `backward_group` once per group, inside one
+all-gather / reduce-scatter of the FSDP parameters, instead of verl's full-sequence forward and backward per
+micro-batch. The options that make the group loss verl's `ppo_loss` are `loss_options` (docs/verl.md has the
+table); what it cannot reproduce is refused with the reason before any parameter or gradient is touched.
+
+LongStraw's own settings come from the environment of the worker processes (verl passes
+`ray_kwargs.ray_init.runtime_env.env_vars` to them): LONGSTRAW_PLAN (exact | detach | standard |
+standard_batched; default exact, verl's gradient), LONGSTRAW_CHUNK_SIZE (prompt tokens per capture chunk, 2048),
+LONGSTRAW_MICRO_BATCH (responses replayed at once, 1), LONGSTRAW_CHECKPOINT (none | layers).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+
+try:
+    from verl.workers.engine.base import EngineRegistry
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+    from verl.workers.engine.utils import postprocess_batch_func
+    from verl.workers.utils.losses import ppo_loss
+except ImportError as err:  # pragma: no cover - exercised only without the extra
+    raise ImportError(f"longstraw.integrations.verl needs verl: pip install 'longstraw[verl]' ({err})") from err
+
+from longstraw.distributed.fsdp import sharded_compute
+from longstraw.engine.api import backward_group
+from longstraw.engine.group import Group
+from longstraw.engine.options import BackwardOptions
+from longstraw.models.architecture import hf
+
+__all__ = ["LongStrawFSDPEngine", "install", "loss_options", "settings_from_environment"]
+
+# verl's loss_agg_mode -> the LongStraw loss whose normaliser it is (`loss_options` scales it to verl's).
+_AGG_LOSS = {
+    "token-mean": "dapo",  # Σ tokens / tokens of the mini-batch (over the data-parallel ranks)
+    "token-sum": "dapo",  # Σ tokens (a token normaliser of 1)
+    "seq-mean-token-mean": "grpo",  # mean over sequences of each sequence's token mean
+    "seq-mean-token-sum": "luspo",  # mean over sequences of each sequence's token sum
+    "seq-mean-token-sum-norm": "luspo",  # the same divided by a constant horizon
+}
+_KL_TYPES = ("low_var_kl", "k3")  # the k3 estimate, LongStraw's KL term
+
+
+@dataclass(frozen=True)
+class Settings:
+    """LongStraw's own options inside verl (the loss's come from verl's actor config)."""
+
+    plan: str = "exact"
+    chunk_size: int = 2048
+    micro_batch: int = 1
+    checkpoint: str = "none"
+
+
+def settings_from_environment(environ: dict[str, str] | None = None) -> Settings:
+    """The LONGSTRAW_* variables of the module docstring, validated (a bad value names the variable)."""
+    env = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    for name, key, kind in (("plan", "LONGSTRAW_PLAN", str), ("chunk_size", "LONGSTRAW_CHUNK_SIZE", int),
+                            ("micro_batch", "LONGSTRAW_MICRO_BATCH", int), ("checkpoint", "LONGSTRAW_CHECKPOINT", str)):
+        if key in env:
+            try:
+                values[name] = kind(env[key])
+            except ValueError:
+                raise ValueError(f"{key}={env[key]!r} is not a valid {kind.__name__}") from None
+    settings = Settings(**values)
+    try:
+        BackwardOptions(plan=settings.plan, chunk_size=settings.chunk_size, micro_batch=settings.micro_batch,
+                        checkpoint=settings.checkpoint)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"LONGSTRAW_* environment: {err}") from err
+    return settings
+
+
+def _actor_config(loss_function: Callable[..., Any] | None) -> Any | None:
+    """verl's ActorConfig when `loss_function` is its policy loss (`partial(ppo_loss, config=...)`), else None."""
+    if isinstance(loss_function, partial) and loss_function.func is ppo_loss:
+        return loss_function.keywords.get("config")
+    return None
+
+
+def config_refusals(config: Any) -> list[str]:
+    """What in verl's actor config LongStraw's loss cannot reproduce, each with the reason and what to change."""
+    out = []
+    mode = config.policy_loss.get("loss_mode", "vanilla")
+    if mode not in ("vanilla", "gspo"):
+        out.append(f"policy_loss.loss_mode={mode!r}: LongStraw maps 'vanilla' (PPO clip, dual clip) and 'gspo'")
+    agg = config.loss_agg_mode
+    if agg not in _AGG_LOSS:
+        out.append(f"loss_agg_mode={agg!r}: LongStraw maps {', '.join(_AGG_LOSS)}")
+    if config.entropy_coeff != 0 or config.calculate_entropy:
+        out.append("entropy_coeff / calculate_entropy: LongStraw's loss has no entropy term (its per-token entropy "
+                   "needs the whole vocabulary's distribution of every response token kept for the backward); set "
+                   "entropy_coeff=0 and calculate_entropy=False")
+    if config.use_kl_loss and config.kl_loss_type not in _KL_TYPES:
+        out.append(f"kl_loss_type={config.kl_loss_type!r}: LongStraw's KL term is the k3 estimate; use "
+                   "kl_loss_type=low_var_kl (verl's k3, clamped to ±10)")
+    if mode == "vanilla":
+        low = config.clip_ratio_low if config.clip_ratio_low is not None else config.clip_ratio
+        high = config.clip_ratio_high if config.clip_ratio_high is not None else config.clip_ratio
+        c = config.get("clip_ratio_c", 3.0)
+        if c < 1.0 + high:
+            out.append(f"clip_ratio_c={c} is below 1 + clip_ratio_high ({1.0 + high}): LongStraw's dual clip "
+                       "(delta) equals verl's from there up; raise clip_ratio_c")
+        if low >= 1:
+            out.append(f"clip_ratio_low={low}: must be < 1")
+    ulysses = getattr(config, "ulysses_sequence_parallel_size", 1) or 1
+    if ulysses > 1:
+        out.append(f"ulysses_sequence_parallel_size={ulysses}: LongStraw shards the prompt state its own way; "
+                   "set it to 1")
+    return out
+
+
+def loss_options(config: Any, group_size: int, *, dp_size: int, batch_num_tokens: float, global_batch_size: int,
+                 horizon: int) -> dict[str, Any]:
+    """backward_group's loss options that make one group's share of LongStraw's loss equal to its share of verl's
+    `ppo_loss` summed over the micro-batches of a mini-batch on this rank, before the data-parallel mean that FSDP
+    takes (verl's agg_loss multiplies each rank's loss by dp_size for that mean):
+
+    * token-mean: Σ_tokens ℓ / N · dp, N the loss tokens of the mini-batch over every rank -> dapo, N as the
+      token normaliser, loss_scale dp.
+    * token-sum: Σ_tokens ℓ · dp -> dapo with a normaliser of 1.
+    * seq-mean-token-mean: Σ_seq mean_t ℓ / B · dp, B verl's global batch size (sequences of the mini-batch over
+      every rank) -> grpo, whose group loss is the mean over its G sequences: loss_scale G·dp/B.
+    * seq-mean-token-sum: Σ_seq Σ_t ℓ / B · dp -> luspo with per-token ratios: loss_scale G·dp/B.
+    * seq-mean-token-sum-norm: the same divided by `loss_scale_factor`, or when unset the padded response width
+      (`horizon`).
+
+    ℓ is verl's per-token PPO term: vanilla -max(ρA, clip(ρ)A) with the dual clip min(·, -cA) where A < 0, which is
+    LongStraw's clipped term with delta = c (equal for c >= 1 + clip_ratio_high); gspo: the same with the sequence's
+    ratio (verl spreads its gradient over the tokens as LongStraw's sequence_ratio does), no dual clip. The KL term
+    (use_kl_loss) is the k3 estimate times kl_loss_coef, normalised like the policy term."""
+    agg, mode = config.loss_agg_mode, config.policy_loss.get("loss_mode", "vanilla")
+    low = config.clip_ratio_low if config.clip_ratio_low is not None else config.clip_ratio
+    high = config.clip_ratio_high if config.clip_ratio_high is not None else config.clip_ratio
+    options: dict[str, Any] = {
+        "loss": _AGG_LOSS[agg], "epsilon_low": float(low), "epsilon_high": float(high),
+        "sequence_ratio": mode == "gspo",
+        "delta": float(config.get("clip_ratio_c", 3.0)) if mode == "vanilla" else None,
+        "beta": float(config.kl_loss_coef) if config.use_kl_loss else 0.0,
+    }
+    if agg == "token-mean":
+        options |= {"token_normalizer": float(batch_num_tokens), "loss_scale": float(dp_size)}
+    elif agg == "token-sum":
+        options |= {"token_normalizer": 1.0, "loss_scale": float(dp_size)}
+    elif agg in ("seq-mean-token-mean", "seq-mean-token-sum"):
+        options |= {"loss_scale": group_size * dp_size / global_batch_size}
+    elif agg == "seq-mean-token-sum-norm":
+        factor = config.loss_scale_factor if config.loss_scale_factor is not None else horizon
+        options |= {"loss_scale": group_size * dp_size / global_batch_size / factor}
+    else:
+        raise ValueError(f"loss_agg_mode {agg!r} is not mapped: choose one of {', '.join(_AGG_LOSS)}")
+    return options
+
+
+@dataclass
+class _Row:
+    """One response of the mini-batch: its prompt (P,), response (R,), loss mask (R,) bool, advantage, and the
+    per-token old (R,) and reference (R,) log-probs."""
+
+    prompt: torch.Tensor
+    response: torch.Tensor
+    loss_mask: torch.Tensor
+    advantage: torch.Tensor
+    old: torch.Tensor
+    ref: torch.Tensor | None
+
+
+def _rows(data: Any, with_ref: bool) -> list[_Row]:
+    """The mini-batch's rows from verl's no-padding layout: `input_ids` nested (B, j1) of prompt + response without
+    padding; `attention_mask` (B, P_max + R_max) left-padded prompt, right-padded response; `response_mask`,
+    `old_log_probs`, `advantages`, `ref_log_prob` (B, R_max). Refuses what LongStraw's Group cannot hold."""
+    if "rollout_is_weights" in data.keys():
+        raise ValueError("rollout importance-sampling weights (rollout_is_weights) are not mapped: LongStraw's loss "
+                         "has no per-token weight; turn off algorithm.rollout_correction")
+    response_mask = data["response_mask"]
+    r_max = response_mask.shape[-1]
+    attention = data["attention_mask"][:, -r_max:]  # (B, R_max): the response part
+    ids = data["input_ids"].unbind()
+    rows = []
+    for k, seq in enumerate(ids):
+        length = int(attention[k].sum())
+        if length == 0 or not bool(attention[k, :length].all()):
+            raise ValueError(f"row {k}: its response is not one right-padded stretch of tokens (attention "
+                             f"{attention[k].tolist()}): LongStraw replays each response as one sequence")
+        mask = response_mask[k, :length].bool()
+        advantages = data["advantages"][k, :length]
+        first = advantages[mask][:1]
+        if mask.any() and not bool((advantages[mask] == first).all()):
+            raise ValueError("per-token advantages (e.g. GAE from a critic) are not mapped: LongStraw's losses take "
+                             "one advantage per response (GRPO, RLOO, REINFORCE++ outcome advantages)")
+        rows.append(_Row(
+            prompt=seq[:-length], response=seq[-length:], loss_mask=mask,
+            advantage=first.reshape(()) if mask.any() else advantages.new_zeros(()),
+            old=data["old_log_probs"][k, :length], ref=data["ref_log_prob"][k, :length] if with_ref else None,
+        ))
+    return rows
+
+
+def _groups(rows: list[_Row]) -> list[list[_Row]]:
+    """Rows sharing a prompt (its exact token ids), in first-appearance order. Rows without a token in the loss are
+    left out: they add nothing to verl's loss either, whose normalisers count them as LongStraw's options do."""
+    by_prompt: dict[tuple[int, ...], list[_Row]] = {}
+    for row in rows:
+        if row.loss_mask.any():
+            by_prompt.setdefault(tuple(row.prompt.tolist()), []).append(row)
+    return list(by_prompt.values())
+
+
+def _temperature(data: Any) -> float:
+    t = data["temperature"] if "temperature" in data.keys() else 1.0
+    if isinstance(t, torch.Tensor):
+        if not bool((t == t.flatten()[0]).all()):
+            raise ValueError("per-sample temperatures are not mapped: LongStraw takes one temperature per group "
+                             "and these rows differ")
+        t = t.flatten()[0]
+    return float(t)
+
+
+class LongStrawFSDPEngine(FSDPEngineWithLMHead):
+    """verl's FSDP engine for the language model, whose training mini-batch runs `backward_group` per prompt.
+    Forward-only passes (old and reference log-probs), other loss functions and everything else stay verl's."""
+
+    def forward_backward_batch(self, data: Any, loss_function: Callable[..., Any], forward_only: bool = False) -> Any:
+        config = _actor_config(loss_function)
+        if forward_only or config is None:
+            return super().forward_backward_batch(data, loss_function, forward_only)
+        refusals = config_refusals(config)
+        if self.ulysses_sequence_parallel_size > 1:
+            refusals.append("ulysses sequence parallelism: set ulysses_sequence_parallel_size=1")
+        if refusals:
+            raise ValueError("LongStraw cannot compute verl's loss with: " + "; ".join(refusals))
+        settings = settings_from_environment()
+        dp_group, dp_size = self.get_data_parallel_group(), self.get_data_parallel_size()
+        # The normalisers verl's ppo_loss reads, computed as forward_backward_batch computes them.
+        device = next(self.module.parameters()).device
+        batch_num_tokens = data["loss_mask"].sum().to(device)
+        torch.distributed.all_reduce(batch_num_tokens, op=torch.distributed.ReduceOp.SUM, group=dp_group)
+        global_batch_size = int(data["global_batch_size"])
+        rows = _rows(data, with_ref=bool(config.use_kl_loss))
+        groups = _groups(rows)
+        temperature = _temperature(data)
+        common = BackwardOptions(plan=settings.plan, chunk_size=settings.chunk_size, micro_batch=settings.micro_batch,
+                                 checkpoint=settings.checkpoint, temperature=temperature, allow_train_mode=True)
+        autocast_dtype = getattr(self, "_autocast_dtype", torch.float32)
+        autocast = (nullcontext() if autocast_dtype == torch.float32
+                    else torch.autocast(device_type=device.type, dtype=autocast_dtype))
+        total = 0.0
+        # Every parameter gathered once for the mini-batch; the gradients reduce-scattered once (averaged over the
+        # data-parallel ranks) at the end, as verl's no_sync accumulation does over its micro-batches.
+        with sharded_compute(self.module), autocast:
+            for members in groups:
+                group = Group(
+                    prompt=members[0].prompt.to(device), responses=[m.response.to(device) for m in members],
+                    advantages=torch.stack([m.advantage for m in members]).to(device),
+                    old_logprobs=[m.old.to(device) for m in members],
+                    ref_logprobs=[m.ref.to(device) for m in members if m.ref is not None] or None,
+                    loss_masks=[m.loss_mask.to(device) for m in members],
+                )
+                options = loss_options(config, len(members), dp_size=dp_size,
+                                       batch_num_tokens=float(batch_num_tokens), global_batch_size=global_batch_size,
+                                       horizon=data["response_mask"].shape[-1])
+                total += backward_group(hf(self.module), group, common, **options).loss
+        output = {"loss": total, "metrics": {"actor/pg_loss": total}}
+        return postprocess_batch_func(output_lst=[output], indices=None, data=data)
+
+
+def install() -> None:
+    """Put `LongStrawFSDPEngine` wherever verl's registry holds `FSDPEngineWithLMHead` (the language model's fsdp
+    and fsdp2 backends, every device). Idempotent; runs when this module is imported."""
+    for backends in EngineRegistry._engines.get("language_model", {}).values():
+        for key, cls in list(backends.items()):
+            if cls is FSDPEngineWithLMHead:
+                backends[key] = LongStrawFSDPEngine
+
+
+install()

@@ -1,0 +1,112 @@
+"""`longstraw.integrations.verl` against verl's own actor update (verl's TrainingWorker and FSDP2 engine on one CPU
+process, float64, SGD): 2 prompts × 4 responses, 2 micro-batches, 2 PPO epochs (the second off-policy, so the clip
+acts). The gradient of every optimizer step must equal verl's to 1e-10 for every mapped loss_agg_mode, gspo, tool
+tokens masked out of the loss, a sampling temperature, and the qwen3_next hybrid; what is not mapped is refused
+before any gradient. verl pins transformers < 5.11, so these run in the second venv (`make test-oldest`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("verl", reason="the verl extra is not installed here: `make test-oldest` runs these tests in "
+                                   "its own venv (verl 0.9 pins transformers < 5.11)")
+
+import torch  # noqa: E402
+from helpers import assert_close, free_port, gradient_tolerance  # noqa: E402
+
+from longstraw.integrations.verl import config_refusals, settings_from_environment  # noqa: E402
+
+KL = {"use_kl_loss": True, "kl_loss_coef": 0.1, "kl_loss_type": "low_var_kl"}
+AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+EQUAL = {f"qwen3-{agg}": {"family": "qwen3", "actor": {"loss_agg_mode": agg, **KL}} for agg in AGG_MODES} | {
+    "qwen3-gspo": {"family": "qwen3", "actor": {"loss_agg_mode": "seq-mean-token-mean",
+                                                "policy_loss": {"loss_mode": "gspo"},
+                                                "clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4}},
+    "qwen3-observation-tokens": {"family": "qwen3", "actor": {"loss_agg_mode": "token-mean", **KL},
+                                 "batch": {"observation": True}},
+    "qwen3-temperature-dual-clip": {"family": "qwen3", "actor": {"loss_agg_mode": "seq-mean-token-mean",
+                                                                 "clip_ratio_c": 1.5, "temperature": 0.75}},
+    "qwen3_next-token-mean": {"family": "qwen3_next", "actor": {"loss_agg_mode": "token-mean", **KL},
+                              "update": {"remove_padding": False}},
+    "qwen3_next-seq-mean-token-mean": {"family": "qwen3_next", "actor": {"loss_agg_mode": "seq-mean-token-mean"},
+                                       "update": {"remove_padding": False}},
+}
+# verl packs a micro-batch's rows into one sequence by default (use_remove_padding); transformers' torch kernels of
+# gated DeltaNet (without flash-linear-attention, as on CPU) know no sequence boundaries inside it, so verl's own
+# packed update of qwen3_next carries recurrent state from one row into the next: its reference here pads instead.
+# Its kernels compute in float32 inside a float64 model (helpers.FP32_INSIDE): the family's tolerance is 1e-6.
+# The temperature is one float32 represents exactly (verl divides the logits by a float32 copy of it).
+REFUSED = {
+    "entropy": ({"entropy_coeff": 0.01}, {}, "no entropy term"),
+    "kl-k1": ({"use_kl_loss": True, "kl_loss_type": "kl"}, {}, "kl_loss_type='kl'"),
+    "dual-clip-below-clip": ({"clip_ratio_c": 1.1}, {}, "clip_ratio_c=1.1"),
+    "token-advantages": ({}, {"token_advantages": True}, "per-token advantages"),
+}
+
+
+@pytest.fixture(scope="module")
+def updates(tmp_path_factory) -> dict:
+    cases = EQUAL | {f"refused-{name}": {"family": "qwen3", "actor": actor, "batch": batch, "refused": True}
+                     for name, (actor, batch, _) in REFUSED.items()}
+    out = tmp_path_factory.mktemp("verl") / "updates.pt"
+    here = Path(__file__).resolve().parent
+    env = os.environ | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "PYTHONPATH": os.pathsep.join(
+        [str(here), str(here.parent), str(here.parents[1] / "src"), os.environ.get("PYTHONPATH", "")])}
+    env.pop("LONGSTRAW_PLAN", None)
+    run = subprocess.run([sys.executable, str(here / "verl_child.py"), str(out), json.dumps(cases)], env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    return torch.load(out, weights_only=False)
+
+
+@pytest.mark.parametrize("case", list(EQUAL))
+def test_gradients_equal_verls_own_update(updates, case):
+    """float64: every optimizer step's gradient (2 PPO epochs -> 2 steps) equals verl's within 1e-10 (qwen3_next:
+    1e-6, its kernels' float32)."""
+    verl_steps, ours = updates[case]["verl"], updates[case]["longstraw"]
+    assert len(verl_steps) == len(ours) == 2
+    for step, (theirs, mine) in enumerate(zip(verl_steps, ours)):
+        assert theirs.dtype == torch.float64 and theirs.norm() > 0
+        assert_close(f"{case} step {step + 1}", theirs, mine, gradient_tolerance(EQUAL[case]["family"]))
+    assert (verl_steps[0] - verl_steps[1]).norm() > 1e-3 * verl_steps[0].norm()  # the second epoch moved
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_refuses_what_it_cannot_map_before_any_gradient(updates, name):
+    result = updates[f"refused-{name}"]
+    assert result["error"] is not None, f"{name} was not refused"
+    assert REFUSED[name][2] in result["error"]
+    assert not result["gradients_left"]
+
+
+def test_config_refusals_name_the_option_and_the_fix():
+    from verl.workers.config import ActorConfig
+
+    def refusals(**settings):
+        return config_refusals(ActorConfig(strategy="fsdp2", rollout_n=4, ppo_micro_batch_size_per_gpu=1,
+                                           **settings))
+
+    assert refusals() == []
+    assert refusals(loss_agg_mode="seq-mean-token-sum-norm", use_kl_loss=True, kl_loss_type="k3") == []
+    (message,) = refusals(policy_loss={"loss_mode": "clip_cov"})
+    assert "loss_mode='clip_cov'" in message and "'vanilla'" in message
+    (message,) = refusals(kl_loss_type="mse", use_kl_loss=True)
+    assert "kl_loss_type=low_var_kl" in message
+
+
+def test_settings_from_the_environment():
+    assert settings_from_environment({}).plan == "exact"
+    settings = settings_from_environment({"LONGSTRAW_PLAN": "detach", "LONGSTRAW_CHUNK_SIZE": "512",
+                                          "LONGSTRAW_MICRO_BATCH": "2", "LONGSTRAW_CHECKPOINT": "layers"})
+    assert (settings.plan, settings.chunk_size, settings.micro_batch, settings.checkpoint) == (
+        "detach", 512, 2, "layers")
+    with pytest.raises(ValueError, match="LONGSTRAW_CHUNK_SIZE='many'"):
+        settings_from_environment({"LONGSTRAW_CHUNK_SIZE": "many"})
+    with pytest.raises(ValueError, match="unknown plan 'fast'"):
+        settings_from_environment({"LONGSTRAW_PLAN": "fast"})

@@ -1,0 +1,246 @@
+"""verl's actor update on CPU processes, for the equality tests of `longstraw.integrations.verl` (test_verl.py).
+
+verl ships cuda/npu/rocm platforms only and registers its FSDP engines for those devices; here a CPU platform and
+verl's own `FSDPEngineWithLMHead` under the "cpu" device make its `TrainingWorker` run over a 1-rank gloo group,
+unchanged otherwise. float64: verl's `PrecisionType` knows no "fp64", so `to_dtype` learns it, and the model's
+RMSNorms compute in float64 (`helpers.faithful_float64`; transformers rounds them to float32) with SDPA attention
+(eager attention's softmax is float32): both sides then differ only by summation order.
+
+`run_update` builds a worker (verl's engine or LongStraw's), replaces its optimizer by SGD (AdamW's first step
+amplifies round-off), runs `train_mini_batch` on one batch and returns the gradient of every optimizer step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import types
+from functools import partial
+from typing import Any
+
+import numpy as np
+import torch
+
+os.environ.setdefault("VERL_PLATFORM", "cpu")
+
+from tensordict import TensorDict  # noqa: E402
+from verl.plugin.platform.platform_base import PlatformBase  # noqa: E402
+from verl.plugin.platform.platform_manager import PlatformRegistry  # noqa: E402
+
+_CPU_MODULE = types.SimpleNamespace(
+    is_available=lambda: True, current_device=lambda: "cpu", device_count=lambda: 1, set_device=lambda *a: None,
+    synchronize=lambda *a, **k: None, manual_seed=torch.manual_seed, manual_seed_all=torch.manual_seed,
+    empty_cache=lambda: None, max_memory_allocated=lambda *a, **k: 0, max_memory_reserved=lambda *a, **k: 0,
+    memory_allocated=lambda *a, **k: 0, memory_reserved=lambda *a, **k: 0,
+    reset_peak_memory_stats=lambda *a, **k: None, mem_get_info=lambda *a, **k: (0, 0),
+    get_device_name=lambda *a, **k: "CPU", get_rng_state=torch.get_rng_state, set_rng_state=torch.set_rng_state,
+)
+
+
+@PlatformRegistry.register(platform="cpu")
+class PlatformCPU(PlatformBase):
+    """The CPU as a verl platform: devices are "cpu", collectives gloo, memory statistics 0."""
+
+    device_name = "cpu"
+    vendor_name = "cpu"
+    device_module = _CPU_MODULE
+
+    def is_available(self) -> bool:
+        return True
+
+    def is_platform_available(self, use_smi_check: bool = False) -> bool:
+        return True
+
+    def current_device(self) -> Any:
+        return "cpu"
+
+    def device_count(self) -> int:
+        return 1
+
+    def set_device(self, device_index: int) -> None:
+        pass
+
+    def synchronize(self, device_index: int | None = None) -> None:
+        pass
+
+    def manual_seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def manual_seed_all(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def set_allocator_settings(self, settings: str) -> None:
+        pass
+
+    def empty_cache(self) -> None:
+        pass
+
+    def get_device_capability(self, device_index: int = 0) -> tuple[None, None]:
+        return (None, None)
+
+    def communication_backend_name(self) -> str:
+        return "gloo"
+
+    def visible_devices_envvar(self) -> str:
+        return "CPU_VISIBLE_DEVICES"
+
+    @contextlib.contextmanager
+    def nvtx_range(self, msg: str):
+        yield
+
+    def profiler_start(self) -> None:
+        pass
+
+    def profiler_stop(self) -> None:
+        pass
+
+    def ray_resource_name(self) -> str:
+        return "CPU"
+
+    def ray_noset_envvars(self) -> list[str]:
+        return []
+
+    def is_ipc_supported(self) -> bool:
+        return False
+
+    def cudart(self) -> None:
+        return None
+
+
+from verl.utils import tensordict_utils as tu  # noqa: E402
+from verl.utils.torch_dtypes import PrecisionType  # noqa: E402
+from verl.workers.engine.base import EngineRegistry  # noqa: E402
+from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead  # noqa: E402
+
+_to_dtype = PrecisionType.to_dtype
+PrecisionType.to_dtype = staticmethod(lambda p: torch.float64 if p in ("fp64", torch.float64) else _to_dtype(p))
+for _backend in ("fsdp", "fsdp2"):
+    EngineRegistry._engines["language_model"][_backend]["cpu"] = FSDPEngineWithLMHead
+
+from verl.trainer.config.config import CheckpointConfig  # noqa: E402
+from verl.workers.config import (  # noqa: E402
+    ActorConfig,
+    FSDPEngineConfig,
+    FSDPOptimizerConfig,
+    HFModelConfig,
+    TrainingWorkerConfig,
+)
+from verl.workers.utils.losses import ppo_loss  # noqa: E402
+from verl.workers.utils.padding import left_right_2_no_padding  # noqa: E402
+
+VOCAB = 128
+
+
+def save_tiny_model(family: str, folder: str) -> None:
+    """A random tiny `family` model (qwen3, or the qwen3_next hybrid: gated DeltaNet + full attention) in `folder`."""
+    import transformers
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=8, max_position_embeddings=512, tie_word_embeddings=False)
+    if family == "qwen3":
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(num_hidden_layers=2, **common))
+    elif family == "qwen3_next":
+        config = transformers.Qwen3NextConfig(
+            num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], linear_num_value_heads=2,
+            linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+            decoder_sparse_step=1, **common)
+        model = transformers.Qwen3NextForCausalLM(config)
+    else:
+        raise ValueError(f"unknown family {family!r}")
+    model.save_pretrained(folder)
+
+
+def make_batch(prompt_lengths: tuple[int, ...] = (12, 9), g: int = 4, r_max: int = 7, seed: int = 0,
+               observation: bool = False, token_advantages: bool = False) -> TensorDict:
+    """verl's actor batch after the rollout, in its no-padding layout: len(prompt_lengths) prompts × g responses of
+    2..r_max tokens. observation: tokens 2-3 of every response of 5+ tokens are a tool's output (response_mask 0),
+    as verl's multi-turn rollouts mark them. Old and reference log-probs are random in [-7, -4] (the policy's own
+    are about -4.85 on a 128-token vocabulary): the ratios spread over and beyond the clip range."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for p, length in enumerate(prompt_lengths):
+        prompt = torch.randint(1, VOCAB, (length,), generator=gen)
+        for _ in range(g):
+            r = int(torch.randint(2, r_max + 1, (1,), generator=gen))
+            rows.append((p, prompt, torch.randint(1, VOCAB, (r,), generator=gen)))
+    b, p_max = len(rows), max(prompt_lengths)
+    prompts, prompt_mask = torch.zeros(b, p_max, dtype=torch.long), torch.zeros(b, p_max, dtype=torch.long)
+    responses, attention = torch.zeros(b, r_max, dtype=torch.long), torch.zeros(b, r_max, dtype=torch.long)
+    for k, (_, prompt, response) in enumerate(rows):
+        prompts[k, p_max - len(prompt):], prompt_mask[k, p_max - len(prompt):] = prompt, 1
+        responses[k, :len(response)], attention[k, :len(response)] = response, 1
+    loss_mask = attention.clone()
+    if observation:
+        loss_mask[attention.sum(-1) >= 5, 2:4] = 0
+    attention_mask = torch.cat([prompt_mask, attention], 1)  # (B, P_max + R_max)
+    advantages = torch.randn(b, 1, generator=gen).expand(b, r_max).clone()
+    if token_advantages:
+        advantages = advantages + torch.randn(b, r_max, generator=gen)  # GAE-like: one per token
+    td = TensorDict({
+        "prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], 1),
+        "attention_mask": attention_mask, "position_ids": (attention_mask.cumsum(1) - 1).clamp(min=0),
+        "response_mask": loss_mask.float(),
+        "old_log_probs": (-torch.rand(b, r_max, generator=gen) * 3 - 4) * attention,
+        "ref_log_prob": (-torch.rand(b, r_max, generator=gen) * 3 - 4) * attention,
+        "advantages": advantages * loss_mask,
+    }, batch_size=[b])
+    tu.assign_non_tensor(td, uid=np.array([f"prompt-{p}" for p, _, _ in rows], dtype=object))
+    return td
+
+
+def run_update(engine_cls: type, model_dir: str, batch: TensorDict, actor: dict[str, Any], epochs: int = 2,
+               micro_batch: int = 4, dtype: str = "fp64", lr: float = 1.0, remove_padding: bool = True,
+               ) -> list[torch.Tensor]:
+    """One `train_mini_batch` (epochs × one mini-batch of every row, micro-batches of `micro_batch` rows) through
+    verl's TrainingWorker built with `engine_cls`; the gradient (flat) at each optimizer step. remove_padding: verl's
+    `use_remove_padding` (its default packs a micro-batch's rows into one sequence; False pads them)."""
+    from helpers import faithful_float64
+    from verl.workers.engine_workers import TrainingWorker
+
+    for backend in ("fsdp", "fsdp2"):
+        EngineRegistry._engines["language_model"][backend]["cpu"] = engine_cls
+    precision = {"param_dtype": dtype, "reduce_dtype": dtype, "buffer_dtype": dtype}
+    config = TrainingWorkerConfig(
+        model_type="language_model",
+        model_config=HFModelConfig(path=model_dir, load_tokenizer=False, use_remove_padding=remove_padding,
+                                   override_config={"attn_implementation": "sdpa"}),
+        engine_config=FSDPEngineConfig(strategy="fsdp2", model_dtype=dtype, mixed_precision=precision,
+                                       use_dynamic_bsz=False, micro_batch_size_per_gpu=micro_batch,
+                                       use_torch_compile=False),
+        optimizer_config=FSDPOptimizerConfig(lr=lr), checkpoint_config=CheckpointConfig())
+    worker = TrainingWorker(config=config)
+    worker.reset()
+    model = worker.engine.module
+    if dtype == "fp64":
+        faithful_float64(model)
+        model.config._experts_implementation = "eager"  # torch's grouped_mm has no float64
+    params = [p for p in model.parameters() if p.requires_grad]
+    worker.engine.optimizer = torch.optim.SGD(params, lr=lr)
+    rows = batch.shape[0]
+    actor = dict(actor)
+    temperature = actor.pop("temperature", 1.0)
+    settings = dict(strategy="fsdp2", rollout_n=4, ppo_mini_batch_size=rows // 4,
+                    ppo_micro_batch_size_per_gpu=micro_batch, use_dynamic_bsz=False) | actor
+    worker.set_loss_fn(partial(ppo_loss, config=ActorConfig(**settings)))
+    grads: list[torch.Tensor] = []
+    step = worker.engine.optimizer_step
+
+    def recorded() -> Any:
+        grads.append(torch.cat([_full(p.grad).flatten() for p in params]))
+        return step()
+
+    worker.engine.optimizer_step = recorded
+    data = left_right_2_no_padding(batch.clone())
+    tu.assign_non_tensor(data, temperature=temperature,
+                         calculate_entropy=False, global_batch_size=rows, mini_batch_size=rows, epochs=epochs,
+                         seed=42, dataloader_kwargs={"shuffle": False}, compute_loss=True)
+    worker.train_mini_batch(data)
+    return grads
+
+
+def _full(grad: torch.Tensor | None) -> torch.Tensor:
+    if grad is None:
+        raise AssertionError("a trainable parameter got no gradient")
+    return grad.full_tensor() if hasattr(grad, "full_tensor") else grad
