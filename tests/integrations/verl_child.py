@@ -10,10 +10,12 @@ import os
 import sys
 import tempfile
 
+from verl_setup import make_batch, run_update, save_tiny_model  # first: it puts verl on the CPU
+
+# isort: split
 import torch
 import torch.distributed as dist
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
-from verl_setup import make_batch, run_update, save_tiny_model
 
 from longstraw.integrations.verl import LongStrawFSDPEngine
 

@@ -1,10 +1,10 @@
 """verl's actor update on CPU processes, for the equality tests of `longstraw.integrations.verl` (test_verl.py).
 
-verl ships cuda/npu/rocm platforms only and registers its FSDP engines for those devices; here a CPU platform and
-verl's own `FSDPEngineWithLMHead` under the "cpu" device make its `TrainingWorker` run over a 1-rank gloo group,
-unchanged otherwise. float64: verl's `PrecisionType` knows no "fp64", so `to_dtype` learns it, and the model's
-RMSNorms compute in float64 (`helpers.faithful_float64`; transformers rounds them to float32) with SDPA attention
-(eager attention's softmax is float32): both sides then differ only by summation order.
+verl runs on CPU processes through `longstraw.integrations.verl_cpu.use_cpu` (a CPU platform; verl's own engine
+registered for the "cpu" device): its `TrainingWorker` then runs over a 1-rank gloo group, unchanged otherwise.
+float64: verl's `PrecisionType` knows no "fp64", so `to_dtype` learns it, and the model's RMSNorms compute in
+float64 (`helpers.faithful_float64`; transformers rounds them to float32) with SDPA attention (eager attention's
+softmax is float32): both sides then differ only by summation order.
 
 `run_update` builds a worker (verl's engine or LongStraw's), replaces its optimizer by SGD (AdamW's first step
 amplifies round-off), runs `train_mini_batch` on one batch and returns the gradient of every optimizer step.
@@ -12,110 +12,23 @@ amplifies round-off), runs `train_mini_batch` on one batch and returns the gradi
 
 from __future__ import annotations
 
-import contextlib
-import os
-import types
 from functools import partial
 from typing import Any
 
 import numpy as np
 import torch
 
-os.environ.setdefault("VERL_PLATFORM", "cpu")
+from longstraw.integrations.verl_cpu import use_cpu
+
+use_cpu()
 
 from tensordict import TensorDict  # noqa: E402
-from verl.plugin.platform.platform_base import PlatformBase  # noqa: E402
-from verl.plugin.platform.platform_manager import PlatformRegistry  # noqa: E402
-
-_CPU_MODULE = types.SimpleNamespace(
-    is_available=lambda: True, current_device=lambda: "cpu", device_count=lambda: 1, set_device=lambda *a: None,
-    synchronize=lambda *a, **k: None, manual_seed=torch.manual_seed, manual_seed_all=torch.manual_seed,
-    empty_cache=lambda: None, max_memory_allocated=lambda *a, **k: 0, max_memory_reserved=lambda *a, **k: 0,
-    memory_allocated=lambda *a, **k: 0, memory_reserved=lambda *a, **k: 0,
-    reset_peak_memory_stats=lambda *a, **k: None, mem_get_info=lambda *a, **k: (0, 0),
-    get_device_name=lambda *a, **k: "CPU", get_rng_state=torch.get_rng_state, set_rng_state=torch.set_rng_state,
-)
-
-
-@PlatformRegistry.register(platform="cpu")
-class PlatformCPU(PlatformBase):
-    """The CPU as a verl platform: devices are "cpu", collectives gloo, memory statistics 0."""
-
-    device_name = "cpu"
-    vendor_name = "cpu"
-    device_module = _CPU_MODULE
-
-    def is_available(self) -> bool:
-        return True
-
-    def is_platform_available(self, use_smi_check: bool = False) -> bool:
-        return True
-
-    def current_device(self) -> Any:
-        return "cpu"
-
-    def device_count(self) -> int:
-        return 1
-
-    def set_device(self, device_index: int) -> None:
-        pass
-
-    def synchronize(self, device_index: int | None = None) -> None:
-        pass
-
-    def manual_seed(self, seed: int) -> None:
-        torch.manual_seed(seed)
-
-    def manual_seed_all(self, seed: int) -> None:
-        torch.manual_seed(seed)
-
-    def set_allocator_settings(self, settings: str) -> None:
-        pass
-
-    def empty_cache(self) -> None:
-        pass
-
-    def get_device_capability(self, device_index: int = 0) -> tuple[None, None]:
-        return (None, None)
-
-    def communication_backend_name(self) -> str:
-        return "gloo"
-
-    def visible_devices_envvar(self) -> str:
-        return "CPU_VISIBLE_DEVICES"
-
-    @contextlib.contextmanager
-    def nvtx_range(self, msg: str):
-        yield
-
-    def profiler_start(self) -> None:
-        pass
-
-    def profiler_stop(self) -> None:
-        pass
-
-    def ray_resource_name(self) -> str:
-        return "CPU"
-
-    def ray_noset_envvars(self) -> list[str]:
-        return []
-
-    def is_ipc_supported(self) -> bool:
-        return False
-
-    def cudart(self) -> None:
-        return None
-
-
 from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.utils.torch_dtypes import PrecisionType  # noqa: E402
 from verl.workers.engine.base import EngineRegistry  # noqa: E402
-from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead  # noqa: E402
 
 _to_dtype = PrecisionType.to_dtype
 PrecisionType.to_dtype = staticmethod(lambda p: torch.float64 if p in ("fp64", torch.float64) else _to_dtype(p))
-for _backend in ("fsdp", "fsdp2"):
-    EngineRegistry._engines["language_model"][_backend]["cpu"] = FSDPEngineWithLMHead
 
 from verl.trainer.config.config import CheckpointConfig  # noqa: E402
 from verl.workers.config import (  # noqa: E402
