@@ -110,3 +110,33 @@ def test_settings_from_the_environment():
         settings_from_environment({"LONGSTRAW_CHUNK_SIZE": "many"})
     with pytest.raises(ValueError, match="unknown plan 'fast'"):
         settings_from_environment({"LONGSTRAW_PLAN": "fast"})
+
+
+def test_the_switch_is_verls_model_external_lib(tmp_path):
+    """`actor_rollout_ref.model.external_lib=longstraw.integrations.verl`: verl imports the module when it reads the
+    model config, and from then on builds LongStraw's engine for the language model's fsdp/fsdp2 backends on every
+    device verl registered (a fresh process, no test shim: verl's own registry as shipped)."""
+    import transformers
+
+    transformers.Qwen3Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                             architectures=["Qwen3ForCausalLM"]).save_pretrained(tmp_path)
+    code = f"""
+from verl.workers.engine.base import EngineRegistry
+from verl.workers.config import HFModelConfig
+
+def engines():
+    return sorted({{(backend, str(device), cls.__name__)
+                   for backend, devices in EngineRegistry._engines["language_model"].items()
+                   if backend in ("fsdp", "fsdp2") for device, cls in devices.items()}})
+
+print("before", engines())
+HFModelConfig(path={str(tmp_path)!r}, load_tokenizer=False, external_lib="longstraw.integrations.verl")
+print("after", engines())
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    before = next(line for line in run.stdout.splitlines() if line.startswith("before"))
+    after = next(line for line in run.stdout.splitlines() if line.startswith("after"))
+    assert "FSDPEngineWithLMHead" in before and "LongStrawFSDPEngine" not in before
+    assert "'cuda', 'LongStrawFSDPEngine'" in after and "FSDPEngineWithLMHead" not in after
