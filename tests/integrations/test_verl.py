@@ -140,3 +140,27 @@ print("after", engines())
     after = next(line for line in run.stdout.splitlines() if line.startswith("after"))
     assert "FSDPEngineWithLMHead" in before and "LongStrawFSDPEngine" not in before
     assert "'cuda', 'LongStrawFSDPEngine'" in after and "FSDPEngineWithLMHead" not in after
+
+
+def test_the_example_is_a_verl_config_longstraw_accepts():
+    """examples/verl/grpo_long_prompts.sh: every override composes into verl's own ppo_trainer config (hydra refuses
+    an unknown key), the switch is set, and LongStraw refuses nothing in its actor config."""
+    import re
+
+    from hydra import compose, initialize_config_dir
+    from verl.utils.config import omega_conf_to_dataclass
+
+    import verl
+
+    script = (Path(__file__).resolve().parents[2] / "examples" / "verl" / "grpo_long_prompts.sh").read_text()
+    overrides = [re.sub(r'"?\$\{(\w+)(:-|:\?)([^}]*)\}"?', lambda m: m.group(3) if m.group(2) == ":-" else "x.parquet",
+                        line.strip().rstrip("\\").strip())
+                 for line in script.splitlines() if re.match(r"\s+\+?[\w.]+=", line)]
+    assert len(overrides) > 20
+    config_dir = str(Path(verl.__file__).parent / "trainer" / "config")
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        config = compose(config_name="ppo_trainer", overrides=overrides)
+    assert config.actor_rollout_ref.model.external_lib == "longstraw.integrations.verl"
+    assert config.ray_kwargs.ray_init.runtime_env.env_vars.LONGSTRAW_PLAN == "exact"
+    actor = omega_conf_to_dataclass(config.actor_rollout_ref.actor)
+    assert config_refusals(actor) == []
