@@ -18,7 +18,7 @@ pytest.importorskip("verl", reason="the verl extra is not installed here: `make 
                                    "its own venv (verl 0.9 pins transformers < 5.11)")
 
 import torch  # noqa: E402
-from helpers import assert_close, free_port, gradient_tolerance  # noqa: E402
+from helpers import assert_close, free_port, gradient_tolerance, run_ranks  # noqa: E402
 
 from longstraw.integrations.verl import config_refusals, settings_from_environment  # noqa: E402
 
@@ -147,10 +147,9 @@ def test_the_example_is_a_verl_config_longstraw_accepts():
     an unknown key), the switch is set, and LongStraw refuses nothing in its actor config."""
     import re
 
+    import verl
     from hydra import compose, initialize_config_dir
     from verl.utils.config import omega_conf_to_dataclass
-
-    import verl
 
     script = (Path(__file__).resolve().parents[2] / "examples" / "verl" / "grpo_long_prompts.sh").read_text()
     overrides = [re.sub(r'"?\$\{(\w+)(:-|:\?)([^}]*)\}"?', lambda m: m.group(3) if m.group(2) == ":-" else "x.parquet",
@@ -164,3 +163,22 @@ def test_the_example_is_a_verl_config_longstraw_accepts():
     assert config.ray_kwargs.ray_init.runtime_env.env_vars.LONGSTRAW_PLAN == "exact"
     actor = omega_conf_to_dataclass(config.actor_rollout_ref.actor)
     assert config_refusals(actor) == []
+
+
+def test_two_data_parallel_ranks_equal_verls_two_ranks(tmp_path):
+    """2 processes, FSDP2 sharded over both, each with its own 2 prompts × 4 responses: verl divides by the tokens or
+    sequences of both ranks and multiplies each rank's loss by dp = 2 for FSDP's mean; LongStraw's options do the
+    same under its gather-once / reduce-scatter-once block. Every step's whole gradient equal within 1e-10."""
+    cases = {"dp2-token-mean": {"family": "qwen3", "actor": {"loss_agg_mode": "token-mean", **KL}},
+             "dp2-seq-mean-token-sum-norm": {"family": "qwen3", "actor": {"loss_agg_mode": "seq-mean-token-sum-norm"}}}
+    here = Path(__file__).resolve().parent
+    out = tmp_path / "dp2.pt"
+    ranks = run_ranks([str(here / "verl_child.py"), str(out), json.dumps(cases)], 2, timeout=900,
+                      paths=[here, here.parent, here.parents[1] / "src"])
+    for code, output in ranks:
+        assert code == 0, output[-4000:]
+    updates = torch.load(out, weights_only=False)
+    for case in cases:
+        assert len(updates[case]["verl"]) == 2
+        for step, (theirs, mine) in enumerate(zip(updates[case]["verl"], updates[case]["longstraw"])):
+            assert_close(f"{case} step {step + 1}", theirs, mine, 1e-10)

@@ -1,7 +1,8 @@
-"""One process over a 1-rank gloo group: each case's actor update through verl's TrainingWorker with verl's engine
-and with LongStraw's (`verl_setup.run_update`), saved for test_verl.py. argv: OUT.pt, JSON {case: spec}; a spec
-holds the model family, verl's actor settings, the batch options, and `refused` for a case LongStraw must refuse
-(then only its error message and whether any gradient was left behind are saved)."""
+"""One rank of a gloo group (one process by default; torch.distributed's environment for more): each case's actor
+update through verl's TrainingWorker with verl's engine and with LongStraw's (`verl_setup.run_update`), saved by
+rank 0 for test_verl.py. argv: OUT.pt, JSON {case: spec}; a spec holds the model family, verl's actor settings, the
+batch options, and `refused` for a case LongStraw must refuse (then only its error message and whether any
+gradient was left behind are saved). Each rank makes its own share of the batch (another seed)."""
 
 from __future__ import annotations
 
@@ -22,16 +23,19 @@ from longstraw.integrations.verl import LongStrawFSDPEngine
 
 def main() -> None:
     out, cases = sys.argv[1], json.loads(sys.argv[2])
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+        os.environ.setdefault(name, value)
     dist.init_process_group("gloo")
+    rank = dist.get_rank()
     models: dict[str, str] = {}
     results: dict[str, dict] = {}
     for name, spec in cases.items():
         family = spec["family"]
         if family not in models:
             models[family] = tempfile.mkdtemp(prefix=f"verl-{family}-")
-            save_tiny_model(family, models[family])
-        batch = make_batch(**spec.get("batch", {}))
+            save_tiny_model(family, models[family])  # seeded: every rank saves the same weights
+        options = spec.get("batch", {})
+        batch = make_batch(**options | {"seed": options.get("seed", 0) + 1000 * rank})  # this rank's share
         if spec.get("refused"):
             left: list[bool] = []
             try:
@@ -43,7 +47,8 @@ def main() -> None:
         results[name] = {who: run_update(engine, models[family], batch, spec["actor"], **spec.get("update", {}))
                          for who, engine in (("verl", FSDPEngineWithLMHead), ("longstraw", LongStrawFSDPEngine))}
         print(f"{name}: done", flush=True)
-    torch.save(results, out)
+    if rank == 0:
+        torch.save(results, out)
     dist.destroy_process_group()
 
 

@@ -106,9 +106,11 @@ def make_batch(prompt_lengths: tuple[int, ...] = (12, 9), g: int = 4, r_max: int
 def run_update(engine_cls: type, model_dir: str, batch: TensorDict, actor: dict[str, Any], epochs: int = 2,
                micro_batch: int = 4, dtype: str = "fp64", lr: float = 1.0, remove_padding: bool = True,
                ) -> list[torch.Tensor]:
-    """One `train_mini_batch` (epochs × one mini-batch of every row, micro-batches of `micro_batch` rows) through
-    verl's TrainingWorker built with `engine_cls`; the gradient (flat) at each optimizer step. remove_padding: verl's
-    `use_remove_padding` (its default packs a micro-batch's rows into one sequence; False pads them)."""
+    """One `train_mini_batch` (epochs × one mini-batch of every row of every rank, micro-batches of `micro_batch` rows)
+    through verl's TrainingWorker built with `engine_cls`; the gradient (flat, whole) at each optimizer step. `batch`
+    is this rank's share of the data-parallel batch. remove_padding: verl's `use_remove_padding` (its default packs a
+    micro-batch's rows into one sequence; False pads them)."""
+    import torch.distributed as dist
     from helpers import faithful_float64
     from verl.workers.engine_workers import TrainingWorker
 
@@ -146,8 +148,9 @@ def run_update(engine_cls: type, model_dir: str, batch: TensorDict, actor: dict[
 
     worker.engine.optimizer_step = recorded
     data = left_right_2_no_padding(batch.clone())
-    tu.assign_non_tensor(data, temperature=temperature,
-                         calculate_entropy=False, global_batch_size=rows, mini_batch_size=rows, epochs=epochs,
+    world = dist.get_world_size()
+    tu.assign_non_tensor(data, temperature=temperature, calculate_entropy=False, global_batch_size=rows * world,
+                         mini_batch_size=rows * world, epochs=epochs,
                          seed=42, dataloader_kwargs={"shuffle": False}, compute_loss=True)
     worker.train_mini_batch(data)
     return grads
