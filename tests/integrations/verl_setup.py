@@ -105,18 +105,19 @@ def make_batch(prompt_lengths: tuple[int, ...] = (12, 9), g: int = 4, r_max: int
 
 def run_update(engine_cls: type, model_dir: str, batch: TensorDict, actor: dict[str, Any], epochs: int = 2,
                micro_batch: int = 4, dtype: str = "fp64", lr: float = 1.0, remove_padding: bool = True,
-               ) -> list[torch.Tensor]:
+               compute_dtype: str | None = None) -> list[torch.Tensor]:
     """One `train_mini_batch` (epochs × one mini-batch of every row of every rank, micro-batches of `micro_batch` rows)
     through verl's TrainingWorker built with `engine_cls`; the gradient (flat, whole) at each optimizer step. `batch`
     is this rank's share of the data-parallel batch. remove_padding: verl's `use_remove_padding` (its default packs a
-    micro-batch's rows into one sequence; False pads them)."""
+    micro-batch's rows into one sequence; False pads them). compute_dtype: FSDP's mixed-precision param_dtype (verl's
+    autocast dtype too), default `dtype`."""
     import torch.distributed as dist
     from helpers import faithful_float64
     from verl.workers.engine_workers import TrainingWorker
 
     for backend in ("fsdp", "fsdp2"):
         EngineRegistry._engines["language_model"][backend]["cpu"] = engine_cls
-    precision = {"param_dtype": dtype, "reduce_dtype": dtype, "buffer_dtype": dtype}
+    precision = {"param_dtype": compute_dtype or dtype, "reduce_dtype": dtype, "buffer_dtype": dtype}
     config = TrainingWorkerConfig(
         model_type="language_model",
         model_config=HFModelConfig(path=model_dir, load_tokenizer=False, use_remove_padding=remove_padding,
