@@ -9,10 +9,12 @@ import socket
 import subprocess
 import sys
 import types
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from transformers import (
     AutoModelForCausalLM,
     Cohere2Config,
@@ -21,7 +23,6 @@ from transformers import (
     Gemma3TextConfig,
     Glm4MoeConfig,
     GlmMoeDsaConfig,
-    KimiLinearConfig,
     LlamaConfig,
     Mamba2Config,
     MistralConfig,
@@ -34,6 +35,10 @@ from transformers import (
 
 from longstraw import Group
 from longstraw.engine.kernels.attention import prefix_attention
+from longstraw.models.architecture import transformers_too_old
+
+# Kimi Linear exists from transformers 5.17 on: on an older one its families are listed and their tests skip.
+KimiLinearConfig = getattr(transformers, "KimiLinearConfig", None)
 
 VOCAB = 512
 
@@ -87,6 +92,7 @@ def faithful_float64(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _configs() -> dict[str, object]:
+    """Tiny configs of the plain attention families, which every supported transformers has."""
     common = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                   vocab_size=VOCAB, max_position_embeddings=1024)
     return {
@@ -108,8 +114,9 @@ def _sliding(pattern: str) -> list[str]:
         "full_attention", "sliding_attention", "full_attention"]
 
 
-def _arch_configs() -> dict[str, object]:
-    """Tiny configs of the architecture families (hybrid, sliding-window, latent attention).
+def _arch_configs() -> dict[str, Callable[[], object]]:
+    """Tiny configs of the architecture families (hybrid, sliding-window, latent attention), each built on demand
+    (`tiny_config`): an older transformers may lack a family's class or validate its fields otherwise.
 
     Keys are `family` or `family-PATTERN` for mixed-layer models. Windows (16) are shorter than the tested
     prompts; DSA keeps index_topk (24) below the prompt length so the selection is exercised, with 16
@@ -125,48 +132,49 @@ def _arch_configs() -> dict[str, object]:
              max_position_embeddings=1024)
     moe = dict(moe_intermediate_size=32, num_key_value_heads=4)
     mla = dict(kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, head_dim=8)
-    out: dict[str, object] = {
-        "mistral-sw": MistralConfig(num_hidden_layers=2, num_key_value_heads=2, sliding_window=16,
-                                    tie_word_embeddings=False, **c),
-        "mamba2": Mamba2Config(hidden_size=64, num_heads=8, head_dim=16, state_size=16, n_groups=1, conv_kernel=4,
-                               chunk_size=16, num_hidden_layers=2, vocab_size=VOCAB, expand=2,
-                               pad_token_id=None, bos_token_id=None, eos_token_id=None),
-        "falcon_h1": FalconH1Config(num_hidden_layers=2, num_key_value_heads=2, mamba_d_ssm=128, mamba_n_heads=8,
-                                    mamba_d_head=16, mamba_d_state=16, mamba_n_groups=1, mamba_d_conv=4,
-                                    mamba_expand=2, mamba_chunk_size=16, pad_token_id=None, **c),
-        "deepseek_v3": DeepseekV3Config(num_hidden_layers=2, n_shared_experts=1, n_routed_experts=4,
-                                        num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
-                                        q_lora_rank=24, **moe, **mla, **c),
-        "glm_moe_dsa": GlmMoeDsaConfig(num_hidden_layers=2, n_shared_experts=1, n_routed_experts=4,
-                                       num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
-                                       q_lora_rank=24, index_topk=24, index_head_dim=16, index_n_heads=16,
-                                       indexer_types=["full", "shared"], mlp_layer_types=["dense", "sparse"],
-                                       **moe, **mla, **c),
+    out: dict[str, Callable[[], object]] = {
+        "mistral-sw": lambda: MistralConfig(num_hidden_layers=2, num_key_value_heads=2, sliding_window=16,
+                                            tie_word_embeddings=False, **c),
+        "mamba2": lambda: Mamba2Config(hidden_size=64, num_heads=8, head_dim=16, state_size=16, n_groups=1,
+                                       conv_kernel=4, chunk_size=16, num_hidden_layers=2, vocab_size=VOCAB, expand=2,
+                                       pad_token_id=None, bos_token_id=None, eos_token_id=None),
+        "falcon_h1": lambda: FalconH1Config(num_hidden_layers=2, num_key_value_heads=2, mamba_d_ssm=128,
+                                            mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=1,
+                                            mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16, pad_token_id=None,
+                                            **c),
+        "deepseek_v3": lambda: DeepseekV3Config(num_hidden_layers=2, n_shared_experts=1, n_routed_experts=4,
+                                                num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+                                                q_lora_rank=24, **moe, **mla, **c),
+        "glm_moe_dsa": lambda: GlmMoeDsaConfig(num_hidden_layers=2, n_shared_experts=1, n_routed_experts=4,
+                                               num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+                                               q_lora_rank=24, index_topk=24, index_head_dim=16, index_n_heads=16,
+                                               indexer_types=["full", "shared"], mlp_layer_types=["dense", "sparse"],
+                                               **moe, **mla, **c),
     }
-    out["cohere2"] = Cohere2Config(num_hidden_layers=2, num_key_value_heads=2, sliding_window=16,
-                                   layer_types=["sliding_attention", "full_attention"], pad_token_id=None,
-                                   bos_token_id=None, eos_token_id=None, **c)
-    out["glm4_moe"] = Glm4MoeConfig(num_hidden_layers=2, num_key_value_heads=2, head_dim=16, n_shared_experts=1,
-                                    n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
-                                    moe_intermediate_size=32, use_qk_norm=True, attention_bias=True, **c)
-    out["nemotron_h"] = NemotronHConfig(
+    out["cohere2"] = lambda: Cohere2Config(num_hidden_layers=2, num_key_value_heads=2, sliding_window=16,
+                                           layer_types=["sliding_attention", "full_attention"], pad_token_id=None,
+                                           bos_token_id=None, eos_token_id=None, **c)
+    out["glm4_moe"] = lambda: Glm4MoeConfig(num_hidden_layers=2, num_key_value_heads=2, head_dim=16, n_shared_experts=1,
+                                            n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
+                                            moe_intermediate_size=32, use_qk_norm=True, attention_bias=True, **c)
+    out["nemotron_h"] = lambda: NemotronHConfig(
         layers_block_type=["linear_attention", "full_attention", "mlp", "moe"], num_key_value_heads=2, head_dim=16,
         mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=1, conv_kernel=4, chunk_size=16,
         n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=32,
         initializer_range=0.07, pad_token_id=None, bos_token_id=None, eos_token_id=None, **c)
-    out["qwen3_5_text"] = Qwen3_5TextConfig(
+    out["qwen3_5_text"] = lambda: Qwen3_5TextConfig(
         num_hidden_layers=3, num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=8,
         linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, layer_types=_linear("A"), **c)
     for pattern in ("A", "B"):
-        out[f"gemma3-{pattern}"] = Gemma3TextConfig(
+        out[f"gemma3-{pattern}"] = lambda pattern=pattern: Gemma3TextConfig(
             num_hidden_layers=3, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=16,
             layer_types=_sliding(pattern), **c)
-        out[f"qwen3_next-{pattern}"] = Qwen3NextConfig(
+        out[f"qwen3_next-{pattern}"] = lambda pattern=pattern: Qwen3NextConfig(
             num_hidden_layers=3, num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=8,
             linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4,
             num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
             layer_types=_linear(pattern), **c)
-        out[f"kimi_linear-{pattern}"] = KimiLinearConfig(
+        out[f"kimi_linear-{pattern}"] = lambda pattern=pattern: KimiLinearConfig(
             num_hidden_layers=3, num_experts=4, num_experts_per_token=2, num_shared_experts=1, q_lora_rank=None,
             linear_head_dim=8, linear_num_heads=4, linear_conv_kernel_dim=4, layer_types=_linear(pattern),
             mlp_layer_types=["dense", "sparse", "sparse"], pad_token_id=None, bos_token_id=None, eos_token_id=None,
@@ -191,9 +199,9 @@ def gradient_tolerance(family: str) -> float:
 
 def tiny_model(family: str, dtype: torch.dtype = torch.float64, seed: int = 0) -> torch.nn.Module:
     """A random-init model of `family` (llama, qwen3, qwen2, mistral, or one of ARCH_FAMILIES), eval mode,
-    params requiring grad. Eager experts for the reference side (grouped_mm has no float64)."""
-    configs = _configs() | _arch_configs()
-    config = configs[family]
+    params requiring grad. Eager experts for the reference side (grouped_mm has no float64). The calling test is
+    skipped, saying why, where this transformers lacks the family or is older than LongStraw needs for it."""
+    config = tiny_config(family)
     torch.manual_seed(seed)
     try:  # sdpa keeps the softmax in float64 (eager attention computes it in float32)
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", experts_implementation="eager")
@@ -205,6 +213,28 @@ def tiny_model(family: str, dtype: torch.dtype = torch.float64, seed: int = 0) -
     if dtype == torch.float64:
         faithful_float64(model)
     return model
+
+
+# The model type of each family: what LongStraw's per-type transformers minimum is looked up by, known before the
+# config is built (Kimi Linear's class exists from transformers 5.17 on).
+_MODEL_TYPES = {"gemma3": "gemma3_text"}
+
+
+def tiny_config(family: str) -> object:
+    """The tiny config of `family` (llama, qwen3, qwen2, mistral, or one of ARCH_FAMILIES). Skips the calling test,
+    saying why, where this transformers has no such model or is older than LongStraw needs for it
+    (`architecture.transformers_too_old`); nothing skips on the pinned transformers."""
+    plain = _configs()
+    if family in plain:
+        return plain[family]
+    base = family.split("-")[0]
+    model_type = _MODEL_TYPES.get(base, base)
+    if model_type == "kimi_linear" and KimiLinearConfig is None:
+        pytest.skip(f"{family}: transformers {transformers.__version__} has no {model_type} model (added in 5.17)")
+    why = transformers_too_old(model_type)
+    if why is not None:
+        pytest.skip(f"{family}: {why}")
+    return _arch_configs()[family]()
 
 
 def random_group(prompt_len: int, lengths: list[int], seed: int = 0, dtype=torch.float64, vocab: int = VOCAB,

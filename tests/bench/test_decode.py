@@ -14,6 +14,7 @@ from longstraw.bench import decode
 from longstraw.bench.decode import SHAPES, format_table, hf_generate, hf_prefill, shape_from_args
 from longstraw.cli import build_parser, main
 from longstraw.engine.sampling import score_responses
+from longstraw.models.architecture import cache_keyword
 from longstraw.models.presets import PRESETS
 
 PHASE_KEYS = {"time_s", "cpu_time_s", "cpu_pressure", "peak_bytes", "peak_absolute_bytes", "peak_source", "hwm_reset"}
@@ -156,7 +157,7 @@ def test_transformers_side_decodes_the_same_model():
     cache = hf_prefill(model, prompt)
     cache.batch_repeat_interleave(g)
     torch.manual_seed(2)
-    unmasked = model.generate(prompt[None].expand(g, -1), cache=cache, max_new_tokens=n, min_new_tokens=n,
+    unmasked = model.generate(prompt[None].expand(g, -1), max_new_tokens=n, min_new_tokens=n,
                               do_sample=True, top_k=0, eos_token_id=None, pad_token_id=decode.PAD_TOKEN_ID,
-                              output_logits=True, return_dict_in_generate=True)
+                              output_logits=True, return_dict_in_generate=True, **{cache_keyword(model): cache})
     assert float((unmasked.logits[0] - out.logits[0]).abs().max()) > 1e-3

@@ -198,9 +198,9 @@ def test_cli_json_and_table(capsys, tmp_path):
 ])
 def test_plan_reads_the_added_families(family, kinds, capsys, tmp_path):
     """`longstraw plan` on a directory holding the tests' tiny config of each family: every plan is estimated."""
-    from helpers import _arch_configs
+    from helpers import tiny_config
 
-    _arch_configs()[family].save_pretrained(tmp_path)
+    tiny_config(family).save_pretrained(tmp_path)
     assert main(["plan", "--model", str(tmp_path), "--prompt-tokens", "500", "--response-tokens", "50",
                  "--group-size", "4", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)

@@ -22,8 +22,9 @@ one after the other, the first side's state freed before the second starts):
   `pad_token_id`, so every prompt position that holds token 0 (in a random prompt over a 32,000-token vocabulary:
   P = 8192 about 23% of prompts, P = 131,072 nearly all) would be masked out: other samples, and an explicit mask
   in every attention call. `top_k=0`: transformers' default `top_k` is 50; LongStraw samples from the full
-  distribution, so transformers does too. The cache is passed as `cache=` (transformers >= 5.24's name; the old
-  `past_key_values=` warns); that the prefill filled it (P - 1 positions) is checked, not assumed.
+  distribution, so transformers does too. The cache is passed under the name the model's forward takes
+  (`architecture.cache_keyword`: `cache` from transformers 5.24, `past_key_values` up to 5.23); that the prefill filled
+  it (P - 1 positions) is checked, not assumed.
 
 Both decodes sample at temperature 1 from the unfiltered distribution, every response exactly N tokens (no stop
 ids): the table checks that each side produced G x N tokens. tokens/s = G * N / decode wall time. That the two
@@ -175,11 +176,13 @@ def hf_generate(model, prompt, cache, group_size: int, new_tokens: int, seed: in
     that holds PAD_TOKEN_ID (module docstring)."""
     import torch
 
+    from longstraw.models.architecture import cache_keyword
+
     ids = prompt[None].expand(group_size, -1)
     torch.manual_seed(seed)
-    return model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=new_tokens,
+    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                           min_new_tokens=new_tokens, do_sample=True, top_k=0, top_p=1.0, temperature=1.0,
-                          eos_token_id=None, pad_token_id=PAD_TOKEN_ID, **extra)
+                          eos_token_id=None, pad_token_id=PAD_TOKEN_ID, **{cache_keyword(model): cache}, **extra)
 
 
 def hf_prefill(model, prompt):
@@ -187,9 +190,11 @@ def hf_prefill(model, prompt):
     import torch
     from transformers import DynamicCache
 
+    from longstraw.models.architecture import cache_keyword
+
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(prompt[None, :-1], cache=cache, use_cache=True, logits_to_keep=1)
+        model(prompt[None, :-1], use_cache=True, logits_to_keep=1, **{cache_keyword(model): cache})
     if cache.get_seq_length() != prompt.numel() - 1:  # a kwarg the model did not take would leave it empty
         raise RuntimeError(f"the transformers prefill left {cache.get_seq_length()} positions in the cache, "
                            f"expected {prompt.numel() - 1}")

@@ -26,7 +26,7 @@ from longstraw.engine.kernels.attention import masked_prefix_attention, prefix_a
 from longstraw.engine.state.cache import SegmentCache, StateCollected
 from longstraw.engine.state.prompt import Collected, PromptState
 from longstraw.engine.state.response import ResponseState
-from longstraw.models.architecture import hf
+from longstraw.models.architecture import cache_keyword, check_transformers_for, hf
 
 ATTN_NAME = "longstraw"
 
@@ -130,6 +130,8 @@ def run_segment(
     With `kv_only` (needs `collect`), the forward stops as soon as every layer's state is in `collect` and
     None is returned. Returns (B, T, hidden) otherwise.
     """
+    model_type = hf(model).config.model_type
+    check_transformers_for(model_type)
     b, t = input_ids.shape
     if generated is not None and t != 1:
         raise ValueError(f"decoding takes one token per sequence per step, got {t}")
@@ -140,12 +142,16 @@ def run_segment(
     mask = None
     if has_indexer(model):
         mask = _indexer_mask(b, t, start, input_ids.device)  # keys: prompt, generated so far, this segment
+    base = hf(model).base_model
     with replay_attention(model):
         try:
-            out = hf(model).base_model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
-                                       cache=cache, use_cache=False, longstraw=cache)
+            out = base(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
+                       use_cache=False, longstraw=cache, **{cache_keyword(base): cache})
         except StateCollected:
-            return None
+            out = None
+    cache.check_asked(model_type)
+    if out is None:
+        return None
     cache.finish()
     if generated is not None:
         assert collect is not None  # set above whenever generated is

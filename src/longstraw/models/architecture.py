@@ -3,6 +3,8 @@ supported and refused model types, eval mode (or train mode without randomness),
 
 from __future__ import annotations
 
+import functools
+import inspect
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -11,25 +13,55 @@ from typing import Any
 import torch
 import transformers
 
-# The oldest transformers whose decoders take the cache protocol `state.cache.SegmentCache` speaks: 5.24 renamed the
-# models' `past_key_values` argument to `cache` (5.17-5.23, checked, take ours as an unknown keyword and run every
-# segment without it; 5.17's linear-attention layers also ask their cache through another interface).
-MIN_TRANSFORMERS = (5, 24)
+# The oldest transformers LongStraw runs on at all (llama, qwen2, qwen3, mistral, gemma3_text and the other attention
+# families); some families need a later one (`MIN_TRANSFORMERS_BY_MODEL_TYPE`, checked by `check_architecture`).
+MIN_TRANSFORMERS = (5, 5, 3)
+
+
+def _version(version: str) -> tuple[int, ...]:
+    """"5.24.1.dev0" -> (5, 24, 1): the release numbers, padded to three."""
+    found = [int(x) for x in re.findall(r"\d+", version)[:3]]
+    return tuple(found + [0] * (3 - len(found)))
+
+
+def _show(version: tuple[int, ...]) -> str:
+    return ".".join(map(str, version[:2] if version[2:] == (0,) else version))
 
 
 def check_transformers(version: str | None = None) -> None:
-    """Refuse a transformers older than MIN_TRANSFORMERS before any model is built (the failure would otherwise
-    surface deep in a capture as "chunk produced no state", or not at all)."""
+    """Refuse a transformers older than MIN_TRANSFORMERS before any model is built."""
     version = transformers.__version__ if version is None else version
-    found = tuple(int(x) for x in re.findall(r"\d+", version)[:2])
-    if found < MIN_TRANSFORMERS:
-        need = ".".join(map(str, MIN_TRANSFORMERS))
-        raise ImportError(f"LongStraw needs transformers >= {need} (found {version}): older releases pass the cache "
-                          f"under another name, so a prompt state would be silently ignored. Upgrade: "
+    if _version(version) < MIN_TRANSFORMERS:
+        need = _show(MIN_TRANSFORMERS)
+        raise ImportError(f"LongStraw needs transformers >= {need} (found {version}): older releases speak another "
+                          f"cache protocol, so a prompt state would be silently ignored. Upgrade: "
                           f"pip install 'transformers>={need},<6'")
 
 
 check_transformers()
+
+
+# The name each decoder or causal-LM class takes its cache under (`cache_keyword`), read once per class.
+_CACHE_KEYWORDS: dict[type, str | None] = {}
+
+
+def cache_keyword(module: torch.nn.Module) -> str:
+    """The name under which `module`'s forward (a transformers decoder or causal LM) takes its cache object, read
+    from the forward's signature once per class: `cache`, or in releases up to 5.23 `past_key_values` (Mamba2:
+    `cache_params`). A forward that names none of them would drop the cache into **kwargs and run without the prompt
+    state: refused."""
+    cls = type(module)
+    if cls not in _CACHE_KEYWORDS:
+        parameters = inspect.signature(cls.forward).parameters
+        # >= 5.24 | older releases | older Mamba2
+        _CACHE_KEYWORDS[cls] = next((n for n in ("cache", "past_key_values", "cache_params") if n in parameters), None)
+    name = _CACHE_KEYWORDS[cls]
+    if name is None:
+        raise TypeError(f"{type(module).__name__}.forward takes no cache argument LongStraw knows (cache, "
+                        f"past_key_values, cache_params) on transformers {transformers.__version__}: LongStraw "
+                        "cannot hand it a prompt state")
+    return name
+
 
 # Model types whose every layer kind has a state adapter and a parity test (docs/design.md §4): full attention (GQA),
 # sliding window, gated DeltaNet and KDA linear attention, Mamba2 SSM, MLA latent attention, DSA, MoE FFNs.
@@ -71,6 +103,50 @@ def logit_scale(model: torch.nn.Module) -> float:
         return 1.0
 
 
+# The model types that need a later transformers than MIN_TRANSFORMERS: the oldest release with which LongStraw
+# computes them exactly (each release from it to constraints.txt's pin passed the family's parity tests), and what an
+# older one does. Every other supported type runs on MIN_TRANSFORMERS.
+_GATED_DELTANET_ZERO = ("in 5.5-5.6 its gated DeltaNet layers start every multi-token segment from a zero state (no "
+                        "initial recurrent state, a zero-padded conv), so replays would ignore the prompt")
+_LATENT_NOT_CACHED = "up to {} its MLA layers cache per-head keys and values, not the latent LongStraw keeps"
+MIN_TRANSFORMERS_BY_MODEL_TYPE: dict[str, tuple[tuple[int, int, int], str]] = {
+    "qwen3_next": ((5, 7, 0), _GATED_DELTANET_ZERO),
+    "qwen3_5_text": ((5, 7, 0), _GATED_DELTANET_ZERO),
+    "mamba2": ((5, 13, 0), "up to 5.12 a Mamba2 layer continues a state only one token at a time (a longer "
+                           "segment runs the one-token update or starts from a zero state)"),
+    "nemotron_h": ((5, 15, 0), "up to 5.14 its Mamba2 blocks do not continue a state over a multi-token segment "
+                               "exactly (5.13-5.14: replays differ from the full forward by 7e-4)"),
+    "deepseek_v3": ((5, 15, 0), _LATENT_NOT_CACHED.format("5.14")),
+    "falcon_h1": ((5, 17, 0), "up to 5.16 its decoder layers do not pass LongStraw's arguments on to the attention "
+                              "kernel"),
+    "kimi_linear": ((5, 17, 0), "transformers has a Kimi Linear model from 5.17 on"),
+    "glm_moe_dsa": ((5, 18, 0), _LATENT_NOT_CACHED.format("5.17")),
+}
+
+
+def transformers_too_old(model_type: str, version: str | None = None) -> str | None:
+    """Why this transformers (or `version`) is too old for LongStraw to run `model_type`, with what to install;
+    None where it is recent enough."""
+    version = transformers.__version__ if version is None else version
+    if model_type not in MIN_TRANSFORMERS_BY_MODEL_TYPE:
+        return None
+    need, why = MIN_TRANSFORMERS_BY_MODEL_TYPE[model_type]
+    if _version(version) >= need:
+        return None
+    return (f"{model_type} needs transformers >= {_show(need)} for LongStraw (found {version}): {why}. "
+            f"Upgrade: pip install 'transformers>={_show(need)},<6'")
+
+
+@functools.cache
+def check_transformers_for(model_type: str) -> None:
+    """Raise ValueError (`transformers_too_old`'s message) where this transformers is too old for `model_type`: every
+    segment LongStraw runs checks it first (once per type), so sampling or a capture is refused as early as
+    `check_architecture` refuses `backward_group`."""
+    why = transformers_too_old(model_type)
+    if why is not None:
+        raise ValueError(why)
+
+
 # Architectures refused for a reason beyond "not built yet": replaying them would be silently wrong.
 _MAMBA1_WHY = (
     "transformers' torch path for Mamba-1 layers ignores the SSM state in multi-token continuations, so a replay "
@@ -93,6 +169,7 @@ def check_architecture(model: torch.nn.Module, max_length: int) -> None:
             f"unsupported architecture {model_type!r} ({type(model).__name__}): LongStraw supports "
             f"{', '.join(SUPPORTED_MODEL_TYPES)}"
         )
+    check_transformers_for(model_type)
     softcap = getattr(config, "final_logit_softcapping", None)
     if softcap is not None:
         raise ValueError(

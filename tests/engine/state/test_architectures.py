@@ -18,6 +18,8 @@ DSA: index_topk (24) < prompt length exercises the selection; 16 indexer heads a
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from helpers import ARCH_FAMILIES, assert_close, gradient_tolerance, grads, random_group, rel_err, tiny_model
@@ -26,6 +28,7 @@ from longstraw import backward_group, planner
 from longstraw.engine.sampling import SamplingConfig, sample_group, score_responses
 from longstraw.engine.segment import run_segment
 from longstraw.engine.state.capture import capture_prompt
+from longstraw.models.architecture import cache_keyword
 
 RECURRENT = ("qwen3_next", "mamba2", "falcon_h1", "kimi_linear", "nemotron_h")
 _tol = gradient_tolerance  # helpers: 1e-6 for the FP32_INSIDE families, else 1e-10
@@ -200,6 +203,35 @@ def test_sampled_logprobs_equal_a_full_forward(family):
         assert float((ref - logp).abs().max()) <= 10 * tol
 
 
+@pytest.mark.parametrize("family", ["mistral-sw", "qwen3_next-A", "mamba2"])
+def test_a_layer_that_never_asks_for_its_state_is_refused(family):
+    """Layer 0 holds prompt state (K/V; conv and recurrent state) but runs with its cache argument dropped, as under a
+    transformers that passed the cache another way: computed so, its segment would ignore the prompt. A replay raises
+    instead, naming the layer, the part and the transformers version; so does a capture, at its first chunk."""
+    import transformers
+
+    from longstraw.engine.activation_checkpointing import decoder_layers
+
+    model = _model(family)
+    state = capture_prompt(model, torch.arange(30), chunk_size=8)
+
+    def drop_cache(module, args, kwargs):
+        return args, {k: None if k in ("cache", "past_key_values", "cache_params") else v for k, v in kwargs.items()}
+
+    hook = decoder_layers(model)[0].register_forward_pre_hook(drop_cache, with_kwargs=True)
+    part = "key" if family == "mistral-sw" else "conv, recurrent"
+    expected = rf"on transformers {re.escape(transformers.__version__)}: .*\(layer 0: {part}\)"
+    try:
+        with pytest.raises(RuntimeError, match=expected):
+            run_segment(model, torch.randint(0, 512, (2, 5)), 30, state.fork())
+        version = re.escape(transformers.__version__)
+        with pytest.raises(RuntimeError, match=rf"chunk produced no state for layers \[0\] \(transformers {version}\)"):
+            capture_prompt(model, torch.arange(30), chunk_size=8)
+    finally:
+        hook.remove()
+    run_segment(model, torch.randint(0, 512, (2, 5)), 30, state.fork())  # and without the hook it runs
+
+
 def test_one_token_chunks_are_refused_for_recurrent_exact():
     group = random_group(20, [3, 4])
     with pytest.raises(ValueError, match="chunk_size >= 2"):
@@ -221,9 +253,10 @@ def test_replay_is_within_the_references_own_chunking_noise(family):
         full = torch.log_softmax(model(input_ids=ids, use_cache=False).logits[0, 299:-1], -1)
         full = full.gather(-1, group.responses[0][:, None]).squeeze(-1)
         cache = DynamicCache(config=model.config)
+        name = cache_keyword(model)  # `cache`, or another name in older transformers
         for s in range(0, 299, 13):
-            model(input_ids=ids[:, s : min(s + 13, 299)], cache=cache, use_cache=True)
-        cont = torch.log_softmax(model(input_ids=ids[:, 299:], cache=cache, use_cache=True).logits[0, :-1], -1)
+            model(input_ids=ids[:, s : min(s + 13, 299)], use_cache=True, **{name: cache})
+        cont = torch.log_softmax(model(input_ids=ids[:, 299:], use_cache=True, **{name: cache}).logits[0, :-1], -1)
         cont = cont.gather(-1, group.responses[0][:, None]).squeeze(-1)
     ours = score_responses(model, group.prompt, group.responses, chunk_size=13)[0]
     floor = float((full - cont).abs().max())

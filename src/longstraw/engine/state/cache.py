@@ -16,14 +16,25 @@ or one decoding step), over a fork of the shared `PromptState`:
   memory nobody else reads. `update_*` return new tensors and never write into the state.
 * Everything a layer produced is put in `collect` (capture, the exact plan's recompute, decoding), and with
   `kv_only` the forward stops once every layer's state is in (the rest of the network would be wasted work).
+
+transformers 5.5-5.20 ask for conv/recurrent state another way: `has_previous_state(layer)`, then
+`layers[layer].conv_states` / `.recurrent_states` (one tensor each up to 5.13, a list of them from 5.14), with
+`layers[layer].record_past` (5.16-5.20) choosing the functional conv path. `has_previous_state` and `layers` answer
+those from the same fork. Which of the model types this makes exact on which release: `architecture.
+MIN_TRANSFORMERS_BY_MODEL_TYPE`. Whatever the release, `check_asked` refuses a forward in which a layer that holds
+prompt state never asked for it (a model that took the cache under another name, or passes state some other way),
+instead of returning a result computed without the prompt.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+import transformers
 
 from longstraw.engine.state.prompt import Collected, PromptState
 from longstraw.engine.state.response import ResponseState
@@ -31,6 +42,47 @@ from longstraw.engine.state.response import ResponseState
 
 class StateCollected(Exception):
     """Raised inside the model once every layer's state parts are collected (`kv_only`)."""
+
+
+@functools.cache
+def _one_state_per_layer() -> bool:
+    """Whether this transformers' linear-attention cache layers hold one conv and one recurrent tensor (releases
+    up to 5.13; later ones hold a list of them, indexed by `state_idx`), read from its cache layer's signature."""
+    mixin = getattr(transformers.cache_utils, "LinearAttentionCacheLayerMixin", None)
+    return mixin is not None and "state_idx" not in inspect.signature(mixin.update_conv_state).parameters
+
+
+class _LayerStates:
+    """`cache.layers[i]` as transformers 5.5-5.20 read it: the layer's conv and recurrent state (the tensor the
+    layer was handed in this segment, else a fresh clone of the fork's), its device, and `record_past`."""
+
+    record_past = True  # 5.16-5.20: one token takes `update_conv_state` too, never the in-place conv kernel
+
+    def __init__(self, cache: SegmentCache, index: int) -> None:
+        self._cache, self._index = cache, index
+
+    def _read(self, part: str) -> torch.Tensor | list[torch.Tensor] | None:
+        tensor = self._cache.handed_out.get((part, self._index))
+        if tensor is None:
+            tensor = self._cache._hand_out(part, self._index)
+        if tensor is None or _one_state_per_layer():
+            return tensor
+        return [tensor]
+
+    @property
+    def conv_states(self) -> torch.Tensor | list[torch.Tensor] | None:
+        return self._read("conv")
+
+    @property
+    def recurrent_states(self) -> torch.Tensor | list[torch.Tensor] | None:
+        return self._read("recurrent")
+
+    @property
+    def device(self) -> torch.device:  # read by Mamba2's one-token path, which runs only on a layer with state
+        current = self._cache._current("recurrent", self._index)
+        if current is None:
+            raise RuntimeError(f"layer {self._index} asked for its state's device but holds no recurrent state")
+        return current.device
 
 
 class SegmentCache:
@@ -47,6 +99,7 @@ class SegmentCache:
         # whether a layer is being recomputed in the backward (then nothing is collected again).
         self._entry: dict[int, dict[tuple[str, int], torch.Tensor]] = {}
         self.recomputing = False
+        self.asked: dict[int, set[str]] = {}  # per layer, the state parts it asked for (`check_asked`)
 
     # --- bookkeeping --------------------------------------------------------------------------------------
     @contextmanager
@@ -72,6 +125,29 @@ class SegmentCache:
                 for key in [k for k in self.handed_out if k[1] == index]:
                     del self.handed_out[key]
                 self.handed_out.update(self._entry.get(index, {}))
+
+    def _asked(self, layer: int, *parts: str) -> None:
+        self.asked.setdefault(layer, set()).update(parts)
+
+    def check_asked(self, model_type: str) -> None:
+        """Raise unless every layer that holds a prompt state part asked the cache for it in this forward (attention:
+        `update`, whose layer the kernel then gives the prompt's K/V; DSA: `update_indexer`; conv/recurrent layers:
+        their conv and recurrent state). A layer that never asked computed its segment without the prompt."""
+        needed = self.state.layer_parts
+        if needed is None or (self.state.length == 0 and self.generated is None):
+            return
+        missing = {}
+        for layer, parts in enumerate(needed):
+            want = {"key" if part == "value" else part for part in parts} - self.asked.get(layer, set())
+            if want:
+                missing[layer] = sorted(want)
+        if missing:
+            shown = "; ".join(f"layer {layer}: {', '.join(parts)}" for layer, parts in list(missing.items())[:4])
+            raise RuntimeError(
+                f"{model_type} on transformers {transformers.__version__}: layers that hold prompt state never asked "
+                f"LongStraw's cache for it ({shown}), so their output would silently ignore the prompt. This "
+                "transformers passes the cache or its state another way than LongStraw speaks: install the one "
+                "constraints.txt pins, or a release architecture.MIN_TRANSFORMERS_BY_MODEL_TYPE allows")
 
     def _record(self, layer: int, part: str, tensor: torch.Tensor) -> None:
         if self.collect is None or self.recomputing:
@@ -103,6 +179,7 @@ class SegmentCache:
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Attention layers: this segment's K/V (B, Hkv, T, D) or MLA latents (B, 1, T, d). Returned unchanged
         (the kernel reads the prompt part from the state), or with every generated token's while decoding."""
+        self._asked(layer_idx, "key")
         self._record(layer_idx, "key", key)
         self._record(layer_idx, "value", value)
         if self.generated is not None:
@@ -115,6 +192,7 @@ class SegmentCache:
         transformers' indexer scores one key tensor, so this builds it per call: a transient copy of the prompt's
         indexer keys (d_I numbers per position, no grad, one layer at a time), which the reference's own cache
         also makes. Keeping a joined copy in the state instead would hold it for the whole step."""
+        self._asked(layer_idx, "index")
         self._record(layer_idx, "index", index_key)
         own = self.generated.append_index(layer_idx, index_key) if self.generated is not None else index_key
         prompt = self.state.index_keys(layer_idx)
@@ -130,6 +208,7 @@ class SegmentCache:
         return None if prompt is None else self._expand(prompt)
 
     def _hand_out(self, part: str, layer: int) -> torch.Tensor | None:
+        self._asked(layer, part)
         current = self._current(part, layer)
         if current is None:
             return None
@@ -147,8 +226,14 @@ class SegmentCache:
                           **kwargs) -> torch.Tensor:
         """inputs (B, C, T) -> [previous conv window ; inputs] (B, C, K+T) for the causal conv to read.
         The new window is the last K columns, zero-padded on the left while fewer than K tokens exist
-        (the conv's own zero padding, so a later segment sees the same left context)."""
+        (the conv's own zero padding, so a later segment sees the same left context).
+
+        transformers 5.16-5.20 call this without asking for the conv state first: the fork's is taken. Up to 5.13 a
+        layer passes [its conv state ; inputs] cut to the last K columns (return value unused) or, for one token,
+        the token alone, and reads back the new K-column window: that is returned instead."""
         previous = self.handed_out.get(("conv", layer_idx))
+        if previous is None:
+            previous = self._hand_out("conv", layer_idx)
         full = inputs if previous is None else torch.cat([previous.to(inputs.dtype), inputs], dim=-1)
         k = conv_kernel_size or (previous.shape[-1] if previous is not None else full.shape[-1])
         # A copy, not a view: a view would keep the whole (B, C, K+T) input alive for as long as the window is
@@ -158,7 +243,7 @@ class SegmentCache:
             window = torch.nn.functional.pad(window, (k - window.shape[-1], 0))
         self.handed_out[("conv", layer_idx)] = window
         self._record(layer_idx, "conv", window)
-        return full
+        return window if _one_state_per_layer() else full
 
     def update_recurrent_state(self, recurrent: torch.Tensor, layer_idx: int, state_idx: int = 0,
                                **kwargs) -> torch.Tensor:
@@ -171,6 +256,19 @@ class SegmentCache:
     def is_recording_past(self, layer_idx: int = 0) -> bool:
         """True makes conv layers take the functional `update_conv_state` path even for one token."""
         return True
+
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        """transformers 5.5-5.20: whether `layer_idx` (any layer: None) continues a conv/recurrent state."""
+        if layer_idx is None:
+            return self.start > 0
+        if self.generated is not None and self.generated.has("recurrent", layer_idx):
+            return True
+        return bool(self.state.parts["recurrent"][layer_idx])
+
+    @property
+    def layers(self) -> list[_LayerStates]:
+        """transformers 5.5-5.20: `layers[i].conv_states` and `.recurrent_states` (`_LayerStates`)."""
+        return [_LayerStates(self, i) for i in range(self.state.num_layers)]
 
     # --- what model code may ask --------------------------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:

@@ -182,7 +182,11 @@ class PromptState:
         if self.layer_parts is None:
             missing = [layer for layer, p in enumerate(produced) if not p and layer not in self.stateless]
             if missing:
-                raise RuntimeError(f"chunk produced no state for layers {missing}")
+                import transformers
+
+                raise RuntimeError(f"chunk produced no state for layers {missing} (transformers "
+                                   f"{transformers.__version__}): those layers never handed their state to LongStraw's "
+                                   "cache, so replays would ignore the prompt")
             extra = [layer for layer, p in enumerate(produced) if p and layer in self.stateless]
             if extra:
                 raise RuntimeError(f"layers {extra} have no token mixer but produced state parts")
