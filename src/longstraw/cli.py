@@ -89,6 +89,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     trl_scale_bench.add_arguments(trl_scale_parser)
     trl_scale_parser.set_defaults(fail=trl_scale_parser.error)
+    from longstraw.bench import verl_update as verl_bench
+
+    verl_parser = benches.add_parser(
+        "verl", help="verl's own actor update against LongStraw's engine in verl: peak memory, side by side",
+        description="verl's TrainingWorker (FSDP2, 1 CPU process, float32, SGD) running one train_mini_batch of one "
+                    "prompt's group with verl's FSDPEngineWithLMHead (micro-batch G packed and padded, micro-batch "
+                    "1) and with LongStrawFSDPEngine (exact, detach), each row in a fresh process: update peak "
+                    "memory, time, CPU pressure, prompt state; table and JSON. Needs verl (its own venv: verl 0.9 "
+                    "pins transformers < 5.11).",
+    )
+    verl_bench.add_arguments(verl_parser)
+    verl_parser.set_defaults(fail=verl_parser.error)
     from longstraw.bench import decode as decode_bench
 
     decode_parser = benches.add_parser(
@@ -247,6 +259,10 @@ def _run_bench(args: argparse.Namespace) -> int:
         from longstraw.bench import trl_scale as trl_scale_bench
 
         return trl_scale_bench.run_from_args(args)
+    if args.bench == "verl":
+        from longstraw.bench import verl_update as verl_bench
+
+        return verl_bench.run_from_args(args)
     if args.bench == "decode":
         from longstraw.bench import decode as decode_bench
 
