@@ -41,6 +41,24 @@ $(OLD_STAMP): pyproject.toml constraints-oldest.txt
 test-oldest: $(OLD_STAMP)
 	$(OLD_BIN)/python -m pytest -q $(OLDEST_TESTS)
 
+# verl (the `verl` extra) pins transformers < 5.11, below constraints.txt's: a third venv with the extra's frozen
+# versions (constraints-verl.txt, transformers 5.10.4) runs LongStraw's engine in verl's actor update against verl's own
+# (tests/integrations/test_verl.py) and `longstraw bench verl --smoke`.
+VERL_VENV := .venv-verl
+VERL_BIN := $(VERL_VENV)/bin
+VERL_STAMP := $(VERL_VENV)/.installed
+VERL_TESTS := tests/integrations/test_verl.py tests/bench/test_verl_update.py
+
+.PHONY: test-verl
+$(VERL_STAMP): pyproject.toml constraints-verl.txt
+	test -x $(VERL_BIN)/python || $(PY) -m venv $(VERL_VENV)
+	$(VERL_BIN)/pip install -q --disable-pip-version-check torch==2.13.0
+	$(VERL_BIN)/pip install -q --disable-pip-version-check -c constraints-verl.txt -e ".[verl,test]"
+	touch $(VERL_STAMP)
+
+test-verl: $(VERL_STAMP)
+	$(VERL_BIN)/python -m pytest -q $(VERL_TESTS)
+
 test-slow: install
 	$(BIN)/python -m pytest -q -m slow
 
@@ -96,7 +114,7 @@ stress: install
 		--response-tokens 128 --start 8192 --step-timeout 1500
 
 clean:
-	rm -rf $(VENV) $(OLD_VENV) build src/*.egg-info
+	rm -rf $(VENV) $(OLD_VENV) $(VERL_VENV) build src/*.egg-info
 
 # The wheels bench/gpu.sh installs on a GPU machine that cannot reach PyPI (into .whl/, git-ignored): the
 # transformers this repo pins (constraints.txt), which the tests are run with and older GPU images lack.
