@@ -228,9 +228,9 @@ class SegmentCache:
         The new window is the last K columns, zero-padded on the left while fewer than K tokens exist
         (the conv's own zero padding, so a later segment sees the same left context).
 
-        transformers 5.16-5.20 call this without asking for the conv state first: the fork's is taken. Up to 5.13 a
-        layer passes [its conv state ; inputs] cut to the last K columns (return value unused) or, for one token,
-        the token alone, and reads back the new K-column window: that is returned instead."""
+        transformers 5.16-5.20 call this without asking for the conv state first: the fork's is taken. Up to 5.14
+        a layer passes [its conv state ; inputs] already cut to the last K columns (and does not read the result):
+        the window kept is then those columns."""
         previous = self.handed_out.get(("conv", layer_idx))
         if previous is None:
             previous = self._hand_out("conv", layer_idx)
@@ -243,7 +243,7 @@ class SegmentCache:
             window = torch.nn.functional.pad(window, (k - window.shape[-1], 0))
         self.handed_out[("conv", layer_idx)] = window
         self._record(layer_idx, "conv", window)
-        return window if _one_state_per_layer() else full
+        return full
 
     def update_recurrent_state(self, recurrent: torch.Tensor, layer_idx: int, state_idx: int = 0,
                                **kwargs) -> torch.Tensor:
