@@ -115,6 +115,11 @@ def write_json(path: str, document: dict[str, Any]) -> None:
         f.write("\n")
 
 
+def mib_text(value: float | None, width: int = 9) -> str:
+    """A size in MiB for a table cell, or "-" where there is none."""
+    return f"{'-':>{width}}" if value is None else f"{value / MIB:{width}.1f}"
+
+
 def peak_text(peak_bytes: float, width: int = 9) -> str:
     """A step peak in MiB, or "< 1" under the measurement's resolution (never a negative size)."""
     if peak_bytes < PEAK_RESOLUTION:

@@ -48,6 +48,7 @@ from longstraw.bench.common import (
     busy,
     default_out,
     describe_exit,
+    mib_text,
     positive_float,
     worker_env,
     write_json,
@@ -261,10 +262,6 @@ def checks(results: list[dict[str, Any]]) -> dict[str, Any]:
 # ---------------------------------------------------------------- the table
 
 
-def _mib(value: Any, width: int = 9) -> str:
-    return f"{'-':>{width}}" if value is None else f"{value / MIB:{width}.1f}"
-
-
 TABLE_NOTE = (
     "step peak: the largest rank's VmHWM above its RSS at the start of the step (after accelerate prepared the model: "
     "an FSDP rank holds only its shards there), through the optimizer step (SGD: no state); at rest: the rank's "
@@ -308,8 +305,8 @@ def format_table(document: dict[str, Any]) -> str:
         forecast_text = "n/a" if predicted is None else f"{predicted / MIB:.1f}"
         ratio_text = "-" if ratio is None else f"{ratio:.2f}{mark}"
         lines.append(
-            f"{str(r['label']):<{width}}  {sharded:>7} {_mib(r['step_peak_bytes'])} {_mib(r['at_rest_bytes'])} "
-            f"{_mib(r['peak_with_at_rest_bytes'])} {_mib(r['absolute_hwm_bytes'])} {state_text:>7} "
+            f"{str(r['label']):<{width}}  {sharded:>7} {mib_text(r['step_peak_bytes'])} {mib_text(r['at_rest_bytes'])} "
+            f"{mib_text(r['peak_with_at_rest_bytes'])} {mib_text(r['absolute_hwm_bytes'])} {state_text:>7} "
             f"{r['time_s']:8.2f} {cpu_s:7.1f} {pressure_text:>7} {forecast_text:>9} {ratio_text:>6}"
             f"{'  (host busy)' if busy(r) else ''}")
     summary = document.get("checks", {})
@@ -410,7 +407,7 @@ def run_from_args(args: argparse.Namespace) -> int:
             entry = summarize_row(shape, row, run)
             entry["load_average_after"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
             document["results"].append(entry)
-            progress = (f"step peak {_mib(entry['step_peak_bytes'])} MiB, {entry['time_s']:.1f} s"
+            progress = (f"step peak {mib_text(entry['step_peak_bytes'])} MiB, {entry['time_s']:.1f} s"
                         if entry["status"] == "ok" else f"FAILED: {entry['error']}")
             print(f"  {row.label:<24} {progress}", file=sys.stderr, flush=True)
             write_json(out + ".tmp", document)

@@ -48,6 +48,7 @@ from longstraw.bench.common import (
     check_out,
     default_out,
     describe_exit,
+    mib_text,
     positive_float,
     worker_env,
     write_json,
@@ -229,10 +230,6 @@ def checks(results: list[dict[str, Any]]) -> dict[str, Any]:
 # ---------------------------------------------------------------- the table
 
 
-def _mib(value: Any, width: int = 9) -> str:
-    return f"{'-':>{width}}" if value is None else f"{value / MIB:{width}.1f}"
-
-
 TABLE_NOTE = (
     "peak: VmHWM above the RSS just before train_mini_batch (model, worker and batch built), the whole update "
     "(forward, backward, gradient reduction, clipping, SGD step); ratio = peak / verl micro-batch G (packed), "
@@ -294,7 +291,7 @@ def format_table(document: dict[str, Any]) -> str:
         pressure = r.get("cpu_pressure")
         state = r.get("prompt_state_bytes")
         lines.append(
-            f"{label:<{width}}  {_mib(r['update_peak_bytes'])} {ratio:>6} {_mib(r['absolute_hwm_bytes'])} "
+            f"{label:<{width}}  {mib_text(r['update_peak_bytes'])} {ratio:>6} {mib_text(r['absolute_hwm_bytes'])} "
             f"{r['time_s']:8.1f} {'-' if pressure is None else f'{pressure:.0%}':>7} {r['cpu_time_s']:7.1f} "
             f"{'-' if state is None else f'{state / MIB:.1f}':>7}{'  (host busy)' if busy(r) else ''}")
     lines += [textwrap.fill(line, width=118, subsequent_indent="  ") for line in floor_lines(document)]
@@ -388,7 +385,7 @@ def run_from_args(args: argparse.Namespace) -> int:
             entry = {"label": row.label, **run}
             entry["load_average_after"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
             document["results"].append(entry)
-            progress = (f"peak {_mib(entry['update_peak_bytes'])} MiB, {entry['time_s']:.1f} s"
+            progress = (f"peak {mib_text(entry['update_peak_bytes'])} MiB, {entry['time_s']:.1f} s"
                         if entry["status"] == "ok" else f"{entry['status'].upper()}: {entry['error']}")
             print(f"  {row.label:<30} {progress}", file=sys.stderr, flush=True)
             write_json(out + ".tmp", document)
