@@ -1,5 +1,5 @@
 """One rank of a multi-process TRL run (torchrun, gloo, ACCELERATE_USE_CPU=1: accelerate's MULTI_CPU; a case with
-`fsdp=True` shards the model with FSDP2).
+`fsdp=True` shards the model with FSDP2; cases with `zero_stage` run DeepSpeed, launched without ACCELERATE_USE_CPU).
 
 argv: MODEL_DIR OUT_DIR CASES_JSON. For every case (a name and GRPOConfig overrides), `trl.GRPOTrainer` and
 `LongStrawGRPOTrainer` each train from the saved float64 model on the same fixed completions (trl_setup.py); rank 0
@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import trl.trainer.utils
 from trl import GRPOConfig, GRPOTrainer
-from trl_setup import Float64LogProbs, accelerate_fsdp_on_cpu, train
+from trl_setup import Float64LogProbs, accelerate_deepspeed_on_cpu, accelerate_fsdp_on_cpu, deepspeed_config, train
 
 from longstraw.distributed import end_process_group
 from longstraw.distributed.fsdp import full_tensor
@@ -28,8 +28,12 @@ def main() -> None:
     model_dir, out, cases = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])
     trl_kernel = trl.trainer.utils._ChunkedLogProbFunction
     accelerate_fsdp_on_cpu()
+    if any("zero_stage" in case for case in cases.values()):
+        accelerate_deepspeed_on_cpu()
     for name, overrides in cases.items():
         overrides = dict(overrides)
+        if "zero_stage" in overrides:
+            overrides["deepspeed"] = deepspeed_config(overrides.pop("zero_stage"))
         peft = overrides.pop("lora", None)
         dtype = getattr(torch, overrides.pop("dtype", "float64"))
         # float64: TRL's log-prob kernel (which accumulates in float32) swapped for a plain one, as in one process

@@ -1,10 +1,12 @@
 """What the TRL equality tests share, in one process or in several (trl_ddp_child.py): the fixed completions
 that stand in for generation, the reward, the float64 log-prob kernel swapped into TRL, the gradient recorder, and
 one training run from a saved model; and, for the children, accelerate's FSDP path on CPU processes
-(`accelerate_fsdp_on_cpu`, from `longstraw.integrations.accelerate_cpu`, which `longstraw bench trl-scale` uses too)."""
+(`accelerate_fsdp_on_cpu`, from `longstraw.integrations.accelerate_cpu`, which `longstraw bench trl-scale` uses too)
+and DeepSpeed's (`accelerate_deepspeed_on_cpu`, with `deepspeed_config`)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -12,7 +14,7 @@ from datasets import Dataset
 from helpers import faithful_float64
 from transformers import AutoModelForCausalLM, TrainerCallback
 
-from longstraw.integrations.accelerate_cpu import accelerate_fsdp_on_cpu  # noqa: F401
+from longstraw.integrations.accelerate_cpu import accelerate_deepspeed_on_cpu, accelerate_fsdp_on_cpu  # noqa: F401
 from longstraw.models.tokenizer import byte_tokenizer_hf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -86,11 +88,19 @@ SETTINGS = dict(per_device_train_batch_size=2 * G, num_generations=G, max_comple
                 temperature=0.7)
 
 
+def deepspeed_config(stage: int) -> dict:
+    """A DeepSpeed config for TrainingArguments' `deepspeed`: ZeRO `stage`, the batch sizes, accumulation and
+    clipping from the TrainingArguments ("auto"), as TRL's and accelerate's example configs have them."""
+    return {"zero_optimization": {"stage": stage}, "train_micro_batch_size_per_gpu": "auto",
+            "train_batch_size": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto"}
+
+
 def train(trainer_cls, config_cls, model_dir, tmp_path, dtype=torch.float64, prompts=PROMPTS, peft_config=None,
            sample=False, info=None, rollout_func=None, **config):
     """One run from the saved model; returns (gradient per optimizer step, parameters after). sample: TRL's own
     generation (transformers' generate) instead of the fixed completions. info: a dict that gets how the run was
-    distributed ("fsdp": accelerate's FSDP on, "sharded": the parameters are DTensors)."""
+    distributed ("fsdp": accelerate's FSDP on, "sharded": the parameters are DTensors, "zero_stage": DeepSpeed's ZeRO
+    stage or None). Under ZeRO-3 the parameters returned are gathered whole."""
     # accelerate sets ACCELERATE_USE_FSDP=true for good once it is given an FSDP plugin, which would make every later
     # run in this process FSDP (version 1); a run with fsdp=True passes its plugin itself.
     os.environ.pop("ACCELERATE_USE_FSDP", None)
@@ -112,7 +122,14 @@ def train(trainer_cls, config_cls, model_dir, tmp_path, dtype=torch.float64, pro
 
         info["fsdp"] = bool(trainer.is_fsdp_enabled)
         info["sharded"] = isinstance(next(trainer.model.parameters()), DTensor)
-    params = torch.cat([p.detach().flatten() for p in trainer.model.parameters() if p.requires_grad])
+        info["zero_stage"] = trainer.model_wrapped.zero_optimization_stage() if trainer.is_deepspeed_enabled else None
+    gather = contextlib.nullcontext()
+    if trainer.is_deepspeed_enabled and trainer.model_wrapped.zero_optimization_stage() == 3:
+        import deepspeed
+
+        gather = deepspeed.zero.GatheredParameters(list(trainer.model.parameters()))
+    with gather:
+        params = torch.cat([p.detach().flatten() for p in trainer.model.parameters() if p.requires_grad])
     return gradients.steps, params
 
 

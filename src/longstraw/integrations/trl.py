@@ -40,6 +40,8 @@ from longstraw.engine.api import backward_group
 from longstraw.engine.group import Group
 from longstraw.engine.loss import make_loss_config
 from longstraw.engine.options import BackwardOptions
+from longstraw.integrations.deepspeed import gathered as deepspeed_gathered
+from longstraw.integrations.deepspeed import hand_over, plain_leaves
 from longstraw.models.architecture import check_architecture, eval_mode_when_equal, hf
 
 __all__ = ["LongStrawGRPOConfig", "LongStrawGRPOTrainer"]
@@ -196,8 +198,6 @@ def _config_refusals(args: GRPOConfig, named: dict[str, Any]) -> list[str]:
                    "parameters' one dtype, the log-probs accumulated in float32); over float32 parameters under bf16 "
                    "autocast TRL runs the head outside the autocast, which backward_group's autocast region does not; "
                    "over float32 without autocast it changes nothing: set cast_lm_head_to_fp32=False")
-    if args.deepspeed:
-        out.append(_DEEPSPEED)
     if args.fsdp:
         out.extend(_fsdp_refusals(args.fsdp_plugin_args or {}))
     g, b = args.num_generations, args.per_device_train_batch_size
@@ -215,12 +215,6 @@ def _config_refusals(args: GRPOConfig, named: dict[str, Any]) -> list[str]:
                    f"gradient_accumulation_steps ({s}) sequences, not a multiple of num_generations ({g}): each step "
                    "must get whole groups")
     return out
-
-
-_DEEPSPEED = ("DeepSpeed: its engine owns the backward (`engine.backward`) and gathers ZeRO-3's partitioned parameters "
-              "from hooks on module forwards, while backward_group runs the layers itself and backpropagates its own "
-              "losses; use FSDP2 (`fsdp=True`, or accelerate's `fsdp_version: 2`), which shards parameters, "
-              "gradients and optimizer state as ZeRO-3 does")
 
 
 def _fsdp_refusals(plugin: Any) -> list[str]:
@@ -254,7 +248,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
 
     Takes GRPOTrainer's arguments; `args` may be a `LongStrawGRPOConfig` (plan, chunk size, micro-batch, checkpointing,
     offloading) or a plain `GRPOConfig` (the exact plan). Raises ValueError, listing every reason, for what it cannot
-    train (unmapped loss types, entropy terms, vLLM importance correction, several processes, ...)."""
+    train (unmapped loss types, entropy terms, FSDP version 1, Megatron-LM, ...)."""
 
     # What mypy should know about Trainer's attributes here: `args` is a GRPOConfig (Trainer types it as
     # TrainingArguments), `model` is set, so is num_generations (GRPOConfig requires it); TRL initialises
@@ -286,9 +280,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
     def _model_refusals(self) -> list[str]:
         out = []
         kind = str(self.accelerator.distributed_type.value)
-        if kind == "DEEPSPEED":
-            out.append(_DEEPSPEED)
-        elif kind == "FSDP":
+        if kind == "FSDP":
             out.extend(_fsdp_refusals(self.accelerator.state.fsdp_plugin))
         elif kind in ("MEGATRON_LM", "XLA"):
             out.append(f"accelerate's {kind}: backward_group runs the model's layers itself, outside the wrapper that "
@@ -362,18 +354,42 @@ class LongStrawGRPOTrainer(GRPOTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if return_outputs or not self.model.training:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        g, total = self.num_generations, 0.0
+        batches = [inputs] if self._context is None else self._context_batches(inputs)
+        if self.is_deepspeed_enabled:
+            return self._deepspeed_loss(batches)
         # FSDP2: every parameter gathered once for the micro-batch, the gradients reduce-scattered (averaged over the
         # processes) into the sharded .grad once at the end; every process enters, whatever its number of groups.
-        batches = [inputs] if self._context is None else self._context_batches(inputs)
         with sharded_compute(self.accelerator.unwrap_model(self.model)):
-            for batch in batches:
-                for first in range(0, batch["completion_ids"].size(0), g):
-                    total += self._backward_one_group(batch, range(first, first + g))
+            total = self._backward_groups(batches)
         if self.accelerator.num_processes > 1 and self.accelerator.sync_gradients and not self.is_fsdp_enabled:
             self._average_gradients()  # the last micro-batch of an optimizer step: what DDP's reducer would do
         # Trainer.training_step backpropagates what this returns: a leaf without a graph, so it reaches no parameter.
         return torch.tensor(total, device=self.accelerator.device, requires_grad=True)
+
+    def _backward_groups(self, batches: list[dict[str, Any]]) -> float:
+        """backward_group over every group of `batches`; returns the sum of their losses."""
+        g, total = self.num_generations, 0.0
+        for batch in batches:
+            for first in range(0, batch["completion_ids"].size(0), g):
+                total += self._backward_one_group(batch, range(first, first + g))
+        return total
+
+    def _deepspeed_loss(self, batches: list[dict[str, Any]]) -> torch.Tensor:
+        """DeepSpeed ZeRO (integrations/deepspeed.py): the micro-batch's gradient accumulated on plain leaves that
+        share the parameters' storage (ZeRO-3: gathered once, its hooks removed), then returned inside the loss:
+        Trainer's `engine.backward` of it gives each parameter that gradient, which DeepSpeed reduces, averages over
+        the processes and partitions as it does TRL's (Trainer turns DeepSpeed's 1/gradient_accumulation_steps
+        scaling off; LongStraw's losses are scaled for the accumulation already)."""
+        engine, policy = self.model_wrapped, self._policy()
+        with deepspeed_gathered(engine):
+            params = [p for p in policy.parameters() if p.requires_grad]
+            with plain_leaves(policy) as leaves:
+                total = self._backward_groups(batches)
+            # a parameter without a gradient (or a process without a group) hands over zeros: every process then
+            # takes part in each of DeepSpeed's reductions
+            mine = [leaves[id(p)] for p in params]
+            grads = [torch.zeros_like(leaf) if leaf.grad is None else leaf.grad for leaf in mine]
+            return hand_over(total, params, grads, self.accelerator.device)
 
     def _context_batches(self, inputs: dict[str, Any]) -> list[dict[str, Any]]:
         """Context parallelism: the micro-batches of every process of this block, in rank order. Every process of

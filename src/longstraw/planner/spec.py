@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
@@ -173,12 +175,27 @@ PLANNER_MODEL_TYPES = (
 )
 
 
+@contextmanager
+def _plain_model_building() -> Iterator[None]:
+    """transformers builds every model under DeepSpeed's partitioned ZeRO-3 initialisation while a ZeRO-3 config is
+    live in the process (the TRL drop-in under DeepSpeed), which a meta-device model cannot go through: that config
+    is set aside for the block (transformers keeps it behind one module-level weak reference)."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    live = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed._hf_deepspeed_config_weak_ref = None
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = live
+
+
 def _count_params(config) -> tuple[int, int, int]:
     """(total, routed-expert, largest layer without experts) parameters, from a meta-device model."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
+    with _plain_model_building(), torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     total = expert = 0
     per_layer: dict[int, int] = {}
