@@ -33,8 +33,8 @@ from longstraw.engine.plans.exact import exact
 from longstraw.engine.plans.replay import LossFn
 from longstraw.engine.plans.standard import standard
 from longstraw.engine.precision import accumulation_dtype
-from longstraw.engine.state.prompt import PromptState, prompt_fingerprint
-from longstraw.engine.state.provenance import mismatch, provenance
+from longstraw.engine.state.checks import check_materialised, check_prompt_state
+from longstraw.engine.state.prompt import PromptState
 from longstraw.models.architecture import RECURRENT_MODEL_TYPES, check_architecture, eval_mode_when_equal, hf
 
 
@@ -144,17 +144,6 @@ def _options(options: BackwardOptions | None, settings: dict[str, Any]) -> Backw
     return replace(options, **settings) if settings else options
 
 
-def _check_materialised(model: torch.nn.Module) -> None:
-    """Refuse a model with a parameter or buffer on the meta device (a shape without data, as left by building
-    under `torch.device("meta")` or an unfinished lazy load): every forward would fail deep inside, naming nothing."""
-    for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
-        for name, tensor in named:
-            if tensor.is_meta:
-                raise ValueError(f"{kind} {name} is on the meta device (a shape with no data): load or initialise the "
-                                 "model's weights (e.g. load_model(...), or to_empty(device=...) and then "
-                                 "load_state_dict) before backward_group")
-
-
 def _check(model: torch.nn.Module, group: Group, options: BackwardOptions, prompt_state: PromptState | None) -> None:
     """What the options alone cannot say: this model, this group and this reused state."""
     if not isinstance(group, Group):
@@ -162,7 +151,7 @@ def _check(model: torch.nn.Module, group: Group, options: BackwardOptions, promp
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("no parameter of the model requires grad, so there is nothing to train: unfreeze the "
                          "parameters to train (param.requires_grad_(True)) or add an adapter")
-    _check_materialised(model)
+    check_materialised(model, "backward_group")
     _check_model_and_group(model, group, options.loss_config.beta)
     plan = options.plan
     model_type = hf(model).config.model_type
@@ -178,21 +167,7 @@ def _check(model: torch.nn.Module, group: Group, options: BackwardOptions, promp
 
 
 def _check_prompt_state(model: torch.nn.Module, state: PromptState, group: Group, options: BackwardOptions) -> None:
-    if state.length != group.prompt.numel() - 1:
-        raise ValueError(
-            f"prompt_state holds {state.length} positions but this prompt needs {group.prompt.numel() - 1} "
-            "(all but its last token): pass the state captured for this prompt, or none"
-        )
-    if state.fingerprint is None:
-        raise ValueError("prompt_state records no prompt fingerprint (it was not made by capture_prompt or "
-                         "sample_group, or it is a prefix of a state): pass one they captured for this prompt, or none")
-    if state.fingerprint != prompt_fingerprint(group.prompt[:-1]):
-        raise ValueError("prompt_state was captured for another prompt of the same length (its tokens differ from "
-                         "this group's prompt[:-1]): pass the state captured for this prompt, or none")
-    why = "it records no model" if state.provenance is None else mismatch(state.provenance, provenance(model))
-    if why is not None:
-        raise ValueError(f"prompt_state does not belong to this model and its current weights: {why}. Pass a state "
-                         "captured by this model since its last update, or none")
+    check_prompt_state(model, state, group.prompt)
     if options.keep_prompt_graph:
         raise ValueError("keep_prompt_graph keeps the graph of a capture backward_group runs itself, and a "
                          "prompt_state was passed (captured without one; its capture is already paid for): pass one or "

@@ -27,6 +27,7 @@ from longstraw.engine.logprobs import DEFAULT_TOKEN_CHUNK, accumulated_logits
 from longstraw.engine.plans.replay import replay_responses
 from longstraw.engine.segment import run_segment
 from longstraw.engine.state.capture import capture_prompt
+from longstraw.engine.state.checks import check_materialised, check_prompt_state
 from longstraw.engine.state.prompt import PromptState
 from longstraw.engine.state.response import ResponseState
 from longstraw.engine.state.sharding import ContextShards
@@ -57,6 +58,16 @@ class SamplingConfig:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+
+
+def _check_inputs(model: torch.nn.Module, prompt: torch.Tensor, state: PromptState | None, caller: str) -> None:
+    """Before any forward: a non-empty 1-D prompt, a model with weights, and a reused state captured for this prompt
+    by this model with its current weights (`state.checks`)."""
+    if not isinstance(prompt, torch.Tensor) or prompt.dim() != 1 or prompt.numel() == 0:
+        raise ValueError("prompt must be a non-empty 1-D tensor of token ids")
+    check_materialised(model, caller)
+    if state is not None:
+        check_prompt_state(model, state, prompt)
 
 
 # environment(i, response_so_far) -> the observation's token ids (1-D), or None to end sequence i's episode.
@@ -116,8 +127,7 @@ def sample_group(
         raise ValueError("an environment needs SamplingConfig.call_end: the token ids that end a tool call")
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
-    if prompt.dim() != 1 or prompt.numel() == 0:
-        raise ValueError("prompt must be a non-empty 1-D tensor of token ids")
+    _check_inputs(model, prompt, state, "sample_group")
     device = hf(model).get_input_embeddings().weight.device
     prompt = prompt.to(device=device, dtype=torch.long)
     if state is None:
@@ -233,6 +243,7 @@ def score_responses(
 ) -> list[torch.Tensor]:
     """Per-token log-probs (R_i,) of each response under `model`, from one prompt capture (e.g. the frozen
     reference model's log-probs for the KL term). Same replay path as training, without backward."""
+    _check_inputs(model, prompt, state, "score_responses")
     device = hf(model).get_input_embeddings().weight.device
     prompt = prompt.to(device=device, dtype=torch.long)
     if state is None:
