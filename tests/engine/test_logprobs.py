@@ -3,7 +3,12 @@
 import pytest
 import torch
 
-from longstraw.engine.logprobs import chunked_logprobs, naive_logprobs
+from longstraw.engine.logprobs import (
+    chunked_logprobs,
+    masked_logprobs_reference,
+    naive_logprobs,
+    selected_logprobs,
+)
 
 
 @pytest.mark.parametrize("token_chunk", [1, 3, 7, 100])
@@ -87,3 +92,24 @@ def test_bfloat16_logprobs_accumulate_in_float32():
     h64, w64 = hidden.detach().double().requires_grad_(True), weight.detach().double().requires_grad_(True)
     r_h, r_w = torch.autograd.grad(naive_logprobs(h64, w64, targets).sum(), [h64, w64])
     assert (d_h.double() - r_h).norm() / r_h.norm() < 1e-2 and (d_w.double() - r_w).norm() / r_w.norm() < 1e-2
+
+
+@pytest.mark.parametrize("token_chunk", [1, 4, 100])
+def test_selected_logprobs_match_the_reference(token_chunk):
+    """Log-probs of the kept rows only: values and gradients equal full logits' (float64), the placeholder
+    elsewhere, and no gradient reaches a skipped row's hidden state."""
+    gen = torch.Generator().manual_seed(2)
+    hidden = torch.randn(2, 7, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(50, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 50, (2, 7), generator=gen)
+    keep = torch.rand(2, 7, generator=gen) < 0.6
+    upstream = torch.randn(2, 7, generator=gen, dtype=torch.float64)
+    fast = selected_logprobs(hidden, weight, targets, keep, token_chunk, temperature=0.8, logit_scale=1.5)
+    ref = masked_logprobs_reference(hidden, weight, targets, keep, temperature=0.8, logit_scale=1.5)
+    assert fast.shape == (2, 7) and bool((fast[~keep] == 0).all())
+    assert (fast - ref).abs().max() < 1e-13
+    g_fast = torch.autograd.grad((fast * upstream).sum(), [hidden, weight])
+    g_ref = torch.autograd.grad((ref * upstream).sum(), [hidden, weight])
+    for a, r in zip(g_fast, g_ref):
+        assert (a - r).abs().max() < 1e-12
+    assert bool((g_fast[0][~keep] == 0).all())

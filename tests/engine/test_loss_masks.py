@@ -9,6 +9,9 @@ import torch
 from helpers import assert_close, gradient_tolerance, grads, random_group, tiny_model
 
 from longstraw import Group, backward_group
+from longstraw.engine import logprobs as logprobs_module
+from longstraw.engine.logprobs import chunked_logprobs
+from longstraw.engine.plans import replay
 
 LENGTHS = [6, 9, 4]
 
@@ -144,3 +147,47 @@ def test_bad_masks_are_refused_when_the_group_is_built(masks, error, match):
     g = random_group(20, LENGTHS)
     with pytest.raises(error, match=match):
         Group(prompt=g.prompt, responses=g.responses, advantages=g.advantages, loss_masks=masks())
+
+
+def _unskipped(hidden, weight, targets, keep, token_chunk, temperature, logit_scale, fill=0.0):
+    """The replay's log-probs with every row through the output projection (the path without the skip)."""
+    full = replay.chunked_logprobs(hidden, weight, targets, token_chunk, temperature, logit_scale)
+    return torch.where(keep, full, torch.full_like(full, fill))
+
+
+@pytest.mark.parametrize("plan", ["exact", "detach"])
+@pytest.mark.parametrize("family", ["llama", "qwen3_next-A"])
+def test_skipping_masked_tokens_output_projection_changes_nothing(plan, family, monkeypatch):
+    """The replay plans run the output projection on loss tokens only: gradients and loss equal those of the same
+    plan projecting every token, and exact's those of the standard plan (which does); the log-probs returned are
+    the same plan's on loss tokens and NaN on masked ones (standard's are all finite). The projection sees exactly
+    the loss tokens' rows (float64)."""
+    group = _group(beta=True)
+    out = {}
+    for path in ("standard", "skipped", "unskipped"):
+        model = tiny_model(family)
+        rows: list[int] = []  # the output projection's rows, per call
+
+        def counted(h, *args, rows=rows):
+            rows.append(h.shape[:-1].numel())
+            return chunked_logprobs(h, *args)
+
+        with monkeypatch.context() as m:
+            if path == "unskipped":
+                m.setattr(replay, "selected_logprobs", _unskipped)
+            m.setattr(replay, "chunked_logprobs", counted)
+            m.setattr(logprobs_module, "chunked_logprobs", counted)  # selected_logprobs calls it there
+            result = backward_group(model, group, plan="standard" if path == "standard" else plan, beta=0.05,
+                                    chunk_size=8, micro_batch=2)
+        out[path] = (grads(model), result.loss, result.logprobs, sum(rows))
+    loss_tokens = sum(int(m.sum()) for m in group.loss_masks)
+    padded = 2 * max(LENGTHS[:2]) + LENGTHS[2]  # two micro-batches: responses 0-1 padded to 9, response 2
+    assert out["skipped"][3] == loss_tokens < out["unskipped"][3] == padded
+    assert_close(f"{family} {plan} skip", out["unskipped"][0], out["skipped"][0], 1e-12)
+    assert abs(out["unskipped"][1] - out["skipped"][1]) <= 1e-12
+    if plan == "exact":
+        assert_close(f"{family} exact skip vs standard", out["standard"][0], out["skipped"][0],
+                     gradient_tolerance(family))
+    for std, lp, full, mask in zip(out["standard"][2], out["skipped"][2], out["unskipped"][2], group.loss_masks):
+        assert bool(lp[~mask].isnan().all()) and bool(std.isfinite().all())
+        assert (lp[mask] - full[mask]).abs().max() <= 1e-12

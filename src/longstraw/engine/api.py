@@ -40,7 +40,9 @@ from longstraw.models.architecture import RECURRENT_MODEL_TYPES, check_architect
 
 @dataclass
 class GroupResult:
-    """loss: the group loss (float); logprobs: detached (R_i,) per response; stats: sizes and phase times.
+    """loss: the group loss (float); logprobs: detached (R_i,) per response (NaN at the tokens a loss mask marks
+    False under the replay plans, exact and detach, which skip their output projection); stats: sizes and phase
+    times.
 
     skipped: why no gradient pass ran ("zero_advantage": every advantage 0 and beta 0, so the loss and its
     gradient are exactly 0), or None. A skipped group has loss 0.0, no logprobs ([]) and zero phase times."""
@@ -198,7 +200,8 @@ def _backward(model: torch.nn.Module, group: Group, options: BackwardOptions,
     responses = [r.to(device=device, dtype=torch.long) for r in group.responses]
     loss_fn, backwards = _loss_fn(group, options, device, dtype)
     with _restoring_gradients(model, backwards), checkpointed_layers(model, enabled=options.checkpoint == "layers"):
-        total, logprobs = _run_plan(model, prompt, responses, loss_fn, options, prompt_state, stats)
+        total, logprobs = _run_plan(model, prompt, responses, loss_fn, options, prompt_state, stats,
+                                    group.loss_masks)
     return GroupResult(loss=total, logprobs=logprobs, stats=stats)
 
 
@@ -258,8 +261,10 @@ def _restoring_gradients(model: torch.nn.Module, backwards: list[int]) -> Iterat
 
 def _run_plan(model: torch.nn.Module, prompt: torch.Tensor, responses: list[torch.Tensor], loss_fn: LossFn,
               options: BackwardOptions, prompt_state: PromptState | None,
-              stats: dict[str, float | int | str]) -> tuple[float, list[torch.Tensor]]:
-    """The plan itself; phase times and the state's size go into `stats`."""
+              stats: dict[str, float | int | str],
+              loss_masks: list[torch.Tensor] | None = None) -> tuple[float, list[torch.Tensor]]:
+    """The plan itself; phase times and the state's size go into `stats`. The replay plans skip the output
+    projection of tokens that `loss_masks` marks False (the standard plans, the ground truth, score every token)."""
     plan = options.plan
     if plan in ("standard", "standard_batched"):
         t0 = time.perf_counter()
@@ -268,8 +273,8 @@ def _run_plan(model: torch.nn.Module, prompt: torch.Tensor, responses: list[torc
         stats.update(prompt_state_bytes=0, capture_s=0.0, replay_s=time.perf_counter() - t0, prompt_backward_s=0.0)
         return total, logprobs
     elif plan == "detach":
-        return detach(model, prompt, responses, loss_fn, options, prompt_state, stats)
+        return detach(model, prompt, responses, loss_fn, options, prompt_state, stats, loss_masks)
     elif plan == "exact":
-        return exact(model, prompt, responses, loss_fn, options, prompt_state, stats)
+        return exact(model, prompt, responses, loss_fn, options, prompt_state, stats, loss_masks)
     else:
         raise ValueError(f"unknown plan {plan!r}")

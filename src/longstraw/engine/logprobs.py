@@ -5,6 +5,10 @@ log-probs, backward recomputes each block's logits and softmax. Peak extra memor
 (`token_chunk x vocab`) instead of all of them (8k tokens x 150k vocab in fp32 would be 4.9 GB).
 `naive_logprobs` beside it is the plain reference the parity test compares with.
 
+`selected_logprobs` runs `chunked_logprobs` on the rows a boolean `keep` selects only (an agent's loss tokens: its
+observation tokens need no log-prob) and scatters them back with a placeholder elsewhere; `masked_logprobs_reference`
+beside it computes every row and overwrites the others, the plain statement it must equal.
+
 `temperature` scores log_softmax(logits / temperature), as samplers that draw at a temperature (and TRL's trainer,
 which scores at its sampling temperature) define the policy's log-probs; 1.0 leaves the logits as they are.
 
@@ -110,3 +114,29 @@ def naive_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
     """Reference: full logits, log_softmax, gather. Same shapes as `chunked_logprobs`; fp32 for bf16/fp16."""
     logits = (hidden @ weight.t() * logit_scale).to(accumulation_dtype(hidden.dtype)) / temperature
     return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def selected_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, keep: torch.Tensor,
+    token_chunk: int = DEFAULT_TOKEN_CHUNK, temperature: float = 1.0, logit_scale: float = 1.0, fill: float = 0.0,
+) -> torch.Tensor:
+    """hidden (..., d), weight (V, d), targets (...), keep (...) bool -> log-probs (...): `chunked_logprobs` where
+    keep is True, `fill` elsewhere (no gradient there). The output projection runs on keep's True rows only, so it
+    costs 2·d·V FLOPs per kept row in the forward instead of per row. Rows are independent, so the kept values
+    and every gradient equal `chunked_logprobs`' up to the summation order of the weight's gradient."""
+    shape = targets.shape
+    rows = keep.reshape(-1).nonzero().squeeze(1)  # (n,)
+    kept = chunked_logprobs(hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows), weight,
+                            targets.reshape(-1).index_select(0, rows), token_chunk, temperature, logit_scale)  # (n,)
+    out = torch.full((targets.numel(),), fill, dtype=kept.dtype, device=kept.device)
+    return out.index_copy(0, rows, kept).view(shape)  # differentiable in `kept`
+
+
+def masked_logprobs_reference(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, keep: torch.Tensor,
+    temperature: float = 1.0, logit_scale: float = 1.0, fill: float = 0.0,
+) -> torch.Tensor:
+    """Reference for `selected_logprobs`: every row's log-prob (`naive_logprobs`), then `fill` where keep is
+    False. Same shapes."""
+    full = naive_logprobs(hidden, weight, targets, temperature, logit_scale)
+    return torch.where(keep, full, torch.full_like(full, fill))

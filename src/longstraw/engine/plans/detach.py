@@ -16,7 +16,8 @@ from longstraw.engine.state.prompt import PromptState
 
 def detach(model: torch.nn.Module, prompt: torch.Tensor, responses: list[torch.Tensor], loss_fn: LossFn,
            options: BackwardOptions, prompt_state: PromptState | None,
-           stats: dict[str, float | int | str]) -> tuple[float, list[torch.Tensor]]:
+           stats: dict[str, float | int | str],
+           loss_masks: list[torch.Tensor] | None = None) -> tuple[float, list[torch.Tensor]]:
     """prompt (P,), responses [(R_i,)]: the loss's gradient into the parameters, the state held constant.
     Reuses `prompt_state` (prompt[:-1]) when given. Phase times and the state's size go into `stats`."""
     t0 = time.perf_counter()
@@ -27,7 +28,7 @@ def detach(model: torch.nn.Module, prompt: torch.Tensor, responses: list[torch.T
         state = prompt_state.offload(prompt.device) if options.offload_state else prompt_state
     t1 = time.perf_counter()
     total, logprobs = replay_responses(model, prompt, state, responses, loss_fn, options.micro_batch,
-                                       options.token_chunk, options.temperature)
+                                       options.token_chunk, options.temperature, loss_masks)
     stats.update(prompt_state_bytes=state.nbytes(), capture_s=t1 - t0, replay_s=time.perf_counter() - t1,
                  prompt_backward_s=0.0)
     return total, logprobs

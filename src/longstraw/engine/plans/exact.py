@@ -31,7 +31,8 @@ from longstraw.engine.state.sharding import ContextShards
 
 def exact(model: torch.nn.Module, prompt: torch.Tensor, responses: list[torch.Tensor], loss_fn: LossFn,
           options: BackwardOptions, prompt_state: PromptState | None,
-          stats: dict[str, float | int | str]) -> tuple[float, list[torch.Tensor]]:
+          stats: dict[str, float | int | str],
+          loss_masks: list[torch.Tensor] | None = None) -> tuple[float, list[torch.Tensor]]:
     """prompt (P,), responses [(R_i,)]: the loss's full gradient into the parameters. Captures prompt[:-1] as
     leaves (with its last `keep_prompt_graph` chunks' graphs), or makes leaves of `prompt_state`; replays every
     response; then backpropagates the prompt. Phase times and the state's size go into `stats`."""
@@ -44,7 +45,7 @@ def exact(model: torch.nn.Module, prompt: torch.Tensor, responses: list[torch.Te
         state = (prompt_state.offload(prompt.device) if options.offload_state else prompt_state).as_leaves()
     t1 = time.perf_counter()
     total, logprobs = replay_responses(model, prompt, state, responses, loss_fn, options.micro_batch,
-                                       options.token_chunk, options.temperature)
+                                       options.token_chunk, options.temperature, loss_masks)
     t2 = time.perf_counter()
     prompt_backward(model, prompt[:-1], state)
     stats.update(prompt_state_bytes=state.nbytes(), capture_s=t1 - t0, replay_s=t2 - t1,

@@ -3,6 +3,10 @@
 Each response o_i is replayed as the segment `[x[-1]] + o_i[:-1]` at positions P-1 … P+R_i-2 with
 targets o_i: the last prompt token is part of the replayed segment, so the first response token's
 log-prob depends on live activations and carries gradient (docs/design.md §2).
+
+With loss masks (an agent's observation tokens, False), the output projection runs on the loss tokens only
+(`logprobs.selected_logprobs`): a masked token adds nothing to the loss, so its log-prob is not computed, and the
+per-response log-probs returned hold NaN there.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from longstraw.engine.logprobs import chunked_logprobs
+from longstraw.engine.logprobs import chunked_logprobs, selected_logprobs
 from longstraw.engine.segment import run_segment
 from longstraw.engine.state.prompt import PromptState
 from longstraw.models.architecture import hf, logit_scale
@@ -80,13 +84,16 @@ def replay_responses(
     micro_batch: int,
     token_chunk: int,
     temperature: float = 1.0,
+    loss_masks: list[torch.Tensor] | None = None,
 ) -> tuple[float, list[torch.Tensor]]:
     """Forward+backward every response from a fork of `state` (which holds prompt[:-1]).
 
     Gradients accumulate into the parameters and, when the state's tensors require grad (exact plan),
     into their `.grad`. With loss_fn=None it only scores (run it under no_grad: reference/old log-probs).
     temperature: log-probs of logits / temperature.
-    Returns (summed loss, per-response detached logp).
+    loss_masks: one (R_i,) bool per response, True on the tokens the loss scores; with a loss_fn, the other tokens'
+    log-probs are skipped (0 in the loss's input, where its mask zeroes them; NaN in the returned log-probs).
+    Returns (summed loss, per-response detached logp (R_i,)).
     """
     p = prompt.numel()
     weight = hf(model).get_output_embeddings().weight  # (V, d)
@@ -105,6 +112,17 @@ def replay_responses(
             targets = torch.nn.functional.pad(targets, (0, 1))
         hidden = run_segment(model, inputs, p - 1, state.fork())  # (k, R_max, d)
         assert hidden is not None  # None only with kv_only
-        logp = chunked_logprobs(hidden, weight, targets, token_chunk, temperature, scale)  # (k, R_max)
+        if loss_masks is None or loss_fn is None:
+            logp = chunked_logprobs(hidden, weight, targets, token_chunk, temperature, scale)  # (k, R_max)
+        else:
+            keep = torch.zeros_like(mask)  # (k, R_max): loss tokens
+            for row, i in enumerate(idx):
+                keep[row, : responses[i].numel()] = loss_masks[i].to(keep.device)
+            logp = selected_logprobs(hidden, weight, targets, keep, token_chunk, temperature, scale)  # (k, R_max)
         total += finish_batch(logp, mask, idx, loss_fn, responses, logprobs)
+        if loss_masks is not None and loss_fn is not None:
+            for i in idx:  # not computed: NaN, so that no one reads the placeholder as a log-prob
+                lp = logprobs[i]
+                assert lp is not None
+                logprobs[i] = lp.masked_fill(~loss_masks[i].to(lp.device), float("nan"))
     return total, filled(logprobs)
