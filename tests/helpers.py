@@ -364,3 +364,19 @@ def run_ranks(args: list[str], world: int, timeout: float = 300.0, cwd: Path | N
         outs = [p.communicate()[0] for p in procs]
         pytest.fail(f"ranks did not finish within {timeout} s (a hang); their output:\n" + "\n---\n".join(outs))
     return results
+
+
+def child_pids(pid: int) -> list[int]:
+    """The direct children of process `pid` (Linux /proc)."""
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        out += [int(c) for c in (task / "children").read_text().split()]
+    return out
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (Linux /proc)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -1,8 +1,20 @@
 """`longstraw bench cp --smoke`: C in {1, 2} as real gloo ranks; each rank holds its slice of the state."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers import child_pids, running
 
 from longstraw.cli import main
+
+SRC = str(Path(__file__).resolve().parents[2] / "src")
+WORKER = "longstraw.bench.cp_worker"
 
 
 def test_bench_cp_smoke(tmp_path, capsys):
@@ -16,3 +28,27 @@ def test_bench_cp_smoke(tmp_path, capsys):
     assert two["max_state_bytes"] == one["max_state_bytes"] * 128 // 255
     assert all(r["peak_bytes"] > 0 and r["time_s"] > 0 for row in rows for r in row["ranks"])
     assert "C=2" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads child processes from Linux's /proc")
+def test_sigterm_ends_the_bench_and_its_ranks(tmp_path):
+    """`timeout` sends SIGTERM: the bench stops with one line and status 143, and its rank processes end with it
+    instead of running on."""
+    code = "import sys; from longstraw.cli import main; sys.exit(main(sys.argv[1:]))"
+    env = dict(os.environ, PYTHONPATH=SRC)
+    proc = subprocess.Popen([sys.executable, "-c", code, "bench", "cp", "--smoke", "--out", str(tmp_path / "cp.json")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    ranks: list[int] = []
+    deadline = time.monotonic() + 120
+    while not ranks and time.monotonic() < deadline and proc.poll() is None:
+        ranks = [c for c in child_pids(proc.pid) if WORKER in Path(f"/proc/{c}/cmdline").read_text()]
+        time.sleep(0.05)
+    assert ranks, "the bench did not start a rank"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert "stopped by SIGTERM" in err and "Traceback" not in err
+    deadline = time.monotonic() + 10
+    while any(running(pid) for pid in ranks) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(running(pid) for pid in ranks)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import child_pids, running
 
 from longstraw.bench import peers
 from longstraw.bench.common import BUSY_LOOP, busy_neighbours, worker_env
@@ -306,46 +307,40 @@ def test_only_runs_the_configurations_named(tmp_path, capsys, workers_see_this_c
     assert "unknown configuration(s) trl-b7" in capsys.readouterr().err
 
 
-def _children(pid: int) -> list[int]:
-    """The direct children of process `pid` (Linux /proc)."""
-    out: list[int] = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        out += [int(c) for c in (task / "children").read_text().split()]
-    return out
-
-
-def _running(pid: int) -> bool:
-    """Alive and not a zombie."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads child processes from Linux's /proc")
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_sigterm_ends_the_bench_and_its_busy_neighbours(tmp_path, signum):
-    """`timeout` sends SIGTERM, Ctrl-C SIGINT: the bench stops with one line and status 128 + signal, and its
-    busy-loop neighbours end with it instead of running forever."""
+    """`timeout` sends SIGTERM, Ctrl-C SIGINT: the bench stops with one line and status 128 + signal, its
+    busy-loop neighbours end with it instead of running forever, and the configurations finished before the signal
+    are announced in the `.tmp` file that holds them."""
     code = "import sys; from longstraw.cli import main; sys.exit(main(sys.argv[1:]))"
     env = dict(os.environ, PYTHONPATH=SRC)
+    out = tmp_path / "peers.json"
+    partial = tmp_path / "peers.json.tmp"
     proc = subprocess.Popen([sys.executable, "-c", code, "bench", "peers", "--smoke", "--neighbours", "2",
-                             "--out", str(tmp_path / "peers.json")], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, env=env)
+                             "--out", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     busy: list[int] = []
     deadline = time.monotonic() + 120
-    while len(busy) < 2 and time.monotonic() < deadline and proc.poll() is None:
-        busy = [c for c in _children(proc.pid) if BUSY_LOOP in Path(f"/proc/{c}/cmdline").read_text()]
-        time.sleep(0.1)
+    # SIGTERM once a configuration has finished (its .tmp announced); SIGINT as soon as the neighbours run.
+    wait_for_partial = signum == signal.SIGTERM
+    while (len(busy) < 2 or (wait_for_partial and not partial.exists())) and time.monotonic() < deadline \
+            and proc.poll() is None:
+        busy = [c for c in child_pids(proc.pid) if BUSY_LOOP in Path(f"/proc/{c}/cmdline").read_text()]
+        time.sleep(0.02)
     assert len(busy) == 2, "the bench did not start its two neighbours"
+    assert partial.exists() or not wait_for_partial, "the bench wrote no .tmp file of finished configurations"
     proc.send_signal(signum)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signum, err[-2000:]
     assert f"stopped by {signal.Signals(signum).name}" in err and "Traceback" not in err
+    if partial.exists():
+        finished = len(json.loads(partial.read_text())["results"])
+        assert finished >= 1 and not out.exists()
+        assert f"{finished} configuration(s) finished before it stopped; their results are in {partial}" in err
     deadline = time.monotonic() + 10
-    while any(_running(pid) for pid in busy) and time.monotonic() < deadline:
+    while any(running(pid) for pid in busy) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(_running(pid) for pid in busy)
+    assert not any(running(pid) for pid in busy)
 
 
 @pytest.mark.parametrize("argv,match", [
@@ -353,6 +348,12 @@ def test_sigterm_ends_the_bench_and_its_busy_neighbours(tmp_path, signum):
     (["decode", "--smoke", "--device", "cuda"], "no CUDA GPU"),
     (["decode", "--smoke", "--model", "/nonexistent"], "--model: model '/nonexistent' is not a preset"),
     (["memory", "--smoke", "--out", "{tmp}"], "is a directory"),
+    (["trl-scale", "--smoke", "--out", "{tmp}"], "is a directory: give the results file's path"),
+    (["memory", "--smoke", "--model", "/nonexistent"], "--model: model '/nonexistent' is not a preset"),
+    (["prompt", "--smoke", "--model", "/nonexistent"], "--model: model '/nonexistent' is not a preset"),
+    (["pareto", "--smoke", "--model", "/nonexistent"], "--model: model '/nonexistent' is not a preset"),
+    (["cp", "--model", "/nonexistent"], "--model: model '/nonexistent' is not a preset"),
+    (["trl-scale", "--model", "/nonexistent"], "--model: model '/nonexistent' is not a preset"),
 ])
 def test_bench_options_fail_before_any_work(tmp_path, capsys, argv, match):
     """One line from argparse (exit 2), no traceback, nothing written."""

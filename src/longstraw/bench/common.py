@@ -110,9 +110,17 @@ def default_out(bench: str, smoke: bool) -> str:
 
 
 def write_json(path: str, document: dict[str, Any]) -> None:
-    with open(path, "w") as f:
-        json.dump(document, f, indent=2)
-        f.write("\n")
+    """Write `document` to `path` whole or not at all: a signal mid-write (SIGTERM, Ctrl-C) leaves the previous
+    file, never a cut-short one (the peers bench announces its `.tmp` file as holding the finished results)."""
+    part = f"{path}.part"
+    try:
+        with open(part, "w") as f:
+            json.dump(document, f, indent=2)
+            f.write("\n")
+        os.replace(part, path)
+    finally:
+        if os.path.exists(part):
+            os.remove(part)
 
 
 def mib_text(value: float | None, width: int = 9) -> str:

@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from longstraw.bench.common import check_out, default_out
+from longstraw.bench.common import check_model, check_out, default_out
 from longstraw.bench.machine import machine_info
 from longstraw.planner import MIB
 
@@ -67,6 +67,11 @@ def run_ranks(config: dict, timeout: float) -> list[dict]:
             for p in procs:
                 p.kill()
             raise RuntimeError(f"C={world}: ranks did not finish within {timeout:.0f} s") from None
+        except BaseException:  # Ctrl-C or SIGTERM raised in this process: end every rank before leaving
+            for p in procs:
+                p.kill()
+                p.wait()
+            raise
         for p, text in zip(procs, outputs):
             if p.returncode != 0:
                 raise RuntimeError(f"C={world}: a rank failed (exit {p.returncode}):\n{text[-2000:]}")
@@ -84,6 +89,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         sizes = [1, 2]
     if any(c < 1 for c in sizes):
         args.fail("--cp sizes must be >= 1")
+    check_model(base["model"], args.fail)
     print(f"bench cp: {base['model']} {base['dtype']}, P={base['prompt_tokens']} R={base['response_tokens']} "
           f"G={base['group_size']}, {base['plan']}, chunk {base['chunk_size']}; C in {sizes}, one process per rank")
     rows = []

@@ -31,6 +31,7 @@ from longstraw.bench.common import (
     arch_preset,
     busy,
     check_device,
+    check_model,
     check_out,
     default_out,
     peak_text,
@@ -399,6 +400,7 @@ def config_from_args(args: argparse.Namespace, fail: Callable[[str], NoReturn]) 
     if config.prompt_tokens < 2:
         fail("--prompt-tokens must be >= 2 (detach/exact capture all but the last prompt token)")
     check_device(config.device, fail)
+    check_model(config.model, fail)
     return config
 
 

@@ -31,6 +31,7 @@ from longstraw.bench.common import (
     arch_preset,
     available_archs,
     check_device,
+    check_model,
     check_out,
     default_out,
     finish_sweep,
@@ -384,6 +385,8 @@ def config_from_args(args: argparse.Namespace, fail: Callable[[str], NoReturn]):
     else:
         fail(f"unknown bench {args.bench!r}")
     check_device(cfg.device, fail)
+    if not isinstance(cfg, ArchBenchConfig):
+        check_model(cfg.model, fail)
     return cfg
 
 

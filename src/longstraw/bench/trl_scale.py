@@ -46,6 +46,8 @@ from longstraw.bench.common import (
     SMOKE_NOTE,
     STDERR_TAIL,
     busy,
+    check_model,
+    check_out,
     default_out,
     describe_exit,
     mib_text,
@@ -369,6 +371,7 @@ def missing_extra() -> list[str]:
 
 def run_from_args(args: argparse.Namespace) -> int:
     """Entry point of `longstraw bench trl-scale`: exit status 0 when every row ran."""
+    check_out(args.out, args.fail)
     missing = missing_extra()
     if missing:
         print(f"longstraw bench trl-scale: error: it needs TRL's extra ({', '.join(missing)} not importable): "
@@ -379,6 +382,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     else:
         shape = Shape(args.model, args.prompt_tokens, args.response_tokens, args.group_size, args.chunk_size,
                       args.dtype)
+    check_model(shape.model, args.fail)
     if args.no_checkpointing:
         shape = replace(shape, gradient_checkpointing=False)
     rows = list(ROWS)

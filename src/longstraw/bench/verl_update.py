@@ -45,6 +45,7 @@ from longstraw.bench.common import (
     SMOKE_NOTE,
     STDERR_TAIL,
     busy,
+    check_model,
     check_out,
     default_out,
     describe_exit,
@@ -353,6 +354,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     check_out(args.out, args.fail)
     shape = SHAPES["smoke"] if args.smoke else Shape(args.model, args.prompt_tokens, args.response_tokens,
                                                      args.group_size, args.chunk_size)
+    check_model(shape.model, args.fail)
     rows = list(ROWS)
     if args.only:
         known = {row.id: row for row in ROWS}
