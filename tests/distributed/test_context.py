@@ -17,6 +17,7 @@ PROMPT, RESPONSES, CHUNK = 61, [5, 1, 9], 8  # as in cp_worker: 60 encoded posit
 # (family, plan, checkpoint): full attention; a hybrid with recurrent layers; both with per-layer checkpointing
 CASES = [("llama", "exact", "none"), ("llama", "detach", "none"), ("qwen3_5_text", "exact", "none"),
          ("llama", "exact", "layers"), ("qwen3_5_text", "exact", "layers")]
+MASKED_CASES = [("llama", "exact"), ("llama", "detach"), ("qwen3_5_text", "exact")]  # as in cp_worker
 
 
 def _single(family: str, plan: str):
@@ -39,12 +40,29 @@ def test_context_parallel_equals_one_process(spawn, tmp_path, world):
     saved = [torch.load(f"{out}.rank{r}") for r in range(world)]
     for family, plan, checkpoint in CASES:  # the reference runs without checkpointing
         _check(family, plan, world, [s[(family, plan, checkpoint)] for s in saved])
-    # With loss masks (llama, exact): the same gradient as one process with the same masks.
-    model = tiny_model("llama", torch.float32)
-    backward_group(model, masked(random_group(PROMPT, RESPONSES, seed=3, dtype=torch.float32)), plan="exact",
-                   chunk_size=CHUNK, micro_batch=2)
-    for s in saved:
-        assert_close(f"masked gradient on C = {world}", all_grads(model), s["masked"]["grads"], FP32_RANKS)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_context_parallel_with_masks_equals_one_process(spawn, tmp_path, world):
+    """With loss masks, C = 2 and 3, float32: full attention (exact and detach) and the hybrid with gated-DeltaNet
+    recurrent layers (exact)."""
+    out = tmp_path / "cp"
+    results = spawn([str(HERE / "cp_worker.py"), str(out), "masked"], world, timeout=300)
+    for code, text in results:
+        assert code == 0, text
+    saved = [torch.load(f"{out}.rank{r}") for r in range(world)]
+    # Each rank's gradient and loss tokens' log-probs equal one process's with the same masks (masked tokens'
+    # log-probs are not computed: NaN).
+    for family, plan in MASKED_CASES:
+        model = tiny_model(family, torch.float32)
+        group = masked(random_group(PROMPT, RESPONSES, seed=3, dtype=torch.float32))
+        result = backward_group(model, group, plan=plan, chunk_size=CHUNK, micro_batch=2)
+        for s in saved:
+            got = s[("masked", family, plan)]
+            assert_close(f"masked {family} {plan} gradient on C = {world}", all_grads(model), got["grads"],
+                         FP32_RANKS)
+            for a, b, m in zip(got["logprobs"], result.logprobs, group.loss_masks):
+                assert bool(a[~m].isnan().all()) and float((a[m] - b[m]).abs().max()) <= 1e-5
 
 
 def _check(family: str, plan: str, world: int, per_rank: list[dict]) -> None:
