@@ -197,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             cfg = config.from_args(args)
             data.check_data(cfg)  # a jsonl file's lines and held-out split, before the run directory is created
+            data.check_model(cfg)  # the model's name and declared positions, before the run directory too
         except (ValueError, FileNotFoundError) as err:
             args.fail(str(err))
         if args.nproc != 1:

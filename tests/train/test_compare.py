@@ -112,12 +112,25 @@ def test_compare_resumes_an_interrupted_run(tmp_path, capsys):
     (["--seeds", "3-"], "a range is not accepted, set the first seed with --seed"),
     (["--seeds", "100000000000"], "--seeds must be <= 100, got 100000000000"),
     (["--eval-prompts", "0"], "eval_prompts must be >= 1"),
+    (["--model", "/nonexistent"], "--model: model '/nonexistent' is not a preset"),
 ])
 def test_compare_bad_options_are_usage_errors(tmp_path, capsys, flags, message):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["compare", *_common(tmp_path), *flags, "--out", str(tmp_path / "o")])
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "o").exists()  # refused before any run
+
+
+def test_a_prompt_beyond_the_models_positions_is_refused_before_anything_is_written(tmp_path, capsys):
+    """--prompt-tokens + --max-new-tokens beyond the positions tiny-llama's config declares (2048): a usage error,
+    not a refusal after "started" with a compare-config.json and a run folder left behind."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["compare", "--model", "tiny-llama", "--task", "passkey", "--prompt-tokens", "999999", "--seeds", "1",
+                  "--out", str(tmp_path / "o")])
+    assert exit_info.value.code == 2
+    assert ("--prompt-tokens 999999 + --max-new-tokens 16 exceed the 2048 positions of model 'tiny-llama': lower "
+            "--prompt-tokens or --max-new-tokens") in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
 
 
 def test_exact_and_standard_end_with_the_same_weights_in_float64(tmp_path, monkeypatch, capsys):

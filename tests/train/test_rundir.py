@@ -80,6 +80,21 @@ def test_a_bad_device_is_refused_before_the_run_dir_exists(tmp_path, device):
     assert not run.exists()
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["--model", "/nonexistent"], "--model: model '/nonexistent' is not a preset"),
+    (["--model", "tiny-llama", "--prompt-tokens", "999999"],
+     "--prompt-tokens 999999 + --max-new-tokens 16 exceed the 2048 positions of model 'tiny-llama'"),
+])
+def test_a_bad_model_is_refused_before_the_run_dir_exists(tmp_path, capsys, argv, message):
+    from longstraw import cli
+
+    run = tmp_path / "run"
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["train", *argv, "--run-dir", str(run)])
+    assert stop.value.code == 2 and message in capsys.readouterr().err
+    assert not run.exists()
+
+
 def test_config_changes_on_resume():
     saved = TrainConfig().to_dict()
     assert check_resume_config(saved, dict(saved, run_dir="elsewhere", eval_prompts=0), False, "ck") == []

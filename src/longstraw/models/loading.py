@@ -12,6 +12,7 @@ import re
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import (
@@ -135,6 +136,32 @@ def check_model_name(name: str) -> str:
     elif HUB_ID.fullmatch(name):
         return "hub"
     raise ValueError(f"model {name!r} is not {_choices()}; no such directory exists either")
+
+
+def declared_max_positions(name: str) -> int | None:
+    """The `max_position_embeddings` a preset's or a local directory's config declares, read without building the
+    model (a nested `text_config`'s too); None for a hub id or GGUF file (known once loaded) or a config without it.
+    ValueError (`check_model_name`) for a name that is no model."""
+    import json
+
+    source = check_model_name(name)
+    if source == "preset":
+        config: dict[str, Any] = PRESETS[name]().to_dict()
+    elif source == "local" and os.path.isfile(os.path.join(name, "config.json")):
+        path = os.path.join(name, "config.json")
+        try:
+            with open(path, encoding="utf-8") as f:
+                config = json.load(f)
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ValueError(f"{path}: not a UTF-8 JSON config ({err}): fix or replace it") from None
+    else:
+        return None
+    text = config.get("text_config") if isinstance(config, dict) else None
+    for where in (config, text):
+        value = where.get("max_position_embeddings") if isinstance(where, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
 
 
 def _check_hub(name: str) -> None:

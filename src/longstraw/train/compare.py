@@ -566,13 +566,15 @@ def plot(configs: list[TrainConfig], result: dict[str, Any], out: Path) -> Path 
 
 def check_options(values: dict[str, Any], plans: list[str], n_seeds: int, out: Path,
                   overwrite: bool) -> tuple[list[int], list[TrainConfig]]:
-    """The options, checked without a model and before anything is written: every run's config, --out, the data
-    file (its rows, reward function and held-out split). ValueError with what to change."""
-    from longstraw.train.data import check_data
+    """The options, checked without loading a model and before anything is written: every run's config, --out, the
+    data file (its rows, reward function and held-out split), the model's name and the positions its config declares.
+    ValueError with what to change."""
+    from longstraw.train.data import check_data, check_model
 
     seeds, configs = plan_runs(values, plans, n_seeds, out, overwrite)
     check_out_dir(out)
     check_data(configs[0])
+    check_model(configs[0])
     return seeds, configs
 
 

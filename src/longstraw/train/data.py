@@ -88,6 +88,26 @@ def check_data(cfg: TrainConfig) -> None:
         split_rows(len(task.rows), cfg.eval_prompts, str(task.path))
 
 
+# The tasks whose prompts `prompt_tokens` sizes (up to a chat template's few tokens): jsonl rows are checked one by
+# one once the tokenizer is loaded.
+SIZED_TASKS = ("passkey", "multikey", "kv", "lookup")
+
+
+def check_model(cfg: TrainConfig) -> None:
+    """What can be checked of the model without loading it, before anything is written: that its name is a model
+    (a preset, a directory, a GGUF file or a hub id), and that --prompt-tokens + --max-new-tokens fit the positions its
+    config declares (presets and local directories; a hub or GGUF model's prompts are checked once loaded)."""
+    from longstraw.models.loading import declared_max_positions
+
+    try:
+        positions = declared_max_positions(cfg.model)
+    except ValueError as err:
+        raise ValueError(f"--model: {err}") from None
+    if positions is not None and cfg.task in SIZED_TASKS and cfg.prompt_tokens + cfg.max_new_tokens > positions:
+        raise ValueError(f"--prompt-tokens {cfg.prompt_tokens} + --max-new-tokens {cfg.max_new_tokens} exceed the "
+                         f"{positions} positions of model {cfg.model!r}: lower --prompt-tokens or --max-new-tokens")
+
+
 class TaskData:
     """The task of `cfg` with its tokenizer; checks every prompt (`validate`) when created."""
 
