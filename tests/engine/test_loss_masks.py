@@ -11,6 +11,7 @@ from helpers import assert_close, gradient_tolerance, grads, random_group, tiny_
 from longstraw import Group, backward_group
 from longstraw.engine import logprobs as logprobs_module
 from longstraw.engine.logprobs import chunked_logprobs
+from longstraw.engine.plans import exact as exact_plan
 from longstraw.engine.plans import replay
 
 LENGTHS = [6, 9, 4]
@@ -191,3 +192,33 @@ def test_skipping_masked_tokens_output_projection_changes_nothing(plan, family, 
     for std, lp, full, mask in zip(out["standard"][2], out["skipped"][2], out["unskipped"][2], group.loss_masks):
         assert bool(lp[~mask].isnan().all()) and bool(std.isfinite().all())
         assert (lp[mask] - full[mask]).abs().max() <= 1e-12
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_next-A"])
+def test_detach_with_masks_equals_standard_at_one_prompt_token(family):
+    """P = 1: nothing is captured, so detach is exact; with masks it equals standard with the same masks."""
+    group = _group(prompt_len=1, beta=True)
+    out = {}
+    for plan in ("standard", "detach"):
+        model = tiny_model(family)
+        backward_group(model, group, plan=plan, beta=0.05, chunk_size=8, micro_batch=2)
+        out[plan] = grads(model)
+    assert_close(f"{family} detach P=1", out["standard"], out["detach"], gradient_tolerance(family))
+
+
+def test_detach_with_masks_equals_exact_before_its_prompt_backward(monkeypatch):
+    """With masks, detach's gradient is exact's replay part (exact without its prompt backward), and differs from
+    detach without the masks."""
+    group = _group(prompt_len=40, beta=True)
+    unmasked = Group(prompt=group.prompt, responses=group.responses, advantages=group.advantages,
+                     old_logprobs=group.old_logprobs, ref_logprobs=group.ref_logprobs)
+    out = {}
+    for name, plan, g in (("detach", "detach", group), ("unmasked", "detach", unmasked), ("replay", "exact", group)):
+        model = tiny_model("llama")
+        with monkeypatch.context() as m:
+            if name == "replay":
+                m.setattr(exact_plan, "prompt_backward", lambda *args: None)
+            backward_group(model, g, plan=plan, beta=0.05, chunk_size=8, micro_batch=2)
+        out[name] = grads(model)
+    assert_close("masked detach vs exact's replay", out["detach"], out["replay"], 1e-13)
+    assert (out["detach"] - out["unmasked"]).norm() > 1e-3 * out["detach"].norm()
