@@ -197,6 +197,8 @@ def test_refuses_what_it_cannot_compute(tmp_path, model_dirs, overrides, reason)
 
 
 def test_refuses_several_reasons_at_once_and_model_level_ones(tmp_path, model_dirs):
+    """Refused when the trainer is built, before any generation: the model-level ones too (a float64 model under
+    bf16, attention dropout, every parameter frozen, one-token exact chunks on a recurrent model)."""
     def build(model, **overrides):
         return LongStrawGRPOTrainer(model, reward_funcs=reward, args=_config(tmp_path, **overrides),
                                     train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
@@ -209,6 +211,12 @@ def test_refuses_several_reasons_at_once_and_model_level_ones(tmp_path, model_di
     dropout = AutoModelForCausalLM.from_pretrained(model_dirs["llama"], attention_dropout=0.1)
     with pytest.raises(ValueError, match=re.escape("model.layers.0.self_attn.attention_dropout=0.1")):
         build(dropout, disable_dropout=True)  # TRL's disable_dropout zeroes nn.Dropout modules only
+    frozen = AutoModelForCausalLM.from_pretrained(model_dirs["llama"]).requires_grad_(False)
+    with pytest.raises(ValueError, match="no parameter of the model requires grad, so there is nothing to train"):
+        build(frozen)
+    mamba2 = tiny_model("mamba2", dtype=torch.float32)
+    with pytest.raises(ValueError, match="chunk_size=1 with the exact plan on mamba2: .* use chunk_size >= 2"):
+        build(mamba2, longstraw_chunk_size=1)
     with pytest.raises(ValueError, match="longstraw_\\* options: unknown plan"):
         _config(tmp_path, longstraw_plan="fast")
     with pytest.raises(ValueError, match="keep_prompt_graph must be an integer >= 0"):

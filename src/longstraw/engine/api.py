@@ -146,22 +146,27 @@ def _options(options: BackwardOptions | None, settings: dict[str, Any]) -> Backw
     return replace(options, **settings) if settings else options
 
 
-def _check(model: torch.nn.Module, group: Group, options: BackwardOptions, prompt_state: PromptState | None) -> None:
-    """What the options alone cannot say: this model, this group and this reused state."""
-    if not isinstance(group, Group):
-        raise TypeError(f"group must be a longstraw.Group, got {type(group).__name__}")
+def check_model_options(model: torch.nn.Module, options: BackwardOptions) -> None:
+    """The refusals that need the model and the options but no group, so a trainer can make them when it is built:
+    nothing to train, and the exact plan's one-token chunks on a recurrent model."""
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("no parameter of the model requires grad, so there is nothing to train: unfreeze the "
                          "parameters to train (param.requires_grad_(True)) or add an adapter")
-    check_materialised(model, "backward_group")
-    _check_model_and_group(model, group, options.loss_config.beta)
-    plan = options.plan
     model_type = hf(model).config.model_type
-    if plan == "exact" and options.chunk_size == 1 and model_type in RECURRENT_MODEL_TYPES:
+    if options.plan == "exact" and options.chunk_size == 1 and model_type in RECURRENT_MODEL_TYPES:
         raise ValueError(
             f"chunk_size=1 with the exact plan on {model_type}: its recurrent layers update their "
             "state in place for one-token chunks, which the prompt backward cannot differentiate; use chunk_size >= 2"
         )
+
+
+def _check(model: torch.nn.Module, group: Group, options: BackwardOptions, prompt_state: PromptState | None) -> None:
+    """What the options alone cannot say: this model, this group and this reused state."""
+    if not isinstance(group, Group):
+        raise TypeError(f"group must be a longstraw.Group, got {type(group).__name__}")
+    check_model_options(model, options)
+    check_materialised(model, "backward_group")
+    _check_model_and_group(model, group, options.loss_config.beta)
     if options.context_shards is not None:
         options.context_shards.check_supported(model)
     if prompt_state is not None:

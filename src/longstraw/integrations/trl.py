@@ -36,7 +36,7 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
 from longstraw.distributed.context import check_supported as check_context_supported
 from longstraw.distributed.context import context_blocks
 from longstraw.distributed.fsdp import sharded_compute
-from longstraw.engine.api import backward_group
+from longstraw.engine.api import backward_group, check_model_options
 from longstraw.engine.group import Group
 from longstraw.engine.loss import make_loss_config
 from longstraw.engine.options import BackwardOptions
@@ -298,6 +298,10 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         try:  # supported family, dropout off (TRL trains in train() mode), uniform dtype, no logit soft-cap
             with eval_mode_when_equal(policy):
                 check_architecture(policy, 1)
+        except ValueError as err:
+            out.append(str(err))
+        try:  # what backward_group would refuse on its first group: nothing to train, a recurrent exact chunk of 1
+            check_model_options(policy, _backward_options(self.args))
         except ValueError as err:
             out.append(str(err))
         cp, world = _context_size(self.args), self.accelerator.num_processes
