@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_close, gradient_tolerance, grads, random_group, tiny_model
+from helpers import EXACT_F64, assert_close, gradient_tolerance, grads, random_group, tiny_model
 
 from longstraw import Group, backward_group
 from longstraw.engine import logprobs as logprobs_module
@@ -123,7 +123,10 @@ def test_exact_equals_standard_with_masks(family):
         model = tiny_model(family)
         backward_group(model, group, plan=plan, beta=0.05, chunk_size=8)
         out[plan] = grads(model)
-    assert_close(f"{family} exact", out["standard"], out["exact"], gradient_tolerance(family))
+    # deepseek_v3's float32 kernel (its router) works token by token, so chunking rounds it alike in both plans:
+    # 9e-16 measured, hence float64's tolerance rather than its family's (FP32_INSIDE, 1e-6).
+    tol = EXACT_F64 if family == "deepseek_v3" else gradient_tolerance(family)
+    assert_close(f"{family} exact", out["standard"], out["exact"], tol)
     assert (out["detach"] - out["standard"]).norm() > 0  # detach's prompt state is a constant: its bias
 
 
