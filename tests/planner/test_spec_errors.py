@@ -20,12 +20,17 @@ def _plan(model: str) -> list[str]:
     (lambda p: p.write_text(json.dumps({**LLAMA, "num_attention_heads": 0})), "{}: num_attention_heads = 0; a model "
      "needs at least one head"),
     (lambda p: p.write_text(json.dumps({**LLAMA, "num_key_value_heads": 0})), "{}: num_key_value_heads = 0"),
+    (lambda p: p.write_text(json.dumps({**LLAMA, "head_dim": 0})), "{}: head_dim = 0; a model needs head_dim >= 1"),
+    (lambda p: p.write_text(json.dumps({**LLAMA, "hidden_size": 0})), "{}: hidden_size = 0; a model needs "
+     "hidden_size >= 1"),
+    (lambda p: p.write_text(json.dumps({**LLAMA, "num_hidden_layers": 0})), "{}: num_hidden_layers = 0; a model "
+     "needs num_hidden_layers >= 1"),
     (lambda p: p.write_text('{"model_type": "llama",\n"hidden_size": 64,\n'), "{}:3: not valid JSON"),
     (lambda p: p.write_bytes(b'{"model_type": "llama",\n"name": "caf\xe9"}'), "{}:2: not UTF-8 (byte 0xe9)"),
 ])
 def test_a_bad_config_json_is_one_line_naming_the_file(tmp_path, capsys, write, message):
-    """Zero heads made transformers divide by zero (a ZeroDivisionError traceback); a JSON error did not name the
-    file."""
+    """Zero heads, head_dim, hidden_size or layers: one line naming the file and the field, never transformers' or
+    the planner's ZeroDivisionError or ValueError traceback; a JSON error names the file and line."""
     path = tmp_path / "config.json"
     write(path)
     for model in (str(path), str(tmp_path)):  # a config.json file, and the directory holding it

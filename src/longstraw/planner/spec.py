@@ -284,17 +284,27 @@ def _nemotron_h_blocks(kinds: list[str]) -> tuple[tuple[str, ...], tuple[str, ..
     return tuple(mixers), tuple(mlps)
 
 
+# Sizes a model cannot have fewer than one of, besides its head counts: transformers' config, the model's layers and
+# the planner's per-layer and per-head arithmetic divide by them or build empty tensors from them.
+_POSITIVE_SIZES = ("head_dim", "hidden_size", "num_hidden_layers")
+
+
 def check_head_counts(values: dict[str, Any], where: str) -> None:
     """Refuse a head count below 1 (`num_attention_heads`, `num_key_value_heads`, `linear_num_value_heads`, ..., in
-    a nested text config too) before transformers' config or model divides by it, which is a ZeroDivisionError
-    traceback; None stays allowed (transformers' "same as the heads")."""
+    a nested text config too), or a `head_dim`, `hidden_size` or `num_hidden_layers` below 1, before transformers'
+    config or model or the planner divides by it, which is a ZeroDivisionError or ValueError traceback; None stays
+    allowed (transformers' "same as the heads", or a size derived from the others)."""
     for key, value in sorted(values.items()):
         if isinstance(value, dict):
             check_head_counts(value, where)
-        elif (isinstance(key, str) and key.endswith("heads") and isinstance(value, int)
-              and not isinstance(value, bool) and value < 1):
+        elif not isinstance(key, str) or not isinstance(value, int) or isinstance(value, bool) or value >= 1:
+            continue
+        elif key.endswith("heads"):
             raise ValueError(f"{where}: {key} = {value}; a model needs at least one head (the head size and the "
                              "grouping of query heads per key/value head divide by it): fix the config")
+        elif key in _POSITIVE_SIZES:
+            raise ValueError(f"{where}: {key} = {value}; a model needs {key} >= 1 (its layers and their sizes are "
+                             "built from it): fix the config")
 
 
 def spec_from_config(config, name: str = "") -> ModelSpec:
