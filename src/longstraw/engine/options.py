@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 
-from longstraw.choices import PLANS
+from longstraw.choices import MIN_TEMPERATURE, PLANS
 from longstraw.engine.activation_checkpointing import check_checkpoint
 from longstraw.engine.logprobs import DEFAULT_TOKEN_CHUNK
 from longstraw.engine.loss import LossConfig, make_loss_config
@@ -93,8 +93,9 @@ class BackwardOptions:
         object.__setattr__(self, "checkpoint", check_checkpoint(self.checkpoint))
         temperature = self.temperature
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
-                math.isfinite(temperature) and temperature > 0):
-            raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+                math.isfinite(temperature) and temperature >= MIN_TEMPERATURE):
+            raise ValueError(f"temperature must be a finite number >= {MIN_TEMPERATURE}, got {temperature!r}: below it "
+                             "logits / temperature can overflow to inf (1e-45 makes every logit inf)")
         object.__setattr__(self, "temperature", float(temperature))
         for name in ("offload_state", "allow_train_mode"):
             if not isinstance(getattr(self, name), bool):

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from longstraw.choices import MIN_TEMPERATURE
 from longstraw.engine.logprobs import DEFAULT_TOKEN_CHUNK, accumulated_logits
 from longstraw.engine.plans.replay import replay_responses
 from longstraw.engine.segment import run_segment
@@ -52,8 +53,10 @@ class SamplingConfig:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {self.max_turns}")
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0 (use a small value for near-greedy), got {self.temperature}")
+        if not self.temperature >= MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be >= {MIN_TEMPERATURE}, got {self.temperature}: below it sampling is "
+                             "already greedy in all but name, and logits / temperature can overflow to inf; for greedy "
+                             "sampling use top_k=1")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

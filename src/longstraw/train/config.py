@@ -14,13 +14,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from longstraw.choices import ADVANTAGES, DTYPES, LOSSES, TASKS
-
-# The sampler divides the logits by the temperature in the model's dtype (float32's range for float32 and bfloat16
-# models). At 1e-3 a logit keeps 35 orders of magnitude of headroom below float32's largest value (3.4e38), and a
-# logit gap of 0.01 already weighs e^10 : 1, so a lower temperature changes nothing but the risk: a subnormal such
-# as 1e-45 turns every logit into inf and the probabilities into NaN.
-MIN_TEMPERATURE = 1e-3
+from longstraw.choices import ADVANTAGES, DTYPES, LOSSES, MIN_TEMPERATURE, TASKS
 
 if TYPE_CHECKING:
     from longstraw.engine.options import BackwardOptions
