@@ -132,3 +132,26 @@ def test_metrics_are_truncated_to_the_checkpoint_step(tmp_path):
     assert truncate_metrics(path, 3) == 4
     assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2, 3]
     assert truncate_metrics(path, 3) == 0
+
+
+def test_a_metrics_file_that_is_not_utf8_names_file_and_line_on_resume(tmp_path, capsys, monkeypatch):
+    """Bytes that are not UTF-8 in metrics.jsonl: one line naming the file and line, before the model loads, not
+    "'utf-8' codec can't decode ..." naming nothing."""
+    from longstraw import cli
+
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"prompt": "Say something.", "answer": "ok"}) + "\n")
+    run = tmp_path / "run"
+    common = ["train", "--model", "tiny-llama", "--task", "jsonl", "--data", str(data), "--group-size", "2",
+              "--max-new-tokens", "2", "--eval-prompts", "0", "--no-plot", "--steps", "2", "--run-dir", str(run)]
+    assert cli.main([*common, "--stop-after", "1"]) == 0
+    metrics = run / "metrics.jsonl"
+    metrics.write_bytes(metrics.read_bytes() + b'{"step": 2, "note": "caf\xe9"}\n')
+    capsys.readouterr()
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before metrics.jsonl was checked")
+    monkeypatch.setattr(longstraw.train.trainer, "load_model", refuse)
+    assert cli.main([*common, "--resume"]) == 1
+    err = capsys.readouterr().err
+    assert f"{metrics}:2: not UTF-8 (byte 0xe9)" in err and "codec" not in err and "Traceback" not in err, err

@@ -46,6 +46,7 @@ def open_run_dir(run_dir: Path, cfg: TrainConfig) -> dict[str, Any] | None:
     if not cfg.resume:
         return None
     ckpt = load_checkpoint(run_dir)
+    metrics_lines(run_dir / "metrics.jsonl")  # an undecodable file refused here, before any model is loaded
     print_notes(check_resume_config(ckpt["config"], cfg.to_dict(), cfg.force, str(run_dir / FILENAME)))
     return ckpt
 
@@ -123,12 +124,27 @@ def check_resume_config(saved: dict[str, Any], current: dict[str, Any], force: b
     return notes
 
 
+def metrics_lines(path: Path) -> list[str]:
+    """The lines of a metrics.jsonl (none when it does not exist); ValueError naming the file and line of bytes that
+    are not UTF-8 (the trainer writes ASCII JSON, so such bytes are damage, not a row cut short by a kill)."""
+    if not path.is_file():
+        return []
+    lines = []
+    for number, raw in enumerate(path.read_bytes().split(b"\n"), start=1):
+        try:
+            lines.append(raw.decode("utf-8"))
+        except UnicodeDecodeError as err:
+            raise ValueError(f"{path}:{number}: not UTF-8 (byte 0x{raw[err.start]:02x}): the trainer writes one JSON "
+                             "row per step; delete or fix that line, or start over with --overwrite") from None
+    return lines
+
+
 def truncate_metrics(path: Path, step: int) -> int:
     """Keep the rows of steps 1..step (the first of each) and drop the rest; returns how many rows were dropped."""
     if not path.is_file():
         return 0
     kept, dropped, seen = [], 0, set()
-    for line in path.read_text().splitlines():
+    for line in metrics_lines(path):
         if not line.strip():
             continue
         try:
