@@ -63,4 +63,5 @@ def test_agent_example_trains_multi_turn_on_a_tiny_preset(tmp_path, capsys):
     steps = [r for r in rows if "step" in r]
     assert [r["step"] for r in steps] == [1, 2]
     assert all(r["turns_mean"] >= 1 and r["tool_calls_mean"] >= 0 and "observation_tokens_mean" in r for r in steps)
+    assert all(r["turns"] >= 8 and r["tool_calls"] >= 0 and "observation_tokens" in r for r in steps)  # G = 8
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in steps)

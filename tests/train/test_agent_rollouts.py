@@ -42,5 +42,10 @@ def test_the_trainers_sampler_runs_multi_turn_rollouts(monkeypatch, tmp_path):
         assert len(observed) % len(observation) == 0 and observed == observation * (len(observed) // len(observation))
     assert scored.turns > cfg.group_size and log.observation_tokens == sum(int((~m).sum()) for m in masks)
     assert scored.tool_calls >= scored.turns - cfg.group_size and log.tool_calls == scored.tool_calls
+    row = log.row(Parallel(), 0, n_kept=1, skipped=0, loss=0.0, grad_norm=0.0, lr=0.0, bias_metrics={})
+    assert (row["turns"], row["tool_calls"], row["observation_tokens"]) == (scored.turns, scored.tool_calls,
+                                                                           log.observation_tokens)
+    assert row["turns_mean"] == scored.turns / cfg.group_size
+    assert row["tool_calls_mean"] == scored.tool_calls / cfg.group_size
     backward_group(model, scored.group, plan="exact", chunk_size=cfg.chunk_size, prompt_state=scored.state)
     assert any(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in model.parameters())

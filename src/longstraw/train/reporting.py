@@ -90,7 +90,11 @@ class StepLog:
             "skipped_zero_advantage": sum(x["skipped"] for x in ranks),
             "dropped_groups": dropped,
             "response_tokens_mean": response_tokens / max(1, rewards.numel()),
-            # agent tasks: tokens the environment appended (in the responses, not in the loss), model turns
+            # agent tasks: tokens the environment appended (in the responses, not in the loss), model turns and tool
+            # calls; the step's totals over every sampled response, and per response
+            "observation_tokens": sum(x["observation_tokens"] for x in ranks),
+            "turns": sum(x["turns"] for x in ranks),
+            "tool_calls": sum(x["tool_calls"] for x in ranks),
             "observation_tokens_mean": sum(x["observation_tokens"] for x in ranks) / max(1, rewards.numel()),
             "turns_mean": sum(x["turns"] for x in ranks) / max(1, rewards.numel()),
             "tool_calls_mean": sum(x["tool_calls"] for x in ranks) / max(1, rewards.numel()),
