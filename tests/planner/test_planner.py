@@ -409,6 +409,8 @@ RECORDED = (
     "memory-b1-deepseek-v3-2k-all-plans-20261130",
     # exact with kept capture graphs (keep_prompt_graph 0/1/2, with and without checkpointing)
     "pareto-b1-llama-4k-keep-20261130", "pareto-deep-smollm2-2k-keep-20261130",
+    # multi-turn groups (3 turns of 64 generated + 128 observation tokens per response), G = 2, 8 and 16
+    "memory-b1-llama-8k-agent-turns-20261201", "memory-b1-llama-8k-agent-turns-g16-20261201",
 )
 
 
@@ -421,13 +423,16 @@ def test_planner_against_recorded_measurements(name):
     document = json.loads((Path(__file__).parents[2] / "bench" / "results" / f"{name}.json").read_text())
     config = document["config"]
     spec = _spec(config["model"])
+    # A multi-turn response (`bench memory --turns`) holds turns x (generated + observation) tokens, all of which
+    # run through the model
+    response_tokens = config.get("turns", 1) * (config["response_tokens"] + config.get("observation_tokens", 0))
     rows = []
     for entry in document["results"]:
         if entry.get("status") != "ok":
             continue
         stats = entry["stats"]
         inp = PlanInputs(
-            prompt_tokens=stats["prompt_tokens"], response_tokens=config["response_tokens"],
+            prompt_tokens=stats["prompt_tokens"], response_tokens=response_tokens,
             group_size=entry["group_size"], dtype=config.get("dtype", "float32"),
             chunk_size=entry.get("chunk_size", config.get("chunk_size", 2048)),
             micro_batch=entry.get("micro_batch", config.get("micro_batch", 1)), device="cpu", optimizer="none",
@@ -444,6 +449,18 @@ def test_planner_against_recorded_measurements(name):
                        for c, m, p in rows)
     for case, measured, predicted in rows:
         assert abs(predicted / measured - 1) <= 0.10, f"{name} {case}\n{report}"
+
+
+def test_recorded_multi_turn_peak_is_flat_in_group_size():
+    """The recorded multi-turn groups (b1-llama, P = 8192, 3 turns of 64 generated + 128 observation tokens): exact's
+    peak grows by at most 5% from G = 2 to G = 16, as the file's `peak_growth` says and its peaks show."""
+    document = json.loads((Path(__file__).resolve().parents[2] / "bench" / "results" /
+                           "memory-b1-llama-8k-agent-turns-g16-20261201.json").read_text())
+    growth = document["ratios"]["peak_growth"]["exact"]
+    assert (growth["from_g"], growth["to_g"]) == (2, 16) and growth["pct"] <= 5.0
+    peaks = {e["group_size"]: e["peak_bytes"] for e in document["results"]
+             if e["plan"] == "exact" and e.get("status") == "ok"}
+    assert abs(100 * (peaks[16] / peaks[2] - 1) - growth["pct"]) < 1e-9
 
 
 def test_observation_tokens_cost_what_response_tokens_cost(capsys):
