@@ -1,5 +1,11 @@
 """Sampling from one prompt prefill: log-probs equal a full forward, seeds reproduce, one capture only."""
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from helpers import tiny_model
@@ -168,3 +174,25 @@ def test_an_environment_needs_a_call_end():
         sample_group(tiny_model("llama"), torch.arange(10), 2, SamplingConfig(), environment=_Lookup())
     with pytest.raises(ValueError, match="max_turns must be >= 1"):
         SamplingConfig(max_turns=0)
+
+
+def test_multi_turn_rollout_peak_is_flat_in_group_size():
+    """A multi-turn rollout at G = 2 and G = 16 from the same 32 MiB prompt state, each in a fresh process with
+    glibc's mmap threshold fixed (as the benches run): the peak grows by less than half the state's size, far below
+    the 14 copies of it that copying the prompt per sequence would add."""
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "OMP_NUM_THREADS": "1"}
+    worker = Path(__file__).resolve().parent / "sampling_peak_worker.py"
+    out = {}
+    for g in (2, 16):
+        done = subprocess.run([sys.executable, str(worker), str(g)], env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, done.stderr
+        out[g] = json.loads(done.stdout.strip().splitlines()[-1])
+    if not (out[2]["reset_ok"] and out[16]["reset_ok"]):
+        pytest.skip("this kernel does not reset the peak RSS (/proc/self/clear_refs)")
+    state = out[2]["state_bytes"]
+    assert out[16]["state_bytes"] == state and out[16]["tool_calls"] >= 1
+    growth = out[16]["peak_bytes"] - out[2]["peak_bytes"]
+    print(f"rollout peak above the state: G=2 {out[2]['peak_bytes'] / 2**20:.1f} MiB, G=16 "
+          f"{out[16]['peak_bytes'] / 2**20:.1f} MiB; state {state / 2**20:.1f} MiB")
+    assert growth < 0.5 * state
