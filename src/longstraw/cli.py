@@ -112,6 +112,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     decode_bench.add_arguments(decode_parser)
     decode_parser.set_defaults(fail=decode_parser.error)
+    from longstraw.bench import provenance as provenance_bench
+
+    provenance_parser = benches.add_parser(
+        "provenance", help="the cost of a prompt state's provenance digest (capture and each check) at 1.5B parameters",
+        description="Times engine.state.provenance.provenance on a materialised Qwen2-1.5B-shaped model (random "
+                    "weights, no download): the digest paid at capture and at each check of a reused prompt state; "
+                    "table and JSON.",
+    )
+    provenance_bench.add_arguments(provenance_parser)
+    provenance_parser.set_defaults(fail=provenance_parser.error)
 
     from longstraw import planner
 
@@ -268,6 +278,10 @@ def _run_bench(args: argparse.Namespace) -> int:
         from longstraw.bench import decode as decode_bench
 
         return decode_bench.run_from_args(args)
+    if args.bench == "provenance":
+        from longstraw.bench import provenance as provenance_bench
+
+        return provenance_bench.run_from_args(args)
     raise ValueError(f"unknown bench {args.bench!r}")
 
 
