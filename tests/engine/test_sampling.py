@@ -196,3 +196,32 @@ def test_multi_turn_rollout_peak_is_flat_in_group_size():
     print(f"rollout peak above the state: G=2 {out[2]['peak_bytes'] / 2**20:.1f} MiB, G=16 "
           f"{out[16]['peak_bytes'] / 2**20:.1f} MiB; state {state / 2**20:.1f} MiB")
     assert growth < 0.5 * state
+
+
+def test_multi_turn_rollout_ends_on_the_token_budget():
+    """max_new_tokens counts generated and observation tokens: a sequence with observations runs to exactly the
+    budget (its last token the model's own), and a call whose observation (and a reply) would not fit ends the
+    episode at the call, observation-free; a call whose observation could never fit ends its episode at once."""
+    model = tiny_model("llama")
+    prompt = torch.randint(0, 512, (30,), generator=torch.Generator().manual_seed(4))
+    budget, obs = 40, 5
+    base = SamplingConfig(max_new_tokens=budget, temperature=1.0, top_k=3)
+    call = _call_token(model, prompt, base)
+    cfg = SamplingConfig(max_new_tokens=budget, temperature=1.0, top_k=3, call_end=(call,), max_turns=100)
+    out = sample_group(model, prompt, 4, cfg, seed=1, chunk_size=8,
+                       environment=lambda i, response: torch.full((obs,), 7 + i))
+    reached = 0
+    for resp, mask in zip(out.responses, out.loss_masks):
+        assert resp.numel() <= budget and bool(mask[-1])
+        if resp.numel() == budget:
+            reached += bool((~mask).any())
+        else:  # ended at a call whose observation would not fit in what was left
+            assert int(resp[-1]) == call and resp.numel() + obs >= budget
+    assert reached >= 1, "no sequence with an observation reached the budget: the test needs one"
+    never = sample_group(model, prompt, 4, cfg, seed=1, chunk_size=8,
+                         environment=lambda i, response: torch.full((budget,), 7))
+    for resp, mask, calls, turns in zip(never.responses, never.loss_masks, never.tool_calls, never.turns):
+        assert bool(mask.all()) and turns == 1 and calls <= 1
+        if calls:
+            assert int(resp[-1]) == call
+    assert sum(never.tool_calls) >= 1
