@@ -48,6 +48,23 @@ def multiply(a: int, b: int) -> int:
     return a * b
 
 
+class MultiplyEnvironment:
+    """An `environment_factory` environment: `reset` between rollouts, and one tool method, `multiply`, whose
+    calls go to the same record as the plain function's."""
+
+    def reset(self, **kwargs) -> None:
+        return None
+
+    def multiply(self, a: int, b: int) -> int:
+        """Multiplies two integers.
+
+        Args:
+            a: The first factor.
+            b: The second factor.
+        """
+        return multiply(a, b)
+
+
 def _call(a: int, b: int) -> str:
     return f'<tool_call>\n{{"name": "multiply", "arguments": {{"a": {a}, "b": {b}}}}}\n</tool_call>'
 
@@ -96,10 +113,11 @@ def float64_trl_kernel(monkeypatch):
     monkeypatch.setattr(trl.trainer.utils, "_ChunkedLogProbFunction", Float64LogProbs)
 
 
-def train(trainer_cls, config_cls, model_dir, tmp_path, drop_tool_mask=False, **config):
-    """Two optimizer steps from the saved model with tools=[multiply]; returns (gradient per optimizer step, the
-    `tool_mask` of each generation batch). drop_tool_mask: the batch loses its tool mask before the loss (the tool
-    results count in the loss like the model's tokens)."""
+def train(trainer_cls, config_cls, model_dir, tmp_path, drop_tool_mask=False, source="tools", **config):
+    """Two optimizer steps from the saved model with tools=[multiply] (source "tools") or
+    environment_factory=MultiplyEnvironment ("environment"); returns (gradient per optimizer step, the `tool_mask` of
+    each generation batch). drop_tool_mask: the batch loses its tool mask before the loss (the tool results count in
+    the loss like the model's tokens)."""
     os.environ.pop("ACCELERATE_USE_FSDP", None)  # see trl_setup.train
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64)
@@ -110,7 +128,9 @@ def train(trainer_cls, config_cls, model_dir, tmp_path, drop_tool_mask=False, **
     gradients = Gradients()
     trainer = trainer_cls(model, reward_funcs=reward, args=config_cls(output_dir=str(tmp_path / "out"), **settings),
                           train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=tokenizer,
-                          callbacks=[gradients], tools=[multiply])
+                          callbacks=[gradients],
+                          **(dict(tools=[multiply]) if source == "tools" else
+                             dict(environment_factory=MultiplyEnvironment)))
     trainer._generate_single_turn = tool_turns.__get__(trainer)
     masks = []
     generate_and_score = trainer._generate_and_score_completions
@@ -127,15 +147,21 @@ def train(trainer_cls, config_cls, model_dir, tmp_path, drop_tool_mask=False, **
     return gradients.steps, masks
 
 
-# grpo with the KL term runs in the default suite; the other normalisers (each ~1 min of three trainings) in
-# `make test-slow` (the rollout_func env_mask test of test_trl.py covers them on the same mask path by default).
-@pytest.mark.parametrize("config", [
-    pytest.param(dict(loss_type="grpo", beta=0.04), id="grpo"),
-    pytest.param(dict(loss_type="dapo"), id="dapo", marks=pytest.mark.slow),
-    pytest.param(dict(loss_type="dr_grpo", num_iterations=2), id="dr_grpo", marks=pytest.mark.slow)])
-def test_tool_results_are_masked_as_trl_masks_them(tmp_path, model_dir, float64_trl_kernel, config):
+# grpo with the KL term runs in the default suite, with tools= and with environment_factory=; the other normalisers
+# (each ~1 min of three trainings) in `make test-slow` (the rollout_func env_mask test of test_trl.py covers them on
+# the same mask path by default).
+@pytest.mark.parametrize("config,source", [
+    pytest.param(dict(loss_type="grpo", beta=0.04), "tools", id="grpo"),
+    pytest.param(dict(loss_type="grpo", beta=0.04), "environment", id="grpo-environment_factory"),
+    pytest.param(dict(loss_type="dapo"), "tools", id="dapo", marks=pytest.mark.slow),
+    pytest.param(dict(loss_type="dr_grpo", num_iterations=2), "tools", id="dr_grpo", marks=pytest.mark.slow)])
+def test_tool_results_are_masked_as_trl_masks_them(tmp_path, model_dir, float64_trl_kernel, config, source,
+                                                   monkeypatch):
     """TRL's tool-call loop runs (the tool is called, its results are in the completions with tool_mask 0) and the
-    drop-in's update equals TRL's; without the tool mask the gradient differs (the test data reaches the masks)."""
+    drop-in's update equals TRL's; without the tool mask the gradient differs (the test data reaches the masks).
+    The tool is a plain function (`tools=`) or an environment's method (`environment_factory=`)."""
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")  # environment_factory's experimental-feature warning
+    config = dict(config, source=source)
     CALLS.clear()
     g_trl, masks_trl = train(GRPOTrainer, GRPOConfig, model_dir, tmp_path / "trl", **config)
     calls_trl = list(CALLS)
