@@ -353,14 +353,16 @@ def _progress(entry: dict[str, Any]) -> str:
 
 
 @contextmanager
-def _announce_partial(out: str, results: list[dict[str, Any]]) -> Iterator[None]:
-    """On an interrupt or error mid-run, say where the configurations finished so far are (`out`.tmp)."""
+def _announce_partial(out: str, document: dict[str, Any]) -> Iterator[None]:
+    """On an interrupt or error mid-run, write the configurations finished so far to `out`.tmp (the stop may come
+    between a configuration's end and its write) and say where they are."""
     try:
         yield
     except BaseException:
-        if results:
-            print(f"bench peers: {len(results)} configuration(s) finished before it stopped; their results are in "
-                  f"{out}.tmp", file=sys.stderr, flush=True)
+        if document["results"]:
+            write_json(out + ".tmp", document)
+            print(f"bench peers: {len(document['results'])} configuration(s) finished before it stopped; their "
+                  f"results are in {out}.tmp", file=sys.stderr, flush=True)
         raise
 
 
@@ -384,7 +386,7 @@ def run_peers_bench(shape: PeersShape, out: str, timeout_s: float | None, smoke:
     runs = "once (peak run only: smoke)" if smoke else "twice (peak run, then timing run)"
     print(f"{header(document)}; {len(rows)} configurations, each {runs} in a fresh process",
           file=sys.stderr, flush=True)
-    with busy_neighbours(neighbours), _announce_partial(out, results):
+    with busy_neighbours(neighbours), _announce_partial(out, document):
         ours = [row for row in rows if row.peer == "longstraw"]
         # A smoke run shares one LongStraw worker (run_batch without isolation); otherwise each run is its own.
         shared = dict(zip((row.id for row in ours), run_longstraw(shape, ours, timeout_s, smoke=True)
