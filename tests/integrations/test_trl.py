@@ -354,12 +354,14 @@ DEFAULT_CASES = ("ddp-dapo-beta", "fsdp2-iterations-accumulation", "fsdp2-cp2-da
                  "fsdp2-bf16")
 
 
-def _launch(cases: dict, model_dir: str, out: Path) -> Path:
+def _launch(cases: dict, model_dir: str, out: Path, cpu: bool = True) -> Path:
     """2 ranks running `cases`, with torchrun's environment and ACCELERATE_USE_CPU=1: accelerate's MULTI_CPU over
-    gloo (`accelerate launch --cpu` would start one process on this machine)."""
+    gloo (`accelerate launch --cpu` would start one process on this machine). cpu=False (DeepSpeed cases): without
+    it, accelerate's DeepSpeed path, over gloo (accelerate_deepspeed_on_cpu)."""
     here = Path(__file__).resolve().parent
+    assert "ACCELERATE_USE_CPU" not in os.environ
     ranks = run_ranks([str(here / "trl_ddp_child.py"), model_dir, str(out), json.dumps(cases)], 2, timeout=900,
-                      paths=[here, here.parent, Path(ROOT) / "src"], env={"ACCELERATE_USE_CPU": "1"})
+                      paths=[here, here.parent, Path(ROOT) / "src"], env={"ACCELERATE_USE_CPU": "1"} if cpu else {})
     for code, output in ranks:
         assert code == 0, output[-4000:]
     return out
@@ -423,28 +425,16 @@ DEEPSPEED_CASES = {
 DEFAULT_DEEPSPEED_CASES = ("zero3-dapo-beta",)
 
 
-def _launch_deepspeed(cases: dict, model_dir: str, out: Path) -> Path:
-    """2 ranks with torchrun's environment and no ACCELERATE_USE_CPU: accelerate's DeepSpeed path, over gloo
-    (accelerate_deepspeed_on_cpu)."""
-    here = Path(__file__).resolve().parent
-    assert "ACCELERATE_USE_CPU" not in os.environ
-    ranks = run_ranks([str(here / "trl_ddp_child.py"), model_dir, str(out), json.dumps(cases)], 2, timeout=900,
-                      paths=[here, here.parent, Path(ROOT) / "src"])
-    for code, output in ranks:
-        assert code == 0, output[-4000:]
-    return out
-
-
 @pytest.fixture(scope="module")
 def deepspeed_runs(model_dirs, tmp_path_factory):
-    return _launch_deepspeed({k: DEEPSPEED_CASES[k] for k in DEFAULT_DEEPSPEED_CASES}, model_dirs["llama"],
-                             tmp_path_factory.mktemp("trl-deepspeed"))
+    return _launch({k: DEEPSPEED_CASES[k] for k in DEFAULT_DEEPSPEED_CASES}, model_dirs["llama"],
+                   tmp_path_factory.mktemp("trl-deepspeed"), cpu=False)
 
 
 @pytest.fixture(scope="module")
 def slow_deepspeed_runs(model_dirs, tmp_path_factory):
-    return _launch_deepspeed({k: v for k, v in DEEPSPEED_CASES.items() if k not in DEFAULT_DEEPSPEED_CASES},
-                             model_dirs["llama"], tmp_path_factory.mktemp("trl-deepspeed-slow"))
+    return _launch({k: v for k, v in DEEPSPEED_CASES.items() if k not in DEFAULT_DEEPSPEED_CASES},
+                   model_dirs["llama"], tmp_path_factory.mktemp("trl-deepspeed-slow"), cpu=False)
 
 
 @pytest.mark.parametrize("case", [c if c in DEFAULT_DEEPSPEED_CASES else pytest.param(c, marks=pytest.mark.slow)
