@@ -90,3 +90,52 @@ def test_gradients_are_reduced_once_per_step(two_ranks, family, plan, checkpoint
     micro-batches and prompt-backward chunks the step ran."""
     got = two_ranks[f"{family}/{plan}/{checkpoint}"]
     assert got["reduce_calls"] == [got["units"]] * worker.STEPS
+
+
+LAYER_WORKER = Path(__file__).parent / "fsdp_layer_worker.py"
+_layer_spec = importlib.util.spec_from_file_location("fsdp_layer_worker", LAYER_WORKER)
+layer_worker = importlib.util.module_from_spec(_layer_spec)
+_layer_spec.loader.exec_module(layer_worker)
+
+
+@pytest.fixture(scope="module")
+def layer_ranks(spawn, tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp-layer") / "rank0.pt"
+    for code, text in spawn([str(LAYER_WORKER), str(out)], world=2, timeout=300):
+        assert code == 0, text
+    return torch.load(out, weights_only=False)
+
+
+@pytest.mark.parametrize("family,plan,checkpoint", layer_worker.CASES)
+def test_layer_wise_gathering_equals_one_process(layer_ranks, family, plan, checkpoint):
+    """gather="layer" on 2 ranks forming one context-parallel group, float64: the reduced gradient equals one
+    process's (<= 1e-12), with at most two decoder layers gathered at a time (the one computing and the one FSDP
+    prefetches in backward) and the layers' gradients reduce-scattered after each backward (many more reductions
+    than layers), where gather="all" reduces once per unit."""
+    got = layer_ranks[(family, plan, checkpoint)]
+    model = tiny_model(family, torch.float64)
+    for g in layer_worker.groups():
+        backward_group(model, g, plan=plan, chunk_size=8, micro_batch=2)
+    ref = {n: p.grad for n, p in model.named_parameters()}
+    assert sorted(got["grads"]) == sorted(ref)
+    assert_close(f"{family}/{plan} gradient", _flat(ref), _flat(got["grads"]), 1e-12)
+    assert got["layers"] >= 2 and got["most_layers_gathered"] <= 2
+    assert got["layer_gathers"] > 2 * got["layers"]  # each layer gathered again for every forward and backward
+    assert got["reduce_scatters"] > 2 * (got["layers"] + 1)
+
+
+def test_layer_wise_gathering_in_accelerates_layout(layer_ranks):
+    """accelerate's FSDP2 units (the embeddings alone; final norm and output projection grouped) besides the layers':
+    the same gradient as one process."""
+    model = tiny_model("llama", torch.float64)
+    for g in layer_worker.groups():
+        backward_group(model, g, plan="exact", chunk_size=8, micro_batch=2)
+    assert_close("gradient", _flat({n: p.grad for n, p in model.named_parameters()}),
+                 _flat(layer_ranks["accelerate layout"]), 1e-12)
+
+
+def test_layer_wise_gathering_refusals(layer_ranks):
+    """Ranks about to run different work are refused on every rank (their layers' all-gathers would pair up
+    wrongly), and so are decoder layers that are not FSDP units."""
+    assert "every process to run the same forwards and backwards" in layer_ranks["different work"]
+    assert "no decoder layer is one: apply fully_shard to each decoder layer" in layer_ranks["unsharded layers"]

@@ -19,6 +19,7 @@ import trl.trainer.utils
 from trl import GRPOConfig, GRPOTrainer
 from trl_setup import Float64LogProbs, accelerate_deepspeed_on_cpu, accelerate_fsdp_on_cpu, deepspeed_config, train
 
+import longstraw.integrations.trl as longstraw_trl
 from longstraw.distributed import end_process_group
 from longstraw.distributed.fsdp import full_tensor
 from longstraw.integrations.trl import LongStrawGRPOConfig, LongStrawGRPOTrainer
@@ -30,6 +31,14 @@ def main() -> None:
     accelerate_fsdp_on_cpu()
     if any("zero_stage" in case for case in cases.values()):
         accelerate_deepspeed_on_cpu()
+    gathers: list[str] = []  # the drop-in's FSDP gathering mode of each micro-batch, to show which one ran
+    sharded_compute = longstraw_trl.sharded_compute
+
+    def recording(model, reduce=True, gather="all"):
+        gathers.append(gather)
+        return sharded_compute(model, reduce, gather)
+
+    longstraw_trl.sharded_compute = recording
     for name, overrides in cases.items():
         overrides = dict(overrides)
         if "zero_stage" in overrides:
@@ -50,12 +59,14 @@ def main() -> None:
                 settings = {k: v for k, v in overrides.items() if not k.startswith("longstraw_")}
             else:
                 settings = dict(overrides)
-            info: dict[str, bool] = {}
+            info: dict[str, object] = {}
+            gathers.clear()
             steps, params = train(trainer, config, model_dir, out / f"{name}-{label}", peft_config=peft_config,
                                   info=info, dtype=dtype, **settings)
             steps, params = [full_tensor(s) for s in steps], full_tensor(params)
             if dist.get_rank() == 0:
-                torch.save({"steps": steps, "params": params, "world": dist.get_world_size(), **info},
+                torch.save({"steps": steps, "params": params, "world": dist.get_world_size(),
+                            "gathers": sorted(set(gathers)), **info},
                            out / f"{name}-{label}.pt")
             dist.barrier()
 

@@ -1,44 +1,45 @@
-"""FSDP2 for LongStraw: shard the unmodified model with `fully_shard`, gather it once per step, reduce once.
+"""FSDP2 for LongStraw: shard the unmodified model with `fully_shard`; gather every parameter once per block, or a
+layer at a time.
 
 `parallelize(model, mesh)` applies `torch.distributed.fsdp.fully_shard` to every decoder layer and then to
 the root (embeddings, final norm and the output projection, tied or not, form the root's unit). Model code is
-untouched (torchtitan's split: model math here, parallelism in a `parallelize` step).
+untouched (torchtitan's split: model math here, parallelism in a `parallelize` step). A model another library
+sharded (accelerate's FSDP2 for TRL, with its own units and settings) gets the block's settings for the block only.
 
-Why the parameters are gathered once per step instead of layer by layer (FSDP's default):
+`sharded_compute(model, gather=...)` runs a block of LongStraw work (backward_group calls, sampling) on it:
 
-* FSDP's per-layer all-gathers fire from module forward hooks, so every rank must make the *same number* of
-  forward calls in the same order. Our ranks do not: each rank's prompts have their own length (a different
-  number of capture / prompt-backward chunks), sampling stops when a rank's own responses end, and dynamic
-  sampling may drop a rank's groups. Mismatched all-gathers would pair layer k on one rank with layer j on
-  another and silently compute garbage (the layers' shards have the same size) or hang.
-* Our replay calls the inner decoder (`model.model`) and reads the output projection's weight directly for the
-  chunked log-prob (`engine/plans/replay.py`, `logprobs.py`), outside any module forward: the root's hooks never run,
-  so hook-driven unsharding would hand the log-prob a sharded `DTensor` (and give its gradient to nobody).
-* Reducing once per step (not once per replay, as required) means every rank holds the full unsharded
-  gradient until the reduction anyway, whatever the gathering schedule.
+* gather="all": every unit all-gathered once (collectively, at a point every rank reaches); the block runs with
+  every parameter a plain tensor and no collective inside, so **ranks may do different work** (each rank's prompts
+  have their own length, hence their own number of capture / prompt-backward chunks; sampling stops when a rank's
+  own responses end; dynamic sampling may drop a rank's groups); then each unit's accumulated gradient is
+  reduce-scattered once. Per rank during the block: the full parameters and the full gradient.
+* gather="layer": FSDP's default schedule for the decoder layers: each gathered by its hooks when a forward or
+  backward reaches it, resharded after, its gradient reduce-scattered after each backward. The other units (the
+  root; the embeddings, final norm and output projection wherever they are) stay gathered for the block, because
+  the replay enters at the inner decoder and the log-prob reads the output projection's weight directly
+  (`engine/plans/replay.py`, `logprobs.py`), outside any module forward; their gradient is reduced once at the end.
+  Per rank during the block: those units plus at most two layers, gathered, and no full gradient. The layers'
+  collectives fire from module hooks, so **every rank must run the same forwards and backwards in the same
+  order**, or layer k on one rank would pair with layer j on another (the shards have the same size: garbage, or a
+  hang). That holds when every rank is in one context-parallel group (`distributed.context`: replicated segments,
+  sharded state), which callers check with `check_same_work` before the block.
 
-So `sharded_compute(model)` all-gathers every unit once (collectively, at a point every rank reaches), runs
-the block with every parameter a plain tensor (no collective inside: ranks may do different work, the
-`lm_head` read is just a tensor read, the exact plan's prompt backward and its early-stopping K/V recompute
-work as in one process), then reduce-scatters each unit's accumulated gradient once and reshards.
-FSDP settings: `reshard_after_forward=False`, `set_reshard_after_backward(False)`,
-`set_requires_gradient_sync(False)`: the hooks still run but do no communication. A model another library sharded
-(accelerate's FSDP2 for TRL, with its own settings) gets these settings for the block only (`_compute_settings`).
-
-Memory per rank: sharded parameters, gradients and optimizer state at rest (1/W each); during a step, the full
-parameters and the full gradient (the price of one reduction per step); plus the prompt state.
 Gradients are averaged over ranks (FSDP's default divide-by-world-size); callers scale for their own
 normalisation (see `trainer.py`).
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 from torch.distributed.tensor import DTensor
 
 
@@ -86,44 +87,60 @@ def _units(model: torch.nn.Module) -> list[FSDPModule]:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
-def _reduce_accumulated_gradients(model: FSDPModule) -> None:
-    """Reduce-scatter every unit's accumulated unsharded gradient once, into the sharded `.grad`.
+def _reduce_accumulated_gradients(units: list[FSDPModule]) -> None:
+    """Reduce-scatter the accumulated unsharded gradient of each of `units` (their own parameters, not their
+    children's) once, into the sharded `.grad`.
 
     This is what FSDP's own end-of-backward callback (`FSDPState._root_post_backward_final_callback`) does for
     the last micro-batch of a gradient-accumulation loop; we run it after the block instead, because the
     block's "last backward" is inside `backward_group` (a replay or a prompt-backward chunk, depending on the
     plan). Every rank must call this at the same point.
     """
-    state = model._get_fsdp_state()
-    groups = [g for s in state._state_ctx.all_states for g in s._fsdp_param_groups]
-    model.set_requires_gradient_sync(True)
-    try:
-        for group in reversed(groups):  # backward order, like FSDP's callback
-            group.post_backward()
-        for group in groups:
-            group.finalize_backward()
-    finally:
-        model.set_requires_gradient_sync(False)
+    groups = [g for unit in units for g in unit._get_fsdp_state()._fsdp_param_groups]
+    for group in groups:
+        group.reduce_grads = True
+    for group in reversed(groups):  # backward order, like FSDP's callback
+        group.post_backward()
+    for group in groups:
+        group.finalize_backward()
 
 
 @contextmanager
-def sharded_compute(model: torch.nn.Module, reduce: bool = True) -> Iterator[None]:
-    """All-gather the parameters once, run the block, then reduce the gradients once and reshard.
+def sharded_compute(model: torch.nn.Module, reduce: bool = True, gather: str = "all") -> Iterator[None]:
+    """Run a block of LongStraw work on an FSDP2-sharded model; its gradients reduce-scattered into the sharded `.grad`.
+
+    gather="all": all-gather every parameter once, run the block, then reduce once and reshard. Inside, parameters
+    are plain tensors and `backward_group` accumulates the rank's own gradient, unsharded; at exit every unit
+    reduce-scatters it once (averaged over ranks), adding to what is in `.grad`. Ranks may do different work.
+
+    gather="layer": each decoder layer is gathered by FSDP's own hooks when a forward or backward reaches it and
+    resharded after, and its gradient is reduce-scattered after each backward through it; the other units (the
+    root, and the embeddings, final norm and output projection wherever they are: the log-prob reads the output
+    projection outside any module forward) are gathered for the block and reduced once at its end, as with "all".
+    Per rank, besides those, at most two decoder layers' parameters and gradients are unsharded at a time (the one
+    computing and the one FSDP prefetches in backward). FSDP's collectives then fire from inside the work, so
+    **every rank must run the same sequence of forwards and backwards**: this holds when the ranks form one
+    context-parallel group (`distributed.context`: every rank runs every segment of every group), and the caller
+    must make sure it does (`check_same_work`).
 
     reduce=False (sampling, evaluation: no backward in the block) skips the reduction.
-
-    Inside, parameters are plain tensors and `backward_group` accumulates the rank's own gradient, unsharded;
-    at exit every unit reduce-scatters it once (averaged over ranks) into the sharded `.grad`, adding to what
-    is there. Every rank must enter and leave the block (collectives at both ends). If the block raises, no
-    collective is attempted (another rank may never arrive): the parameters are resharded locally, the
-    accumulated gradients are dropped, and the error propagates. A non-FSDP model passes through unchanged.
+    Every rank must enter and leave the block (collectives at both ends). If the block raises, no collective is
+    attempted (another rank may never arrive): the parameters are resharded locally, the unreduced gradients are
+    dropped, and the error propagates. A non-FSDP model passes through unchanged.
     """
+    if gather not in ("all", "layer"):
+        raise ValueError(f"gather must be 'all' or 'layer', got {gather!r}")
     if not isinstance(model, FSDPModule):
         yield
         return
     units = _units(model)
-    with _compute_settings(model):
-        for unit in units:
+    if gather == "all":
+        settings, gathered = _compute_settings(model), units
+    else:
+        layers = _layer_units(model)
+        settings, gathered = _layer_settings(model, layers), [u for u in units if u not in layers]
+    with settings:
+        for unit in gathered:
             unit.unshard()
         try:
             yield
@@ -132,22 +149,106 @@ def sharded_compute(model: torch.nn.Module, reduce: bool = True) -> Iterator[Non
             _drop_unsharded_gradients(units)
             raise
         if reduce:
-            _reduce_accumulated_gradients(model)
+            _reduce_accumulated_gradients(gathered)
         else:
-            _drop_unsharded_gradients(units)
+            _drop_unsharded_gradients(gathered)
         # Reshard every unit and reset FSDP's per-forward bookkeeping: the K/V-only forwards of capture stop
         # inside the last layer (segment.py), which leaves that layer's FSDP state mid-forward.
         model.reset_iter_state()
 
 
+def _layer_units(model: torch.nn.Module) -> list[FSDPModule]:
+    """The FSDP units that are decoder layers (the children of `model`'s `layers` list, wrapped or not by PEFT)."""
+    lists = [m for name, m in model.named_modules() if name.rsplit(".", 1)[-1] == "layers"
+             and isinstance(m, torch.nn.ModuleList)]
+    if len(lists) != 1:
+        raise ValueError(f"gather='layer' needs one list of decoder layers (a ModuleList named 'layers'), found "
+                         f"{len(lists)} in {type(model).__name__}")
+    layers: list[FSDPModule] = [m for m in lists[0] if isinstance(m, FSDPModule)]
+    if not layers:
+        raise ValueError("gather='layer' gathers FSDP units that are decoder layers, but no decoder layer is one: "
+                         "apply fully_shard to each decoder layer (accelerate: fsdp_auto_wrap_policy "
+                         "TRANSFORMER_BASED_WRAP)")
+    return layers
+
+
+def check_same_work(work: tuple[int, ...], group: dist.ProcessGroup | None = None) -> None:
+    """Raise unless every rank of `group` passes the same `work` (a description of the forwards and backwards it
+    is about to run, e.g. the groups' prompt and response lengths). One small all-reduce; every rank must call it."""
+    digest = int.from_bytes(hashlib.blake2b(repr(work).encode(), digest_size=7).digest(), "little")
+    mine = torch.tensor([len(work), digest], dtype=torch.int64)
+    low, high = mine.clone(), mine.clone()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
+    if not torch.equal(low, high):
+        raise RuntimeError(
+            "gathering a layer at a time needs every process to run the same forwards and backwards, but the "
+            "processes' work differs: their layers' all-gathers would pair up wrongly. Make the context-parallel "
+            "group span every process, or gather every parameter once (gather='all')"
+        )
+
+
 @contextmanager
 def _compute_settings(model: FSDPModule) -> Iterator[None]:
-    """`parallelize`'s settings for the block, whoever sharded the model; the model's own restored after.
+    """`parallelize`'s settings for a gather="all" block, whoever sharded the model; the model's own restored after.
 
     Inside: no resharding after a layer's forward or backward (the block reads parameters outside module forwards),
     no communication from the hooks (`sharded_compute` reduces once), zeros reduce-scattered for unused parameters,
-    SUM reductions on gloo (it has no AVG). FSDP's root is fixed first: its lazy initialisation runs at the first
-    forward through a sharded module, and the block may enter at an inner module (`model.model`)."""
+    SUM reductions on gloo (it has no AVG)."""
+    with _restored_settings(model):
+        model.set_reshard_after_forward(False)
+        model.set_reshard_after_backward(False)
+        model.set_requires_gradient_sync(False)
+        model.set_reduce_scatter_unused_params(True)
+        yield
+
+
+@contextmanager
+def _layer_settings(model: FSDPModule, layers: list[Any]) -> Iterator[None]:
+    """The settings of a gather="layer" block; the model's own restored after.
+
+    Decoder layers (`layers`): resharded after each forward and each backward, their gradient reduce-scattered after
+    each backward (FSDP's defaults). The other units: no resharding, gradients accumulated unsharded and reduced once
+    at the end (`sharded_compute`). Zeros reduce-scattered for unused parameters, SUM reductions on gloo."""
+    with _restored_settings(model):
+        model.set_reduce_scatter_unused_params(True)
+        model.set_reshard_after_forward(False)
+        model.set_reshard_after_backward(False)
+        model.set_requires_gradient_sync(False)
+        for layer in layers:
+            layer.set_reshard_after_forward(True, recurse=False)
+            layer.set_reshard_after_backward(True, recurse=False)
+            layer.set_requires_gradient_sync(True, recurse=False)
+        # Capture's K/V-only forwards stop inside the last layer by raising (segment.py), so FSDP's post-forward
+        # hook, which reshards, does not run there: reshard such a layer from a hook that runs even then (under
+        # no_grad; with grad, the stopped forward's graph holds the gathered parameters until its backward, whose
+        # post-backward hook reshards).
+        handles = [layer.register_forward_hook(_reshard_if_left_gathered, always_call=True) for layer in layers]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
+def _reshard_if_left_gathered(module: torch.nn.Module, args: object, output: object) -> None:
+    """A layer's no_grad forward that raised leaves its parameters gathered and its FSDP state mid-forward: reshard
+    (local, no collective) and mark it idle. After a normal forward FSDP's own hook has done this already."""
+    assert isinstance(module, FSDPModule)
+    if torch.is_grad_enabled():
+        return
+    state = module._get_fsdp_state()
+    for group in state._fsdp_param_groups:
+        if group._training_state == TrainingState.FORWARD and group.is_unsharded:
+            group.reshard()
+            group._training_state = TrainingState.IDLE
+
+
+@contextmanager
+def _restored_settings(model: FSDPModule) -> Iterator[None]:
+    """Save the FSDP settings a block changes and restore them after it. FSDP's root is fixed first: its lazy
+    initialisation runs at the first forward through a sharded module, and the block may enter at an inner module
+    (`model.model`). gloo has no AVG reduction: SUM inside the block, FSDP then divides by the world size itself."""
     state = model._get_fsdp_state()
     state._lazy_init()
     states = state._state_ctx.all_states
@@ -156,10 +257,6 @@ def _compute_settings(model: FSDPModule) -> Iterator[None]:
              "reduce_scatter_unused_params", "force_sum_reduction_for_comms")
     saved = [{name: getattr(g, name) for name in names} for g in groups]
     auto = [s._auto_reshard_after_forward for s in states]
-    model.set_reshard_after_forward(False)
-    model.set_reshard_after_backward(False)
-    model.set_requires_gradient_sync(False)
-    model.set_reduce_scatter_unused_params(True)
     for group in groups:
         if group.mesh_info.mesh.device_type == "cpu":
             group.force_sum_reduction_for_comms = True

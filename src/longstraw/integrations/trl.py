@@ -35,7 +35,7 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
 
 from longstraw.distributed.context import check_supported as check_context_supported
 from longstraw.distributed.context import context_blocks
-from longstraw.distributed.fsdp import sharded_compute
+from longstraw.distributed.fsdp import check_same_work, sharded_compute
 from longstraw.engine.api import backward_group, check_model_options
 from longstraw.engine.group import Group
 from longstraw.engine.loss import make_loss_config
@@ -78,6 +78,13 @@ class LongStrawGRPOConfig(GRPOConfig):
         metadata={"help": "Context parallelism: blocks of this many consecutive processes exchange their groups and "
                           "backpropagate each together, each process holding 1/C of every prompt's state (detach or "
                           "exact plan; full-attention and recurrent layers). Must divide the number of processes."})
+    longstraw_fsdp_gather: str = field(
+        default="all",
+        metadata={"help": "FSDP2: 'all' gathers every parameter once per micro-batch and holds the full gradient "
+                          "until one reduce-scatter (processes may do different work); 'layer' gathers one decoder "
+                          "layer at a time through FSDP's hooks and reduce-scatters its gradient after each backward "
+                          "(needs longstraw_cp equal to the number of processes, so that every process runs the "
+                          "same forwards and backwards)."})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -106,6 +113,9 @@ def _backward_options(args: GRPOConfig) -> BackwardOptions:
     if cp > 1 and options.keep_prompt_graph:
         raise ValueError("LongStrawGRPOConfig's longstraw_keep_prompt_graph is not supported with longstraw_cp > 1: "
                          "set it to 0")
+    gather = getattr(args, "longstraw_fsdp_gather", "all")
+    if gather not in ("all", "layer"):
+        raise ValueError(f"LongStrawGRPOConfig's longstraw_fsdp_gather must be 'all' or 'layer', got {gather!r}")
     return options
 
 
@@ -151,6 +161,23 @@ def _loss_parameters(args: GRPOConfig) -> dict[str, Any]:
     else:
         out.update(epsilon_low=args.epsilon, epsilon_high=high, delta=args.delta)
     return out
+
+
+def _fsdp_gather(args: GRPOConfig) -> str:
+    return str(getattr(args, "longstraw_fsdp_gather", "all"))
+
+
+def _work(batches: list[dict[str, Any]]) -> tuple[int, ...]:
+    """What fixes the forwards and backwards `_backward_groups` runs on `batches`: rows, prompt and completion lengths,
+    and which completion tokens the tool mask keeps."""
+    out: list[int] = []
+    for batch in batches:
+        out.append(batch["completion_ids"].size(0))
+        out.extend(batch["prompt_mask"].sum(1).tolist())
+        out.extend(batch["completion_mask"].sum(1).tolist())
+        if batch.get("tool_mask") is not None:
+            out.extend(batch["tool_mask"].sum(1).tolist())
+    return tuple(int(v) for v in out)
 
 
 def _steps_per_generation(args: GRPOConfig) -> int:
@@ -313,6 +340,11 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 check_context_supported(policy)
             except ValueError as err:
                 out.append(f"longstraw_cp={cp}: {err}")
+        if _fsdp_gather(self.args) == "layer" and (kind != "FSDP" or cp != world):
+            out.append(f"longstraw_fsdp_gather='layer' gathers FSDP2's layers through its hooks, whose collectives "
+                       f"need every process to run the same forwards and backwards: use it under FSDP2 with "
+                       f"longstraw_cp equal to the number of processes ({world}), or set longstraw_fsdp_gather='all' "
+                       f"(here: {kind if kind != 'NO' else 'no FSDP'}, longstraw_cp={cp})")
         return out
 
     def _prepare_inputs(self, generation_batch: Any) -> dict[str, Any]:
@@ -361,9 +393,14 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         batches = [inputs] if self._context is None else self._context_batches(inputs)
         if self.is_deepspeed_enabled:
             return self._deepspeed_loss(batches)
-        # FSDP2: every parameter gathered once for the micro-batch, the gradients reduce-scattered (averaged over the
-        # processes) into the sharded .grad once at the end; every process enters, whatever its number of groups.
-        with sharded_compute(self.accelerator.unwrap_model(self.model)):
+        # FSDP2, longstraw_fsdp_gather='all': every parameter gathered once for the micro-batch, the gradients
+        # reduce-scattered (averaged over the processes) into the sharded .grad once at the end; every process
+        # enters, whatever its number of groups. 'layer': one layer gathered at a time, every process running the
+        # same groups (the context-parallel block is the whole world: `_model_refusals`), checked first.
+        gather = _fsdp_gather(self.args)
+        if gather == "layer":
+            check_same_work(_work(batches))
+        with sharded_compute(self.accelerator.unwrap_model(self.model), gather=gather):
             total = self._backward_groups(batches)
         if self.accelerator.num_processes > 1 and self.accelerator.sync_gradients and not self.is_fsdp_enabled:
             self._average_gradients()  # the last micro-batch of an optimizer step: what DDP's reducer would do

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 import transformers
+from torch.distributed.tensor import DTensor
 
 # The oldest transformers LongStraw runs on at all (llama, qwen2, qwen3, mistral, gemma3_text and the other attention
 # families); some families need a later one (`MIN_TRANSFORMERS_BY_MODEL_TYPE`, checked by `check_architecture`).
@@ -257,6 +258,8 @@ def check_uniform_dtype(model: torch.nn.Module) -> None:
     for name, p in model.named_parameters():
         if p.dtype == torch.float32 and any(key in name for key in fp32_by_design):
             continue
+        if isinstance(p, DTensor):
+            continue  # an FSDP2 shard at rest: FSDP gathers it in its mixed-precision policy's dtype before any use
         if p.is_floating_point() and p.dtype != expected:
             raise ValueError(
                 f"parameter {name!r} is {str(p.dtype).removeprefix('torch.')} but the model's embeddings are "
