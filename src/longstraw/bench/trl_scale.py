@@ -16,9 +16,10 @@ a rank holds, the step's wall and CPU time and CPU pressure; then `longstraw pla
 (`step_bytes`: the peak above the weights, `--optimizer none`) for the same configuration and measured / forecast.
 The forecasts: TRL rows are `standard_batched` (G full sequences in one batch), the drop-in's `exact`, both with
 `--checkpoint-layers` when checkpointing is on, `--gpus 2`, `--no-shard` for DDP, `--cp 2` for the context-parallel
-row. The planner models FSDP as FSDP's own schedule, a layer gathered at a time; the drop-in runs under
-`sharded_compute`, which gathers every parameter once and holds the full gradient until one reduce-scatter: its
-FSDP rows carry that note, and their ratio measures the difference.
+row. TRL's FSDP2 gathers a layer at a time (FSDP's own schedule, which the planner's standard plans model); the
+drop-in runs under `sharded_compute`, which gathers every parameter once, holds the full gradient, and reduce-scatters
+it unit by unit at the block's end (the planner's default `--fsdp-gather all`, with its `gradient_reduce` phase): its
+FSDP rows carry that note.
 
 Times: the 2 ranks share this machine's cores (one torch thread each on 2 cores) and other processes may compete
 for them (`cpu_pressure`); compare times as ratios within a run. Peaks do not depend on the load.
@@ -127,8 +128,8 @@ def planner_command(shape: Shape, row: Row) -> str:
     return " ".join(parts) + f"  (column {row.plan})"
 
 
-FSDP_NOTE = ("planner: FSDP gathers a layer at a time; sharded_compute gathers every parameter once and holds the "
-             "full gradient until one reduce-scatter")
+FSDP_NOTE = ("planner: sharded_compute gathers every parameter once, holds the full gradient, and reduce-scatters it "
+             "unit by unit at the block's end (--fsdp-gather all; phase gradient_reduce)")
 
 
 def forecast(shape: Shape, row: Row) -> dict[str, Any]:

@@ -230,6 +230,20 @@ def estimate(spec: ModelSpec, inp: PlanInputs, plan: str) -> PlanEstimate:
             phases["prompt_backward"] = resident + grads + state + state_grad + max(recompute, first)
             comp["prompt_backward_chunk"] = chunk_acts
         prompt_state = state
+        if shards > 1 and inp.fsdp_gather == "all":
+            # The block's end (`sharded_compute`): every FSDP unit reduce-scatters its accumulated gradient, one unit
+            # at a time, while the full parameters are still gathered and the full gradient still held (the prompt
+            # state and the activations are gone). The largest unit is the embedding or the output projection, each
+            # a unit of its own in accelerate's wrapping (V·d), or a decoder layer. For it FSDP copies the unit's
+            # gradient into a flat reduce-scatter input (U; the unsharded gradients are freed only after the
+            # collective) and allocates the rank's output (U / gpus); gloo's reduce-scatter (device cpu) also works
+            # on a copy of its input (another U). Measured at b1-llama on 2 CPU processes (`bench trl-scale`, FSDP2
+            # + cp 2: the step's peak): 78.1 MiB = 2.5 · 31.25 MiB above the level before the reduction. On CUDA
+            # (NCCL reads the input in place) U·(1 + 1/gpus) is assumed, not measured.
+            unit = max(spec.max_layer_params, v * d) * b
+            reduce = unit + unit // shards + (unit if inp.device == "cpu" else 0)
+            phases["gradient_reduce"] = resident + grads + reduce
+            comp["fsdp_reduce"] = reduce
     else:
         seqs = g if plan == "standard_batched" else 1
         acts = segment_activation_bytes(spec, b, a, "sdpa", p + r, seqs, inp.checkpoint_layers)
