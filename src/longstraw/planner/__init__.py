@@ -34,7 +34,10 @@ The prompt-state formulas of every family are pinned exactly against captured st
 
 Multi-GPU assumptions: FSDP/ZeRO-3 divides weights, gradients and optimizer state over the GPUs and gathers
 one decoder layer at a time (two in flight: prefetch) plus that layer's unsharded gradient; MoE experts are
-assumed expert-parallel (sharded, never gathered). Context parallelism `cp` divides the attention part of the
+assumed expert-parallel (sharded, never gathered). LongStraw's plans with `fsdp_gather="all"` (what
+`distributed.fsdp.sharded_compute` does) instead hold every parameter gathered and the full gradient through the
+step, and end with the `gradient_reduce` phase: the largest unit's reduce-scatter buffers on top of both
+(`estimator.estimate`). Context parallelism `cp` divides the attention part of the
 prompt state (and its gradient) of detach/exact over `cp` GPUs; every rank keeps all recurrent states (each runs
 every chunk, `StateBytes.per_rank`); the standard plans are not context-parallel.
 
