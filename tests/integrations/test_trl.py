@@ -490,17 +490,19 @@ def test_deepspeed_zero_equals_trl_under_deepspeed(request, model_dirs, case):
     assert_close(f"{case} update over 2 steps", theirs, mine, 1e-6)
 
 
-@pytest.mark.parametrize("cp", [1, 2])
-def test_fsdp2_example_trains_two_steps_on_two_processes(tmp_path, cp):
-    """examples/trl_fsdp2.py (and --cp 2) on 2 processes over gloo, with accelerate's FSDP path enabled on CPU by the
-    shim (accelerate itself runs FSDP on accelerators only)."""
+@pytest.mark.parametrize("cp,gather", [(1, "all"), (2, "all"), (2, "layer")])
+def test_fsdp2_example_trains_two_steps_on_two_processes(tmp_path, cp, gather):
+    """examples/trl_fsdp2.py (and --cp 2, and --cp 2 --gather layer) on 2 processes over gloo, with accelerate's FSDP
+    path enabled on CPU by the shim (accelerate itself runs FSDP on accelerators only)."""
     here = Path(__file__).resolve().parent
-    ranks = run_ranks([str(here / "cpu_shim.py"), os.path.join(ROOT, "examples", "trl_fsdp2.py"), "--cp", str(cp)],
+    ranks = run_ranks([str(here / "cpu_shim.py"), os.path.join(ROOT, "examples", "trl_fsdp2.py"), "--cp", str(cp),
+                       "--gather", gather],
                       2, timeout=600, cwd=tmp_path, paths=[here, here.parent, Path(ROOT) / "src"],
                       env={"ACCELERATE_USE_CPU": "1", "OUTPUT_DIR": str(tmp_path / "out")})
     for code, output in ranks:
         assert code == 0, output[-4000:]
-    assert f"trained 2 steps on 2 processes (FSDP, context-parallel blocks of {cp})" in ranks[0][1]
+    assert (f"trained 2 steps on 2 processes (FSDP, context-parallel blocks of {cp}, FSDP gathering {gather})"
+            in ranks[0][1])
 
 
 def test_accelerate_config_files_describe_what_the_docs_say():
