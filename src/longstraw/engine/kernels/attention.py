@@ -335,12 +335,13 @@ def _masked_part(q, k, v, visible, scale: float, softcap: float | None, expand):
     g = q.shape[1] // k.shape[1]
     if g > 1:
         k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
-    scores = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale  # (B, H, T, c)
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~visible[:, None], torch.finfo(acc).min)
-    lse = torch.logsumexp(scores, dim=-1)  # (B, H, T)
-    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.to(acc))
+    with torch.autocast(q.device.type, enabled=False):  # in `acc` under a caller's autocast too (TRL's bf16=True)
+        scores = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale  # (B, H, T, c)
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        scores = scores.masked_fill(~visible[:, None], torch.finfo(acc).min)
+        lse = torch.logsumexp(scores, dim=-1)  # (B, H, T)
+        out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.to(acc))
     return out, lse
 
 
