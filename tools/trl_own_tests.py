@@ -468,7 +468,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 
 def _refusal_text(exception: str) -> str:
     """The reasons of LongStraw's refusal in an exception's text (the lines after the heading)."""
-    lines = exception.split(REFUSAL, 1)[1].splitlines()[1:]
+    text = exception.rsplit(REFUSAL, 1)[1]  # the last: the refusal itself rather than a message quoting it
+    if not text.partition("\n")[2].startswith("- "):  # only quoted (pytest.raises' "Regex pattern did not match")
+        text = text.replace("\\n", "\n")
+    lines = text.splitlines()[1:]
     reasons = []
     for line in lines:
         if not line.startswith("- "):
