@@ -87,6 +87,16 @@ def _units(model: torch.nn.Module) -> list[FSDPModule]:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
+def _param_groups(units: list[FSDPModule]) -> list[Any]:
+    """The FSDP parameter groups of `units`, each once and in FSDP's order (root first). Modules sharded together
+    (accelerate's `fully_shard([final_norm, lm_head])`) are separate units sharing one state and one group."""
+    if not units:
+        return []
+    wanted = {id(unit._get_fsdp_state()) for unit in units}
+    states = [s for s in units[0]._get_fsdp_state()._state_ctx.all_states if id(s) in wanted]
+    return [g for s in states for g in s._fsdp_param_groups]
+
+
 def _reduce_accumulated_gradients(units: list[FSDPModule]) -> None:
     """Reduce-scatter the accumulated unsharded gradient of each of `units` (their own parameters, not their
     children's) once, into the sharded `.grad`.
@@ -96,7 +106,7 @@ def _reduce_accumulated_gradients(units: list[FSDPModule]) -> None:
     block's "last backward" is inside `backward_group` (a replay or a prompt-backward chunk, depending on the
     plan). Every rank must call this at the same point.
     """
-    groups = [g for unit in units for g in unit._get_fsdp_state()._fsdp_param_groups]
+    groups = _param_groups(units)
     for group in groups:
         group.reduce_grads = True
     for group in reversed(groups):  # backward order, like FSDP's callback
@@ -271,12 +281,11 @@ def _restored_settings(model: FSDPModule) -> Iterator[None]:
 
 
 def _drop_unsharded_gradients(units: list[FSDPModule]) -> None:
-    for unit in units:
-        for group in unit._get_fsdp_state()._fsdp_param_groups:
-            for fsdp_param in group.fsdp_params:
-                fsdp_param.unsharded_accumulated_grad = None
-                if hasattr(fsdp_param, "_unsharded_param"):
-                    fsdp_param._unsharded_param.grad = None
+    for group in _param_groups(units):
+        for fsdp_param in group.fsdp_params:
+            fsdp_param.unsharded_accumulated_grad = None
+            if hasattr(fsdp_param, "_unsharded_param"):
+                fsdp_param._unsharded_param.grad = None
 
 
 def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
