@@ -486,22 +486,26 @@ def test_trl_scale_rows_against_the_planner():
     planner's forecast of each row, recomputed now from the command the result file records, every row within 10%:
     TRL's rows (standard_batched, layer-wise FSDP), LongStraw DDP, and LongStraw's FSDP2 rows, whose `sharded_compute`
     gathers every parameter and holds the full gradient through the step. FSDP2 + cp 2 peaks in the reduce-scatter at
-    the block's end (the `gradient_reduce` phase), FSDP2 at cp 1 in the replay."""
+    the block's end (the `gradient_reduce` phase), FSDP2 at cp 1 in the replay. A second run measured FSDP2 + cp 2
+    again beside the same gathering a layer at a time (`--fsdp-gather layer`)."""
     import shlex
 
-    path = Path(__file__).resolve().parents[2] / "bench/results/trl-scale-b1-llama-8k-20261201-132700.json"
-    document = json.loads(path.read_text())
+    results = Path(__file__).resolve().parents[2] / "bench/results"
+    rows = []
+    for name in ("trl-scale-b1-llama-8k-20261201-132700.json", "trl-scale-b1-llama-8k-layer-20261201.json"):
+        document = json.loads((results / name).read_text())
+        rows += [(f"{name}:{row['id']}", row) for row in document["results"]]
     ratios = {}
-    for row in document["results"]:
+    for row_id, row in rows:
         command = shlex.split(row["forecast"]["command"].split("  (column")[0])
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             assert main([*command[1:], "--json"]) == 0
         plan = json.loads(out.getvalue())["plans"][row["forecast"]["plan"]]
-        ratios[row["id"]] = row["step_peak_bytes"] / (plan["total_bytes"] - plan["components"]["weights"])
+        ratios[row_id] = row["step_peak_bytes"] / (plan["total_bytes"] - plan["components"]["weights"])
         if row["id"] == "longstraw-fsdp2-cp2":
             assert plan["peak_phase"] == "gradient_reduce"
-    assert len(ratios) == 5
+    assert len(ratios) == 7
     for row_id, ratio in ratios.items():
         assert 0.9 <= ratio <= 1.1, (row_id, ratio)
 
@@ -510,7 +514,9 @@ def test_gradient_reduce_phase_from_the_shapes():
     """LongStraw's plans under FSDP with every parameter gathered end in a reduce-scatter of the largest unit's
     gradient (b1-llama: the (V, d) embedding / output projection, 31.25 MiB fp32), on top of the gathered parameters
     and the full gradient: 2.5 units on 2 CPU processes (flat input, gloo's copy of it, the rank's half), 1.5 on CUDA.
-    Replicated (DDP), layer-wise gathering and the standard plans have no such phase."""
+    With a layer gathered at a time only the units that are not layers are left to reduce there (the largest is
+    the same (V, d) matrix), on top of those units gathered and their gradient. Replicated (DDP) and the standard
+    plans have no such phase."""
     spec = _spec("b1-llama")
     unit = spec.vocab * spec.hidden * 4
     base = PlanInputs(prompt_tokens=8192, response_tokens=128, group_size=8, dtype="float32", gpus=2, device="cpu",
@@ -521,16 +527,21 @@ def test_gradient_reduce_phase_from_the_shapes():
                                              + est.components["fsdp_gathered"] + est.components["gradients"]
                                              + est.components["fsdp_reduce"])
     assert estimate(spec, replace(base, device="cuda"), "exact").components["fsdp_reduce"] == unit + unit // 2
-    for inputs, plan in ((replace(base, shard=False), "exact"), (replace(base, fsdp_gather="layer"), "exact"),
-                         (base, "standard_batched")):
+    layer = estimate(spec, replace(base, fsdp_gather="layer"), "exact")
+    held = (2 * spec.vocab * spec.hidden + spec.hidden) * 4  # untied embeddings and output projection, final norm
+    assert layer.components["fsdp_reduce"] == est.components["fsdp_reduce"]
+    assert layer.components["fsdp_gathered"] == held + 2 * spec.max_layer_params * 4
+    assert layer.components["gradients"] == (spec.params * 4 - held) // 2 + held
+    for inputs, plan in ((replace(base, shard=False), "exact"), (base, "standard_batched")):
         est = estimate(spec, inputs, plan)
         assert "gradient_reduce" not in est.phases and "fsdp_reduce" not in est.components
 
 
 def test_the_paper_scale_needs_layer_wise_gathering(capsys):
-    """hybrid-27b at 2.1M positions on 8 x 96 GB: with LongStraw's FSDP as built (every parameter gathered and the
-    full gradient held through the step) neither detach nor exact fits; gathering a layer at a time (not built)
-    would fit both. The standard plans keep their layer-wise model either way."""
+    """hybrid-27b at 2.1M positions on 8 x 96 GB, context parallel over the 8 GPUs: gathering every parameter (and
+    holding the full gradient through the step) neither detach nor exact fits; gathering a layer at a time
+    (sharded_compute(gather="layer"), which --cp 8 on 8 GPUs allows) both fit. The standard plans keep their
+    layer-wise model either way."""
     base = ["plan", "--model", "hybrid-27b", "--prompt-tokens", "2100000", "--response-tokens", "4096",
             "--group-size", "8", "--gpus", "8", "--gpu-memory", "96GB", "--dtype", "bf16", "--cp", "8",
             "--chunk-size", "8192", "--checkpoint-layers", "--offload-state", "--json"]

@@ -3,7 +3,8 @@ parallelism: per-rank peak memory, prompt state and step time, beside the planne
 
 Rows (each as 2 CPU processes over gloo, torchrun's environment, a fresh pair per row; `--smoke` runs every row in
 one pair): `trl.GRPOTrainer` with DDP and with FSDP2, `LongStrawGRPOTrainer` (exact plan) with DDP, with FSDP2, and
-with FSDP2 and `longstraw_cp=2` (the two ranks exchange their groups and each holds half of every prompt's K/V).
+with FSDP2 and `longstraw_cp=2` (the two ranks exchange their groups and each holds half of every prompt's K/V), and
+the same with `longstraw_fsdp_gather="layer"` (a decoder layer gathered at a time).
 One optimizer step of one group per rank, generation a fixed function, SGD without momentum (no optimizer state),
 TRL's default activation checkpointing: `bench/trl_scale_worker.py` says exactly what runs and what is measured.
 
@@ -18,8 +19,8 @@ The forecasts: TRL rows are `standard_batched` (G full sequences in one batch), 
 `--checkpoint-layers` when checkpointing is on, `--gpus 2`, `--no-shard` for DDP, `--cp 2` for the context-parallel
 row. TRL's FSDP2 gathers a layer at a time (FSDP's own schedule, which the planner's standard plans model); the
 drop-in runs under `sharded_compute`, which gathers every parameter once, holds the full gradient, and reduce-scatters
-it unit by unit at the block's end (the planner's default `--fsdp-gather all`, with its `gradient_reduce` phase): its
-FSDP rows carry that note.
+it unit by unit at the block's end (the planner's default `--fsdp-gather all`, with its `gradient_reduce` phase), or
+with gather="layer" a decoder layer at a time (`--fsdp-gather layer`): its FSDP rows carry that note.
 
 Times: the 2 ranks share this machine's cores (one torch thread each on 2 cores) and other processes may compete
 for them (`cpu_pressure`); compare times as ratios within a run. Peaks do not depend on the load.
@@ -95,6 +96,7 @@ class Row:
     trainer: str
     fsdp: bool
     cp: int = 1
+    gather: str = "all"  # the drop-in's longstraw_fsdp_gather (FSDP rows)
 
     @property
     def plan(self) -> str:
@@ -108,6 +110,7 @@ ROWS = (
     Row("longstraw-ddp", "LongStraw DDP", "longstraw", fsdp=False),
     Row("longstraw-fsdp2", "LongStraw FSDP2", "longstraw", fsdp=True),
     Row("longstraw-fsdp2-cp2", "LongStraw FSDP2 + cp 2", "longstraw", fsdp=True, cp=2),
+    Row("longstraw-fsdp2-cp2-layer", "LongStraw FSDP2 + cp 2, layer", "longstraw", fsdp=True, cp=2, gather="layer"),
 )
 
 
@@ -123,6 +126,8 @@ def planner_command(shape: Shape, row: Row) -> str:
         parts.append("--no-shard")
     if row.cp > 1:
         parts.append(f"--cp {row.cp}")
+    if row.gather != "all":
+        parts.append(f"--fsdp-gather {row.gather}")
     if shape.gradient_checkpointing:
         parts.append("--checkpoint-layers")
     return " ".join(parts) + f"  (column {row.plan})"
@@ -130,6 +135,8 @@ def planner_command(shape: Shape, row: Row) -> str:
 
 FSDP_NOTE = ("planner: sharded_compute gathers every parameter once, holds the full gradient, and reduce-scatters it "
              "unit by unit at the block's end (--fsdp-gather all; phase gradient_reduce)")
+FSDP_LAYER_NOTE = ("planner: sharded_compute(gather='layer') gathers the decoder layers one at a time through FSDP's "
+                   "hooks and holds the embeddings and output projection with their gradient (--fsdp-gather layer)")
 
 
 def forecast(shape: Shape, row: Row) -> dict[str, Any]:
@@ -141,7 +148,7 @@ def forecast(shape: Shape, row: Row) -> dict[str, Any]:
         inputs = planner.PlanInputs(
             prompt_tokens=shape.prompt_tokens, response_tokens=shape.response_tokens, group_size=shape.group_size,
             dtype=shape.dtype, gpus=WORLD, cp=row.cp, shard=row.fsdp, chunk_size=shape.chunk_size,
-            optimizer="none", device="cpu", checkpoint_layers=shape.gradient_checkpointing)
+            optimizer="none", device="cpu", checkpoint_layers=shape.gradient_checkpointing, fsdp_gather=row.gather)
         est = planner.estimate(spec, inputs, row.plan)
     except Exception as err:  # a bench must not die on a model the planner does not know
         return {"plan": row.plan, "command": planner_command(shape, row), "step_bytes": None,
@@ -150,7 +157,7 @@ def forecast(shape: Shape, row: Row) -> dict[str, Any]:
                            "total_bytes": est.total_bytes, "prompt_state_bytes": est.prompt_state_bytes,
                            "peak_phase": est.peak_phase, "components": est.components}
     if row.fsdp and row.trainer == "longstraw":
-        out["note"] = FSDP_NOTE
+        out["note"] = FSDP_NOTE if row.gather == "all" else FSDP_LAYER_NOTE
     return out
 
 
@@ -228,7 +235,7 @@ def _largest(ranks: list[dict[str, Any]], key: str) -> Any:
 def summarize_row(shape: Shape, row: Row, run: dict[str, Any]) -> dict[str, Any]:
     """The row's entry: its identity, the run's status, the largest rank's numbers, the forecast and the ratio."""
     entry: dict[str, Any] = {"id": row.id, "label": row.label, "trainer": row.trainer, "fsdp": row.fsdp,
-                             "cp": row.cp, **run, "forecast": forecast(shape, row)}
+                             "cp": row.cp, "gather": row.gather, **run, "forecast": forecast(shape, row)}
     if run["status"] != "ok":
         return entry
     ranks = run["ranks"]

@@ -180,7 +180,7 @@ def run_row(shape: dict[str, Any], row: dict[str, Any]) -> dict[str, Any]:
         settings.update(fsdp=True, fsdp_config={"version": 2})
     if ours:
         settings.update(longstraw_plan="exact", longstraw_chunk_size=int(shape["chunk_size"]),
-                        longstraw_cp=int(row["cp"]))
+                        longstraw_cp=int(row["cp"]), longstraw_fsdp_gather=str(row.get("gather", "all")))
     trainer_cls, config_cls = ((drop_in.LongStrawGRPOTrainer, drop_in.LongStrawGRPOConfig) if ours
                                else (GRPOTrainer, GRPOConfig))
     model = load_bench_model(str(shape["model"]), str(shape["dtype"]))

@@ -52,9 +52,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--cp", type=positive_int, default=1, help="context-parallel degree of the prompt state")
     parser.add_argument("--no-shard", action="store_true", help="replicate weights/grads/optimizer (no FSDP)")
     parser.add_argument("--fsdp-gather", choices=("all", "layer"), default="all",
-                        help="how FSDP gathers parameters for detach/exact: all (default: what LongStraw's "
-                             "sharded_compute does, the whole model and the full gradient through the step) or layer "
-                             "(a layer at a time: a forecast for layer-wise gathering, not built)")
+                        help="how FSDP gathers parameters for detach/exact (LongStraw's sharded_compute): all "
+                             "(default: the whole model and the full gradient through the step; processes may do "
+                             "different work) or layer (a decoder layer at a time; needs --cp equal to --gpus, the "
+                             "TRL drop-in's longstraw_fsdp_gather='layer')")
     parser.add_argument("--micro-batch", type=positive_int, default=1, help="responses replayed at once")
     parser.add_argument("--chunk-size", type=positive_int, default=2048, help="prompt chunk (capture/backward)")
     parser.add_argument("--token-chunk", type=positive_int, default=1024, help="rows per log-prob block")

@@ -61,9 +61,9 @@ class PlanInputs:
     checkpoint_layers: bool = False  # per-layer activation checkpointing (backward_group(checkpoint="layers"))
     offload_state: bool = False  # prompt state + its gradient in host memory (backward_group(offload_state=True))
     keep_prompt_graph: int = 0  # exact: trailing capture chunks whose graph is kept (backward_group(keep_prompt_graph))
-    # FSDP gathering of LongStraw's plans (detach, exact): "all" (what `distributed.fsdp.sharded_compute` does today:
-    # every parameter and the full gradient through the step) or "layer" (one layer at a time, as FSDP's hooks do
-    # for the standard plans; not built for LongStraw's replay).
+    # FSDP gathering of LongStraw's plans (detach, exact), `distributed.fsdp.sharded_compute`'s gather: "all" (every
+    # parameter and the full gradient through the step) or "layer" (the decoder layers one at a time through FSDP's
+    # hooks; the embeddings and output projection gathered, with their full gradient, through the step).
     fsdp_gather: str = "all"
     # Of response_tokens, those an environment appended (an agent's tool results): the same memory as generated
     # tokens (they run through the model and LongStraw computes their log-probs too), only masked from the loss.
@@ -129,6 +129,18 @@ def estimate(spec: ModelSpec, inp: PlanInputs, plan: str) -> PlanEstimate:
         # rank holds the full parameters and the full, unsharded gradient (measured: `bench trl-scale`).
         gathered = n * b
         grads = n * b
+    layer_reduce = 0
+    if shards > 1 and plan in ("detach", "exact") and inp.fsdp_gather == "layer":
+        # sharded_compute(gather="layer"): the units that are not decoder layers (embeddings, final norm, output
+        # projection; one V·d matrix when tied) stay gathered through the block with their full gradient; of the
+        # layers, the one computing and the one FSDP prefetches in backward are gathered, and a layer's unsharded
+        # gradient lives until its reduce-scatter after each backward through it: FSDP copies it into a flat input
+        # (L), allocates the rank's output (L / gpus), and gloo (device cpu) works on another copy of the input.
+        held = (v * d * (1 if spec.tied else 2) + d) * b
+        layer = spec.max_layer_params * b
+        gathered = held + 2 * layer
+        grads = (n * b - held) // shards + held  # the layers' gradient sharded, the held units' whole
+        layer_reduce = layer + layer + layer // shards + (layer if inp.device == "cpu" else 0)
     if inp.reserve is not None:
         runtime = inp.reserve
     elif inp.device == "cpu":
@@ -195,7 +207,7 @@ def estimate(spec: ModelSpec, inp: PlanInputs, plan: str) -> PlanEstimate:
         if masked_layers(spec):  # the masked path's no-grad score tensors of one (chunk x chunk) part
             capture = max(capture, 3 * spec.heads * chunk * chunk * a + 4 * chunk * d * b)
         phases["capture"] = resident + state + capture
-        phases["replay"] = resident + state + state_grad + replay
+        phases["replay"] = resident + state + state_grad + replay + layer_reduce
         comp.update(prompt_state=state, state_gradients=state_grad, replay_activations=acts,
                     logprob_chunk=logprob)
         if dsa:
@@ -227,10 +239,10 @@ def estimate(spec: ModelSpec, inp: PlanInputs, plan: str) -> PlanEstimate:
                 comp["kept_prompt_graphs"] = kept
             recompute = chunk_acts if kept_tokens < p - 1 else 0
             first = kept + chunk_acts - saved if kept else 0  # the last chunk's backward, every kept graph alive
-            phases["prompt_backward"] = resident + grads + state + state_grad + max(recompute, first)
+            phases["prompt_backward"] = resident + grads + state + state_grad + max(recompute, first) + layer_reduce
             comp["prompt_backward_chunk"] = chunk_acts
         prompt_state = state
-        if shards > 1 and inp.fsdp_gather == "all":
+        if shards > 1:
             # The block's end (`sharded_compute`): every FSDP unit reduce-scatters its accumulated gradient, one unit
             # at a time, while the full parameters are still gathered and the full gradient still held (the prompt
             # state and the activations are gone). The largest unit is the embedding or the output projection, each
@@ -240,7 +252,8 @@ def estimate(spec: ModelSpec, inp: PlanInputs, plan: str) -> PlanEstimate:
             # on a copy of its input (another U). Measured at b1-llama on 2 CPU processes (`bench trl-scale`, FSDP2
             # + cp 2: the step's peak): 78.1 MiB = 2.5 · 31.25 MiB above the level before the reduction. On CUDA
             # (NCCL reads the input in place) U·(1 + 1/gpus) is assumed, not measured.
-            unit = max(spec.max_layer_params, v * d) * b
+            # With gather="layer" only the units that are not layers are left to reduce there (the largest: V·d).
+            unit = (max(spec.max_layer_params, v * d) if inp.fsdp_gather == "all" else v * d) * b
             reduce = unit + unit // shards + (unit if inp.device == "cpu" else 0)
             phases["gradient_reduce"] = resident + grads + reduce
             comp["fsdp_reduce"] = reduce
