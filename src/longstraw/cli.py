@@ -83,9 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     trl_scale_parser = benches.add_parser(
         "trl-scale", help="TRL's GRPOTrainer and the drop-in on 2 processes: DDP, FSDP2, context parallelism",
         description="trl.GRPOTrainer (DDP, FSDP2) and LongStrawGRPOTrainer (DDP, FSDP2, FSDP2 + cp 2, and the "
-                    "same gathering a layer at a time), each as 2 fresh CPU processes (gloo) training one group per rank for one optimizer step: per-rank peak "
-                    "memory, tensors at rest, prompt state, step time, beside `longstraw plan`'s forecast; table and "
-                    "JSON. Needs the trl extra.",
+                    "same gathering a layer at a time), each as 2 fresh CPU processes (gloo) training one group per "
+                    "rank for one optimizer step: per-rank peak memory, tensors at rest, prompt state, step time, "
+                    "beside `longstraw plan`'s forecast; table and JSON. Needs the trl extra.",
     )
     trl_scale_bench.add_arguments(trl_scale_parser)
     trl_scale_parser.set_defaults(fail=trl_scale_parser.error)
