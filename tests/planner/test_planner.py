@@ -487,12 +487,14 @@ def test_trl_scale_rows_against_the_planner():
     TRL's rows (standard_batched, layer-wise FSDP), LongStraw DDP, and LongStraw's FSDP2 rows, whose `sharded_compute`
     gathers every parameter and holds the full gradient through the step. FSDP2 + cp 2 peaks in the reduce-scatter at
     the block's end (the `gradient_reduce` phase), FSDP2 at cp 1 in the replay. A second run measured FSDP2 + cp 2
-    again beside the same gathering a layer at a time (`--fsdp-gather layer`)."""
+    again beside the same gathering a layer at a time (`--fsdp-gather layer`), and a third both at deep-smollm2
+    (P = 2048, G = 4), where the layers hold most of the parameters."""
     import shlex
 
     results = Path(__file__).resolve().parents[2] / "bench/results"
     rows = []
-    for name in ("trl-scale-b1-llama-8k-20261201-132700.json", "trl-scale-b1-llama-8k-layer-20261201.json"):
+    for name in ("trl-scale-b1-llama-8k-20261201-132700.json", "trl-scale-b1-llama-8k-layer-20261201.json",
+                 "trl-scale-deep-smollm2-2k-layer-20261201.json"):
         document = json.loads((results / name).read_text())
         rows += [(f"{name}:{row['id']}", row) for row in document["results"]]
     ratios = {}
@@ -505,7 +507,7 @@ def test_trl_scale_rows_against_the_planner():
         ratios[row_id] = row["step_peak_bytes"] / (plan["total_bytes"] - plan["components"]["weights"])
         if row["id"] == "longstraw-fsdp2-cp2":
             assert plan["peak_phase"] == "gradient_reduce"
-    assert len(ratios) == 7
+    assert len(ratios) == 9
     for row_id, ratio in ratios.items():
         assert 0.9 <= ratio <= 1.1, (row_id, ratio)
 
