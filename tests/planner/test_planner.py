@@ -505,7 +505,7 @@ def test_trl_scale_rows_against_the_planner():
             assert main([*command[1:], "--json"]) == 0
         plan = json.loads(out.getvalue())["plans"][row["forecast"]["plan"]]
         ratios[row_id] = row["step_peak_bytes"] / (plan["total_bytes"] - plan["components"]["weights"])
-        if row["id"] == "longstraw-fsdp2-cp2":
+        if row["id"] == "longstraw-fsdp2-cp2" and "b1-llama" in row_id:
             assert plan["peak_phase"] == "gradient_reduce"
     assert len(ratios) == 9
     for row_id, ratio in ratios.items():
