@@ -184,7 +184,8 @@ def _layer_units(model: torch.nn.Module) -> list[FSDPModule]:
 
 def check_same_work(work: tuple[int, ...], group: dist.ProcessGroup | None = None) -> None:
     """Raise unless every rank of `group` passes the same `work` (a description of the forwards and backwards it
-    is about to run, e.g. the groups' prompt and response lengths). One small all-reduce; every rank must call it."""
+    is about to run, e.g. the groups' prompt and response lengths). Two all-reduces of 2 integers (min and max of
+    its length and digest); every rank must call it."""
     digest = int.from_bytes(hashlib.blake2b(repr(work).encode(), digest_size=7).digest(), "little")
     mine = torch.tensor([len(work), digest], dtype=torch.int64)
     low, high = mine.clone(), mine.clone()
