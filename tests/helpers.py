@@ -20,6 +20,7 @@ from transformers import (
     Cohere2Config,
     DeepseekV3Config,
     FalconH1Config,
+    Gemma3Config,
     Gemma3TextConfig,
     Glm4MoeConfig,
     GlmMoeDsaConfig,
@@ -179,7 +180,24 @@ def _arch_configs() -> dict[str, Callable[[], object]]:
             linear_head_dim=8, linear_num_heads=4, linear_conv_kernel_dim=4, layer_types=_linear(pattern),
             mlp_layer_types=["dense", "sparse", "sparse"], pad_token_id=None, bos_token_id=None, eos_token_id=None,
             **moe, **mla, **c)
+    out["gemma3_mm"] = _gemma3_multimodal
     return out
+
+
+def _gemma3_multimodal() -> object:
+    """gemma-3-4b's composite config (a SigLIP vision tower beside the text decoder, run on text only), sizes shrunk:
+    head_dim 256 = query_pre_attn_scalar -> both 16; sliding window 1024 -> 16; the 5 sliding : 1 global pattern ->
+    sliding, global, sliding; global layers RoPE theta 1e6 with linear scaling x8, sliding layers theta 1e4
+    (rope_local_base_freq); no soft-capping."""
+    text = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                query_pre_attn_scalar=16, sliding_window=16, num_hidden_layers=3, layer_types=_sliding("A"),
+                vocab_size=VOCAB, max_position_embeddings=1024, rms_norm_eps=1e-6,
+                hidden_activation="gelu_pytorch_tanh", final_logit_softcapping=None, attn_logit_softcapping=None,
+                rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+                                 "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14, layer_norm_eps=1e-6, hidden_act="gelu_pytorch_tanh")
+    return Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
 
 
 ARCH_FAMILIES = tuple(_arch_configs())
@@ -217,7 +235,7 @@ def tiny_model(family: str, dtype: torch.dtype = torch.float64, seed: int = 0) -
 
 # The model type of each family: what LongStraw's per-type transformers minimum is looked up by, known before the
 # config is built (Kimi Linear's class exists from transformers 5.17 on).
-_MODEL_TYPES = {"gemma3": "gemma3_text"}
+_MODEL_TYPES = {"gemma3": "gemma3_text", "gemma3_mm": "gemma3"}
 
 
 def tiny_config(family: str) -> object:

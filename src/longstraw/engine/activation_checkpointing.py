@@ -34,6 +34,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from longstraw.choices import CHECKPOINT_CHOICES
+from longstraw.engine.state.active import running
+from longstraw.models.composite import text_config, text_decoder
 
 
 def check_checkpoint(value: object) -> str:
@@ -44,8 +46,8 @@ def check_checkpoint(value: object) -> str:
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
-    """The decoder's layer list (`model.layers` of the base model, in every supported family)."""
-    layers = getattr(model.base_model, "layers", None)
+    """The decoder's layer list (`layers` of the text decoder, `composite.text_decoder`, in every supported family)."""
+    layers = getattr(text_decoder(model), "layers", None)
     if not isinstance(layers, torch.nn.ModuleList):
         raise ValueError(f"{type(model).__name__} has no `layers` list in its base model: per-layer activation "
                          "checkpointing cannot find the decoder layers; use checkpoint='none'")
@@ -80,7 +82,7 @@ def _wrap(layer: torch.nn.Module, index: int, config):
             with _attention_kernel(config, kernel):
                 if cache is None:
                     return inner(layer, *a, **kw)
-                with cache.layer(index, recompute=runs > 1):
+                with cache.layer(index, recompute=runs > 1), running(cache):
                     return inner(layer, *a, **kw)
 
         return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=False, **kwargs)
@@ -97,7 +99,7 @@ def checkpointed_layers(model: torch.nn.Module, enabled: bool = True) -> Iterato
     # Layers already wrapped (a nested block) are left to the outer block.
     wrapped = [(i, layer) for i, layer in enumerate(decoder_layers(model)) if "forward" not in vars(layer)]
     for i, layer in wrapped:
-        layer.forward = _wrap(layer, i, model.config)
+        layer.forward = _wrap(layer, i, text_config(model))
     try:
         yield
     finally:

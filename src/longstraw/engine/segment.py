@@ -17,18 +17,41 @@ prompt) and decoding (one token per sequence against the prompt and the tokens g
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 from transformers import AttentionInterface
 
 from longstraw.engine.kernels.attention import masked_prefix_attention, prefix_attention
+from longstraw.engine.mamba1 import MAMBA1_MODEL_TYPES, mamba1_mixers
+from longstraw.engine.state.active import active_cache, running
 from longstraw.engine.state.cache import SegmentCache, StateCollected
 from longstraw.engine.state.prompt import Collected, PromptState
 from longstraw.engine.state.response import ResponseState
 from longstraw.models.architecture import cache_keyword, check_transformers_for, hf
+from longstraw.models.composite import text_config, text_decoder
 
 ATTN_NAME = "longstraw"
+
+# Keyword arguments transformers' attention modules pass along that leave the attention LongStraw computes as it is:
+# positions (RoPE is applied before the kernel), output flags (no attention weights are returned) and loss
+# bookkeeping. `is_causal` may be True or None only. Any other keyword with a value other than None is refused by
+# `_check_kwargs` (packed-sequence lengths, position biases, an unknown future mechanism), so that an attention
+# term LongStraw does not compute is never silently dropped.
+_HARMLESS_KWARGS = frozenset({"position_ids", "use_cache", "output_attentions", "output_hidden_states",
+                              "output_router_logits", "num_items_in_batch", "cache_position", "is_causal"})
+
+
+def _check_kwargs(module: torch.nn.Module, kwargs: dict) -> None:
+    """Refuse attention keyword arguments that would change the math LongStraw computes (see _HARMLESS_KWARGS)."""
+    where = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
+    if kwargs.get("is_causal") is False:
+        raise ValueError(f"{where} asks for bidirectional attention (is_causal=False): LongStraw replays causal "
+                         "decoders only")
+    unknown = sorted(name for name, value in kwargs.items() if value is not None and name not in _HARMLESS_KWARGS)
+    if unknown:
+        raise ValueError(f"{where} passes attention argument(s) {', '.join(unknown)} that LongStraw's attention "
+                         "does not compute: its result would be silently wrong. This model is not supported")
 
 
 def _longstraw_attention(
@@ -42,6 +65,7 @@ def _longstraw_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     indices: torch.Tensor | None = None,
+    s_aux: torch.Tensor | None = None,
     longstraw: SegmentCache | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
@@ -50,10 +74,14 @@ def _longstraw_attention(
     k/v are the segment's own tokens (`SegmentCache.update` returned them; while decoding, every generated
     token's). The prompt's part comes from the state. Plain full attention takes the fused chunked kernel;
     sliding windows, DSA selections (`indices`, (B, T, topk) over [prompt ; own]), MLA latent prefixes and
-    soft-capping take the masked path.
+    soft-capping take the masked path. s_aux: (H,) attention sinks (gpt-oss), on both paths. Any other keyword that
+    would change the result is refused (`_check_kwargs`).
     """
+    if longstraw is None:  # an attention module that does not pass its layer's keyword arguments on
+        longstraw = active_cache()
     if longstraw is None:
         raise RuntimeError("longstraw attention called without a SegmentCache (use replay.run_segment)")
+    _check_kwargs(module, kwargs)
     if dropout:
         raise RuntimeError("attention dropout is active: put the model in eval() mode")
     layer: int = hf(module).layer_idx
@@ -67,7 +95,7 @@ def _longstraw_attention(
     if sliding_window is None and indices is None and expand is None and softcap is None:
         # Decoding: one new token per sequence sees every generated token, so no causal mask among them.
         out = prefix_attention(query, key, value, [k for _, k, _ in prefix], [v for _, _, v in prefix], scale,
-                               causal=not decoding, context_shards=context_shards)
+                               causal=not decoding, context_shards=context_shards, sinks=s_aux)
         return out.transpose(1, 2), None
     if context_shards is not None:
         raise ValueError("context parallelism covers full-attention and recurrent layers only (this layer uses a "
@@ -82,7 +110,7 @@ def _longstraw_attention(
         select = torch.zeros(query.shape[0], t, own_start + s, dtype=torch.bool, device=device)
         select.scatter_(-1, indices.long(), True)
     out = masked_prefix_attention(query, key, value, prefix, scale, q_pos, own_pos, window=sliding_window,
-                                  select=select, expand=expand, softcap=softcap)
+                                  select=select, expand=expand, softcap=softcap, sinks=s_aux)
     return out.transpose(1, 2), None
 
 
@@ -92,7 +120,7 @@ AttentionInterface.register(ATTN_NAME, _longstraw_attention)
 @contextmanager
 def replay_attention(model: torch.nn.Module) -> Iterator[None]:
     """Swap the model's attention kernel for ours for the duration of the block, then restore it."""
-    config = hf(model).config
+    config = text_config(model)
     previous = config._attn_implementation
     config._attn_implementation = ATTN_NAME
     try:
@@ -104,7 +132,7 @@ def replay_attention(model: torch.nn.Module) -> Iterator[None]:
 def has_indexer(model: torch.nn.Module) -> bool:
     """DSA models (GLM-5): some attention layer carries a top-k indexer, which reads a 4-D mask. Read from the
     config (O(1)), not by walking the modules: this runs once per replay and per decoding step."""
-    return getattr(model.config, "index_topk", None) is not None
+    return getattr(text_config(model), "index_topk", None) is not None
 
 
 def _indexer_mask(batch: int, t: int, start: int, device) -> torch.Tensor:
@@ -142,8 +170,10 @@ def run_segment(
     mask = None
     if has_indexer(model):
         mask = _indexer_mask(b, t, start, input_ids.device)  # keys: prompt, generated so far, this segment
-    base = hf(model).base_model
-    with replay_attention(model):
+    base = text_decoder(model)
+    # Mamba-1 mixers continue the SSM state through LongStraw's scan (engine/mamba1.py).
+    mixers = mamba1_mixers(base.layers) if model_type in MAMBA1_MODEL_TYPES else nullcontext()
+    with replay_attention(model), running(cache), mixers:
         try:
             out = base(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
                        use_cache=False, longstraw=cache, **{cache_keyword(base): cache})

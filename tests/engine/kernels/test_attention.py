@@ -154,3 +154,60 @@ def test_a_runs_backward_goes_in_pieces_of_whole_chunks(monkeypatch, kernel):
     assert (q_grad - q.grad).abs().max() < 1e-12
     for got, want in zip(leaf_k + leaf_v, pk + pv):
         assert (got.grad - want.grad).abs().max() < 1e-12
+
+
+class _OneRank:
+    """A context-parallel group of one rank: the sharded path's code with nothing to exchange."""
+
+    def reduce_grad(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def merge(self, out, lse, like_out, like_lse):
+        return out, lse
+
+
+def _sinks(h: int, seed: int = 7) -> torch.Tensor:
+    """(H,) float64 sink logits around the scores' size (gpt-oss initialises them like weights; trained ones are
+    O(1)), a leaf."""
+    return torch.randn(h, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).requires_grad_(True)
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+@pytest.mark.parametrize("b,h,hkv", [(1, 4, 4), (2, 4, 2), (3, 8, 1)])
+@pytest.mark.parametrize("chunks", [[], [3, 7]])
+def test_sinks_match_naive_with_gradients(kernel, b, h, hkv, chunks, sharded):
+    """Attention sinks (gpt-oss' s_aux): outputs and the gradients of every input, the sinks included, equal the
+    reference that appends a sink column to the softmax; on the context-parallel path too (a group of one rank)."""
+    q, k, v, pk, pv = attention_inputs(b, h, hkv, 9, chunks)
+    sinks = _sinks(h)
+    inputs = [q, k, v, *pk, *pv, sinks]
+    weight = torch.randn(b, h, 9, 8, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    fast = prefix_attention(q, k, v, pk, pv, 0.35, sinks=sinks, context_shards=_OneRank() if sharded else None)
+    ref = naive_attention(q, k, v, pk, pv, 0.35, sinks=sinks)
+    assert (fast - ref).abs().max() < 1e-13
+    g_fast = torch.autograd.grad((fast * weight).sum(), inputs)
+    g_ref = torch.autograd.grad((ref * weight).sum(), inputs)
+    for a, r in zip(g_fast, g_ref):
+        assert (a - r).abs().max() < 1e-12
+    assert g_ref[-1].abs().min() > 1e-6  # every head's sink receives a gradient
+    without = naive_attention(q, k, v, pk, pv, 0.35)
+    assert (without - ref).abs().max() > 1e-2  # a kernel that ignored the sinks would fail the comparison
+
+
+def test_sinks_while_decoding(kernel):
+    """One query per sequence over the prompt and every generated token (causal=False), with sinks."""
+    q, k, v, pk, pv = attention_inputs(2, 4, 2, 5, [4, 6])
+    q = q[:, :, -1:].detach().requires_grad_(True)
+    sinks = _sinks(4)
+    fast = prefix_attention(q, k, v, pk, pv, 0.35, causal=False, sinks=sinks)
+    ref = naive_attention(torch.cat([torch.zeros_like(q).expand(-1, -1, 4, -1), q], 2), k, v, pk, pv, 0.35,
+                          sinks=sinks)[:, :, -1:]  # the last query of a causal pass sees every own token
+    assert (fast - ref).abs().max() < 1e-13
+    for a, r in zip(torch.autograd.grad(fast.sum(), [q, sinks]), torch.autograd.grad(ref.sum(), [q, sinks])):
+        assert (a - r).abs().max() < 1e-12
+
+
+def test_gradcheck_sinks(kernel):
+    q, k, v, pk, pv = attention_inputs(1, 2, 1, 3, [2, 3], d=4)
+    fn = lambda q, k, v, a, b, c, d, s: prefix_attention(q, k, v, [a, b], [c, d], 0.5, sinks=s)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (q, k, v, *pk, *pv, _sinks(2)))

@@ -32,11 +32,12 @@ class Case:
 
 
 def _case(b=2, h=4, hkv=4, chunks=((0, 5), (5, 7)), t=6, s=None, own_start=None, window=None, dsa=False,
-          mla=False, softcap=None, empty_parts=False, d=8, seed=0) -> Case:
+          mla=False, softcap=None, empty_parts=False, sinks=False, d=8, seed=0) -> Case:
     """Random float64 inputs. chunks: (start, length) of the kept prompt chunks. Own tokens at own_start …
     own_start + s − 1 (default: right after the last chunk, s = t); the queries are the last t of them (t = s:
     capture/replay; t = 1 < s: decoding). empty_parts (with dsa): sequence 0 selects no own key (only prompt
-    key 0), sequence 1 no prompt key, so some parts are entirely masked for some rows."""
+    key 0), sequence 1 no prompt key, so some parts are entirely masked for some rows. sinks: a random (H,)
+    attention-sink leaf (gpt-oss)."""
     gen = torch.Generator().manual_seed(seed)
     def leaf(*shape):
         return torch.randn(*shape, generator=gen, dtype=torch.float64).requires_grad_(True)
@@ -70,9 +71,10 @@ def _case(b=2, h=4, hkv=4, chunks=((0, 5), (5, 7)), t=6, s=None, own_start=None,
         if empty_parts:
             select[0, :, own_start:], select[0, :, 0] = False, True
             select[1, :, :own_start] = False
+    sink = leaf(h) if sinks else None
     kwargs = dict(query=query, key=key, value=value, prefix=prefix, scale=SCALE, q_pos=q_pos, own_pos=own_pos,
-                  window=window, select=select, expand=expand, softcap=softcap)
-    leaves = [query, key, value, *(x for _, k, v in prefix for x in (k, v)), *extra]
+                  window=window, select=select, expand=expand, softcap=softcap, sinks=sink)
+    leaves = [query, key, value, *(x for _, k, v in prefix for x in (k, v)), *extra, *([sink] if sinks else [])]
     return Case(kwargs, leaves, torch.randn(b, h, t, d_v, generator=gen, dtype=torch.float64),
                 torch.randn(b, h, t, generator=gen, dtype=torch.float64))
 
@@ -100,6 +102,9 @@ def _errors(case: Case, parts: list, **ref_overrides) -> dict[str, float]:
     parts.clear()
     out = masked_prefix_attention(**case.kwargs)
     lse = torch.logsumexp(torch.stack([l for _, l in parts]), dim=0)  # the merge's total, as the fast path forms it
+    sinks = case.kwargs["sinks"]
+    if sinks is not None:  # the sink is one more part (out 0, lse = sink), which `with_sinks` adds after the merge
+        lse = torch.logaddexp(lse, sinks.view(1, -1, 1))
     ref_out, ref_lse = naive_masked_prefix_attention(**{**case.kwargs, **ref_overrides})
     loss = lambda o, l: (o * case.w_out).sum() + (l * case.w_lse).sum()  # noqa: E731
     g_fast = torch.autograd.grad(loss(out, lse), case.leaves, allow_unused=True)
@@ -140,6 +145,13 @@ CASES = {
     "decode_window_crosses": dict(t=1, s=5, window=7),  # query 16 sees 10, 11 | 12 … 16
     "decode_dsa_softcap": dict(t=1, s=5, dsa=True, softcap=1.5, h=6, hkv=2),
     "decode_mla_dsa_softcap_empty_parts": dict(t=1, s=5, mla=True, dsa=True, softcap=1.5, empty_parts=True),
+    # attention sinks (gpt-oss: sliding and full layers, GQA), alone, with a window, decoding, with every other term
+    "sinks": dict(sinks=True),
+    "sinks_gqa_window": dict(sinks=True, h=6, hkv=2, window=3),
+    "sinks_window_1_self_only": dict(sinks=True, window=1),
+    "sinks_no_prefix": dict(sinks=True, chunks=()),
+    "sinks_decode_window": dict(sinks=True, t=1, s=5, window=7, h=6, hkv=3),
+    "sinks_softcap_mla_dsa_empty_parts": dict(sinks=True, softcap=1.5, mla=True, dsa=True, empty_parts=True),
 }
 
 
@@ -174,6 +186,8 @@ def _shift_select(kw):
     ("dsa", _shift_select),  # selection off by one position
     ("window_8", lambda kw: {"q_pos": kw["q_pos"] + 1}),  # positions off by one
     ("mla", lambda kw: {"scale": SCALE * 1.01}),
+    ("sinks_gqa_window", lambda kw: {"sinks": kw["sinks"] - 30}),  # sinks as good as dropped (weight e^-30)
+    ("sinks_gqa_window", lambda kw: {"sinks": kw["sinks"].roll(1)}),  # sinks on the wrong heads
 ])
 def test_parity_check_detects_a_perturbed_reference(name, perturb, parts):
     case = _case(**CASES[name])

@@ -246,6 +246,7 @@ def prefix_attention(
     scale: float,
     causal: bool = True,
     context_shards: ContextShards | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of new tokens over [prefix ; own tokens], exactly merged.
 
@@ -255,6 +256,7 @@ def prefix_attention(
     per sequence, T == 1): the query sees all S own tokens. Returns (B, H, T, D).
     context_shards: a context-parallel group (`state.sharding.ContextShards`) when the prefix is sharded over ranks
     (this rank's chunks are `prefix_keys`, possibly none): the partial results of all ranks are merged by log-sum-exp.
+    sinks: (H,) attention sinks (`with_sinks`), added once after every key part is merged; differentiable.
     """
     b, h, t, d = query.shape
     hkv, s = key.shape[1], key.shape[2]
@@ -268,6 +270,8 @@ def prefix_attention(
     out, lse = ChunkAttention.apply(q_own, scale, causal, 1, k_own, v_own)
     out, lse = out.view(b, hkv, g, t, d), lse.view(b, hkv, g, t)
     if not prefix_keys and context_shards is None:
+        if sinks is not None:
+            out = with_sinks(out, lse, sinks.view(1, hkv, g, 1))
         return out.to(query.dtype).reshape(b, h, t, d)
     # Prefix: fold batch, group and time into one row set, (B, Hkv, g, T, D) -> (Hkv, B*g*T, D), so the
     # shared prefix K/V (Hkv, P, D) is read once for all sequences and heads, never expanded or copied.
@@ -289,7 +293,19 @@ def prefix_attention(
     p_lse = p_lse.view(hkv, b, g, t).permute(1, 0, 2, 3)  # (B, Hkv, g, T)
     total = torch.logaddexp(lse, p_lse)
     merged = torch.exp(lse - total).unsqueeze(-1) * out + torch.exp(p_lse - total).unsqueeze(-1) * p_out
+    if sinks is not None:
+        merged = with_sinks(merged, total, sinks.view(1, hkv, g, 1))
     return merged.to(query.dtype).reshape(b, h, t, d)
+
+
+def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Add attention sinks to a merged softmax: out (..., D) and its log-sum-exp lse (...) over every key, sinks a
+    per-head logit broadcastable to lse. A sink is one more softmax term exp(sink) with a zero value (gpt-oss'
+    `s_aux`: softmax over [scores ; sink], the sink's column dropped), i.e. one more log-sum-exp part with out = 0
+    and lse = sink: out * exp(lse - logaddexp(lse, sink)). Computed in out's dtype (the accumulation dtype);
+    differentiable in the sinks, which are trainable parameters."""
+    total = torch.logaddexp(lse, sinks.to(lse.dtype))
+    return out * torch.exp(lse - total).unsqueeze(-1)
 
 
 def naive_attention(
@@ -299,8 +315,10 @@ def naive_attention(
     prefix_keys: list[torch.Tensor],
     prefix_values: list[torch.Tensor],
     scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Plain reference for `prefix_attention`: concatenate, repeat heads, mask, softmax. Same shapes."""
+    """Plain reference for `prefix_attention`: concatenate, repeat heads, mask, softmax (with the sinks (H,) as one
+    more score column per head, dropped after the softmax, as transformers' eager gpt-oss attention). Same shapes."""
     b, h, t, d = query.shape
     hkv = key.shape[1]
     if prefix_keys:
@@ -313,6 +331,9 @@ def naive_attention(
     scores = torch.matmul(query, key.transpose(-1, -2)) * scale  # (B, H, T, P+T)
     visible = torch.ones(t, p + t, dtype=torch.bool, device=query.device).tril(diagonal=p)
     scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        column = sinks.to(scores.dtype).view(1, h, 1, 1).expand(b, h, t, 1)
+        return torch.matmul(torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1], value)
     return torch.matmul(torch.softmax(scores, dim=-1), value)
 
 
@@ -368,6 +389,7 @@ def masked_prefix_attention(
     select: torch.Tensor | None = None,
     expand=None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of new tokens over [prompt chunks ; own tokens] with positions, windows and selections.
 
@@ -375,7 +397,8 @@ def masked_prefix_attention(
     causally; prefix: (start, key, value) per prompt chunk, each (1, Hkv, c, D*) — or MLA latents
     (1, 1, c, d) turned into K/V by `expand(latent, rope_key)`. window: sliding window (keys k > q − window).
     select: (B, T, P' + S) bool, DSA's chosen keys over [prompt ; own] (P' = positions before own_pos[0]).
-    softcap: tanh logit soft-capping. Returns (B, H, T, Dv). Plain reference: `naive.py`.
+    softcap: tanh logit soft-capping. sinks: (H,) attention sinks (`with_sinks`; not soft-capped), added after the
+    merge. Returns (B, H, T, Dv). Plain reference: `naive.py`.
     """
     b, h, t, _ = query.shape
     parts = []
@@ -399,8 +422,11 @@ def masked_prefix_attention(
         visible = visible & select[:, :, p_len : p_len + own_pos.numel()]
     parts.append(_masked_part(query, key, value, visible, scale, softcap, None))
     if len(parts) == 1:
-        return parts[0][0].to(query.dtype)
-    lse = torch.stack([lse for _, lse in parts])  # (n, B, H, T)
-    total = torch.logsumexp(lse, dim=0)
-    out = sum(torch.exp(l - total).unsqueeze(-1) * o for (o, _), l in zip(parts, lse))
+        out, total = parts[0]
+    else:
+        lse = torch.stack([lse for _, lse in parts])  # (n, B, H, T)
+        total = torch.logsumexp(lse, dim=0)
+        out = sum(torch.exp(l - total).unsqueeze(-1) * o for (o, _), l in zip(parts, lse))
+    if sinks is not None:
+        out = with_sinks(out, total, sinks.view(1, h, 1))
     return out.to(query.dtype)

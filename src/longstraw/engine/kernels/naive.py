@@ -31,6 +31,7 @@ def naive_masked_prefix_attention(
     select: torch.Tensor | None = None,
     expand: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of T queries over [prefix keys ; own keys], same arguments as `masked_prefix_attention`.
 
@@ -46,8 +47,11 @@ def naive_masked_prefix_attention(
       and select[b, t, k]               (DSA, if any: select (B, T, own_pos[0] + S) bool, by absolute position).
     Scores are (q · k) * scale, soft-capped to softcap · tanh(score / softcap) before masking if softcap is set.
 
-    Returns out (B, H, T, Dv) and lse (B, H, T) = log Σ_visible exp(score). Every query must see at least one
-    key (otherwise its row is NaN).
+    sinks (H,), if set: one more score per head, exp(sinks[h]) in the softmax's denominator with no value (not
+    soft-capped, never masked), as transformers' eager gpt-oss attention concatenates it.
+
+    Returns out (B, H, T, Dv) and lse (B, H, T) = log (Σ_visible exp(score) [+ exp(sink)]). Every query must see
+    at least one key (otherwise its row is NaN).
     """
     b, h, t, _ = query.shape
     keys, values, positions = [], [], []
@@ -75,6 +79,11 @@ def naive_masked_prefix_attention(
     if select is not None:
         visible = visible & select[:, :, k_pos]
     scores = scores.masked_fill(~visible[:, None], float("-inf"))
+    if sinks is not None:  # (B, H, T, N + 1): the sink's column last, dropped after the softmax
+        scores = torch.cat([scores, sinks.to(scores.dtype).view(1, h, 1, 1).expand(b, h, t, 1)], dim=-1)
     lse = torch.logsumexp(scores, dim=-1)  # (B, H, T)
-    out = torch.einsum("bhtn,bhnd->bhtd", torch.softmax(scores, dim=-1), v_all)
+    weights = torch.softmax(scores, dim=-1)
+    if sinks is not None:
+        weights = weights[..., :-1]
+    out = torch.einsum("bhtn,bhnd->bhtd", weights, v_all)
     return out, lse

@@ -9,6 +9,7 @@ from longstraw.engine.state.prompt import Collected, PromptState, prompt_fingerp
 from longstraw.engine.state.provenance import provenance
 from longstraw.engine.state.sharding import ContextShards
 from longstraw.models.architecture import hf, stateless_layers
+from longstraw.models.composite import text_config
 
 
 def chunk_bounds(length: int, chunk_size: int) -> list[tuple[int, int]]:
@@ -43,7 +44,7 @@ def capture_prompt(model: torch.nn.Module, ids: torch.Tensor, chunk_size: int,
         raise ValueError("keep_graph keeps the graph from the state's leaves: capture with leaves=True")
     device = hf(model).get_input_embeddings().weight.device if offload else None
     # capacity: full-attention K/V go into one tensor per layer as chunks arrive (`PromptState._slab`)
-    state = PromptState(num_layers=hf(model).config.num_hidden_layers, keep_boundaries=keep_boundaries,
+    state = PromptState(num_layers=text_config(model).num_hidden_layers, keep_boundaries=keep_boundaries,
                         context_shards=context_shards, device=device, fingerprint=prompt_fingerprint(ids),
                         provenance=provenance(model),
                         capacity=ids.numel(), stateless=stateless_layers(model))

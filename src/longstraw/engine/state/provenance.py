@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from longstraw.models.architecture import hf
+from longstraw.models.composite import text_config
 
 SAMPLES_PER_PARAMETER = 8
 
@@ -50,7 +50,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def provenance(model: torch.nn.Module) -> Provenance:
     """The identity and weights digest of `model` now."""
-    config = hf(model).config
+    config = text_config(model)
     fields: list[tuple[str, str]] = [(name, repr(getattr(config, name, None))) for name in _IDENTITY_FIELDS]
     layout = hashlib.blake2b(digest_size=8)
     samples = []
