@@ -123,6 +123,18 @@ def build_parser() -> argparse.ArgumentParser:
     provenance_bench.add_arguments(provenance_parser)
     provenance_parser.set_defaults(fail=provenance_parser.error)
 
+    from longstraw.models import check
+
+    check_parser = commands.add_parser(
+        "check", help="admission check: a tiny float64 copy of a model's own config against transformers",
+        description="Build a tiny float64 copy of MODEL's config (its model type, multipliers, flags and layer-kind "
+                    "pattern; sizes shrunk) and measure LongStraw's replayed and sampled log-probs and its exact "
+                    "gradient against transformers' own forward. Prints the numbers and the verdict; exit status 1 "
+                    "when refused. --all checks every causal-LM type of this transformers.",
+    )
+    check.add_arguments(check_parser)
+    check_parser.set_defaults(fail=check_parser.error)
+
     from longstraw import planner
 
     plan_parser = commands.add_parser(
@@ -197,6 +209,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "bench":
         return _bench(args)
+    if args.command == "check":
+        from longstraw.models import check
+
+        return check.run_from_args(args)
     if args.command == "plan":
         from longstraw import planner
 

@@ -1,0 +1,175 @@
+"""`longstraw check`: the admission check of one model's config, or of every causal-LM type of this transformers.
+
+Building the parser imports neither torch nor transformers (`longstraw --help` stays fast): the check imports them
+when it runs.
+
+`longstraw check MODEL` (a hub id, a directory, a config.json, a .gguf file or a preset) prints `verify`'s numbers
+and the verdict; exit status 0 when admitted, 1 when refused. `longstraw check --all --out FILE.json --markdown
+FILE.md` runs every type of transformers' causal-LM mapping from its class defaults (with a released checkpoint's
+multipliers where `RELEASED` has them) and writes the results and the table docs/architectures.md includes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+# Values of a released checkpoint's config that differ from its class defaults and change the computation
+# (multipliers, logit factors, soft-caps): the sweep's configs keep them, so a default of 1.0 cannot hide a factor.
+RELEASED: dict[str, dict[str, Any]] = {
+    # ibm-granite/granite-3.1-8b-instruct
+    "granite": {"logits_scaling": 16.0, "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
+                "attention_multiplier": 0.0078125},
+    # ibm-granite/granite-3.1-3b-a800m-instruct
+    "granitemoe": {"logits_scaling": 6.0, "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
+                   "attention_multiplier": 0.015625},
+    "granitemoeshared": {"logits_scaling": 6.0, "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
+                         "attention_multiplier": 0.015625},
+    # ibm-granite/granite-4.0-h-tiny
+    "granitemoehybrid": {"logits_scaling": 4.0, "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
+                         "attention_multiplier": 0.0078125},
+    # CohereForAI/c4ai-command-r-v01, c4ai-command-r7b-12-2024
+    "cohere": {"logit_scale": 0.0625},
+    "cohere2": {"logit_scale": 0.25},
+    # google/gemma-2-9b
+    "gemma2": {"final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0},
+}
+
+# Types of the causal-LM mapping that are not decoder-only text models: encoders with a causal-LM head (used as
+# decoders of encoder-decoder models) and speech/vision models. Listed in the table, outside the count.
+NOT_DECODER_ONLY_TEXT = (
+    "bert", "bert-generation", "big_bird", "bigbird_pegasus", "blenderbot", "blenderbot-small", "camembert",
+    "data2vec-text", "electra", "ernie", "marian", "mbart", "musicgen", "musicgen_melody", "mvp", "pegasus",
+    "plbart", "prophetnet", "qdqbert", "rembert", "roberta", "roberta-prelayernorm", "roc_bert", "roformer",
+    "speech_to_text_2", "trocr", "whisper", "xglm_encoder", "xlm", "xlm-prophetnet", "xlm-roberta",
+    "xlm-roberta-xl", "xmod", "megatron-bert", "bart", "opt_encoder", "blip_2_qformer", "git",
+)
+
+
+def causal_lm_types() -> list[str]:
+    """Every model type of this transformers' causal-LM mapping."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def sweep_config(model_type: str) -> Any:
+    """The class-default config of `model_type` with `RELEASED`'s values."""
+    import transformers
+
+    return transformers.AutoConfig.for_model(model_type, **RELEASED.get(model_type, {}))
+
+
+def _row(model_type: str) -> dict[str, Any]:
+    from longstraw.models import verify
+
+    started = time.perf_counter()
+    try:
+        verdict = verify.verify(sweep_config(model_type))
+        row = dataclasses.asdict(verdict)
+    except Exception as err:  # the config class itself cannot be built from its defaults
+        row = {"model_type": model_type, "kind": "refused",
+               "reason": f"its default config cannot be built: {type(err).__name__}: {str(err)[:200]}"}
+    row["decoder_only_text"] = model_type not in NOT_DECODER_ONLY_TEXT
+    row["seconds"] = round(time.perf_counter() - started, 2)
+    return row
+
+
+def _short(row: dict[str, Any]) -> str:
+    """The table's 'why' cell: the measured difference, the crash, or the first layer that differs."""
+    if row["kind"] != "refused":
+        worst = max((row.get(k) or 0.0) for k in ("logprob_error", "gradient_error", "sampled_error"))
+        return f"max error {worst:.1e} (tolerance {row.get('tolerance', 0):g})"
+    parts = []
+    for name, key in (("log-probs", "logprob_error"), ("gradient", "gradient_error"), ("sampled", "sampled_error")):
+        value = row.get(key)
+        if value is not None and value > row.get("tolerance", 0):
+            parts.append(f"{name} off by {value:.2g}")
+    if row.get("first_difference"):
+        parts.append(f"first differs at {row['first_difference']}")
+    if row.get("reason") and not parts:
+        parts.append(row["reason"])
+    return "; ".join(parts).replace("|", "/")[:240]
+
+
+def markdown(rows: list[dict[str, Any]], source: str) -> str:
+    """The table of every type: verdict and why, decoder-only text types first."""
+    import transformers
+
+    decoders = [r for r in rows if r["decoder_only_text"]]
+    admitted = [r for r in decoders if r["kind"] != "refused"]
+    lines = [
+        f"Written by `longstraw check --all` ({source}); transformers {transformers.__version__}. "
+        f"{len(admitted)} of {len(decoders)} decoder-only text types admitted "
+        f"({sum(r['kind'] == 'exact' for r in admitted)} exact in float64, "
+        f"{sum(r['kind'] != 'exact' for r in admitted)} exact within float32 kernels).",
+        "",
+        "| model type | verdict | measured / why |",
+        "|---|---|---|",
+    ]
+    for r in sorted(rows, key=lambda r: (not r["decoder_only_text"], r["model_type"])):
+        kind = r["kind"] if r["decoder_only_text"] else f"{r['kind']} (not a decoder-only text model)"
+        lines.append(f"| `{r['model_type']}` | {kind} | {_short(r)} |")
+    return "\n".join(lines) + "\n"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", help="a hub id, a directory or config.json, a .gguf file or a preset")
+    parser.add_argument("--all", action="store_true",
+                        help="check every causal-LM type of this transformers (its class defaults, with a released "
+                             "checkpoint's multipliers where known)")
+    parser.add_argument("--only", default=None, help="with --all: comma-separated model types to check")
+    parser.add_argument("--out", default=None, help="write the verdicts as JSON to this file")
+    parser.add_argument("--markdown", default=None, help="with --all: write the table of verdicts to this file")
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    if args.all == (args.model is not None):
+        args.fail("give one MODEL or --all")
+    if args.all:
+        return _run_all(args)
+    from longstraw.models import verify
+    from longstraw.planner.spec import load_config
+
+    try:
+        config = load_config(args.model)
+    except ValueError as err:
+        args.fail(str(err))
+    verdict = verify.verify(config)
+    print(verdict.summary())
+    if args.out:
+        Path(args.out).write_text(json.dumps(dataclasses.asdict(verdict), indent=1) + "\n")
+    return 0 if verdict.admitted else 1
+
+
+def _run_all(args: argparse.Namespace) -> int:
+    import transformers
+
+    types = causal_lm_types()
+    if args.only:
+        wanted = set(args.only.split(","))
+        unknown = wanted - set(types)
+        if unknown:
+            args.fail(f"not causal-LM types of transformers {transformers.__version__}: {', '.join(sorted(unknown))}")
+        types = [t for t in types if t in wanted]
+    rows = []
+    for i, model_type in enumerate(types):
+        row = _row(model_type)
+        rows.append(row)
+        print(f"[{i + 1}/{len(types)}] {model_type:<28} {row['kind']:<30} {_short(row)[:90]}", flush=True)
+    decoders = [r for r in rows if r["decoder_only_text"]]
+    print(f"{sum(r['kind'] != 'refused' for r in decoders)} of {len(decoders)} decoder-only text types admitted",
+          file=sys.stderr)
+    if args.out:
+        meta = {"transformers": transformers.__version__, "python": platform.python_version(),
+                "machine": platform.machine(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+        Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    if args.markdown:
+        Path(args.markdown).write_text(markdown(rows, args.out or "no results file"))
+    return 0

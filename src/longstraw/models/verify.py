@@ -1,0 +1,488 @@
+"""Admission by verification: a model is admitted when a tiny float64 copy of its *own* config passes LongStraw's
+parity checks against transformers, run here in seconds.
+
+`tiny_config(config)` keeps the model type and every multiplier, scale, flag, sink, router setting and the pattern of
+layer kinds; only sizes shrink (width, heads, experts, vocabulary, depth down to the shortest prefix of layers that
+holds every layer kind, windows and attention chunks below the test prompt). `verify(config)` builds that copy in
+float64 with random weights and measures, on a 37-token prompt and responses of 5, 1 and 9 tokens in 13-token
+chunks:
+
+* the replayed log-probs (`exact`) against transformers' full forward (`standard`, its own logits),
+* the `exact` gradient against the `standard` gradient,
+* sampled log-probs (one prefill, token-by-token decoding) against a full forward,
+* the prompt state's bytes against the planner's formula (reported, not part of the verdict).
+
+Tolerance: 1e-9 where every op of the model's forward runs in float64; 1e-6 where transformers computes some op in
+a lower precision inside a float64 model (RMSNorms and routers in float32, scans), seen by watching the dtypes of
+every op of the full forward. A refused model's verdict names the measured difference and the first decoder layer
+whose output differs from the full forward's.
+
+`verdict_for(model)` runs it once per (model type, config hash, transformers version, LongStraw version) and keeps
+the verdict in memory and on disk (`$LONGSTRAW_CACHE/verdicts/`, default ~/.cache/longstraw).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+PROMPT, RESPONSES, CHUNK = 37, (5, 1, 9), 13
+VOCAB = 512
+# Layers of the tiny copy at most: a layer-kind pattern longer than this is cut (said in the verdict).
+MAX_LAYERS = 12
+EXACT_TOL = 1e-9  # every op in float64: another order of the same sums
+FP32_TOL = 1e-6  # some op computes in float32 inside the float64 model
+
+# Config fields that are sizes, and the size each takes in the tiny copy (only where the config has the field and
+# its value is larger). Everything else (multipliers, scales, flags, rope parameters, router settings) is kept.
+_SIZES: dict[str, int] = {
+    "hidden_size": 64, "intermediate_size": 96, "ffn_hidden_size": 96, "head_dim": 16, "attention_head_dim": 16,
+    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "moe_shared_expert_intermediate_size": 32,
+    "expert_intermediate_size": 32, "shared_intermediate_size": 32, "dense_intermediate_size": 96,
+    "intermediate_size_mlp": 96, "moe_ffn_hidden_size": 32, "mlp_hidden_size": 96,
+    "kv_lora_rank": 16, "q_lora_rank": 24, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8,
+    "qk_head_dim": 16, "index_head_dim": 16, "index_n_heads": 16, "index_topk": 24,
+    "linear_key_head_dim": 8, "linear_value_head_dim": 8, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+    "linear_head_dim": 8, "linear_num_heads": 4,
+    "mamba_n_heads": 8, "mamba_num_heads": 8, "mamba_d_head": 16, "mamba_head_dim": 16, "mamba_d_state": 16,
+    "ssm_state_size": 16, "state_size": 16, "mamba_chunk_size": 16, "chunk_size": 16, "mamba_d_ssm": 128,
+    "mamba_n_groups": 1, "n_groups": 1, "time_step_rank": 8, "num_heads": 8,
+    "num_experts": 4, "n_routed_experts": 4, "num_local_experts": 4, "moe_num_experts": 4,
+    "n_group": 1, "topk_group": 1, "adapter_rank": 8, "lru_width": 64,
+    "sliding_window": 16, "attention_window_size": 16, "attention_chunk_size": 16, "window_size": 16,
+    "max_window_layers": 0,
+}
+_TOP_K = ("num_experts_per_tok", "num_experts_per_token", "moe_k", "top_k", "moe_topk", "num_selected_experts")
+_LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers")
+_TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id", "decoder_start_token_id")
+# Fields of a saved config that say nothing about the computation.
+_VOLATILE = ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "architectures", "use_cache",
+             "_attn_implementation_autoset", "_commit_hash", "auto_map", "output_hidden_states",
+             "output_attentions", "return_dict", "_experts_implementation")
+
+
+def text_config(config: Any) -> Any:
+    """The language model's config: the text tower of a composite (multimodal) config, else the config itself."""
+    if getattr(config, "text_config", None) is not None:
+        return config.get_text_config()
+    return config
+
+
+def config_hash(config: Any) -> str:
+    """sha256 (16 hex digits) of the config's fields that shape the computation."""
+    data = {k: v for k, v in text_config(config).to_dict().items() if k not in _VOLATILE}
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _kv_heads(heads: int, kv: int | None, new_heads: int) -> int:
+    """Key/value heads of the tiny copy: multi-head stays multi-head, one head stays one, grouped becomes 2 groups."""
+    if kv is None or kv == heads:
+        return new_heads
+    return 1 if kv == 1 else 2
+
+
+def _per_layer_fields(data: dict[str, Any], n: int) -> list[str]:
+    """Fields holding one entry per layer (a list or a string of length n: layer types, block patterns)."""
+    return [k for k, v in data.items() if isinstance(v, (list, str)) and len(v) == n and n > 1
+            and any(word in k for word in ("layer", "pattern", "block", "types"))]
+
+
+def _layer_index_fields(data: dict[str, Any], n: int) -> list[str]:
+    """Fields holding a sorted list of layer indices (e.g. which layers are hybrid or dense)."""
+    out = []
+    for k, v in data.items():
+        if (isinstance(v, list) and v and all(isinstance(i, int) and not isinstance(i, bool) for i in v)
+                and all(0 <= i < n for i in v) and v == sorted(v) and len(v) < n and "layer" in k):
+            out.append(k)
+    return out
+
+
+def _shrink_widths(config: Any) -> Any:
+    """A copy of `config` with every size field shrunk (depth unchanged)."""
+    c = copy.deepcopy(text_config(config))
+    data = c.to_dict()
+    heads = data.get("num_attention_heads")
+    if isinstance(heads, int) and heads > 4:
+        kv = data.get("num_key_value_heads")
+        c.num_attention_heads = 4
+        if "num_key_value_heads" in data:
+            c.num_key_value_heads = _kv_heads(heads, kv, 4)
+    for key, size in _SIZES.items():
+        value = data.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > size:
+            setattr(c, key, size)
+    if isinstance(data.get("qk_rope_head_dim"), int):  # MLA: the RoPE head dim is `head_dim`, q/k heads nope + rope
+        rope, nope = c.qk_rope_head_dim, getattr(c, "qk_nope_head_dim", 0) or 0
+        if "head_dim" in data:
+            c.head_dim = rope
+        if "qk_head_dim" in data:
+            c.qk_head_dim = rope + nope
+    for key in _TOP_K:
+        value = data.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 2:
+            setattr(c, key, 2)
+    if isinstance(data.get("vocab_size"), int) and data["vocab_size"] > VOCAB:
+        c.vocab_size = VOCAB
+        for key in _TOKEN_IDS:
+            value = getattr(c, key, None)
+            if isinstance(value, int) and value >= VOCAB:
+                setattr(c, key, VOCAB - 1 - _TOKEN_IDS.index(key))
+            elif isinstance(value, list):
+                setattr(c, key, [i if i < VOCAB else VOCAB - 1 for i in value])
+    return c
+
+
+def _layer_signature(layer: torch.nn.Module) -> str:
+    """What kind of decoder layer this is: its modules' classes and the attention's window and kind attributes."""
+    parts = [type(m).__name__ for m in layer.modules()]
+    for m in layer.modules():
+        for attr in ("sliding_window", "is_sliding", "attention_type", "use_rope", "layer_type", "is_causal",
+                     "attention_chunk_size", "use_sliding_window"):
+            value = getattr(m, attr, None)
+            if isinstance(value, (int, float, str, bool)):
+                parts.append(f"{attr}={value}")
+    return "|".join(parts)
+
+
+def _layer_kinds(config: Any) -> list[str]:
+    """The signature of every decoder layer of `config` (built on the meta device: no memory)."""
+    from longstraw.engine.activation_checkpointing import decoder_layers
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    return [_layer_signature(layer) for layer in decoder_layers(model)]
+
+
+def tiny_config(config: Any) -> tuple[Any, str]:
+    """The tiny copy of `config` (see the module's docstring) and a note on what depth was kept."""
+    wide = _shrink_widths(config)
+    count_key = next((k for k in _LAYER_COUNTS if isinstance(getattr(wide, k, None), int)), None)
+    if count_key is None:
+        raise ValueError(f"{type(wide).__name__} has no layer count ({', '.join(_LAYER_COUNTS)})")
+    n = int(getattr(wide, count_key))
+    kinds = _layer_kinds(wide)
+    first_of = {}
+    for i, kind in enumerate(kinds):
+        first_of.setdefault(kind, i)
+    keep = max(2, max(first_of.values()) + 1) if kinds else min(n, 2)
+    keep = min(keep, n)
+    note = f"{keep} of {n} layers ({len(first_of)} layer kinds)"
+    if keep > MAX_LAYERS:
+        keep, note = MAX_LAYERS, f"{MAX_LAYERS} of {n} layers: the layer-kind pattern ({len(first_of)} kinds) is cut"
+    if keep == n:
+        return wide, note
+    data = wide.to_dict()
+    tiny = copy.deepcopy(wide)
+    for key in _per_layer_fields(data, n):
+        setattr(tiny, key, data[key][:keep])
+    for key in _layer_index_fields(data, n):
+        setattr(tiny, key, [i for i in data[key] if i < keep])
+    setattr(tiny, count_key, keep)
+    return tiny, note
+
+
+# ------------------------------------------------------------------------------------------------ the verdict
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What `verify` measured on a tiny copy of one config.
+
+    kind: "exact" (every op in float64, within 1e-9), "exact within float32 kernels" (within 1e-6, where
+    transformers computes some op in float32 inside the float64 model) or "refused". Errors: max |Δ log-prob| of the
+    replay and of sampling against the full forward, and ||g_exact − g_standard|| / ||g_standard||."""
+
+    model_type: str
+    config_hash: str
+    kind: str
+    tolerance: float
+    logprob_error: float | None = None
+    sampled_error: float | None = None
+    gradient_error: float | None = None
+    float32_ops: tuple[str, ...] = ()
+    state_bytes: int | None = None
+    planner_bytes: int | None = None
+    first_difference: str | None = None
+    reason: str | None = None
+    layers: str = ""
+    seconds: float = 0.0
+    transformers_version: str = transformers.__version__
+    longstraw_version: str = ""
+
+    @property
+    def admitted(self) -> bool:
+        return self.kind != "refused"
+
+    def summary(self) -> str:
+        def show(x: float | None) -> str:
+            return "-" if x is None else f"{x:.2e}"
+
+        planner = ("not modelled" if self.planner_bytes is None
+                   else "equal" if self.planner_bytes == self.state_bytes
+                   else f"{self.planner_bytes} vs {self.state_bytes} measured")
+        lines = [
+            f"{self.model_type} (config {self.config_hash}, transformers {self.transformers_version}): {self.kind}",
+            f"  tiny copy: {self.layers}",
+            f"  replayed log-probs vs full forward: {show(self.logprob_error)} (max abs)",
+            f"  sampled log-probs vs full forward:  {show(self.sampled_error)} (max abs)",
+            f"  exact vs standard gradient:         {show(self.gradient_error)} (relative)",
+            f"  tolerance: {self.tolerance:g}" + (f" (float32 inside: {', '.join(self.float32_ops[:4])})"
+                                                  if self.float32_ops else " (every op in float64)"),
+            f"  prompt state bytes vs planner: {planner}",
+            f"  took {self.seconds:.1f} s",
+        ]
+        if self.first_difference:
+            lines.append(f"  first layer that differs: {self.first_difference}")
+        if self.reason:
+            lines.append(f"  reason: {self.reason}")
+        return "\n".join(lines)
+
+    def refusal(self) -> str:
+        """The error message of a refused model."""
+        measured = []
+        for name, value in (("replayed log-probs", self.logprob_error), ("sampled log-probs", self.sampled_error),
+                            ("gradient", self.gradient_error)):
+            if value is not None and not value <= self.tolerance:
+                measured.append(f"{name} off by {value:.3g}")
+        where = f"; first layer that differs: {self.first_difference}" if self.first_difference else ""
+        what = ", ".join(measured) if measured else (self.reason or "the check failed")
+        return (f"architecture {self.model_type!r} is refused: a tiny float64 copy of this config does not match "
+                f"transformers' own forward ({what}, tolerance {self.tolerance:g}){where}. "
+                f"`longstraw check` on the model prints the full check")
+
+
+class _LowPrecisionOps(TorchDispatchMode):
+    """Records the ops whose floating-point output is not float64 (run inside a float64 model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64:
+                self.ops.add(str(func.overloadpacket.__name__))
+        return out
+
+
+def build_tiny_model(config: Any, seed: int = 0) -> torch.nn.Module:
+    """A float64, eval-mode, random-init causal LM of `config` (eager experts: grouped_mm has no float64)."""
+    torch.manual_seed(seed)
+    kwargs: dict[str, Any] = {"experts_implementation": "eager"}
+    try:
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", **kwargs)
+    except (ValueError, TypeError):  # no sdpa path (e.g. no attention layers)
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", **kwargs)
+    model = model.to(torch.float64).eval()
+    for p in model.parameters():
+        p.requires_grad_(True)
+    return model
+
+
+def _grads(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in model.parameters()])
+
+
+def _layer_outputs(model: torch.nn.Module, run) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
+    """Each decoder layer's output hidden states while `run()` executes (the first call of each layer)."""
+    from longstraw.engine.activation_checkpointing import decoder_layers
+
+    seen: dict[int, torch.Tensor] = {}
+
+    def keep(i: int):  # type: ignore[no-untyped-def]
+        def hook(module, args, out):  # type: ignore[no-untyped-def]
+            h = out[0] if isinstance(out, tuple) else out
+            seen.setdefault(i, h.detach())
+        return hook
+
+    hooks = [layer.register_forward_hook(keep(i)) for i, layer in enumerate(decoder_layers(model))]
+    try:
+        with torch.no_grad():
+            run()
+    finally:
+        for h in hooks:
+            h.remove()
+    return [seen[i] for i in sorted(seen)]
+
+
+def _first_difference(model: torch.nn.Module, prompt: torch.Tensor, response: torch.Tensor, tol: float) -> str | None:
+    """The first decoder layer whose output over [last prompt token ; response] differs between a replay from the
+    captured prompt state and the full forward, with the difference and the layer's kind."""
+    from longstraw.engine.segment import run_segment
+    from longstraw.engine.state.capture import capture_prompt
+
+    ids = torch.cat([prompt, response])
+    t = response.numel() + 1
+    full = _layer_outputs(model, lambda: model(input_ids=ids[None], use_cache=False))
+    state = capture_prompt(model, prompt[:-1], chunk_size=CHUNK)
+    replay = _layer_outputs(model, lambda: run_segment(model, ids[prompt.numel() - 1:][None], prompt.numel() - 1,
+                                                        state.fork()))
+    types = list(getattr(text_config(model.config), "layer_types", None) or [])
+    from longstraw.engine.activation_checkpointing import decoder_layers
+
+    layers = decoder_layers(model)
+    for i, (f, r) in enumerate(zip(full, replay)):
+        diff = float((f[..., -t:, :] - r[..., -t:, :]).abs().max()) if f.shape[-1] == r.shape[-1] else math.inf
+        if not diff <= tol:
+            kind = types[i] if i < len(types) else type(layers[i]).__name__
+            return f"layer {i} ({kind}, {type(layers[i]).__name__}): {diff:.3g}"
+    return ("no decoder layer: every layer's output matches, so the difference comes after the decoder (a factor or "
+            "soft-cap the model applies to its logits)")
+
+
+def _sampled_error(model: torch.nn.Module, prompt: torch.Tensor) -> float:
+    from longstraw.engine.sampling import SamplingConfig, sample_group
+
+    rollout = sample_group(model, prompt, 2, SamplingConfig(max_new_tokens=5), seed=1, chunk_size=CHUNK)
+    worst = 0.0
+    p = prompt.numel()
+    for response, logp in zip(rollout.responses, rollout.logprobs):
+        with torch.no_grad():
+            logits = model(input_ids=torch.cat([prompt, response])[None], use_cache=False).logits[0]
+        ref = torch.log_softmax(logits[p - 1:-1].double(), -1).gather(-1, response[:, None]).squeeze(-1)
+        worst = max(worst, float((ref - logp).abs().max()))
+    return worst
+
+
+def _planner_bytes(model: torch.nn.Module) -> tuple[int | None, int | None]:
+    """(measured prompt-state bytes, the planner's formula) for 40 positions in 16-token chunks; None where the
+    planner does not model the family."""
+    from longstraw import planner
+    from longstraw.engine.state.capture import capture_prompt
+
+    state = capture_prompt(model, torch.arange(40), chunk_size=16)
+    try:
+        spec = planner.spec_from_config(model.config, text_config(model.config).model_type)
+        return state.nbytes(), planner.state_bytes(spec, 40, 8, 16, exact=True)[0]
+    except Exception:  # the planner has no formula for this family's layers
+        return state.nbytes(), None
+
+
+def _where(err: BaseException) -> str:
+    """`Type: message` and the innermost frame of the traceback, for a crash inside the check."""
+    frames = traceback.extract_tb(err.__traceback__)
+    frame = f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
+    first = str(err).splitlines()[0] if str(err) else ""
+    return f"{type(err).__name__}: {first[:300]}{frame}"
+
+
+def verify(config: Any, seed: int = 0) -> Verdict:
+    """Build the tiny float64 copy of `config` and measure it (see the module's docstring)."""
+    from longstraw import __version__
+    from longstraw.engine.api import backward_group
+    from longstraw.engine.group import Group
+    from longstraw.models.architecture import under_verification
+
+    started = time.perf_counter()
+    model_type = str(text_config(config).model_type)
+    base = {"model_type": model_type, "config_hash": config_hash(config), "longstraw_version": __version__}
+
+    def refused(reason: str, **measured: Any) -> Verdict:
+        return Verdict(kind="refused", tolerance=measured.pop("tolerance", EXACT_TOL), reason=reason,
+                       seconds=time.perf_counter() - started, **base, **measured)
+
+    try:
+        tiny, layers = tiny_config(config)
+        model = build_tiny_model(tiny, seed)
+    except Exception as err:
+        return refused(f"no tiny copy could be built: {_where(err)}")
+    vocab = model.get_input_embeddings().num_embeddings
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, vocab, (PROMPT,), generator=gen)
+    responses = [torch.randint(0, vocab, (n,), generator=gen) for n in RESPONSES]
+    group = Group(prompt=prompt, responses=responses,
+                  advantages=torch.randn(len(responses), generator=gen, dtype=torch.float64))
+    measured: dict[str, Any] = {"layers": layers}
+    try:
+        watch = _LowPrecisionOps()
+        with watch, torch.no_grad():
+            model(input_ids=torch.cat([prompt, responses[0]])[None], use_cache=False)
+        low = tuple(sorted(watch.ops))
+        tol = FP32_TOL if low else EXACT_TOL
+        measured.update(float32_ops=low, tolerance=tol)
+        out = {}
+        with under_verification(model):
+            for plan in ("standard", "exact"):
+                model.zero_grad(set_to_none=True)
+                result = backward_group(model, group, plan=plan, chunk_size=CHUNK)
+                out[plan] = (_grads(model), result.logprobs)
+        (g_std, lp_std), (g_exact, lp_exact) = out["standard"], out["exact"]
+        measured["logprob_error"] = max(float((a - b).abs().max()) for a, b in zip(lp_std, lp_exact))
+        norm = float(g_std.norm())
+        measured["gradient_error"] = float((g_exact - g_std).norm()) / norm if norm > 0 else math.inf
+        measured["sampled_error"] = _sampled_error(model, prompt)
+        measured["state_bytes"], measured["planner_bytes"] = _planner_bytes(model)
+    except Exception as err:
+        first = None
+        try:
+            first = _first_difference(model, prompt, responses[2], measured.get("tolerance", EXACT_TOL))
+        except Exception:
+            pass
+        return refused(f"the check crashed: {_where(err)}", first_difference=first, **measured)
+    errors = [measured["logprob_error"], measured["gradient_error"], measured["sampled_error"]]
+    if all(e <= tol for e in errors):
+        kind = "exact within float32 kernels" if low else "exact"
+        return Verdict(kind=kind, seconds=time.perf_counter() - started, **base, **measured)
+    try:
+        first = _first_difference(model, prompt, responses[2], tol)
+    except Exception as err:
+        first = f"not found ({_where(err)})"
+    return refused("the replay does not match transformers' forward", first_difference=first, **measured)
+
+
+# ------------------------------------------------------------------------------------------------ the cache
+
+_VERDICTS: dict[str, Verdict] = {}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("LONGSTRAW_CACHE", Path.home() / ".cache" / "longstraw")) / "verdicts"
+
+
+def verdict_key(config: Any) -> str:
+    from longstraw import __version__
+
+    model_type = str(text_config(config).model_type)
+    return f"{model_type}-{config_hash(config)}-tf{transformers.__version__}-ls{__version__}"
+
+
+def verdict_for(config: Any) -> Verdict:
+    """The verdict for `config`, from memory, from the disk cache, or measured now (and then cached)."""
+    key = verdict_key(config)
+    if key in _VERDICTS:
+        return _VERDICTS[key]
+    path = cache_dir() / f"{key}.json"
+    verdict = None
+    if path.is_file():
+        try:
+            data = json.loads(path.read_text())
+            data["float32_ops"] = tuple(data.get("float32_ops", ()))
+            verdict = Verdict(**data)
+        except (ValueError, TypeError):
+            verdict = None  # an unreadable or older file: measure again
+    if verdict is None:
+        verdict = verify(config)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(dataclasses.asdict(verdict), indent=1))
+            tmp.replace(path)
+        except OSError:
+            pass  # a read-only home: the verdict stays in memory
+    _VERDICTS[key] = verdict
+    return verdict
