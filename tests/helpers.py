@@ -25,6 +25,7 @@ from transformers import (
     Glm4MoeConfig,
     GlmMoeDsaConfig,
     LlamaConfig,
+    NemotronConfig,
     Mamba2Config,
     MistralConfig,
     NemotronHConfig,
@@ -32,6 +33,7 @@ from transformers import (
     Qwen3_5TextConfig,
     Qwen3Config,
     Qwen3NextConfig,
+    StableLmConfig,
 )
 
 from longstraw import Group
@@ -181,6 +183,20 @@ def _arch_configs() -> dict[str, Callable[[], object]]:
             mlp_layer_types=["dense", "sparse", "sparse"], pad_token_id=None, bos_token_id=None, eos_token_id=None,
             **moe, **mla, **c)
     out["gemma3_mm"] = _gemma3_multimodal
+    # stablelm-2-1_6b (A: q/k/v biases, sequential residual) and stablelm-2-12b (B: per-head q/k LayerNorm, parallel
+    # residual, GQA 4:1): a quarter of each head rotated (partial_rotary_factor 0.25), RoPE theta 1e4, LayerNorm eps
+    # 1e-5. Their attention modules call the kernel without the layer's keyword arguments (`state/active.py`).
+    stablelm = dict(num_hidden_layers=2, partial_rotary_factor=0.25, layer_norm_eps=1e-5, hidden_act="silu",
+                    tie_word_embeddings=False, **c)
+    out["stablelm-A"] = lambda: StableLmConfig(num_key_value_heads=4, use_qkv_bias=True, qk_layernorm=False,
+                                               use_parallel_residual=False, **stablelm)
+    out["stablelm-B"] = lambda: StableLmConfig(num_key_value_heads=1, use_qkv_bias=False, qk_layernorm=True,
+                                               use_parallel_residual=True, **stablelm)
+    # Minitron-4B-Base (Nemotron-4): squared-ReLU MLP, LayerNorm1P (eps 1e-5), half of each head rotated, GQA 3:1
+    # (-> 2:1 at 4 heads), no biases.
+    out["nemotron"] = lambda: NemotronConfig(num_hidden_layers=2, num_key_value_heads=2, head_dim=16,
+                                             partial_rotary_factor=0.5, hidden_act="relu2", norm_eps=1e-5,
+                                             attention_bias=False, mlp_bias=False, tie_word_embeddings=False, **c)
     return out
 
 

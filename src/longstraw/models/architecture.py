@@ -69,6 +69,7 @@ def cache_keyword(module: torch.nn.Module) -> str:
 SUPPORTED_MODEL_TYPES = (
     "llama", "qwen2", "qwen3", "mistral", "gemma3_text", "qwen3_next", "mamba2", "falcon_h1", "deepseek_v3",
     "glm_moe_dsa", "kimi_linear", "qwen3_5_text", "cohere2", "glm4_moe", "nemotron_h", "gemma3",
+    "stablelm", "nemotron",
 )
 # Those with conv/recurrent layers: their single-token kernels update state in place (see state/cache.py).
 RECURRENT_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "mamba2", "falcon_h1", "kimi_linear", "nemotron_h")

@@ -31,6 +31,8 @@ from longstraw.engine.state.capture import capture_prompt
 from longstraw.models.architecture import cache_keyword
 
 RECURRENT = ("qwen3_next", "mamba2", "falcon_h1", "kimi_linear", "nemotron_h")
+# Families whose model type the planner's state formulas (`planner.spec_from_config`) do not describe yet.
+NO_PLANNER_SPEC = ("stablelm", "nemotron")
 _tol = gradient_tolerance  # helpers: 1e-6 for the FP32_INSIDE families, else 1e-10
 
 
@@ -127,6 +129,8 @@ def test_replays_never_write_into_the_state(family):
 def test_state_bytes_match_design_formula(family):
     """The state's bytes equal the planner's docs/design.md §4 formulas (`planner.state_bytes`: float64 parts, fp32
     recurrent states), with every chunk boundary kept (exact) and lean (detach)."""
+    if family.split("-")[0] in NO_PLANNER_SPEC:
+        pytest.skip(f"{family}: the planner has no state formula for this model type")
     model = _model(family)
     spec = planner.spec_from_config(model.config, family)
     state = capture_prompt(model, torch.arange(40), chunk_size=16)  # 3 chunks, all boundaries kept
@@ -189,7 +193,8 @@ def test_moe_router_choices_match_the_full_forward(family):
 
 
 @pytest.mark.parametrize("family", ["qwen3_next-B", "mamba2", "falcon_h1", "deepseek_v3", "glm_moe_dsa",
-                                    "kimi_linear-A", "gemma3-A", "mistral-sw", "cohere2", "glm4_moe", "nemotron_h"])
+                                    "kimi_linear-A", "gemma3-A", "mistral-sw", "cohere2", "glm4_moe", "nemotron_h",
+                                    "gemma3_mm", "stablelm-B", "nemotron"])
 def test_sampled_logprobs_equal_a_full_forward(family):
     """Decoding one token at a time (the in-place single-token kernels run on the sampler's own clones)
     records the log-probs a full forward of prompt + response gives."""
