@@ -24,6 +24,7 @@ from transformers import (
     Gemma3TextConfig,
     Glm4MoeConfig,
     GlmMoeDsaConfig,
+    GptOssConfig,
     LlamaConfig,
     Mamba2Config,
     MistralConfig,
@@ -160,6 +161,17 @@ def _arch_configs() -> dict[str, Callable[[], object]]:
     out["glm4_moe"] = lambda: Glm4MoeConfig(num_hidden_layers=2, num_key_value_heads=2, head_dim=16, n_shared_experts=1,
                                             n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
                                             moe_intermediate_size=32, use_qk_norm=True, attention_bias=True, **c)
+    # gpt-oss-20b's values (alternating sliding/full layers starting with a sliding one, window 128 -> 16, YaRN
+    # RoPE, swiglu_limit 7, 4 of 32 experts -> 2 of 4, attention and expert biases, head_dim 64 -> 16, 8 KV heads
+    # of 64 -> 2 of 4, hidden = intermediate); attention sinks on every layer.
+    out["gpt_oss"] = lambda: GptOssConfig(
+        num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=16,
+        num_key_value_heads=2, head_dim=16, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
+        attention_bias=True, swiglu_limit=7.0, rms_norm_eps=1e-5, router_aux_loss_coef=0.9, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096},
+        max_position_embeddings=131072, pad_token_id=None, bos_token_id=None, eos_token_id=None,
+        **{k: v for k, v in c.items() if k not in ("intermediate_size", "max_position_embeddings")})
     out["nemotron_h"] = lambda: NemotronHConfig(
         layers_block_type=["linear_attention", "full_attention", "mlp", "moe"], num_key_value_heads=2, head_dim=16,
         mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=1, conv_kernel=4, chunk_size=16,

@@ -68,7 +68,7 @@ def cache_keyword(module: torch.nn.Module) -> str:
 # sliding window, gated DeltaNet and KDA linear attention, Mamba2 SSM, MLA latent attention, DSA, MoE FFNs.
 SUPPORTED_MODEL_TYPES = (
     "llama", "qwen2", "qwen3", "mistral", "gemma3_text", "qwen3_next", "mamba2", "falcon_h1", "deepseek_v3",
-    "glm_moe_dsa", "kimi_linear", "qwen3_5_text", "cohere2", "glm4_moe", "nemotron_h", "gemma3",
+    "glm_moe_dsa", "kimi_linear", "qwen3_5_text", "cohere2", "glm4_moe", "nemotron_h", "gemma3", "gpt_oss",
     "stablelm", "nemotron",
 )
 # Those with conv/recurrent layers: their single-token kernels update state in place (see state/cache.py).

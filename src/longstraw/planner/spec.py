@@ -171,7 +171,7 @@ class ModelSpec:
 
 PLANNER_MODEL_TYPES = (
     "llama", "qwen2", "qwen3", "mistral", "gemma3_text", "qwen3_next", "qwen3_5_text", "mamba2", "falcon_h1",
-    "deepseek_v3", "glm_moe_dsa", "kimi_linear", "cohere2", "glm4_moe", "nemotron_h",
+    "deepseek_v3", "glm_moe_dsa", "kimi_linear", "cohere2", "glm4_moe", "nemotron_h", "gpt_oss",
 )
 
 
@@ -354,6 +354,13 @@ def spec_from_config(config, name: str = "") -> ModelSpec:
             intermediate=c.intermediate_size, moe_intermediate=c.moe_intermediate_size,
             experts_per_token=c.num_experts_per_tok, num_experts=c.n_routed_experts,
             shared_intermediate=(c.n_shared_experts or 0) * c.moe_intermediate_size,
+        )
+    elif mt == "gpt_oss":  # sliding and full GQA layers (their sinks: one scalar per head, no per-token state), MoE
+        mixers = tuple("sliding" if t == "sliding_attention" else "attention" for t in layer_types)
+        return ModelSpec(
+            **base, mixers=mixers, mlps=("moe",) * n, **_attention_dims(c), window=c.sliding_window or 0,
+            intermediate=c.intermediate_size, moe_intermediate=c.intermediate_size,
+            experts_per_token=c.num_experts_per_tok, num_experts=c.num_local_experts,
         )
     elif mt == "nemotron_h":  # each block one of: Mamba2 mixer, attention (no RoPE), MLP, MoE
         mixers, mlps = _nemotron_h_blocks(c.layers_block_type)

@@ -137,7 +137,8 @@ def test_state_bytes_match_design_formula(family):
     assert state.nbytes() == planner.state_bytes(spec, 40, 8, 16, exact=True)[0]
     lean = capture_prompt(model, torch.arange(40), chunk_size=16, keep_boundaries=False)
     assert lean.nbytes() == planner.state_bytes(spec, 40, 8, 16, exact=False)[0]
-    if family.startswith(("mistral-sw", "gemma3", "cohere2")):  # windowed layers keep only chunks reaching the last W-1
+    # windowed layers keep only chunks reaching the last W-1
+    if family.startswith(("mistral-sw", "gemma3", "cohere2", "gpt_oss")):
         assert lean.nbytes() < state.nbytes()
 
 
@@ -179,7 +180,7 @@ def _router_choices(model, run) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("family", ["qwen3_next-A", "deepseek_v3", "glm_moe_dsa", "kimi_linear-B", "glm4_moe",
-                                    "nemotron_h"])
+                                    "nemotron_h", "gpt_oss"])
 def test_moe_router_choices_match_the_full_forward(family):
     model = _model(family)
     gen = torch.Generator().manual_seed(2)
@@ -194,7 +195,7 @@ def test_moe_router_choices_match_the_full_forward(family):
 
 @pytest.mark.parametrize("family", ["qwen3_next-B", "mamba2", "falcon_h1", "deepseek_v3", "glm_moe_dsa",
                                     "kimi_linear-A", "gemma3-A", "mistral-sw", "cohere2", "glm4_moe", "nemotron_h",
-                                    "gemma3_mm", "stablelm-B", "nemotron"])
+                                    "gemma3_mm", "stablelm-B", "nemotron", "gpt_oss"])
 def test_sampled_logprobs_equal_a_full_forward(family):
     """Decoding one token at a time (the in-place single-token kernels run on the sampler's own clones)
     records the log-probs a full forward of prompt + response gives."""
