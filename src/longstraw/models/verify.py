@@ -64,8 +64,10 @@ _SIZES: dict[str, int] = {
     "num_experts": 4, "n_routed_experts": 4, "num_local_experts": 4, "moe_num_experts": 4,
     "n_group": 1, "topk_group": 1, "adapter_rank": 8, "lru_width": 64,
     "sliding_window": 16, "attention_window_size": 16, "attention_chunk_size": 16, "window_size": 16,
-    "max_window_layers": 0,
+    "max_window_layers": 0, "vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 16,
 }
+# Parameters the tiny copy may have at most: more means a size field this module does not know stayed large.
+MAX_PARAMS = 20_000_000
 _TOP_K = ("num_experts_per_tok", "num_experts_per_token", "moe_k", "top_k", "moe_topk", "num_selected_experts")
 _LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers")
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id", "decoder_start_token_id")
@@ -111,39 +113,86 @@ def _layer_index_fields(data: dict[str, Any], n: int) -> list[str]:
     return out
 
 
+def _field(config: Any, key: str) -> Any:
+    """config.key through the config's attribute map (GPT-2's n_embd answers hidden_size); None where the config has
+    no such field or only per-layer values of it."""
+    try:
+        return getattr(config, key, None)
+    except Exception:  # e.g. Gemma-4's per-layer head dims: no single value
+        return None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _shrink_widths(config: Any) -> Any:
     """A copy of `config` with every size field shrunk (depth unchanged)."""
     c = copy.deepcopy(text_config(config))
-    data = c.to_dict()
-    heads = data.get("num_attention_heads")
-    if isinstance(heads, int) and heads > 4:
-        kv = data.get("num_key_value_heads")
+    heads = _field(c, "num_attention_heads")
+    if _is_int(heads) and heads > 4:
+        kv = _field(c, "num_key_value_heads")
         c.num_attention_heads = 4
-        if "num_key_value_heads" in data:
+        if _is_int(kv):
             c.num_key_value_heads = _kv_heads(heads, kv, 4)
     for key, size in _SIZES.items():
-        value = data.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and value > size:
+        value = _field(c, key)
+        if _is_int(value) and value > size:
             setattr(c, key, size)
-    if isinstance(data.get("qk_rope_head_dim"), int):  # MLA: the RoPE head dim is `head_dim`, q/k heads nope + rope
-        rope, nope = c.qk_rope_head_dim, getattr(c, "qk_nope_head_dim", 0) or 0
-        if "head_dim" in data:
+    if "head_dim" in c.to_dict() and c.to_dict()["head_dim"] is None:  # hidden / heads: say it (some read it as is)
+        c.head_dim = 16
+    for key in ("intermediate_size",):  # per-layer widths (Gemma-3n)
+        value = _field(c, key)
+        if isinstance(value, list):
+            setattr(c, key, [min(v, _SIZES[key]) if _is_int(v) else v for v in value])
+    heads, head = _field(c, "mamba_n_heads"), _field(c, "mamba_d_head")
+    if _is_int(heads) and _is_int(head) and _is_int(_field(c, "mamba_d_ssm")):  # the SSM width is heads x head dim
+        c.mamba_d_ssm = heads * head
+    rotary, old_head = _field(c, "rotary_dim"), _head_dim(config)
+    if _is_int(rotary) and old_head:  # a partial rotary width keeps its share of the head (CodeGen, GPT-J)
+        c.rotary_dim = max(2, 2 * round(rotary * _head_dim(c) / old_head / 2))
+    inner = _field(c, "n_inner")  # GPT-2 style: the MLP width, None for 4 x hidden
+    if _is_int(inner) and inner > 96:
+        c.n_inner = 96
+    positions = _field(c, "max_position_embeddings")
+    if _is_int(positions) and positions > 4096 and _learned_positions(c):
+        c.max_position_embeddings = 4096
+    rope, nope = _field(c, "qk_rope_head_dim"), _field(c, "qk_nope_head_dim")
+    if _is_int(rope):  # MLA: the RoPE head dim is `head_dim`, q/k heads nope + rope
+        if _is_int(_field(c, "head_dim")):
             c.head_dim = rope
-        if "qk_head_dim" in data:
-            c.qk_head_dim = rope + nope
+        if _is_int(_field(c, "qk_head_dim")):
+            c.qk_head_dim = rope + (nope if _is_int(nope) else 0)
     for key in _TOP_K:
-        value = data.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 2:
+        value = _field(c, key)
+        if _is_int(value) and value > 2:
             setattr(c, key, 2)
-    if isinstance(data.get("vocab_size"), int) and data["vocab_size"] > VOCAB:
+    vocab = _field(c, "vocab_size")
+    if _is_int(vocab) and vocab > VOCAB:
         c.vocab_size = VOCAB
         for key in _TOKEN_IDS:
-            value = getattr(c, key, None)
-            if isinstance(value, int) and value >= VOCAB:
+            value = _field(c, key)
+            if _is_int(value) and value >= VOCAB:
                 setattr(c, key, VOCAB - 1 - _TOKEN_IDS.index(key))
             elif isinstance(value, list):
                 setattr(c, key, [i if i < VOCAB else VOCAB - 1 for i in value])
     return c
+
+
+def _head_dim(config: Any) -> int:
+    """The attention head size: `head_dim` where the config says it, else hidden / heads."""
+    head = _field(config, "head_dim")
+    if _is_int(head):
+        return head
+    hidden, heads = _field(config, "hidden_size"), _field(config, "num_attention_heads")
+    return hidden // heads if _is_int(hidden) and _is_int(heads) and heads else 0
+
+
+def _learned_positions(config: Any) -> bool:
+    """Whether the model learns a position embedding table (GPT-2, OPT, BLOOM's ALiBi has none): its size is then
+    max_position_embeddings x hidden, which a long-context config makes large."""
+    return str(_field(config, "position_embedding_type") or "absolute") == "absolute" and _field(
+        config, "rope_parameters") is None and _field(config, "rope_theta") is None
 
 
 def _layer_signature(layer: torch.nn.Module) -> str:
@@ -164,6 +213,11 @@ def _layer_kinds(config: Any) -> list[str]:
 
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
+    total = sum(p.numel() for p in model.parameters())
+    if total > MAX_PARAMS * 4:  # the full depth: its prefix is cut below
+        name, largest = max(((n, p) for n, p in model.named_parameters()), key=lambda item: item[1].numel())
+        raise ValueError(f"the shrunk config still has {total / 1e6:.0f}M parameters (largest: {name} "
+                         f"{tuple(largest.shape)}): a size field of {type(config).__name__} is not shrunk")
     return [_layer_signature(layer) for layer in decoder_layers(model)]
 
 

@@ -1,0 +1,73 @@
+"""The families admitted on the CI list (`SUPPORTED_MODEL_TYPES`) through their verification: each family's config
+with a released checkpoint's values (`check.RELEASED`; the class defaults elsewhere) passes `verify`, and a second,
+independent measurement on another shape agrees (prompt 61 in 16-token chunks, micro-batches of 2, another seed):
+`exact` equals `standard` within the verdict's tolerance, and `detach` does not (the prompt state matters).
+
+`test_every_decoder_only_text_type` (slow: ~10 min on 2 cores) runs every type of transformers' causal-LM mapping:
+none is admitted and wrong (every admitted type passes the second measurement), at least 90 decoder-only text types
+are admitted, and every refusal names a measured difference or the mechanism that failed."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import grads, random_group, rel_err
+
+from longstraw import backward_group
+from longstraw.models import architecture, check, verify
+
+# Families admitted through verification and kept on the CI list (the fast path). The families with tests of their
+# own in tests/engine/state/test_architectures.py are not repeated here.
+VERIFIED_FAMILIES = (
+    "qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "phi3", "olmo", "olmo2", "olmo3", "smollm3", "seed_oss", "exaone4",
+    "starcoder2", "gpt_neox", "glm", "glm4", "glm4_moe_lite", "apertus", "arcee", "bitnet", "hunyuan_v1_dense",
+    "hunyuan_v1_moe", "ernie4_5", "ernie4_5_moe", "minimax_m2", "deepseek_v2", "deepseek_v32", "bamba", "ministral",
+    "qwen3_5_moe_text", "gpt2", "phi", "gemma", "helium", "granite", "cohere",
+)
+
+
+def second_measurement(config, tolerance: float) -> tuple[float, float]:
+    """(exact vs standard relative gradient error, detach vs standard) on another shape and seed than `verify`'s."""
+    tiny, _ = verify.tiny_config(config)
+    model = verify.build_tiny_model(tiny, seed=1)
+    vocab = model.get_input_embeddings().num_embeddings
+    group = random_group(61, [7, 2, 12], seed=3, vocab=vocab)
+    out = {}
+    with architecture.under_verification(model):
+        for plan in ("standard", "exact", "detach"):
+            model.zero_grad(set_to_none=True)
+            result = backward_group(model, group, plan=plan, chunk_size=16, micro_batch=2)
+            out[plan] = (grads(model).clone(), result.logprobs)
+    (g_std, lp_std), (g_exact, lp_exact) = out["standard"], out["exact"]
+    for a, b in zip(lp_std, lp_exact):
+        assert float((a - b).abs().max()) <= tolerance
+    return rel_err(g_exact, g_std), rel_err(out["detach"][0], g_std)
+
+
+@pytest.mark.parametrize("model_type", VERIFIED_FAMILIES)
+def test_family_is_verified_and_on_the_ci_list(model_type):
+    assert model_type in architecture.SUPPORTED_MODEL_TYPES
+    config = check.sweep_config(model_type)
+    verdict = verify.verify(config)
+    assert verdict.admitted, verdict.summary()
+    exact, detach = second_measurement(config, verdict.tolerance)
+    assert exact <= verdict.tolerance, f"{model_type}: exact vs standard {exact:.3g} > {verdict.tolerance:g}"
+    assert detach > 1e-3, f"{model_type}: detach equals standard ({detach:.3g}): the prompt state is not exercised"
+
+
+@pytest.mark.slow
+def test_every_decoder_only_text_type():
+    admitted, refused = [], []
+    for model_type in check.causal_lm_types():
+        if model_type in check.NOT_DECODER_ONLY_TEXT:
+            continue
+        row = check._row(model_type)
+        if row["kind"] == "refused":
+            refused.append(row)
+            why = check._short(row)
+            assert ("off by" in why or "crashed" in why or "cannot be built" in why or "no tiny copy" in why
+                    or "refused:" in why), f"{model_type}: refusal without a measured reason: {why}"
+            continue
+        admitted.append(model_type)
+        exact, _ = second_measurement(check.sweep_config(model_type), row["tolerance"])
+        assert exact <= row["tolerance"], f"{model_type} admitted but exact vs standard is {exact:.3g}"
+    assert len(admitted) >= 90, f"{len(admitted)} admitted, {len(refused)} refused"
