@@ -113,3 +113,65 @@ def test_selected_logprobs_match_the_reference(token_chunk):
     for a, r in zip(g_fast, g_ref):
         assert (a - r).abs().max() < 1e-12
     assert bool((g_fast[0][~keep] == 0).all())
+
+
+def _capped_reference(hidden, weight, targets, softcap, temperature=1.0, logit_scale=1.0):
+    """transformers' Gemma-2 order, written out: projection (* factor), / cap, tanh, * cap, then / T."""
+    logits = hidden @ weight.t() * logit_scale
+    logits = torch.tanh(logits / softcap) * softcap / temperature
+    return torch.log_softmax(logits, -1).gather(-1, targets[..., None]).squeeze(-1)
+
+
+@pytest.mark.parametrize("token_chunk", [1, 4, 100])
+@pytest.mark.parametrize("temperature,logit_scale", [(1.0, 1.0), (0.7, 1.0), (1.0, 0.0625), (1.3, 2.0)])
+def test_chunked_logprobs_with_a_final_logit_softcap(token_chunk, temperature, logit_scale):
+    """Gemma-2's final_logit_softcapping (30): log_softmax(cap * tanh(h @ W.T * s / cap) / T), values and gradients of
+    hidden and weight against the written-out reference, float64. The logits are scaled so that many of them reach
+    tanh's curved part (|x| ~ cap), where a missing or misplaced cap shows."""
+    gen = torch.Generator().manual_seed(3)
+    hidden = (6.0 * torch.randn(2, 9, 16, generator=gen, dtype=torch.float64)).requires_grad_(True)
+    weight = (2.0 * torch.randn(50, 16, generator=gen, dtype=torch.float64)).requires_grad_(True)
+    targets = torch.randint(0, 50, (2, 9), generator=gen)
+    upstream = torch.randn(2, 9, generator=gen, dtype=torch.float64)
+    cap = 30.0 * logit_scale  # the scaled logits reach the cap's curved part at every factor
+    fast = chunked_logprobs(hidden, weight, targets, token_chunk, temperature, logit_scale, softcap=cap)
+    ref = _capped_reference(hidden, weight, targets, cap, temperature, logit_scale)
+    assert (fast - ref).abs().max() < 1e-12
+    assert (naive_logprobs(hidden, weight, targets, temperature, logit_scale, softcap=cap) - ref).abs().max() < 1e-12
+    uncapped = chunked_logprobs(hidden, weight, targets, token_chunk, temperature, logit_scale)
+    assert (fast - uncapped).abs().max() > 1.0  # the cap really changes them
+    g_fast = torch.autograd.grad((fast * upstream).sum(), [hidden, weight])
+    g_ref = torch.autograd.grad((ref * upstream).sum(), [hidden, weight])
+    for a, r in zip(g_fast, g_ref):
+        assert (a - r).abs().max() / r.abs().max() < 1e-12
+
+
+def test_selected_logprobs_with_a_softcap():
+    gen = torch.Generator().manual_seed(4)
+    hidden = (6.0 * torch.randn(2, 7, 16, generator=gen, dtype=torch.float64)).requires_grad_(True)
+    weight = (2.0 * torch.randn(50, 16, generator=gen, dtype=torch.float64)).requires_grad_(True)
+    targets = torch.randint(0, 50, (2, 7), generator=gen)
+    keep = torch.rand(2, 7, generator=gen) < 0.6
+    fast = selected_logprobs(hidden, weight, targets, keep, 3, temperature=0.8, softcap=30.0)
+    ref = masked_logprobs_reference(hidden, weight, targets, keep, temperature=0.8, softcap=30.0)
+    assert (fast - ref).abs().max() < 1e-12
+    g_fast, g_ref = torch.autograd.grad(fast.sum(), [hidden, weight]), torch.autograd.grad(ref.sum(), [hidden, weight])
+    for a, r in zip(g_fast, g_ref):
+        assert (a - r).abs().max() / r.abs().max() < 1e-12
+
+
+def test_gradcheck_softcapped_logprobs():
+    gen = torch.Generator().manual_seed(5)
+    hidden = (3.0 * torch.randn(5, 4, generator=gen, dtype=torch.float64)).requires_grad_(True)
+    weight = torch.randn(7, 4, generator=gen, dtype=torch.float64).requires_grad_(True)
+    targets = torch.randint(0, 7, (5,), generator=gen)
+    fn = lambda h, w: chunked_logprobs(h, w, targets, 2, 0.9, 1.5, softcap=2.0)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (hidden, weight))
+
+
+@pytest.mark.parametrize("softcap", [0.0, -30.0])
+def test_a_softcap_must_be_positive(softcap):
+    gen = torch.Generator().manual_seed(6)
+    with pytest.raises(ValueError, match="final_logit_softcapping must be > 0"):
+        chunked_logprobs(torch.randn(3, 4, generator=gen), torch.randn(5, 4, generator=gen), torch.zeros(3).long(),
+                         softcap=softcap)

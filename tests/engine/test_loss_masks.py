@@ -153,9 +153,9 @@ def test_bad_masks_are_refused_when_the_group_is_built(masks, error, match):
         Group(prompt=g.prompt, responses=g.responses, advantages=g.advantages, loss_masks=masks())
 
 
-def _unskipped(hidden, weight, targets, keep, token_chunk, temperature, logit_scale, fill=0.0):
+def _unskipped(hidden, weight, targets, keep, token_chunk, temperature, logit_scale, fill=0.0, softcap=None):
     """The replay's log-probs with every row through the output projection (the path without the skip)."""
-    full = replay.chunked_logprobs(hidden, weight, targets, token_chunk, temperature, logit_scale)
+    full = replay.chunked_logprobs(hidden, weight, targets, token_chunk, temperature, logit_scale, softcap=softcap)
     return torch.where(keep, full, torch.full_like(full, fill))
 
 
@@ -172,9 +172,9 @@ def test_skipping_masked_tokens_output_projection_changes_nothing(plan, family, 
         model = tiny_model(family)
         rows: list[int] = []  # the output projection's rows, per call
 
-        def counted(h, *args, rows=rows):
+        def counted(h, *args, rows=rows, **kwargs):
             rows.append(h.shape[:-1].numel())
-            return chunked_logprobs(h, *args)
+            return chunked_logprobs(h, *args, **kwargs)
 
         with monkeypatch.context() as m:
             if path == "unskipped":

@@ -12,9 +12,12 @@ beside it computes every row and overwrites the others, the plain statement it m
 `temperature` scores log_softmax(logits / temperature), as samplers that draw at a temperature (and TRL's trainer,
 which scores at its sampling temperature) define the policy's log-probs; 1.0 leaves the logits as they are.
 
-`logit_scale` is a factor the model's own forward applies to the projection before anything else (Cohere2's
-`logits = lm_head(h) * logit_scale`: `models.architecture.logit_scale` says which factor a model uses). The logits
-scored are then (hidden @ weight.T) * logit_scale / temperature, in that order, as transformers computes them.
+`logit_scale` is a factor the model's own forward applies to the projection before anything else (Cohere's
+`logits = lm_head(h) * logit_scale`, Granite's `/ logits_scaling`: `models.architecture.logit_scale` says which factor a
+model uses). `softcap` is the final-logit soft-capping of Gemma-2 (`final_logit_softcapping`,
+`models.architecture.logit_softcap`): softcap * tanh(logits / softcap). The logits scored are then
+softcap * tanh((hidden @ weight.T) * logit_scale / softcap) / temperature, in that order, as transformers' forward
+forms them and the samplers then divide by the temperature.
 """
 
 from __future__ import annotations
@@ -40,33 +43,43 @@ def accumulated_logits(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (h @ weight.t()).to(acc)
 
 
-def _scaled(logits: torch.Tensor, logit_scale: float, temperature: float) -> torch.Tensor:
-    """logits * logit_scale / temperature, in place (the order transformers' forward and the samplers use)."""
+def _scaled(logits: torch.Tensor, logit_scale: float, temperature: float,
+            softcap: float | None = None) -> torch.Tensor:
+    """softcap * tanh(logits * logit_scale / softcap) / temperature, in place (the order transformers' forward and
+    the samplers use; no cap when softcap is None). logits (c, V) -> (c, V)."""
     if logit_scale != 1.0:
         logits.mul_(logit_scale)
+    if softcap is not None:
+        logits.div_(softcap).tanh_().mul_(softcap)
     if temperature != 1.0:
         logits.div_(temperature)
     return logits
 
 
+def check_softcap(softcap: float | None) -> None:
+    """A soft-cap must be a positive number (or None: none)."""
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"final_logit_softcapping must be > 0 or None, got {softcap}")
+
+
 class _ChunkedLogprobs(torch.autograd.Function):
-    """hidden (N, d), weight (V, d), targets (N,) -> logp (N,) = log_softmax(hidden @ weight.T * s / T)[n, targets[n]]
-    (s: logit_scale), in the accumulation dtype (fp32 for a bf16/fp16 model; the logits, log-sum-exp and softmax
-    too)."""
+    """hidden (N, d), weight (V, d), targets (N,) -> logp (N,) = log_softmax(cap(hidden @ weight.T * s) / T)[n,
+    targets[n]] (s: logit_scale; cap(x) = softcap * tanh(x / softcap), the identity without a softcap), in the
+    accumulation dtype (fp32 for a bf16/fp16 model; the logits, log-sum-exp and softmax too)."""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, token_chunk: int,
-                temperature: float = 1.0, logit_scale: float = 1.0):
+                temperature: float = 1.0, logit_scale: float = 1.0, softcap: float | None = None):
         out = torch.empty(hidden.shape[0], dtype=accumulation_dtype(hidden.dtype), device=hidden.device)
         lse = torch.empty_like(out)
         for s in range(0, hidden.shape[0], token_chunk):
             logits = _scaled(accumulated_logits(hidden[s : s + token_chunk], weight), logit_scale,
-                             temperature)  # (c, V)
+                             temperature, softcap)  # (c, V)
             tgt = targets[s : s + token_chunk]
             lse[s : s + token_chunk] = torch.logsumexp(logits, dim=-1)
             out[s : s + token_chunk] = logits.gather(1, tgt[:, None]).squeeze(1) - lse[s : s + token_chunk]
         ctx.token_chunk = token_chunk
-        ctx.temperature, ctx.logit_scale = temperature, logit_scale
+        ctx.temperature, ctx.logit_scale, ctx.softcap = temperature, logit_scale, softcap
         ctx.save_for_backward(hidden, weight, targets, lse)  # lse: N numbers, so backward skips a softmax pass
         return out
 
@@ -76,10 +89,17 @@ class _ChunkedLogprobs(torch.autograd.Function):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         d_hidden = torch.empty_like(hidden) if need_h else None
         d_weight = torch.zeros_like(weight) if need_w else None
-        c, temperature, logit_scale = ctx.token_chunk, ctx.temperature, ctx.logit_scale
+        c, temperature, logit_scale, softcap = ctx.token_chunk, ctx.temperature, ctx.logit_scale, ctx.softcap
         for s in range(0, hidden.shape[0], c):
             h = hidden[s : s + c]
-            logits = _scaled(accumulated_logits(h, weight), logit_scale, temperature)  # (c, V), recomputed
+            logits = _scaled(accumulated_logits(h, weight), logit_scale, 1.0)  # (c, V), recomputed
+            slope = None
+            if softcap is not None:  # d(cap * tanh(x / cap)) / dx = 1 - tanh(x / cap)^2, kept before the softmax
+                logits.div_(softcap).tanh_()
+                slope = 1.0 - logits * logits  # (c, V)
+                logits.mul_(softcap)
+            if temperature != 1.0:
+                logits.div_(temperature)
             # d logp / d logits = onehot(target) - softmax(logits), scaled by the incoming gradient;
             # softmax = exp(logits - lse) in place, with the forward's lse.
             g = grad_out[s : s + c, None].to(logits.dtype)
@@ -87,6 +107,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
             d_logits.scatter_add_(1, targets[s : s + c, None], g)
             if temperature != 1.0:
                 d_logits.div_(temperature)  # d(logits / T) / d(logits)
+            if slope is not None:
+                d_logits.mul_(slope)  # d(capped) / d(scaled projection)
             if logit_scale != 1.0:
                 d_logits.mul_(logit_scale)  # d(projection * s) / d(projection)
             d_logits = d_logits.to(weight.dtype)  # the two products run in the model's dtype
@@ -94,31 +116,38 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 d_hidden[s : s + c] = d_logits @ weight
             if d_weight is not None:  # need_w
                 d_weight.addmm_(d_logits.t(), h)
-        return d_hidden, d_weight, None, None, None, None
+        return d_hidden, d_weight, None, None, None, None, None
 
 
 def chunked_logprobs(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, token_chunk: int = DEFAULT_TOKEN_CHUNK,
-    temperature: float = 1.0, logit_scale: float = 1.0,
+    temperature: float = 1.0, logit_scale: float = 1.0, softcap: float | None = None,
 ) -> torch.Tensor:
     """hidden (..., d), weight (V, d), targets (...) -> log-probs (...) of the logits (hidden @ weight.T) *
-    logit_scale at `temperature`. Differentiable in hidden and weight."""
+    logit_scale, soft-capped to softcap * tanh(. / softcap) if softcap is set, at `temperature`. Differentiable in
+    hidden and weight."""
+    check_softcap(softcap)
     shape = targets.shape
     flat = _ChunkedLogprobs.apply(hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), token_chunk,
-                                  temperature, logit_scale)
+                                  temperature, logit_scale, softcap)
     return flat.view(shape)
 
 
 def naive_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                   temperature: float = 1.0, logit_scale: float = 1.0) -> torch.Tensor:
-    """Reference: full logits, log_softmax, gather. Same shapes as `chunked_logprobs`; fp32 for bf16/fp16."""
-    logits = (hidden @ weight.t() * logit_scale).to(accumulation_dtype(hidden.dtype)) / temperature
+                   temperature: float = 1.0, logit_scale: float = 1.0, softcap: float | None = None) -> torch.Tensor:
+    """Reference: full logits, soft-cap (as transformers' Gemma-2 forward: / cap, tanh, * cap), log_softmax, gather.
+    Same shapes as `chunked_logprobs`; fp32 for bf16/fp16."""
+    logits = (hidden @ weight.t() * logit_scale).to(accumulation_dtype(hidden.dtype))
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    logits = logits / temperature
     return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
 def selected_logprobs(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, keep: torch.Tensor,
     token_chunk: int = DEFAULT_TOKEN_CHUNK, temperature: float = 1.0, logit_scale: float = 1.0, fill: float = 0.0,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """hidden (..., d), weight (V, d), targets (...), keep (...) bool -> log-probs (...): `chunked_logprobs` where
     keep is True, `fill` elsewhere (no gradient there). The output projection runs on keep's True rows only, so it
@@ -127,16 +156,17 @@ def selected_logprobs(
     shape = targets.shape
     rows = keep.reshape(-1).nonzero().squeeze(1)  # (n,)
     kept = chunked_logprobs(hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows), weight,
-                            targets.reshape(-1).index_select(0, rows), token_chunk, temperature, logit_scale)  # (n,)
+                            targets.reshape(-1).index_select(0, rows), token_chunk, temperature, logit_scale,
+                            softcap)  # (n,)
     out = torch.full((targets.numel(),), fill, dtype=kept.dtype, device=kept.device)
     return out.index_copy(0, rows, kept).view(shape)  # differentiable in `kept`
 
 
 def masked_logprobs_reference(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, keep: torch.Tensor,
-    temperature: float = 1.0, logit_scale: float = 1.0, fill: float = 0.0,
+    temperature: float = 1.0, logit_scale: float = 1.0, fill: float = 0.0, softcap: float | None = None,
 ) -> torch.Tensor:
     """Reference for `selected_logprobs`: every row's log-prob (`naive_logprobs`), then `fill` where keep is
     False. Same shapes."""
-    full = naive_logprobs(hidden, weight, targets, temperature, logit_scale)
+    full = naive_logprobs(hidden, weight, targets, temperature, logit_scale, softcap)
     return torch.where(keep, full, torch.full_like(full, fill))

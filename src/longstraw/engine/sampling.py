@@ -32,7 +32,7 @@ from longstraw.engine.state.checks import check_materialised, check_prompt_state
 from longstraw.engine.state.prompt import PromptState
 from longstraw.engine.state.response import ResponseState
 from longstraw.engine.state.sharding import ContextShards
-from longstraw.models.architecture import hf, logit_scale
+from longstraw.models.architecture import hf, logit_scale, logit_softcap
 
 
 @dataclass(frozen=True)
@@ -137,7 +137,8 @@ def sample_group(
         state = capture_prompt(model, prompt[:-1], chunk_size, keep_boundaries=keep_boundaries,
                                context_shards=context_shards)
     weight = hf(model).get_output_embeddings().weight  # (V, d)
-    scale = logit_scale(model)  # the factor the model's own forward applies to the projection (Cohere2)
+    scale = logit_scale(model)  # the factor the model's own forward applies to the projection (Cohere, Granite)
+    softcap = logit_softcap(model)  # and its final-logit soft-cap after that factor (Gemma-2)
     generated = ResponseState(group_size, sampling.max_new_tokens)
     gen = torch.Generator(device=device).manual_seed(seed)
     stop = torch.tensor(sampling.stop_ids, dtype=torch.long, device=device)
@@ -154,6 +155,8 @@ def sample_group(
         logits = accumulated_logits(hidden[:, -1], weight)  # (G, V): sample and score in >= fp32 (precision.py)
         if scale != 1.0:
             logits = logits * scale
+        if softcap is not None:  # as transformers' forward: / cap, tanh, * cap; the temperature divides after
+            logits = torch.tanh(logits / softcap) * softcap
         policy_logp = torch.log_softmax(logits, dim=-1)
         filtered = _filter_logits(logits / sampling.temperature, sampling.top_k, sampling.top_p)
         probs = torch.softmax(filtered, dim=-1)

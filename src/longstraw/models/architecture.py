@@ -94,15 +94,44 @@ def stateless_layers(model: torch.nn.Module) -> frozenset[int]:
 
 
 def logit_scale(model: torch.nn.Module) -> float:
-    """The factor the model's forward multiplies its output projection by: Cohere2's `config.logit_scale`
-    (`logits = lm_head(h) * logit_scale`, 0.0625 in Command R7B); 1.0 for every other supported family, whose forward
-    returns the projection as it is. Every log-prob LongStraw computes from the output projection applies it: a
-    missing factor would give other log-probs and a silently wrong gradient."""
+    """The one multiplicative factor the causal LM's forward applies between the decoder's final hidden states (what
+    `run_segment` returns) and the logits it returns, read from the model's config; 1.0 for families that apply none.
+
+    * Cohere, Cohere2, Cohere2-MoE: `logits = lm_head(h) * logit_scale` (0.0625 in Command R v1 and R7B);
+    * Granite, GraniteMoE, GraniteMoeShared, GraniteMoeHybrid and their sliding-window variants:
+      `logits / logits_scaling` (16.0 in granite-3.x-8b), returned as its inverse 1 / logits_scaling: a division is a
+      multiplication by 1 / x;
+    * HyperCLOVA X: `lm_head(h) * logits_scaling`;
+    * MiniCPM3: `h / logits_scaling` before the output projection, which has no bias (`check_architecture`), so it is
+      the same factor on the logits;
+    * Falcon-H1: `lm_head(h) * lm_head_multiplier`.
+
+    It is read from the config of the model's own class (a multimodal wrapper whose forward applies no factor gets 1.0).
+    Every log-prob LongStraw computes from the output projection applies it: a missing factor would give other
+    log-probs and a silently wrong gradient. A soft-cap after it is `logit_softcap`."""
     config = hf(model).config
-    if config.model_type == "cohere2":
+    model_type = config.model_type
+    if model_type in ("cohere", "cohere2", "cohere2_moe"):
         return float(config.logit_scale)
+    elif model_type in ("granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "granite_swa",
+                        "granitemoe_swa"):
+        return 1.0 / float(config.logits_scaling)
+    elif model_type == "hyperclovax":
+        return float(config.logits_scaling)
+    elif model_type == "minicpm3":
+        return 1.0 / float(config.logits_scaling)
+    elif model_type == "falcon_h1":
+        return float(config.lm_head_multiplier)
     else:
         return 1.0
+
+
+def logit_softcap(model: torch.nn.Module) -> float | None:
+    """The final-logit soft-cap the causal LM's forward applies after `logit_scale`'s factor: cap * tanh(logits / cap)
+    with cap = `config.final_logit_softcapping` (Gemma-2: 30.0; Gemma-3 text configs set none), None without one.
+    Read from the config of the model's own class, as its forward reads it."""
+    cap = getattr(hf(model).config, "final_logit_softcapping", None)
+    return None if cap is None else float(cap)
 
 
 # The model types that need a later transformers than MIN_TRANSFORMERS: the oldest release with which LongStraw
@@ -175,12 +204,6 @@ def check_architecture(model: torch.nn.Module, max_length: int) -> None:
             f"{', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     check_transformers_for(model_type)
-    softcap = getattr(config, "final_logit_softcapping", None)
-    if softcap is not None:
-        raise ValueError(
-            f"{model_type} with final_logit_softcapping={softcap} is not supported: the "
-            "chunked log-prob does not soft-cap logits; use a config with final_logit_softcapping=None"
-        )
     if getattr(model, "base_model", None) is None or hf(model).get_output_embeddings() is None:
         raise ValueError(f"{type(model).__name__} is not a causal LM with a decoder and an output projection")
     if getattr(hf(model).get_output_embeddings(), "bias", None) is not None:

@@ -19,7 +19,7 @@ import torch
 from longstraw.engine.logprobs import chunked_logprobs, selected_logprobs
 from longstraw.engine.segment import run_segment
 from longstraw.engine.state.prompt import PromptState
-from longstraw.models.architecture import hf, logit_scale
+from longstraw.models.architecture import hf, logit_scale, logit_softcap
 
 # A micro-batch's share of the group loss from its log-probs and mask (k, T) and which responses it holds (both
 # plans, replay and standard, call it; `api.backward_group` builds it).
@@ -97,7 +97,8 @@ def replay_responses(
     """
     p = prompt.numel()
     weight = hf(model).get_output_embeddings().weight  # (V, d)
-    scale = logit_scale(model)  # the factor the model's own forward applies to the projection (Cohere2)
+    scale = logit_scale(model)  # the factor the model's own forward applies to the projection (Cohere, Granite)
+    softcap = logit_softcap(model)  # and its final-logit soft-cap after that factor (Gemma-2)
     total = 0.0
     logprobs: list[torch.Tensor | None] = [None] * len(responses)
     for first in range(0, len(responses), micro_batch):
@@ -113,12 +114,14 @@ def replay_responses(
         hidden = run_segment(model, inputs, p - 1, state.fork())  # (k, R_max, d)
         assert hidden is not None  # None only with kv_only
         if loss_masks is None or loss_fn is None:
-            logp = chunked_logprobs(hidden, weight, targets, token_chunk, temperature, scale)  # (k, R_max)
+            logp = chunked_logprobs(hidden, weight, targets, token_chunk, temperature, scale,
+                                    softcap=softcap)  # (k, R_max)
         else:
             keep = torch.zeros_like(mask)  # (k, R_max): loss tokens
             for row, i in enumerate(idx):
                 keep[row, : responses[i].numel()] = loss_masks[i].to(keep.device)
-            logp = selected_logprobs(hidden, weight, targets, keep, token_chunk, temperature, scale)  # (k, R_max)
+            logp = selected_logprobs(hidden, weight, targets, keep, token_chunk, temperature, scale,
+                                     softcap=softcap)  # (k, R_max)
         total += finish_batch(logp, mask, idx, loss_fn, responses, logprobs)
         if loss_masks is not None and loss_fn is not None:
             for i in idx:  # not computed: NaN, so that no one reads the placeholder as a log-prob
