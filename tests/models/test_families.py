@@ -18,10 +18,10 @@ from longstraw.models import architecture, check, verify
 # Families admitted through verification and kept on the CI list (the fast path). The families with tests of their
 # own in tests/engine/state/test_architectures.py are not repeated here.
 VERIFIED_FAMILIES = (
-    "qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "phi3", "olmo", "olmo2", "olmo3", "smollm3", "seed_oss", "exaone4",
-    "starcoder2", "gpt_neox", "glm", "glm4", "glm4_moe_lite", "apertus", "arcee", "bitnet", "hunyuan_v1_dense",
-    "hunyuan_v1_moe", "ernie4_5", "ernie4_5_moe", "minimax_m2", "deepseek_v2", "deepseek_v32", "bamba", "ministral",
-    "qwen3_5_moe_text", "gpt2", "phi", "gemma", "helium", "granite", "cohere",
+    "qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "phi3", "phimoe", "olmo", "olmo2", "olmo3", "smollm3", "seed_oss",
+    "exaone4", "lfm2", "starcoder2", "gpt_neox", "glm", "glm4", "glm4_moe_lite", "apertus", "arcee", "bitnet",
+    "hunyuan_v1_dense", "hunyuan_v1_moe", "ernie4_5", "ernie4_5_moe", "dots1", "minimax_m2", "deepseek_v2",
+    "deepseek_v32", "bamba", "ministral", "olmo_hybrid", "qwen3_5_moe_text", "gpt2", "gemma", "helium",
 )
 
 

@@ -12,12 +12,15 @@ from packaging.version import Version
 
 from longstraw import Group, backward_group
 from longstraw.models.architecture import (
+    CI_TRANSFORMERS,
     MIN_TRANSFORMERS,
     MIN_TRANSFORMERS_BY_MODEL_TYPE,
     SUPPORTED_MODEL_TYPES,
+    TESTED_ON_OLDEST,
     cache_keyword,
     check_architecture,
     check_transformers,
+    on_the_ci_list,
     transformers_too_old,
 )
 
@@ -57,6 +60,8 @@ def test_check_architecture_refuses_model_types_too_new_for_this_transformers():
     later one, that it is no causal LM)."""
     for model_type in SUPPORTED_MODEL_TYPES:
         why = transformers_too_old(model_type)
+        if why is None and not on_the_ci_list(model_type):
+            continue  # off the CI list on this transformers: its config is checked (tests/models/test_verify.py)
         with pytest.raises(ValueError) as error:
             check_architecture(_stub(model_type), 10)
         if why is not None:
@@ -100,3 +105,16 @@ def test_the_cache_keyword_is_read_from_the_forward_signature():
     with pytest.raises(TypeError, match=r"NoCache\.forward takes no cache argument .* on transformers "
                                         + re.escape(transformers.__version__)):
         cache_keyword(NoCache())
+
+
+def test_the_ci_list_is_the_pinned_transformers_and_the_oldest_tested_families():
+    """The fast path: every supported type on the transformers constraints.txt pins; on another release only the
+    types `make test-oldest` covers, the others being checked like any model."""
+    from pathlib import Path
+
+    pins = (Path(__file__).resolve().parents[2] / "constraints.txt").read_text()
+    assert f"transformers=={CI_TRANSFORMERS}\n" in pins
+    assert set(TESTED_ON_OLDEST) <= set(SUPPORTED_MODEL_TYPES)
+    assert all(on_the_ci_list(t, CI_TRANSFORMERS) for t in SUPPORTED_MODEL_TYPES)
+    assert on_the_ci_list("llama", "5.10.4") and not on_the_ci_list("gpt2", CI_TRANSFORMERS)
+    assert all(not on_the_ci_list(t, "5.10.4") for t in SUPPORTED_MODEL_TYPES if t not in TESTED_ON_OLDEST)

@@ -31,11 +31,13 @@ from longstraw.engine.options import BackwardOptions
 from longstraw.engine.plans.detach import detach
 from longstraw.engine.plans.exact import exact
 from longstraw.engine.plans.replay import LossFn
+from longstraw.engine.plans.routes import count_routes
 from longstraw.engine.plans.standard import standard
 from longstraw.engine.precision import accumulation_dtype
+from longstraw.engine.router import RouterAux, RouterCounts, aux_value
 from longstraw.engine.state.checks import check_materialised, check_prompt_state
 from longstraw.engine.state.prompt import PromptState
-from longstraw.models.architecture import RECURRENT_MODEL_TYPES, check_architecture, eval_mode_when_equal, hf
+from longstraw.models.architecture import check_architecture, eval_mode_when_equal, hf, is_recurrent
 
 
 @dataclass
@@ -45,12 +47,27 @@ class GroupResult:
     times.
 
     skipped: why no gradient pass ran ("zero_advantage": every advantage 0 and beta 0, so the loss and its
-    gradient are exactly 0), or None. A skipped group has loss 0.0, no logprobs ([]) and zero phase times."""
+    gradient are exactly 0), or None. A skipped group has loss 0.0, no logprobs ([]) and zero phase times.
+
+    router_probs: with router_aux_coef > 0, the group's Σ weight · softmax(router logits) over its tokens and MoE
+    layers (E,) float32 (`router.aux_value` of a batch's counts and the sum over its groups is transformers' aux
+    loss); `stats["router_aux_loss"]` is that value when the batch is the group itself. `loss` leaves the term out."""
 
     loss: float
     logprobs: list[torch.Tensor]
     stats: dict[str, float | int | str] = field(default_factory=dict)
     skipped: str | None = None
+    router_probs: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class RouterBatch:
+    """The batch the router load-balancing loss is taken over when it holds more than this group (a trainer's
+    micro-batch of several groups): counts, the batch's `router_counts` summed over its groups; prompt_copies: how
+    many of its sequences hold this group's prompt (None: the group's size G)."""
+
+    counts: RouterCounts
+    prompt_copies: int | None = None
 
 
 def _check_model_and_group(model: torch.nn.Module, group: Group, beta: float) -> None:
@@ -116,6 +133,7 @@ def backward_group(
     options: BackwardOptions | None = None,
     *,
     prompt_state: PromptState | None = None,
+    router_batch: RouterBatch | None = None,
     **settings: Any,
 ) -> GroupResult:
     """Accumulate d(group loss)/d(params) into `.grad`, as `loss.backward()` would (never zeroes or steps).
@@ -125,12 +143,47 @@ def backward_group(
     on top of `options` (or of the defaults: plan "exact", loss "grpo"). Each is documented on `BackwardOptions`.
     prompt_state: a state already captured for this prompt (e.g. by the sampler, `sample_group(...).state`) to
     reuse instead of capturing again (detach/exact; prompt[:-1], with keep_boundaries=True for exact).
+    router_batch (router_aux_coef > 0): the batch the load-balancing loss is taken over, when larger than the group.
     """
     options = _options(options, settings)
     training = options.allow_train_mode and any(m.training for m in model.modules())
     with eval_mode_when_equal(model) if training else nullcontext():
         _check(model, group, options, prompt_state)
-        return _backward(model, group, options, prompt_state)
+        _check_router_batch(group, options, router_batch)
+        return _backward(model, group, options, prompt_state, router_batch)
+
+
+def router_counts(model: torch.nn.Module, group: Group, options: BackwardOptions | None = None, *,
+                  prompt_copies: int | None = None, **settings: Any) -> RouterCounts:
+    """The group's top-k router counts (`engine/router.py`), each prompt token counted `prompt_copies` times (None:
+    G), through the passes `options`' plan runs, without grad: add those of a batch's groups for `RouterBatch`."""
+    options = _options(options, settings)
+    training = options.allow_train_mode and any(m.training for m in model.modules())
+    with eval_mode_when_equal(model) if training else nullcontext():
+        _check(model, group, options, None)
+        prompt, responses = _on_device(model, group)
+        counts, _ = count_routes(model, prompt, responses, options, None, prompt_copies or group.size)
+    return counts
+
+
+def _check_router_batch(group: Group, options: BackwardOptions, router_batch: RouterBatch | None) -> None:
+    if router_batch is None:
+        return
+    if not isinstance(router_batch, RouterBatch):
+        raise TypeError(f"router_batch must be a longstraw RouterBatch, got {type(router_batch).__name__}")
+    if not options.router_aux_coef:
+        raise ValueError("router_batch is the batch of the router load-balancing loss, which is off: set "
+                         "router_aux_coef > 0 or pass no router_batch")
+    copies = router_batch.prompt_copies
+    if copies is not None and (isinstance(copies, bool) or not isinstance(copies, int) or copies < group.size):
+        raise ValueError(f"router_batch.prompt_copies must be an integer >= the group's size ({group.size}): the "
+                         f"sequences of the batch that hold the prompt, got {copies!r}")
+
+
+def _on_device(model: torch.nn.Module, group: Group) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    device = hf(model).get_input_embeddings().weight.device
+    prompt = group.prompt.to(device=device, dtype=torch.long)
+    return prompt, [r.to(device=device, dtype=torch.long) for r in group.responses]
 
 
 def _options(options: BackwardOptions | None, settings: dict[str, Any]) -> BackwardOptions:
@@ -153,7 +206,7 @@ def check_model_options(model: torch.nn.Module, options: BackwardOptions) -> Non
         raise ValueError("no parameter of the model requires grad, so there is nothing to train: unfreeze the "
                          "parameters to train (param.requires_grad_(True)) or add an adapter")
     model_type = hf(model).config.model_type
-    if options.plan == "exact" and options.chunk_size == 1 and model_type in RECURRENT_MODEL_TYPES:
+    if options.plan == "exact" and options.chunk_size == 1 and is_recurrent(model):
         raise ValueError(
             f"chunk_size=1 with the exact plan on {model_type}: its recurrent layers update their "
             "state in place for one-token chunks, which the prompt backward cannot differentiate; use chunk_size >= 2"
@@ -185,7 +238,7 @@ def _check_prompt_state(model: torch.nn.Module, state: PromptState, group: Group
 
 
 def _backward(model: torch.nn.Module, group: Group, options: BackwardOptions,
-              prompt_state: PromptState | None) -> GroupResult:
+              prompt_state: PromptState | None, router_batch: RouterBatch | None = None) -> GroupResult:
     device = hf(model).get_input_embeddings().weight.device
     # The loss runs in the accumulation dtype (fp32 for a bf16/fp16 model, precision.py), as do its inputs.
     dtype = accumulation_dtype(hf(model).get_input_embeddings().weight.dtype)
@@ -194,20 +247,38 @@ def _backward(model: torch.nn.Module, group: Group, options: BackwardOptions,
                                            "group_size": group.size, "checkpoint": options.checkpoint,
                                            "offload_state": options.offload_state,
                                            "keep_prompt_graph": options.keep_prompt_graph}
-    if options.loss_config.beta == 0 and not bool((group.advantages != 0).any()):
+    if options.loss_config.beta == 0 and not options.router_aux_coef and not bool((group.advantages != 0).any()):
         # Every loss's policy term is A times a function of the ratio and log-probs (cispo and vespo weigh logp by
         # detached weights), plus the KL term only when beta > 0: with every A = 0 the gradient is exactly zero, so
         # the passes would add zeros.
         stats.update(prompt_state_bytes=prompt_state.nbytes() if prompt_state is not None else 0, capture_s=0.0,
                      replay_s=0.0, prompt_backward_s=0.0)
         return GroupResult(loss=0.0, logprobs=[], stats=stats, skipped="zero_advantage")
-    prompt = group.prompt.to(device=device, dtype=torch.long)
-    responses = [r.to(device=device, dtype=torch.long) for r in group.responses]
+    prompt, responses = _on_device(model, group)
     loss_fn, backwards = _loss_fn(group, options, device, dtype)
+    router = None
+    if options.router_aux_coef:
+        copies = group.size if router_batch is None or router_batch.prompt_copies is None else \
+            router_batch.prompt_copies
+        t0 = time.perf_counter()
+        counts, state = count_routes(model, prompt, responses, options, prompt_state, copies)
+        prompt_state = state if options.plan in ("detach", "exact") else prompt_state
+        router = RouterAux(model, counts if router_batch is None else router_batch.counts, options.router_aux_coef,
+                           copies, group.size)
+        stats["router_count_s"] = time.perf_counter() - t0
     with _restoring_gradients(model, backwards), checkpointed_layers(model, enabled=options.checkpoint == "layers"):
-        total, logprobs = _run_plan(model, prompt, responses, loss_fn, options, prompt_state, stats,
-                                    group.loss_masks)
-    return GroupResult(loss=total, logprobs=logprobs, stats=stats)
+        if router is None:
+            total, logprobs = _run_plan(model, prompt, responses, loss_fn, options, prompt_state, stats,
+                                        group.loss_masks)
+        else:
+            with router.tap.hooked():
+                total, logprobs = _run_plan(model, prompt, responses, loss_fn, options, prompt_state, stats,
+                                            group.loss_masks, router)
+    if router is None:
+        return GroupResult(loss=total, logprobs=logprobs, stats=stats)
+    if router_batch is None:
+        stats["router_aux_loss"] = aux_value(router.counts, router.prob_sums)
+    return GroupResult(loss=total, logprobs=logprobs, stats=stats, router_probs=router.prob_sums)
 
 
 def _loss_fn(group: Group, options: BackwardOptions, device: torch.device,
@@ -267,19 +338,20 @@ def _restoring_gradients(model: torch.nn.Module, backwards: list[int]) -> Iterat
 def _run_plan(model: torch.nn.Module, prompt: torch.Tensor, responses: list[torch.Tensor], loss_fn: LossFn,
               options: BackwardOptions, prompt_state: PromptState | None,
               stats: dict[str, float | int | str],
-              loss_masks: list[torch.Tensor] | None = None) -> tuple[float, list[torch.Tensor]]:
+              loss_masks: list[torch.Tensor] | None = None,
+              router: RouterAux | None = None) -> tuple[float, list[torch.Tensor]]:
     """The plan itself; phase times and the state's size go into `stats`. The replay plans skip the output
     projection of tokens that `loss_masks` marks False (the standard plans, the ground truth, score every token)."""
     plan = options.plan
     if plan in ("standard", "standard_batched"):
         t0 = time.perf_counter()
         total, logprobs = standard(model, prompt, responses, loss_fn, batched=plan == "standard_batched",
-                                   temperature=options.temperature)
+                                   temperature=options.temperature, router=router)
         stats.update(prompt_state_bytes=0, capture_s=0.0, replay_s=time.perf_counter() - t0, prompt_backward_s=0.0)
         return total, logprobs
     elif plan == "detach":
-        return detach(model, prompt, responses, loss_fn, options, prompt_state, stats, loss_masks)
+        return detach(model, prompt, responses, loss_fn, options, prompt_state, stats, loss_masks, router)
     elif plan == "exact":
-        return exact(model, prompt, responses, loss_fn, options, prompt_state, stats, loss_masks)
+        return exact(model, prompt, responses, loss_fn, options, prompt_state, stats, loss_masks, router)
     else:
         raise ValueError(f"unknown plan {plan!r}")

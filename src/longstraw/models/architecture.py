@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import inspect
 import re
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -69,10 +70,19 @@ def cache_keyword(module: torch.nn.Module) -> str:
 SUPPORTED_MODEL_TYPES = (
     "llama", "qwen2", "qwen3", "mistral", "gemma3_text", "qwen3_next", "mamba2", "falcon_h1", "deepseek_v3",
     "glm_moe_dsa", "kimi_linear", "qwen3_5_text", "cohere2", "glm4_moe", "nemotron_h", "gemma3", "gpt_oss",
-    "stablelm", "nemotron",
+    "gemma2", "granite", "granitemoe", "granitemoeshared", "cohere",
+    "mamba", "falcon_mamba", "jamba",
+    "stablelm", "nemotron", "zamba2",
+    "qwen3_moe", "mixtral", "qwen2_moe", "olmoe",
+    # admitted through their verification (`verify`), kept on the list by tests/models/test_families.py
+    "phi3", "phimoe", "olmo", "olmo2", "olmo3", "smollm3", "seed_oss", "exaone4", "lfm2", "starcoder2", "gpt_neox",
+    "glm", "glm4", "glm4_moe_lite", "apertus", "arcee", "bitnet", "hunyuan_v1_dense", "hunyuan_v1_moe", "ernie4_5",
+    "ernie4_5_moe", "dots1", "minimax_m2", "deepseek_v2", "deepseek_v32", "bamba", "ministral", "olmo_hybrid",
+    "qwen3_5_moe_text", "gpt2", "gemma", "helium",
 )
 # Those with conv/recurrent layers: their single-token kernels update state in place (see state/cache.py).
-RECURRENT_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "mamba2", "falcon_h1", "kimi_linear", "nemotron_h")
+RECURRENT_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "mamba2", "falcon_h1", "kimi_linear", "nemotron_h", "zamba2",
+                         "mamba", "falcon_mamba", "jamba", "lfm2", "bamba", "olmo_hybrid", "qwen3_5_moe_text")
 
 
 def hf(module: torch.nn.Module) -> Any:
@@ -155,6 +165,11 @@ MIN_TRANSFORMERS_BY_MODEL_TYPE: dict[str, tuple[tuple[int, int, int], str]] = {
                               "kernel"),
     "kimi_linear": ((5, 17, 0), "transformers has a Kimi Linear model from 5.17 on"),
     "glm_moe_dsa": ((5, 18, 0), _LATENT_NOT_CACHED.format("5.17")),
+    "zamba2": ((5, 24, 0), "its Mamba2 layers' state continuation and its shared attention blocks are verified on "
+                           "5.24 only"),
+    # Mamba-1 layers run LongStraw's own scan (engine/mamba1.py) inside transformers' modules
+    **{name: ((5, 24, 0), "its Mamba-1 layers are not verified on older releases")
+       for name in ("mamba", "falcon_mamba", "jamba")},
 }
 
 
@@ -182,27 +197,83 @@ def check_transformers_for(model_type: str) -> None:
 
 
 # Architectures refused for a reason beyond "not built yet": replaying them would be silently wrong.
-_MAMBA1_WHY = (
-    "transformers' torch path for Mamba-1 layers ignores the SSM state in multi-token continuations, so a replay "
-    "from a captured state would be silently wrong"
+REFUSED_MODEL_TYPES = {
+    "zamba": "its Mamba layers (several SSM heads per layer) are not wired to LongStraw's Mamba-1 scan, and "
+             "transformers' torch path for them ignores the SSM state in multi-token continuations, so a replay "
+             "from a captured state would be silently wrong",
+}
+
+
+# Models being checked by `verify` right now: their own `backward_group` calls skip admission.
+_UNDER_VERIFICATION: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
+
+@contextmanager
+def under_verification(model: torch.nn.Module) -> Iterator[None]:
+    """`check_architecture` admits `model` inside the block: `verify` runs the parity checks that decide it."""
+    _UNDER_VERIFICATION.add(model)
+    try:
+        yield
+    finally:
+        _UNDER_VERIFICATION.discard(model)
+
+
+# The transformers release CI tests every type of SUPPORTED_MODEL_TYPES on (constraints.txt's pin), and the types
+# `make test-oldest` also tests on MIN_TRANSFORMERS. Elsewhere a type off that second list is checked like any other.
+CI_TRANSFORMERS = "5.24.0"
+TESTED_ON_OLDEST = (
+    "llama", "qwen2", "qwen3", "mistral", "gemma3_text", "qwen3_next", "mamba2", "falcon_h1", "deepseek_v3",
+    "glm_moe_dsa", "kimi_linear", "qwen3_5_text", "cohere2", "glm4_moe", "nemotron_h",
 )
-REFUSED_MODEL_TYPES = {name: _MAMBA1_WHY for name in ("mamba", "falcon_mamba", "jamba", "zamba")}
+
+
+def on_the_ci_list(model_type: str, version: str | None = None) -> bool:
+    """Whether CI's parity tests cover `model_type` on this transformers (or `version`): the fast path that skips the
+    check of a config."""
+    version = transformers.__version__ if version is None else version
+    return model_type in SUPPORTED_MODEL_TYPES and (model_type in TESTED_ON_OLDEST or version == CI_TRANSFORMERS)
+
+
+def admit(model: torch.nn.Module) -> None:
+    """Raise ValueError unless this model's architecture is admitted: a type CI verifies on this transformers
+    (`on_the_ci_list`, the fast path), or a config whose tiny float64 copy passes the parity checks
+    (`verify.verdict_for`, measured once per config and transformers version and cached). Types refused for a known
+    missing mechanism (`REFUSED_MODEL_TYPES`) are refused at once."""
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "model_type", None) is None:
+        raise ValueError(f"{type(model).__name__} has no transformers config with a model_type: not a transformers "
+                         "causal LM")
+    from longstraw.models import verify
+
+    model_type = verify.text_config(config).model_type
+    if model_type in REFUSED_MODEL_TYPES:
+        raise ValueError(f"architecture {model_type!r} is refused: {REFUSED_MODEL_TYPES[model_type]}")
+    check_transformers_for(model_type)
+    if on_the_ci_list(model_type) or model in _UNDER_VERIFICATION:
+        return
+    verdict = verify.verdict_for(config)
+    if not verdict.admitted:
+        raise ValueError(verdict.refusal())
+
+
+def is_recurrent(model: torch.nn.Module) -> bool:
+    """Whether some layer of `model` keeps a conv or recurrent state: a type on `RECURRENT_MODEL_TYPES`, or what the
+    check of its config measured (`verify`, cached)."""
+    config = hf(model).config
+    if config.model_type in RECURRENT_MODEL_TYPES:
+        return True
+    if on_the_ci_list(config.model_type) or model in _UNDER_VERIFICATION:
+        return False
+    from longstraw.models import verify
+
+    return verify.verdict_for(config).recurrent
 
 
 def check_architecture(model: torch.nn.Module, max_length: int) -> None:
     """Raise ValueError unless LongStraw's state adapters handle this model exactly for `max_length` positions."""
-    config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", None)
-    if model_type in REFUSED_MODEL_TYPES:
-        raise ValueError(
-            f"architecture {model_type!r} is refused: {REFUSED_MODEL_TYPES[model_type]}. Supported: "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"unsupported architecture {model_type!r} ({type(model).__name__}): LongStraw supports "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
+    admit(model)
+    config = hf(model).config
+    model_type = config.model_type
     check_transformers_for(model_type)
     if getattr(model, "base_model", None) is None or hf(model).get_output_embeddings() is None:
         raise ValueError(f"{type(model).__name__} is not a causal LM with a decoder and an output projection")

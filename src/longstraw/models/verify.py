@@ -229,7 +229,7 @@ def tiny_config(config: Any) -> tuple[Any, str]:
         raise ValueError(f"{type(wide).__name__} has no layer count ({', '.join(_LAYER_COUNTS)})")
     n = int(getattr(wide, count_key))
     kinds = _layer_kinds(wide)
-    first_of = {}
+    first_of: dict[str, int] = {}
     for i, kind in enumerate(kinds):
         first_of.setdefault(kind, i)
     keep = max(2, max(first_of.values()) + 1) if kinds else min(n, 2)
@@ -273,6 +273,7 @@ class Verdict:
     first_difference: str | None = None
     reason: str | None = None
     layers: str = ""
+    recurrent: bool = False  # some layer keeps a conv or recurrent state (its one-token kernels write in place)
     seconds: float = 0.0
     transformers_version: str = transformers.__version__
     longstraw_version: str = ""
@@ -326,7 +327,7 @@ class _LowPrecisionOps(TorchDispatchMode):
         super().__init__()
         self.ops: set[str] = set()
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64:
@@ -352,14 +353,14 @@ def _grads(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in model.parameters()])
 
 
-def _layer_outputs(model: torch.nn.Module, run) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
+def _layer_outputs(model: torch.nn.Module, run) -> list[torch.Tensor]:
     """Each decoder layer's output hidden states while `run()` executes (the first call of each layer)."""
     from longstraw.engine.activation_checkpointing import decoder_layers
 
     seen: dict[int, torch.Tensor] = {}
 
-    def keep(i: int):  # type: ignore[no-untyped-def]
-        def hook(module, args, out):  # type: ignore[no-untyped-def]
+    def keep(i: int):
+        def hook(module, args, out):
             h = out[0] if isinstance(out, tuple) else out
             seen.setdefault(i, h.detach())
         return hook
@@ -413,18 +414,21 @@ def _sampled_error(model: torch.nn.Module, prompt: torch.Tensor) -> float:
     return worst
 
 
-def _planner_bytes(model: torch.nn.Module) -> tuple[int | None, int | None]:
-    """(measured prompt-state bytes, the planner's formula) for 40 positions in 16-token chunks; None where the
-    planner does not model the family."""
+def _state_facts(model: torch.nn.Module) -> tuple[int, int | None, bool]:
+    """(measured prompt-state bytes, the planner's formula or None where it does not model the family, whether some
+    layer keeps a conv or recurrent state) for 40 positions in 16-token chunks."""
     from longstraw import planner
     from longstraw.engine.state.capture import capture_prompt
 
     state = capture_prompt(model, torch.arange(40), chunk_size=16)
+    recurrent = any(t is not None for part in ("conv", "recurrent") for layer in state.parts.get(part, [])
+                    for t in layer)
     try:
         spec = planner.spec_from_config(model.config, text_config(model.config).model_type)
-        return state.nbytes(), planner.state_bytes(spec, 40, 8, 16, exact=True)[0]
+        formula: int | None = planner.state_bytes(spec, 40, 8, 16, exact=True)[0]
     except Exception:  # the planner has no formula for this family's layers
-        return state.nbytes(), None
+        formula = None
+    return state.nbytes(), formula, recurrent
 
 
 def _where(err: BaseException) -> str:
@@ -440,11 +444,12 @@ def verify(config: Any, seed: int = 0) -> Verdict:
     from longstraw import __version__
     from longstraw.engine.api import backward_group
     from longstraw.engine.group import Group
-    from longstraw.models.architecture import under_verification
+    from longstraw.models.architecture import hf, under_verification
 
     started = time.perf_counter()
     model_type = str(text_config(config).model_type)
-    base = {"model_type": model_type, "config_hash": config_hash(config), "longstraw_version": __version__}
+    base: dict[str, Any] = {"model_type": model_type, "config_hash": config_hash(config),
+                            "longstraw_version": __version__}
 
     def refused(reason: str, **measured: Any) -> Verdict:
         return Verdict(kind="refused", tolerance=measured.pop("tolerance", EXACT_TOL), reason=reason,
@@ -455,7 +460,7 @@ def verify(config: Any, seed: int = 0) -> Verdict:
         model = build_tiny_model(tiny, seed)
     except Exception as err:
         return refused(f"no tiny copy could be built: {_where(err)}")
-    vocab = model.get_input_embeddings().num_embeddings
+    vocab = int(hf(model).get_input_embeddings().num_embeddings)
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, vocab, (PROMPT,), generator=gen)
     responses = [torch.randint(0, vocab, (n,), generator=gen) for n in RESPONSES]
@@ -480,7 +485,7 @@ def verify(config: Any, seed: int = 0) -> Verdict:
         norm = float(g_std.norm())
         measured["gradient_error"] = float((g_exact - g_std).norm()) / norm if norm > 0 else math.inf
         measured["sampled_error"] = _sampled_error(model, prompt)
-        measured["state_bytes"], measured["planner_bytes"] = _planner_bytes(model)
+        measured["state_bytes"], measured["planner_bytes"], measured["recurrent"] = _state_facts(model)
     except Exception as err:
         first = None
         try:
