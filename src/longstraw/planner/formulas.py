@@ -24,6 +24,8 @@ def _recurrent_bytes(spec: ModelSpec, mixer: str, b: int) -> int:
         conv = inner + 2 * spec.mamba_groups * spec.mamba_state
         rec = spec.mamba_heads * spec.mamba_head_dim * spec.mamba_state
         return conv * spec.conv_kernel * b + rec * 4
+    elif mixer == "conv":  # LFM2's short convolution: a window of the last `conv_kernel` inputs, no recurrent state
+        return spec.hidden * spec.conv_kernel * b
     else:
         return 0
 
@@ -31,8 +33,8 @@ def _recurrent_bytes(spec: ModelSpec, mixer: str, b: int) -> int:
 def _per_token_state_bytes(spec: ModelSpec, layer: int, b: int) -> tuple[int, int]:
     """(bytes per prompt token that carry a gradient, bytes per token that do not) of one layer's state."""
     mixer = spec.mixers[layer]
-    if mixer in ("attention", "sliding", "attention+mamba"):
-        return 2 * spec.kv_heads * spec.head_dim * b, 0
+    if mixer in ("attention", "sliding", "attention+mamba"):  # K and V (V's head dim where it differs)
+        return spec.kv_heads * (spec.head_dim + (spec.v_head_dim or spec.head_dim)) * b, 0
     elif mixer in ("mla", "dsa"):
         keys = spec.index_dim * b if mixer == "dsa" and spec.index_layers[layer] else 0
         return (spec.kv_lora_rank + spec.qk_rope_dim) * b, keys
@@ -218,6 +220,10 @@ def _mixer_activation_bytes(spec: ModelSpec, mixer: str, b: int, a: int, kernel:
             if kernel == "replay":
                 attn += h * qk * b + h * v * a
         return proj + attn
+    elif mixer == "conv":
+        # LFM2's gated short convolution, counted from the code (not measured): the in_proj output (B, C, x: 3·d),
+        # B·x with the cached window before it, the conv output and C·conv (the output projection's input)
+        return 7 * spec.hidden * b
     elif mixer in ("linear", "mamba", "none"):
         return 0
     else:

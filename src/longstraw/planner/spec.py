@@ -190,8 +190,20 @@ def _plain_model_building() -> Iterator[None]:
         hf_deepspeed._hf_deepspeed_config_weak_ref = live
 
 
-def _count_params(config) -> tuple[int, int, int]:
-    """(total, routed-expert, largest layer without experts) parameters, from a meta-device model."""
+@dataclass(frozen=True)
+class _MetaModel:
+    """What a meta-device instantiation tells: parameter counts, which decoder layers hold routed experts, and
+    whether the attention normalises q and k (a `q_norm`/`k_norm` module in a layer's attention)."""
+
+    total: int
+    expert: int
+    max_layer: int  # largest decoder layer without its routed experts
+    moe_layers: frozenset[int]
+    qk_norm: bool
+
+
+def _meta_model(config) -> _MetaModel:
+    """Counts from a meta-device model (no weights are allocated)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -199,6 +211,7 @@ def _count_params(config) -> tuple[int, int, int]:
         model = AutoModelForCausalLM.from_config(config)
     total = expert = 0
     per_layer: dict[int, int] = {}
+    moe_layers: set[int] = set()
     seen: set[int] = set()
     for name, p in model.named_parameters(remove_duplicate=True):
         if id(p) in seen:
@@ -209,9 +222,13 @@ def _count_params(config) -> tuple[int, int, int]:
         if is_expert:
             expert += p.numel()
         m = re.search(r"\.layers\.(\d+)\.", name)
-        if m and not is_expert:
+        if m and is_expert:
+            moe_layers.add(int(m.group(1)))
+        elif m:
             per_layer[int(m.group(1))] = per_layer.get(int(m.group(1)), 0) + p.numel()
-    return total, expert, max(per_layer.values(), default=0)
+    qk_norm = any(re.search(r"\.(self_attn|attention|attn)\.(q_norm|k_norm|q_layernorm|k_layernorm)\.", name)
+                  for name, _ in model.named_parameters())
+    return _MetaModel(total, expert, max(per_layer.values(), default=0), frozenset(moe_layers), qk_norm)
 
 
 class _AttentionDims(TypedDict):
@@ -284,6 +301,143 @@ def _nemotron_h_blocks(kinds: list[str]) -> tuple[tuple[str, ...], tuple[str, ..
     return tuple(mixers), tuple(mlps)
 
 
+# Families read generically from their config (`_layer_mixers`, `_generic_attention_dims`, `_generic_mlps`), each
+# pinned against its captured state by tests/planner/test_families.py. Plain attention layers (full or sliding)
+# with a dense or routed-expert MLP: K and V of num_key_value_heads x head_dim per token (attention sinks, partial
+# rotary, q/k norms, logit scales and multipliers change no state).
+ATTENTION_MODEL_TYPES = (
+    "apertus", "apertus1p5_text", "arcee", "aria_text", "beam", "biogpt", "bitnet", "cohere", "cohere2_moe", "cwm",
+    "diffllama", "doge", "ernie4_5", "ernie4_5_moe", "exaone", "exaone4", "exaone_moe", "flex_olmo", "flint", "gemma",
+    "gemma2", "glm", "glm4", "gpt_bigcode", "gpt_neox", "gpt_neox_japanese", "granite", "granite_swa", "granitemoe",
+    "granitemoe_swa", "granitemoeshared", "helium", "hy_v3", "hyperclovax", "internlm3", "iquestcoder", "jais2",
+    "jetmoe", "kolibri1", "laguna", "mellum", "minimax_m2", "ministral3", "mixtral", "modernbert-decoder", "nanochat",
+    "nemotron", "olmo", "olmo2", "olmo3", "olmoe", "persimmon", "phi", "phi3", "phimoe", "qwen2_moe", "qwen3_moe",
+    "sarvam_moe", "seed_oss", "smollm3", "solar_open", "stablelm", "starcoder2", "vaultgemma",
+)
+# Latent attention (MLA: the compressed c_kv and the shared RoPE key per token), read like DeepSeek-V3.
+MLA_MODEL_TYPES = ("axk1", "glm4_moe_lite", "minicpm3", "sarvam_mla", "youtu")
+# MLA with DSA indexer keys on the layers whose `indexer_types` entry is not "shared" (every layer without it).
+DSA_MODEL_TYPES = ("deepseek_v32", "axk2", "hy_v4")
+# Mamba2 mixers (`linear_attention` in `layer_types`) and attention layers, Falcon-H1's Mamba2 field names.
+MAMBA2_HYBRID_TYPES = ("bamba", "granitemoehybrid")
+# Gated-DeltaNet layers (`linear_attention`) and attention layers, Qwen3-Next's field names.
+GATED_DELTANET_TYPES = ("qwen3_5_moe_text", "olmo_hybrid", "lara_mini")
+# LFM2's gated short convolutions (`conv` layers: a (hidden, conv_L_cache) window, no recurrent state) and
+# attention layers.
+SHORT_CONV_TYPES = ("lfm2", "lfm3")
+
+_EXPERT_COUNTS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
+_EXPERTS_PER_TOKEN = ("num_experts_per_tok", "num_experts_per_token", "moe_k", "moe_topk", "top_k")
+_SHARED_EXPERT_COUNTS = ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts")
+_SHARED_EXPERT_WIDTHS = ("shared_expert_intermediate_size", "shared_intermediate_size",
+                         "moe_shared_expert_intermediate_size")
+
+
+def _first(c, names: tuple[str, ...]) -> int:
+    """The first of `names` the config sets to a positive int (0 when none does)."""
+    for name in names:
+        value = getattr(c, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return 0
+
+
+def _layer_mixers(c, mt: str, linear: str = "") -> tuple[tuple[str, ...], int]:
+    """(mixer per layer, sliding window) from `layer_types` (`full_attention`, `sliding_attention`; `linear_attention`
+    as `linear`; `conv` for the short-convolution families), or without it every layer full attention, or sliding
+    where the config sets `sliding_window` and does not turn it off (`use_sliding_window`). ValueError naming a layer
+    type the planner does not model."""
+    n = c.num_hidden_layers
+    window = getattr(c, "sliding_window", None) or 0
+    types = list(getattr(c, "layer_types", None) or [])
+    if not types:
+        sliding = window and getattr(c, "use_sliding_window", True) is not False
+        return ("sliding" if sliding else "attention",) * n, window
+    mixers = []
+    for t in types:
+        if t in ("full_attention", "attention"):
+            mixers.append("attention")
+        elif t == "sliding_attention" and window:
+            mixers.append("sliding")
+        elif t == "linear_attention" and linear:
+            mixers.append(linear)
+        elif t == "conv" and mt in SHORT_CONV_TYPES:
+            mixers.append("conv")
+        else:
+            raise ValueError(f"{mt}: the planner does not model layer type {t!r} of this family (it models "
+                             "full_attention, sliding_attention with a sliding_window"
+                             + (f", linear_attention as {linear}" if linear else "")
+                             + (", conv" if mt in SHORT_CONV_TYPES else "") + ")")
+    return tuple(mixers), window
+
+
+class _GenericAttentionDims(TypedDict):
+    heads: int
+    kv_heads: int
+    head_dim: int
+    v_head_dim: int
+
+
+def _generic_attention_dims(c) -> _GenericAttentionDims:
+    """Query heads, K/V heads (one for multi-query configs), the head dim (`head_dim`, else `kv_channels`, else
+    hidden / heads) and the V head dim where the config gives a different one."""
+    heads = c.num_attention_heads
+    kv = 1 if getattr(c, "multi_query", False) else getattr(c, "num_key_value_heads", None) or heads
+    head_dim = getattr(c, "head_dim", None) or getattr(c, "kv_channels", None) or c.hidden_size // heads
+    return {"heads": heads, "kv_heads": kv, "head_dim": head_dim,
+            "v_head_dim": getattr(c, "v_head_dim", None) or head_dim}
+
+
+class _GenericMlps(TypedDict):
+    mlps: tuple[str, ...]
+    intermediate: int
+    moe_intermediate: int
+    experts_per_token: int
+    num_experts: int
+    shared_intermediate: int
+
+
+def _generic_mlps(c, meta: _MetaModel) -> _GenericMlps:
+    """Dense or routed-expert MLP per layer (a layer holding `.experts.` parameters in the meta model is MoE), the
+    dense width (`intermediate_size`, else 4 x hidden) and the experts' count, top-k and widths under the names
+    the families use."""
+    n = c.num_hidden_layers
+    dense = getattr(c, "intermediate_size", None) or 4 * c.hidden_size
+    moe = getattr(c, "moe_intermediate_size", None) or dense
+    shared = _first(c, _SHARED_EXPERT_WIDTHS) or _first(c, _SHARED_EXPERT_COUNTS) * moe
+    return {"mlps": tuple("moe" if i in meta.moe_layers else "dense" for i in range(n)), "intermediate": dense,
+            "moe_intermediate": moe if meta.moe_layers else 0,
+            "experts_per_token": _first(c, _EXPERTS_PER_TOKEN) if meta.moe_layers else 0,
+            "num_experts": _first(c, _EXPERT_COUNTS) if meta.moe_layers else 0,
+            "shared_intermediate": shared if meta.moe_layers else 0}
+
+
+class _MlaLatentDims(TypedDict):
+    heads: int
+    kv_heads: int
+    head_dim: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_rope_dim: int
+    qk_nope_dim: int
+    v_head_dim: int
+
+
+def _mla_latent_dims(c) -> _MlaLatentDims:
+    """Latent attention (MLA) dimensions, without the MLP widths (`_generic_mlps` reads those)."""
+    return {
+        "heads": c.num_attention_heads, "kv_heads": c.num_attention_heads,
+        "head_dim": c.qk_nope_head_dim + c.qk_rope_head_dim, "q_lora_rank": c.q_lora_rank or 0,
+        "kv_lora_rank": c.kv_lora_rank, "qk_rope_dim": c.qk_rope_head_dim, "qk_nope_dim": c.qk_nope_head_dim,
+        "v_head_dim": c.v_head_dim,
+    }
+
+
+# Every model type `spec_from_config` describes.
+PLANNER_TYPES = (PLANNER_MODEL_TYPES + ATTENTION_MODEL_TYPES + MLA_MODEL_TYPES + DSA_MODEL_TYPES + MAMBA2_HYBRID_TYPES
+                 + GATED_DELTANET_TYPES + SHORT_CONV_TYPES)
+
+
 # Sizes a model cannot have fewer than one of, besides its head counts: transformers' config, the model's layers and
 # the planner's per-layer and per-head arithmetic divide by them or build empty tensors from them.
 _POSITIVE_SIZES = ("head_dim", "hidden_size", "num_hidden_layers")
@@ -313,10 +467,10 @@ def spec_from_config(config, name: str = "") -> ModelSpec:
     check_head_counts(c.to_dict(), name or c.model_type)
     mt = c.model_type
     n = c.num_hidden_layers
-    total, expert, max_layer = _count_params(c)
+    meta = _meta_model(c)
     base: dict[str, Any] = {  # ModelSpec's common fields, read from the (untyped) config
         "name": name or mt, "model_type": mt, "hidden": c.hidden_size, "vocab": c.vocab_size,
-        "params": total, "expert_params": expert, "max_layer_params": max_layer,
+        "params": meta.total, "expert_params": meta.expert, "max_layer_params": meta.max_layer,
         "tied": bool(getattr(c, "tie_word_embeddings", False)),
         "max_positions": int(getattr(c, "max_position_embeddings", 0) or 0),
     }
@@ -409,7 +563,47 @@ def spec_from_config(config, name: str = "") -> ModelSpec:
             shared_intermediate=(c.n_shared_experts or 0) * c.moe_intermediate_size, index_layers=index_layers,
             **index,
         )
+    elif mt in ATTENTION_MODEL_TYPES:
+        mixers, window = _layer_mixers(c, mt)
+        return ModelSpec(**base, mixers=mixers, **_generic_attention_dims(c), qk_norm=meta.qk_norm, window=window,
+                         **_generic_mlps(c, meta))
+    elif mt in MLA_MODEL_TYPES or mt in DSA_MODEL_TYPES:
+        if mt in DSA_MODEL_TYPES:
+            types = list(getattr(c, "indexer_types", None) or ["full"] * n)
+            index_layers = tuple(t != "shared" for t in types)
+            mixers = tuple("dsa" if keeps else "mla" for keeps in index_layers)
+            index = {"index_heads": c.index_n_heads, "index_dim": c.index_head_dim}
+        else:
+            mixers, index_layers, index = ("mla",) * n, (), {}
+        return ModelSpec(**base, mixers=mixers, index_layers=index_layers, **index, **_mla_latent_dims(c),
+                         **_generic_mlps(c, meta))
+    elif mt in MAMBA2_HYBRID_TYPES:
+        mixers, window = _layer_mixers(c, mt, linear="mamba")
+        heads = c.mamba_n_heads
+        head_dim = c.mamba_d_head if c.mamba_d_head != "auto" else c.mamba_expand * c.hidden_size // heads
+        return ModelSpec(
+            **base, mixers=mixers, **_attention_dims(c), window=window, **_generic_mlps(c, meta),
+            mamba_heads=heads, mamba_head_dim=head_dim, mamba_state=c.mamba_d_state, mamba_groups=c.mamba_n_groups,
+            conv_kernel=c.mamba_d_conv, mamba_chunk=getattr(c, "mamba_chunk_size", None) or MAMBA_SCAN_CHUNK,
+        )
+    elif mt in GATED_DELTANET_TYPES:
+        mixers, window = _layer_mixers(c, mt, linear="linear")
+        return ModelSpec(
+            **base, mixers=mixers, **_attention_dims(c), qk_norm=meta.qk_norm, window=window,
+            **_generic_mlps(c, meta), lin_key_heads=c.linear_num_key_heads, lin_value_heads=c.linear_num_value_heads,
+            lin_key_dim=c.linear_key_head_dim, lin_value_dim=c.linear_value_head_dim,
+            conv_kernel=c.linear_conv_kernel_dim,
+        )
+    elif mt in SHORT_CONV_TYPES:
+        mixers, window = _layer_mixers(c, mt)
+        return ModelSpec(**base, mixers=mixers, **_attention_dims(c), qk_norm=meta.qk_norm, window=window,
+                         **_generic_mlps(c, meta), conv_kernel=c.conv_L_cache)
     else:
+        kinds = sorted({str(t) for t in layer_types})
         raise ValueError(
-            f"the planner has no formulas for model_type {mt!r}; it knows {', '.join(PLANNER_MODEL_TYPES)}"
+            f"the planner has no formulas for model_type {mt!r}"
+            + (f" (its layer types: {', '.join(kinds)})" if kinds else "") + ": it models full and sliding "
+            "attention, MLA, DSA, gated DeltaNet, KDA, Mamba2 and short-convolution layers, in the "
+            f"{len(PLANNER_TYPES)} model types listed in longstraw.planner.spec (PLANNER_TYPES), each checked "
+            "against its captured prompt state"
         )
