@@ -246,6 +246,9 @@ def admit(model: torch.nn.Module) -> None:
     from longstraw.models import verify
 
     model_type = verify.text_config(config).model_type
+    why = verify.composite_refusal(config)
+    if why is not None:
+        raise ValueError(f"{type(model).__name__}: {why}")
     if model_type in REFUSED_MODEL_TYPES:
         raise ValueError(f"architecture {model_type!r} is refused: {REFUSED_MODEL_TYPES[model_type]}")
     check_transformers_for(model_type)

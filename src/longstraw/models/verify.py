@@ -84,6 +84,18 @@ def text_config(config: Any) -> Any:
     return config
 
 
+def composite_refusal(config: Any) -> str | None:
+    """Why LongStraw does not run a composite (multimodal) config's text tower, or None: it finds the text decoder of
+    `composite.COMPOSITE_MODEL_TYPES` only."""
+    from longstraw.models.composite import COMPOSITE_MODEL_TYPES
+
+    text = text_config(config)
+    if text is config or config.model_type in COMPOSITE_MODEL_TYPES:
+        return None
+    return (f"{config.model_type} wraps a {text.model_type} text model: LongStraw runs the text tower of "
+            f"{', '.join(COMPOSITE_MODEL_TYPES)} checkpoints only; load the text model itself (its causal-LM class)")
+
+
 def config_hash(config: Any) -> str:
     """sha256 (16 hex digits) of the config's fields that shape the computation."""
     data = {k: v for k, v in text_config(config).to_dict().items() if k not in _VOLATILE}
@@ -455,6 +467,9 @@ def verify(config: Any, seed: int = 0) -> Verdict:
         return Verdict(kind="refused", tolerance=measured.pop("tolerance", EXACT_TOL), reason=reason,
                        seconds=time.perf_counter() - started, **base, **measured)
 
+    why = composite_refusal(config)
+    if why is not None:
+        return refused(why)
     try:
         tiny, layers = tiny_config(config)
         model = build_tiny_model(tiny, seed)
