@@ -47,6 +47,10 @@ class BackwardOptions:
     allow_train_mode: accept a model in train() mode whose train and eval forwards compute the same numbers.
     context_shards: a context-parallel group (`state.sharding.ContextShards`, made by
     `distributed.context.ContextParallel`) (detach/exact): each rank keeps 1/C of the prompt's attention state.
+    router_aux_coef: a Mixture-of-Experts model's load-balancing loss (transformers' `load_balancing_loss_func`
+    over the group's G sequences, or over a larger batch: `backward_group(router_batch=...)`) times this, added to
+    the loss (`engine/router.py`); 0: none. Costs one forward of the group without grad first (the top-k counts).
+    Under detach its prompt tokens' share of the gradient is left out, like every path through the prompt.
     """
 
     plan: str = "exact"
@@ -75,6 +79,7 @@ class BackwardOptions:
     keep_prompt_graph: int = 0
     temperature: float = 1.0
     allow_train_mode: bool = False
+    router_aux_coef: float = 0.0
     context_shards: ContextShards | None = field(default=None, compare=False)
     loss_config: LossConfig = field(init=False, repr=False, compare=False)
 
@@ -112,6 +117,16 @@ class BackwardOptions:
         if keep and plan != "exact":
             raise ValueError(f"keep_prompt_graph keeps capture graphs for the exact plan's prompt backward; the {plan} "
                              "plan has none: pass keep_prompt_graph=0 or plan='exact'")
+        aux = self.router_aux_coef
+        if isinstance(aux, bool) or not isinstance(aux, (int, float)) or not (math.isfinite(aux) and aux >= 0):
+            raise ValueError(f"router_aux_coef must be a finite number >= 0, got {aux!r}")
+        object.__setattr__(self, "router_aux_coef", float(aux))
+        if aux and keep:
+            raise ValueError("router_aux_coef > 0 adds the prompt tokens' router term in a recompute of every prompt "
+                             "chunk, which a kept capture graph would skip: pass keep_prompt_graph=0")
+        if aux and self.context_shards is not None:
+            raise ValueError("router_aux_coef > 0 is not supported with context parallelism: run without it, or set "
+                             "router_aux_coef=0")
         if keep and self.context_shards is not None:
             raise ValueError("keep_prompt_graph is not supported with context parallelism: pass keep_prompt_graph=0")
 

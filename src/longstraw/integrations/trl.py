@@ -36,10 +36,11 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
 from longstraw.distributed.context import check_supported as check_context_supported
 from longstraw.distributed.context import context_blocks
 from longstraw.distributed.fsdp import check_same_work, sharded_compute
-from longstraw.engine.api import backward_group, check_model_options
+from longstraw.engine.api import RouterBatch, backward_group, check_model_options, router_counts
 from longstraw.engine.group import Group
 from longstraw.engine.loss import make_loss_config
 from longstraw.engine.options import BackwardOptions
+from longstraw.engine.router import aux_value
 from longstraw.integrations.deepspeed import gathered as deepspeed_gathered
 from longstraw.integrations.deepspeed import hand_over, plain_leaves
 from longstraw.models.architecture import check_architecture, eval_mode_when_equal, hf
@@ -314,9 +315,17 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                        "distributes them; use DDP (accelerate's MULTI_GPU / MULTI_CPU) or FSDP2")
         if self._is_vlm:
             out.append("a multimodal processor: LongStraw replays text-only completions")
-        if self.aux_loss_enabled:
-            out.append("a Mixture-of-Experts load-balancing auxiliary loss (router_aux_loss_coef != 0): it is not in "
-                       "LongStraw's backward; set router_aux_loss_coef=0.0")
+        if self.aux_loss_enabled and self.router_aux_loss_coef < 0:
+            out.append(f"router_aux_loss_coef={self.router_aux_loss_coef}: LongStraw's router term takes a "
+                       "coefficient >= 0")
+        if self.aux_loss_enabled and _context_size(self.args) > 1:
+            out.append("a Mixture-of-Experts load-balancing loss (router_aux_loss_coef != 0) with longstraw_cp > 1: "
+                       "LongStraw's router term is not supported with context parallelism; set longstraw_cp=1 or "
+                       "router_aux_loss_coef=0.0")
+        if self.aux_loss_enabled and getattr(self.args, "longstraw_keep_prompt_graph", 0):
+            out.append("a Mixture-of-Experts load-balancing loss (router_aux_loss_coef != 0) with "
+                       "longstraw_keep_prompt_graph > 0: the router term's prompt share needs every prompt chunk "
+                       "recomputed to its last layer; set longstraw_keep_prompt_graph=0")
         policy = self._policy()
         dtype = hf(policy).get_input_embeddings().weight.dtype
         if self.args.bf16 and dtype not in (torch.bfloat16, torch.float32):
@@ -408,12 +417,49 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         return torch.tensor(total, device=self.accelerator.device, requires_grad=True)
 
     def _backward_groups(self, batches: list[dict[str, Any]]) -> float:
-        """backward_group over every group of `batches`; returns the sum of their losses."""
+        """backward_group over every group of `batches`; returns the sum of their losses. With the MoE load-balancing
+        loss (TRL's `aux_loss_enabled`), each batch (TRL's micro-batch: its forward's aux_loss covers all its rows)
+        is counted first, then every group's backward adds its share of the term over those counts."""
         g, total = self.num_generations, 0.0
         for batch in batches:
-            for first in range(0, batch["completion_ids"].size(0), g):
-                total += self._backward_one_group(batch, range(first, first + g))
+            built = [self._group_of(batch, range(first, first + g))
+                     for first in range(0, batch["completion_ids"].size(0), g)]
+            groups = [(group, options) for group, options in built if group is not None]
+            router_batch = self._router_batch(groups) if self.aux_loss_enabled and groups else None
+            probs = []
+            for group, options in groups:
+                with self._autocast():
+                    result = backward_group(self._policy(), group, options, router_batch=router_batch)
+                total += result.loss
+                if result.router_probs is not None:
+                    probs.append(result.router_probs)
+            if self.aux_loss_enabled:  # TRL's metric; every process gathers, with a group or not
+                value = float("nan") if router_batch is None else aux_value(router_batch.counts,
+                                                                            torch.stack(probs).sum(0))
+                if router_batch is not None:  # TRL's loss value holds the term too
+                    total += value * groups[0][1].router_aux_coef
+                gathered = self.accelerator.gather_for_metrics(torch.tensor([value], device=self.accelerator.device))
+                self._metrics["train"]["aux_loss"].append(gathered.nanmean().item())
         return total
+
+    def _router_batch(self, groups: list[tuple[Group, BackwardOptions]]) -> RouterBatch:
+        """The counts of TRL's aux_loss over the micro-batch: its groups' top-k counts, each prompt counted in all
+        num_generations rows that hold it (completions left out of the loss included)."""
+        counts = None
+        for group, options in groups:
+            with self._autocast():
+                part = router_counts(self._policy(), group, options, prompt_copies=self.num_generations)
+            counts = part if counts is None else counts + part
+        assert counts is not None
+        return RouterBatch(counts, prompt_copies=self.num_generations)
+
+    def _autocast(self) -> Any:
+        """bf16=True over float32 parameters is autocast mixed precision, which accelerate applies around the prepared
+        model's forward; LongStraw runs the layers itself, so it enters the same autocast around the whole group
+        (forwards, recomputes and their backward). Over bfloat16 parameters it computes in their dtype."""
+        policy = self._policy()
+        enabled = bool(self.args.bf16) and hf(policy).get_input_embeddings().weight.dtype == torch.float32
+        return torch.autocast(hf(policy).device.type, dtype=torch.bfloat16, enabled=enabled)
 
     def _deepspeed_loss(self, batches: list[dict[str, Any]]) -> torch.Tensor:
         """DeepSpeed ZeRO (integrations/deepspeed.py): the micro-batch's gradient accumulated on plain leaves that
@@ -458,18 +504,35 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             p.grad = flat[offset:offset + g.numel()].view_as(g)
             offset += g.numel()
 
-    def _backward_one_group(self, inputs: dict[str, Any], rows: range) -> float:
-        """backward_group over one prompt's completions. TRL's `tool_mask` (0 on tool results with `tools` or
-        `environment_factory`, a rollout_func's `env_mask`) becomes the group's loss masks: those tokens run
-        through the model but add no loss. Completions with no token in the loss (mask_truncated_completions) are
-        left out, as they add nothing to TRL's loss either, while they still count in its averages
-        (`_loss_options`)."""
+    def _group_of(self, inputs: dict[str, Any], rows: range) -> tuple[Group | None, BackwardOptions]:
+        """One prompt's completions as a Group, and its backward_group options (group None: nothing to train).
+        TRL's `tool_mask` (0 on tool results with `tools` or `environment_factory`, a rollout_func's `env_mask`)
+        becomes the group's loss masks: those tokens run through the model but add no loss. Completions with no token
+        in the loss (mask_truncated_completions) are left out, as they add nothing to TRL's loss either, while they
+        still count in its averages (`_loss_options`). With the MoE load-balancing loss, a completion left out that
+        has tokens in TRL's forward (every token tool-masked) is refused: its tokens' router term would be missing."""
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
         tool_mask = inputs.get("tool_mask")
         lengths = {i: int(completion_mask[i].sum()) for i in rows}
         keep = [i for i in rows if lengths[i] > 0 and (tool_mask is None or bool(tool_mask[i, :lengths[i]].any()))]
+        if self.aux_loss_enabled:
+            unrouted = [i for i in rows if i not in keep and lengths[i] > 0]
+            if unrouted or not keep:
+                raise ValueError(f"completions {unrouted or list(rows)} have no token in the loss (all tool-masked, "
+                                 "or a group all masked out) but their tokens run in TRL's forward, so they count in "
+                                 "the MoE load-balancing loss, which LongStraw's replays of the loss's completions "
+                                 "would leave out; set router_aux_loss_coef=0.0")
+        options = replace(self._longstraw, loss=_loss_kind(self.args), temperature=self.temperature,
+                          **self._loss_options(max(len(keep), 1), inputs))
+        if self.aux_loss_enabled:
+            # TRL adds router_aux_loss_coef * aux_loss / gradient_accumulation_steps to each micro-batch's loss
+            coef = self.router_aux_loss_coef / self.current_gradient_accumulation_steps
+            options = replace(options, router_aux_coef=coef)
+        if self._context is not None:
+            options = replace(options, context_shards=self._context,
+                              loss_scale=options.loss_scale / self._context.size)
         if not keep:
-            return 0.0
+            return None, options
         for i in keep:
             if not bool(completion_mask[i, :lengths[i]].all()):
                 raise ValueError(f"completion {i}'s attention mask is not a prefix of ones: LongStraw runs each "
@@ -493,19 +556,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             ref_logprobs=per_completion("ref_per_token_logps") if self.beta != 0.0 else None,
             loss_masks=None if tool_mask is None else [tool_mask[i, :lengths[i]].bool() for i in keep],
         )
-        policy = self._policy()
-        # bf16=True over float32 parameters is autocast mixed precision, which accelerate applies around the prepared
-        # model's forward; LongStraw runs the layers itself, so it enters the same autocast around the whole group
-        # (forwards, recomputes and their backward). Over bfloat16 parameters it computes in their dtype.
-        autocast = bool(self.args.bf16) and hf(policy).get_input_embeddings().weight.dtype == torch.float32
-        with torch.autocast(hf(policy).device.type, dtype=torch.bfloat16, enabled=autocast):
-            options = replace(self._longstraw, loss=_loss_kind(self.args), temperature=self.temperature,
-                              **self._loss_options(len(keep), inputs))
-            if self._context is not None:
-                options = replace(options, context_shards=self._context,
-                                  loss_scale=options.loss_scale / self._context.size)
-            result = backward_group(policy, group, options)
-        return result.loss
+        return group, options
 
     def _loss_options(self, kept: int, inputs: dict[str, Any]) -> dict[str, Any]:
         """The loss options that make one group's share of LongStraw's loss equal to its share of TRL's loss over

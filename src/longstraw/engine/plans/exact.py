@@ -23,6 +23,7 @@ import torch
 
 from longstraw.engine.options import BackwardOptions
 from longstraw.engine.plans.replay import LossFn, replay_responses
+from longstraw.engine.router import RouterAux
 from longstraw.engine.segment import run_segment
 from longstraw.engine.state.capture import capture_prompt
 from longstraw.engine.state.prompt import GRAD_PARTS, Collected, PromptState
@@ -32,10 +33,12 @@ from longstraw.engine.state.sharding import ContextShards
 def exact(model: torch.nn.Module, prompt: torch.Tensor, responses: list[torch.Tensor], loss_fn: LossFn,
           options: BackwardOptions, prompt_state: PromptState | None,
           stats: dict[str, float | int | str],
-          loss_masks: list[torch.Tensor] | None = None) -> tuple[float, list[torch.Tensor]]:
+          loss_masks: list[torch.Tensor] | None = None,
+          router: RouterAux | None = None) -> tuple[float, list[torch.Tensor]]:
     """prompt (P,), responses [(R_i,)]: the loss's full gradient into the parameters. Captures prompt[:-1] as
     leaves (with its last `keep_prompt_graph` chunks' graphs), or makes leaves of `prompt_state`; replays every
-    response; then backpropagates the prompt. Phase times and the state's size go into `stats`."""
+    response; then backpropagates the prompt. Phase times and the state's size go into `stats`. router: the router
+    load-balancing term, added in the replays and in the prompt backward."""
     t0 = time.perf_counter()
     if prompt_state is None:
         state = capture_prompt(model, prompt[:-1], options.chunk_size, keep_boundaries=True,
@@ -45,16 +48,19 @@ def exact(model: torch.nn.Module, prompt: torch.Tensor, responses: list[torch.Te
         state = (prompt_state.offload(prompt.device) if options.offload_state else prompt_state).as_leaves()
     t1 = time.perf_counter()
     total, logprobs = replay_responses(model, prompt, state, responses, loss_fn, options.micro_batch,
-                                       options.token_chunk, options.temperature, loss_masks)
+                                       options.token_chunk, options.temperature, loss_masks, router)
     t2 = time.perf_counter()
-    prompt_backward(model, prompt[:-1], state)
+    prompt_backward(model, prompt[:-1], state, router)
     stats.update(prompt_state_bytes=state.nbytes(), capture_s=t1 - t0, replay_s=t2 - t1,
                  prompt_backward_s=time.perf_counter() - t2)
     return total, logprobs
 
 
-def prompt_backward(model: torch.nn.Module, ids: torch.Tensor, leaves: PromptState) -> None:
-    """ids (N,): the encoded prompt (x[:-1]); leaves: the state the replays used, `.grad` filled."""
+def prompt_backward(model: torch.nn.Module, ids: torch.Tensor, leaves: PromptState,
+                    router: RouterAux | None = None) -> None:
+    """ids (N,): the encoded prompt (x[:-1]); leaves: the state the replays used, `.grad` filled. router: the router
+    load-balancing term, whose prompt tokens' share joins each chunk's backward (each chunk then runs to the last
+    layer's MoE block, and none is skipped)."""
     if not leaves.keep_boundaries and leaves.num_chunks > 1:
         raise ValueError("the exact plan needs the recurrent state at every chunk boundary: capture the prompt "
                          "with keep_boundaries=True")
@@ -65,14 +71,20 @@ def prompt_backward(model: torch.nn.Module, ids: torch.Tensor, leaves: PromptSta
         # An offloaded state's gradients live beside it in host memory: bring chunk j's to the compute device.
         upstream = [None if t is None or t.grad is None else leaves.fetch(t.grad) for t in produced]
         kept = leaves.graphs.pop(j, None)  # the capture's own graph of chunk j, if it was kept
-        if context_shards is None and all(g is None for g in upstream):
+        if context_shards is None and router is None and all(g is None for g in upstream):
             continue  # (under context parallelism every rank recomputes every chunk: collectives run in step)
         collect: Collected = {}
+        term = None
         if kept is not None:
             recomputed = kept
         else:
+            if router is not None:
+                router.tap.clear()
             with torch.enable_grad():
-                run_segment(model, ids[start:end].unsqueeze(0), start, leaves.prefix(j), collect, kv_only=True)
+                run_segment(model, ids[start:end].unsqueeze(0), start, leaves.prefix(j), collect,
+                            kv_only=router is None)
+                if router is not None:
+                    term = router.term(torch.full((end - start,), float(router.prompt_copies)))
             recomputed = PromptState.outputs_of(collect, leaves.num_layers)
         if context_shards is not None:
             upstream = _owner_gradients(context_shards, j, leaves.num_chunks, upstream, recomputed)
@@ -80,12 +92,15 @@ def prompt_backward(model: torch.nn.Module, ids: torch.Tensor, leaves: PromptSta
         # embeddings and that layer frozen) has no trainable path: its gradient stops here.
         pairs = [(out, g) for out, g in zip(recomputed, upstream)
                  if g is not None and out is not None and out.requires_grad]
+        if term is not None and term.requires_grad:
+            pairs.append((term, torch.ones_like(term)))
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         for t in produced:
             if t is not None:
                 t.grad = None  # consumed: free this chunk's state gradient
-        del collect, recomputed, pairs, kept  # and this chunk's recompute (or kept graph), before the next one runs
+        # and this chunk's recompute (or kept graph), before the next one runs
+        del collect, recomputed, pairs, kept, term
 
 
 def _owner_gradients(context_shards: ContextShards, j: int, num_chunks: int, upstream: list,

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 
 from longstraw.engine.logprobs import chunked_logprobs, selected_logprobs
+from longstraw.engine.router import RouterAux, responses_weights
 from longstraw.engine.segment import run_segment
 from longstraw.engine.state.prompt import PromptState
 from longstraw.models.architecture import hf, logit_scale, logit_softcap
@@ -75,6 +76,18 @@ def finish_batch(
     return value
 
 
+def _with_router(loss_fn: LossFn, router: RouterAux, mask: torch.Tensor) -> LossFn:
+    """`loss_fn` plus the router term of the forward about to run on segments whose real tokens `mask` (k, T) marks
+    (the prompt's last token first, weighing `router.first_token_weight`)."""
+    weights = responses_weights(mask, router.first_token_weight)
+    router.tap.clear()
+
+    def fn(logp: torch.Tensor, mask: torch.Tensor, idx: list[int]) -> torch.Tensor:
+        return loss_fn(logp, mask, idx) + router.term(weights)
+
+    return fn
+
+
 def replay_responses(
     model: torch.nn.Module,
     prompt: torch.Tensor,
@@ -85,6 +98,7 @@ def replay_responses(
     token_chunk: int,
     temperature: float = 1.0,
     loss_masks: list[torch.Tensor] | None = None,
+    router: RouterAux | None = None,
 ) -> tuple[float, list[torch.Tensor]]:
     """Forward+backward every response from a fork of `state` (which holds prompt[:-1]).
 
@@ -93,6 +107,8 @@ def replay_responses(
     temperature: log-probs of logits / temperature.
     loss_masks: one (R_i,) bool per response, True on the tokens the loss scores; with a loss_fn, the other tokens'
     log-probs are skipped (0 in the loss's input, where its mask zeroes them; NaN in the returned log-probs).
+    router (needs a loss_fn): the router load-balancing term; each segment then runs all of o_i (its last token is
+    routed in the full sequence too), and this forward's share of the term joins the backward.
     Returns (summed loss, per-response detached logp (R_i,)).
     """
     p = prompt.numel()
@@ -103,9 +119,11 @@ def replay_responses(
     logprobs: list[torch.Tensor | None] = [None] * len(responses)
     for first in range(0, len(responses), micro_batch):
         idx = list(range(first, min(first + micro_batch, len(responses))))
-        segments = [torch.cat([prompt[-1:], responses[i][:-1]]) for i in idx]
-        inputs, mask = pad(segments)  # (k, R_max)
-        targets, _ = pad([responses[i] for i in idx])
+        routed = router is not None and loss_fn is not None
+        segments = [torch.cat([prompt[-1:], responses[i] if routed else responses[i][:-1]]) for i in idx]
+        inputs, routed_mask = pad(segments)  # (k, R_max), or (k, R_max + 1) with the router term
+        targets, mask = pad([responses[i] for i in idx])  # (k, R_max)
+        batch_fn = loss_fn if router is None or loss_fn is None else _with_router(loss_fn, router, routed_mask)
         if inputs.shape[1] == 1:
             # One-token segments: pad to two. transformers' SSM layers take an in-place single-token path
             # that autograd cannot differentiate; causality keeps the padding out of the real position.
@@ -113,6 +131,7 @@ def replay_responses(
             targets = torch.nn.functional.pad(targets, (0, 1))
         hidden = run_segment(model, inputs, p - 1, state.fork())  # (k, R_max, d)
         assert hidden is not None  # None only with kv_only
+        hidden = hidden[:, : targets.shape[1]]  # with the router term: without the last token's position
         if loss_masks is None or loss_fn is None:
             logp = chunked_logprobs(hidden, weight, targets, token_chunk, temperature, scale,
                                     softcap=softcap)  # (k, R_max)
@@ -122,7 +141,7 @@ def replay_responses(
                 keep[row, : responses[i].numel()] = loss_masks[i].to(keep.device)
             logp = selected_logprobs(hidden, weight, targets, keep, token_chunk, temperature, scale,
                                      softcap=softcap)  # (k, R_max)
-        total += finish_batch(logp, mask, idx, loss_fn, responses, logprobs)
+        total += finish_batch(logp, mask, idx, batch_fn, responses, logprobs)
         if loss_masks is not None and loss_fn is not None:
             for i in idx:  # not computed: NaN, so that no one reads the placeholder as a log-prob
                 lp = logprobs[i]

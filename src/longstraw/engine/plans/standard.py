@@ -11,6 +11,7 @@ import torch
 
 from longstraw.engine.plans.replay import LossFn, filled, finish_batch, pad
 from longstraw.engine.precision import accumulation_dtype
+from longstraw.engine.router import RouterAux
 
 
 def _score(model: torch.nn.Module, prompt: torch.Tensor, responses: list[torch.Tensor], temperature: float = 1.0):
@@ -29,13 +30,30 @@ def _score(model: torch.nn.Module, prompt: torch.Tensor, responses: list[torch.T
     return logp, mask
 
 
+def _routed(loss_fn: LossFn, router: RouterAux, prompt: torch.Tensor, mask: torch.Tensor) -> LossFn:
+    """`loss_fn` plus the router term of a forward over [prompt ; response] rows, `mask` (B, R_max) on the responses'
+    real tokens; each row's prompt tokens weigh `router.first_token_weight` (prompt_copies / G)."""
+    prompt_weights = torch.full((mask.shape[0], prompt.numel()), router.first_token_weight, dtype=torch.float64,
+                                device=mask.device)
+    weights = torch.cat([prompt_weights, mask.to(torch.float64)], dim=1)  # (B, P + R_max)
+
+    def fn(logp: torch.Tensor, mask: torch.Tensor, idx: list[int]) -> torch.Tensor:
+        return loss_fn(logp, mask, idx) + router.term(weights)
+
+    return fn
+
+
 def standard(model, prompt, responses, loss_fn: LossFn, batched: bool,
-             temperature: float = 1.0) -> tuple[float, list[torch.Tensor]]:
-    """Accumulate the group gradient into the parameters; return (loss, per-response detached logp)."""
+             temperature: float = 1.0, router: RouterAux | None = None) -> tuple[float, list[torch.Tensor]]:
+    """Accumulate the group gradient into the parameters; return (loss, per-response detached logp). router: the
+    router load-balancing term of every token of the full sequences, added to each backward."""
     batches = [list(range(len(responses)))] if batched else [[i] for i in range(len(responses))]
     total = 0.0
     logprobs: list[torch.Tensor | None] = [None] * len(responses)
     for idx in batches:
+        if router is not None:
+            router.tap.clear()
         logp, mask = _score(model, prompt, [responses[i] for i in idx], temperature)
-        total += finish_batch(logp, mask, idx, loss_fn, responses, logprobs)
+        fn = loss_fn if router is None else _routed(loss_fn, router, prompt, mask)
+        total += finish_batch(logp, mask, idx, fn, responses, logprobs)
     return total, filled(logprobs)
