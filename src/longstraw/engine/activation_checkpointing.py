@@ -34,6 +34,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from longstraw.choices import CHECKPOINT_CHOICES
+from longstraw.engine.mamba1 import mamba1_mixers
 from longstraw.engine.state.active import running
 from longstraw.models.composite import text_config, text_decoder
 
@@ -82,7 +83,8 @@ def _wrap(layer: torch.nn.Module, index: int, config):
             with _attention_kernel(config, kernel):
                 if cache is None:
                     return inner(layer, *a, **kw)
-                with cache.layer(index, recompute=runs > 1), running(cache):
+                # A Mamba-1 mixer's recompute must continue its state as the first run did (engine/mamba1.py).
+                with cache.layer(index, recompute=runs > 1), running(cache), mamba1_mixers([layer]):
                     return inner(layer, *a, **kw)
 
         return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=False, **kwargs)

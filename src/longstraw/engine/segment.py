@@ -172,7 +172,7 @@ def run_segment(
         mask = _indexer_mask(b, t, start, input_ids.device)  # keys: prompt, generated so far, this segment
     base = text_decoder(model)
     # Mamba-1 mixers continue the SSM state through LongStraw's scan (engine/mamba1.py).
-    mixers = mamba1_mixers(base.layers) if model_type in MAMBA1_MODEL_TYPES else nullcontext()
+    mixers = mamba1_mixers(hf(base).layers) if model_type in MAMBA1_MODEL_TYPES else nullcontext()
     with replay_attention(model), running(cache), mixers:
         try:
             out = base(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,

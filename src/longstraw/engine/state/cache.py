@@ -222,6 +222,14 @@ class SegmentCache:
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         return self._hand_out("recurrent", layer_idx)
 
+    def read_recurrent_state(self, layer_idx: int) -> torch.Tensor | None:
+        """The recurrent state this segment continues, not copied: the prompt's (1, ...), shared by every row, or
+        while decoding the rollout's (B, ...). For a kernel that never writes into it (`engine.mamba1`)."""
+        self._asked(layer_idx, "recurrent")
+        if self.generated is not None and self.generated.has("recurrent", layer_idx):
+            return self.generated.get("recurrent", layer_idx)
+        return self.state.last("recurrent", layer_idx)
+
     def update_conv_state(self, inputs: torch.Tensor, layer_idx: int, conv_kernel_size: int | None = None,
                           **kwargs) -> torch.Tensor:
         """inputs (B, C, T) -> [previous conv window ; inputs] (B, C, K+T) for the causal conv to read.
