@@ -411,6 +411,9 @@ RECORDED = (
     "pareto-b1-llama-4k-keep-20261130", "pareto-deep-smollm2-2k-keep-20261130",
     # multi-turn groups (3 turns of 64 generated + 128 observation tokens per response), G = 2, 8 and 16
     "memory-b1-llama-8k-agent-turns-20261201", "memory-b1-llama-8k-agent-turns-g16-20261201",
+    # routed-expert families read generically (config.json beside the results: bench/results/b1-qwen3-moe/,
+    # b1-gpt-oss/): standard, detach, exact at P = 4096
+    "memory-b1-qwen3-moe-4k-20261202", "memory-b1-gpt-oss-4k-20261202",
 )
 
 
@@ -420,9 +423,11 @@ def test_planner_against_recorded_measurements(name):
     formula change is checked against all the measurements at once (without rerunning hours of benchmarks)."""
     from pathlib import Path
 
-    document = json.loads((Path(__file__).parents[2] / "bench" / "results" / f"{name}.json").read_text())
+    root = Path(__file__).parents[2]
+    document = json.loads((root / "bench" / "results" / f"{name}.json").read_text())
     config = document["config"]
-    spec = _spec(config["model"])
+    model = config["model"]  # a preset, or a directory of the repository holding the model's config.json
+    spec = _spec(str(root / model) if (root / model).is_dir() else model)
     # A multi-turn response (`bench memory --turns`) holds turns x (generated + observation) tokens, all of which
     # run through the model
     response_tokens = config.get("turns", 1) * (config["response_tokens"] + config.get("observation_tokens", 0))

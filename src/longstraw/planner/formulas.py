@@ -406,12 +406,17 @@ def masked_score_bytes(spec: ModelSpec, a: int, tokens: int, part: int, batch: i
 
 
 def math_attention_score_bytes(spec: ModelSpec, tokens: int, seqs: int, b: int, layers: list[int]) -> int:
-    """The standard plans' attention in MLA/DSA layers: their query/key head dim differs from the value's, so
-    torch's SDPA takes its math path on the CPU, which saves each layer's probabilities (H x T x T per sequence),
-    and the backward of the layer it reaches holds about 1.5 more (measured on b1-deepseek-v3, P = 4096,
-    standard_batched G = 2 and 4: n + 1.54 and n + 1.52 such tensors for n layers; located with torch.profiler)."""
+    """The standard plans' attention where it materialises its scores (H x T x T per sequence and layer):
+
+    * MLA/DSA layers: their query/key head dim differs from the value's, so torch's SDPA takes its math path on the
+      CPU, which saves each layer's probabilities, and the backward of the layer it reaches holds about 1.5 more
+      (measured on b1-deepseek-v3, P = 4096, standard_batched G = 2 and 4: n + 1.54 and n + 1.52 such tensors for
+      n layers; located with torch.profiler);
+    * every attention layer of a family without an SDPA path (`ModelSpec.eager_attention`: gpt-oss, whose sinks
+      join the softmax): transformers' eager attention saves each layer's probabilities, and the last layer's
+      forward holds two more (its masked scores and the logits with the sinks, beside the probabilities), counted
+      from the code: n + 2 (measured on b1-gpt-oss, P = 4096, standard: 6.2)."""
     n = sum(spec.mixers[i] in ("mla", "dsa") for i in layers)
-    if not n:
-        return 0
+    eager = sum(spec.eager_attention and spec.mixers[i] in ("attention", "sliding") for i in layers)
     scores = spec.heads * seqs * tokens * tokens * b
-    return n * scores + 3 * scores // 2
+    return (n * scores + 3 * scores // 2 if n else 0) + ((eager + 2) * scores if eager else 0)

@@ -163,6 +163,8 @@ class ModelSpec:
     index_dim: int = 0
     index_layers: tuple[bool, ...] = field(default_factory=tuple)  # DSA: layer keeps its own indexer keys
     max_positions: int = 0  # the config's max_position_embeddings (0: none given)
+    # No SDPA path in transformers (gpt-oss: its sinks): the standard plans' attention materialises its scores
+    eager_attention: bool = False
 
     @property
     def num_layers(self) -> int:
@@ -200,6 +202,7 @@ class _MetaModel:
     max_layer: int  # largest decoder layer without its routed experts
     moe_layers: frozenset[int]
     qk_norm: bool
+    eager_attention: bool  # the model class has no SDPA attention (transformers then runs its eager attention)
 
 
 def _meta_model(config) -> _MetaModel:
@@ -228,7 +231,8 @@ def _meta_model(config) -> _MetaModel:
             per_layer[int(m.group(1))] = per_layer.get(int(m.group(1)), 0) + p.numel()
     qk_norm = any(re.search(r"\.(self_attn|attention|attn)\.(q_norm|k_norm|q_layernorm|k_layernorm)\.", name)
                   for name, _ in model.named_parameters())
-    return _MetaModel(total, expert, max(per_layer.values(), default=0), frozenset(moe_layers), qk_norm)
+    return _MetaModel(total, expert, max(per_layer.values(), default=0), frozenset(moe_layers), qk_norm,
+                      not getattr(model, "_supports_sdpa", True))
 
 
 class _AttentionDims(TypedDict):
@@ -471,7 +475,7 @@ def spec_from_config(config, name: str = "") -> ModelSpec:
     base: dict[str, Any] = {  # ModelSpec's common fields, read from the (untyped) config
         "name": name or mt, "model_type": mt, "hidden": c.hidden_size, "vocab": c.vocab_size,
         "params": meta.total, "expert_params": meta.expert, "max_layer_params": meta.max_layer,
-        "tied": bool(getattr(c, "tie_word_embeddings", False)),
+        "tied": bool(getattr(c, "tie_word_embeddings", False)), "eager_attention": meta.eager_attention,
         "max_positions": int(getattr(c, "max_position_embeddings", 0) or 0),
     }
     layer_types = list(getattr(c, "layer_types", None) or [])
