@@ -374,7 +374,7 @@ FP32_INSIDE = ("qwen3_next", "qwen3_5_text", "mamba2", "falcon_h1", "kimi_linear
                "cohere2", "glm4_moe", "nemotron_h", "zamba2", "llama4",
                "minimax", "mamba", "falcon_mamba", "jamba",
                "qwen3_moe", "mixtral", "qwen2_moe", "olmoe",
-               "gemma2", "cohere", "granitemoe", "granitemoeshared")
+               "gemma2", "cohere")
 
 
 def gradient_tolerance(family: str) -> float:

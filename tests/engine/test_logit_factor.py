@@ -82,3 +82,59 @@ def test_logits_are_the_decoder_output_times_the_factor(model_type):
     if factor != 1.0 or cap is not None:  # the factor or cap is not a no-op on this model
         plain = hidden @ model.get_output_embeddings().weight.t()
         assert float((plain - logits).abs().max() / logits.abs().max()) > 1e-2
+
+
+def _capped_gemma2() -> torch.nn.Module:
+    """The tiny gemma2 family model (gemma-2-9b's caps: attention 50, final 30) with its tied embedding scaled so that
+    its logits reach the final cap's curved part: a random tiny model's logits (~0.2) are too small to show the cap."""
+    from helpers import tiny_model
+
+    model = tiny_model("gemma2")
+    ids = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = model(input_ids=ids, use_cache=False).logits.abs().max()
+        model.get_output_embeddings().weight.mul_(60.0 / before)  # logits up to ~2 * cap
+    return model
+
+
+def test_gemma2_replay_and_sampling_apply_the_final_softcap(monkeypatch):
+    """End to end: the exact plan's log-probs and gradient equal the standard plan's (transformers' own soft-capped
+    logits), and the sampler's log-probs equal a full forward's, on a model whose logits reach the cap; without the
+    cap both would be far off."""
+    from helpers import FP32_KERNELS_F64, grads, random_group
+
+    import longstraw.engine.plans.replay as replay
+    import longstraw.engine.sampling as sampling
+    from longstraw import backward_group
+
+    model = _capped_gemma2()
+    group = random_group(37, [5, 1, 9], seed=37)
+
+    def run(plan):
+        model.zero_grad()
+        result = backward_group(model, group, plan=plan, chunk_size=13)
+        return grads(model).clone(), torch.cat(result.logprobs)
+
+    def sampled_error():
+        prompt = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(8))
+        rollout = sampling.sample_group(model, prompt, 3, sampling.SamplingConfig(max_new_tokens=6), seed=1,
+                                        chunk_size=16)
+        err = 0.0
+        for response, logp in zip(rollout.responses, rollout.logprobs):
+            with torch.no_grad():
+                logits = model(input_ids=torch.cat([prompt, response])[None], use_cache=False).logits[0]
+            ref = torch.log_softmax(logits[39:-1], -1).gather(-1, response[:, None]).squeeze(-1)
+            err = max(err, float((ref - logp).abs().max()))
+        return err
+
+    g_std, lp_std = run("standard")
+    g_exact, lp_exact = run("exact")
+    assert float((lp_std - lp_exact).abs().max()) <= FP32_KERNELS_F64
+    assert float((g_exact - g_std).norm() / g_std.norm()) <= FP32_KERNELS_F64
+    assert sampled_error() <= 10 * FP32_KERNELS_F64
+    monkeypatch.setattr(replay, "logit_softcap", lambda model: None)  # the cap dropped: far off
+    monkeypatch.setattr(sampling, "logit_softcap", lambda model: None)
+    g_uncapped, lp_uncapped = run("exact")
+    assert float((lp_std - lp_uncapped).abs().max()) > 1e-1
+    assert float((g_uncapped - g_std).norm() / g_std.norm()) > 1e-2
+    assert sampled_error() > 1e-1

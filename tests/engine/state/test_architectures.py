@@ -195,7 +195,8 @@ def test_moe_router_choices_match_the_full_forward(family):
 
 @pytest.mark.parametrize("family", ["qwen3_next-B", "mamba2", "falcon_h1", "deepseek_v3", "glm_moe_dsa",
                                     "kimi_linear-A", "gemma3-A", "mistral-sw", "cohere2", "glm4_moe", "nemotron_h",
-                                    "gemma3_mm", "stablelm-B", "nemotron", "gpt_oss"])
+                                    "gemma3_mm", "stablelm-B", "nemotron", "gpt_oss", "gemma2", "granite",
+                                    "granitemoe", "cohere"])
 def test_sampled_logprobs_equal_a_full_forward(family):
     """Decoding one token at a time (the in-place single-token kernels run on the sampler's own clones)
     records the log-probs a full forward of prompt + response gives."""
@@ -245,7 +246,7 @@ def test_one_token_chunks_are_refused_for_recurrent_exact():
 
 
 @pytest.mark.parametrize("family", ["qwen3_next-A", "qwen3_5_text", "mamba2", "falcon_h1", "glm_moe_dsa",
-                                    "kimi_linear-A", "cohere2", "glm4_moe", "nemotron_h"])
+                                    "kimi_linear-A", "cohere2", "glm4_moe", "nemotron_h", "gemma2", "cohere"])
 def test_replay_is_within_the_references_own_chunking_noise(family):
     """For the FP32_INSIDE families: transformers' own chunked continuation (its DynamicCache, the prompt in
     13-token chunks) vs its full forward sets the float32 noise floor; our replay (capture chunks of 13) must
