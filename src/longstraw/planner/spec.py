@@ -314,7 +314,8 @@ ATTENTION_MODEL_TYPES = (
     "diffllama", "doge", "ernie4_5", "ernie4_5_moe", "exaone", "exaone4", "exaone_moe", "flex_olmo", "flint", "gemma",
     "gemma2", "glm", "glm4", "gpt_bigcode", "gpt_neox", "gpt_neox_japanese", "granite", "granite_swa", "granitemoe",
     "granitemoe_swa", "granitemoeshared", "helium", "hy_v3", "hyperclovax", "internlm3", "iquestcoder", "jais2",
-    "jetmoe", "kolibri1", "laguna", "mellum", "minimax_m2", "ministral3", "mixtral", "modernbert-decoder", "nanochat",
+    "jetmoe", "kolibri1", "laguna", "mellum", "minimax_m2", "ministral3", "mixtral", "modernbert-decoder", "moshi",
+    "nanochat",
     "nemotron", "olmo", "olmo2", "olmo3", "olmoe", "persimmon", "phi", "phi3", "phimoe", "qwen2_moe", "qwen3_moe",
     "sarvam_moe", "seed_oss", "smollm3", "solar_open", "stablelm", "starcoder2", "vaultgemma",
 )
@@ -329,6 +330,9 @@ GATED_DELTANET_TYPES = ("qwen3_5_moe_text", "olmo_hybrid", "lara_mini")
 # LFM2's gated short convolutions (`conv` layers: a (hidden, conv_L_cache) window, no recurrent state) and
 # attention layers.
 SHORT_CONV_TYPES = ("lfm2", "lfm3")
+
+# Configs carrying a `sliding_window` that transformers' attention never reads (Moshi's: full causal attention).
+WINDOW_UNUSED_TYPES = ("moshi",)
 
 _EXPERT_COUNTS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
 _EXPERTS_PER_TOKEN = ("num_experts_per_tok", "num_experts_per_token", "moe_k", "moe_topk", "top_k")
@@ -352,7 +356,7 @@ def _layer_mixers(c, mt: str, linear: str = "") -> tuple[tuple[str, ...], int]:
     where the config sets `sliding_window` and does not turn it off (`use_sliding_window`). ValueError naming a layer
     type the planner does not model."""
     n = c.num_hidden_layers
-    window = getattr(c, "sliding_window", None) or 0
+    window = 0 if mt in WINDOW_UNUSED_TYPES else getattr(c, "sliding_window", None) or 0
     types = list(getattr(c, "layer_types", None) or [])
     if not types:
         sliding = window and getattr(c, "use_sliding_window", True) is not False
@@ -602,6 +606,9 @@ def spec_from_config(config, name: str = "") -> ModelSpec:
         mixers, window = _layer_mixers(c, mt)
         return ModelSpec(**base, mixers=mixers, **_attention_dims(c), qk_norm=meta.qk_norm, window=window,
                          **_generic_mlps(c, meta), conv_kernel=c.conv_L_cache)
+    elif mt == "minimax_m3_vl_text":
+        raise ValueError("the planner has no formulas for model_type 'minimax_m3_vl_text': its attention selects key "
+                         "blocks by an indexer whose keys and selection the planner does not model")
     else:
         kinds = sorted({str(t) for t in layer_types})
         raise ValueError(
