@@ -23,6 +23,7 @@ from transformers import (
     FalconMambaConfig,
     Gemma3Config,
     Gemma3TextConfig,
+    Gemma4TextConfig,
     Glm4MoeConfig,
     GlmMoeDsaConfig,
     GptOssConfig,
@@ -323,8 +324,9 @@ def _arch_configs() -> dict[str, Callable[[], object]]:
     # Llama-4: chunked attention with RoPE and a weightless q/k L2 norm on 3 of every 4 layers, full attention without
     # RoPE but with position-dependent query temperature (attn_scale 0.1, floor_scale) on the 4th; MoE FFNs (a routed
     # expert with sigmoid gate + a shared expert), GQA 5:1 (-> 4:1). A: Llama-4-Scout-17B-16E (every layer MoE, q/k
-    # norm); B: Llama-4-Maverick-17B-128E (MoE on every 2nd layer, dense MLPs between, no q/k norm). attention_chunk_size
-    # 8192, floor_scale 8192 and the llama3 RoPE scaling's original_max_position_embeddings 8192 shrink to 16, 16, 64.
+    # norm); B: Llama-4-Maverick-17B-128E (MoE on every 2nd layer, dense MLPs between, no q/k norm).
+    # attention_chunk_size 8192, floor_scale 8192 and the llama3 RoPE scaling's original_max_position_embeddings 8192
+    # shrink to 16, 16, 64.
     llama4 = dict(num_hidden_layers=4, num_key_value_heads=1, head_dim=16, intermediate_size_mlp=128,
                   num_local_experts=4, num_experts_per_tok=1, no_rope_layer_interval=4, attention_chunk_size=16,
                   attn_temperature_tuning=True, floor_scale=16, attn_scale=0.1, rms_norm_eps=1e-5,
@@ -345,6 +347,17 @@ def _arch_configs() -> dict[str, Callable[[], object]]:
         full_attn_beta_factor=1.0, linear_attn_alpha_factor=alpha, linear_attn_beta_factor=1.0, mlp_alpha_factor=alpha,
         mlp_beta_factor=1.0, rms_norm_eps=1e-5, tie_word_embeddings=False, pad_token_id=None, bos_token_id=None,
         eos_token_id=None, rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0}, **c)
+    # Gemma-4 text (transformers' Gemma4TextConfig defaults): sliding layers (window 512 -> 16, head_dim 256 -> 16, RoPE
+    # theta 1e4) and full layers with their own head dim (global_head_dim 512 -> 32, proportional RoPE over a quarter
+    # of it, theta 1e6), last layer full; per-layer input embeddings (256 -> 8); the last layers reuse the K/V of the
+    # last earlier layer of their kind (num_kv_shared_layers, 20 of 35 in the E2B model -> 2 of 4) with double-wide
+    # MLPs; final-logit soft-capping 30.0.
+    out["gemma4"] = lambda: Gemma4TextConfig(
+        num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2, num_key_value_heads=2,
+        head_dim=16, global_head_dim=32, sliding_window=16, hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=VOCAB, num_kv_shared_layers=2, use_double_wide_mlp=True,
+        final_logit_softcapping=30.0, rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh", pad_token_id=None,
+        bos_token_id=None, eos_token_id=None, **c)
     return out
 
 
@@ -402,7 +415,7 @@ def tiny_model(family: str, dtype: torch.dtype = torch.float64, seed: int = 0) -
 
 # The model type of each family: what LongStraw's per-type transformers minimum is looked up by, known before the
 # config is built (Kimi Linear's class exists from transformers 5.17 on).
-_MODEL_TYPES = {"gemma3": "gemma3_text", "gemma3_mm": "gemma3", "llama4": "llama4_text"}
+_MODEL_TYPES = {"gemma3": "gemma3_text", "gemma3_mm": "gemma3", "llama4": "llama4_text", "gemma4": "gemma4_text"}
 
 
 def tiny_config(family: str) -> object:

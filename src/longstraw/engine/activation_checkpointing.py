@@ -35,7 +35,7 @@ from torch.utils.checkpoint import checkpoint
 
 from longstraw.choices import CHECKPOINT_CHOICES
 from longstraw.engine.mamba1 import mamba1_mixers
-from longstraw.engine.state.active import running
+from longstraw.engine.state.active import active_cache, running
 from longstraw.models.composite import text_config, text_decoder
 
 
@@ -47,12 +47,20 @@ def check_checkpoint(value: object) -> str:
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
-    """The decoder's layer list (`layers` of the text decoder, `composite.text_decoder`, in every supported family)."""
-    layers = getattr(text_decoder(model), "layers", None)
-    if not isinstance(layers, torch.nn.ModuleList):
-        raise ValueError(f"{type(model).__name__} has no `layers` list in its base model: per-layer activation "
-                         "checkpointing cannot find the decoder layers; use checkpoint='none'")
-    return layers
+    """The decoder's layer list: `layers` of the text decoder (`composite.text_decoder`) or of the decoder it holds
+    (OPT), `h` (GPT-2, BLOOM, CodeGen and the other GPT-2-style decoders) or `blocks` (MPT)."""
+    decoder = text_decoder(model)
+    decoder = getattr(decoder, "decoder", decoder)  # OPT: the base model holds a decoder
+    for name in _LAYER_LISTS:
+        layers = getattr(decoder, name, None)
+        if isinstance(layers, torch.nn.ModuleList):
+            return layers
+    raise ValueError(f"{type(model).__name__} has no decoder layer list ({', '.join(_LAYER_LISTS)}) in its base "
+                     "model: LongStraw cannot find its decoder layers")
+
+
+# The names under which transformers' decoders keep their layer list.
+_LAYER_LISTS = ("layers", "h", "blocks")
 
 
 @contextmanager
@@ -71,7 +79,9 @@ def _wrap(layer: torch.nn.Module, index: int, config):
     def forward(*args, **kwargs):
         if not torch.is_grad_enabled():
             return inner(layer, *args, **kwargs)  # nothing is saved without grad: nothing to recompute
-        cache = kwargs.get("longstraw")
+        # Blocks that are not handed the `longstraw` keyword (Mamba and Falcon-Mamba pass their mixer the cache alone)
+        # find the running segment's.
+        cache = kwargs.get("longstraw") or active_cache()
         # The recompute runs in the backward, after the forward's block (segment.replay_attention) has restored
         # the model's own attention kernel: it must run with the kernel of the first run.
         kernel = config._attn_implementation

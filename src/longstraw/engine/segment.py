@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
+from typing import Any
 
 import torch
 from transformers import AttentionInterface
@@ -28,6 +29,7 @@ from longstraw.engine.state.active import active_cache, running
 from longstraw.engine.state.cache import SegmentCache, StateCollected
 from longstraw.engine.state.prompt import Collected, PromptState
 from longstraw.engine.state.response import ResponseState
+from longstraw.engine.state.sharing import kv_source
 from longstraw.models.architecture import cache_keyword, check_transformers_for, hf
 from longstraw.models.composite import text_config, text_decoder
 
@@ -52,6 +54,16 @@ def _check_kwargs(module: torch.nn.Module, kwargs: dict) -> None:
     if unknown:
         raise ValueError(f"{where} passes attention argument(s) {', '.join(unknown)} that LongStraw's attention "
                          "does not compute: its result would be silently wrong. This model is not supported")
+
+
+def _attention_chunk(module: torch.nn.Module, layer: int) -> int | None:
+    """The attention chunk of a chunked-attention layer (Llama-4: `layer_types[layer] == "chunked_attention"`, a query
+    sees only keys of its own `attention_chunk_size` positions), read from the module's config; None for others."""
+    config: Any = getattr(module, "config", None)
+    types = getattr(config, "layer_types", None)
+    if types is not None and types[layer] == "chunked_attention":
+        return int(config.attention_chunk_size)
+    return None
 
 
 def _longstraw_attention(
@@ -84,19 +96,29 @@ def _longstraw_attention(
     _check_kwargs(module, kwargs)
     if dropout:
         raise RuntimeError("attention dropout is active: put the model in eval() mode")
-    layer: int = hf(module).layer_idx
     ctx = longstraw
-    ctx.note_window(layer, sliding_window)
+    layer: int | None = hf(module).layer_idx
+    if layer is None or layer < 0:  # a block shared by several layers: the index its caller gave `update`
+        layer = ctx.attending
+    if layer is None:
+        raise RuntimeError(f"{type(module).__name__} has no layer index and called the attention without updating "
+                           "LongStraw's cache first: LongStraw cannot tell which layer's prompt K/V it reads")
+    source = kv_source(module, layer)  # Gemma-4's KV-shared layers read an earlier layer's K/V
+    if source == layer:
+        ctx.note_window(layer, sliding_window)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     decoding = ctx.generated is not None
-    prefix = ctx.state.attention_chunks(layer)
+    prefix = ctx.state.attention_chunks(source)
     expand = getattr(module, "expand_kv", None)
     context_shards = ctx.state.context_shards if ctx.state.length > 0 else None
-    if sliding_window is None and indices is None and expand is None and softcap is None:
+    chunk = _attention_chunk(module, layer)
+    same_dims = value.shape[-1] == query.shape[-1]  # the chunked kernel's values have the query's head dim
+    if (sliding_window is None and indices is None and expand is None and softcap is None and chunk is None
+            and same_dims):
         # Decoding: one new token per sequence sees every generated token, so no causal mask among them.
         out = prefix_attention(query, key, value, [k for _, k, _ in prefix], [v for _, _, v in prefix], scale,
                                causal=not decoding, context_shards=context_shards, sinks=s_aux)
-        return out.transpose(1, 2), None
+        return out.transpose(1, 2).contiguous(), None  # (B, T, H, D) as sdpa returns it: some layers .view it
     if context_shards is not None:
         raise ValueError("context parallelism covers full-attention and recurrent layers only (this layer uses a "
                          "sliding window, DSA or MLA): run without context parallelism")
@@ -110,8 +132,8 @@ def _longstraw_attention(
         select = torch.zeros(query.shape[0], t, own_start + s, dtype=torch.bool, device=device)
         select.scatter_(-1, indices.long(), True)
     out = masked_prefix_attention(query, key, value, prefix, scale, q_pos, own_pos, window=sliding_window,
-                                  select=select, expand=expand, softcap=softcap, sinks=s_aux)
-    return out.transpose(1, 2), None
+                                  select=select, expand=expand, softcap=softcap, sinks=s_aux, chunk=chunk)
+    return out.transpose(1, 2).contiguous(), None
 
 
 AttentionInterface.register(ATTN_NAME, _longstraw_attention)

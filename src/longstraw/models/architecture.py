@@ -72,7 +72,7 @@ SUPPORTED_MODEL_TYPES = (
     "glm_moe_dsa", "kimi_linear", "qwen3_5_text", "cohere2", "glm4_moe", "nemotron_h", "gemma3", "gpt_oss",
     "gemma2", "granite", "granitemoe", "granitemoeshared", "cohere",
     "mamba", "falcon_mamba", "jamba",
-    "stablelm", "nemotron", "zamba2",
+    "stablelm", "nemotron", "zamba2", "llama4_text", "minimax", "gemma4_text",
     "qwen3_moe", "mixtral", "qwen2_moe", "olmoe",
     # admitted through their verification (`verify`), kept on the list by tests/models/test_families.py
     "phi3", "phimoe", "olmo", "olmo2", "olmo3", "smollm3", "seed_oss", "exaone4", "lfm2", "starcoder2", "gpt_neox",
@@ -82,7 +82,8 @@ SUPPORTED_MODEL_TYPES = (
 )
 # Those with conv/recurrent layers: their single-token kernels update state in place (see state/cache.py).
 RECURRENT_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "mamba2", "falcon_h1", "kimi_linear", "nemotron_h", "zamba2",
-                         "mamba", "falcon_mamba", "jamba", "lfm2", "bamba", "olmo_hybrid", "qwen3_5_moe_text")
+                         "mamba", "falcon_mamba", "jamba", "lfm2", "bamba", "olmo_hybrid", "qwen3_5_moe_text",
+                         "minimax")
 
 
 def hf(module: torch.nn.Module) -> Any:
@@ -167,6 +168,11 @@ MIN_TRANSFORMERS_BY_MODEL_TYPE: dict[str, tuple[tuple[int, int, int], str]] = {
     "glm_moe_dsa": ((5, 18, 0), _LATENT_NOT_CACHED.format("5.17")),
     "zamba2": ((5, 24, 0), "its Mamba2 layers' state continuation and its shared attention blocks are verified on "
                            "5.24 only"),
+    "llama4_text": ((5, 24, 0), "its chunked attention layers and Llama4ForCausalLM's decoder are verified on 5.24 "
+                                "only"),
+    "minimax": ((5, 24, 0), "its lightning attention's state continuation (get/set_linear_cache) is verified on 5.24 "
+                            "only"),
+    "gemma4_text": ((5, 24, 0), "its KV-shared layers and per-layer head dims are verified on 5.24 only"),
     # Mamba-1 layers run LongStraw's own scan (engine/mamba1.py) inside transformers' modules
     **{name: ((5, 24, 0), "its Mamba-1 layers are not verified on older releases")
        for name in ("mamba", "falcon_mamba", "jamba")},

@@ -31,9 +31,13 @@ def text_config(model: torch.nn.Module) -> Any:
 
 def text_decoder(model: torch.nn.Module) -> torch.nn.Module:
     """The decoder a segment runs through (embeddings, layers, final norm; no output projection): the base model,
-    or a composite model's language model."""
+    a composite model's language model, or Llama-4's `model`."""
     base = hf(model).base_model
-    if hf(model).config.model_type in COMPOSITE_MODEL_TYPES:
+    if hf(model).config.model_type == "llama4_text":
+        # Llama4ForCausalLM names its decoder `model` but its base_model_prefix `language_model`, so `base_model` is
+        # the causal LM itself (whose output has logits, no hidden states).
+        return hf(model).model
+    elif hf(model).config.model_type in COMPOSITE_MODEL_TYPES:
         language = getattr(base, "language_model", None)
         if not isinstance(language, torch.nn.Module):
             raise ValueError(f"{type(model).__name__} ({hf(model).config.model_type}) has no language_model in its "

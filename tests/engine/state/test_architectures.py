@@ -30,9 +30,9 @@ from longstraw.engine.segment import run_segment
 from longstraw.engine.state.capture import capture_prompt
 from longstraw.models.architecture import cache_keyword
 
-RECURRENT = ("qwen3_next", "mamba2", "falcon_h1", "kimi_linear", "nemotron_h")
+RECURRENT = ("qwen3_next", "mamba2", "falcon_h1", "kimi_linear", "nemotron_h", "zamba2", "minimax")
 # Families whose model type the planner's state formulas (`planner.spec_from_config`) do not describe yet.
-NO_PLANNER_SPEC = ("stablelm", "nemotron")
+NO_PLANNER_SPEC = ("zamba2", "llama4", "minimax", "gemma4")
 _tol = gradient_tolerance  # helpers: 1e-6 for the FP32_INSIDE families, else 1e-10
 
 
@@ -196,7 +196,7 @@ def test_moe_router_choices_match_the_full_forward(family):
 @pytest.mark.parametrize("family", ["qwen3_next-B", "mamba2", "falcon_h1", "deepseek_v3", "glm_moe_dsa",
                                     "kimi_linear-A", "gemma3-A", "mistral-sw", "cohere2", "glm4_moe", "nemotron_h",
                                     "gemma3_mm", "stablelm-B", "nemotron", "gpt_oss", "gemma2", "granite",
-                                    "granitemoe", "cohere"])
+                                    "granitemoe", "cohere", "zamba2-B", "llama4-A", "minimax", "gemma4"])
 def test_sampled_logprobs_equal_a_full_forward(family):
     """Decoding one token at a time (the in-place single-token kernels run on the sampler's own clones)
     records the log-probs a full forward of prompt + response gives."""

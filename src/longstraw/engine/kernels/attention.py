@@ -366,14 +366,17 @@ def _masked_part(q, k, v, visible, scale: float, softcap: float | None, expand):
     return out, lse
 
 
-def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, window: int | None) -> torch.Tensor:
+def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, window: int | None,
+             chunk: int | None = None) -> torch.Tensor:
     """(T, c) bool: query at q_pos sees key at k_pos (causal, and within the sliding window if any:
-    transformers' rule is k > q - window)."""
+    transformers' rule is k > q - window; and in the same attention chunk if any: k // chunk == q // chunk)."""
     seen = torch.ones(q_pos.numel(), k_pos.numel(), dtype=torch.bool, device=q_pos.device)
     if causal:
         seen &= k_pos[None, :] <= q_pos[:, None]
     if window is not None:
         seen &= k_pos[None, :] > q_pos[:, None] - window
+    if chunk is not None:
+        seen &= k_pos[None, :] // chunk == q_pos[:, None] // chunk
     return seen
 
 
@@ -390,6 +393,7 @@ def masked_prefix_attention(
     expand=None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """Attention of new tokens over [prompt chunks ; own tokens] with positions, windows and selections.
 
@@ -398,7 +402,8 @@ def masked_prefix_attention(
     (1, 1, c, d) turned into K/V by `expand(latent, rope_key)`. window: sliding window (keys k > q − window).
     select: (B, T, P' + S) bool, DSA's chosen keys over [prompt ; own] (P' = positions before own_pos[0]).
     softcap: tanh logit soft-capping. sinks: (H,) attention sinks (`with_sinks`; not soft-capped), added after the
-    merge. Returns (B, H, T, Dv). Plain reference: `naive.py`.
+    merge. chunk: chunked attention (Llama-4's `attention_chunk_size`): a query sees the keys of its own chunk of
+    positions only. Returns (B, H, T, Dv). Plain reference: `naive.py`.
     """
     b, h, t, _ = query.shape
     parts = []
@@ -406,18 +411,18 @@ def masked_prefix_attention(
     for start, pk, pv in prefix:
         c = pk.shape[2]
         k_pos = torch.arange(start, start + c, device=query.device)
-        visible = _visible(q_pos, k_pos, causal=True, window=window)[None]  # (1, T, c)
+        visible = _visible(q_pos, k_pos, causal=True, window=window, chunk=chunk)[None]  # (1, T, c)
         if select is not None:
             visible = visible & select[:, :, start : start + c]
         if not bool(visible.any()):
-            continue  # the whole chunk is outside every query's window or selection
+            continue  # the whole chunk is outside every query's window, attention chunk or selection
         if torch.is_grad_enabled():
             parts.append(torch.utils.checkpoint.checkpoint(
                 _masked_part, query, pk, pv, visible, scale, softcap, expand, use_reentrant=False,
             ))
         else:
             parts.append(_masked_part(query, pk, pv, visible, scale, softcap, expand))
-    visible = _visible(q_pos, own_pos, causal=True, window=window)[None]
+    visible = _visible(q_pos, own_pos, causal=True, window=window, chunk=chunk)[None]
     if select is not None:
         visible = visible & select[:, :, p_len : p_len + own_pos.numel()]
     parts.append(_masked_part(query, key, value, visible, scale, softcap, None))

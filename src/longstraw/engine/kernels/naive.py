@@ -32,6 +32,7 @@ def naive_masked_prefix_attention(
     expand: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of T queries over [prefix keys ; own keys], same arguments as `masked_prefix_attention`.
 
@@ -44,7 +45,8 @@ def naive_masked_prefix_attention(
     Query at position q sees key at position k iff
       k <= q                            (causal),
       and q − k < window                (sliding window, if any: the window holds q itself and window − 1 before),
-      and select[b, t, k]               (DSA, if any: select (B, T, own_pos[0] + S) bool, by absolute position).
+      and select[b, t, k]               (DSA, if any: select (B, T, own_pos[0] + S) bool, by absolute position),
+      and k // chunk == q // chunk      (chunked attention, if any: Llama-4's attention_chunk_size).
     Scores are (q · k) * scale, soft-capped to softcap · tanh(score / softcap) before masking if softcap is set.
 
     sinks (H,), if set: one more score per head, exp(sinks[h]) in the softmax's denominator with no value (not
@@ -76,6 +78,8 @@ def naive_masked_prefix_attention(
     visible = (distance >= 0).expand(b, t, -1)  # (B, T, N)
     if window is not None:
         visible = visible & (distance < window)
+    if chunk is not None:
+        visible = visible & (q_pos[:, None] // chunk == k_pos[None, :] // chunk)
     if select is not None:
         visible = visible & select[:, :, k_pos]
     scores = scores.masked_fill(~visible[:, None], float("-inf"))

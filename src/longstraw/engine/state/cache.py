@@ -100,6 +100,9 @@ class SegmentCache:
         self._entry: dict[int, dict[tuple[str, int], torch.Tensor]] = {}
         self.recomputing = False
         self.asked: dict[int, set[str]] = {}  # per layer, the state parts it asked for (`check_asked`)
+        # The layer index of the last `update` call: the attention kernel reads that layer's prompt K/V when its module
+        # has no index of its own (Zamba2's shared attention blocks, `layer_idx` -1, are told the calling layer's).
+        self.attending: int | None = None
 
     # --- bookkeeping --------------------------------------------------------------------------------------
     @contextmanager
@@ -180,6 +183,7 @@ class SegmentCache:
         """Attention layers: this segment's K/V (B, Hkv, T, D) or MLA latents (B, 1, T, d). Returned unchanged
         (the kernel reads the prompt part from the state), or with every generated token's while decoding."""
         self._asked(layer_idx, "key")
+        self.attending = layer_idx
         self._record(layer_idx, "key", key)
         self._record(layer_idx, "value", value)
         if self.generated is not None:
@@ -260,6 +264,15 @@ class SegmentCache:
         self.handed_out[("recurrent", layer_idx)] = recurrent
         self._record(layer_idx, "recurrent", recurrent)
         return recurrent
+
+    def get_linear_cache(self, layer_idx: int) -> torch.Tensor | None:
+        """MiniMax's lightning attention: the K^T V state (B, H, d, d) the segment continues (None: no prompt yet, and
+        the layer runs its block path from zero). Kept as the layer's `recurrent` part."""
+        return self._hand_out("recurrent", layer_idx)
+
+    def set_linear_cache(self, layer_idx: int, linear_cache: torch.Tensor) -> None:
+        """MiniMax's lightning attention: its state after the segment (a new tensor; the layer writes none in place)."""
+        self.update_recurrent_state(linear_cache, layer_idx)
 
     def is_recording_past(self, layer_idx: int = 0) -> bool:
         """True makes conv layers take the functional `update_conv_state` path even for one token."""

@@ -8,6 +8,7 @@ from longstraw.engine.segment import run_segment
 from longstraw.engine.state.prompt import Collected, PromptState, prompt_fingerprint
 from longstraw.engine.state.provenance import provenance
 from longstraw.engine.state.sharding import ContextShards
+from longstraw.engine.state.sharing import kv_shared_layers
 from longstraw.models.architecture import hf, stateless_layers
 from longstraw.models.composite import text_config
 
@@ -47,7 +48,8 @@ def capture_prompt(model: torch.nn.Module, ids: torch.Tensor, chunk_size: int,
     state = PromptState(num_layers=text_config(model).num_hidden_layers, keep_boundaries=keep_boundaries,
                         context_shards=context_shards, device=device, fingerprint=prompt_fingerprint(ids),
                         provenance=provenance(model),
-                        capacity=ids.numel(), stateless=stateless_layers(model))
+                        capacity=ids.numel(),
+                        stateless=stateless_layers(model) | kv_shared_layers(text_config(model)))
     bounds = chunk_bounds(ids.numel(), chunk_size)
     for j, (start, end) in enumerate(bounds):
         collect: Collected = {}

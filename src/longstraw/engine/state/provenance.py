@@ -48,10 +48,19 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else t
 
 
+def _field(config: object, name: str) -> str:
+    """repr of a config field (None where absent). A field that differs by layer in a heterogeneous config (Gemma-4's
+    head_dim) refuses a global read: its serialized value is taken (the parameter layout holds the layers' sizes)."""
+    try:
+        return repr(getattr(config, name, None))
+    except RuntimeError:  # transformers' AmbiguousGlobalPerLayerAttributeError
+        return repr(config.to_dict().get(name))  # type: ignore[attr-defined]
+
+
 def provenance(model: torch.nn.Module) -> Provenance:
     """The identity and weights digest of `model` now."""
     config = text_config(model)
-    fields: list[tuple[str, str]] = [(name, repr(getattr(config, name, None))) for name in _IDENTITY_FIELDS]
+    fields: list[tuple[str, str]] = [(name, _field(config, name)) for name in _IDENTITY_FIELDS]
     layout = hashlib.blake2b(digest_size=8)
     samples = []
     for name, param in model.named_parameters():
