@@ -43,6 +43,31 @@ def test_planner_state_bytes_equal_the_captured_state(model_type):
                                                planner.state_bytes(spec, 40, 8, 16, exact=False)[0])
 
 
+# Window settings the class defaults leave off: `sliding_window` on every layer (no `layer_types`), and Qwen2's
+# `use_sliding_window` above `max_window_layers` (transformers derives `layer_types` from them).
+WINDOWED = {
+    "phi3": {"sliding_window": 16}, "mixtral": {"sliding_window": 16}, "ministral3": {"sliding_window": 16},
+    "qwen3_moe": {"use_sliding_window": True, "sliding_window": 16},
+    "qwen2": {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1},
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(WINDOWED))
+def test_planner_state_bytes_with_sliding_windows(model_type):
+    config = transformers.AutoConfig.for_model(model_type, **{**check.RELEASED.get(model_type, {}),
+                                                              **WINDOWED[model_type]})
+    tiny, _ = verify.tiny_config(config)
+    model = verify.build_tiny_model(tiny)
+    spec = planner.spec_from_config(model.config, model_type)
+    assert "sliding" in spec.mixers
+    with under_verification(model):
+        state = capture_prompt(model, torch.arange(40), chunk_size=16)
+        lean = capture_prompt(model, torch.arange(40), chunk_size=16, keep_boundaries=False)
+    assert lean.nbytes() < state.nbytes()
+    assert (state.nbytes(), lean.nbytes()) == (planner.state_bytes(spec, 40, 8, 16, exact=True)[0],
+                                               planner.state_bytes(spec, 40, 8, 16, exact=False)[0])
+
+
 def test_every_sweep_type_reads_its_own_model_type():
     """Each generic type is a model type some causal-LM class of this transformers has (a text config's own type
     for the multimodal wrappers: `qwen3_5_moe_text`), so no entry of the lists is dead."""
