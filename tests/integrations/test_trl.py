@@ -544,12 +544,13 @@ def test_ddp_example_trains_two_steps_on_two_processes(tmp_path):
 
 @pytest.fixture(scope="module")
 def moe_dirs(tmp_path_factory):
-    """Tiny Qwen3-MoE (Qwen3-30B-A3B's routing: top 2 of 4 normalised, router_aux_loss_coef 0.001) and Mixtral
-    (top 2 of 4, 0.02) saved to disk: TRL's aux_loss_enabled is on for both (their configs have
-    output_router_logits, and a coefficient != 0). Their config.json asks for the eager experts (grouped_mm, the
-    default, has no float64), in the policy and in the reference model TRL loads from the path."""
+    """Tiny Qwen3-MoE (Qwen3-30B-A3B's routing: top 2 of 4 normalised, router_aux_loss_coef 0.001), Mixtral
+    (top 2 of 4, 0.02) and gpt-oss (gpt-oss-20b's: 0.9, router biases, attention sinks) saved to disk: TRL's
+    aux_loss_enabled is on for all three (their configs have output_router_logits, and a coefficient != 0). Their
+    config.json asks for the eager experts (grouped_mm, the default, has no float64), in the policy and in the
+    reference model TRL loads from the path."""
     out = {}
-    for family in ("qwen3_moe", "mixtral"):
+    for family in ("qwen3_moe", "mixtral", "gpt_oss"):
         path = tmp_path_factory.mktemp(f"trl-{family}")
         tiny_model(family, dtype=torch.float32).save_pretrained(path)
         config = json.loads((path / "config.json").read_text())
@@ -558,22 +559,26 @@ def moe_dirs(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("routers", ["float64", "transformers"])
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family,routers", [("qwen3_moe", "float64"), ("qwen3_moe", "transformers"),
+                                            ("mixtral", "float64"), ("mixtral", "transformers"),
+                                            ("gpt_oss", "transformers")])
 def test_moe_load_balancing_loss_equals_trl(tmp_path, moe_dirs, float64_trl_kernel, monkeypatch, family, routers):
     """TRL adds router_aux_loss_coef * aux_loss (transformers' load-balancing loss over the micro-batch's prompt and
     completion tokens) to its loss; the drop-in maps it onto backward_group's router term over the same counts. With
     the routers' softmax in float64 (`router_helpers`) the update is TRL's to 1e-12; with transformers' float32
     softmax inside, to that softmax's rounding of the gradient's sum (measured 1.3e-10; 1e-9). Without the term (a zero
-    coefficient on our side only) the gradient is off by far more than either."""
+    coefficient on our side only) the gradient is off by far more than either. gpt-oss's router computes in the
+    model's dtype as it is: 1e-12."""
     if routers == "float64":
         patch_routers(monkeypatch)
-    tol = 1e-12 if routers == "float64" else 1e-9
+    tol = 1e-12 if routers == "float64" or family == "gpt_oss" else 1e-9
     g_ls, g_trl = _compare(tmp_path, moe_dirs, tol, family=family, loss_type="grpo", beta=0.04)
-    if routers == "float64":
+    if tol == 1e-12:
         (g_off,), _ = train(LongStrawGRPOTrainer, LongStrawGRPOConfig, moe_dirs[family], tmp_path / "off",
                             loss_type="grpo", beta=0.04, router_aux_loss_coef=0.0)
-        assert rel_err(g_off, g_trl[0]) > 1e-6
+        off = rel_err(g_off, g_trl[0])
+        print(f"without the term: {off:.2g}")
+        assert off > 1e-6
 
 
 def test_moe_load_balancing_refusals(tmp_path, moe_dirs):
