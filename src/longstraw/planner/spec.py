@@ -120,7 +120,8 @@ def load_config(name: str):
 @dataclass(frozen=True)
 class ModelSpec:
     """What the planner needs from a config. `mixers[l]`: attention | sliding | linear | mamba | mla | dsa |
-    attention+mamba (Falcon-H1's parallel heads) | none (Nemotron-H's MLP/MoE blocks); `mlps[l]`: dense | moe | none.
+    conv (LFM2's short convolution: a (hidden, conv_kernel) window) | attention+mamba (Falcon-H1's parallel heads) |
+    none (Nemotron-H's MLP/MoE blocks); `mlps[l]`: dense | moe | none.
     Sizes are element counts."""
 
     name: str
