@@ -261,10 +261,12 @@ def _backward(model: torch.nn.Module, group: Group, options: BackwardOptions,
         copies = group.size if router_batch is None or router_batch.prompt_copies is None else \
             router_batch.prompt_copies
         t0 = time.perf_counter()
-        counts, state = count_routes(model, prompt, responses, options, prompt_state, copies)
-        prompt_state = state if options.plan in ("detach", "exact") else prompt_state
-        router = RouterAux(model, counts if router_batch is None else router_batch.counts, options.router_aux_coef,
-                           copies, group.size)
+        if router_batch is None:  # the group is the batch: count it (and keep the prompt state for the plan)
+            counts, state = count_routes(model, prompt, responses, options, prompt_state, copies)
+            prompt_state = state if options.plan in ("detach", "exact") else prompt_state
+        else:  # counted by the caller (`router_counts` over the batch's groups)
+            counts = router_batch.counts
+        router = RouterAux(model, counts, options.router_aux_coef, copies, group.size)
         stats["router_count_s"] = time.perf_counter() - t0
     with _restoring_gradients(model, backwards), checkpointed_layers(model, enabled=options.checkpoint == "layers"):
         if router is None:
