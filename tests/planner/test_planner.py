@@ -412,8 +412,9 @@ RECORDED = (
     # multi-turn groups (3 turns of 64 generated + 128 observation tokens per response), G = 2, 8 and 16
     "memory-b1-llama-8k-agent-turns-20261201", "memory-b1-llama-8k-agent-turns-g16-20261201",
     # routed-expert families read generically (config.json beside the results: bench/results/b1-qwen3-moe/,
-    # b1-gpt-oss/): standard, detach, exact at P = 4096 (b1-qwen3-moe also with per-layer checkpointing)
+    # b1-gpt-oss/): standard, detach, exact at P = 4096, and with per-layer checkpointing
     "memory-b1-qwen3-moe-4k-20261202", "memory-b1-qwen3-moe-4k-ckpt-20261202", "memory-b1-gpt-oss-4k-20261202",
+    "memory-b1-gpt-oss-4k-ckpt-20261202",
 )
 
 
