@@ -70,7 +70,7 @@ def cache_keyword(module: torch.nn.Module) -> str:
 SUPPORTED_MODEL_TYPES = (
     "llama", "qwen2", "qwen3", "mistral", "gemma3_text", "qwen3_next", "mamba2", "falcon_h1", "deepseek_v3",
     "glm_moe_dsa", "kimi_linear", "qwen3_5_text", "cohere2", "glm4_moe", "nemotron_h", "gemma3", "gpt_oss",
-    "gemma2", "granite", "granitemoe", "granitemoeshared", "cohere",
+    "gemma2", "granite", "granitemoe", "granitemoeshared", "cohere", "granitemoehybrid",
     "mamba", "falcon_mamba", "jamba",
     "stablelm", "nemotron", "zamba2", "llama4_text", "minimax", "gemma4_text",
     "qwen3_moe", "mixtral", "qwen2_moe", "olmoe",
@@ -83,7 +83,7 @@ SUPPORTED_MODEL_TYPES = (
 # Those with conv/recurrent layers: their single-token kernels update state in place (see state/cache.py).
 RECURRENT_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "mamba2", "falcon_h1", "kimi_linear", "nemotron_h", "zamba2",
                          "mamba", "falcon_mamba", "jamba", "lfm2", "bamba", "olmo_hybrid", "qwen3_5_moe_text",
-                         "minimax")
+                         "minimax", "granitemoehybrid")
 
 
 def hf(module: torch.nn.Module) -> Any:

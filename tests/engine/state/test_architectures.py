@@ -30,7 +30,8 @@ from longstraw.engine.segment import run_segment
 from longstraw.engine.state.capture import capture_prompt
 from longstraw.models.architecture import cache_keyword
 
-RECURRENT = ("qwen3_next", "mamba2", "falcon_h1", "kimi_linear", "nemotron_h", "zamba2", "minimax")
+RECURRENT = ("qwen3_next", "mamba2", "falcon_h1", "kimi_linear", "nemotron_h", "zamba2", "minimax",
+             "granitemoehybrid")
 # Families whose model type the planner's state formulas (`planner.spec_from_config`) do not describe yet.
 NO_PLANNER_SPEC = ("zamba2", "llama4", "minimax", "gemma4")
 _tol = gradient_tolerance  # helpers: 1e-6 for the FP32_INSIDE families, else 1e-10
@@ -196,7 +197,8 @@ def test_moe_router_choices_match_the_full_forward(family):
 @pytest.mark.parametrize("family", ["qwen3_next-B", "mamba2", "falcon_h1", "deepseek_v3", "glm_moe_dsa",
                                     "kimi_linear-A", "gemma3-A", "mistral-sw", "cohere2", "glm4_moe", "nemotron_h",
                                     "gemma3_mm", "stablelm-B", "nemotron", "gpt_oss", "gemma2", "granite",
-                                    "granitemoe", "cohere", "zamba2-B", "llama4-A", "minimax", "gemma4"])
+                                    "granitemoe", "cohere", "zamba2-B", "llama4-A", "minimax", "gemma4",
+                                    "granitemoehybrid"])
 def test_sampled_logprobs_equal_a_full_forward(family):
     """Decoding one token at a time (the in-place single-token kernels run on the sampler's own clones)
     records the log-probs a full forward of prompt + response gives."""
@@ -246,7 +248,8 @@ def test_one_token_chunks_are_refused_for_recurrent_exact():
 
 
 @pytest.mark.parametrize("family", ["qwen3_next-A", "qwen3_5_text", "mamba2", "falcon_h1", "glm_moe_dsa",
-                                    "kimi_linear-A", "cohere2", "glm4_moe", "nemotron_h", "gemma2", "cohere"])
+                                    "kimi_linear-A", "cohere2", "glm4_moe", "nemotron_h", "gemma2", "cohere",
+                                    "granitemoehybrid"])
 def test_replay_is_within_the_references_own_chunking_noise(family):
     """For the FP32_INSIDE families: transformers' own chunked continuation (its DynamicCache, the prompt in
     13-token chunks) vs its full forward sets the float32 noise floor; our replay (capture chunks of 13) must
