@@ -24,6 +24,9 @@ def _recurrent_bytes(spec: ModelSpec, mixer: str, b: int) -> int:
         conv = inner + 2 * spec.mamba_groups * spec.mamba_state
         rec = spec.mamba_heads * spec.mamba_head_dim * spec.mamba_state
         return conv * spec.conv_kernel * b + rec * 4
+    elif mixer == "mamba1":  # conv window over the inner width; SSM state in the scan's dtype (fp32 or wider)
+        inner = spec.mamba_heads * spec.mamba_head_dim
+        return inner * spec.conv_kernel * b + inner * spec.mamba_state * max(4, b)
     elif mixer == "conv":  # LFM2's short convolution: a window of the last `conv_kernel` inputs, no recurrent state
         return spec.hidden * spec.conv_kernel * b
     else:
@@ -122,7 +125,7 @@ class RecurrentBytes:
     backward: int
 
 
-RECURRENT_MIXERS = ("linear", "mamba", "attention+mamba")
+RECURRENT_MIXERS = ("linear", "mamba", "attention+mamba", "mamba1")
 
 
 def recurrent_bytes(spec: ModelSpec, mixer: str, tokens: int, b: int, batch: int = 1,
@@ -180,6 +183,18 @@ def recurrent_bytes(spec: ModelSpec, mixer: str, tokens: int, b: int, batch: int
         # Backward beyond the saved tensors: about one c x c gradient per head (measured 12.2-18.4 KB per token
         # on the three shapes at T = 2048; this 8.2-24.6 KB).
         backward = tp * h * c * 4
+    elif mixer == "mamba1":
+        # Mamba-1 (`engine/mamba1.py`, `kernels/selective_scan.py`), counted from the code, not measured: per token the
+        # in_proj output, the conv input, output and activation, dt, B, C, gate and output projection input (~8 x the
+        # inner width in the param dtype) and a few fp32 vectors of it; decays and inputs (2 x inner x N, fp32 or
+        # wider), with the replay's doubling scan ~2 log2(SCAN_CHUNK) = 8 more and the states, or with transformers'
+        # sequential loop (the standard plans) about two.
+        inner, n, w = spec.mamba_heads * spec.mamba_head_dim, spec.mamba_state, max(4, b)
+        scan = (11 if cached else 4) * inner * n * w + inner * n * b
+        saved = tokens * (8 * inner * b + 4 * inner * w + scan)
+        tail = tokens * inner * b
+        nograd = tokens * (5 * inner * b + 3 * inner * n * w)
+        backward = tokens * 2 * inner * n * w
     else:
         return RecurrentBytes(0, 0, 0, 0)
     return RecurrentBytes(*(batch * x for x in (saved, tail, nograd, backward)))
@@ -224,7 +239,7 @@ def _mixer_activation_bytes(spec: ModelSpec, mixer: str, b: int, a: int, kernel:
         # LFM2's gated short convolution, counted from the code (not measured): the in_proj output (B, C, x: 3·d),
         # B·x with the cached window before it, the conv output and C·conv (the output projection's input)
         return 7 * spec.hidden * b
-    elif mixer in ("linear", "mamba", "none"):
+    elif mixer in ("linear", "mamba", "mamba1", "none"):
         return 0
     else:
         raise ValueError(f"unknown mixer kind {mixer!r}")

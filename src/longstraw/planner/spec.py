@@ -121,7 +121,8 @@ def load_config(name: str):
 class ModelSpec:
     """What the planner needs from a config. `mixers[l]`: attention | sliding | linear | mamba | mla | dsa |
     conv (LFM2's short convolution: a (hidden, conv_kernel) window) | attention+mamba (Falcon-H1's parallel heads) |
-    none (Nemotron-H's MLP/MoE blocks); `mlps[l]`: dense | moe | none.
+    mamba1 (a Mamba-1 mixer: `mamba_heads` is its inner width, `mamba_head_dim` 1) | none (Nemotron-H's MLP/MoE
+    blocks); `mlps[l]`: dense | moe | none.
     Sizes are element counts."""
 
     name: str
@@ -174,7 +175,8 @@ class ModelSpec:
 
 PLANNER_MODEL_TYPES = (
     "llama", "qwen2", "qwen3", "mistral", "gemma3_text", "qwen3_next", "qwen3_5_text", "mamba2", "falcon_h1",
-    "deepseek_v3", "glm_moe_dsa", "kimi_linear", "cohere2", "glm4_moe", "nemotron_h", "gpt_oss",
+    "deepseek_v3", "glm_moe_dsa", "kimi_linear", "cohere2", "glm4_moe", "nemotron_h", "gpt_oss", "mamba",
+    "falcon_mamba", "jamba",
 )
 
 
@@ -539,6 +541,20 @@ def spec_from_config(config, name: str = "") -> ModelSpec:
             **base, mixers=("mamba",) * n, mlps=("none",) * n, mamba_heads=c.num_heads,
             mamba_head_dim=c.head_dim, mamba_state=c.state_size, mamba_groups=c.n_groups,
             conv_kernel=c.conv_kernel, mamba_chunk=c.chunk_size or MAMBA_SCAN_CHUNK,
+        )
+    elif mt in ("mamba", "falcon_mamba"):  # Mamba-1 blocks: one mixer each, no MLP
+        return ModelSpec(
+            **base, mixers=("mamba1",) * n, mlps=("none",) * n, mamba_heads=c.intermediate_size, mamba_head_dim=1,
+            mamba_state=c.state_size, conv_kernel=c.conv_kernel,
+        )
+    elif mt == "jamba":  # Mamba-1 or attention layers, each with a dense MLP or an MoE
+        return ModelSpec(
+            **base, mixers=tuple("mamba1" if k == "mamba" else "attention" for k in c.layers_block_type),
+            mlps=tuple("moe" if e > 1 else "dense" for e in c.layers_num_experts), **_attention_dims(c),
+            intermediate=c.intermediate_size, moe_intermediate=c.intermediate_size,
+            experts_per_token=c.num_experts_per_tok, num_experts=c.num_experts,
+            mamba_heads=c.mamba_expand * c.hidden_size, mamba_head_dim=1, mamba_state=c.mamba_d_state,
+            conv_kernel=c.mamba_d_conv,
         )
     elif mt == "falcon_h1":
         heads = c.mamba_n_heads

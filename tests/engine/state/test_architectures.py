@@ -31,7 +31,7 @@ from longstraw.engine.state.capture import capture_prompt
 from longstraw.models.architecture import cache_keyword
 
 RECURRENT = ("qwen3_next", "mamba2", "falcon_h1", "kimi_linear", "nemotron_h", "zamba2", "minimax",
-             "granitemoehybrid")
+             "granitemoehybrid", "mamba", "falcon_mamba", "jamba")
 # Families whose model type the planner's state formulas (`planner.spec_from_config`) do not describe yet.
 NO_PLANNER_SPEC = ("zamba2", "llama4", "minimax", "gemma4")
 _tol = gradient_tolerance  # helpers: 1e-6 for the FP32_INSIDE families, else 1e-10
@@ -181,7 +181,7 @@ def _router_choices(model, run) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("family", ["qwen3_next-A", "deepseek_v3", "glm_moe_dsa", "kimi_linear-B", "glm4_moe",
-                                    "nemotron_h", "gpt_oss"])
+                                    "nemotron_h", "gpt_oss", "jamba"])
 def test_moe_router_choices_match_the_full_forward(family):
     model = _model(family)
     gen = torch.Generator().manual_seed(2)
@@ -198,7 +198,7 @@ def test_moe_router_choices_match_the_full_forward(family):
                                     "kimi_linear-A", "gemma3-A", "mistral-sw", "cohere2", "glm4_moe", "nemotron_h",
                                     "gemma3_mm", "stablelm-B", "nemotron", "gpt_oss", "gemma2", "granite",
                                     "granitemoe", "cohere", "zamba2-B", "llama4-A", "minimax", "gemma4",
-                                    "granitemoehybrid"])
+                                    "granitemoehybrid", "mamba", "falcon_mamba", "jamba"])
 def test_sampled_logprobs_equal_a_full_forward(family):
     """Decoding one token at a time (the in-place single-token kernels run on the sampler's own clones)
     records the log-probs a full forward of prompt + response gives."""
@@ -212,7 +212,7 @@ def test_sampled_logprobs_equal_a_full_forward(family):
         assert float((ref - logp).abs().max()) <= 10 * tol
 
 
-@pytest.mark.parametrize("family", ["mistral-sw", "qwen3_next-A", "mamba2"])
+@pytest.mark.parametrize("family", ["mistral-sw", "qwen3_next-A", "mamba2", "mamba"])
 def test_a_layer_that_never_asks_for_its_state_is_refused(family):
     """Layer 0 holds prompt state (K/V; conv and recurrent state) but runs with its cache argument dropped, as under a
     transformers that passed the cache another way: computed so, its segment would ignore the prompt. A replay raises
@@ -271,3 +271,28 @@ def test_replay_is_within_the_references_own_chunking_noise(family):
     ours = score_responses(model, group.prompt, group.responses, chunk_size=13)[0]
     floor = float((full - cont).abs().max())
     assert float((full - ours).abs().max()) <= max(3 * floor, 1e-12)
+
+
+@pytest.mark.parametrize("family", ["mamba", "falcon_mamba", "jamba"])
+def test_mamba1_replay_continues_the_ssm_state(family):
+    """transformers' own cached continuation of a Mamba-1 model (its DynamicCache, the prompt in 13-token chunks)
+    restarts every multi-token segment's SSM scan from a zero state and is far from its full forward; LongStraw's
+    replay (engine/mamba1.py) continues the state and equals the full forward. (transformers' continuation is off by
+    up to 1.1e-4 on Jamba, whose tiny model's dt starts near softplus(0) and forgets within a few tokens, and by more
+    than 1e-3 on Mamba and Falcon-Mamba, whose dt starts in the released [0.001, 0.1].)"""
+    from transformers import DynamicCache
+
+    model = _model(family)
+    group = random_group(100, [9], seed=100)
+    ids = torch.cat([group.prompt, group.responses[0]])[None]  # (1, 109)
+    with torch.no_grad():
+        full = torch.log_softmax(model(input_ids=ids, use_cache=False).logits[0, 99:-1], -1)
+        full = full.gather(-1, group.responses[0][:, None]).squeeze(-1)
+        cache = DynamicCache(config=model.config)
+        for s in range(0, 99, 13):
+            model(input_ids=ids[:, s : min(s + 13, 99)], use_cache=True, cache=cache)
+        cont = torch.log_softmax(model(input_ids=ids[:, 99:], use_cache=True, cache=cache).logits[0, :-1], -1)
+        cont = cont.gather(-1, group.responses[0][:, None]).squeeze(-1)
+    ours = score_responses(model, group.prompt, group.responses, chunk_size=13)[0]
+    assert float((full - cont).abs().max()) > 5e-5
+    assert float((full - ours).abs().max()) <= 1e-12
