@@ -138,3 +138,31 @@ def test_gemma2_replay_and_sampling_apply_the_final_softcap(monkeypatch):
     assert float((lp_std - lp_uncapped).abs().max()) > 1e-1
     assert float((g_uncapped - g_std).norm() / g_std.norm()) > 1e-2
     assert sampled_error() > 1e-1
+
+
+def test_falcon_h1_replay_applies_its_lm_head_multiplier():
+    """Falcon-H1's causal LM multiplies its logits by `lm_head_multiplier` (about 0.039 in the released checkpoints;
+    the tiny test family keeps the class default 1.0): with the released value, the replayed log-probs equal the
+    standard plan's (transformers' own logits), and the sampler's equal a full forward's."""
+    from helpers import FP32_KERNELS_F64, random_group, tiny_config
+
+    from longstraw import backward_group
+    from longstraw.engine.sampling import SamplingConfig, sample_group
+
+    config = tiny_config("falcon_h1")
+    config.lm_head_multiplier = 0.0390625
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    model = faithful_float64(model.to(torch.float64).eval())
+    assert logit_scale(model) == 0.0390625
+    group = random_group(37, [5, 1, 9], seed=37)
+    std = torch.cat(backward_group(model, group, plan="standard", chunk_size=13).logprobs)
+    exact = torch.cat(backward_group(model, group, plan="exact", chunk_size=13).logprobs)
+    assert float((std - exact).abs().max()) <= FP32_KERNELS_F64
+    prompt = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(8))
+    rollout = sample_group(model, prompt, 2, SamplingConfig(max_new_tokens=4), seed=1, chunk_size=16)
+    for response, logp in zip(rollout.responses, rollout.logprobs):
+        with torch.no_grad():
+            logits = model(input_ids=torch.cat([prompt, response])[None], use_cache=False).logits[0]
+        ref = torch.log_softmax(logits[39:-1], -1).gather(-1, response[:, None]).squeeze(-1)
+        assert float((ref - logp).abs().max()) <= 10 * FP32_KERNELS_F64
