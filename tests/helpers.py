@@ -149,6 +149,15 @@ def _sliding(pattern: str) -> list[str]:
         "full_attention", "sliding_attention", "full_attention"]
 
 
+# tiiuae/Falcon-H1-0.5B's multipliers (its logits are scaled by lm_head_multiplier: a default of 1.0 would hide a
+# missing factor).
+FALCON_H1_MULTIPLIERS = dict(
+    embedding_multiplier=5.656854249492381, lm_head_multiplier=0.0390625, attention_in_multiplier=1.0,
+    attention_out_multiplier=0.9375, key_multiplier=0.390625, ssm_in_multiplier=1.25,
+    ssm_out_multiplier=0.23570226039551587, mlp_multipliers=[0.8838834764831844, 0.5859375],
+    ssm_multipliers=[0.3535533905932738, 0.25, 0.3535533905932738, 0.5, 0.3535533905932738])
+
+
 def _arch_configs() -> dict[str, Callable[[], object]]:
     """Tiny configs of the architecture families (hybrid, sliding-window, latent attention), each built on demand
     (`tiny_config`): an older transformers may lack a family's class or validate its fields otherwise.
@@ -176,7 +185,7 @@ def _arch_configs() -> dict[str, Callable[[], object]]:
         "falcon_h1": lambda: FalconH1Config(num_hidden_layers=2, num_key_value_heads=2, mamba_d_ssm=128,
                                             mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=1,
                                             mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16, pad_token_id=None,
-                                            **c),
+                                            **FALCON_H1_MULTIPLIERS, **c),
         "deepseek_v3": lambda: DeepseekV3Config(num_hidden_layers=2, n_shared_experts=1, n_routed_experts=4,
                                                 num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
                                                 q_lora_rank=24, **moe, **mla, **c),

@@ -109,10 +109,10 @@ def test_backward_group_admits_a_verified_type_and_refuses_a_wrong_one(monkeypat
     """A type off the CI list goes through the check once; a refused one fails before any parameter is touched."""
     monkeypatch.setenv("LONGSTRAW_CACHE", str(tmp_path))
     monkeypatch.setattr(verify, "_VERDICTS", {})
-    model = verify.build_tiny_model(verify.tiny_config(_config("gpt2"))[0])
+    model = verify.build_tiny_model(verify.tiny_config(_config("opt"))[0])
     assert model.config.model_type not in architecture.SUPPORTED_MODEL_TYPES
     backward_group(model, random_group(20, [3, 2]), plan="exact", chunk_size=8)
-    assert list((tmp_path / "verdicts").glob("gpt2-*.json"))
+    assert list((tmp_path / "verdicts").glob("opt-*.json"))
 
     from longstraw.engine.plans import replay
 
@@ -120,7 +120,7 @@ def test_backward_group_admits_a_verified_type_and_refuses_a_wrong_one(monkeypat
     monkeypatch.setattr(verify, "_VERDICTS", {})
     monkeypatch.setenv("LONGSTRAW_CACHE", str(tmp_path / "other"))
     model.zero_grad(set_to_none=True)
-    with pytest.raises(ValueError, match=r"'gpt2' is refused: a tiny float64 copy .*replayed log-probs off by"):
+    with pytest.raises(ValueError, match=r"'opt' is refused: a tiny float64 copy .*replayed log-probs off by"):
         backward_group(model, random_group(20, [3, 2]), plan="exact", chunk_size=8)
     assert all(p.grad is None for p in model.parameters())
 
