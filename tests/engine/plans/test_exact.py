@@ -68,9 +68,9 @@ def test_kept_graph_is_released_after_its_backward():
     seen: list[weakref.ref] = []
     original = exact_module.prompt_backward
 
-    def spying(model_, ids, leaves):
+    def spying(model_, ids, leaves, router=None):
         seen.extend(weakref.ref(t) for outs in leaves.graphs.values() for t in outs if t is not None)
-        return original(model_, ids, leaves)
+        return original(model_, ids, leaves, router)
 
     exact_module.prompt_backward = spying  # what `exact` calls
     try:
