@@ -93,7 +93,13 @@ bench: install
 bench-demo: install
 	$(BIN)/longstraw bench memory --demo
 
-.PHONY: bench-smoke plan-paper stress
+.PHONY: bench-smoke plan-paper stress architectures
+
+# The admission check of every causal-LM type of the installed transformers (~10 min on 2 idle cores): the results
+# file and the table docs/architecture-verdicts.md (docs/architectures.md).
+ARCH_RESULTS ?= bench/results/architectures-$(shell date +%Y%m%d).json
+architectures: install
+	$(BIN)/longstraw check --all --out $(ARCH_RESULTS) --markdown docs/architecture-verdicts.md
 
 # Every benchmark at a tiny size (under a minute on an idle machine): memory, prompt, pareto, arch.
 bench-smoke: install

@@ -42,17 +42,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 from torch.distributed.tensor import DTensor
 
-
-def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The decoder layers of a transformers causal LM (`model.model.layers`)."""
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
-    if layers is None:
-        raise ValueError(
-            f"{type(model).__name__} has no model.model.layers: parallelize() shards transformers causal LMs "
-            "(LlamaForCausalLM, Qwen3ForCausalLM, ...) layer by layer"
-        )
-    return list(layers)
+from longstraw.engine.activation_checkpointing import decoder_layers
 
 
 def parallelize(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:

@@ -38,6 +38,7 @@ from longstraw.engine.router import RouterAux, RouterCounts, aux_value
 from longstraw.engine.state.checks import check_materialised, check_prompt_state
 from longstraw.engine.state.prompt import PromptState
 from longstraw.models.architecture import check_architecture, eval_mode_when_equal, hf, is_recurrent
+from longstraw.models.composite import text_config
 
 
 @dataclass
@@ -76,7 +77,7 @@ def _check_model_and_group(model: torch.nn.Module, group: Group, beta: float) ->
     vocab = hf(model).get_input_embeddings().num_embeddings
     if group.max_token_id() >= vocab:
         raise ValueError(f"token id {group.max_token_id()} is out of the model's vocabulary (size {vocab})")
-    max_pos = getattr(model.config, "max_position_embeddings", None)
+    max_pos = getattr(text_config(model), "max_position_embeddings", None)  # a composite's text tower's
     if max_pos is not None and total > max_pos:
         raise ValueError(
             f"prompt ({group.prompt.numel()}) + longest response ({max(group.lengths)}) = {total} tokens exceeds "
