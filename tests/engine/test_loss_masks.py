@@ -153,9 +153,11 @@ def test_bad_masks_are_refused_when_the_group_is_built(masks, error, match):
         Group(prompt=g.prompt, responses=g.responses, advantages=g.advantages, loss_masks=masks())
 
 
-def _unskipped(hidden, weight, targets, keep, token_chunk, temperature, logit_scale, fill=0.0, softcap=None):
+def _unskipped(hidden, weight, targets, keep, token_chunk, temperature, logit_scale, fill=0.0, softcap=None,
+               bias=None):
     """The replay's log-probs with every row through the output projection (the path without the skip)."""
-    full = replay.chunked_logprobs(hidden, weight, targets, token_chunk, temperature, logit_scale, softcap=softcap)
+    full = replay.chunked_logprobs(hidden, weight, targets, token_chunk, temperature, logit_scale, softcap=softcap,
+                                   bias=bias)
     return torch.where(keep, full, torch.full_like(full, fill))
 
 

@@ -21,7 +21,7 @@ VERIFIED_FAMILIES = (
     "qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "phi3", "phimoe", "olmo", "olmo2", "olmo3", "smollm3", "seed_oss",
     "exaone4", "lfm2", "starcoder2", "gpt_neox", "glm", "glm4", "glm4_moe_lite", "apertus", "arcee", "bitnet",
     "hunyuan_v1_dense", "hunyuan_v1_moe", "ernie4_5", "ernie4_5_moe", "dots1", "minimax_m2", "deepseek_v2",
-    "deepseek_v32", "bamba", "ministral", "olmo_hybrid", "qwen3_5_moe_text", "gpt2", "gemma", "helium",
+    "deepseek_v32", "bamba", "ministral", "olmo_hybrid", "qwen3_5_moe_text", "gpt2", "gemma", "helium", "phi",
 )
 
 

@@ -30,18 +30,23 @@ from longstraw.engine.precision import accumulation_dtype
 DEFAULT_TOKEN_CHUNK = 1024
 
 
-def accumulated_logits(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """h (c, d) @ weight (V, d)^T -> (c, V) in the accumulation dtype (`precision.py`): for bf16/fp16 on CUDA
-    straight from the GEMM's fp32 accumulator (torch.mm's out_dtype), elsewhere cast after the product."""
+def accumulated_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """h (c, d) @ weight (V, d)^T (+ bias (V,)) -> (c, V) in the accumulation dtype (`precision.py`): for bf16/fp16
+    on CUDA straight from the GEMM's fp32 accumulator (torch.mm's out_dtype), elsewhere cast after the product."""
     acc = accumulation_dtype(h.dtype)
+    logits = None
     if acc == h.dtype:
-        return h @ weight.t()
-    if h.is_cuda:
+        logits = h @ weight.t()
+    elif h.is_cuda:
         try:
-            return torch.mm(h, weight.t(), out_dtype=acc)
+            logits = torch.mm(h, weight.t(), out_dtype=acc)
         except (RuntimeError, TypeError):  # a torch without out_dtype for this GEMM
             pass
-    return (h @ weight.t()).to(acc)
+    if logits is None:
+        logits = (h @ weight.t()).to(acc)
+    if bias is not None:
+        logits.add_(bias.to(acc))
+    return logits
 
 
 def _scaled(logits: torch.Tensor, logit_scale: float, temperature: float,
@@ -64,36 +69,40 @@ def check_softcap(softcap: float | None) -> None:
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
-    """hidden (N, d), weight (V, d), targets (N,) -> logp (N,) = log_softmax(cap(hidden @ weight.T * s) / T)[n,
-    targets[n]] (s: logit_scale; cap(x) = softcap * tanh(x / softcap), the identity without a softcap), in the
-    accumulation dtype (fp32 for a bf16/fp16 model; the logits, log-sum-exp and softmax too)."""
+    """hidden (N, d), weight (V, d), bias (V,) or None, targets (N,) -> logp (N,) =
+    log_softmax(cap((hidden @ weight.T + bias) * s) / T)[n, targets[n]] (s: logit_scale; cap(x) = softcap *
+    tanh(x / softcap), the identity without a softcap), in the accumulation dtype (fp32 for a bf16/fp16 model; the
+    logits, log-sum-exp and softmax too)."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, token_chunk: int,
-                temperature: float = 1.0, logit_scale: float = 1.0, softcap: float | None = None):
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+                token_chunk: int, temperature: float = 1.0, logit_scale: float = 1.0, softcap: float | None = None):
         out = torch.empty(hidden.shape[0], dtype=accumulation_dtype(hidden.dtype), device=hidden.device)
         lse = torch.empty_like(out)
         for s in range(0, hidden.shape[0], token_chunk):
-            logits = _scaled(accumulated_logits(hidden[s : s + token_chunk], weight), logit_scale,
+            logits = _scaled(accumulated_logits(hidden[s : s + token_chunk], weight, bias), logit_scale,
                              temperature, softcap)  # (c, V)
             tgt = targets[s : s + token_chunk]
             lse[s : s + token_chunk] = torch.logsumexp(logits, dim=-1)
             out[s : s + token_chunk] = logits.gather(1, tgt[:, None]).squeeze(1) - lse[s : s + token_chunk]
         ctx.token_chunk = token_chunk
         ctx.temperature, ctx.logit_scale, ctx.softcap = temperature, logit_scale, softcap
-        ctx.save_for_backward(hidden, weight, targets, lse)  # lse: N numbers, so backward skips a softmax pass
-        return out
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(hidden, weight, bias if bias is not None else weight.new_empty(0), targets, lse)
+        return out  # lse: N numbers, so backward skips a softmax pass
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        hidden, weight, targets, lse = ctx.saved_tensors
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        bias = bias if ctx.has_bias else None
+        need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         d_hidden = torch.empty_like(hidden) if need_h else None
         d_weight = torch.zeros_like(weight) if need_w else None
+        d_bias = torch.zeros_like(bias) if need_b and bias is not None else None
         c, temperature, logit_scale, softcap = ctx.token_chunk, ctx.temperature, ctx.logit_scale, ctx.softcap
         for s in range(0, hidden.shape[0], c):
             h = hidden[s : s + c]
-            logits = _scaled(accumulated_logits(h, weight), logit_scale, 1.0)  # (c, V), recomputed
+            logits = _scaled(accumulated_logits(h, weight, bias), logit_scale, 1.0)  # (c, V), recomputed
             slope = None
             if softcap is not None:  # d(cap * tanh(x / cap)) / dx = 1 - tanh(x / cap)^2, kept before the softmax
                 logits.div_(softcap).tanh_()
@@ -117,28 +126,33 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 d_hidden[s : s + c] = d_logits @ weight
             if d_weight is not None:  # need_w
                 d_weight.addmm_(d_logits.t(), h)
-        return d_hidden, d_weight, None, None, None, None, None
+            if d_bias is not None:  # d(projection) / d(bias): one per row
+                d_bias.add_(d_logits.sum(0))
+        return d_hidden, d_weight, d_bias, None, None, None, None, None
 
 
 def chunked_logprobs(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, token_chunk: int = DEFAULT_TOKEN_CHUNK,
     temperature: float = 1.0, logit_scale: float = 1.0, softcap: float | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """hidden (..., d), weight (V, d), targets (...) -> log-probs (...) of the logits (hidden @ weight.T) *
-    logit_scale, soft-capped to softcap * tanh(. / softcap) if softcap is set, at `temperature`. Differentiable in
-    hidden and weight."""
+    """hidden (..., d), weight (V, d), targets (...) -> log-probs (...) of the logits (hidden @ weight.T + bias) *
+    logit_scale, soft-capped to softcap * tanh(. / softcap) if softcap is set, at `temperature`. bias (V,): the
+    output projection's (Phi-2, CodeGen, GPT-J), or None. Differentiable in hidden, weight and bias."""
     check_softcap(softcap)
     shape = targets.shape
-    flat = _ChunkedLogprobs.apply(hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), token_chunk,
-                                  temperature, logit_scale, softcap)
+    flat = _ChunkedLogprobs.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias, targets.reshape(-1),
+                                  token_chunk, temperature, logit_scale, softcap)
     return flat.view(shape)
 
 
 def naive_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                   temperature: float = 1.0, logit_scale: float = 1.0, softcap: float | None = None) -> torch.Tensor:
-    """Reference: full logits, soft-cap (as transformers' Gemma-2 forward: / cap, tanh, * cap), log_softmax, gather.
-    Same shapes as `chunked_logprobs`; fp32 for bf16/fp16."""
-    logits = (hidden @ weight.t() * logit_scale).to(accumulation_dtype(hidden.dtype))
+                   temperature: float = 1.0, logit_scale: float = 1.0, softcap: float | None = None,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference: full logits (with the bias), soft-cap (as transformers' Gemma-2 forward: / cap, tanh, * cap),
+    log_softmax, gather. Same shapes as `chunked_logprobs`; fp32 for bf16/fp16."""
+    projection = hidden @ weight.t() if bias is None else hidden @ weight.t() + bias
+    logits = (projection * logit_scale).to(accumulation_dtype(hidden.dtype))
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap
     logits = logits / temperature
@@ -148,7 +162,7 @@ def naive_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
 def selected_logprobs(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, keep: torch.Tensor,
     token_chunk: int = DEFAULT_TOKEN_CHUNK, temperature: float = 1.0, logit_scale: float = 1.0, fill: float = 0.0,
-    softcap: float | None = None,
+    softcap: float | None = None, bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """hidden (..., d), weight (V, d), targets (...), keep (...) bool -> log-probs (...): `chunked_logprobs` where
     keep is True, `fill` elsewhere (no gradient there). The output projection runs on keep's True rows only, so it
@@ -158,7 +172,7 @@ def selected_logprobs(
     rows = keep.reshape(-1).nonzero().squeeze(1)  # (n,)
     kept = chunked_logprobs(hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows), weight,
                             targets.reshape(-1).index_select(0, rows), token_chunk, temperature, logit_scale,
-                            softcap)  # (n,)
+                            softcap, bias)  # (n,)
     out = torch.full((targets.numel(),), fill, dtype=kept.dtype, device=kept.device)
     return out.index_copy(0, rows, kept).view(shape)  # differentiable in `kept`
 
@@ -166,8 +180,9 @@ def selected_logprobs(
 def masked_logprobs_reference(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, keep: torch.Tensor,
     temperature: float = 1.0, logit_scale: float = 1.0, fill: float = 0.0, softcap: float | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference for `selected_logprobs`: every row's log-prob (`naive_logprobs`), then `fill` where keep is
     False. Same shapes."""
-    full = naive_logprobs(hidden, weight, targets, temperature, logit_scale, softcap)
+    full = naive_logprobs(hidden, weight, targets, temperature, logit_scale, softcap, bias)
     return torch.where(keep, full, torch.full_like(full, fill))

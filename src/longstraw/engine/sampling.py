@@ -136,7 +136,8 @@ def sample_group(
     if state is None:
         state = capture_prompt(model, prompt[:-1], chunk_size, keep_boundaries=keep_boundaries,
                                context_shards=context_shards)
-    weight = hf(model).get_output_embeddings().weight  # (V, d)
+    head = hf(model).get_output_embeddings()
+    weight, bias = head.weight, getattr(head, "bias", None)  # (V, d), (V,) or None
     scale = logit_scale(model)  # the factor the model's own forward applies to the projection (Cohere, Granite)
     softcap = logit_softcap(model)  # and its final-logit soft-cap after that factor (Gemma-2)
     generated = ResponseState(group_size, sampling.max_new_tokens)
@@ -152,7 +153,7 @@ def sample_group(
     for step in range(sampling.max_new_tokens):
         hidden = run_segment(model, token, p - 1 + step, state, generated=generated)  # (G, 1, d)
         assert hidden is not None  # None only with kv_only
-        logits = accumulated_logits(hidden[:, -1], weight)  # (G, V): sample and score in >= fp32 (precision.py)
+        logits = accumulated_logits(hidden[:, -1], weight, bias)  # (G, V): sample and score in >= fp32 (precision.py)
         if scale != 1.0:
             logits = logits * scale
         if softcap is not None:  # as transformers' forward: / cap, tanh, * cap; the temperature divides after

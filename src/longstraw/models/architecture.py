@@ -78,7 +78,7 @@ SUPPORTED_MODEL_TYPES = (
     "phi3", "phimoe", "olmo", "olmo2", "olmo3", "smollm3", "seed_oss", "exaone4", "lfm2", "starcoder2", "gpt_neox",
     "glm", "glm4", "glm4_moe_lite", "apertus", "arcee", "bitnet", "hunyuan_v1_dense", "hunyuan_v1_moe", "ernie4_5",
     "ernie4_5_moe", "dots1", "minimax_m2", "deepseek_v2", "deepseek_v32", "bamba", "ministral", "olmo_hybrid",
-    "qwen3_5_moe_text", "gpt2", "gemma", "helium",
+    "qwen3_5_moe_text", "gpt2", "gemma", "helium", "phi",
 )
 # Those with conv/recurrent layers: their single-token kernels update state in place (see state/cache.py).
 RECURRENT_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "mamba2", "falcon_h1", "kimi_linear", "nemotron_h", "zamba2",
@@ -286,8 +286,6 @@ def check_architecture(model: torch.nn.Module, max_length: int) -> None:
     check_transformers_for(model_type)
     if getattr(model, "base_model", None) is None or hf(model).get_output_embeddings() is None:
         raise ValueError(f"{type(model).__name__} is not a causal LM with a decoder and an output projection")
-    if getattr(hf(model).get_output_embeddings(), "bias", None) is not None:
-        raise ValueError("output projections with a bias are not supported")
     check_eval_mode(model)
     check_uniform_dtype(model)
 

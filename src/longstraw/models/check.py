@@ -64,6 +64,8 @@ RELEASED: dict[str, dict[str, Any]] = {
     # LiquidAI/LFM2-1.2B (its class defaults have no short-conv layers)
     "lfm2": {"num_hidden_layers": 16, "layer_types": [
         "full_attention" if i in (2, 5, 8, 10, 12, 14) else "conv" for i in range(16)]},
+    # microsoft/phi-2 (an output projection with a bias)
+    "phi": {"partial_rotary_factor": 0.4, "hidden_act": "gelu_new", "layer_norm_eps": 1e-5},
     # EleutherAI/pythia-1b
     "gpt_neox": {"rotary_pct": 0.25, "use_parallel_residual": True, "hidden_act": "gelu"},
 }

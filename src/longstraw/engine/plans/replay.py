@@ -112,7 +112,8 @@ def replay_responses(
     Returns (summed loss, per-response detached logp (R_i,)).
     """
     p = prompt.numel()
-    weight = hf(model).get_output_embeddings().weight  # (V, d)
+    head = hf(model).get_output_embeddings()
+    weight, bias = head.weight, getattr(head, "bias", None)  # (V, d), (V,) or None
     scale = logit_scale(model)  # the factor the model's own forward applies to the projection (Cohere, Granite)
     softcap = logit_softcap(model)  # and its final-logit soft-cap after that factor (Gemma-2)
     total = 0.0
@@ -134,13 +135,13 @@ def replay_responses(
         hidden = hidden[:, : targets.shape[1]]  # with the router term: without the last token's position
         if loss_masks is None or loss_fn is None:
             logp = chunked_logprobs(hidden, weight, targets, token_chunk, temperature, scale,
-                                    softcap=softcap)  # (k, R_max)
+                                    softcap=softcap, bias=bias)  # (k, R_max)
         else:
             keep = torch.zeros_like(mask)  # (k, R_max): loss tokens
             for row, i in enumerate(idx):
                 keep[row, : responses[i].numel()] = loss_masks[i].to(keep.device)
             logp = selected_logprobs(hidden, weight, targets, keep, token_chunk, temperature, scale,
-                                     softcap=softcap)  # (k, R_max)
+                                     softcap=softcap, bias=bias)  # (k, R_max)
         total += finish_batch(logp, mask, idx, batch_fn, responses, logprobs)
         if loss_masks is not None and loss_fn is not None:
             for i in idx:  # not computed: NaN, so that no one reads the placeholder as a log-prob
