@@ -13,7 +13,7 @@ import transformers
 from helpers import random_group
 
 from longstraw import backward_group
-from longstraw.models import architecture, verify
+from longstraw.models import architecture, check, verify
 
 
 def _config(model_type: str, **values):
@@ -49,10 +49,11 @@ def test_the_tiny_copy_keeps_multipliers_flags_and_the_layer_pattern():
 
 
 def test_a_correct_family_is_admitted_with_its_numbers():
-    verdict = verify.verify(_config("llama", rope_theta=500000.0))
+    config = _config("llama", rope_theta=500000.0)
+    verdict = verify.verify(config)
     assert verdict.admitted and verdict.kind == "exact within float32 kernels"  # RMSNorm computes in float32
     assert verdict.logprob_error <= 1e-12 and verdict.sampled_error <= 1e-12 and verdict.gradient_error <= 1e-6
-    assert verdict.planner_bytes == verdict.state_bytes
+    assert verdict.planner_bytes is None and check.with_planner(verdict, config).planner_bytes == verdict.state_bytes
 
 
 def test_a_model_computed_all_in_float64_is_exact():

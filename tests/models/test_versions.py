@@ -11,6 +11,7 @@ import transformers
 from packaging.version import Version
 
 from longstraw import Group, backward_group
+from longstraw.models.admission import check_architecture
 from longstraw.models.architecture import (
     CI_TRANSFORMERS,
     MIN_TRANSFORMERS,
@@ -18,7 +19,6 @@ from longstraw.models.architecture import (
     SUPPORTED_MODEL_TYPES,
     TESTED_ON_OLDEST,
     cache_keyword,
-    check_architecture,
     check_transformers,
     on_the_ci_list,
     transformers_too_old,

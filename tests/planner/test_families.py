@@ -14,7 +14,6 @@ from helpers import _arch_configs
 from longstraw import planner
 from longstraw.engine.state.capture import capture_prompt
 from longstraw.models import check, verify
-from longstraw.models.architecture import under_verification
 from longstraw.planner import spec as planner_spec
 
 GENERIC_TYPES = (planner_spec.ATTENTION_MODEL_TYPES + planner_spec.MLA_MODEL_TYPES + planner_spec.DSA_MODEL_TYPES
@@ -36,9 +35,8 @@ def _config(model_type: str):
 def test_planner_state_bytes_equal_the_captured_state(model_type):
     model = verify.build_tiny_model(_config(model_type))
     spec = planner.spec_from_config(model.config, model_type)
-    with under_verification(model):
-        state = capture_prompt(model, torch.arange(40), chunk_size=16)  # 3 chunks, all boundaries kept
-        lean = capture_prompt(model, torch.arange(40), chunk_size=16, keep_boundaries=False)
+    state = capture_prompt(model, torch.arange(40), chunk_size=16)  # 3 chunks, all boundaries kept
+    lean = capture_prompt(model, torch.arange(40), chunk_size=16, keep_boundaries=False)
     assert (state.nbytes(), lean.nbytes()) == (planner.state_bytes(spec, 40, 8, 16, exact=True)[0],
                                                planner.state_bytes(spec, 40, 8, 16, exact=False)[0])
 
@@ -60,9 +58,8 @@ def test_planner_state_bytes_with_sliding_windows(model_type):
     model = verify.build_tiny_model(tiny)
     spec = planner.spec_from_config(model.config, model_type)
     assert "sliding" in spec.mixers
-    with under_verification(model):
-        state = capture_prompt(model, torch.arange(40), chunk_size=16)
-        lean = capture_prompt(model, torch.arange(40), chunk_size=16, keep_boundaries=False)
+    state = capture_prompt(model, torch.arange(40), chunk_size=16)
+    lean = capture_prompt(model, torch.arange(40), chunk_size=16, keep_boundaries=False)
     assert lean.nbytes() < state.nbytes()
     assert (state.nbytes(), lean.nbytes()) == (planner.state_bytes(spec, 40, 8, 16, exact=True)[0],
                                                planner.state_bytes(spec, 40, 8, 16, exact=False)[0])

@@ -65,7 +65,8 @@ def _module(name: str) -> Any:
 
 def save_model(name: str, folder: str, max_length: int) -> dict[str, Any]:
     """The row's model, built with seed 0 (a preset: random init), checked, saved to `folder` for verl to load."""
-    from longstraw.models.architecture import check_architecture, hf
+    from longstraw.models.admission import check_architecture
+    from longstraw.models.architecture import hf
     from longstraw.models.loading import load_model
 
     model = load_model(name, dtype="float32", device="cpu", seed=0)

