@@ -631,7 +631,7 @@ def spec_from_config(config, name: str = "") -> ModelSpec:
         raise ValueError(
             f"the planner has no formulas for model_type {mt!r}"
             + (f" (its layer types: {', '.join(kinds)})" if kinds else "") + ": it models full and sliding "
-            "attention, MLA, DSA, gated DeltaNet, KDA, Mamba2 and short-convolution layers, in the "
+            "attention, MLA, DSA, gated DeltaNet, KDA, Mamba2, Mamba-1 and short-convolution layers, in the "
             f"{len(PLANNER_TYPES)} model types listed in longstraw.planner.spec (PLANNER_TYPES), each checked "
             "against its captured prompt state"
         )
