@@ -66,6 +66,9 @@ RELEASED: dict[str, dict[str, Any]] = {
         "full_attention" if i in (2, 5, 8, 10, 12, 14) else "conv" for i in range(16)]},
     # microsoft/phi-2 (an output projection with a bias)
     "phi": {"partial_rotary_factor": 0.4, "hidden_act": "gelu_new", "layer_norm_eps": 1e-5},
+    # nvidia/Minitron-4B-Base (Nemotron-4; its class defaults leave the key/value heads unset)
+    "nemotron": {"num_key_value_heads": 8, "head_dim": 128, "partial_rotary_factor": 0.5, "hidden_act": "relu2",
+                 "norm_eps": 1e-5},
     # EleutherAI/pythia-1b
     "gpt_neox": {"rotary_pct": 0.25, "use_parallel_residual": True, "hidden_act": "gelu"},
 }

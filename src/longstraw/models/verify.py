@@ -158,6 +158,15 @@ def _shrink_widths(config: Any) -> Any:
         value = _field(c, key)
         if isinstance(value, list):
             setattr(c, key, [min(v, _SIZES[key]) if _is_int(v) else v for v in value])
+    width, old_hidden = _field(c, "attention_hidden_size"), _field(text_config(config), "hidden_size")
+    hidden, heads = _field(c, "hidden_size"), _field(c, "num_attention_heads")
+    if _is_int(width) and _is_int(old_hidden) and _is_int(hidden) and _is_int(heads):
+        c.attention_hidden_size = width * hidden // old_hidden  # Zamba2's attention over [hidden ; embeddings]: 2x
+        if _is_int(_field(c, "attention_head_dim")):
+            c.attention_head_dim = c.attention_hidden_size // heads
+    heads, expand, hidden = _field(c, "n_mamba_heads"), _field(c, "mamba_expand"), _field(c, "hidden_size")
+    if _is_int(heads) and _is_int(expand) and _is_int(hidden) and _is_int(_field(c, "mamba_headdim")):
+        c.mamba_headdim = expand * hidden // heads  # Zamba2: the heads split expand x hidden
     heads, head = _field(c, "mamba_n_heads"), _field(c, "mamba_d_head")
     if _is_int(heads) and _is_int(head) and _is_int(_field(c, "mamba_d_ssm")):  # the SSM width is heads x head dim
         c.mamba_d_ssm = heads * head
