@@ -21,6 +21,7 @@ from longstraw.models.architecture import (
     hf,
     on_the_ci_list,
 )
+from longstraw.models.composite import language_config
 
 
 def admit(model: torch.nn.Module) -> None:
@@ -33,7 +34,7 @@ def admit(model: torch.nn.Module) -> None:
     if config is None or getattr(config, "model_type", None) is None:
         raise ValueError(f"{type(model).__name__} has no transformers config with a model_type: not a transformers "
                          "causal LM")
-    model_type = verify.text_config(config).model_type
+    model_type = language_config(config).model_type
     why = verify.composite_refusal(config)
     if why is not None:
         raise ValueError(f"{type(model).__name__}: {why}")

@@ -20,6 +20,15 @@ from longstraw.models.architecture import hf
 COMPOSITE_MODEL_TYPES = ("gemma3",)
 
 
+def language_config(config: Any) -> Any:
+    """The language model's part of `config`: the text config of a composite (multimodal) config, else `config`
+    itself. Admission reads it (`models/admission.py`); for the composites it admits (`COMPOSITE_MODEL_TYPES`) it is
+    `text_config`'s answer."""
+    if getattr(config, "text_config", None) is not None:
+        return config.get_text_config()
+    return config
+
+
 def text_config(model: torch.nn.Module) -> Any:
     """The config of `model`'s text decoder: `config.text_config` of a composite model, else `config` itself."""
     config = hf(model).config

@@ -41,6 +41,8 @@ import transformers
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from longstraw.models.composite import COMPOSITE_MODEL_TYPES, language_config
+
 PROMPT, RESPONSES, CHUNK = 37, (5, 1, 9), 13
 VOCAB = 512
 # Layers of the tiny copy at most: a layer-kind pattern longer than this is cut (said in the verdict).
@@ -78,19 +80,10 @@ _VOLATILE = ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "a
              "output_attentions", "return_dict", "_experts_implementation")
 
 
-def text_config(config: Any) -> Any:
-    """The language model's config: the text tower of a composite (multimodal) config, else the config itself."""
-    if getattr(config, "text_config", None) is not None:
-        return config.get_text_config()
-    return config
-
-
 def composite_refusal(config: Any) -> str | None:
     """Why LongStraw does not run a composite (multimodal) config's text tower, or None: it finds the text decoder of
     `composite.COMPOSITE_MODEL_TYPES` only."""
-    from longstraw.models.composite import COMPOSITE_MODEL_TYPES
-
-    text = text_config(config)
+    text = language_config(config)
     if text is config or config.model_type in COMPOSITE_MODEL_TYPES:
         return None
     return (f"{config.model_type} wraps a {text.model_type} text model: LongStraw runs the text tower of "
@@ -99,7 +92,7 @@ def composite_refusal(config: Any) -> str | None:
 
 def config_hash(config: Any) -> str:
     """sha256 (16 hex digits) of the config's fields that shape the computation."""
-    data = {k: v for k, v in text_config(config).to_dict().items() if k not in _VOLATILE}
+    data = {k: v for k, v in language_config(config).to_dict().items() if k not in _VOLATILE}
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -141,7 +134,7 @@ def _is_int(value: Any) -> bool:
 
 def _shrink_widths(config: Any) -> Any:
     """A copy of `config` with every size field shrunk (depth unchanged)."""
-    c = copy.deepcopy(text_config(config))
+    c = copy.deepcopy(language_config(config))
     heads = _field(c, "num_attention_heads")
     if _is_int(heads) and heads > 4:
         kv = _field(c, "num_key_value_heads")
@@ -158,7 +151,7 @@ def _shrink_widths(config: Any) -> Any:
         value = _field(c, key)
         if isinstance(value, list):
             setattr(c, key, [min(v, _SIZES[key]) if _is_int(v) else v for v in value])
-    width, old_hidden = _field(c, "attention_hidden_size"), _field(text_config(config), "hidden_size")
+    width, old_hidden = _field(c, "attention_hidden_size"), _field(language_config(config), "hidden_size")
     hidden, heads = _field(c, "hidden_size"), _field(c, "num_attention_heads")
     if _is_int(width) and _is_int(old_hidden) and _is_int(hidden) and _is_int(heads):
         c.attention_hidden_size = width * hidden // old_hidden  # Zamba2's attention over [hidden ; embeddings]: 2x
@@ -409,7 +402,7 @@ def _first_difference(model: torch.nn.Module, prompt: torch.Tensor, response: to
     state = capture_prompt(model, prompt[:-1], chunk_size=CHUNK)
     replay = _layer_outputs(model, lambda: run_segment(model, ids[prompt.numel() - 1:][None], prompt.numel() - 1,
                                                         state.fork()))
-    types = list(getattr(text_config(model.config), "layer_types", None) or [])
+    types = list(getattr(language_config(model.config), "layer_types", None) or [])
     from longstraw.engine.activation_checkpointing import decoder_layers
 
     layers = decoder_layers(model)
@@ -494,7 +487,7 @@ def verify(config: Any, seed: int = 0) -> Verdict:
     from longstraw.models.architecture import hf
 
     started = time.perf_counter()
-    model_type = str(text_config(config).model_type)
+    model_type = str(language_config(config).model_type)
     base: dict[str, Any] = {"model_type": model_type, "config_hash": config_hash(config),
                             "longstraw_version": _longstraw_version()}
 
@@ -557,7 +550,7 @@ def cache_dir() -> Path:
 
 
 def verdict_key(config: Any) -> str:
-    model_type = str(text_config(config).model_type)
+    model_type = str(language_config(config).model_type)
     return f"{model_type}-{config_hash(config)}-tf{transformers.__version__}-ls{_longstraw_version()}"
 
 
