@@ -25,6 +25,7 @@ print("EXIT=" + str(code))
 @pytest.mark.parametrize("argv", [
     ["--version"], ["--help"], ["train", "--help"], ["plan", "--help"], ["bench", "memory", "--help"],
     ["bench", "prompt", "--help"], ["bench", "cp", "--help"], ["bench", "peers", "--help"], ["compare", "--help"],
+    ["check", "--help"],
 ])
 def test_version_and_help_import_no_torch(argv):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]))
