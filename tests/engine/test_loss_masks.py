@@ -4,6 +4,8 @@ forward (float64)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from helpers import EXACT_F64, assert_close, gradient_tolerance, grads, random_group, tiny_model
@@ -13,6 +15,7 @@ from longstraw.engine import logprobs as logprobs_module
 from longstraw.engine.logprobs import chunked_logprobs
 from longstraw.engine.plans import exact as exact_plan
 from longstraw.engine.plans import replay
+from longstraw.engine.sampling import SamplingConfig, sample_group
 
 LENGTHS = [6, 9, 4]
 
@@ -227,3 +230,68 @@ def test_detach_with_masks_equals_exact_before_its_prompt_backward(monkeypatch):
         out[name] = grads(model)
     assert_close("masked detach vs exact's replay", out["detach"], out["replay"], 1e-13)
     assert (out["detach"] - out["unmasked"]).norm() > 1e-3 * out["detach"].norm()
+
+
+# ------------------------------------------------------------------- masked tokens never refuse a group
+
+@pytest.mark.parametrize("plan", ["standard", "exact", "detach"])
+def test_group_results_log_probs_are_accepted_as_old_and_ref_log_probs(plan):
+    """`GroupResult.logprobs` of a replay plan (NaN at masked tokens) reused as old and reference log-probs: the
+    group is accepted and its gradient equals, bitwise, the one with finite values at those tokens."""
+    group = _group(beta=True)
+    reused = backward_group(tiny_model("llama"), group, plan="exact", chunk_size=8).logprobs
+    assert all(bool(lp[~m].isnan().all()) for lp, m in zip(reused, group.loss_masks))
+    finite = [torch.where(m, lp, torch.full_like(lp, -0.7)) for lp, m in zip(reused, group.loss_masks)]
+    out = []
+    for values in (reused, finite):
+        g = Group(prompt=group.prompt, responses=group.responses, advantages=group.advantages, old_logprobs=values,
+                  ref_logprobs=values, loss_masks=group.loss_masks)
+        model = tiny_model("llama")
+        result = backward_group(model, g, plan=plan, beta=0.05, chunk_size=8)
+        assert math.isfinite(result.loss)
+        out.append(grads(model))
+    assert bool(out[0].isfinite().all()) and float(out[0].norm()) > 0
+    assert torch.equal(out[0], out[1])
+
+
+def test_nan_or_an_unlikely_value_on_a_loss_token_is_still_refused():
+    group = _group()
+    bad = [lp.clone() for lp in group.old_logprobs]
+    bad[1][0] = float("nan")  # response 1's token 0 is in the loss (_masks)
+    assert bool(group.loss_masks[1][0])
+    with pytest.raises(ValueError, match=r"old_logprobs\[1\] contains NaN or inf at a token in the loss"):
+        Group(prompt=group.prompt, responses=group.responses, advantages=group.advantages, old_logprobs=bad,
+              loss_masks=group.loss_masks)
+    bad[1][0] = -129.0
+    g = Group(prompt=group.prompt, responses=group.responses, advantages=group.advantages,
+              old_logprobs=[lp.float() for lp in bad], loss_masks=group.loss_masks)
+    with pytest.raises(ValueError, match=r"old_logprobs\[1\] reaches -129 at a token in the loss.*never that unlikely"):
+        backward_group(tiny_model("llama", dtype=torch.float32), g, plan="exact", chunk_size=8)
+
+
+def test_the_samplers_own_group_with_unlikely_observation_tokens_trains():
+    """A float32 model whose output layer is scaled x1000 samples its argmax (log-prob ~0) and finds the forced
+    observation tokens absurdly unlikely (log-probs of hundreds below 0, past the -88 that float32's ratio bound
+    refuses on a loss token): the sampler's own group is accepted and trains to a finite gradient equal, bitwise,
+    to the one with mild values at the masked tokens."""
+    model = tiny_model("llama", dtype=torch.float32)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(1000.0)
+    prompt = torch.randint(0, 512, (20,), generator=torch.Generator().manual_seed(3))
+    call = int(sample_group(model, prompt, 1, SamplingConfig(max_new_tokens=1, top_k=1)).responses[0][0])
+    cfg = SamplingConfig(max_new_tokens=12, call_end=(call,), max_turns=2)
+    out = sample_group(model, prompt, 2, cfg, seed=0, chunk_size=8,
+                       environment=lambda i, response: torch.tensor([(call + 1 + i) % 512, (call + 7) % 512]))
+    masks = out.loss_masks
+    assert all(bool((~m).any()) for m in masks)
+    lowest = min(float(lp[~m].min()) for lp, m in zip(out.logprobs, masks))
+    assert lowest < -129 and min(float(lp[m].min()) for lp, m in zip(out.logprobs, masks)) > -1
+    mild = [torch.where(m, lp, torch.full_like(lp, -1.0)) for lp, m in zip(out.logprobs, masks)]
+    result = []
+    for olds in (out.logprobs, mild):
+        group = Group(prompt, out.responses, torch.tensor([1.0, -1.0]), old_logprobs=olds, loss_masks=masks)
+        model.zero_grad(set_to_none=True)
+        backward_group(model, group, plan="exact", chunk_size=8, prompt_state=out.state)
+        result.append(grads(model))
+    assert bool(result[0].isfinite().all()) and float(result[0].norm()) > 0
+    assert torch.equal(result[0], result[1])

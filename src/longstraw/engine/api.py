@@ -112,21 +112,33 @@ def _check_ranges(group: Group, dtype: torch.dtype) -> None:
         )
     for name in ("old_logprobs", "ref_logprobs"):
         for i, lp in enumerate(getattr(group, name) or []):
-            if not torch.isfinite(lp.to(dtype)).all():
-                raise ValueError(f"{name}[{i}] reaches {float(lp.min()):.4g}, which is -inf in the loss's dtype "
-                                 f"{_dtype_name(dtype)}: pass the policy's log-probs, not a fill value")
+            values = _loss_tokens(group, i, lp)
+            if not torch.isfinite(values.to(dtype)).all():
+                raise ValueError(f"{name}[{i}] reaches {float(values.min()):.4g}, which is -inf in the loss's dtype "
+                                 f"{_dtype_name(dtype)}, at a token in the loss: pass the policy's log-probs, not a "
+                                 "fill value")
     if group.old_logprobs is None:
         return
     log_max = math.log(finfo.max)
     for i, lp in enumerate(group.old_logprobs):
-        worst = -float(lp.min()) + math.log(max(abs(float(group.advantages[i])), 1.0))
+        lowest = float(_loss_tokens(group, i, lp).min())
+        worst = -lowest + math.log(max(abs(float(group.advantages[i])), 1.0))
         if worst >= log_max:
             raise ValueError(
-                f"old_logprobs[{i}] reaches {float(lp.min()):.4g}: the ratio exp(logp - old) can then reach "
-                f"exp({-float(lp.min()):.4g}), which (times advantage {float(group.advantages[i]):.3g}) overflows "
+                f"old_logprobs[{i}] reaches {lowest:.4g} at a token in the loss: the ratio exp(logp - old) can then "
+                f"reach exp({-lowest:.4g}), which (times advantage {float(group.advantages[i]):.3g}) overflows "
                 f"{_dtype_name(dtype)} (largest {finfo.max:.3g}). A sampled token is never that unlikely: pass the "
                 "sampling policy's log-probs (not logits or a fill value), or use float64"
             )
+
+
+def _loss_tokens(group: Group, i: int, values: torch.Tensor) -> torch.Tensor:
+    """Response i's `values` at its loss tokens (all of them without loss masks): a masked token's old/ref
+    log-prob never reaches the loss (`_loss_fn` replaces it), so an unlikely forced observation token, or the NaN
+    that `GroupResult.logprobs` holds there, is no reason to refuse the group."""
+    if group.loss_masks is None:
+        return values
+    return values[group.loss_masks[i].to(values.device)]
 
 
 def backward_group(
@@ -293,27 +305,34 @@ def _loss_fn(group: Group, options: BackwardOptions, device: torch.device,
     advantages = group.advantages.to(device=device, dtype=dtype)
     backwards = [0]
 
-    def padded(values: list[torch.Tensor] | None, idx: list[int], shape: torch.Size) -> torch.Tensor | None:
-        """values[i] for i in idx, right-padded with zeros to `shape` (k, T)."""
+    def padded(values: list[torch.Tensor] | None, idx: list[int], logp: torch.Tensor,
+               loss_mask: torch.Tensor | None) -> torch.Tensor | None:
+        """values[i] for i in idx, right-padded with zeros to logp's shape (k, T); with loss masks, the policy's own
+        (detached) log-probs off the loss tokens, so that whatever the caller holds there (an unlikely forced token's
+        log-prob, the NaN of `GroupResult.logprobs`) gives a ratio of 1 and a KL of 0 before the mask zeroes it (NaN
+        or an overflow times 0 would still be NaN)."""
         if values is None:
             return None
-        out = torch.zeros(shape, dtype=dtype, device=device)
+        out = torch.zeros(logp.shape, dtype=dtype, device=device)
         for row, i in enumerate(idx):
             out[row, : values[i].numel()] = values[i].to(device=device, dtype=dtype)
+        if loss_mask is not None:
+            out = torch.where(loss_mask, out, logp.detach().to(dtype))
         return out
 
     def loss_fn(logp: torch.Tensor, mask: torch.Tensor, idx: list[int]) -> torch.Tensor:
         """This micro-batch's share of the group loss; logp/mask (k, T), idx: which responses."""
         backwards[0] += 1
+        in_loss = None
         if group.loss_masks is not None:  # masked tokens: in the forward, not in the loss
             loss_mask = torch.zeros(mask.shape, dtype=torch.bool, device=device)
             for row, i in enumerate(idx):
                 loss_mask[row, : group.loss_masks[i].numel()] = group.loss_masks[i].to(device)
-            mask = mask & loss_mask
+            mask = in_loss = mask & loss_mask
         return response_loss(
             logp, mask, advantages[idx], totals, options.loss_config,
-            old_logp=padded(group.old_logprobs, idx, logp.shape),
-            ref_logp=padded(group.ref_logprobs, idx, logp.shape),
+            old_logp=padded(group.old_logprobs, idx, logp, in_loss),
+            ref_logp=padded(group.ref_logprobs, idx, logp, in_loss),
         )
 
     return loss_fn, backwards

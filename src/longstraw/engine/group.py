@@ -20,13 +20,15 @@ def _check_ids(name: str, ids: object) -> None:
         raise ValueError(f"{name} contains a negative token id ({int(ids.min())})")
 
 
-def _check_float(name: str, t: object, shape: tuple[int, ...]) -> None:
+def _check_float(name: str, t: object, shape: tuple[int, ...], in_loss: torch.Tensor | None = None) -> None:
+    """A float tensor of `shape`, finite where `in_loss` (a loss mask) is True, everywhere without one."""
     if not isinstance(t, torch.Tensor) or not t.is_floating_point():
         raise TypeError(f"{name} must be a floating-point torch.Tensor, got {type(t).__name__}")
     if tuple(t.shape) != shape:
         raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
-    if not torch.isfinite(t).all():
-        raise ValueError(f"{name} contains NaN or inf: fix the values before the training step")
+    if not torch.isfinite(t if in_loss is None else t[in_loss.to(t.device)]).all():
+        where = "" if in_loss is None else " at a token in the loss"
+        raise ValueError(f"{name} contains NaN or inf{where}: fix the values before the training step")
 
 
 @dataclass
@@ -62,6 +64,8 @@ class Group:
         if not isinstance(self.advantages, torch.Tensor):
             raise TypeError(f"advantages must be a FloatTensor of shape ({g},), got {type(self.advantages).__name__}")
         _check_float("advantages", self.advantages, (g,))
+        if self.loss_masks is not None:
+            self._check_loss_masks(g)
         for name in ("old_logprobs", "ref_logprobs"):
             value = getattr(self, name)
             if value is None:
@@ -69,11 +73,12 @@ class Group:
             if not isinstance(value, (list, tuple)) or len(value) != g:
                 raise ValueError(f"{name} must be a list of {g} tensors, one per response")
             for i, (lp, r) in enumerate(zip(value, self.responses)):
-                _check_float(f"{name}[{i}]", lp, (r.numel(),))
+                # Masked tokens' log-probs never reach the loss: checked on the loss tokens only (the NaN that
+                # GroupResult.logprobs holds at masked tokens is accepted).
+                in_loss = None if self.loss_masks is None else self.loss_masks[i]
+                _check_float(f"{name}[{i}]", lp, (r.numel(),), in_loss)
                 if (lp > 0).any():
                     raise ValueError(f"{name}[{i}] has positive values: log-probs must be <= 0")
-        if self.loss_masks is not None:
-            self._check_loss_masks(g)
 
     def _check_loss_masks(self, g: int) -> None:
         masks = self.loss_masks
