@@ -1,6 +1,7 @@
 """Losses: hand-written formulas, invariance to how responses are batched, advantage estimators."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -382,3 +383,172 @@ def test_new_options_are_refused_where_they_do_not_apply():
     with pytest.raises(ValueError, match="token_normalizer is the denominator"):
         make_loss_config("luspo", token_normalizer=10.0)
     assert make_loss_config("cispo", token_normalizer=10.0).token_normalizer == 10.0
+
+
+# verl's clamps (log_ratio_clamp, kl_clamp), against plain per-token formulas written with Python floats.
+
+def _verl_k3(x: float, d: float = 20.0, c: float = 10.0) -> tuple[float, float]:
+    """verl's low_var_kl of x = ref - logp: clamp x to ±d, k3 = e^x - x - 1, clamp to ±c; with its derivative in
+    logp (torch.clamp passes no gradient outside its bounds)."""
+    xc = max(-d, min(d, x))
+    k3 = math.exp(xc) - xc - 1.0
+    if abs(x) > d or abs(k3) > c:
+        return max(-c, min(c, k3)), 0.0
+    return k3, -(math.exp(x) - 1.0)
+
+
+def test_kl_clamp_value_and_gradient_are_verls_low_var_kl():
+    """ref - logp from -800 to +800 nats, both clamps reached (k3 = 10 from 2.6 nats up and from -11 down): each
+    token's KL term and its gradient equal the plain formula. Unclamped, a 3.3-nat gap has a gradient of 1 - e^3.3
+    instead of 0, and 800 nats overflow exp (a NaN gradient)."""
+    gaps = [-800.0, -25.0, -11.5, -10.0, -1.0, 0.0, 0.5, 2.0, 2.55, 2.7, 3.3, 10.0, 15.0, 25.0, 800.0]
+    n = len(gaps)
+    logp = -torch.linspace(0.5, 6.0, n, dtype=torch.float64)[None]
+    ref = logp + torch.tensor(gaps, dtype=torch.float64)[None]
+    mask = torch.ones(1, n, dtype=torch.bool)
+    zero = torch.zeros(1, dtype=torch.float64)  # no policy term: the loss is the KL term alone
+    beta = 0.5
+    cfg = make_loss_config("dapo", beta=beta, kl_clamp=(20.0, 10.0))
+    x = logp.clone().requires_grad_(True)
+    loss = response_loss(x, mask, zero, GroupTotals.of([n], cfg), cfg, None, ref)
+    (grad,) = torch.autograd.grad(loss, x)
+    values, slopes = zip(*(_verl_k3(g) for g in gaps))
+    assert abs(float(loss.detach()) - beta * sum(values) / n) < 1e-12 * abs(float(loss.detach()))
+    expected = torch.tensor(slopes, dtype=torch.float64)[None] * beta / n
+    assert torch.allclose(grad, expected, rtol=1e-12, atol=1e-15)
+    assert (grad[0, gaps.index(2.55)] != 0) and grad[0, gaps.index(2.7)] == 0 and grad[0, gaps.index(-11.5)] == 0
+    k3 = k3_kl(logp, ref, (20.0, 10.0))
+    assert float(k3.max()) == 10.0 and bool(torch.isfinite(k3).all())
+    plain = make_loss_config("dapo", beta=beta)
+    y = logp.clone().requires_grad_(True)
+    (unclamped,) = torch.autograd.grad(response_loss(y, mask, zero, GroupTotals.of([n], plain), plain, None, ref), y)
+    at = gaps.index(3.3)
+    assert abs(float(unclamped[0, at]) - beta / n * (1 - math.exp(3.3))) < 1e-12
+    assert not bool(torch.isfinite(unclamped).all())
+
+
+def _clipped_slope(r: float, a: float, low: float, high: float, clamp: tuple[float, float]) -> tuple[float, float]:
+    """The clipped per-token term -min(ρA, clip(ρ)A), ρ = e^clamp(r), and its derivative in logp, by hand."""
+    rho = math.exp(max(clamp[0], min(clamp[1], r)))
+    clipped = max(1 - low, min(1 + high, rho))
+    value = -min(rho * a, clipped * a)
+    if not clamp[0] <= r <= clamp[1]:
+        return value, 0.0
+    if 1 - low <= rho <= 1 + high or rho * a < clipped * a:
+        return value, -a * rho
+    return value, 0.0
+
+
+@pytest.mark.parametrize("clamp", [(-20.0, 20.0), (-2.0, 2.0)])
+def test_log_ratio_clamp_value_and_gradient(clamp):
+    """grpo with per-token ratios exp(clamp(r)): log-ratios inside, at and beyond the bounds, with both signs of A;
+    value and gradient equal the plain formula. Unclamped, r = 800 overflows exp (a NaN gradient), and with the
+    narrow bounds r = -3 (A > 0) keeps a gradient the clamp removes."""
+    r = torch.tensor([[0.1, -3.0, 25.0, 800.0, -0.05], [0.15, -3.0, 25.0, 1.5, -25.0]], dtype=torch.float64)
+    adv = torch.tensor([0.7, -1.3], dtype=torch.float64)
+    logp = -torch.rand(2, 5, generator=torch.Generator().manual_seed(0), dtype=torch.float64) - 1.0
+    old, mask = logp - r, torch.ones(2, 5, dtype=torch.bool)
+    cfg = make_loss_config("grpo", epsilon_low=0.2, epsilon_high=0.28, log_ratio_clamp=clamp)
+    x = logp.clone().requires_grad_(True)
+    loss = response_loss(x, mask, adv, GroupTotals.of([5, 5], cfg), cfg, old)
+    (grad,) = torch.autograd.grad(loss, x)
+    by_hand = [[_clipped_slope(float(r[i, t]), float(adv[i]), 0.2, 0.28, clamp) for t in range(5)] for i in range(2)]
+    value = sum(v for row in by_hand for v, _ in row) / 5 / 2
+    assert abs(float(loss.detach()) - value) < 1e-12 * max(1.0, abs(value))
+    expected = torch.tensor([[s for _, s in row] for row in by_hand], dtype=torch.float64) / 5 / 2
+    assert torch.allclose(grad, expected, rtol=1e-12, atol=1e-15)
+    plain = make_loss_config("grpo", epsilon_low=0.2, epsilon_high=0.28)
+    y = logp.clone().requires_grad_(True)
+    (unclamped,) = torch.autograd.grad(response_loss(y, mask, adv, GroupTotals.of([5, 5], plain), plain, old), y)
+    assert torch.isnan(unclamped[0, 3]) and bool(torch.isfinite(grad).all())
+    if clamp == (-2.0, 2.0):
+        assert grad[0, 1] == 0 and float(unclamped[0, 1]) == pytest.approx(-0.7 * math.exp(-3.0) / 10, rel=1e-12)
+
+
+def test_log_ratio_clamp_of_the_sequence_ratio():
+    """gspo (verl's: the sequence's mean log-ratio at most 10): a response whose mean is 12 with A < 0 weighs
+    e^10 with no gradient (unclamped: e^12 and its gradient); the other response is unchanged."""
+    logp = -torch.rand(2, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64) - 1.0
+    old = logp.clone()
+    old[0] -= 12.0
+    old[1] -= torch.tensor([0.01, -0.02, 0.0, 0.005], dtype=torch.float64)
+    adv, mask = torch.tensor([-0.8, 0.6], dtype=torch.float64), torch.ones(2, 4, dtype=torch.bool)
+    out = {}
+    for name, clamp in (("clamped", (-math.inf, 10.0)), ("plain", None)):
+        cfg = make_loss_config("gspo", log_ratio_clamp=clamp)
+        x = logp.clone().requires_grad_(True)
+        loss = response_loss(x, mask, adv, GroupTotals.of([4, 4], cfg), cfg, old)
+        out[name] = (loss.detach(), torch.autograd.grad(loss, x)[0])
+    (loss, grad), (plain_loss, plain_grad) = out["clamped"], out["plain"]
+    assert torch.count_nonzero(grad[0]) == 0 and torch.equal(grad[1], plain_grad[1])
+    assert float(plain_grad[0].abs().min()) > 1.0  # unclamped: 0.8 e^12 / (4 * 2) per token
+    other = float(plain_loss) - 0.8 * math.exp(12.0) / 2
+    assert abs(float(loss) - (0.8 * math.exp(10.0) / 2 + other)) < 1e-9
+
+
+def test_every_plan_applies_the_clamps():
+    """The clamps are per-token functions of the loss every plan calls: standard and exact give the same gradient
+    with them (a 3-nat reference gap on each response's first token, log-ratios beyond ±0.1), a gradient other
+    than the unclamped one; detach equals standard where it is exact (a one-token prompt). standard_batched scores
+    the same way as standard (tests/engine/test_api.py)."""
+    from helpers import EXACT_F64, assert_close, grads, random_group, rel_err, tiny_model
+
+    from longstraw import Group, backward_group
+
+    model = tiny_model("qwen3")
+
+    def run(group, plan, **options):
+        model.zero_grad(set_to_none=True)
+        result = backward_group(model, group, plan=plan, loss="dapo", beta=0.1, chunk_size=5, **options)
+        return result.loss, grads(model)
+
+    clamps = dict(log_ratio_clamp=(-0.1, 0.1), kl_clamp=(20.0, 10.0))
+    for prompt_len, plan in ((17, "exact"), (1, "detach")):
+        group = random_group(prompt_len, [3, 4, 2], seed=prompt_len)
+        model.zero_grad(set_to_none=True)
+        own = backward_group(model, group, plan="standard").logprobs
+        gen = torch.Generator().manual_seed(3)
+        old = [lp - 0.3 * torch.randn(lp.shape, generator=gen, dtype=lp.dtype) for lp in own]
+        ref = [lp + torch.where(torch.arange(lp.numel()) == 0, 3.0, 0.1) for lp in own]
+        group = Group(group.prompt, group.responses, group.advantages, old_logprobs=old, ref_logprobs=ref)
+        loss, g_standard = run(group, "standard", **clamps)
+        plan_loss, g_plan = run(group, plan, **clamps)
+        assert_close(f"{plan} P={prompt_len}", g_standard, g_plan, EXACT_F64)
+        assert abs(plan_loss - loss) < 1e-12
+        if plan == "exact":
+            plain_loss, g_plain = run(group, "standard")
+            assert rel_err(g_standard, g_plain) > 1e-2 and abs(loss - plain_loss) > 1e-3
+
+
+def test_bad_clamps_are_refused():
+    for bad in ((0.0, 20.0), (-20.0, 0.0), (5.0, 20.0), (float("nan"), 1.0), (1.0,), "20", (True, 2.0)):
+        with pytest.raises(ValueError, match="log_ratio_clamp"):
+            make_loss_config("grpo", log_ratio_clamp=bad)
+    for bad in ((0.0, 10.0), (20.0, -1.0), (20.0,), 10.0, (float("nan"), 10.0)):
+        with pytest.raises(ValueError, match="kl_clamp"):
+            make_loss_config("grpo", beta=0.1, kl_clamp=bad)
+    assert make_loss_config("gspo", log_ratio_clamp=[-math.inf, 10]).log_ratio_clamp == (-math.inf, 10.0)
+    assert make_loss_config("grpo").log_ratio_clamp is None and make_loss_config("grpo").kl_clamp is None
+
+
+@pytest.mark.parametrize("kind, rewards, why", [
+    ("grpo", [1e300, -1e300, 0.0], "their grpo advantages overflow float64 on the way"),  # std inf: silent zeros
+    ("grpo", [1e200, 0.0, 0.0], "their grpo advantages overflow float64 on the way"),
+    ("rloo", [1e308, 1e308, -1e308], "their rloo advantages overflow float64 on the way"),  # the mean overflows
+    ("mean_centered", [1e308, 1e308, 0.0], "their mean_centered advantages overflow float64 on the way"),
+])
+def test_advantages_refuse_rewards_they_cannot_normalise(kind, rewards, why):
+    """Finite rewards whose mean, deviations or standard deviation overflow: one ValueError that names the rewards
+    and the fix, never zeros or NaN advantages."""
+    from longstraw.engine.loss import UnnormalisableRewards
+
+    with pytest.raises(UnnormalisableRewards, match=r"rewards are too large to normalise: \[.*\] \(" + re.escape(why)
+                       + r"\); scale the reward function's values down"):
+        compute_advantages(torch.tensor(rewards, dtype=torch.float64), kind)
+    assert issubclass(UnnormalisableRewards, ValueError)
+    with pytest.raises(ValueError, match=r"reach 1e\+30, beyond the 1.84e\+19 the loss can hold in float32"):
+        compute_advantages(torch.tensor([1e30, 0.0, 0.0], dtype=torch.float64), "rloo", loss_dtype=torch.float32)
+    big = compute_advantages(torch.tensor([1e30, 0.0, 0.0], dtype=torch.float64), "rloo")  # float64 holds it
+    assert float(big[0]) == pytest.approx(1e30)
+    large = compute_advantages(torch.tensor([1e150, 0.0, -1e150], dtype=torch.float64), "grpo")  # std 1e150: fine
+    assert float(large.abs().max()) == pytest.approx(1.0)

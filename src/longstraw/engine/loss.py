@@ -49,6 +49,17 @@ docs/trl.md). Each defaults to LongStraw's own definition:
   term is its length times s_i's.
 * ``delta``: two-sided clipping (INTELLECT-2) for the clipped losses (grpo, dr_grpo, dapo, gspo, luspo):
   m = min(min(ρ, δ) A, clip(ρ) A), which bounds a negative advantage's term when ρ runs above 1 + ε_high.
+
+Clamps that reproduce verl's numerical-stability clamps (`longstraw.integrations.verl` sets them; docs/verl.md).
+Each is a torch.clamp, whose gradient is 0 where the value lies outside the bounds; None (the default) clamps
+nothing:
+
+* ``log_ratio_clamp`` = (low, high): the ratio's exponent clamped to [low, high] before the exp, i.e.
+  ρ_{i,t} = exp(clamp(r_{i,t})) per token, s_i = exp(clamp((1/|o_i|) Σ_t r_{i,t})) per sequence. low < 0 < high
+  (on-policy r = 0 stays 0). verl's policy losses: (−20, 20) per token; its gspo: (−inf, 10) on the sequence's.
+* ``kl_clamp`` = (d, c): the k3 term as verl's `kl_penalty` "low_var_kl"/"k3" computes it,
+  x = clamp(ref − logp, −d, d), k3 = clamp(exp(x) − x − 1, −c, c); verl's (d, c) = (20, 10). k3 > c from
+  ref − logp ≈ 2.6 nats up (for c = 10): there the term and its gradient are constant.
 """
 
 from __future__ import annotations
@@ -96,6 +107,8 @@ class LossConfig:
     vespo_lambda_pos: float = _VESPO_SHAPE[1]  # vespo's decay λ where A >= 0
     vespo_k_neg: float = _VESPO_SHAPE[2]  # ... where A < 0
     vespo_lambda_neg: float = _VESPO_SHAPE[3]
+    log_ratio_clamp: tuple[float, float] | None = None  # (low, high) on the ratio's exponent; None: unclamped
+    kl_clamp: tuple[float, float] | None = None  # (d, c): ref − logp to ±d before the exp, k3 to ±c; None: unclamped
 
 
 def _finite(name: str, value: object, positive: bool) -> float:
@@ -125,11 +138,13 @@ def make_loss_config(
     vespo_lambda_pos: float | None = None,
     vespo_k_neg: float | None = None,
     vespo_lambda_neg: float | None = None,
+    log_ratio_clamp: tuple[float, float] | None = None,
+    kl_clamp: tuple[float, float] | None = None,
 ) -> LossConfig:
     """Validate loss options. `epsilon` sets both clip sides; `epsilon_low`/`epsilon_high` override one side (cispo
     takes `epsilon_high` only, its weight cap; sapo and vespo have no clip). The sapo_* and vespo_* options belong to
     their loss (None: its default). `max_tokens`, `token_normalizer`, `kl_ratio`, `loss_scale`, `sequence_ratio`,
-    `delta`: see the module docstring."""
+    `delta`, `log_ratio_clamp`, `kl_clamp`: see the module docstring."""
     if loss not in LOSSES:
         raise ValueError(f"unknown loss {loss!r}: choose one of {', '.join(LOSSES)}")
     if loss in _DEFAULT_CLIP:
@@ -190,7 +205,36 @@ def make_loss_config(
     return LossConfig(kind=loss, epsilon_low=low, epsilon_high=high, beta=float(beta), max_tokens=max_tokens,
                       token_normalizer=None if token_normalizer is None else float(token_normalizer),
                       kl_ratio=kl_ratio, loss_scale=float(loss_scale), sequence_ratio=sequence_ratio, delta=delta,
-                      **sapo, **vespo)
+                      **sapo, **vespo, log_ratio_clamp=_log_ratio_clamp(log_ratio_clamp),
+                      kl_clamp=_kl_clamp(kl_clamp))
+
+
+def _pair(name: str, value: object, what: str) -> tuple[float, float]:
+    """`value` as two floats, refused (naming `what` the pair holds) unless it is a pair of real numbers."""
+    if not isinstance(value, (tuple, list)) or len(value) != 2 or any(
+            isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) for v in value):
+        raise ValueError(f"{name} must be a pair of numbers {what}, got {value!r}")
+    return float(value[0]), float(value[1])
+
+
+def _log_ratio_clamp(value: object) -> tuple[float, float] | None:
+    if value is None:
+        return None
+    low, high = _pair("log_ratio_clamp", value, "(low, high)")
+    if not low < 0 < high:
+        raise ValueError(f"log_ratio_clamp=(low, high) must have low < 0 < high (the on-policy log-ratio, 0, must "
+                         f"pass unchanged; verl's is (-20, 20)), got {value!r}")
+    return low, high
+
+
+def _kl_clamp(value: object) -> tuple[float, float] | None:
+    if value is None:
+        return None
+    bound, cap = _pair("kl_clamp", value, "(d, c)")
+    if not (bound > 0 and cap > 0):
+        raise ValueError(f"kl_clamp=(d, c) must have d > 0 and c > 0 (ref - logp clamped to ±d, k3 to ±c; verl's is "
+                         f"(20, 10)), got {value!r}")
+    return bound, cap
 
 
 def _own_parameters(loss: str, owner: str, defaults: tuple[float, ...], positive: bool,
@@ -224,17 +268,22 @@ class GroupTotals:
         return GroupTotals(len(lengths), total, cfg.max_tokens or longest)
 
 
-def k3_kl(logp: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """k3 estimator of KL(π‖π_ref) per token: exp(ref − logp) − (ref − logp) − 1 (≥ 0, unbiased)."""
+def k3_kl(logp: torch.Tensor, ref: torch.Tensor, clamp: tuple[float, float] | None = None) -> torch.Tensor:
+    """k3 estimator of KL(π‖π_ref) per token: exp(ref − logp) − (ref − logp) − 1 (≥ 0, unbiased). clamp=(d, c):
+    verl's version, ref − logp clamped to ±d before the exp and the result to ±c (the module docstring)."""
     delta = ref - logp
-    return torch.exp(delta) - delta - 1.0
+    if clamp is None:
+        return torch.exp(delta) - delta - 1.0
+    bound, cap = clamp
+    delta = torch.clamp(delta, min=-bound, max=bound)
+    return torch.clamp(torch.exp(delta) - delta - 1.0, min=-cap, max=cap)
 
 
-def _kl_to(ref_logp: torch.Tensor | None, logp: torch.Tensor) -> torch.Tensor:
-    """`k3_kl` against the reference log-probs, which the KL term (beta > 0) needs."""
+def _kl_to(ref_logp: torch.Tensor | None, logp: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
+    """`k3_kl` against the reference log-probs, which the KL term (beta > 0) needs, with the config's clamp."""
     if ref_logp is None:
         raise ValueError("beta > 0 needs ref_logp (the reference model's log-probs)")
-    return k3_kl(logp, ref_logp)
+    return k3_kl(logp, ref_logp, cfg.kl_clamp)
 
 
 def _by_sign(positive: torch.Tensor, if_true: float, if_false: float, like: torch.Tensor) -> torch.Tensor:
@@ -294,13 +343,19 @@ def response_loss(
     old = logp.detach() if old_logp is None else old_logp
     log_ratio = (logp - old) * mask_f  # padding contributes 0 (and its logp gets no gradient)
     adv = advantages.to(logp.dtype)[:, None]  # (B, 1)
+    clamp = cfg.log_ratio_clamp
     if cfg.sequence_ratio:
-        ratio = torch.exp(log_ratio.sum(-1, keepdim=True) / lengths[:, None])  # (B, 1): s_i on every token
+        exponent = log_ratio.sum(-1, keepdim=True) / lengths[:, None]
+        if clamp is not None:
+            exponent = torch.clamp(exponent, min=clamp[0], max=clamp[1])
+        ratio = torch.exp(exponent)  # (B, 1): s_i on every token
     else:
+        if clamp is not None:  # padding's 0 stays 0 (low < 0 < high)
+            log_ratio = torch.clamp(log_ratio, min=clamp[0], max=clamp[1])
         ratio = torch.exp(log_ratio)  # (B, T)
     per_token = _policy_term(logp, log_ratio, ratio, adv, cfg)
     if cfg.beta:
-        kl = _kl_to(ref_logp, logp)
+        kl = _kl_to(ref_logp, logp, cfg)
         per_token = per_token + cfg.beta * (kl * ratio if cfg.kl_ratio else kl)
     per_token = per_token * mask_f  # (B, T)
     g = totals.num_responses
@@ -317,12 +372,33 @@ def response_loss(
     return loss * cfg.loss_scale
 
 
-def compute_advantages(rewards: torch.Tensor, kind: str = "grpo", eps: float = 1e-4) -> torch.Tensor:
+class UnnormalisableRewards(ValueError):
+    """Finite rewards whose advantages overflow (`compute_advantages`): the reward function's scale is at fault.
+    `describe(subject)` words the message about `subject` (the trainer names the step and group)."""
+
+    def __init__(self, rewards: torch.Tensor, why: str) -> None:
+        self.shown = ", ".join(f"{float(r):.3g}" for r in rewards[:8]) + (", ..." if rewards.numel() > 8 else "")
+        self.why = why
+        super().__init__(self.describe("rewards"))
+
+    def describe(self, subject: str) -> str:
+        return (f"{subject} are too large to normalise: [{self.shown}] ({self.why}); scale the reward function's "
+                "values down, e.g. to [0, 1]")
+
+
+def compute_advantages(rewards: torch.Tensor, kind: str = "grpo", eps: float = 1e-4, *,
+                       loss_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Advantages of one group from its rewards (G,).
 
     * ``grpo``: (r − mean) / (std + eps), std unbiased as in TRL; needs G ≥ 2.
     * ``mean_centered``: r − mean (Dr. GRPO).
     * ``rloo``: r_i − mean_{j≠i} r_j = G/(G−1) · (r_i − mean); needs G ≥ 2.
+
+    Finite rewards can still be too large to normalise: the mean, the deviations from it and grpo's standard
+    deviation (whose squares overflow float64 once |reward| nears 1e154) must be finite, or the advantages would be
+    silently 0 (an infinite std), inf or NaN; those are refused (`UnnormalisableRewards`, a ValueError). With
+    `loss_dtype` the advantages must also stay below the square root of its largest value, the bound
+    `backward_group` enforces in the loss (1.8e19 in float32).
     """
     if not isinstance(rewards, torch.Tensor):
         rewards = torch.as_tensor(rewards, dtype=torch.float64)
@@ -333,13 +409,30 @@ def compute_advantages(rewards: torch.Tensor, kind: str = "grpo", eps: float = 1
     rewards = rewards.to(torch.float64) if not rewards.is_floating_point() else rewards
     g = rewards.numel()
     centered = rewards - rewards.mean()
+    spread = None
     if kind == "mean_centered":
-        return centered
-    if g < 2:
+        advantages = centered
+    elif g < 2:
         raise ValueError(f"advantage {kind!r} needs a group of at least 2 responses, got 1: raise the group size")
-    if kind == "grpo":
-        return centered / (rewards.std() + eps)
+    elif kind == "grpo":
+        spread = rewards.std()
+        advantages = centered / (spread + eps)
     elif kind == "rloo":
-        return centered * (g / (g - 1))
+        advantages = centered * (g / (g - 1))
     else:
         raise ValueError(f"unknown advantage kind {kind!r}: choose one of {', '.join(ADVANTAGES)}")
+    if not (bool(torch.isfinite(centered).all()) and (spread is None or bool(torch.isfinite(spread)))
+            and bool(torch.isfinite(advantages).all())):
+        raise UnnormalisableRewards(rewards,
+                                    f"their {kind} advantages overflow {_dtype_name(rewards.dtype)} on the way")
+    if loss_dtype is not None:
+        limit = math.sqrt(torch.finfo(loss_dtype).max)
+        largest = float(advantages.abs().max())
+        if largest >= limit:
+            raise UnnormalisableRewards(rewards, f"their {kind} advantages reach {largest:.3g}, beyond the "
+                                                 f"{limit:.3g} the loss can hold in {_dtype_name(loss_dtype)}")
+    return advantages
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

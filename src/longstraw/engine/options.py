@@ -35,7 +35,8 @@ class BackwardOptions:
     the loss's default; cispo's epsilon_high is its weight cap), beta (KL coefficient), max_tokens (dr_grpo's L_max),
     token_normalizer (dapo/cispo/vespo's denominator), kl_ratio (k3 times the ratio), loss_scale (the group loss times
     this), sequence_ratio (the ratio per sequence or per token; None: the loss's own), delta (two-sided clipping),
-    sapo_temperature_pos/_neg and vespo_k_pos/_lambda_pos/_k_neg/_lambda_neg (those losses' shapes; None: default).
+    sapo_temperature_pos/_neg and vespo_k_pos/_lambda_pos/_k_neg/_lambda_neg (those losses' shapes; None: default),
+    log_ratio_clamp and kl_clamp (verl's clamps of the ratio's exponent and of the k3 term; None: unclamped).
     chunk_size: prompt tokens per capture chunk (and per prompt-backward chunk of the exact plan).
     micro_batch: responses replayed at once (detach/exact). token_chunk: rows per block of the chunked log-prob.
     checkpoint: "none" or "layers" (per-layer activation checkpointing of every forward with grad).
@@ -71,6 +72,8 @@ class BackwardOptions:
     vespo_lambda_pos: float | None = None
     vespo_k_neg: float | None = None
     vespo_lambda_neg: float | None = None
+    log_ratio_clamp: tuple[float, float] | None = None
+    kl_clamp: tuple[float, float] | None = None
     chunk_size: int = 2048
     micro_batch: int = 1
     token_chunk: int = DEFAULT_TOKEN_CHUNK
@@ -92,7 +95,9 @@ class BackwardOptions:
             kl_ratio=self.kl_ratio, loss_scale=self.loss_scale, sequence_ratio=self.sequence_ratio, delta=self.delta,
             sapo_temperature_pos=self.sapo_temperature_pos, sapo_temperature_neg=self.sapo_temperature_neg,
             vespo_k_pos=self.vespo_k_pos, vespo_lambda_pos=self.vespo_lambda_pos, vespo_k_neg=self.vespo_k_neg,
-            vespo_lambda_neg=self.vespo_lambda_neg))
+            vespo_lambda_neg=self.vespo_lambda_neg, log_ratio_clamp=self.log_ratio_clamp, kl_clamp=self.kl_clamp))
+        for name in ("log_ratio_clamp", "kl_clamp"):  # the validated pair (a tuple of floats)
+            object.__setattr__(self, name, getattr(self.loss_config, name))
         for name in ("chunk_size", "micro_batch", "token_chunk"):
             _positive_int(name, getattr(self, name))
         object.__setattr__(self, "checkpoint", check_checkpoint(self.checkpoint))
