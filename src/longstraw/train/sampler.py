@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import math
 import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -19,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from longstraw.engine.group import Group
-from longstraw.engine.loss import compute_advantages
+from longstraw.engine.loss import UnnormalisableRewards, compute_advantages
 from longstraw.engine.precision import accumulation_dtype
 from longstraw.engine.sampling import SamplingConfig, sample_group, score_responses
 from longstraw.train.data import RewardError, derive_seed
@@ -33,30 +32,14 @@ if TYPE_CHECKING:
     from longstraw.train.reporting import Progress, StepLog
 
 
-def check_normalisable(rewards: torch.Tensor, advantages: torch.Tensor, advantage: str, loss_dtype: torch.dtype,
-                       where: str) -> None:
-    """Refuse finite rewards whose advantages cannot be computed or used (RewardError naming `where`).
-
-    `compute_advantages` takes the group mean, the deviations from it and, for grpo, their standard deviation,
-    whose squares overflow float64 once |reward| nears 1e154. The failure is then silent or misplaced: an infinite
-    std turns every advantage into 0 (no gradient, no error), an infinite deviation into inf or NaN advantages
-    that the group's own check blames on the advantages. Finite advantages must also stay below the square root
-    of the loss dtype's largest value, the bound `backward_group` enforces (1.8e19 in float32). Every such case is
-    the reward function's scale, so the message says so."""
-    deviations = rewards - rewards.mean()
-    spread = rewards.std() if advantage == "grpo" and rewards.numel() > 1 else torch.zeros((), dtype=rewards.dtype)
-    limit = math.sqrt(torch.finfo(loss_dtype).max)
-    if bool(torch.isfinite(deviations).all()) and bool(torch.isfinite(spread)) and bool(
-            torch.isfinite(advantages).all()):
-        if float(advantages.abs().max()) < limit:
-            return
-        why = (f"their {advantage} advantages reach {float(advantages.abs().max()):.3g}, beyond the {limit:.3g} the "
-               f"loss can hold in {str(loss_dtype).removeprefix('torch.')}")
-    else:
-        why = f"their {advantage} advantages overflow float64 on the way"
-    shown = ", ".join(f"{float(r):.3g}" for r in rewards[:8]) + (", ..." if rewards.numel() > 8 else "")
-    raise RewardError(f"{where} are too large to normalise: [{shown}] ({why}); scale the reward function's values "
-                      "down, e.g. to [0, 1]")
+def group_advantages(rewards: torch.Tensor, advantage: str, loss_dtype: torch.dtype, where: str) -> torch.Tensor:
+    """`compute_advantages` of one group's rewards, bounded for the loss dtype; rewards too large to normalise (their
+    advantages overflow, or exceed what `backward_group` accepts in `loss_dtype`) are the reward function's scale,
+    refused as a RewardError naming `where`."""
+    try:
+        return compute_advantages(rewards, advantage, loss_dtype=loss_dtype)
+    except UnnormalisableRewards as err:
+        raise RewardError(err.describe(where)) from None
 
 
 @dataclass
@@ -116,9 +99,8 @@ class Sampler:
                            environment=data.environment(example))
         rewards = torch.tensor([data.reward(data.decode(r), example, f"step {step + 1}") for r in out.responses],
                                dtype=torch.float64)
-        advantages = compute_advantages(rewards, cfg.advantage)
-        check_normalisable(rewards, advantages, cfg.advantage, accumulation_dtype(getattr(torch, cfg.dtype)),
-                           f"step {step + 1}: rewards of group {j + 1}")
+        advantages = group_advantages(rewards, cfg.advantage, accumulation_dtype(getattr(torch, cfg.dtype)),
+                                      f"step {step + 1}: rewards of group {j + 1}")
         ref = None
         if self.reference is not None:
             ref = score_responses(self.reference, prompt, out.responses, cfg.chunk_size, cfg.micro_batch,
