@@ -1,4 +1,5 @@
-"""`longstraw bench provenance --smoke`: the digest timed on a materialised model, table and JSON written."""
+"""`longstraw bench provenance --smoke`: the provenance capture and check timed on a materialised model, table and JSON
+written."""
 
 import json
 
@@ -13,9 +14,14 @@ def test_bench_provenance_smoke(tmp_path, capsys):
     assert main(["bench", "provenance", "--smoke", "--repeats", "3", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     result = doc["result"]
-    assert doc["bench"] == "provenance" and len(result["times_ms"]) == 3 and result["median_ms"] > 0
+    assert doc["bench"] == "provenance"
+    for timed in ("capture", "check"):
+        assert len(result[timed]["times_ms"]) == 3 and result[timed]["median_ms"] > 0
     assert result["tensors"] == 2 * 12 + 2  # per layer: q/k/v weight and bias, o, 3 MLP, 2 norms; embedding, norm
-    assert "| smoke | float32 |" in capsys.readouterr().out
+    assert result["buffers"] == 2  # the rotary embedding's inv_freq and original_inv_freq
+    assert result["module_attributes"] > 0 and result["config_entries"] > 0
+    assert "load average" in doc["uptime_before"] and "load average" in doc["uptime_after"]
+    assert "| smoke | float32 | 0.00B | 26 + 2 buffers |" in capsys.readouterr().out
 
 
 def test_the_measured_model_has_real_tied_weights():

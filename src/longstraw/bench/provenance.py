@@ -1,10 +1,13 @@
 """`longstraw bench provenance`: what recording and checking a prompt state's provenance costs at 1B+ parameters.
 
-`engine/state/provenance.py` digests 8 values sampled from every parameter tensor (and the parameter layout) at
-capture and again at every check of a reused state. This bench times that digest on a real model: every parameter a
-materialised tensor of the given dtype with random values (`normal_(0, 0.02)`), the default a Qwen2-1.5B-shaped model
-(28 layers, hidden 1536, vocabulary 151936, tied embeddings: 1.54B parameters), built from its config without
-downloading weights. It reports each timed call, the median and the tensor count; table on stdout, JSON in --out.
+`engine/state/provenance.py` records, at capture, the model's identity, config, module attributes, adapter state and
+a checksum of every value of every parameter and buffer (integer row and column sums), and recomputes and compares
+it at every check of a reused state. This bench times both on a real model: every parameter a materialised tensor
+of the given dtype with random values (`normal_(0, 0.02)`), the default a Qwen2-1.5B-shaped model (28 layers, hidden
+1536, vocabulary 151936, tied embeddings: 1.54B parameters), built from its config without downloading weights.
+capture: `provenance(model)`, what `capture_prompt` pays; check: `mismatch(captured, provenance(model))`, what each
+entry point given a reused state pays. It reports each timed call, the median and the tensor counts, and the host's
+load (`uptime`) before and after; table on stdout, JSON in --out.
 """
 
 from __future__ import annotations
@@ -12,10 +15,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import time
+from collections.abc import Callable
 from typing import Any
 
-from longstraw.bench.common import check_out, default_out, write_json
+from longstraw.bench.common import check_out, default_out, write_results
 from longstraw.bench.machine import machine_info
 
 # Qwen/Qwen2-1.5B's config.json, the fields that fix its parameter shapes.
@@ -34,7 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="model shape (default qwen2-1.5b-shaped: 1.54B parameters, 6.2 GB in float32)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="parameter dtype (default float32)")
-    parser.add_argument("--repeats", type=int, default=20, help="timed digests after one warm-up (default 20)")
+    parser.add_argument("--repeats", type=int, default=20,
+                        help="timed captures and timed checks, each after one warm-up (default 20)")
     parser.add_argument("--smoke", action="store_true", help="a 2-layer model of the same layout: seconds")
     parser.add_argument("--out", default=None, help="JSON path (default bench/results/provenance-<time>.json; "
                                                     "--smoke: under bench/results/smoke/)")
@@ -58,29 +64,51 @@ def build_model(fields: dict[str, Any], dtype: str) -> Any:
     return model.eval()
 
 
-def measure(model: Any, repeats: int) -> dict[str, Any]:
-    """One warm-up digest, then `repeats` timed ones (milliseconds)."""
-    from longstraw.engine.state.provenance import provenance
-
-    provenance(model)
+def _timed(call: Callable[[], object], repeats: int) -> dict[str, Any]:
+    """One warm-up call, then `repeats` timed ones (milliseconds)."""
+    call()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        provenance(model)
+        call()
         times.append((time.perf_counter() - t0) * 1e3)
-    params = list(model.parameters())
-    return {"parameters": sum(p.numel() for p in params), "tensors": len(params),
-            "bytes": sum(p.numel() * p.element_size() for p in params), "times_ms": [round(t, 3) for t in times],
-            "median_ms": round(statistics.median(times), 3), "min_ms": round(min(times), 3)}
+    return {"times_ms": [round(t, 3) for t in times], "median_ms": round(statistics.median(times), 3),
+            "min_ms": round(min(times), 3)}
+
+
+def measure(model: Any, repeats: int) -> dict[str, Any]:
+    """The provenance recorded at capture and the check of a reused state, each timed `repeats` times."""
+    from longstraw.engine.state.provenance import mismatch, provenance
+
+    captured = provenance(model)
+    capture = _timed(lambda: provenance(model), repeats)
+    check = _timed(lambda: mismatch(captured, provenance(model)), repeats)
+    if mismatch(captured, provenance(model)) is not None:
+        raise RuntimeError("the unchanged model refused its own provenance: the bench measured a false refusal")
+    params, buffers = list(model.parameters()), list(model.buffers())
+    return {"parameters": sum(p.numel() for p in params), "tensors": len(params), "buffers": len(buffers),
+            "bytes": sum(t.numel() * t.element_size() for t in params + buffers),
+            "module_attributes": len(captured.attributes), "config_entries": len(captured.config),
+            "capture": capture, "check": check}
+
+
+def _uptime() -> str:
+    """`uptime`'s line (the host's load: other work on it slows every timing)."""
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError) as err:
+        return f"uptime unavailable: {err}"
 
 
 def format_table(document: dict[str, Any]) -> str:
     r = document["result"]
     return "\n".join([
-        "| model | dtype | parameters | tensors | median (ms) | min (ms) | repeats |",
-        "|---|---|---|---|---|---|---|",
-        f"| {document['shape']} | {document['dtype']} | {r['parameters'] / 1e9:.2f}B | {r['tensors']} | "
-        f"{r['median_ms']:.1f} | {r['min_ms']:.1f} | {len(r['times_ms'])} |",
+        "| model | dtype | parameters | tensors | capture median (ms) | capture min (ms) | check median (ms) | "
+        "check min (ms) | repeats |",
+        "|---|---|---|---|---|---|---|---|---|",
+        f"| {document['shape']} | {document['dtype']} | {r['parameters'] / 1e9:.2f}B | {r['tensors']} + "
+        f"{r['buffers']} buffers | {r['capture']['median_ms']:.1f} | {r['capture']['min_ms']:.1f} | "
+        f"{r['check']['median_ms']:.1f} | {r['check']['min_ms']:.1f} | {len(r['check']['times_ms'])} |",
     ])
 
 
@@ -94,13 +122,18 @@ def run_from_args(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     model = build_model(SHAPES[shape], args.dtype)
     build_s = time.perf_counter() - t0
+    uptime_before = _uptime()
+    result = measure(model, args.repeats)
     document = {"bench": "provenance", "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "shape": shape,
                 "config": SHAPES[shape], "dtype": args.dtype, "smoke": args.smoke, "build_s": round(build_s, 1),
-                "what": "engine.state.provenance.provenance(model): the identity fields, the parameter layout digest "
-                        "and 8 sampled values of every parameter tensor, hashed",
-                "machine": machine_info("cpu"), "result": measure(model, args.repeats)}
+                "what": "capture: engine.state.provenance.provenance(model): the identity fields, parameter and "
+                        "buffer layout digests, config entries, module attributes, adapter state, and the integer "
+                        "row and column sums of every parameter and buffer, hashed per tensor; check: "
+                        "mismatch(captured, provenance(model))",
+                "uptime_before": uptime_before, "uptime_after": _uptime(),
+                "machine": machine_info("cpu"), "result": result}
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    write_json(out, document)
+    written = write_results(out, document, "bench provenance")
     print(format_table(document))
-    print(f"bench provenance: results in {out}")
+    print(f"bench provenance: results in {written}")
     return 0
