@@ -106,10 +106,10 @@ bench-smoke: install
 	for b in memory prompt pareto arch; do $(BIN)/longstraw bench $$b --smoke || exit 1; done
 
 # The planner's forecast at the paper's scale (docs/planner.md): the lean settings with which
-# both detach and exact fit (per-layer activation checkpointing, prompt state offloaded to host memory).
+# both detach and exact fit (per-layer activation checkpointing, prompt state offloaded to host memory, FSDP
+# gathering a layer at a time). The table ends with one verdict line, which also says what gathering every
+# parameter (--fsdp-gather all, the default) gives.
 plan-paper: install
-	$(BIN)/longstraw plan --model hybrid-27b --prompt-tokens 2100000 --response-tokens 4096 --group-size 8 \
-		--gpus 8 --gpu-memory 96GB --dtype bf16 --cp 8 --chunk-size 8192 --checkpoint-layers --offload-state
 	$(BIN)/longstraw plan --model hybrid-27b --prompt-tokens 2100000 --response-tokens 4096 --group-size 8 \
 		--gpus 8 --gpu-memory 96GB --dtype bf16 --cp 8 --chunk-size 8192 --checkpoint-layers --offload-state \
 		--fsdp-gather layer

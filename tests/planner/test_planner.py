@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import json
 import math
 from concurrent.futures import ThreadPoolExecutor
@@ -116,7 +117,9 @@ def test_offloaded_state_leaves_one_layer_on_the_device():
     resident = estimate(spec, base, "exact").components
     off = estimate(spec, replace(base, offload_state=True), "exact").components
     parts = state_parts(spec, 2**20 - 1, 2, 2048, exact=True)
-    assert off["state_in_host_memory"] == resident["prompt_state"] + resident["state_gradients"]
+    assert "state_in_host_memory" not in off  # host memory is no GPU row: it is not in the GPU's peak either
+    assert estimate(spec, replace(base, offload_state=True), "exact").host_bytes == \
+        resident["prompt_state"] + resident["state_gradients"]
     layer, f = math.ceil(parts.largest_layer / 8), 2048 / (2**20 - 1)
     copies = max(layer, math.ceil(layer * (1 - f) + parts.attention_grad / 8 * f))
     # On a GPU the next attention layer's copies are prefetched on a side stream: one more layer on the device.
@@ -562,3 +565,66 @@ def test_the_paper_scale_needs_layer_wise_gathering(capsys):
         assert plans["all"][plan]["components"]["fsdp_gathered"] > 50e9 > plans["layer"][plan]["components"][
             "fsdp_gathered"]
     assert plans["all"]["standard"]["total_bytes"] == plans["layer"]["standard"]["total_bytes"]
+
+
+def _every_described_model() -> list[str]:
+    """The planner's built-in descriptions, every preset, and each model directory beside the recorded results
+    (bench/results/<name>/config.json)."""
+    from longstraw.models.presets import PRESETS
+    from longstraw.planner.spec import BUILTIN_NAMES
+
+    root = Path(__file__).resolve().parents[2]
+    recorded = sorted(str(path.parent) for path in (root / "bench" / "results").glob("*/config.json"))
+    assert recorded, "no recorded model directory under bench/results"
+    return [*BUILTIN_NAMES, *PRESETS, *recorded]
+
+
+@pytest.mark.parametrize("name", _every_described_model())
+def test_the_peak_is_never_below_one_of_its_own_rows(name):
+    """Every row of `longstraw plan`'s table is GPU memory held within the plan's peak phase, so no row exceeds the
+    peak: over every described model, both levers on and off, one GPU, 8 GPUs gathering every parameter, and 8 GPUs
+    with cp 8 gathering a layer at a time, at 8K and 2.1M prompt tokens (checkpointed standard plans once reported
+    activations of a formula their peak does not use; the offloaded state is host memory, outside the rows)."""
+    spec = _spec(name)
+    sharding = [dict(gpus=1), dict(gpus=8), dict(gpus=8, cp=8, fsdp_gather="layer")]
+    for p, levers, shard in itertools.product((8192, 2_100_000), itertools.product((False, True), repeat=2), sharding):
+        inp = PlanInputs(prompt_tokens=p, response_tokens=256, group_size=8, chunk_size=1024,
+                         checkpoint_layers=levers[0], offload_state=levers[1], keep_prompt_graph=2, **shard)
+        for plan in PLANS:
+            est = estimate(spec, inp, plan)
+            over = {row: n for row, n in est.components.items() if n > est.total_bytes}
+            assert not over, f"{name} {plan} {inp}: rows {over} above the peak {est.total_bytes}"
+            assert est.total_bytes == max(est.phases.values())
+            assert (est.host_bytes > 0) == (levers[1] and plan in ("detach", "exact"))
+
+
+PAPER = ["plan", "--model", "hybrid-27b", "--prompt-tokens", "2100000", "--response-tokens", "4096", "--group-size",
+         "8", "--gpus", "8", "--gpu-memory", "96GB", "--dtype", "bf16", "--cp", "8", "--chunk-size", "8192",
+         "--checkpoint-layers", "--offload-state"]
+
+
+def test_the_table_ends_with_one_verdict_line(capsys):
+    """`make plan-paper`'s table (gathering a layer at a time) ends with one verdict line naming the plans that fit
+    with their peaks, those that do not, and what the other gathering gives; gathering every parameter, the verdict
+    says nothing fits and names --fsdp-gather layer. The numbers are the table's own."""
+    makefile = (Path(__file__).resolve().parents[2] / "Makefile").read_text()
+    recipe = makefile.split("plan-paper: install\n", 1)[1].split("\n\n", 1)[0]
+    assert recipe.count("longstraw plan") == 1 and "--fsdp-gather layer" in recipe
+    docs = {}
+    for gather in ("layer", "all"):
+        assert main([*PAPER, "--fsdp-gather", gather, "--json"]) == 0
+        docs[gather] = json.loads(capsys.readouterr().out)["plans"]
+    assert main([*PAPER, "--fsdp-gather", "layer"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [i for i, line in enumerate(lines) if line.startswith("verdict:")] == [len(lines) - 1]
+    last, layer, every = lines[-1], docs["layer"], docs["all"]
+    for plan in ("detach", "exact"):
+        assert layer[plan]["fits"] and f"{plan} ({layer[plan]['total_bytes'] / 1e9:.2f} GB per GPU)" in last
+    assert last.startswith("verdict: a 2,100,000-token prompt fits 8 x 96.0 GB GPUs with ")
+    assert f"not with standard_batched ({layer['standard_batched']['total_bytes'] / 1e9:.2f} GB)" in last
+    assert f"standard up to {layer['standard']['largest_prompt_tokens']:,} tokens" in last
+    assert f"(--fsdp-gather all) detach and exact would not fit ({every['detach']['total_bytes'] / 1e9:.2f}" in last
+    assert main([*PAPER, "--fsdp-gather", "all"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("verdict: a 2,100,000-token prompt fits 8 x 96.0 GB GPUs with no plan")
+    assert "(--fsdp-gather layer) detach and exact would fit" in last

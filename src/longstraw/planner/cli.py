@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import asdict, replace
 from typing import Any
 
-from longstraw.planner.estimator import DTYPE_BYTES, GIB, MIB, PlanInputs, plan_all
+from longstraw.planner.estimator import DTYPE_BYTES, GIB, MIB, PlanInputs, estimate, plan_all
 from longstraw.planner.spec import BUILTIN_NAMES, load_config, spec_from_config
 
 # ---------------------------------------------------------------- CLI
@@ -121,8 +122,9 @@ def _gb(n: int | None) -> str:
     return "-" if n is None else f"{n / 1e9:.2f}"
 
 
-def format_plan(document: dict[str, Any]) -> str:
-    """The table: one row per component, one column per plan (GB = 10^9 bytes), then total, fits, largest P."""
+def format_plan(document: dict[str, Any], other_gather: dict[str, dict[str, Any]] | None = None) -> str:
+    """The table: one row per component, one column per plan (GB = 10^9 bytes), then total, fits, largest P, the
+    offloaded state's host memory, and last one verdict line (`verdict`; `other_gather`: see there)."""
     plans: dict[str, dict] = document["plans"]
     inp: dict = document["inputs"]
     model: dict = document["model"]
@@ -165,9 +167,55 @@ def format_plan(document: dict[str, Any]) -> str:
     largest = [plans[n]["largest_prompt_tokens"] for n in names]
     lines.append(f"{'largest prompt (tokens)':<{width}}"
                  + "".join(f"{('none' if x is None else f'{x:,}'):>18}" for x in largest))
+    if any(plans[n].get("host_bytes") for n in names):
+        lines.append(f"{'host memory, GB':<{width}}"
+                     + "".join(f"{_gb(plans[n].get('host_bytes') or None):>18}" for n in names))
+        lines.append("host memory: the offloaded prompt state and its gradient, per GPU's process (not in the peak)")
     lines.append("peak = weights + optimizer + runtime (+ FSDP gather) + the largest phase; a phase holds the "
-                 "resident gradients/state plus its own transient rows")
+                 "resident gradients/state plus its own transient rows (every row is on the GPU within its phase)")
+    lines.append(verdict(document, other_gather))
     return "\n".join(lines)
+
+
+def _and(items: list[str], word: str = "and") -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + f" {word} " + items[-1]
+
+
+def verdict(document: dict[str, Any], other_gather: dict[str, dict[str, Any]] | None = None) -> str:
+    """One line: which plans fit the GPUs, at what per-GPU peak; for those that do not, their peak and the largest
+    prompt that fits. `other_gather`: detach's and exact's estimates (`PlanEstimate` as dicts) under the other
+    `--fsdp-gather` setting, named where it changes whether they fit."""
+    plans: dict[str, dict] = document["plans"]
+    inp: dict = document["inputs"]
+    where = f"{inp['gpus']} x {inp['gpu_memory'] / 1e9:.1f} GB GPU" + ("s" if inp["gpus"] > 1 else "")
+    fit = sorted((n for n in plans if plans[n]["fits"]), key=lambda n: plans[n]["total_bytes"])
+    miss = [n for n in plans if not plans[n]["fits"]]
+    text = f"verdict: a {inp['prompt_tokens']:,}-token prompt "
+    if not any(plans[n].get("within_positions", True) for n in plans):
+        return text + ("fits no plan: with the responses it exceeds the model's max_position_embeddings "
+                       f"({document['model']['max_positions']:,}), which LongStraw refuses")
+    if fit:
+        fitted = [f"{n} ({_gb(plans[n]['total_bytes'])} GB per GPU)" for n in fit]
+        text += f"fits {where} with {_and(fitted)}"
+    else:
+        low = min(plans, key=lambda n: plans[n]["total_bytes"])
+        text += f"fits {where} with no plan (the lowest peak: {low}, {_gb(plans[low]['total_bytes'])} GB per GPU)"
+    if miss and fit:
+        missed = [f"{n} ({_gb(plans[n]['total_bytes'])} GB)" for n in miss]
+        text += f"; not with {_and(missed, 'or')}"
+    shorter = [f"{n} up to {plans[n]['largest_prompt_tokens']:,} tokens" for n in miss
+               if plans[n]["largest_prompt_tokens"]]
+    if shorter:
+        text += f"; a shorter prompt fits {_and(shorter)}"
+    if other_gather:
+        flipped = [n for n, est in other_gather.items() if est["fits"] != plans[n]["fits"]]
+        if flipped:
+            other = "layer" if inp.get("fsdp_gather", "all") == "all" else "all"
+            how = "a layer at a time" if other == "layer" else "every parameter"
+            peaks = " / ".join(f"{_gb(other_gather[n]['total_bytes'])}" for n in flipped)
+            does = "would fit" if other_gather[flipped[0]]["fits"] else "would not fit"
+            text += (f"; gathering {how} (--fsdp-gather {other}) {_and(flipped)} {does} ({peaks} GB per GPU)")
+    return text
 
 
 def run_from_args(args) -> int:
@@ -180,6 +228,10 @@ def run_from_args(args) -> int:
     document = plan_all(spec, inp)
     if args.json:
         print(json.dumps(document, indent=2))
-    else:
-        print(format_plan(document))
+        return 0
+    other = None
+    if inp.shard and inp.gpus > 1 and inp.cp == inp.gpus:  # both gatherings apply: say where the other differs
+        switched = replace(inp, fsdp_gather="layer" if inp.fsdp_gather == "all" else "all")
+        other = {plan: asdict(estimate(spec, switched, plan)) for plan in ("detach", "exact")}
+    print(format_plan(document, other))
     return 0

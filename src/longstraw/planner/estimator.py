@@ -17,6 +17,7 @@ from longstraw.planner.formulas import (
     recurrent_bytes,
     recurrent_capture_bytes,
     segment_activation_bytes,
+    standard_checkpointed_activation_bytes,
     standard_checkpointed_step_bytes,
     state_parts,
 )
@@ -72,9 +73,10 @@ class PlanInputs:
 
 @dataclass
 class PlanEstimate:
-    """Per-GPU bytes of one plan: `components` (sizes), `phases` (resident + each phase's transient), `total`
-    (the peak: resident + the largest phase, plus the optimizer), `step_bytes` (what a bench measures: the
-    peak above the loaded weights, no optimizer state)."""
+    """Per-GPU bytes of one plan: `components` (sizes, each held on the GPU within its peak phase), `phases`
+    (resident + each phase's transient), `total` (the peak: resident + the largest phase, plus the optimizer; never
+    below a component), `step_bytes` (what a bench measures: the peak above the loaded weights, no optimizer state),
+    `host_bytes` (the offloaded prompt state and its gradient: host memory of each GPU's process, not GPU memory)."""
 
     plan: str
     components: dict[str, int]
@@ -85,6 +87,7 @@ class PlanEstimate:
     fits: bool
     prompt_state_bytes: int
     within_positions: bool = True  # P + R <= the model's max_position_embeddings (LongStraw refuses beyond it)
+    host_bytes: int = 0
 
 
 def _bytes_of(dtype: str) -> int:
@@ -149,6 +152,7 @@ def estimate(spec: ModelSpec, inp: PlanInputs, plan: str) -> PlanEstimate:
         runtime = DEFAULT_CUDA_RESERVE
 
     comp: dict[str, int] = {"weights": weights, "gradients": grads, "optimizer": optimizer}
+    host = 0  # offload_state: bytes in host memory, outside the GPU's phases
     phases: dict[str, int] = {}
     resident = weights + optimizer + runtime + gathered
     if plan in ("detach", "exact"):
@@ -156,7 +160,7 @@ def estimate(spec: ModelSpec, inp: PlanInputs, plan: str) -> PlanEstimate:
         parts = state_parts(spec, p - 1, b, inp.chunk_size, exact)
         state, state_grad = parts.per_rank(inp.cp)
         if inp.offload_state:
-            comp["state_in_host_memory"] = state + state_grad
+            host = state + state_grad
             if inp.checkpoint_layers:
                 # One layer's copy of its attention part is on the device at a time (replay: the whole prefix;
                 # prompt backward: the chunks before chunk j, plus chunk j's gradient of every layer brought over),
@@ -259,8 +263,10 @@ def estimate(spec: ModelSpec, inp: PlanInputs, plan: str) -> PlanEstimate:
             comp["fsdp_reduce"] = reduce
     else:
         seqs = g if plan == "standard_batched" else 1
-        acts = segment_activation_bytes(spec, b, a, "sdpa", p + r, seqs, inp.checkpoint_layers)
-        if not inp.checkpoint_layers:
+        if inp.checkpoint_layers:  # what the step holds at its layers' high point (counted inside `step` below)
+            acts = standard_checkpointed_activation_bytes(spec, b, a, p + r, seqs)
+        else:
+            acts = segment_activation_bytes(spec, b, a, "sdpa", p + r, seqs, False)
             acts += math_attention_score_bytes(spec, p + r, seqs, b, list(range(spec.num_layers)))
         logits = 3 * seqs * r * v * b  # log-softmax output, its gradient, the logits' gradient
         steady = plan == "standard" and g > 1  # gradients already resident while the next sequence runs
@@ -280,7 +286,7 @@ def estimate(spec: ModelSpec, inp: PlanInputs, plan: str) -> PlanEstimate:
     return PlanEstimate(
         plan=plan, components=comp, phases=phases, peak_phase=peak_phase, total_bytes=total,
         step_bytes=total - weights - optimizer, fits=within and total <= inp.gpu_memory,
-        prompt_state_bytes=prompt_state, within_positions=within,
+        prompt_state_bytes=prompt_state, within_positions=within, host_bytes=host,
     )
 
 

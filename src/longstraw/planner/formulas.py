@@ -346,19 +346,9 @@ def segment_activation_bytes(spec: ModelSpec, b: int, a: int, kernel: str, token
     return n * (spec.num_layers * spec.hidden * b + _norm(spec.hidden, b) + 8) + largest + backward
 
 
-def standard_checkpointed_step_bytes(spec: ModelSpec, b: int, a: int, tokens: int, seqs: int, logits: int,
-                                     grads: int, steady: bool) -> int:
-    """Step bytes of a standard plan's forward+backward over `seqs` rows of `tokens` tokens with per-layer
-    checkpointing, as the phases follow each other (located with torch.profiler's allocation events on deep-smollm2, P =
-    1024-4096, standard and standard_batched; tests/planner/test_planner.py validates the sum at P = 2048 and 16,384):
-
-    * logits: every layer's input (n·d·b) + the log-probs' tensors;
-    * layers, backward from the last: a layer recomputed holds its saved activations plus one gradient buffer of
-      its MLP width (a recurrent layer: its scan's backward transient), while the output projection's (V, d)
-      gradient waits. With gradients resident (`steady`), the waiting (V, d) gradient is only extra when tied (it
-      waits for the embedding's). Without, parameter gradients appear layer by layer as the layer inputs are freed:
-      the high point is at the first layer (all inputs) or the last (one input, every other gradient);
-    * the embedding's backward: its dense (V, d) gradient (tied: plus the waiting one and their sum)."""
+def _standard_checkpointed_layers(spec: ModelSpec, b: int, a: int, tokens: int, seqs: int) -> tuple[int, int, int]:
+    """(one layer's input, every layer's input, the largest layer's recompute) of a standard plan's checkpointed
+    forward+backward over `seqs` rows of `tokens` tokens: the terms `standard_checkpointed_step_bytes` composes."""
     n = seqs * tokens
     inputs = n * (spec.hidden * b + 8)  # one layer's input (+ the int64 ids)
     every_input = n * (spec.num_layers * spec.hidden * b + _norm(spec.hidden, b) + 8)
@@ -372,6 +362,31 @@ def standard_checkpointed_step_bytes(spec: ModelSpec, b: int, a: int, tokens: in
         width = _mlp_width(spec, i)
         buffer = n * (4 * width + 2 * spec.hidden) * b if spec.mlps[i] == "moe" else n * width * b
         layer = max(layer, saved + max(buffer, rec.backward))
+    return inputs, every_input, layer
+
+
+def standard_checkpointed_activation_bytes(spec: ModelSpec, b: int, a: int, tokens: int, seqs: int) -> int:
+    """The activations of a standard plan's checkpointed step at its layers' high point: every layer's input plus
+    the largest layer recomputed with its backward's buffer (the `sequence_activations` row of `longstraw plan`;
+    `standard_checkpointed_step_bytes` holds it, with the gradients, at that point)."""
+    _, every_input, layer = _standard_checkpointed_layers(spec, b, a, tokens, seqs)
+    return every_input + layer
+
+
+def standard_checkpointed_step_bytes(spec: ModelSpec, b: int, a: int, tokens: int, seqs: int, logits: int,
+                                     grads: int, steady: bool) -> int:
+    """Step bytes of a standard plan's forward+backward over `seqs` rows of `tokens` tokens with per-layer
+    checkpointing, as the phases follow each other (located with torch.profiler's allocation events on deep-smollm2, P =
+    1024-4096, standard and standard_batched; tests/planner/test_planner.py validates the sum at P = 2048 and 16,384):
+
+    * logits: every layer's input (n·d·b) + the log-probs' tensors;
+    * layers, backward from the last: a layer recomputed holds its saved activations plus one gradient buffer of
+      its MLP width (a recurrent layer: its scan's backward transient), while the output projection's (V, d)
+      gradient waits. With gradients resident (`steady`), the waiting (V, d) gradient is only extra when tied (it
+      waits for the embedding's). Without, parameter gradients appear layer by layer as the layer inputs are freed:
+      the high point is at the first layer (all inputs) or the last (one input, every other gradient);
+    * the embedding's backward: its dense (V, d) gradient (tied: plus the waiting one and their sum)."""
+    inputs, every_input, layer = _standard_checkpointed_layers(spec, b, a, tokens, seqs)
     vd = spec.vocab * spec.hidden * b
     if steady:
         layers = grads + every_input + (vd if spec.tied else 0) + layer
