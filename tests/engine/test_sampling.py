@@ -225,3 +225,95 @@ def test_multi_turn_rollout_ends_on_the_token_budget():
         if calls:
             assert int(resp[-1]) == call
     assert sum(never.tool_calls) >= 1
+
+
+# ----------------------------------------------------------------- environments checked
+
+PROMPT = torch.randint(0, 512, (20,), generator=torch.Generator().manual_seed(4))
+
+
+@pytest.fixture(scope="module")
+def greedy_call():
+    """A float32 tiny model and the token it samples first at top_k=1: as call_end, a tool call at step 0."""
+    model = tiny_model("llama", dtype=torch.float32)
+    first = sample_group(model, PROMPT, 1, SamplingConfig(max_new_tokens=1, top_k=1)).responses[0]
+    return model, int(first[0])
+
+
+class _Named:
+    """An environment with a recognisable repr that returns `value` at every call."""
+
+    def __init__(self, value) -> None:
+        self.value = value
+
+    def __call__(self, i, response):
+        return self.value
+
+    def __repr__(self) -> str:
+        return "<env Named-Env>"
+
+
+@pytest.mark.parametrize("value,what", [
+    ("<result>5</result>", r"text \('<result>5</result>'\): encode it with the tokenizer"),
+    ([3.7, 5.2, 9.9], "a list holding float 3.7"),
+    ([3, True], "a list holding bool True"),
+    (torch.tensor([3.7, 5.2, 9.9]), "a torch.float32 tensor"),
+    (torch.tensor([True, False]), "a torch.bool tensor"),
+    (torch.ones(2, 2, dtype=torch.long), r"a tensor of shape \(2, 2\)"),
+    (torch.tensor([5, 512]), r"token id 512, outside the model's vocabulary \[0, 512\)"),
+    ([-1, 4], r"token id -1, outside"),
+    (7, "a builtins.int"),
+])
+def test_a_bad_observation_is_one_error_naming_the_environment(greedy_call, value, what):
+    model, call = greedy_call
+    cfg = SamplingConfig(max_new_tokens=8, top_k=1, call_end=(call,), max_turns=3)
+    with pytest.raises(ValueError, match=rf"environment <env Named-Env> returned {what}.* for sequence 0 at the tool "
+                                         r"call ending its turn 1: return .* 1-D integer torch.Tensor"):
+        sample_group(model, PROMPT, 2, cfg, environment=_Named(value))
+
+
+def test_a_numpy_observation_is_refused_and_a_list_of_ints_or_an_int32_tensor_accepted(greedy_call):
+    np = pytest.importorskip("numpy")
+    model, call = greedy_call
+    cfg = SamplingConfig(max_new_tokens=8, top_k=1, call_end=(call,), max_turns=2)
+    with pytest.raises(ValueError, match="returned a numpy.ndarray for sequence 0"):
+        sample_group(model, PROMPT, 1, cfg, environment=_Named(np.array([5, 6])))
+    for value in ([5, 6, 7], (5, 6, 7), torch.tensor([5, 6, 7], dtype=torch.int32)):
+        out = sample_group(model, PROMPT, 2, cfg, environment=_Named(value))
+        for resp, mask in zip(out.responses, out.loss_masks):
+            assert int(resp[0]) == call and resp[~mask].tolist() == [5, 6, 7]
+        assert out.turns == [2, 2] and out.tool_calls == [1, 1]
+
+
+def test_the_environment_and_call_end_are_checked_before_any_compute(greedy_call, monkeypatch):
+    model, call = greedy_call
+    captures = []
+    real = rollout.capture_prompt
+    monkeypatch.setattr(rollout, "capture_prompt", lambda *a, **k: captures.append(1) or real(*a, **k))
+    cfg = SamplingConfig(max_new_tokens=8, call_end=(call,), max_turns=2)
+    with pytest.raises(TypeError, match=r"environment must be callable .* got \[1, 2\] \(list\)"):
+        sample_group(model, PROMPT, 2, cfg, environment=[1, 2])
+    with pytest.raises(ValueError, match=r"call_end id 512 is outside the model's vocabulary \[0, 512\).*never"):
+        sample_group(model, PROMPT, 2, SamplingConfig(call_end=(3, 512)), environment=_Named(None))
+    with pytest.raises(ValueError, match=rf"call_end id {call} is also a stop id"):
+        sample_group(model, PROMPT, 2, SamplingConfig(call_end=(call,), stop_ids=(0, call)), environment=_Named(None))
+    assert captures == []
+    for bad in ((-1,), (True,), (2.0,)):
+        with pytest.raises(ValueError, match="call_end must hold non-negative int token ids"):
+            SamplingConfig(call_end=bad)
+
+
+def test_one_token_responses_report_one_turn(greedy_call):
+    """Every token but the call's is a stop id: a response is a stop token alone (1 turn, no call) or calls, gets
+    its observation and stops at its next own token (2 turns, 1 call)."""
+    model, call = greedy_call
+    cfg = SamplingConfig(max_new_tokens=10, top_k=2, stop_ids=tuple(t for t in range(512) if t != call),
+                         call_end=(call,), max_turns=3)
+    out = sample_group(model, PROMPT, 8, cfg, seed=0, environment=_Named(torch.tensor([call + 1, call + 2])))
+    lengths = [r.numel() for r in out.responses]
+    assert 1 in lengths and any(n > 1 for n in lengths), "the test needs both kinds of response"
+    for resp, mask, turns, calls in zip(out.responses, out.loss_masks, out.turns, out.tool_calls):
+        runs = int(((~mask[1:]) & mask[:-1]).sum())  # observation stretches
+        assert turns == 1 + runs and calls == runs
+        if resp.numel() == 1:
+            assert turns == 1 and calls == 0 and int(resp[0]) != call

@@ -107,6 +107,13 @@ class ContextParallel:
         merged = (torch.exp(lses - total).unsqueeze(-1) * outs).sum(0)
         return merged, total
 
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's `x` stacked in rank order: (C, *x.shape)."""
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x, group=self.group)
+        return torch.stack(parts)
+
     def broadcast_from(self, tensors: list[torch.Tensor | None], like: list[torch.Tensor],
                        src: int) -> list[torch.Tensor]:
         """The owner's tensors (None → zeros) on every rank, shaped like `like`."""

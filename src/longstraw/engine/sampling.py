@@ -14,10 +14,22 @@ the observation's token ids (or None: the episode ends). The observation is fed 
 token per decode step in lockstep with the other sequences' decoding (a forced token instead of a sampled one), so the
 shared prompt state is never re-encoded or copied; its tokens are in the response with `loss_masks` False. Up to
 `max_turns` model turns; the response budget (`max_new_tokens`) counts generated and observation tokens.
+
+What is checked, and when. When the rollout starts: the environment is callable, every `call_end` id is a token the
+model can sample (in its vocabulary), and no `call_end` id is also a stop id (a response stops at a stop id, so a
+call ending in one, or passing through one, would never reach the environment: refused rather than ignored). At each
+call: the observation is None (the episode ends; an empty observation ends it too) or 1-D integer token ids within
+the vocabulary, as a torch integer tensor or a list/tuple of Python ints; anything else (text, floats, bools, a 2-D
+tensor, a NumPy array, an id outside the vocabulary) is one ValueError naming the environment, the sequence and the
+turn. Under context parallelism the ranks of the group compare, at every decode step, a 64-bit hash of what their
+environments returned (`ContextShards.all_gather`): observations that differ between ranks, or an environment that
+raised on some ranks only, are one error on every rank instead of rollouts that silently diverge or a collective that
+waits out its timeout.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -61,6 +73,9 @@ class SamplingConfig:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        for t in self.call_end:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise ValueError(f"call_end must hold non-negative int token ids, got {self.call_end!r}")
 
 
 def _check_inputs(model: torch.nn.Module, prompt: torch.Tensor, state: PromptState | None, caller: str) -> None:
@@ -73,8 +88,70 @@ def _check_inputs(model: torch.nn.Module, prompt: torch.Tensor, state: PromptSta
         check_prompt_state(model, state, prompt)
 
 
-# environment(i, response_so_far) -> the observation's token ids (1-D), or None to end sequence i's episode.
-Environment = Callable[[int, torch.Tensor], "torch.Tensor | None"]
+# environment(i, response_so_far) -> the observation's token ids (a 1-D integer tensor or a list of ints), or None
+# to end sequence i's episode.
+Environment = Callable[[int, torch.Tensor], "torch.Tensor | Sequence[int] | None"]
+
+
+def _name(environment: object) -> str:
+    """The environment as error messages name it: its repr, shortened."""
+    text = repr(environment)
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+def _check_environment(environment: object, sampling: SamplingConfig, vocab: int) -> None:
+    """At the start of a rollout: a callable environment and call_end ids the model can sample that no stop id
+    pre-empts."""
+    if not callable(environment):
+        raise TypeError(f"environment must be callable as environment(i, response_so_far) -> the observation's token "
+                        f"ids or None, got {_name(environment)} ({type(environment).__name__})")
+    if not sampling.call_end:
+        raise ValueError("an environment needs SamplingConfig.call_end: the token ids that end a tool call")
+    outside = [t for t in sampling.call_end if t >= vocab]
+    if outside:
+        raise ValueError(f"call_end id {outside[0]} is outside the model's vocabulary [0, {vocab}): the model can "
+                         f"never sample it, so the environment {_name(environment)} would never be called; pass the "
+                         "tokenizer's ids of the tool call's closing text")
+    stops = [t for t in sampling.call_end if t in sampling.stop_ids]
+    if stops:
+        raise ValueError(f"call_end id {stops[0]} is also a stop id (SamplingConfig.stop_ids {sampling.stop_ids}): a "
+                         "response ends at a stop id, so a tool call holding it would end the response instead of "
+                         "reaching the environment; remove it from stop_ids or end tool calls with other tokens")
+
+
+def _observation_ids(observation: object, environment: object, i: int, turn: int, vocab: int) -> list[int] | None:
+    """The environment's answer to sequence i's call ending model turn `turn` as a list of ids (None: the episode
+    ends); ValueError saying what to return instead for anything but None or 1-D integer ids within the vocabulary."""
+    if observation is None:
+        return None
+    ids: list[int] | None = None
+    if isinstance(observation, torch.Tensor):
+        if observation.dtype == torch.bool or observation.is_floating_point() or observation.is_complex():
+            bad = f"a {observation.dtype} tensor (token ids are integers; floats are not rounded)"
+        elif observation.dim() != 1:
+            bad = f"a tensor of shape {tuple(observation.shape)} (one sequence of ids is 1-D)"
+        else:
+            ids = [int(t) for t in observation.tolist()]
+    elif isinstance(observation, (list, tuple)):
+        odd = [t for t in observation if isinstance(t, bool) or not isinstance(t, int)]
+        if odd:
+            bad = f"a {type(observation).__name__} holding {type(odd[0]).__name__} {odd[0]!r}"
+        else:
+            ids = list(observation)
+    elif isinstance(observation, str):
+        bad = f"text ({observation[:40]!r}): encode it with the tokenizer"
+    else:
+        bad = f"a {type(observation).__module__}.{type(observation).__name__}"
+    if ids is not None:
+        outside = [t for t in ids if not 0 <= t < vocab]
+        if not outside:
+            return ids
+        bad = f"token id {outside[0]}, outside the model's vocabulary [0, {vocab})"
+    raise ValueError(
+        f"environment {_name(environment)} returned {bad} for sequence {i} at the tool call ending its turn {turn}: "
+        "return the observation's token ids as a 1-D integer torch.Tensor (e.g. torch.tensor(tokenizer.encode(text), "
+        f"dtype=torch.long)) or a list of ints, each in [0, {vocab}), or None to end the episode"
+    )
 
 
 @dataclass
@@ -125,13 +202,15 @@ def sample_group(
     rollout's state (detach-only training can save that memory with False). context_shards: the prompt
     state is sharded over that group's ranks, which all call this with the same arguments and get the same
     samples. environment: multi-turn rollouts (module docstring); it must be deterministic for the ranks of a
-    context-parallel group to stay in step."""
-    if environment is not None and not sampling.call_end:
-        raise ValueError("an environment needs SamplingConfig.call_end: the token ids that end a tool call")
+    context-parallel group to stay in step (the ranks compare its observations: module docstring)."""
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
     _check_inputs(model, prompt, state, "sample_group")
-    device = hf(model).get_input_embeddings().weight.device
+    embeddings = hf(model).get_input_embeddings()
+    if environment is not None:
+        _check_environment(environment, sampling, min(embeddings.num_embeddings,
+                                                      hf(model).get_output_embeddings().weight.shape[0]))
+    device = embeddings.weight.device
     prompt = prompt.to(device=device, dtype=torch.long)
     if state is None:
         state = capture_prompt(model, prompt[:-1], chunk_size, keep_boundaries=keep_boundaries,
@@ -149,7 +228,7 @@ def sample_group(
     tokens, logps = [], []
     done = torch.zeros(group_size, dtype=torch.bool, device=device)
     lengths = torch.full((group_size,), sampling.max_new_tokens, dtype=torch.long, device=device)
-    turns = _Turns(group_size, sampling, environment)
+    turns = _Turns(group_size, sampling, environment, embeddings.num_embeddings, state.context_shards)
     for step in range(sampling.max_new_tokens):
         hidden = run_segment(model, token, p - 1 + step, state, generated=generated)  # (G, 1, d)
         assert hidden is not None  # None only with kv_only
@@ -188,8 +267,10 @@ class _Turns:
     observation tokens (the loss masks), and how many model turns it has had. Without an environment it forces
     nothing and ends nothing."""
 
-    def __init__(self, group_size: int, sampling: SamplingConfig, environment: Environment | None) -> None:
-        self.sampling, self.environment = sampling, environment
+    def __init__(self, group_size: int, sampling: SamplingConfig, environment: Environment | None, vocab: int,
+                 context_shards: ContextShards | None) -> None:
+        self.sampling, self.environment, self.vocab = sampling, environment, vocab
+        self.context_shards = context_shards if environment is not None else None
         self.pending: list[list[int]] = [[] for _ in range(group_size)]
         self.observed: list[list[bool]] = [[] for _ in range(group_size)]  # per step: an observation token
         self.turns = [1] * group_size
@@ -213,26 +294,78 @@ class _Turns:
         if self.environment is None:
             return ends
         call = self.sampling.call_end
-        if step + 1 < len(call):
-            return ends
-        tail = torch.stack(tokens[-len(call):], dim=1)  # (G, len(call))
-        calls = (tail == torch.tensor(call, device=nxt.device)).all(1) & ~forced & ~done
-        for i in calls.nonzero().flatten().tolist():
-            if any(self.observed[i][-len(call):]):
-                continue  # the call's tokens must all be the model's own
-            if self.turns[i] >= self.sampling.max_turns:
-                ends[i] = True
-                continue
-            response = torch.stack([t[i] for t in tokens])
-            observation = self.environment(i, response)
-            self.calls[i] += 1
-            room = self.sampling.max_new_tokens - (step + 1)
-            if observation is None or observation.numel() == 0 or observation.numel() >= room:
+        answers: dict[int, list[int] | None] = {}  # this step's observations, by sequence
+        failure: Exception | None = None
+        if step + 1 >= len(call):
+            tail = torch.stack(tokens[-len(call):], dim=1)  # (G, len(call))
+            calls = (tail == torch.tensor(call, device=nxt.device)).all(1) & ~forced & ~done
+            for i in calls.nonzero().flatten().tolist():
+                if any(self.observed[i][-len(call):]):
+                    continue  # the call's tokens must all be the model's own
+                if self.turns[i] >= self.sampling.max_turns:
+                    ends[i] = True
+                    continue
+                response = torch.stack([t[i] for t in tokens])
+                try:
+                    answers[i] = _observation_ids(self.environment(i, response), self.environment, i,
+                                                  self.turns[i], self.vocab)
+                except Exception as err:  # under context parallelism, raised once the other ranks know
+                    if self.context_shards is None:
+                        raise
+                    failure = err
+                    break
+                self.calls[i] += 1
+        if self.context_shards is not None:
+            self._agree(nxt, answers, failure)
+        room = self.sampling.max_new_tokens - (step + 1)
+        for i, observation in answers.items():
+            if observation is None or len(observation) == 0 or len(observation) >= room:
                 ends[i] = True  # the episode is over, or its observation (and a reply) would not fit
                 continue
-            self.pending[i] = [int(t) for t in observation.reshape(-1)]
+            self.pending[i] = observation
             self.turns[i] += 1
         return ends
+
+    def _agree(self, nxt: torch.Tensor, answers: dict[int, list[int] | None], failure: Exception | None) -> None:
+        """Context parallelism: every rank of the group gathers each rank's (hash, length) of this step's
+        observation per sequence and a failure flag, so that observations differing between ranks, or an environment
+        that raised on some ranks only, raise on every rank (the ranks would otherwise decode different tokens, or
+        wait in the next collective for a rank that has left)."""
+        assert self.context_shards is not None
+        g = len(self.pending)
+        mine = torch.zeros((g + 1, 2), dtype=torch.long, device=nxt.device)
+        mine[:g, 1] = -2  # no call this step
+        for i, observation in answers.items():
+            data = b"none" if observation is None else b"ids:" + b",".join(str(t).encode() for t in observation)
+            mine[i, 0] = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
+            mine[i, 1] = -1 if observation is None else len(observation)
+        mine[g, 0] = int(failure is not None)
+        every = self.context_shards.all_gather(mine).cpu()  # (C, G + 1, 2)
+        failed = every[:, g, 0].nonzero().flatten().tolist()
+        if failed:
+            if failure is not None:
+                raise failure
+            raise RuntimeError(f"the environment {_name(self.environment)} raised on rank(s) {failed} of the "
+                               "context-parallel group (their error is in their own output); this rank stops with "
+                               "them")
+        differ = (every[:, :g] != every[:1, :g]).any(2).any(0).nonzero().flatten().tolist()
+        if differ:
+            i = differ[0]
+
+            def what(r: int) -> str:
+                n, digest = int(every[r, i, 1]), int(every[r, i, 0]) & (2**64 - 1)
+                return "None (the episode ends)" if n == -1 else "no call" if n == -2 else \
+                    f"{n} token ids, hash {digest:016x}"
+
+            per_rank = "; ".join(f"rank {r}: {what(r)}" for r in range(every.shape[0]))
+            raise RuntimeError(
+                f"the environment {_name(self.environment)} returned different observations on the ranks of the "
+                f"context-parallel group for sequence {i} at the tool call ending its turn {self.turns[i]} "
+                f"({per_rank}): "
+                "ranks that share a prompt must get the same observations, or their rollouts diverge; make the "
+                "environment a deterministic function of (i, response) (no per-rank state, clock or unseeded "
+                "randomness)"
+            )
 
     def loss_masks(self, lengths: list[int]) -> list[torch.Tensor]:
         return [~torch.tensor(self.observed[i][:n], dtype=torch.bool) for i, n in enumerate(lengths)]
