@@ -63,3 +63,45 @@ def test_prompt_tokens_sizes_the_directory():
 def test_bad_options(options, match):
     with pytest.raises(ValueError, match=match):
         make_task("lookup", **options)
+
+
+def test_directories_past_nine_thousand_people_get_longer_ids():
+    """4-digit ids hold 9,000 people; one more person gives every id 5 digits, still distinct, and the environment
+    answers them."""
+    full = make_task("lookup", n_people=9000).sample(random.Random(0))
+    assert sorted(full.meta["records"]) == list(range(1000, 10000))
+    task = make_task("lookup", n_people=9001)
+    example = task.sample(random.Random(0))
+    ids = list(example.meta["records"])
+    assert len(ids) == len(set(ids)) == 9001 and all(10000 <= i < 100000 for i in ids)
+    names = [line.split(" -> id")[0] for line in example.prompt.splitlines() if " -> id " in line]
+    assert len(names) == len(set(names)) == 9001
+    pid = _id_of(example, example.meta["asked"])
+    assert len(pid) == 5 and task.observe(f"<lookup>{pid}</lookup>", example).startswith("\n<result>phone: ")
+    assert example.prompt == make_task("lookup", n_people=9001).sample(random.Random(0)).prompt
+
+
+def test_a_directory_past_the_largest_is_refused_when_the_task_is_built():
+    tok = byte_tokenizer_hf()
+    refusal = (r"--prompt-tokens 1000000000 asks the lookup task for a directory of about [\d,]+ people, more than its "
+               r"1,000,000: use --prompt-tokens \d+ or less")
+    with pytest.raises(ValueError, match=refusal) as err:
+        make_task("lookup", tokenizer=tok, prompt_tokens=10**9)
+    largest = int(str(err.value).split("use --prompt-tokens ")[1].split()[0])
+    make_task("lookup", tokenizer=tok, prompt_tokens=largest)  # built (not sampled: that prompt is 10^7 tokens)
+    with pytest.raises(ValueError, match="more than its 1,000,000"):
+        make_task("lookup", tokenizer=tok, prompt_tokens=largest + 1000)
+    with pytest.raises(ValueError, match="n_people must be >= 2 .* and <= 1,000,000"):
+        make_task("lookup", n_people=1_000_001)
+
+
+def test_an_id_of_any_length_is_no_ones_and_scores_zero():
+    task = make_task("lookup", n_people=10, format_reward=0.1)
+    example = task.sample(random.Random(0))
+    huge = "7" * 5000  # past Python's 4,300-digit limit on int(str)
+    result = task.observe(f"<lookup>{huge}</lookup>", example)
+    assert result == "\n<result>no person has id 777777777777... (5000 digits)</result>\n"
+    assert task.reward(f"<lookup>{huge}</lookup><answer>{huge}</answer>", example) == 0.0
+    pid = _id_of(example, example.meta["asked"])
+    assert task.reward(f"<lookup>{'0' * 5000}{pid}</lookup>", example) == 0.0  # not read as the id it ends with
+    assert task.reward(f"<lookup>0{pid}</lookup>", example) == pytest.approx(0.1)  # a leading zero is read as before

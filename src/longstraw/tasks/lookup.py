@@ -8,10 +8,14 @@ environment (``observe``) appends ``<result>phone: 5521, manager: 6120</result>`
 second lookup with the manager's id from the first result. The environment is a pure function of the example and the
 response so far: deterministic and seeded, with no I/O.
 
-Length is set by ``n_people`` or by ``prompt_tokens`` (the largest directory whose prompt fits; + tokenizer).
+Length is set by ``n_people`` or by ``prompt_tokens`` (the largest directory whose prompt fits; + tokenizer). Ids
+have 4 digits up to 9,000 people and one more digit each time the directory outgrows them (deterministic: the same
+seed and size give the same directory); names are drawn from ~19 million, and directories are capped at
+``MAX_PEOPLE`` (refused beyond it when the task is built, naming the largest ``prompt_tokens`` accepted).
 
 Reward: 1.0 when the first ``<answer>…</answer>`` holds the phone number, else 0.0; plus ``format_reward`` (default 0)
-for each well-formed lookup of an id that exists, at most ``hops`` of them (a denser signal for small models).
+for each well-formed lookup of an id that exists, at most ``hops`` of them (a denser signal for small models). Ids the
+policy writes are read as text: one of any length (thousands of digits) is simply no one's id.
 """
 
 from __future__ import annotations
@@ -27,6 +31,10 @@ CALL_OPEN, CALL_CLOSE = "<lookup>", "</lookup>"
 _CALL = re.compile(r"<lookup>\s*(\d+)\s*</lookup>")
 _ANSWER = re.compile(r"<answer>\s*(\d+)\s*</answer>")
 _SYLLABLES = ("ka", "lo", "mi", "ra", "ne", "to", "sa", "vi", "do", "pe", "lu", "ri", "an", "el", "os", "ta")
+# Names are two parts of 2-3 syllables: 4,352 parts, ~19 million names. Up to a million people, redrawing a name
+# already taken stays rare (< 6%); the prompt is then ~10 million tokens, beyond any model's context.
+MAX_PEOPLE = 1_000_000
+_LONGEST_ID = 18  # digits: longer ids (the directory's have at most 7) are no one's, and never converted to int
 
 INSTRUCTIONS = (
     "You are an agent with one tool. To read the record of a person, write <lookup>ID</lookup> with the person's id "
@@ -40,9 +48,13 @@ def _name(rng: random.Random) -> str:
 
 
 def _people(rng: random.Random, n: int) -> list[tuple[str, int, int, int]]:
-    """n people (name, id, phone, manager id), distinct names and ids; managers are other people of the list."""
+    """n people (name, id, phone, manager id), distinct names and ids; managers are other people of the list. Ids
+    have the fewest digits (at least 4) whose range holds n of them."""
     names: set[str] = set()
-    ids = rng.sample(range(1000, 10000), n)
+    digits = 4
+    while 9 * 10 ** (digits - 1) < n:
+        digits += 1
+    ids = rng.sample(range(10 ** (digits - 1), 10**digits), n)
     people = []
     for k in range(n):
         name = _name(rng)
@@ -53,6 +65,11 @@ def _people(rng: random.Random, n: int) -> list[tuple[str, int, int, int]]:
         manager = ids[j + 1 if j >= k else j]
         people.append((name, ids[k], rng.randint(1000, 9999), manager))
     return people
+
+
+def _id(digits: str) -> int | None:
+    """A written id as the directory's int, or None when it is too long to be anyone's."""
+    return int(digits) if len(digits) <= _LONGEST_ID else None
 
 
 def _question(name: str, hops: int) -> str:
@@ -80,23 +97,38 @@ class LookupTask(Task):
             raise ValueError("give exactly one of prompt_tokens (with a tokenizer) or n_people")
         if self.prompt_tokens is not None and self.tokenizer is None:
             raise ValueError("prompt_tokens needs a tokenizer to count tokens with")
-        if self.n_people is not None and self.n_people < 2:
-            raise ValueError(f"n_people must be >= 2 (a person and a manager), got {self.n_people}")
+        if self.n_people is not None and not 2 <= self.n_people <= MAX_PEOPLE:
+            raise ValueError(f"n_people must be >= 2 (a person and a manager) and <= {MAX_PEOPLE:,} (the lookup "
+                             f"task's largest directory), got {self.n_people}")
         if self.hops not in (1, 2):
             raise ValueError(f"hops must be 1 or 2 (lookups the answer needs), got {self.hops}")
         if not 0.0 <= self.format_reward <= 1.0:
             raise ValueError(f"format_reward must be in [0, 1], got {self.format_reward}")
+        if self.prompt_tokens is not None:
+            base, per_line = self._sizes()
+            if (self.prompt_tokens - base) // per_line + 2 > MAX_PEOPLE:
+                largest = base + (MAX_PEOPLE - 2) * per_line
+                raise ValueError(
+                    f"--prompt-tokens {self.prompt_tokens} asks the lookup task for a directory of about "
+                    f"{(self.prompt_tokens - base) // per_line + 2:,} people, more than its {MAX_PEOPLE:,}: use "
+                    f"--prompt-tokens {largest} or less with this tokenizer"
+                )
+
+    def _sizes(self) -> tuple[int, int]:
+        """(tokens of a two-person prompt, tokens per directory line rounded up)."""
+        base = count_tokens(self.tokenizer, _prompt(_people(random.Random(0), 2), 0, self.hops))
+        sample = _people(random.Random(1), 64)
+        per_line = max(1, (count_tokens(self.tokenizer, "".join(f"{n} -> id {i}\n" for n, i, _, _ in sample)) + 63)
+                       // 64)
+        return base, per_line
 
     def _fit(self, rng: random.Random) -> list[tuple[str, int, int, int]]:
         """The largest directory whose prompt fits ``prompt_tokens`` (one line is ~8-12 tokens)."""
         assert self.prompt_tokens is not None
-        base = count_tokens(self.tokenizer, _prompt(_people(random.Random(0), 2), 0, self.hops))
+        base, per_line = self._sizes()
         if base > self.prompt_tokens:
             raise ValueError(f"prompt_tokens={self.prompt_tokens} is too small: two people already take {base} tokens")
-        sample = _people(random.Random(1), 64)
-        per_line = max(1, (count_tokens(self.tokenizer, "".join(f"{n} -> id {i}\n" for n, i, _, _ in sample)) + 63)
-                       // 64)
-        n = max(2, 2 + (self.prompt_tokens - base) // per_line)
+        n = min(MAX_PEOPLE, max(2, 2 + (self.prompt_tokens - base) // per_line))
         state = rng.getstate()
         while True:
             rng.setstate(state)
@@ -125,16 +157,18 @@ class LookupTask(Task):
         calls = list(_CALL.finditer(response))
         if not calls or not response.rstrip().endswith(CALL_CLOSE):
             return None
-        pid = int(calls[-1].group(1))
-        record = example.meta["records"].get(pid)
+        written = calls[-1].group(1)
+        pid = _id(written)
+        record = None if pid is None else example.meta["records"].get(pid)
         if record is None:
-            return f"\n<result>no person has id {pid}</result>\n"
+            shown = written if pid is not None else f"{written[:12]}... ({len(written)} digits)"
+            return f"\n<result>no person has id {shown}</result>\n"
         return f"\n<result>phone: {record[0]}, manager: {record[1]}</result>\n"
 
     def reward(self, completion: str, example: Example) -> float:
         found = _ANSWER.search(completion)
         score = float(found is not None and found.group(1) == example.answer)
         if self.format_reward:
-            valid = [m for m in _CALL.finditer(completion) if int(m.group(1)) in example.meta["records"]]
+            valid = [m for m in _CALL.finditer(completion) if _id(m.group(1)) in example.meta["records"]]
             score += self.format_reward * min(len(valid), self.hops)
         return score
