@@ -102,3 +102,154 @@ def test_cli_sets_passive_openmp_wait_before_torch_loads(users):
     assert out.returncode == 0 and "EXIT=0" in lines, out.stdout + out.stderr
     assert f"OMP_WAIT_POLICY={users or 'PASSIVE'}" in lines
     assert f"TORCH={256.0 ** 3}" in lines
+
+
+# ---------------------------------------------------------------- every subcommand's help and errors
+
+
+def _subcommands() -> list[tuple[str, ...]]:
+    """Every command path of the parser (`()`, `("bench",)`, `("bench", "memory")`, ...), found by walking it, so a
+    new subcommand is covered without being named here."""
+    import argparse
+
+    from longstraw.cli import build_parser
+
+    def walk(parser: argparse.ArgumentParser, path: tuple[str, ...]):
+        yield path
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    yield from walk(sub, (*path, name))
+
+    return list(walk(build_parser(), ()))
+
+
+def _parser_of(path: tuple[str, ...]):
+    import argparse
+
+    from longstraw.cli import build_parser
+
+    parser = build_parser()
+    for name in path:
+        action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        parser = action.choices[name]
+    return parser
+
+
+SUBCOMMANDS = _subcommands()
+
+
+def test_the_walk_finds_every_command():
+    assert {("train",), ("plan",), ("check",), ("compare",), ("bench", "memory"), ("bench", "verl"),
+            ("bench", "decode"), ("bench", "provenance")} <= set(SUBCOMMANDS)
+
+
+@pytest.mark.parametrize("path", SUBCOMMANDS, ids=lambda p: " ".join(p) or "longstraw")
+def test_every_help_runs_and_lists_every_choice(path, capsys):
+    """`--help` of every (sub)command prints its help and exits 0 (a '%' in a help text once broke one), and every
+    option with a fixed set of values names each value in its own help, also where a metavar hides them from
+    argparse's usage; every --model option lists the presets."""
+    import argparse
+    import re
+
+    from longstraw.choices import PRESET_NAMES
+    from longstraw.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main([*path, "--help"])
+    assert exit_.value.code == 0 and "usage: longstraw" in capsys.readouterr().out
+    parser = _parser_of(path)
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        block = " ".join(formatter._format_action(action).split())
+        if action.choices is not None and not isinstance(action, argparse._SubParsersAction):
+            missing = [c for c in action.choices if not re.search(rf"(?<![\w-]){re.escape(str(c))}(?![\w-])", block)]
+            assert not missing, f"{' '.join(path)} {action.option_strings}: help does not name {missing}"
+        if "--model" in action.option_strings:
+            assert all(name in block for name in PRESET_NAMES), f"{' '.join(path)} --model: {block}"
+
+
+@pytest.mark.parametrize("field, values", [
+    ("task", "TASKS"), ("plan", "PLANS"), ("loss", "LOSSES"), ("advantage", "ADVANTAGES"),
+    ("lr_schedule", "LR_SCHEDULES"), ("dtype", "DTYPES"), ("model", "PRESET_NAMES"), ("model", "PACKAGED_MODELS"),
+])
+def test_train_help_lists_the_values_its_config_accepts(field, values, capsys):
+    """The train options TrainConfig checks (not argparse: a TOML file sets them too) name every accepted value."""
+    import re
+
+    from longstraw import choices
+    from longstraw.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    flag = "--" + field.replace("_", "-")
+    own = help_text.split(f"{flag} {field.upper()} ", 1)[1].split(" --", 1)[0]
+    for value in getattr(choices, values):
+        assert re.search(rf"(?<![\w-]){re.escape(value)}(?![\w-])", own), f"{flag}: {value} not in {own!r}"
+
+
+def test_preset_names_for_help_match_the_presets():
+    from longstraw.choices import PACKAGED_MODELS, PRESET_NAMES
+    from longstraw.models.loading import PACKAGED_GGUF
+    from longstraw.models.presets import PRESETS
+
+    assert PRESET_NAMES == tuple(PRESETS) and PACKAGED_MODELS == tuple(PACKAGED_GGUF)
+
+
+@pytest.mark.parametrize("path", SUBCOMMANDS, ids=lambda p: " ".join(p) or "longstraw")
+def test_every_usage_error_comes_first_in_one_line(path, capsys, tmp_path):
+    """A mistake's one-line error is the first line on stderr, followed by at most one short usage line (not the
+    whole usage text before it); status 2."""
+    from longstraw.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main([*path, "--no-such-option", "--out", str(tmp_path / "x.json"), "--run-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip().splitlines()
+    prog = " ".join(("longstraw", *path))
+    assert exit_.value.code == 2 and len(err) == 2, err
+    assert err[0].startswith(f"{prog}: error: ") or err[0].startswith(f"{prog} "), err
+    assert err[1].startswith("usage: longstraw"), err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train", "--model", "tiny-qwen"], "model 'tiny-qwen' (did you mean tiny-qwen3?)"),
+    (["train", "--task", "pasky"], "task 'pasky' is unknown (did you mean passkey?)"),
+    (["train", "--plan", "exat"], "unknown plan 'exat' (did you mean exact?)"),
+    (["train", "--loss", "cispoo"], "unknown loss 'cispoo' (did you mean cispo"),
+    (["train", "--grop-size", "3"], "unrecognized arguments: --grop-size (--grop-size: did you mean --group-size"),
+    (["plan", "--model", "tiny-qwen", "--prompt-tokens", "64", "--response-tokens", "8", "--group-size", "2"],
+     "unknown model 'tiny-qwen' (did you mean tiny-qwen3?)"),
+    (["plan", "--model", "tiny-llama", "--prompt-tokens", "64", "--response-tokens", "8", "--group-size", "2",
+      "--fsdp-gather", "layers"], "invalid choice: 'layers' (choose from 'all', 'layer') (did you mean layer?)"),
+    (["plan", "--promt-tokens", "64"],
+     "required: --model, --prompt-tokens, --response-tokens, --group-size (--promt-tokens: did you mean "
+     "--prompt-tokens"),
+    (["bench", "memroy"], "invalid choice: 'memroy'"),
+    (["bench", "memory", "--plans", "exat"], "(did you mean exact?)"),
+    (["bench", "memory", "--arch", "lama"], "no preset 'b1-lama' (did you mean llama?)"),
+])
+def test_did_you_mean(argv, message, capsys, tmp_path, monkeypatch):
+    """A mistyped name (model preset, task, plan, loss, option, bench, choice) is refused with the closest names."""
+    from longstraw.cli import main
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    if argv[0] == "train":
+        argv = [*argv, "--run-dir", str(tmp_path / "run")]
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err
+    first = err.strip().splitlines()[0]
+    assert exit_.value.code == 2 and message in first, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_did_you_mean_for_a_toml_key(tmp_path, capsys):
+    from longstraw.cli import main
+
+    config = tmp_path / "c.toml"
+    config.write_text("group_szie = 4\n")
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", str(config), "--run-dir", str(tmp_path / "run")])
+    first = capsys.readouterr().err.strip().splitlines()[0]
+    assert exit_.value.code == 2 and "unknown option(s) group_szie (did you mean group_size?)" in first

@@ -1,9 +1,14 @@
-"""The names the command line offers (plans, losses, advantage estimators, checkpointing, tasks, dtypes), in a
-module that imports nothing: `longstraw --help` and `--version` build every parser from these without importing
-torch (~5 s on a small CPU machine). The modules that implement them re-export them (`longstraw.PLANS`,
-`longstraw.planner.PLANS`, ...)."""
+"""The names the command line offers (plans, losses, advantage estimators, checkpointing, tasks, dtypes, model
+presets), and `did_you_mean` for a mistyped one, in a module that imports nothing at load: `longstraw --help` and
+`--version` build every parser from these without importing torch (~5 s on a small CPU machine). The modules that
+implement them re-export them (`longstraw.PLANS`, `longstraw.planner.PLANS`, ...)."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
 
 PLANS = ("standard", "standard_batched", "detach", "exact")  # `backward_group(plan=...)`, `--plan`, `--plans`
 # How tables, plots and the planner's document list them: the baseline the others are measured against
@@ -26,3 +31,25 @@ MIN_TEMPERATURE = 1e-3
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "float64": 8, "fp64": 8, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
 DTYPE_ALIASES = {"fp32": "float32", "fp64": "float64", "bf16": "bfloat16", "fp16": "float16"}
 DTYPES = tuple(name for name in DTYPE_BYTES if name not in DTYPE_ALIASES)  # torch's names: float32, float64, ...
+
+# The model presets (`longstraw.models.presets.PRESETS`, random-init configs) and the real models shipped in a PyPI
+# package (`longstraw.models.loading.PACKAGED_GGUF`), by name, for help texts that must not import transformers;
+# tests/test_cli.py checks that they match those mappings.
+PRESET_NAMES = ("tiny-llama", "tiny-qwen3", "tiny-mamba2", "b1-llama", "b1-qwen3", "b1-qwen3-next", "b1-deepseek-v3",
+                "b1-mamba2", "gpu-llama-1b", "tiny-llama-long", "deep-smollm2")
+PACKAGED_MODELS = ("smollm2-135m",)
+# Architecture families with a Bench B1 preset `b1-<arch>` (`bench arch --archs`, `bench memory --arch`).
+B1_ARCHS = tuple(sorted(name[len("b1-"):] for name in PRESET_NAMES if name.startswith("b1-")))
+LR_SCHEDULES = ("constant", "cosine")
+
+
+def did_you_mean(name: object, known: Iterable[object], what: str = "", n: int = 3) -> str:
+    """' (did you mean X?)' naming the entries of `known` closest to a mistyped `name` (difflib's ratio >= 0.6, at
+    most `n`), or "" when none is close. `what`: said first (' (--grop-size: did you mean --group-size?)')."""
+    import difflib
+
+    close = difflib.get_close_matches(str(name), [str(k) for k in known], n=n, cutoff=0.6)
+    if not close:
+        return ""
+    names = close[0] if len(close) == 1 else ", ".join(close[:-1]) + " or " + close[-1]
+    return f" ({what + ': ' if what else ''}did you mean {names}?)"

@@ -15,18 +15,87 @@ import os
 import sys
 from collections.abc import Mapping, MutableMapping
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from longstraw import __version__
+from longstraw.choices import did_you_mean
 
 if TYPE_CHECKING:
     from longstraw.train.config import TrainConfig
 
 
-def build_parser() -> argparse.ArgumentParser:
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's help layout, wrapping lines at spaces only: a name such as tiny-llama stays on one line."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        import textwrap
+
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with the error first: one line saying what to change (with the closest names for a mistyped choice),
+    then one short usage line, instead of the whole usage text above it. Every subcommand's parser is one too
+    (`add_subparsers` makes its parsers of the parent's class)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        self._words = list(sys.argv[1:] if args is None else args)  # for `error`'s hints on mistyped options
+        return super().parse_known_args(args, namespace)
+
+    def error(self, message: str) -> NoReturn:
+        if message.startswith("the following arguments are required"):  # perhaps one of them was mistyped
+            message += "".join(self._option_hints(getattr(self, "_words", [])))
+        self.exit(2, f"{self.prog}: error: {message}\n{self.short_usage()}\n")
+
+    def _option_hints(self, words: list[str]) -> list[str]:
+        """' (did you mean --x?)' for each word that looks like an option this parser does not have."""
+        options = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
+        hints = []
+        for word in words:
+            name = word.split("=", 1)[0]
+            if name.startswith("--") and name not in options:
+                hints.append(did_you_mean(name, options, what=name, n=2))
+        return [h for h in hints if h]
+
+    def short_usage(self) -> str:
+        """argparse's usage when it fits two lines; else the command, its positionals, and where the options are."""
+        usage = self.format_usage().strip()
+        words = ["[options]"]
+        for action in self._actions:
+            if action.option_strings:
+                continue
+            name = str(action.metavar or action.dest)
+            words.append(f"[{name}]" if action.nargs in ("?", "*") else name)
+            if isinstance(action, argparse._SubParsersAction):  # the commands by name, on the same line
+                usage = " ".join(usage.split()) + f"  ({name}: {', '.join(action.choices)})"
+        if usage.count("\n") < 2:
+            return usage
+        return f"usage: {self.prog} {' '.join(words)}  ({self.prog} --help lists the options)"
+
+    def _check_value(self, action: argparse.Action, value: Any) -> None:
+        # argparse's own check (a value outside `choices`), with the closest choices named after its message
+        try:
+            super()._check_value(action, value)
+        except argparse.ArgumentError as err:
+            hint = did_you_mean(value, action.choices or ())
+            if not hint:
+                raise
+            raise argparse.ArgumentError(action, err.message + hint) from None
+
+    def unknown_options(self, extra: list[str]) -> NoReturn:
+        """Refuse arguments no option of this parser takes, naming the closest option for each mistyped one."""
+        self.exit(2, f"{self.prog}: error: unrecognized arguments: {' '.join(extra)}"
+                     f"{''.join(self._option_hints(extra))}\n{self.short_usage()}\n")
+
+
+def build_parser() -> Parser:
     from longstraw.bench import memory
 
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="longstraw", description="GRPO on very long shared prompts: benchmarks and tools.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -206,7 +275,10 @@ def passive_openmp_wait(environ: MutableMapping[str, str] | None = None,
 def main(argv: list[str] | None = None) -> int:
     passive_openmp_wait()  # first: before any command imports torch
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # reported through the subcommand's parser: its usage, its options' names
+        fail = getattr(args, "fail", None)
+        getattr(fail, "__self__", parser).unknown_options(extra)
     if args.command == "bench":
         return _bench(args)
     if args.command == "check":
@@ -313,7 +385,8 @@ def _train(trainer: ModuleType, cfg: TrainConfig, debug: bool) -> int:
         if debug:
             traceback.print_exc()
         signum = getattr(err, "signum", signal.SIGINT)
-        print(f"longstraw train: stopped by {signal.Signals(signum).name}", file=sys.stderr)
+        if int(os.environ.get("WORLD_SIZE", "1")) <= 1:  # a rank of --nproc: its launcher prints this line
+            print(f"longstraw train: stopped by {signal.Signals(signum).name}", file=sys.stderr)
         return 128 + int(signum)
     except (ValueError, FileNotFoundError, FloatingPointError) as err:
         if debug:
@@ -336,11 +409,10 @@ def _launch_train(args: argparse.Namespace, cfg: TrainConfig, argv: list[str]) -
     except ValueError as err:
         args.fail(str(err))
     try:
-        launch.launch_train(launch.strip_nproc(argv[argv.index("train") + 1 :]), args.nproc)
+        return launch.launch_train(launch.strip_nproc(argv[argv.index("train") + 1 :]), args.nproc)
     except ChildFailedError as err:
         print(f"longstraw train: error: a rank failed; torchrun reports:\n{err}", file=sys.stderr)
         return 1
-    return 0
 
 
 if __name__ == "__main__":

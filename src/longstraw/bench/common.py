@@ -443,11 +443,13 @@ def available_archs() -> list[str]:
 
 def arch_preset(arch: str) -> str:
     """The preset name of an architecture family (`llama` -> `b1-llama`); ValueError listing those that exist."""
+    from longstraw.choices import did_you_mean
     from longstraw.models.presets import PRESETS
 
     name = f"b1-{arch}"
     if name not in PRESETS:
-        raise ValueError(f"no preset {name!r}: architectures with a B1 preset: {', '.join(available_archs())}")
+        raise ValueError(f"no preset {name!r}{did_you_mean(arch, available_archs())}: architectures with a B1 "
+                         f"preset: {', '.join(available_archs())}")
     return name
 
 

@@ -21,11 +21,13 @@ from pathlib import Path
 
 from longstraw.bench.common import check_model, check_out, default_out
 from longstraw.bench.machine import machine_info
+from longstraw.choices import PRESET_NAMES
 from longstraw.planner import MIB
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="b1-llama", help="preset, local directory or HF id (default b1-llama)")
+    parser.add_argument("--model", default="b1-llama", help=f"a preset ({', '.join(PRESET_NAMES)}), a local "
+                                                            "directory or a Hugging Face id (default b1-llama)")
     parser.add_argument("--prompt-tokens", type=int, default=8192, help="P (default 8192)")
     parser.add_argument("--response-tokens", type=int, default=128, help="R (default 128)")
     parser.add_argument("--group-size", type=int, default=2, help="G (default 2)")

@@ -70,7 +70,7 @@ from longstraw.bench.common import (
     write_json,
 )
 from longstraw.bench.machine import machine_info
-from longstraw.choices import DTYPES
+from longstraw.choices import DTYPES, PRESET_NAMES
 from longstraw.planner import positive_int
 
 WARMUP_PROMPT = 32  # tokens of the unrecorded warm-up prompt
@@ -400,7 +400,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     b1 = SHAPES["b1"]
     parser.add_argument("--smoke", action="store_true",
                         help="tiny-llama, P in {64, 128}, G=2, N=4, chunk 32: seconds, only that everything runs")
-    parser.add_argument("--model", help=f"preset, local directory or HF id (default {b1.model})")
+    parser.add_argument("--model", help=f"a preset ({', '.join(PRESET_NAMES)}), a local directory or a Hugging "
+                                        f"Face id (default {b1.model})")
     parser.add_argument("--dtype", choices=DTYPES, help=f"parameter dtype (default {b1.dtype})")
     parser.add_argument("--device", help="cpu or cuda[:i] (default cpu)")
     parser.add_argument("--prompts", type=positive_int, nargs="+", metavar="P",

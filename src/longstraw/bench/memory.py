@@ -43,7 +43,7 @@ from longstraw.bench.common import (
 )
 from longstraw.bench.common import run_one as run_one  # where the tests and older callers import it from
 from longstraw.bench.machine import machine_info
-from longstraw.choices import CHECKPOINT_CHOICES, DTYPES, PLANS
+from longstraw.choices import B1_ARCHS, CHECKPOINT_CHOICES, DTYPES, PLANS, PRESET_NAMES
 from longstraw.planner import positive_int
 
 # --demo: B1 at two group sizes, so its G=8 ratios are B1's: about 100 s on 2 idle CPU cores, about 3 min
@@ -329,9 +329,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help="B1 at G in {2, 8} only; under 2 min on 2 idle CPU cores")
     profile.add_argument("--smoke", action="store_true",
                          help="tiny-llama, P=64, R=8, G in {2, 4}; seconds (used by the tests)")
-    parser.add_argument("--model", help=f"preset, local directory or HF id (default {B1.model})")
-    parser.add_argument("--arch", help="architecture family: runs its b1-<arch> preset (llama = b1-llama); "
-                                       "see `longstraw bench arch --list`")
+    parser.add_argument("--model", help=f"a preset ({', '.join(PRESET_NAMES)}), a local directory or a Hugging "
+                                        f"Face id (default {B1.model})")
+    parser.add_argument("--arch", help=f"architecture family, one of {', '.join(B1_ARCHS)}: runs its b1-<arch> "
+                                       "preset (llama = b1-llama)")
     parser.add_argument("--prompt-tokens", type=positive_int, help=f"P (default {B1.prompt_tokens})")
     parser.add_argument("--response-tokens", type=positive_int,
                         help=f"R, every response (default {B1.response_tokens})")

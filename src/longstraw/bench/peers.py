@@ -329,8 +329,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run N busy-loop processes (python -c 'while True: pass') during every measured "
                              "configuration: a reproducible busy host (default 0)")
     parser.add_argument("--only", nargs="+", metavar="ID", default=None,
-                        help="run only these configurations, by id (as in the JSON: longstraw-exact, "
-                             "longstraw-exact-keep, trl-b1x8-ckpt, prefix-grouper, ...); default all")
+                        help="run only these configurations, by id (as in the JSON; at the b1 shape: "
+                             f"{', '.join(c.id for c in configurations(SHAPES['b1'].group_size))}; TRL's ids "
+                             "carry the shape's G); default all")
     parser.add_argument("--trl-all-positions", action="store_true",
                         help="TRL's LM head as TRL runs it on CPU: every position scored, prompt included (default: "
                              "only the completions, as TRL does on CUDA; bench/peers_worker.py)")

@@ -46,7 +46,7 @@ from longstraw.bench.common import (
 )
 from longstraw.bench.memory import compute_ratios, format_ratios, format_table
 from longstraw.bench.pareto import OFFLOAD_CHOICES, PARETO_SMOKE, ParetoBenchConfig, run_pareto_bench
-from longstraw.choices import CHECKPOINT_CHOICES, DTYPES, PLANS, PLANS_BASELINE_FIRST
+from longstraw.choices import B1_ARCHS, CHECKPOINT_CHOICES, DTYPES, PLANS, PLANS_BASELINE_FIRST, PRESET_NAMES
 from longstraw.planner import non_negative_int, positive_int
 
 # ---------------------------------------------------------------- configs
@@ -267,13 +267,14 @@ def _common(parser: argparse.ArgumentParser) -> None:
 def add_prompt_arguments(parser: argparse.ArgumentParser) -> None:
     _common(parser)
     d = PromptBenchConfig()
-    parser.add_argument("--model", help=f"preset, directory or HF id (default {d.model})")
+    parser.add_argument("--model", help=f"a preset ({', '.join(PRESET_NAMES)}), a local directory or a Hugging "
+                                        f"Face id (default {d.model})")
     parser.add_argument("--prompts", type=positive_int, nargs="+", metavar="P",
                         help=f"prompt lengths (default {' '.join(map(str, d.prompts))})")
     parser.add_argument("--response-tokens", type=positive_int, help=f"R (default {d.response_tokens})")
     parser.add_argument("--group-size", type=positive_int, help=f"G (default {d.group_size})")
     parser.add_argument("--plans", nargs="+", choices=PLANS, metavar="PLAN", dest="plans",
-                        help="plans (default all four)")
+                        help=f"plans, of {', '.join(PLANS)} (default all four)")
     parser.add_argument("--chunk-size", type=positive_int, help=f"prompt chunk (default {d.chunk_size})")
     parser.add_argument("--micro-batch", type=positive_int, help="responses replayed at once (default 1)")
     parser.add_argument("--budget", help="memory budget per step, e.g. 16GiB (default 16GiB)")
@@ -282,7 +283,8 @@ def add_prompt_arguments(parser: argparse.ArgumentParser) -> None:
 def add_pareto_arguments(parser: argparse.ArgumentParser) -> None:
     _common(parser)
     d = ParetoBenchConfig()
-    parser.add_argument("--model", help=f"preset, directory or HF id (default {d.model})")
+    parser.add_argument("--model", help=f"a preset ({', '.join(PRESET_NAMES)}), a local directory or a Hugging "
+                                        f"Face id (default {d.model})")
     parser.add_argument("--prompt-tokens", type=positive_int, help=f"P (default {d.prompt_tokens})")
     parser.add_argument("--response-tokens", type=positive_int, help=f"R (default {d.response_tokens})")
     parser.add_argument("--group-size", type=positive_int, help=f"G (default {d.group_size})")
@@ -307,14 +309,15 @@ def add_pareto_arguments(parser: argparse.ArgumentParser) -> None:
 def add_arch_arguments(parser: argparse.ArgumentParser) -> None:
     _common(parser)
     d = ArchBenchConfig()
-    parser.add_argument("--archs", nargs="+", metavar="ARCH", help="families (default every b1-<arch> preset)")
+    parser.add_argument("--archs", nargs="+", metavar="ARCH",
+                        help=f"families, of {', '.join(B1_ARCHS)} (default every b1-<arch> preset)")
     parser.add_argument("--list", action="store_true", help="print the available architectures and exit")
     parser.add_argument("--prompt-tokens", type=positive_int, help=f"P (default {d.prompt_tokens})")
     parser.add_argument("--response-tokens", type=positive_int, help=f"R (default {d.response_tokens})")
     parser.add_argument("--groups", type=positive_int, nargs="+", metavar="G",
                         help=f"default {' '.join(map(str, d.groups))}")
     parser.add_argument("--plans", nargs="+", choices=PLANS, metavar="PLAN", dest="plans",
-                        help="plans (default all four)")
+                        help=f"plans, of {', '.join(PLANS)} (default all four)")
     parser.add_argument("--chunk-size", type=positive_int, help=f"default {d.chunk_size}")
     parser.add_argument("--micro-batch", type=positive_int, help="default 1")
 

@@ -58,6 +58,7 @@ from longstraw.bench.common import (
     write_json,
 )
 from longstraw.bench.machine import machine_info
+from longstraw.choices import PRESET_NAMES
 from longstraw.planner import positive_int
 
 WORLD = 2  # processes per row
@@ -340,7 +341,8 @@ def format_table(document: dict[str, Any]) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     default = SHAPES["default"]
-    parser.add_argument("--model", default=default.model, help=f"preset, local directory or HF id (default "
+    parser.add_argument("--model", default=default.model, help=f"a preset ({', '.join(PRESET_NAMES)}), a local "
+                                                                 f"directory or a Hugging Face id (default "
                                                                  f"{default.model})")
     parser.add_argument("--prompt-tokens", type=positive_int, default=default.prompt_tokens,
                         help=f"P (default {default.prompt_tokens})")

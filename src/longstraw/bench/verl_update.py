@@ -55,6 +55,7 @@ from longstraw.bench.common import (
     write_json,
 )
 from longstraw.bench.machine import machine_info
+from longstraw.choices import PRESET_NAMES
 from longstraw.planner import positive_int
 
 DEFAULT_TIMEOUT_S = 3600.0  # per row
@@ -306,7 +307,8 @@ def format_table(document: dict[str, Any]) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     default = SHAPES["default"]
     parser.add_argument("--model", default=default.model,
-                        help=f"preset or local directory (default {default.model}, Bench B1's)")
+                        help=f"a preset ({', '.join(PRESET_NAMES)}) or a local directory (default "
+                             f"{default.model}, Bench B1's)")
     parser.add_argument("--prompt-tokens", type=positive_int, default=default.prompt_tokens,
                         help=f"P (default {default.prompt_tokens})")
     parser.add_argument("--response-tokens", type=positive_int, default=default.response_tokens,
@@ -321,7 +323,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"seconds per row before it is recorded as failed (default {DEFAULT_TIMEOUT_S:g})")
     parser.add_argument("--max-memory", type=positive_float, default=None, metavar="GIB",
                         help=f"stop a row whose RSS passes this many GiB and record it as over the limit (default "
-                             f"{MEMORY_SHARE:.0%} of the memory available when the bench starts)")
+                             f"{MEMORY_SHARE * 100:.0f}%% of the memory available when the bench starts)")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny-llama, P=256, R=8, G=4, chunk 64, every row in one process: seconds, only "
                              "that every row runs (the tests use it)")

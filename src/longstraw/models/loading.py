@@ -19,7 +19,7 @@ from transformers import (
     AutoModelForCausalLM,
 )
 
-from longstraw.choices import DTYPE_ALIASES, DTYPE_BYTES
+from longstraw.choices import DTYPE_ALIASES, DTYPE_BYTES, did_you_mean
 from longstraw.models.admission import admit
 from longstraw.models.presets import PRESETS
 
@@ -136,7 +136,8 @@ def check_model_name(name: str) -> str:
                          ".gguf file")
     elif HUB_ID.fullmatch(name):
         return "hub"
-    raise ValueError(f"model {name!r} is not {_choices()}; no such directory exists either")
+    close = did_you_mean(name, [*PRESETS, *PACKAGED_GGUF])
+    raise ValueError(f"model {name!r}{close} is not {_choices()}; no such directory exists either")
 
 
 def declared_max_positions(name: str) -> int | None:

@@ -8,6 +8,7 @@ import re
 from dataclasses import asdict, replace
 from typing import Any
 
+from longstraw.choices import PACKAGED_MODELS, PRESET_NAMES
 from longstraw.planner.estimator import DTYPE_BYTES, GIB, MIB, PlanInputs, estimate, plan_all
 from longstraw.planner.spec import BUILTIN_NAMES, load_config, spec_from_config
 
@@ -37,8 +38,9 @@ def parse_size(text: str) -> int:
 def add_arguments(parser) -> None:
     """Options of `longstraw plan`."""
     parser.add_argument("--model", required=True,
-                        help=f"built-in ({', '.join(BUILTIN_NAMES)}), a preset (b1-llama, ...), a directory with "
-                             "config.json, a config.json file, or a hub id")
+                        help=f"a built-in description ({', '.join(BUILTIN_NAMES)}), a preset "
+                             f"({', '.join(PRESET_NAMES)}), a packaged model ({', '.join(PACKAGED_MODELS)}), a "
+                             "directory with config.json, a config.json file, or a hub id")
     parser.add_argument("--prompt-tokens", type=positive_int, required=True, help="P")
     parser.add_argument("--response-tokens", type=positive_int, required=True,
                         help="R (every response): generated tokens, or an agent's whole response")

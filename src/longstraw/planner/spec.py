@@ -71,6 +71,7 @@ def load_config(name: str):
 
     Raises ValueError (with what is accepted) when nothing matches.
     """
+    from longstraw.choices import did_you_mean
     from longstraw.models.loading import PACKAGED_GGUF, converted_gguf, resolve_model_path
     from longstraw.models.presets import PRESETS
 
@@ -104,13 +105,17 @@ def load_config(name: str):
     else:
         from transformers import AutoConfig
 
+        close = did_you_mean(name, [*BUILTIN_NAMES, *PRESETS, *PACKAGED_GGUF])
+        accepted = (f"give a built-in description ({', '.join(BUILTIN_NAMES)}), a preset ({', '.join(PRESETS)}), a "
+                    "directory holding config.json, a config.json path, or a hub id reachable from here")
+        if close and "/" not in name:  # a mistyped built-in name: refused without asking the hub
+            raise ValueError(f"unknown model {name!r}{close}: {accepted}")
         try:
             return AutoConfig.from_pretrained(name)
         except Exception as err:  # transformers raises OSError, ValueError, HTTP errors ... for a bad id
             raise ValueError(
-                f"unknown model {name!r}: give a built-in description ({', '.join(BUILTIN_NAMES)}), a preset "
-                f"({', '.join(PRESETS)}), a directory holding config.json, a config.json path, or a hub id "
-                f"reachable from here ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
+                f"unknown model {name!r}{close}: {accepted} "
+                f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
             ) from None
 
 

@@ -14,7 +14,18 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from longstraw.choices import ADVANTAGES, DTYPES, LOSSES, MIN_TEMPERATURE, TASKS
+from longstraw.choices import (
+    ADVANTAGES,
+    DTYPES,
+    LOSSES,
+    LR_SCHEDULES,
+    MIN_TEMPERATURE,
+    PACKAGED_MODELS,
+    PLANS,
+    PRESET_NAMES,
+    TASKS,
+    did_you_mean,
+)
 
 if TYPE_CHECKING:
     from longstraw.engine.options import BackwardOptions
@@ -28,12 +39,14 @@ def _f(default: Any, help: str) -> Any:  # noqa: A002 - mirrors argparse's name
 @dataclass
 class TrainConfig:
     # model
-    model: str = _f("tiny-qwen3", "preset (tiny-llama, tiny-qwen3), Hugging Face id, local directory or .gguf file")
+    model: str = _f("tiny-qwen3", f"a preset (random weights: {', '.join(PRESET_NAMES)}), a packaged real model "
+                                  f"({', '.join(PACKAGED_MODELS)}), a Hugging Face id (owner/name), a local directory "
+                                  "or a .gguf file")
     dtype: str = _f("float32", "parameter dtype: float32, bfloat16, float64 (float16 is refused: AdamW without "
                                "loss scaling or float32 master weights turns its weights into NaN; use bfloat16)")
     device: str = _f("cpu", "torch device: cpu, cuda or cuda:N (checked to exist before anything is loaded)")
     # task
-    task: str = _f("passkey", f"task: {', '.join(TASKS)}")
+    task: str = _f("passkey", f"task: one of {', '.join(TASKS)}")
     prompt_tokens: int = _f(256, "approximate prompt length in tokens (passkey, multikey, kv, lookup)")
     digits: int = _f(5, "digits of the hidden key (passkey, multikey)")
     num_keys: int = _f(4, "named keys in the prompt, one asked for (multikey) / pairs (kv)")
@@ -52,8 +65,8 @@ class TrainConfig:
     top_p: float = _f(1.0, "nucleus sampling mass (1.0 = off)")
     top_k: int = _f(0, "top-k sampling (0 = off)")
     # objective
-    loss: str = _f("grpo", f"loss: {', '.join(LOSSES)}")
-    advantage: str = _f("grpo", f"advantage estimator: {', '.join(ADVANTAGES)}")
+    loss: str = _f("grpo", f"loss: one of {', '.join(LOSSES)}")
+    advantage: str = _f("grpo", f"advantage estimator: one of {', '.join(ADVANTAGES)}")
     epsilon_low: float = _f(-1.0, "lower clip (ratio >= 1 - eps), in [0, 1); -1 = the loss's default")
     epsilon_high: float = _f(-1.0, "upper clip (ratio <= 1 + eps; cispo: the weight's cap itself), >= 0; -1 = the "
                                    "loss's default")
@@ -61,7 +74,9 @@ class TrainConfig:
     num_iterations: int = _f(1, "optimizer updates per rollout (>1 reuses it with PPO clipping)")
     dynamic_sampling: bool = _f(False, "drop groups whose rewards are all equal (DAPO)")
     # plan
-    plan: str = _f("exact", "gradient plan: exact (= standard GRPO), detach (the paper's), standard")
+    plan: str = _f("exact", "gradient plan: exact (the standard GRPO gradient, prompt shared), detach (the paper's: "
+                            "no gradient through the prompt), standard (each response with its prompt, one at a time) "
+                            "or standard_batched (the whole group in one padded batch)")
     chunk_size: int = _f(2048, "prompt tokens per capture / prompt-backward chunk")
     micro_batch: int = _f(1, "responses replayed at once")
     checkpoint_layers: bool = _f(False, "per-layer activation checkpointing: keep each decoder layer's input only "
@@ -76,7 +91,7 @@ class TrainConfig:
     lr: float = _f(1e-5, "AdamW learning rate")
     weight_decay: float = _f(0.0, "AdamW weight decay")
     warmup_steps: int = _f(0, "linear LR warm-up steps")
-    lr_schedule: str = _f("constant", "after warm-up: constant or cosine")
+    lr_schedule: str = _f("constant", f"after warm-up: {' or '.join(LR_SCHEDULES)}")
     max_grad_norm: float = _f(1.0, "gradient clipping norm (0 = off)")
     seed: int = _f(0, "seed for data, sampling and presets' init")
     # run
@@ -118,23 +133,31 @@ class TrainConfig:
             elif kind == "str":
                 need(isinstance(value, str), f"{f.name} must be a string, got {value!r}")
         _check_device(self.device)
-        need(self.task in TASKS, f"task {self.task!r} is unknown: choose one of {', '.join(TASKS)}")
+        need(self.task in TASKS, f"task {self.task!r} is unknown{did_you_mean(self.task, TASKS)}: choose one of "
+                                 f"{', '.join(TASKS)}")
+        # plan and loss are the engine's to check too (backward_options below); here with the closest names
+        need(self.plan in PLANS, f"unknown plan {self.plan!r}{did_you_mean(self.plan, PLANS)}: choose one of "
+                                 f"{', '.join(PLANS)}")
+        need(self.loss in LOSSES, f"unknown loss {self.loss!r}{did_you_mean(self.loss, LOSSES)}: choose one of "
+                                  f"{', '.join(LOSSES)}")
         need(self.cp >= 1, f"cp must be >= 1, got {self.cp}")
         need(self.cp == 1 or self.plan in ("detach", "exact"),
              f"cp = {self.cp} shards the prompt state, which the {self.plan} plan does not use: --plan detach or exact")
-        need(self.advantage in ADVANTAGES,
-             f"advantage {self.advantage!r} is unknown: choose one of {', '.join(ADVANTAGES)}")
+        need(self.advantage in ADVANTAGES, f"advantage {self.advantage!r} is unknown"
+             f"{did_you_mean(self.advantage, ADVANTAGES)}: choose one of {', '.join(ADVANTAGES)}")
         # The meter measures the detach plan's bias; exact and standard compute the unbiased gradient themselves.
         need(self.bias_every <= 0 or self.plan == "detach",
              f"bias_every measures the detach plan's gradient against the exact one; the {self.plan} plan computes "
              "the exact gradient itself (no bias to measure): use --plan detach or drop --bias-every")
-        need(self.lr_schedule in ("constant", "cosine"), "lr_schedule must be constant or cosine")
+        need(self.lr_schedule in LR_SCHEDULES, f"lr_schedule must be {' or '.join(LR_SCHEDULES)}, got "
+             f"{self.lr_schedule!r}{did_you_mean(self.lr_schedule, LR_SCHEDULES)}")
         need(self.dtype != "float16",
              "dtype float16 is not supported for training: AdamW's eps (1e-8) rounds to 0 in float16 and, without "
              "loss scaling and float32 master weights, the weights become NaN; use --dtype bfloat16 (same memory, "
              "float32's range) or float32")
         need(self.dtype in DTYPES,  # float16 is refused above
-             f"dtype {self.dtype!r} is unknown: choose float32, bfloat16 or float64")
+             f"dtype {self.dtype!r} is unknown: choose float32, bfloat16 or float64"
+             f"{did_you_mean(self.dtype, [d for d in DTYPES if d != 'float16'])}")
         for name in ("group_size", "prompts_per_step", "max_new_tokens", "num_iterations", "chunk_size",
                      "micro_batch", "steps", "prompt_tokens", "digits", "num_keys", "max_turns"):
             need(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
@@ -229,7 +252,9 @@ def load_toml(path: str | Path) -> dict[str, Any]:
     known = {f.name for f in fields(TrainConfig)}
     unknown = sorted(set(data) - known)
     if unknown:
-        raise ValueError(f"{path}: unknown option(s) {', '.join(unknown)}; valid options: {', '.join(sorted(known))}")
+        hints = "".join(did_you_mean(key, known) for key in unknown)
+        raise ValueError(f"{path}: unknown option(s) {', '.join(unknown)}{hints}; valid options: "
+                         f"{', '.join(sorted(known))}")
     # A destructive option is honoured only when typed for this invocation: a file reused for a later run would
     # otherwise delete that run's directory without anyone asking for it.
     if data.get("overwrite") is True:
