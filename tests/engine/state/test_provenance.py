@@ -174,3 +174,33 @@ def test_switches_that_change_no_value_are_not_refusals():
     model.config.use_cache = False
     model.get_input_embeddings().weight.requires_grad_(False)
     assert mismatch(state.provenance, provenance(model)) is None
+
+
+class _Holder(torch.nn.Module):
+    """One parameter and a config (what provenance reads)."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.config = _configs()["llama"]
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(6, 4), (6, 5), (7,)])
+def test_the_checksum_sees_any_one_value_and_any_swap_but_not_where_the_tensor_lies(dtype, shape):
+    """One value moved by one step of its dtype, two rows swapped, two values of a row swapped: each seen. The same
+    values in a view at an unaligned offset of a flat buffer (as FSDP's gathered parameters are): the same checksum."""
+    flat = torch.randn(1 + torch.Size(shape).numel(), dtype=torch.float64).to(dtype)
+    values = flat[1:].view(shape)  # offset by one element: not 4-byte aligned for bfloat16
+    base = provenance(_Holder(values.clone())).tensors
+    assert provenance(_Holder(values)).tensors == base
+    one = values.clone()
+    one.view(-1)[3] = torch.nextafter(one.view(-1)[3], torch.tensor(float("inf"), dtype=dtype))
+    assert provenance(_Holder(one)).tensors != base
+    within = values.clone()
+    within[..., [0, 1]] = within[..., [1, 0]]
+    assert provenance(_Holder(within)).tensors != base
+    if len(shape) > 1:
+        rows = values.clone()
+        rows[[0, 1]] = rows[[1, 0]]
+        assert provenance(_Holder(rows)).tensors != base

@@ -156,7 +156,10 @@ def _sums(t: torch.Tensor) -> torch.Tensor:
     t = t.reshape(1, 1) if t.ndim == 0 else t
     m = t.contiguous().reshape(-1, t.shape[-1])
     width = m.shape[-1] * m.element_size()
-    bits = m.view(torch.int32 if width % 4 == 0 else torch.int16 if width % 2 == 0 else torch.uint8)
+    size = 4 if width % 4 == 0 else 2 if width % 2 == 0 else 1  # by the row's bytes only: the same wherever it lies
+    if (m.storage_offset() * m.element_size()) % size:
+        m = m.clone()  # a view at an unaligned offset (into a flat buffer) cannot be reinterpreted in place
+    bits = m.view(torch.int32 if size == 4 else torch.int16 if size == 2 else torch.uint8)
     return torch.cat((bits.sum(dim=1, dtype=torch.int32), bits.sum(dim=0, dtype=torch.int32)))
 
 
