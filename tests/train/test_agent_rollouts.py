@@ -49,3 +49,18 @@ def test_the_trainers_sampler_runs_multi_turn_rollouts(monkeypatch, tmp_path):
     assert row["tool_calls_mean"] == scored.tool_calls / cfg.group_size
     backward_group(model, scored.group, plan="exact", chunk_size=cfg.chunk_size, prompt_state=scored.state)
     assert any(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in model.parameters())
+
+
+def test_the_trainers_environment_answers_an_id_of_any_length(tmp_path):
+    """A policy that writes a 5,000-digit id (past Python's int(str) limit) gets "no person" as token ids the model
+    can read, and a reward of 0: the run goes on."""
+    cfg = TrainConfig(model="tiny-llama", task="lookup", prompt_tokens=500, group_size=2, max_new_tokens=48,
+                      max_turns=3, run_dir=str(tmp_path / "run"))
+    tokenizer = load_tokenizer("tiny-llama")
+    data = TaskData(cfg, tokenizer, max_positions=2048)
+    example = data.examples(0)[0]
+    written = "<lookup>" + "7" * 5000 + "</lookup>"
+    observation = data.environment(example)(0, torch.tensor(tokenizer.encode(written, add_special_tokens=False)))
+    assert observation is not None and observation.dtype == torch.long and observation.dim() == 1
+    assert "no person has id 777777777777... (5000 digits)" in data.decode(observation)
+    assert data.reward(written + "<answer>" + "7" * 5000 + "</answer>", example, "step 1") == 0.0
