@@ -5,9 +5,12 @@ the unchanged model (or the same values in new storage, as an FSDP re-gather giv
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
-from helpers import _configs, faithful_float64, random_group
+from helpers import _configs, faithful_float64, random_group, run_ranks
 from transformers import AutoModelForCausalLM
 
 from longstraw import backward_group
@@ -204,3 +207,55 @@ def test_the_checksum_sees_any_one_value_and_any_swap_but_not_where_the_tensor_l
         rows = values.clone()
         rows[[0, 1]] = rows[[1, 0]]
         assert provenance(_Holder(rows)).tensors != base
+
+
+# One FSDP2 rank (gloo): a state captured in one gathered block is reused in the next, after FSDP gathered the same
+# weights again into new storage; then after a fused AdamW step on the sharded parameters. Prints JSON.
+FSDP_CHILD = """
+import json
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from helpers import random_group, tiny_model
+from longstraw import backward_group
+from longstraw.distributed.fsdp import parallelize, sharded_compute
+from longstraw.engine.state.capture import capture_prompt
+
+dist.init_process_group("gloo")
+model = parallelize(tiny_model("llama"), init_device_mesh("cpu", (1,)))
+group = random_group(20, [3, 2])
+storages = lambda: [p.untyped_storage().data_ptr() for p in model.parameters()]
+with sharded_compute(model, reduce=False):
+    before = storages()
+    state = capture_prompt(model, group.prompt[:-1], chunk_size=8)
+seen = {}
+with sharded_compute(model):
+    seen["moved"] = sum(a != b for a, b in zip(before, storages()))
+    backward_group(model, group, plan="exact", chunk_size=8, prompt_state=state)
+    seen["regathered"] = "accepted"
+torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True).step()
+try:
+    with sharded_compute(model):
+        backward_group(model, group, plan="exact", chunk_size=8, prompt_state=state)
+    seen["stepped"] = "accepted"
+except ValueError as err:
+    seen["stepped"] = str(err)
+print(json.dumps(seen))
+dist.destroy_process_group()
+"""
+
+
+def test_an_fsdp_regather_is_accepted_and_a_step_of_the_shards_refused(tmp_path):
+    """FSDP2 gathers the same weights into new storage for each block: not a change, the state is accepted; a fused
+    AdamW step of the sharded parameters is one: refused."""
+    import longstraw
+
+    child = tmp_path / "child.py"
+    child.write_text(FSDP_CHILD)
+    paths = [Path(__file__).resolve().parents[2], Path(longstraw.__file__).resolve().parents[1]]
+    [(code, out)] = run_ranks([str(child)], world=1, timeout=120, paths=paths)
+    assert code == 0, out[-2000:]
+    seen = json.loads(out.strip().splitlines()[-1])
+    assert seen["moved"] > 0  # the gathered parameters are in new storage: a storage-identity check would refuse
+    assert seen["regathered"] == "accepted"
+    assert REFUSED in seen["stepped"] and "captured with other weights" in seen["stepped"]
