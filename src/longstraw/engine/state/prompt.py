@@ -79,7 +79,8 @@ class PromptState:
     device: torch.device | None = None
     # `prompt_fingerprint` of the ids captured (set by `capture_prompt`; None for a prefix of the state).
     fingerprint: str | None = None
-    # The capturing model's identity and weights digest (`provenance.provenance`, set by `capture_prompt`).
+    # What captured it: the model's identity, config, module attributes, adapter state and tensor checksums
+    # (`provenance.provenance`, set by `capture_prompt`).
     provenance: Provenance | None = None
     # Offloaded: start the next attention layer's copies when a layer reads its own (module docstring).
     prefetch: bool | None = None  # None: on when `device` is a GPU (`_prefetch_by_default`)
