@@ -193,13 +193,53 @@ class Report:
         if self.cfg.eval_prompts:
             self.note(f"held-out greedy reward: before {summary.get('eval_before', float('nan')):.3f} -> "
                       f"after {summary['eval_after']:.3f}")
+        summary.update(run_totals(read_metrics(self.metrics_path)))
+        checkpoint = self.run_dir / FILENAME
+        if checkpoint.exists():
+            summary["checkpoint_bytes"] = checkpoint.stat().st_size
+            summary["checkpoint_holds"] = ("weights only (save_weights_only)" if self.cfg.save_weights_only else
+                                           "weights + AdamW's two moments, about 3x the weights")
+        self.note(totals_line(summary))
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         written = [self.metrics_path.name, "summary.json", FILENAME]
+        if "checkpoint_bytes" in summary:
+            written[-1] += f" ({size_text(summary['checkpoint_bytes'])}: {summary['checkpoint_holds']})"
         if self.cfg.plot and plot_metrics(self.metrics_path, self.run_dir / "progress.png"):
             written.append("progress.png")
         if self.writer is not None:
             self.writer.close()
         self.note(f"outputs in {self.run_dir}: {', '.join(written)}")
+
+
+def run_totals(rows: list[dict[str, Any]]) -> dict[str, int]:
+    """The run's counts over its metrics rows, for summary.json: groups skipped for a zero advantage (their rewards
+    all equal, so no gradient: GRPO's advantages are rewards minus the group mean), the steps that skipped one, the
+    steps where no group gave a gradient at all (every kept group skipped, or every group dropped), dropped groups."""
+    skipped = [int(r.get("skipped_zero_advantage", 0)) for r in rows]
+    kept = [int(r.get("kept_groups", 0)) for r in rows]
+    return {
+        "steps_with_skipped_groups": sum(s > 0 for s in skipped),
+        "skipped_zero_advantage_groups": sum(skipped),
+        "steps_without_gradient": sum(k - s <= 0 for k, s in zip(kept, skipped)),
+        "dropped_groups": sum(int(r.get("dropped_groups", 0)) for r in rows),
+    }
+
+
+def totals_line(summary: dict[str, Any]) -> str:
+    """The end-of-run line on those counts (`run_totals`) and the checkpoint's size."""
+    steps = summary.get("steps", 0)
+    text = (f"{summary['steps_with_skipped_groups']} of {steps} steps skipped a zero-advantage group (all its rewards "
+            f"equal: no gradient from it); {summary['steps_without_gradient']} of {steps} steps had no gradient at all")
+    if summary["dropped_groups"]:
+        text += f"; {summary['dropped_groups']} equal-reward group(s) dropped (dynamic sampling)"
+    if "checkpoint_bytes" in summary:
+        text += f"; checkpoint {size_text(summary['checkpoint_bytes'])} ({summary['checkpoint_holds']})"
+    return text
+
+
+def size_text(n: int) -> str:
+    """A file size for a person: GB (10^9) from 1 GB, else MB."""
+    return f"{n / 1e9:.2f} GB" if n >= 10**9 else f"{n / 1e6:.1f} MB"
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -268,11 +308,15 @@ def plot_metrics(metrics_path: Path, out: Path) -> Path | None:
     ax1.set_xlabel("step")
     ax1.set_ylabel("reward")
     ax1.set_ylim(-0.02, 1.02)
-    ax1.legend()
+    ax1.legend(fontsize=8)
     ax1.set_title("sampled reward")
     ax2.plot(steps, [r["peak_memory_bytes"] / GIB for r in rows], marker="o", color="tab:red")
+    # From 0 and without an offset: a peak that varies by bytes would otherwise get an axis of millionths of a GiB
+    # whose offset label ("1e-6+1.58") sits on the title.
+    ax2.set_ylim(bottom=0, top=1.1 * max(r["peak_memory_bytes"] for r in rows) / GIB)
+    ax2.ticklabel_format(axis="y", style="plain", useOffset=False)
     ax2.set_xlabel("step")
-    ax2.set_ylabel("GiB")
+    ax2.set_ylabel("peak memory (GiB)")
     ax2.set_title("peak memory per step")
     if metered:
         _bias_panel(axes[2], metered)
