@@ -25,7 +25,8 @@ print("EXIT=" + str(code))
 @pytest.mark.parametrize("argv", [
     ["--version"], ["--help"], ["train", "--help"], ["plan", "--help"], ["bench", "memory", "--help"],
     ["bench", "prompt", "--help"], ["bench", "cp", "--help"], ["bench", "peers", "--help"], ["compare", "--help"],
-    ["check", "--help"],
+    ["check", "--help"], ["bench", "pareto", "--help"], ["bench", "arch", "--help"], ["bench", "trl-scale", "--help"],
+    ["bench", "verl", "--help"], ["bench", "decode", "--help"], ["bench", "provenance", "--help"],
 ])
 def test_version_and_help_import_no_torch(argv):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]))

@@ -40,6 +40,8 @@ class Parser(argparse.ArgumentParser):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("formatter_class", HelpFormatter)
+        if sys.version_info >= (3, 14):  # argparse's own suggestions ("maybe you meant"): ours alone, on every Python
+            kwargs.setdefault("suggest_on_error", False)
         super().__init__(*args, **kwargs)
 
     def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
