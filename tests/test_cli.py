@@ -158,7 +158,8 @@ def test_every_help_runs_and_lists_every_choice(path, capsys):
 
     with pytest.raises(SystemExit) as exit_:
         main([*path, "--help"])
-    assert exit_.value.code == 0 and "usage: longstraw" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0 and "usage: longstraw" in out and "%%" not in out  # argparse leaves %% in descriptions
     parser = _parser_of(path)
     formatter = parser._get_formatter()
     for action in parser._actions:
@@ -166,7 +167,7 @@ def test_every_help_runs_and_lists_every_choice(path, capsys):
         if action.choices is not None and not isinstance(action, argparse._SubParsersAction):
             missing = [c for c in action.choices if not re.search(rf"(?<![\w-]){re.escape(str(c))}(?![\w-])", block)]
             assert not missing, f"{' '.join(path)} {action.option_strings}: help does not name {missing}"
-        if "--model" in action.option_strings:
+        if "--model" in action.option_strings or (path == ("check",) and action.dest == "model"):
             assert all(name in block for name in PRESET_NAMES), f"{' '.join(path)} --model: {block}"
 
 

@@ -239,7 +239,7 @@ def build_parser() -> Parser:
         "compare", help="the same training run per plan and seed: held-out reward, weight divergence, plot",
         description="Train one config once per plan (--plans) and seed (--seeds), each run in OUT/<plan>-seed<k>/; "
                     "write OUT/compare.{md,json,png}: held-out reward per plan (mean, std, min-max over seeds), "
-                    "the difference from standard and the paper's 5%% criterion, weight divergence from "
+                    "the difference from standard and the paper's 5% criterion, weight divergence from "
                     "standard. Finished runs are not rerun. Options from an optional TOML file, overridden by flags.",
     )
     compare.add_arguments(compare_parser)

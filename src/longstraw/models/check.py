@@ -192,7 +192,10 @@ def markdown(rows: list[dict[str, Any]], source: str) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", nargs="?", help="a hub id, a directory or config.json, a .gguf file or a preset")
+    from longstraw.choices import PRESET_NAMES
+
+    parser.add_argument("model", nargs="?", help="a hub id, a directory or config.json, a .gguf file or a preset "
+                                                 f"({', '.join(PRESET_NAMES)})")
     parser.add_argument("--all", action="store_true",
                         help="check every causal-LM type of this transformers (its class defaults, with a released "
                              "checkpoint's multipliers where known)")

@@ -75,7 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         if action.dest in REFUSED_FLAGS:
             action.help = argparse.SUPPRESS
     parser.add_argument("--plans", default=DEFAULT_PLANS,
-                        help=f"comma-separated plans to compare, {BASELINE} included (default: {DEFAULT_PLANS})")
+                        help=f"comma-separated plans to compare, of {', '.join(PLANS)}; {BASELINE} included "
+                             f"(default: {DEFAULT_PLANS})")
     parser.add_argument("--seeds", type=seed_count, default=3,
                         help=f"seeds per plan, 1 to {MAX_SEEDS}: seed, seed+1, ... (the config's seed first; "
                              "default: 3)")
