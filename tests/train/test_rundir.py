@@ -12,7 +12,7 @@ import train_child
 
 import longstraw.train.trainer
 from longstraw.train.config import TrainConfig
-from longstraw.train.rundir import check_resume_config, truncate_metrics
+from longstraw.train.rundir import LOCK_FILE, check_resume_config, truncate_metrics
 from longstraw.train.trainer import Trainer
 
 
@@ -39,7 +39,7 @@ def test_a_run_dir_holding_a_run_is_refused_without_resume_or_overwrite(tmp_path
     assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n'  # untouched
     with pytest.raises(AssertionError, match="model was loaded"):  # --overwrite clears LongStraw's files only
         Trainer(_cfg(run, overwrite=True))
-    assert sorted(p.name for p in run.iterdir()) == ["notes.txt"]
+    assert sorted(p.name for p in run.iterdir()) == [LOCK_FILE, "notes.txt"]  # the lock file is not a run output
     with pytest.raises(ValueError, match="give only one"):
         Trainer(_cfg(run, overwrite=True, resume=True))
 
@@ -155,3 +155,80 @@ def test_a_metrics_file_that_is_not_utf8_names_file_and_line_on_resume(tmp_path,
     assert cli.main([*common, "--resume"]) == 1
     err = capsys.readouterr().err
     assert f"{metrics}:2: not UTF-8 (byte 0xe9)" in err and "codec" not in err and "Traceback" not in err, err
+
+
+def _tiny_run(data: Path, run: Path, steps: int, *extra: str) -> list[str]:
+    return ["train", "--model", "tiny-llama", "--task", "jsonl", "--data", str(data), "--reward-fn",
+            "rewards_for_tests:even_byte_fraction", "--group-size", "2", "--max-new-tokens", "2", "--lr", "1e-3",
+            "--eval-prompts", "0", "--no-plot", "--chunk-size", "8", "--steps", str(steps), "--run-dir", str(run),
+            *extra]
+
+
+def _metric_steps(run: Path) -> list[int]:
+    path = run / "metrics.jsonl"
+    return [json.loads(x)["step"] for x in path.read_text().splitlines() if x.endswith("}")] if path.exists() else []
+
+
+def test_a_second_writer_is_refused_with_the_first_ones_pid_then_resumes_once_it_ended(tmp_path, capsys):
+    """Two processes on one run directory: the second (with or without --resume) is refused at once, naming the
+    first's PID and host, and touches nothing; once the first is SIGKILLed the kernel has released the lock, and
+    the next writer takes it over with a note naming the dead PID. Then rows past the checkpoint (what ranks left
+    running after their launcher died used to add) are dropped on resume, the rows the checkpoint covers are kept
+    byte for byte, and summary.json's step count is metrics.jsonl's last step."""
+    import signal
+    import socket
+    import time
+
+    from longstraw.train.checkpoints import load_checkpoint
+    from longstraw.train.rundir import RunLock
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Say {w}.", "answer": w}) + "\n" for w in ("a", "b", "c")))
+    run = tmp_path / "run"
+    holder = train_child.start(_tiny_run(data, run, 100_000, "--save-every", "1"), tmp_path / "holder.log")
+    deadline = time.monotonic() + 120
+    while not (run / "checkpoint.pt").exists():
+        assert holder.is_alive() and time.monotonic() < deadline, (tmp_path / "holder.log").read_text()
+        time.sleep(0.01)
+    for extra in (["--resume"], []):
+        log = tmp_path / f"second{len(extra)}.log"
+        assert train_child.run(_tiny_run(data, run, 100_000, *extra), log) == 1
+        text = log.read_text()
+        assert f"run_dir {run} is in use by another longstraw process (PID {holder.pid} on host " \
+               f"{socket.gethostname()}" in text and f"(kill {holder.pid})" in text, text
+        assert "Traceback" not in text and "resumed from" not in text
+    assert holder.is_alive()  # the refused processes did not disturb it
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.join()
+
+    capsys.readouterr()
+    RunLock.acquire(run).release()  # released by the kernel: taken over, with a note naming the dead holder
+    assert f"taking over the lock of PID {holder.pid} on host {socket.gethostname()}" in capsys.readouterr().err
+    assert (run / LOCK_FILE).read_text() == ""  # a clean release leaves no holder behind
+    RunLock.acquire(run).release()
+    assert capsys.readouterr().err == ""
+
+    saved = load_checkpoint(run)["step"]
+    kept = (run / "metrics.jsonl").read_text().splitlines()[:saved]
+    with (run / "metrics.jsonl").open("a") as f:  # rows past the checkpoint, as a second writer would leave them
+        f.write("".join(json.dumps({"step": s, "loss": -1.0}) + "\n" for s in range(saved + 1, saved + 4)))
+    assert train_child.run(_tiny_run(data, run, saved + 2, "--resume"), tmp_path / "resume.log") == 0
+    assert _metric_steps(run) == list(range(1, saved + 3))
+    assert (run / "metrics.jsonl").read_text().splitlines()[:saved] == kept
+    assert json.loads((run / "summary.json").read_text())["steps"] == saved + 2 == _metric_steps(run)[-1]
+
+
+def test_summary_json_and_metrics_jsonl_always_agree(tmp_path, capsys):
+    """The final report: rows past the run's last step are removed before summary.json is written; a gap (rows
+    missing) is said."""
+    from longstraw.train.reporting import Report
+
+    report = Report(_cfg(tmp_path), tmp_path, enabled=True)
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 6)))
+    report.finish({"steps": 3, "eval_after": 0.0})
+    assert _metric_steps(tmp_path) == [1, 2, 3]
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 3
+    assert "rows are missing" not in capsys.readouterr().err
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1}) + "\n")
+    report.finish({"steps": 3, "eval_after": 0.0})
+    assert "metrics.jsonl ends at step 1, the run at step 3: rows are missing" in capsys.readouterr().err

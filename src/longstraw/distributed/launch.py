@@ -4,11 +4,35 @@ It is exactly `torchrun --standalone --nproc-per-node N -m longstraw.cli train .
 API, called in-process): torchrun's agent starts the workers, sets RANK / WORLD_SIZE / LOCAL_RANK /
 MASTER_ADDR / MASTER_PORT, stops the others when one fails and reports which rank failed and why. For several
 machines, run torchrun yourself with its rendezvous flags (docs/distributed.md).
+
+Stopping: SIGTERM or SIGINT to the launcher is forwarded by torchrun's agent to every rank (each in its own session,
+so a terminal's Ctrl-C reaches the launcher only); the ranks finish the current step, save it together and exit,
+and the launcher then exits 128 + signal with one line. The agent waits `SHUTDOWN_TIMEOUT_S` for that (torchrun's
+own default of 30 s is too short for a large step and its checkpoint) before it kills the ranks; a second signal
+stops the ranks at once. If the launcher itself is killed, the ranks get SIGTERM from the kernel
+(`runtime.end_with_launcher`) and do the same.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import signal
+import sys
+
 import torch
+
+from longstraw.distributed.runtime import LAUNCHER_PID_ENV
+
+SHUTDOWN_TIMEOUT_S = 900  # seconds the agent waits for the ranks to save and exit after forwarding a signal
+# torchrun's loggers that note a signal's forwarding ("Received 15 death signal, shutting down workers", "Closing
+# process 123 via signal SIGTERM"): those notes are replaced by one line.
+AGENT_LOGGERS = ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api")
+SIGNAL_NOTES = ("Received %s death signal", "Closing process %s via signal")
+
+
+def _drop_signal_notes(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith(SIGNAL_NOTES)
 
 
 def strip_nproc(argv: list[str]) -> list[str]:
@@ -49,12 +73,23 @@ def check_nproc(nproc: int, device: str, prompts_per_step: int, cp: int = 1) -> 
         )
 
 
-def launch_train(train_argv: list[str], nproc: int) -> None:
-    """Run `longstraw train <train_argv>` as `nproc` ranks on this machine; raises torch's `ChildFailedError`
-    (which names the failed rank and its error) if any rank fails."""
+def launch_train(train_argv: list[str], nproc: int) -> int:
+    """Run `longstraw train <train_argv>` as `nproc` ranks on this machine; returns 0, or 128 + signal when SIGTERM
+    or SIGINT stopped it (one line on stderr; the ranks saved the last completed step). Raises torch's
+    `ChildFailedError` (which names the failed rank and its error) if any rank fails."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import get_args_parser, run
 
     args = get_args_parser().parse_args(
         ["--standalone", f"--nproc-per-node={nproc}", "--module", "longstraw.cli", "train", *train_argv]
     )
-    run(args)
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # the ranks check that their parent is still this process
+    os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S))
+    for name in AGENT_LOGGERS:  # its notes on a signal say what the line below says; everything else still shows
+        logging.getLogger(name).addFilter(_drop_signal_notes)
+    try:
+        run(args)
+    except SignalException as err:
+        print(f"longstraw train: stopped by {signal.Signals(err.sigval).name}", file=sys.stderr)
+        return 128 + int(err.sigval)
+    return 0

@@ -10,12 +10,20 @@ before it exits; a watcher thread on every other rank polls that key, prints the
 process with status 1. Without it, the surviving ranks would block in their next collective until the
 process group's timeout (30 minutes by default). torchrun also stops a failed job's other local workers; the
 watcher covers the message, and ranks on other nodes.
+
+A rank ends with its launcher (`end_with_launcher`, first thing in `Parallel.start`): the kernel signals it when
+its parent dies (Linux `PR_SET_PDEATHSIG`; elsewhere a thread polls the parent's PID), turned into one SIGTERM, so a
+launcher killed with SIGKILL leaves no rank training on its own. That SIGTERM is handled like any other: the ranks
+finish the step, save it together and exit.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import gc
 import os
+import signal
 import sys
 import threading
 import time
@@ -33,6 +41,52 @@ from longstraw.distributed.fsdp import clip_grad_norm, parallelize, sharded_comp
 
 FAILURE_KEY = "longstraw/failure"
 ACK_KEY = "longstraw/failure_seen"
+# The launcher's PID, set by `longstraw train --nproc` (launch.py) for its ranks: a rank whose parent is no longer it
+# was orphaned before it could ask to be signalled.
+LAUNCHER_PID_ENV = "LONGSTRAW_LAUNCHER_PID"
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+PARENT_DEATH_SIGNAL = signal.SIGHUP
+
+
+def end_with_launcher(poll_s: float = 1.0) -> None:
+    """Stop this rank like SIGTERM would when its parent (the launcher, or torchrun's agent) dies; if the parent is
+    already gone (it died before this call), SIGTERM now.
+
+    The kernel sends the parent-death signal each time the thread holding this process as a child ends, so a
+    launcher's death can bring one per launcher thread: it is SIGHUP, turned into a single SIGTERM here, so that
+    the trainer sees one stop request (a second SIGTERM means "stop at once, without saving")."""
+    expected = os.environ.get(LAUNCHER_PID_ENV)
+    parent = int(expected) if expected and expected.isdigit() else os.getppid()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(PARENT_DEATH_SIGNAL, _parent_died)
+    armed = False
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            armed = libc.prctl(PR_SET_PDEATHSIG, int(PARENT_DEATH_SIGNAL), 0, 0, 0) == 0
+        except OSError:
+            armed = False
+    if not armed:  # no prctl: a watchdog thread notices the parent's end (this process is then re-parented)
+        def watch() -> None:
+            while os.getppid() == parent:
+                time.sleep(poll_s)
+            os.kill(os.getpid(), PARENT_DEATH_SIGNAL)
+
+        threading.Thread(target=watch, name="longstraw-parent-watch", daemon=True).start()
+    if os.getppid() != parent:  # the parent died before prctl: its signal will never come
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+_parent_gone = threading.Event()
+
+
+def _parent_died(signum: int, frame: object) -> None:
+    if not _parent_gone.is_set():
+        _parent_gone.set()
+        os.kill(os.getpid(), signal.SIGTERM)
+
 
 
 def backend_for(device: str) -> str:
@@ -57,6 +111,8 @@ class FailureWatch:
 
     def _watch(self) -> None:
         while not self._stop.wait(self.interval_s):
+            if _parent_gone.is_set():  # the store lived in the launcher: polling it would only log its absence
+                return
             try:
                 if not self.store.check([FAILURE_KEY]) or self.failed_here:
                     continue
@@ -110,6 +166,7 @@ class Parallel:
             )
         if world_size <= 1:
             return cls(device=device)
+        end_with_launcher()
         backend = backend_for(device)
         rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
         if backend == "nccl":

@@ -24,7 +24,7 @@ import torch
 from longstraw.peak import PeakMemory
 from longstraw.planner import GIB
 from longstraw.train.checkpoints import FILENAME
-from longstraw.train.rundir import truncate_metrics
+from longstraw.train.rundir import last_metrics_step, truncate_metrics
 
 if TYPE_CHECKING:
     from longstraw.distributed.runtime import Parallel
@@ -193,6 +193,13 @@ class Report:
         if self.cfg.eval_prompts:
             self.note(f"held-out greedy reward: before {summary.get('eval_before', float('nan')):.3f} -> "
                       f"after {summary['eval_after']:.3f}")
+        # summary.json and metrics.jsonl describe the same run: rows past its last step (only another writer could
+        # have left them; the run directory's lock refuses one) are removed, and a gap is said.
+        truncate_metrics(self.metrics_path, int(summary["steps"]))
+        last = last_metrics_step(self.metrics_path)
+        if last != summary["steps"]:
+            self.note(f"note: {self.metrics_path} ends at step {last}, the run at step {summary['steps']}: rows are "
+                      "missing")
         summary.update(run_totals(read_metrics(self.metrics_path)))
         checkpoint = self.run_dir / FILENAME
         if checkpoint.exists():

@@ -11,14 +11,23 @@
   resume) and a half-written last line; both are removed so every step appears once.
 - `open_run_dir`: what the trainer calls (rank 0): `prepare_run_dir`, then on resume the checkpoint read and
   checked (`checkpoint.load_checkpoint`, `check_resume_config`).
+- `RunLock`: one writer per run directory. `prepare_run_dir` takes an exclusive `flock` on run_dir/.longstraw.lock
+  before it deletes or repairs anything; a second process is refused at once with the holder's PID and host (written
+  into the file). The kernel releases the lock when its holder dies however it dies, so a lock left by a dead process
+  is taken over, with a note naming it.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import shutil
+import socket
 import sys
+import time
+import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +39,7 @@ if TYPE_CHECKING:
 # Files and folders a run writes; `--overwrite` deletes exactly these.
 RUN_OUTPUTS = (FILENAME, FILENAME + ".tmp", "metrics.jsonl", "metrics.jsonl.tmp", "summary.json", "progress.png",
                "tb")
+LOCK_FILE = ".longstraw.lock"  # not a run output: --overwrite keeps it, its presence is not "a run"
 # Fields that do not change the trained model: never compared.
 IGNORED_FIELDS = ("run_dir", "resume", "overwrite", "force", "stop_after", "save_every", "eval_prompts",
                   "tensorboard", "plot", "save_weights_only", "bias_every")
@@ -39,30 +49,108 @@ NOTED_FIELDS = ("steps", "device", "chunk_size", "micro_batch", "checkpoint_laye
 # refused on resume unless --force. Unknown future fields fall in this group, the safe side.
 
 
-def open_run_dir(run_dir: Path, cfg: TrainConfig) -> dict[str, Any] | None:
-    """Check and create the run directory; with cfg.resume, read and check its checkpoint (before any model is
-    loaded) and return it, after printing the notes on changed settings."""
-    prepare_run_dir(run_dir, cfg.resume, cfg.overwrite)
-    if not cfg.resume:
+class RunLock:
+    """An exclusive lock on a run directory, held from `acquire` until `release` (or this process's end: the kernel
+    drops an flock with its last file descriptor). One per directory and process: acquiring a directory this process
+    already holds returns the same lock."""
+
+    _held: weakref.WeakValueDictionary[str, RunLock] = weakref.WeakValueDictionary()
+
+    def __init__(self, path: Path, fd: int | None) -> None:
+        self.path, self.fd = path, fd  # fd None: a filesystem without locks (noted when acquired)
+
+    @classmethod
+    def acquire(cls, run_dir: Path, what: str = "run_dir") -> RunLock:
+        """Lock `run_dir` (it exists) or raise ValueError naming the process that holds it; `what` names the
+        directory in messages (the command-line option)."""
+        key = str(run_dir.resolve())
+        held = cls._held.get(key)
+        if held is not None and held.fd is not None:
+            return held
+        path = run_dir / LOCK_FILE
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:
+            raise ValueError(f"{what} {run_dir}: cannot create its lock file {LOCK_FILE} ({err.strerror or err}): fix "
+                             f"its permissions or choose another --{what.replace('_', '-')}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            holder = _read_holder(fd)
+            os.close(fd)
+            if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                who = f"PID {holder[0]} on host {holder[1]}, since {holder[2]}" if holder else "a process starting up"
+                kill = f" (kill {holder[0]})" if holder and holder[1] == socket.gethostname() else ""
+                raise ValueError(f"{what} {run_dir} is in use by another longstraw process ({who}): wait for it to "
+                                 f"end or stop it{kill}, or choose another --{what.replace('_', '-')}") from None
+            print(f"note: {what} {run_dir}: its filesystem cannot lock files ({err.strerror or err}); a second "
+                  "process writing to it at the same time will not be detected", file=sys.stderr)
+            lock = cls(run_dir, None)
+            return lock
+        previous = _read_holder(fd)
+        if previous is not None and int(previous[0]) != os.getpid():
+            print(f"note: {what} {run_dir}: taking over the lock of PID {previous[0]} on host {previous[1]} (since "
+                  f"{previous[2]}), which ended without releasing it", file=sys.stderr)
+        stamp = f"{os.getpid()} {socket.gethostname()} {time.strftime('%Y-%m-%dT%H:%M:%S')}\n".encode()
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, stamp, 0)
+        lock = cls(run_dir, fd)
+        cls._held[key] = lock
+        return lock
+
+    def release(self) -> None:
+        """Clear the holder's line (an empty file means released cleanly) and unlock; idempotent."""
+        fd, self.fd = self.fd, None
+        if fd is None:
+            return
+        try:
+            os.ftruncate(fd, 0)
+        except OSError:
+            pass  # best effort: the next holder then only prints a note
+        os.close(fd)  # closing the last descriptor releases the flock
+
+    def __del__(self) -> None:
+        self.release()
+
+
+def _read_holder(fd: int) -> tuple[str, str, str] | None:
+    """(PID, host, start time) written by the lock's holder, or None for an empty or unreadable file."""
+    try:
+        fields = os.pread(fd, 512, 0).decode("utf-8", "replace").split()
+    except OSError:
         return None
-    ckpt = load_checkpoint(run_dir)
-    metrics_lines(run_dir / "metrics.jsonl")  # an undecodable file refused here, before any model is loaded
-    print_notes(check_resume_config(ckpt["config"], cfg.to_dict(), cfg.force, str(run_dir / FILENAME)))
-    return ckpt
+    if len(fields) != 3 or not fields[0].isdigit():
+        return None
+    return fields[0], fields[1], fields[2]
 
 
-def prepare_run_dir(run_dir: str | Path, resume: bool, overwrite: bool) -> Path:
-    """Check and create the run directory (before any model is loaded); see the module docstring."""
+def open_run_dir(run_dir: Path, cfg: TrainConfig) -> tuple[RunLock, dict[str, Any] | None]:
+    """Check, create and lock the run directory; with cfg.resume, read and check its checkpoint (before any model is
+    loaded) and return it, after printing the notes on changed settings. The caller releases the lock."""
+    lock = prepare_run_dir(run_dir, cfg.resume, cfg.overwrite)
+    if not cfg.resume:
+        return lock, None
+    try:
+        ckpt = load_checkpoint(run_dir)
+        metrics_lines(run_dir / "metrics.jsonl")  # an undecodable file refused here, before any model is loaded
+        print_notes(check_resume_config(ckpt["config"], cfg.to_dict(), cfg.force, str(run_dir / FILENAME)))
+    except BaseException:
+        lock.release()
+        raise
+    return lock, ckpt
+
+
+def prepare_run_dir(run_dir: str | Path, resume: bool, overwrite: bool) -> RunLock:
+    """Check, create and lock the run directory (before any model is loaded); see the module docstring. Returns the
+    lock, held until its `release` (or this process's end)."""
     path = Path(run_dir)
     if resume and overwrite:
         raise ValueError("--resume continues the run in run_dir and --overwrite deletes it: give only one")
     if path.exists() and not path.is_dir():
         raise ValueError(f"run_dir {path} is a file, not a directory: choose another --run-dir")
-    if resume and not (path / FILENAME).is_file():
-        others = [name for name in RUN_OUTPUTS if (path / name).exists()]
-        fix = (f"the run stopped before its first checkpoint ({', '.join(others)} left): start over with "
-               "--overwrite instead of --resume") if others else "run without --resume"
-        raise FileNotFoundError(f"no checkpoint to resume from: {path / FILENAME} does not exist ({fix})")
+    if resume and not path.is_dir():
+        raise FileNotFoundError(f"no checkpoint to resume from: {path / FILENAME} does not exist (run without "
+                                "--resume)")
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -75,21 +163,30 @@ def prepare_run_dir(run_dir: str | Path, resume: bool, overwrite: bool) -> Path:
         raise ValueError(
             f"run_dir {path} is not writable ({err.strerror or err}): fix its permissions or choose another --run-dir"
         ) from None
-    ours = [name for name in RUN_OUTPUTS if (path / name).exists()]
-    if not resume and ours:
-        if not overwrite:
-            raise ValueError(
-                f"run_dir {path} already holds a run ({', '.join(ours)}): add --resume to continue it, --overwrite "
-                "to delete it and start over, or choose another --run-dir"
-            )
-        for name in ours:
-            target = path / name
-            if target.is_dir():
-                shutil.rmtree(target)
-            else:
-                target.unlink()
-    remove_stale_tmp(path)
-    return path
+    lock = RunLock.acquire(path)  # before anything in the directory is read, deleted or repaired
+    try:
+        ours = [name for name in RUN_OUTPUTS if (path / name).exists()]
+        if resume and not (path / FILENAME).is_file():
+            fix = (f"the run stopped before its first checkpoint ({', '.join(ours)} left): start over with "
+                   "--overwrite instead of --resume") if ours else "run without --resume"
+            raise FileNotFoundError(f"no checkpoint to resume from: {path / FILENAME} does not exist ({fix})")
+        if not resume and ours:
+            if not overwrite:
+                raise ValueError(
+                    f"run_dir {path} already holds a run ({', '.join(ours)}): add --resume to continue it, "
+                    "--overwrite to delete it and start over, or choose another --run-dir"
+                )
+            for name in ours:
+                target = path / name
+                if target.is_dir():
+                    shutil.rmtree(target)
+                else:
+                    target.unlink()
+        remove_stale_tmp(path)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
 
 
 def check_resume_config(saved: dict[str, Any], current: dict[str, Any], force: bool, where: str) -> list[str]:
@@ -163,6 +260,16 @@ def truncate_metrics(path: Path, step: int) -> int:
         tmp.write_text("".join(line + "\n" for line in kept))
         os.replace(tmp, path)
     return dropped
+
+
+def last_metrics_step(path: Path) -> int | None:
+    """The step of metrics.jsonl's last whole row (None: no such row)."""
+    for line in reversed(metrics_lines(path)):
+        try:
+            return int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return None
 
 
 def print_notes(notes: list[str]) -> None:

@@ -59,8 +59,10 @@ class StopSignals:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.busy() and self.pending is None:
             self.pending = signum
-            print(f"\n{signal.Signals(signum).name}: {self.describe()} (send it again to stop at once)",
-                  file=sys.stderr, flush=True)
+            what = self.describe()  # empty: say nothing (the other ranks of a distributed run)
+            if what:
+                print(f"\n{signal.Signals(signum).name}: {what} (send it again to stop at once)", file=sys.stderr,
+                      flush=True)
             return
         raise TrainingInterrupted(signum)
 
@@ -80,15 +82,16 @@ def save_after_failure(save: Callable[[], None], path: Path, *, step: int, saved
         "no checkpoint was written"
     if steps_done == 0 and not dirty:
         return  # nothing new since the start (or the resumed checkpoint)
+    if saved_step == step and not dirty:  # also a distributed stop: every rank saved it together
+        if par.is_main:
+            print(f"longstraw train: the last completed step ({step}) is saved in {path}; continue with --resume",
+                  file=sys.stderr)
+        return
     if dirty or par.distributed:
         why = (f"step {step + 1} had already changed the weights when it failed, so it is not saved"
                if dirty else "a failed distributed run cannot gather its state")
         if par.is_main:
             print(f"longstraw train: {why}; {on_disk}", file=sys.stderr)
-        return
-    if saved_step == step:
-        print(f"longstraw train: the last completed step ({step}) is saved in {path}; continue with --resume",
-              file=sys.stderr)
         return
     try:
         save()

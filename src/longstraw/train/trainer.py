@@ -56,9 +56,14 @@ from longstraw.train.optimizer import (
     scheduler_step,
 )
 from longstraw.train.reporting import Progress, Report, StepLog
-from longstraw.train.rundir import open_run_dir
+from longstraw.train.rundir import RunLock, open_run_dir
 from longstraw.train.sampler import Sampler
-from longstraw.train.stopping import StopSignals, save_after_failure
+from longstraw.train.stopping import StopSignals, TrainingInterrupted, save_after_failure
+
+
+class StoppedTogether(TrainingInterrupted):
+    """A stop signal every rank of a distributed run agreed on at a step boundary, after saving that step together:
+    the ranks end cleanly (no failure is reported to the others)."""
 
 
 class Trainer:
@@ -70,8 +75,20 @@ class Trainer:
         if cfg.bias_every and self.par.distributed:
             raise ValueError("--bias-every runs in one process only (sharded gradients): drop it or --nproc")
         self.run_dir = Path(cfg.run_dir)
-        # Rank 0 checks the run directory and, on resume, reads and checks the checkpoint, before the model loads.
-        self._ckpt = open_run_dir(self.run_dir, cfg) if self.par.is_main else None  # dropped once loaded
+        # Rank 0 checks and locks the run directory and, on resume, reads and checks the checkpoint, before the model
+        # loads. The lock is held until `run` ends (released here if the setup fails).
+        self._lock: RunLock | None = None
+        self._ckpt: dict[str, Any] | None = None  # dropped once loaded
+        if self.par.is_main:
+            self._lock, self._ckpt = open_run_dir(self.run_dir, cfg)
+        try:
+            self._setup(cfg)
+        except BaseException:
+            self.release()
+            raise
+
+    def _setup(self, cfg: TrainConfig) -> None:
+        """Everything after the run directory: the model, data, optimizer, sampler and reporting."""
         self.model = load_model(cfg.model, dtype=cfg.dtype, device=self.par.device, seed=cfg.seed)
         if self._ckpt is not None:
             check_same_shapes(self.model, self._ckpt["model"], self.run_dir / FILENAME)
@@ -138,15 +155,46 @@ class Trainer:
     def run(self) -> dict[str, Any]:
         """Train to cfg.steps (or cfg.stop_after more steps). On an exception or Ctrl-C/SIGTERM after a
         completed step, the last completed step is checkpointed (one process) before the error propagates."""
-        signals = StopSignals(busy=lambda: self._dirty or self._saving,
-                              describe=lambda: f"finishing step {self.step + 1}'s update, then saving and stopping")
-        with signals:
-            try:
-                return self._run(signals)
-            except BaseException:
-                save_after_failure(self.save, self.run_dir / FILENAME, step=self.step, saved_step=self._saved_step,
-                                   steps_done=self._steps_done, dirty=self._dirty, par=self.par)
-                raise
+        # Several ranks: a signal is always held until the next step boundary, where every rank learns whether any
+        # rank got one (`_stop_requested`) and they save and stop together (saving is a collective).
+        signals = StopSignals(busy=lambda: self.par.distributed or self._dirty or self._saving,
+                              describe=self._describe_stop)
+        try:
+            with signals:
+                try:
+                    return self._run(signals)
+                except BaseException:
+                    save_after_failure(self.save, self.run_dir / FILENAME, step=self.step,
+                                       saved_step=self._saved_step, steps_done=self._steps_done, dirty=self._dirty,
+                                       par=self.par)
+                    raise
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        """Release the run directory's lock (rank 0; idempotent)."""
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    def _describe_stop(self) -> str:
+        if self.par.distributed:  # rank 0 speaks for all
+            return f"every rank finishes step {self.step + 1}, then they save and stop" if self.par.is_main else ""
+        return f"finishing step {self.step + 1}'s update, then saving and stopping"
+
+    def _stop_requested(self, signals: StopSignals) -> None:
+        """At a step boundary: raise a held SIGINT/SIGTERM. Several ranks first agree (one gather): if any rank
+        holds one, every rank saves the completed step (unless saved) and raises `StoppedTogether`."""
+        if not self.par.distributed:
+            signals.check()
+            return
+        signum = max(int(s or 0) for s in self.par.gather(signals.pending))
+        if not signum:
+            return
+        signals.pending = None
+        if self._saved_step != self.step:
+            self.save()
+        raise StoppedTogether(signum)
 
     def _run(self, signals: StopSignals) -> dict[str, Any]:
         cfg, report = self.cfg, self.report
@@ -171,10 +219,10 @@ class Trainer:
             report.show(m)  # TensorBoard, the progress line
             if cfg.save_every and self.step % cfg.save_every == 0 and self.step < last:
                 self.save()
-            signals.check()  # a Ctrl-C held during the update stops here, at the boundary
+            self._stop_requested(signals)  # a Ctrl-C held during the update stops here, at the boundary
         if self.step < cfg.steps:  # stopped early on purpose: checkpoint, no final evaluation
             self.save()
-            signals.check()
+            self._stop_requested(signals)
             report.note(f"stopped after step {self.step}; continue with --resume")
             return self.summary
         self.summary["eval_after"] = self.sampler.evaluate(self.model, "after training")
@@ -187,10 +235,16 @@ class Trainer:
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Train in this process, or as one rank of a distributed job when launched by torchrun (WORLD_SIZE > 1)."""
     parallel = Parallel.start(cfg.device, cp=cfg.cp)
+    stopped = 0
     try:
         summary = Trainer(cfg, parallel).run()
+    except StoppedTogether as err:
+        stopped = err.signum  # every rank saved and stops: nothing to report to the others
     except BaseException as err:
         parallel.fail(err)  # the other ranks print this error and exit instead of waiting forever
         raise
+    if stopped:  # outside the except block, so the traceback no longer holds the trainer when the group ends
+        parallel.close()
+        raise StoppedTogether(stopped)
     parallel.close()
     return summary
