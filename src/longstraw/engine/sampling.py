@@ -8,16 +8,21 @@ prompt token, so the state holds prompt[:-1] and can be handed straight to `back
 Recorded log-probs are the policy's own (temperature 1, no top-k/top-p truncation), whatever the sampling
 temperature: they are what the training step recomputes, so they serve as `old_logprobs`.
 
-Multi-turn rollouts (an agent calling tools): with an `environment`, a sequence whose generated tokens end with
-`SamplingConfig.call_end` (a tool call's closing tokens) hands its response so far to the environment, which returns
-the observation's token ids (or None: the episode ends). The observation is fed into that sequence's own state, one
-token per decode step in lockstep with the other sequences' decoding (a forced token instead of a sampled one), so the
-shared prompt state is never re-encoded or copied; its tokens are in the response with `loss_masks` False. Up to
-`max_turns` model turns; the response budget (`max_new_tokens`) counts generated and observation tokens.
+Multi-turn rollouts (an agent calling tools): with an `environment`, a sequence whose generated tokens end a tool call
+hands its response so far to the environment, which returns the observation's token ids (or None: the episode ends).
+`SamplingConfig.call_end` says what ends a call: the closing tokens' ids (the response's last ids equal them), or a
+callable `call_end(response_so_far) -> bool` that the task builds from its tokenizer, which can look at the decoded
+text (a BPE tokenizer splits a closing tag such as `</lookup>` differently after a space, a digit or before a
+punctuation mark, so one tuple of ids misses most of the calls a model writes). The observation is fed into that
+sequence's own state, one token per decode step in lockstep with the other sequences' decoding (a forced token instead
+of a sampled one), so the shared prompt state is never re-encoded or copied; its tokens are in the response with
+`loss_masks` False. Up to `max_turns` model turns; the response budget (`max_new_tokens`) counts generated and
+observation tokens.
 
 What is checked, and when. When the rollout starts: the environment is callable, every `call_end` id is a token the
 model can sample (in its vocabulary), and no `call_end` id is also a stop id (a response stops at a stop id, so a
-call ending in one, or passing through one, would never reach the environment: refused rather than ignored). At each
+call ending in one, or passing through one, would never reach the environment: refused rather than ignored). A
+`call_end` callable must answer True or False (anything else is one ValueError naming it and the sequence). At each
 call: the observation is None (the episode ends; an empty observation ends it too) or 1-D integer token ids within
 the vocabulary, as a torch integer tensor or a list/tuple of Python ints; anything else (text, floats, bools, a 2-D
 tensor, a NumPy array, an id outside the vocabulary) is one ValueError naming the environment, the sequence and the
@@ -46,6 +51,10 @@ from longstraw.engine.state.response import ResponseState
 from longstraw.engine.state.sharding import ContextShards
 from longstraw.models.architecture import hf, logit_scale, logit_softcap
 
+# call_end(response_so_far) -> True when the response's last token ends a tool call (1-D ids, its model and
+# observation tokens so far); built by a task from its tokenizer, so the engine needs none.
+CallEnd = Callable[[torch.Tensor], bool]
+
 
 @dataclass(frozen=True)
 class SamplingConfig:
@@ -56,8 +65,9 @@ class SamplingConfig:
     top_p: float = 1.0
     top_k: int = 0
     stop_ids: tuple[int, ...] = ()  # EOS and other stop tokens; the stop token is kept in the response
-    # Multi-turn (with an `environment`): the token ids that end a tool call, and the most model turns.
-    call_end: tuple[int, ...] = ()
+    # Multi-turn (with an `environment`): what ends a tool call, and the most model turns. call_end is the closing
+    # token ids, or a callable (the response so far, 1-D ids) -> bool, True when its last token ends a call.
+    call_end: tuple[int, ...] | CallEnd = ()
     max_turns: int = 1
 
     def __post_init__(self) -> None:
@@ -73,6 +83,11 @@ class SamplingConfig:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if callable(self.call_end):
+            return
+        if not isinstance(self.call_end, tuple):
+            raise ValueError(f"call_end must be a tuple of non-negative int token ids or a callable (the response so "
+                             f"far) -> bool, got {self.call_end!r}")
         for t in self.call_end:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ValueError(f"call_end must hold non-negative int token ids, got {self.call_end!r}")
@@ -105,8 +120,11 @@ def _check_environment(environment: object, sampling: SamplingConfig, vocab: int
     if not callable(environment):
         raise TypeError(f"environment must be callable as environment(i, response_so_far) -> the observation's token "
                         f"ids or None, got {_name(environment)} ({type(environment).__name__})")
+    if callable(sampling.call_end):
+        return
     if not sampling.call_end:
-        raise ValueError("an environment needs SamplingConfig.call_end: the token ids that end a tool call")
+        raise ValueError("an environment needs SamplingConfig.call_end: the token ids that end a tool call, or a "
+                         "callable (the response so far) -> bool")
     outside = [t for t in sampling.call_end if t >= vocab]
     if outside:
         raise ValueError(f"call_end id {outside[0]} is outside the model's vocabulary [0, {vocab}): the model can "
@@ -293,28 +311,22 @@ class _Turns:
         ends = torch.zeros(nxt.shape, dtype=torch.bool, device=nxt.device)
         if self.environment is None:
             return ends
-        call = self.sampling.call_end
         answers: dict[int, list[int] | None] = {}  # this step's observations, by sequence
         failure: Exception | None = None
-        if step + 1 >= len(call):
-            tail = torch.stack(tokens[-len(call):], dim=1)  # (G, len(call))
-            calls = (tail == torch.tensor(call, device=nxt.device)).all(1) & ~forced & ~done
-            for i in calls.nonzero().flatten().tolist():
-                if any(self.observed[i][-len(call):]):
-                    continue  # the call's tokens must all be the model's own
-                if self.turns[i] >= self.sampling.max_turns:
-                    ends[i] = True
-                    continue
-                response = torch.stack([t[i] for t in tokens])
-                try:
-                    answers[i] = _observation_ids(self.environment(i, response), self.environment, i,
-                                                  self.turns[i], self.vocab)
-                except Exception as err:  # under context parallelism, raised once the other ranks know
-                    if self.context_shards is None:
-                        raise
-                    failure = err
-                    break
-                self.calls[i] += 1
+        ids = torch.stack(tokens, dim=1)  # (G, step + 1): each response so far
+        for i in self._calls(ids, forced, done):
+            if self.turns[i] >= self.sampling.max_turns:
+                ends[i] = True
+                continue
+            try:
+                answers[i] = _observation_ids(self.environment(i, ids[i].clone()), self.environment, i,
+                                              self.turns[i], self.vocab)
+            except Exception as err:  # under context parallelism, raised once the other ranks know
+                if self.context_shards is None:
+                    raise
+                failure = err
+                break
+            self.calls[i] += 1
         if self.context_shards is not None:
             self._agree(nxt, answers, failure)
         room = self.sampling.max_new_tokens - (step + 1)
@@ -325,6 +337,28 @@ class _Turns:
             self.pending[i] = observation
             self.turns[i] += 1
         return ends
+
+    def _calls(self, ids: torch.Tensor, forced: torch.Tensor, done: torch.Tensor) -> list[int]:
+        """The sequences whose last token (the model's own, not an observation's) ends a tool call: their last ids
+        equal `call_end`'s, all the model's own, or the `call_end` callable says True of the response so far."""
+        call = self.sampling.call_end
+        live = (~forced & ~done).nonzero().flatten().tolist()
+        if callable(call):
+            found = []
+            for i in live:
+                said = call(ids[i])
+                if not isinstance(said, bool):
+                    raise ValueError(f"call_end {_name(call)} returned {said!r} ({type(said).__name__}) for sequence "
+                                     f"{i}: it must return True (the response's last token ends a tool call) or "
+                                     "False")
+                if said:
+                    found.append(i)
+            return found
+        n = len(call)
+        if ids.shape[1] < n:
+            return []
+        ends = (ids[:, -n:] == torch.tensor(call, device=ids.device)).all(1)
+        return [i for i in live if bool(ends[i]) and not any(self.observed[i][-n:])]  # the call's tokens: the model's
 
     def _agree(self, nxt: torch.Tensor, answers: dict[int, list[int] | None], failure: Exception | None) -> None:
         """Context parallelism: every rank of the group gathers each rank's (hash, length) of this step's

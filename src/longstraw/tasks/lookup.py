@@ -16,12 +16,22 @@ seed and size give the same directory); names are drawn from ~19 million, and di
 Reward: 1.0 when the first ``<answer>…</answer>`` holds the phone number, else 0.0; plus ``format_reward`` (default 0)
 for each well-formed lookup of an id that exists, at most ``hops`` of them (a denser signal for small models). Ids the
 policy writes are read as text: one of any length (thousands of digits) is simply no one's id.
+
+What a call is, for the reward and the environment alike: a match of ``<lookup> DIGITS </lookup>`` (spaces optional)
+on the decoded text. A call ends the response when no letter or digit follows it (a BPE token can carry the tag's
+``>`` together with ``.``, ``,`` or ``<``); the sampler learns that a call has just ended from ``CallEnd``, which
+decodes the response so far with the tokenizer (SmolLM2's tokenizer writes ``</lookup>`` as ``</ lookup >``,
+`` </ lookup >`` after a space, ``… >.`` before a period: no one tuple of ids).
+
+``gold(example)``: the protocol followed correctly, as (text, is the policy's) pieces: each call, its result (the
+environment's, not the policy's), the answer; the trainer's warm start trains on it.
 """
 
 from __future__ import annotations
 
 import random
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +40,7 @@ from longstraw.tasks.base import Example, Task, count_tokens
 CALL_OPEN, CALL_CLOSE = "<lookup>", "</lookup>"
 _CALL = re.compile(r"<lookup>\s*(\d+)\s*</lookup>")
 _ANSWER = re.compile(r"<answer>\s*(\d+)\s*</answer>")
+_AFTER_CALL = re.compile(r"\W*")  # what may follow a call that ends the response: no letters or digits
 _SYLLABLES = ("ka", "lo", "mi", "ra", "ne", "to", "sa", "vi", "do", "pe", "lu", "ri", "an", "el", "os", "ta")
 # Names are two parts of 2-3 syllables: 4,352 parts, ~19 million names. Up to a million people, redrawing a name
 # already taken stays rare (< 6%); the prompt is then ~10 million tokens, beyond any model's context.
@@ -70,6 +81,28 @@ def _people(rng: random.Random, n: int) -> list[tuple[str, int, int, int]]:
 def _id(digits: str) -> int | None:
     """A written id as the directory's int, or None when it is too long to be anyone's."""
     return int(digits) if len(digits) <= _LONGEST_ID else None
+
+
+def ends_call(text: str, before: str) -> bool:
+    """Whether the response `text` ends with a call that `before` (the same response without its last token) had
+    not completed: the environment's turn. The call counts for the reward too."""
+    calls = list(_CALL.finditer(text))
+    return (bool(calls) and _AFTER_CALL.fullmatch(text, calls[-1].end()) is not None
+            and len(calls) > len(_CALL.findall(before)))
+
+
+@dataclass(frozen=True)
+class CallEnd:
+    """``SamplingConfig.call_end`` for the lookup task: True when the response so far (token ids) ends a call, on
+    the decoded text (`ends_call`). `decode`: the tokenizer's ids -> text."""
+
+    decode: Callable[[list[int]], str]
+
+    def __call__(self, ids: Any) -> bool:
+        ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+        if not ids or ">" not in self.decode(ids[-1:]):  # a call ends with the '>' of its closing tag
+            return False
+        return ends_call(self.decode(ids), self.decode(ids[:-1]))
 
 
 def _question(name: str, hops: int) -> str:
@@ -145,8 +178,8 @@ class LookupTask(Task):
         target = people[asked][1] if self.hops == 1 else people[asked][3]
         prompt = _prompt(people, asked, self.hops)
         n_tok = count_tokens(self.tokenizer, prompt) if self.tokenizer is not None else None
-        meta = {"task": "lookup", "hops": self.hops, "asked": people[asked][0], "records": records,
-                "people": len(people), "prompt_tokens": n_tok}
+        meta = {"task": "lookup", "hops": self.hops, "asked": people[asked][0], "asked_id": people[asked][1],
+                "records": records, "people": len(people), "prompt_tokens": n_tok}
         return Example(prompt, str(records[target][0]), meta)
 
     def observe(self, response: str, example: Example) -> str | None:
@@ -155,8 +188,8 @@ class LookupTask(Task):
         if _ANSWER.search(response):
             return None
         calls = list(_CALL.finditer(response))
-        if not calls or not response.rstrip().endswith(CALL_CLOSE):
-            return None
+        if not calls or _AFTER_CALL.fullmatch(response, calls[-1].end()) is None:
+            return None  # no call, or one followed by more than punctuation: not the environment's turn
         written = calls[-1].group(1)
         pid = _id(written)
         record = None if pid is None else example.meta["records"].get(pid)
@@ -164,6 +197,21 @@ class LookupTask(Task):
             shown = written if pid is not None else f"{written[:12]}... ({len(written)} digits)"
             return f"\n<result>no person has id {shown}</result>\n"
         return f"\n<result>phone: {record[0]}, manager: {record[1]}</result>\n"
+
+    def gold(self, example: Example) -> list[tuple[str, bool]]:
+        """The protocol followed correctly, as (text, True where the policy writes it) pieces: each lookup, the
+        environment's result (False: an observation), then the answer."""
+        pieces: list[tuple[str, bool]] = []
+        response, pid = "", example.meta["asked_id"]
+        for _ in range(self.hops):
+            call = f"{CALL_OPEN}{pid}{CALL_CLOSE}"
+            result = self.observe(response + call, example)
+            assert result is not None  # the asked person and managers exist
+            pieces += [(call, True), (result, False)]
+            response += call + result
+            pid = example.meta["records"][pid][1]
+        pieces.append((f"<answer>{example.answer}</answer>", True))
+        return pieces
 
     def reward(self, completion: str, example: Example) -> float:
         found = _ANSWER.search(completion)

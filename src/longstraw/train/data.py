@@ -20,7 +20,7 @@ import torch
 from longstraw.engine.sampling import Environment
 from longstraw.tasks import Example, JsonlTask, Task, format_prompt, make_task
 from longstraw.tasks.base import encode
-from longstraw.tasks.lookup import CALL_CLOSE, LookupTask
+from longstraw.tasks.lookup import CallEnd, LookupTask
 
 if TYPE_CHECKING:
     from longstraw.train.config import TrainConfig
@@ -165,16 +165,36 @@ class TaskData:
         return self.task.examples(self.cfg.eval_prompts, seed=self.cfg.seed + EVAL_SEED_OFFSET)
 
     def decode(self, ids: torch.Tensor) -> str:
-        return self.tokenizer.decode(ids.tolist(), skip_special_tokens=True)
+        return self.decode_ids(ids.tolist())
 
     @property
-    def call_end(self) -> tuple[int, ...]:
-        """An agent task's tool-call closing tokens (the sampler hands the response to the environment when a
-        response ends with them); () for single-turn tasks. A BPE tokenizer may merge the closing tag with what
-        precedes it; the tag's own tokenization is the one the environment answers."""
+    def call_end(self) -> tuple[int, ...] | CallEnd:
+        """What ends an agent task's tool call (`SamplingConfig.call_end`): the lookup task's `CallEnd`, which reads
+        the decoded response, so every way the tokenizer splits the closing tag hands the response to the
+        environment; () for single-turn tasks."""
         if not isinstance(self.task, LookupTask):
             return ()
-        return tuple(encode(self.tokenizer, CALL_CLOSE))
+        return CallEnd(self.decode_ids)
+
+    def decode_ids(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def gold(self, example: Example, stop_ids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """An agent task's gold response to `example` as (ids, loss mask): each piece of `task.gold` encoded on its
+        own, as the sampler's rollouts put them together (the environment encodes its observation alone), False on
+        the environment's pieces, then the first stop id (the policy learns to stop). None for tasks without one."""
+        if not isinstance(self.task, LookupTask):
+            return None
+        ids: list[int] = []
+        mask: list[bool] = []
+        for text, policy in self.task.gold(example):
+            piece = encode(self.tokenizer, text)
+            ids += piece
+            mask += [policy] * len(piece)
+        if stop_ids:
+            ids.append(stop_ids[0])
+            mask.append(True)
+        return torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.bool)
 
     def environment(self, example: Example) -> Environment | None:
         """The agent task's environment for one prompt (`sampling.Environment`): sequence i's response so far ->
