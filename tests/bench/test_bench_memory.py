@@ -76,7 +76,8 @@ def test_peaks_under_the_resolution_give_no_ratio_and_no_negative_size():
 
 
 def test_failed_worker_is_recorded_not_raised(tmp_path):
-    # tiny-llama allows 2048 positions: the worker raises, the bench records it and still writes the file.
+    # tiny-llama allows 2048 positions: the worker raises, the bench records it in the partial file; no row
+    # finished, so no results file is written.
     out = tmp_path / "fail.json"
     proc = subprocess.run(
         [sys.executable, "-m", "longstraw.cli", "bench", "memory", "--smoke", "--prompt-tokens", "4000",
@@ -85,8 +86,9 @@ def test_failed_worker_is_recorded_not_raised(tmp_path):
     )
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "FAILED: exit status 1" in proc.stderr
-    (result,) = json.loads(out.read_text())["results"]
+    (result,) = json.loads((tmp_path / "fail.json.tmp").read_text())["results"]
     assert result["status"] == "failed" and "max_position_embeddings" in result["stderr_tail"]
+    assert not out.exists() and f"see stderr_tail in {out}.tmp" in proc.stderr
     assert describe_exit(-9) == "killed by SIGKILL (likely out of memory)"
     assert describe_exit(3) == "exit status 3"
 

@@ -69,3 +69,15 @@ def test_without_the_trl_extra_it_says_what_to_install(monkeypatch, capsys):
     monkeypatch.setattr(trl_scale, "missing_extra", lambda: ["trl"])
     assert main(["bench", "trl-scale", "--smoke"]) == 1
     assert "pip install 'longstraw[trl]'" in capsys.readouterr().err
+
+
+def test_every_row_timing_out_replaces_no_earlier_results(tmp_path, capsys):
+    """Both ranks killed by --timeout before any row finished: the earlier results file stays as it was, no new
+    one is written, the failures are in the partial file, exit status 1."""
+    out = tmp_path / "trl-scale.json"
+    earlier = json.dumps({"bench": "trl-scale", "results": [{"id": "trl-ddp", "status": "ok"}]})
+    out.write_text(earlier)
+    assert main(["bench", "trl-scale", "--smoke", "--timeout", "0.01", "--out", str(out)]) == 1
+    assert out.read_text() == earlier and sorted(p.name for p in tmp_path.iterdir()) == [out.name, out.name + ".tmp"]
+    assert all(r["status"] == "failed" for r in json.loads((tmp_path / (out.name + ".tmp")).read_text())["results"])
+    assert f"no row finished, so no results file is written ({out} is left as it was" in capsys.readouterr().err

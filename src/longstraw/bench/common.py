@@ -1,6 +1,7 @@
 """What the benchmarks share: the job every bench runs (`MemoryBenchConfig`, Bench B1's defaults `B1`), running it in
-a fresh worker process (`run_one`, `run_batch`), the result file (`default_out`, `write_json`) and the sweeps'
-document, progress lines and finish (`sweep_document`, `print_progress`, `finish_sweep`), the planner's forecast of
+a fresh worker process (`run_one`, `run_batch`), the result file (`default_out`, `write_json`; `write_results`,
+every bench's final write: only with a finished row, never over an earlier file of more) and the sweeps' document,
+progress lines and finish (`sweep_document`, `print_progress`, `finish_sweep`), the planner's forecast of
 a measured peak (`predictor`), the B1-shaped presets per architecture family, and how a worker loads its model
 (`load_bench_model`).
 
@@ -121,6 +122,55 @@ def write_json(path: str, document: dict[str, Any]) -> None:
     finally:
         if os.path.exists(part):
             os.remove(part)
+
+
+# The key under which `run_*_bench` functions return the path `write_results` wrote (None: nothing); never written.
+RESULTS_FILE = "results_file"
+
+
+def finished_rows(document: Any) -> int | None:
+    """How many of a results document's rows finished: `results` entries with status "ok" (measured) or "skipped"
+    (the planner's verdict that it cannot fit, an answer too); a document of one `result` counts 1. None for
+    something that is not a LongStraw results document."""
+    if not isinstance(document, dict):
+        return None
+    if isinstance(document.get("results"), list):
+        return sum(1 for r in document["results"] if isinstance(r, dict) and r.get("status") in ("ok", "skipped"))
+    if isinstance(document.get("result"), dict):
+        return 1
+    return None
+
+
+def write_results(out: str, document: dict[str, Any], what: str) -> str | None:
+    """Every bench's results file: write `document` to `out` (atomically, `write_json`) only if at least one of its
+    rows finished, and never over an earlier file holding more finished rows (or one that is not a results
+    document): then to a new name beside it, saying so on stderr. Returns the path written, or None (nothing
+    finished: nothing written, one line on stderr). `what` names the bench in those lines."""
+    rows = finished_rows(document)
+    if not rows:
+        partial = f"; the failed rows are in {out}.tmp" if os.path.exists(out + ".tmp") else ""
+        print(f"{what}: no row finished, so no results file is written ({out} is left as it was{partial})",
+              file=sys.stderr)
+        return None
+    path = out
+    if os.path.exists(out):
+        try:
+            with open(out) as f:
+                earlier = finished_rows(json.load(f))
+        except (OSError, ValueError):
+            earlier = None
+        if earlier is None or earlier > rows:
+            stem, ext = os.path.splitext(out)
+            path = f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}{ext or '.json'}"
+            n = 1
+            while os.path.exists(path):
+                n += 1
+                path = f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}-{n}{ext or '.json'}"
+            held = "is not a results file" if earlier is None else f"holds {earlier} finished rows"
+            print(f"{what}: {out} {held} and this run finished {rows}: it is kept, and the results go to {path}",
+                  file=sys.stderr)
+    write_json(path, document)
+    return path
 
 
 def mib_text(value: float | None, width: int = 9) -> str:
@@ -388,14 +438,16 @@ def finish_sweep(document: dict[str, Any], out: str, table: str, plot: Callable[
         document.setdefault("notes", []).append(
             f"{len(contended)} configurations ran while other processes competed for the CPU: their times are "
             "inflated (peaks are not); compare times as ratios within this run")
-    write_json(out, document)
+    written = write_results(out, document, f"bench {document['bench']}")
+    if written is None:
+        return
     if os.path.exists(out + ".tmp"):
         os.remove(out + ".tmp")
-    png = plot(document, os.path.splitext(out)[0] + ".png")
+    png = plot(document, os.path.splitext(written)[0] + ".png")
     print(table)
     for note in document.get("notes", []):
         print(f"note: {note}")
-    print(f"results: {out}" + (f", plot: {png}" if png else ""))
+    print(f"results: {written}" + (f", plot: {png}" if png else ""))
 
 
 # ---------------------------------------------------------------- the planner's forecast

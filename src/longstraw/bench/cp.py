@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from longstraw.bench.common import check_model, check_out, default_out
+from longstraw.bench.common import check_model, check_out, default_out, write_results
 from longstraw.bench.machine import machine_info
 from longstraw.choices import PRESET_NAMES
 from longstraw.planner import MIB
@@ -102,7 +102,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         except RuntimeError as err:
             print(f"longstraw bench cp: error: {err}", file=sys.stderr)
             return 1
-        row = {"cp": c, "ranks": ranks, "max_peak_bytes": max(r["peak_bytes"] for r in ranks),
+        row = {"cp": c, "status": "ok", "ranks": ranks, "max_peak_bytes": max(r["peak_bytes"] for r in ranks),
                "max_state_bytes": max(r["prompt_state_bytes"] for r in ranks),
                "max_time_s": max(r["time_s"] for r in ranks), "wall_s": time.perf_counter() - t0}
         rows.append(row)
@@ -116,6 +116,6 @@ def run_from_args(args: argparse.Namespace) -> int:
         print(f"  C={row['cp']}: state x{state:.3f}, peak x{peak:.3f}, time x{step:.2f}")
     out = Path(args.out or default_out("cp", args.smoke))
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"config": base, "machine": machine_info("cpu"), "results": rows}, indent=1))
-    print(f"results: {out}")
+    written = write_results(str(out), {"config": base, "machine": machine_info("cpu"), "results": rows}, "bench cp")
+    print(f"results: {written}")
     return 0

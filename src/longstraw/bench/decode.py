@@ -62,12 +62,14 @@ from typing import Any, NoReturn
 from longstraw.bench.common import (
     BUSY_PRESSURE,
     MIB,
+    RESULTS_FILE,
     SMOKE_NOTE,
     check_device,
     check_model,
     check_out,
     default_out,
     write_json,
+    write_results,
 )
 from longstraw.bench.machine import machine_info
 from longstraw.choices import DTYPES, PRESET_NAMES
@@ -310,8 +312,10 @@ def run_decode_bench(shape: DecodeShape, out: str, smoke: bool = False) -> dict[
     if contended and not smoke:
         document["notes"] = [f"P={p}: CPU pressure over {BUSY_PRESSURE:.0%} in {', '.join(phases)}: those times are "
                              "inflated by other processes" for p, phases in contended.items()]
-    write_json(out, document)
-    os.remove(out + ".tmp")
+    written = write_results(out, document, "bench decode")
+    if written is not None:
+        os.remove(out + ".tmp")
+    document[RESULTS_FILE] = written  # for the caller's last line; not in the file
     return document
 
 
@@ -445,7 +449,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         print(format_table(document))
     for note in document.get("notes", []):
         print(f"note: {note}")
-    print(f"results: {out}")
+    if document[RESULTS_FILE] is not None:
+        print(f"results: {document[RESULTS_FILE]}")
     if not all(e["status"] == "ok" for e in results):
         print("bench decode: a prompt length failed or produced the wrong number of tokens; see the result file",
               file=sys.stderr)

@@ -40,6 +40,7 @@ from longstraw.bench.common import (
     run_batch,
     smoke_summary,
     write_json,
+    write_results,
 )
 from longstraw.bench.common import run_one as run_one  # where the tests and older callers import it from
 from longstraw.bench.machine import machine_info
@@ -111,8 +112,8 @@ def run_memory_bench(config: MemoryBenchConfig, out: str) -> dict[str, Any]:
         write_json(partial, _document(config, machine, results, started))
     document = _document(config, machine, results, started)
     document["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
-    write_json(out, document)
-    if os.path.exists(partial):
+    written = write_results(out, document, "bench memory")
+    if written is not None and os.path.exists(partial):
         os.remove(partial)
     print(describe(config))
     if config.smoke:
@@ -132,8 +133,10 @@ def run_memory_bench(config: MemoryBenchConfig, out: str) -> dict[str, Any]:
     # One line per table column: checkpointed runs are their own series, not mixed into their plan's.
     plotted = {**document, "results": [{**r, "plan": column_label(str(r["plan"]), _checkpoint_of(r))}
                                        for r in results]}
-    png = plot_memory(plotted, os.path.splitext(out)[0] + ".png")
-    print(f"results: {out}" + (f", plot: {png}" if png else ""))
+    if written is None:
+        return document
+    png = plot_memory(plotted, os.path.splitext(written)[0] + ".png")
+    print(f"results: {written}" + (f", plot: {png}" if png else ""))
     return document
 
 
@@ -413,6 +416,6 @@ def run_from_args(args: argparse.Namespace) -> int:
     document = run_memory_bench(config, out)
     ok = sum(1 for r in document["results"] if r.get("status") == "ok")
     if ok == 0:
-        print("bench memory: every configuration failed; see stderr_tail in the result file", file=sys.stderr)
+        print(f"bench memory: every configuration failed; see stderr_tail in {out}.tmp", file=sys.stderr)
         return 1
     return 0

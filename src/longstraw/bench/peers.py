@@ -57,6 +57,7 @@ from longstraw.bench.common import (
     B1,
     MIB,
     PEAK_RESOLUTION,
+    RESULTS_FILE,
     SMOKE_NOTE,
     STDERR_TAIL,
     busy,
@@ -70,6 +71,7 @@ from longstraw.bench.common import (
     run_batch,
     worker_env,
     write_json,
+    write_results,
 )
 from longstraw.bench.machine import machine_info
 from longstraw.planner import positive_int
@@ -415,8 +417,10 @@ def run_peers_bench(shape: PeersShape, out: str, timeout_s: float | None, smoke:
     elif contended and not smoke:
         document["notes"] = [f"{len(contended)} configurations ran while other processes competed for the CPU: "
                              "their times are inflated (peaks are not)"]
-    write_json(out, document)
-    os.remove(out + ".tmp")
+    written = write_results(out, document, "bench peers")
+    if written is not None:
+        os.remove(out + ".tmp")
+    document[RESULTS_FILE] = written  # for the caller's last line; not in the file
     return document
 
 
@@ -446,8 +450,9 @@ def run_from_args(args: argparse.Namespace) -> int:
         print(format_table(document))
     for note in document.get("notes", []):
         print(f"note: {note}")
-    print(f"results: {out}")
+    if document[RESULTS_FILE] is not None:
+        print(f"results: {document[RESULTS_FILE]}")
     if not any(r.get("status") == "ok" for r in results):
-        print("bench peers: every configuration failed; see stderr_tail in the result file", file=sys.stderr)
+        print(f"bench peers: every configuration failed; see stderr_tail in {out}.tmp", file=sys.stderr)
         return 1
     return 0

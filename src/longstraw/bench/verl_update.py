@@ -53,6 +53,7 @@ from longstraw.bench.common import (
     positive_float,
     worker_env,
     write_json,
+    write_results,
 )
 from longstraw.bench.machine import machine_info
 from longstraw.choices import PRESET_NAMES
@@ -405,7 +406,9 @@ def run_from_args(args: argparse.Namespace) -> int:
     if contended and not args.smoke:
         document["notes"] = [f"{len(contended)} rows ran while other processes competed for the CPU: their times "
                              "are inflated (peaks are not)"]
-    write_json(out, document)
+    written = write_results(out, document, "bench verl")
+    if written is None:
+        return 1
     os.remove(out + ".tmp")
     if args.smoke:
         print("\n".join(f"{r['label']}: {r['status']}" for r in document["results"]))
@@ -414,7 +417,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         print(format_table(document))
     for note in document.get("notes", []):
         print(f"note: {note}")
-    print(f"results: {out}")
+    print(f"results: {written}")
     return 0 if all(r["status"] == "ok" for r in document["results"]) else 1
 
 
