@@ -1,12 +1,15 @@
 """`longstraw.integrations.verl` against verl's own actor update (verl's TrainingWorker and FSDP2 engine on one CPU
 process, float64, SGD): 2 prompts × 4 responses, 2 micro-batches, 2 PPO epochs (the second off-policy, so the clip
 acts). The gradient of every optimizer step must equal verl's to 1e-10 for every mapped loss_agg_mode, gspo, tool
-tokens masked out of the loss, a sampling temperature, and the qwen3_next hybrid; what is not mapped is refused
-before any gradient. verl pins transformers < 5.11, so these run in the second venv (`make test-oldest`)."""
+tokens masked out of the loss, a sampling temperature, verl's clamps (a reference log-prob 3, 10 and 15 nats above
+the policy's, log-ratios beyond 20, a gspo sequence log-ratio beyond 10), and the qwen3_next hybrid; what is not
+mapped is refused before any gradient. verl pins transformers < 5.11, so these run in their own venv
+(`make test-verl`)."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -42,6 +45,29 @@ EQUAL = {f"qwen3-{agg}": {"family": "qwen3", "actor": {"loss_agg_mode": agg, **K
 # packed update of qwen3_next carries recurrent state from one row into the next: its reference here pads instead.
 # Its kernels compute in float32 inside a float64 model (helpers.FP32_INSIDE): the family's tolerance is 1e-6.
 # The temperature is one float32 represents exactly (verl divides the logits by a float32 copy of it).
+# verl's clamps. A reference log-prob 3, 10 and 15 nats above the policy's on the first token of every row (on the
+# tiny model with its lm_head scaled 100x, whose log-probs spread over tens of nats, so that the policy gives that
+# token at most -(gap + 0.5) and the reference stays a log-prob: verl_child.py's `reference_gap`): verl clamps that
+# token's k3 at 10 from 2.6 nats up, no gradient. old = -17 on every token of row 2 (A < 0) puts its gspo sequence
+# log-ratio near 12, above verl's clamp at 10 (gspo has no dual clip: unclamped, the row weighs e^12). Without the
+# clamps these gradients are other ones (test_the_clamp_cases_reach_verls_clamps).
+CLAMPED = {f"qwen3-kl-gap-{gap}": {"family": "qwen3", "actor": {"loss_agg_mode": "token-mean", **KL},
+                                   "reference_gap": {"scale": 100.0, "gap": float(gap)}, "unclamped": True}
+           for gap in (3, 10, 15)} | {
+    "qwen3-gspo-sequence-log-ratio-12": {"family": "qwen3", "unclamped": True,
+                                         "actor": {"loss_agg_mode": "seq-mean-token-mean",
+                                                   "policy_loss": {"loss_mode": "gspo"}},
+                                         "batch": {"set": [["old_log_probs", [2], None, -17.0]]}},
+}
+# Vanilla PPO's log-ratio clamp at ±20: old = -30 and -700 put the first two tokens of every row near 25 and 695
+# (exp(695) is still finite in float64; LongStraw refuses old log-probs whose ratio could overflow the loss's dtype
+# before any gradient). The clip (A > 0) and the dual clip (A < 0) leave those tokens no gradient with or without
+# the clamp, so this case checks that the clamp changes nothing else.
+EQUAL |= CLAMPED | {
+    "qwen3-log-ratio-beyond-20": {"family": "qwen3", "actor": {"loss_agg_mode": "seq-mean-token-mean", **KL},
+                                  "batch": {"set": [["old_log_probs", None, [0], -30.0],
+                                                    ["old_log_probs", None, [1], -700.0]]}},
+}
 MIXED = {"qwen3-float32": {"family": "qwen3", "actor": {"loss_agg_mode": "token-mean"}, "update": {"dtype": "fp32"}},
          "qwen3-bf16": {"family": "qwen3", "actor": {"loss_agg_mode": "token-mean"},
                         "update": {"dtype": "fp32", "compute_dtype": "bf16"}}}
@@ -50,6 +76,9 @@ REFUSED = {
     "kl-k1": ({"use_kl_loss": True, "kl_loss_type": "kl"}, {}, "kl_loss_type='kl'"),
     "dual-clip-below-clip": ({"clip_ratio_c": 1.1}, {}, "clip_ratio_c=1.1"),
     "token-advantages": ({}, {"token_advantages": True}, "per-token advantages"),
+    "nan-advantage": ({}, {"set": [["advantages", [2], [1], math.nan]]},
+                      "row 2 of the mini-batch: its advantage is nan at response token 1 (1 of its 4 loss tokens are "
+                      "not finite); advantages must be finite: look for a NaN or inf reward score"),
 }
 
 
@@ -78,6 +107,15 @@ def test_gradients_equal_verls_own_update(updates, case):
         assert theirs.dtype == torch.float64 and theirs.norm() > 0
         assert_close(f"{case} step {step + 1}", theirs, mine, gradient_tolerance(EQUAL[case]["family"]))
     assert (verl_steps[0] - verl_steps[1]).norm() > 1e-3 * verl_steps[0].norm()  # the second epoch moved
+
+
+@pytest.mark.parametrize("case", list(CLAMPED))
+def test_the_clamp_cases_reach_verls_clamps(updates, case):
+    """Without log_ratio_clamp and kl_clamp LongStraw's gradient is another one on these batches (step 1, the same
+    parameters: off by more than 50%), so their equality above is the clamps' doing."""
+    theirs, unclamped = updates[case]["verl"][0], updates[case]["unclamped"][0]
+    print(f"{case}: unclamped LongStraw vs verl, step 1: {rel_err(unclamped, theirs):.3g}")
+    assert rel_err(unclamped, theirs) > 0.5
 
 
 def test_float32_and_bf16_mixed_precision_against_verl(updates):

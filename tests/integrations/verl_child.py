@@ -2,10 +2,16 @@
 update through verl's TrainingWorker with verl's engine and with LongStraw's (`verl_setup.run_update`), saved by
 rank 0 for test_verl.py. argv: OUT.pt, JSON {case: spec}; a spec holds the model family, verl's actor settings, the
 batch options, and `refused` for a case LongStraw must refuse (then only its error message and whether any
-gradient was left behind are saved). Each rank makes its own share of the batch (another seed)."""
+gradient was left behind are saved). Each rank makes its own share of the batch (another seed). The batch option
+`set`, a list of [field, rows, tokens, value] (rows, tokens: lists of indices, or null for every row / every
+response token), overwrites those entries of the batch's (B, R_max) field inside the responses. The spec's
+`reference_gap` {"scale": s, "gap": g} runs the case on the tiny model with its lm_head times s (log-probs spread
+over tens of nats), the first response token of every row the likeliest one whose log-prob is at most -(g + 0.5),
+old log-probs the policy's own (on-policy) and reference log-probs 0.1 below them, but g above on that token."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -16,8 +22,11 @@ from verl_setup import make_batch, run_update, save_tiny_model  # first: it puts
 # isort: split
 import torch
 import torch.distributed as dist
+from helpers import faithful_float64
+from transformers import AutoModelForCausalLM
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
+import longstraw.integrations.verl as verl_integration
 from longstraw.integrations.verl import LongStrawFSDPEngine
 
 
@@ -30,26 +39,97 @@ def main() -> None:
     models: dict[str, str] = {}
     results: dict[str, dict] = {}
     for name, spec in cases.items():
-        family = spec["family"]
-        if family not in models:
-            models[family] = tempfile.mkdtemp(prefix=f"verl-{family}-")
-            save_tiny_model(family, models[family])  # seeded: every rank saves the same weights
-        options = spec.get("batch", {})
+        family, gap = spec["family"], spec.get("reference_gap")
+        key = family if gap is None else f"{family}-lm_head-x{gap['scale']}"
+        if key not in models:
+            models[key] = tempfile.mkdtemp(prefix=f"verl-{key}-")
+            save_tiny_model(family, models[key])  # seeded: every rank saves the same weights
+            if gap is not None:
+                _scale_lm_head(models[key], gap["scale"])
+        options = dict(spec.get("batch", {}))
+        edits = options.pop("set", [])
         batch = make_batch(**options | {"seed": options.get("seed", 0) + 1000 * rank})  # this rank's share
+        _set(batch, edits)
+        if gap is not None:
+            _reference_gap(batch, models[key], gap["gap"])
         if spec.get("refused"):
             left: list[bool] = []
             try:
-                run_update(_Watched.of(left), models[family], batch, spec["actor"])
+                run_update(_Watched.of(left), models[key], batch, spec["actor"])
                 results[name] = {"error": None}
             except ValueError as err:
                 results[name] = {"error": str(err), "gradients_left": any(left)}
             continue
-        results[name] = {who: run_update(engine, models[family], batch, spec["actor"], **spec.get("update", {}))
+        results[name] = {who: run_update(engine, models[key], batch, spec["actor"], **spec.get("update", {}))
                          for who, engine in (("verl", FSDPEngineWithLMHead), ("longstraw", LongStrawFSDPEngine))}
+        if spec.get("unclamped"):  # LongStraw's update without verl's clamps: shows the case reaches them
+            with _unclamped():
+                results[name]["unclamped"] = run_update(LongStrawFSDPEngine, models[key], batch, spec["actor"],
+                                                        **spec.get("update", {}))
         print(f"{name}: done", flush=True)
     if rank == 0:
         torch.save(results, out)
     dist.destroy_process_group()
+
+
+def _scale_lm_head(folder: str, scale: float) -> None:
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(scale)
+    model.save_pretrained(folder)
+
+
+def _policy_logprobs(folder: str, batch) -> torch.Tensor:
+    """The model's log-probs (B, R_max, V) of each response position, from a plain float64 forward of the batch."""
+    model = faithful_float64(AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa").double().eval())
+    r_max = batch["responses"].shape[1]
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                       position_ids=batch["position_ids"]).logits
+    return torch.log_softmax(logits[:, -r_max - 1:-1], -1)
+
+
+def _reference_gap(batch, folder: str, gap: float) -> None:
+    """`reference_gap` of the module docstring, in place."""
+    r_max = batch["responses"].shape[1]
+    first = _policy_logprobs(folder, batch)[:, 0]  # (B, V): the first response token's, set by the prompt alone
+    token = first.masked_fill(first > -gap - 0.5, -torch.inf).argmax(-1)  # the likeliest at least gap + 0.5 down
+    batch["responses"][:, 0] = token
+    batch["input_ids"][:, -r_max] = token
+    logp = _policy_logprobs(folder, batch).gather(-1, batch["responses"][..., None])[..., 0]
+    inside = batch["attention_mask"][:, -r_max:].to(logp.dtype)
+    ref = logp - 0.1
+    ref[:, 0] = logp[:, 0] + gap
+    batch["old_log_probs"][:] = (logp * inside).to(batch["old_log_probs"].dtype)
+    batch["ref_log_prob"][:] = (ref * inside).to(batch["ref_log_prob"].dtype)
+    print(f"reference gap {gap}: policy log-probs of the first tokens {logp[:, 0].min():.2f}..{logp[:, 0].max():.2f}, "
+          f"reference {ref[:, 0].min():.2f}..{ref[:, 0].max():.2f}", flush=True)
+
+
+@contextlib.contextmanager
+def _unclamped():
+    """`loss_options` without the clamps, inside the block."""
+    original = verl_integration.loss_options
+
+    def without(*args, **kwargs):
+        return original(*args, **kwargs) | {"log_ratio_clamp": None, "kl_clamp": None}
+
+    verl_integration.loss_options = without
+    try:
+        yield
+    finally:
+        verl_integration.loss_options = original
+
+
+def _set(batch, edits: list) -> None:
+    """The spec's `set` edits, applied where the response has tokens (padding keeps its zeros)."""
+    r_max = batch["responses"].shape[1]
+    inside = batch["attention_mask"][:, -r_max:].bool()
+    for field, rows, tokens, value in edits:
+        chosen = torch.zeros_like(inside)
+        for k in range(inside.shape[0]) if rows is None else rows:
+            chosen[k, slice(None) if tokens is None else tokens] = True
+        batch[field][chosen & inside] = value
 
 
 class _Watched(LongStrawFSDPEngine):

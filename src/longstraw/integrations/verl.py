@@ -56,6 +56,12 @@ _AGG_LOSS = {
     "seq-mean-token-sum-norm": "luspo",  # the same divided by a constant horizon
 }
 _KL_TYPES = ("low_var_kl", "k3")  # the k3 estimate, LongStraw's KL term
+# verl's numerical-stability clamps (verl/trainer/ppo/core_algos.py), as LongStraw's loss options:
+_KL_CLAMP = (20.0, 10.0)  # kl_penalty_forward, low_var_kl and k3 alike: ref − logp to ±20 before exp, k3 to ±10
+_LOG_RATIO_CLAMP = {
+    "vanilla": (-20.0, 20.0),  # compute_policy_loss_vanilla: logp − old to ±20 before exp
+    "gspo": (-float("inf"), 10.0),  # compute_policy_loss_gspo: the sequence's mean log-ratio at most 10
+}
 
 
 @dataclass(frozen=True)
@@ -145,8 +151,14 @@ def loss_options(config: Any, group_size: int, *, dp_size: int, batch_num_tokens
     ℓ is verl's per-token PPO term: vanilla -max(ρA, clip(ρ)A) with the dual clip min(·, -cA) where A < 0, which is
     LongStraw's clipped term with delta = c (equal for c >= 1 + clip_ratio_high); gspo: the same with the sequence's
     ratio (verl spreads its gradient over the tokens as LongStraw's sequence_ratio does), no dual clip. The KL term
-    (use_kl_loss) is the k3 estimate times kl_loss_coef, normalised like the policy term."""
+    (use_kl_loss) is the k3 estimate times kl_loss_coef, normalised like the policy term.
+
+    verl's clamps, with the same bounds in the same order (each a torch.clamp: no gradient outside): the log-ratio
+    to ±20 before its exp (vanilla; gspo: the sequence's mean log-ratio at most 10) -> log_ratio_clamp; low_var_kl
+    and k3 (one function in verl): ref − logp to ±20 before the exp, the estimate to ±10 -> kl_clamp."""
     agg, mode = config.loss_agg_mode, config.policy_loss.get("loss_mode", "vanilla")
+    if mode not in _LOG_RATIO_CLAMP:
+        raise ValueError(f"policy_loss.loss_mode {mode!r} is not mapped: choose one of {', '.join(_LOG_RATIO_CLAMP)}")
     low = config.clip_ratio_low if config.clip_ratio_low is not None else config.clip_ratio
     high = config.clip_ratio_high if config.clip_ratio_high is not None else config.clip_ratio
     options: dict[str, Any] = {
@@ -154,6 +166,8 @@ def loss_options(config: Any, group_size: int, *, dp_size: int, batch_num_tokens
         "sequence_ratio": mode == "gspo",
         "delta": float(config.get("clip_ratio_c", 3.0)) if mode == "vanilla" else None,
         "beta": float(config.kl_loss_coef) if config.use_kl_loss else 0.0,
+        "log_ratio_clamp": _LOG_RATIO_CLAMP[mode],
+        "kl_clamp": _KL_CLAMP if config.use_kl_loss else None,
     }
     if agg == "token-mean":
         options |= {"token_normalizer": float(batch_num_tokens), "loss_scale": float(dp_size)}
@@ -201,6 +215,13 @@ def _rows(data: Any, with_ref: bool) -> list[_Row]:
                              f"{attention[k].tolist()}): LongStraw replays each response as one sequence")
         mask = response_mask[k, :length].bool()
         advantages = data["advantages"][k, :length]
+        bad = mask & ~torch.isfinite(advantages)
+        if bool(bad.any()):
+            t = int(bad.nonzero()[0, 0])
+            raise ValueError(f"row {k} of the mini-batch: its advantage is {float(advantages[t])} at response "
+                             f"token {t} ({int(bad.sum())} of its {int(mask.sum())} loss tokens are not finite); "
+                             "advantages must be finite: look for a NaN or inf reward score in this row's group, or "
+                             "an advantage estimator (algorithm.adv_estimator) dividing by a zero or NaN spread")
         first = advantages[mask][:1]
         if mask.any() and not bool((advantages[mask] == first).all()):
             raise ValueError("per-token advantages (e.g. GAE from a critic) are not mapped: LongStraw's losses take "
