@@ -600,8 +600,20 @@ def compare(values: dict[str, Any], plans: list[str], n_seeds: int, out: Path, o
 
 def run_checked(values: dict[str, Any], plans: list[str], seeds: list[int], configs: list[TrainConfig], out: Path,
                 overwrite: bool) -> dict[str, Any]:
-    """`compare` once its options are checked: check OUT, record the experiment, train what is missing, write the
-    outputs."""
+    """`compare` once its options are checked: lock OUT (one comparison writes it at a time), then `_run_locked`."""
+    from longstraw.train.rundir import RunLock  # here: this module is imported for --help, which loads no torch
+
+    out.mkdir(parents=True, exist_ok=True)
+    lock = RunLock.acquire(out, what="--out", option="--out")
+    try:
+        return _run_locked(values, plans, seeds, configs, out, overwrite)
+    finally:
+        lock.release()
+
+
+def _run_locked(values: dict[str, Any], plans: list[str], seeds: list[int], configs: list[TrainConfig], out: Path,
+                overwrite: bool) -> dict[str, Any]:
+    """Check OUT, record the experiment, train what is missing, write the outputs."""
     check_out_state(plans, seeds, configs, out, overwrite)
     record_experiment(out, _comparable(configs[0]))
     run_all(configs, overwrite)

@@ -60,9 +60,9 @@ class RunLock:
         self.path, self.fd = path, fd  # fd None: a filesystem without locks (noted when acquired)
 
     @classmethod
-    def acquire(cls, run_dir: Path, what: str = "run_dir") -> RunLock:
+    def acquire(cls, run_dir: Path, what: str = "run_dir", option: str = "--run-dir") -> RunLock:
         """Lock `run_dir` (it exists) or raise ValueError naming the process that holds it; `what` names the
-        directory in messages (the command-line option)."""
+        directory in messages, `option` the command-line option that chooses another."""
         key = str(run_dir.resolve())
         held = cls._held.get(key)
         if held is not None and held.fd is not None:
@@ -72,7 +72,7 @@ class RunLock:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as err:
             raise ValueError(f"{what} {run_dir}: cannot create its lock file {LOCK_FILE} ({err.strerror or err}): fix "
-                             f"its permissions or choose another --{what.replace('_', '-')}") from None
+                             f"its permissions or choose another {option}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as err:
@@ -82,7 +82,7 @@ class RunLock:
                 who = f"PID {holder[0]} on host {holder[1]}, since {holder[2]}" if holder else "a process starting up"
                 kill = f" (kill {holder[0]})" if holder and holder[1] == socket.gethostname() else ""
                 raise ValueError(f"{what} {run_dir} is in use by another longstraw process ({who}): wait for it to "
-                                 f"end or stop it{kill}, or choose another --{what.replace('_', '-')}") from None
+                                 f"end or stop it{kill}, or choose another {option}") from None
             print(f"note: {what} {run_dir}: its filesystem cannot lock files ({err.strerror or err}); a second "
                   "process writing to it at the same time will not be detected", file=sys.stderr)
             lock = cls(run_dir, None)
