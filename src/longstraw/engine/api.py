@@ -261,10 +261,11 @@ def _backward(model: torch.nn.Module, group: Group, options: BackwardOptions,
                                            "group_size": group.size, "checkpoint": options.checkpoint,
                                            "offload_state": options.offload_state,
                                            "keep_prompt_graph": options.keep_prompt_graph}
-    if options.loss_config.beta == 0 and not options.router_aux_coef and not bool((group.advantages != 0).any()):
-        # Every loss's policy term is A times a function of the ratio and log-probs (cispo and vespo weigh logp by
-        # detached weights), plus the KL term only when beta > 0: with every A = 0 the gradient is exactly zero, so
-        # the passes would add zeros.
+    if options.loss_config.beta == 0 and not options.router_aux_coef and options.loss_config.kind != "nll" and \
+            not bool((group.advantages != 0).any()):
+        # Every GRPO-family policy term is A times a function of the ratio and log-probs (cispo and vespo weigh logp
+        # by detached weights), plus the KL term only when beta > 0: with every A = 0 the gradient is exactly zero, so
+        # the passes would add zeros. (nll ignores the advantages.)
         stats.update(prompt_state_bytes=prompt_state.nbytes() if prompt_state is not None else 0, capture_s=0.0,
                      replay_s=0.0, prompt_backward_s=0.0)
         return GroupResult(loss=0.0, logprobs=[], stats=stats, skipped="zero_advantage")

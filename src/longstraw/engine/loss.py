@@ -29,6 +29,13 @@ token, ρ_{i,t} = exp(r_{i,t}), or per sequence, s_i = exp((1/|o_i|) Σ_t r_{i,t
                where A_i ≥ 0, else (`vespo_k_neg`, `vespo_lambda_neg`) = (3, 2), λ floored at 1e-4; φ(1) = 1;
                no clip widths (the reference implementation's clamps, as TRL has them)
 
+The supervised loss, for a warm start on gold responses (`train/warmup.py`):
+
+* ``nll``:     L = −(1/Σ_i|o_i|) Σ_i Σ_t logp_{i,t}: the mean negative log-likelihood of the loss tokens (|o_i| counts
+               a response's loss tokens: observations are masked out), advantages and old log-probs ignored; no
+               ratio, clip or KL term (beta, the clip widths and the ratio options are refused). Not one of
+               `LOSSES` (the trainer's GRPO losses): `backward_group(..., loss="nll")` and the warm start use it.
+
 With ``beta > 0`` the k3 estimate of KL(π‖π_ref), k3 = exp(ref − logp) − (ref − logp) − 1, is added per token
 (times β) with the same normalisation as the policy term.
 
@@ -81,7 +88,8 @@ _DEFAULT_CLIP = {
 }
 _CISPO_CAP = 5.0  # cispo's default ε_max (ScaleRL's recommended value)
 _SEQUENCE_RATIO = ("gspo", "luspo")  # the losses whose ratio is the sequence's unless `sequence_ratio` says otherwise
-_TOKEN_NORMALISED = ("dapo", "cispo", "vespo")  # divided by a token count, which `token_normalizer` replaces
+_TOKEN_NORMALISED = ("dapo", "cispo", "vespo", "nll")  # divided by a token count, which `token_normalizer` replaces
+SUPERVISED_LOSSES = ("nll",)  # the losses of gold responses: no advantage, ratio or reference
 _SAPO_TEMPERATURES = (1.0, 1.05)  # (A > 0, A <= 0), the SAPO paper's
 _VESPO_SHAPE = (2.0, 3.0, 3.0, 2.0)  # (k_pos, lambda_pos, k_neg, lambda_neg), the VESPO paper's
 _VESPO_MIN_LAMBDA = 1e-4
@@ -145,8 +153,8 @@ def make_loss_config(
     takes `epsilon_high` only, its weight cap; sapo and vespo have no clip). The sapo_* and vespo_* options belong to
     their loss (None: its default). `max_tokens`, `token_normalizer`, `kl_ratio`, `loss_scale`, `sequence_ratio`,
     `delta`, `log_ratio_clamp`, `kl_clamp`: see the module docstring."""
-    if loss not in LOSSES:
-        raise ValueError(f"unknown loss {loss!r}: choose one of {', '.join(LOSSES)}")
+    if loss not in LOSSES and loss not in SUPERVISED_LOSSES:
+        raise ValueError(f"unknown loss {loss!r}: choose one of {', '.join(LOSSES + SUPERVISED_LOSSES)}")
     if loss in _DEFAULT_CLIP:
         low, high = _DEFAULT_CLIP[loss]
         if epsilon is not None:
@@ -164,6 +172,16 @@ def make_loss_config(
         if epsilon is not None or epsilon_low is not None or epsilon_high is not None:
             raise ValueError(f"the {loss} loss has no clip widths (its weight is smooth): leave epsilon, epsilon_low "
                              "and epsilon_high unset")
+        low, high = LossConfig.epsilon_low, LossConfig.epsilon_high
+    elif loss == "nll":
+        policy_only = {"epsilon": epsilon, "epsilon_low": epsilon_low, "epsilon_high": epsilon_high,
+                       "log_ratio_clamp": log_ratio_clamp, "kl_clamp": kl_clamp}
+        given = [name for name, value in policy_only.items() if value is not None]
+        given += [name for name, on in (("beta", beta != 0), ("kl_ratio", kl_ratio is True),
+                                        ("sequence_ratio", sequence_ratio is True)) if on]
+        if given:
+            raise ValueError(f"the nll loss is the mean negative log-likelihood of the loss tokens (no ratio, clip "
+                             f"or KL term): leave {', '.join(given)} unset")
         low, high = LossConfig.epsilon_low, LossConfig.epsilon_high
     else:
         raise ValueError(f"unknown loss {loss!r}: choose one of {', '.join(LOSSES)}")
@@ -321,6 +339,8 @@ def _policy_term(logp: torch.Tensor, log_ratio: torch.Tensor, ratio: torch.Tenso
         return -torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * adv
     elif cfg.kind == "vespo":
         return -_vespo_weight(log_ratio, adv, cfg) * adv * logp
+    elif cfg.kind == "nll":
+        return -logp
     else:
         raise ValueError(f"unknown loss {cfg.kind!r}: choose one of {', '.join(LOSSES)}")
 
