@@ -109,6 +109,11 @@ class TrainConfig:
     eval_prompts: int = _f(8, "held-out prompts scored greedily before and after training (0 = skip)")
     tensorboard: bool = _f(False, "also log to TensorBoard under run_dir/tb (needs the tensorboard package)")
     plot: bool = _f(True, "write run_dir/progress.png at the end (needs matplotlib)")
+    # supervised warm start (an agent task's gold trajectories, before GRPO; train/warmup.py)
+    warm_start_steps: int = _f(0, "steps of the nll loss on gold trajectories the task writes (call, its result "
+                                  "masked, answer) before GRPO, on a fresh run (lookup; 0 = none)")
+    warm_start_lr: float = _f(1e-4, "AdamW learning rate of the warm start (its own optimizer)")
+    warm_start_batch: int = _f(4, "gold trajectories per warm-start step, each its own prompt")
     bias_every: int = _f(0, "detach plan only: every N steps also compute the exact gradient of the step's groups at "
                             "the same weights and log its cosine and relative error to the detach gradient "
                             "(bias_cosine, bias_rel_error in metrics.jsonl); the run itself is unchanged (0 = off)")
@@ -187,6 +192,13 @@ class TrainConfig:
             need(bool(self.data), "task jsonl needs --data FILE.jsonl")
         else:
             need(not self.data and not self.reward_fn, "--data and --reward-fn only apply to --task jsonl")
+        need(self.warm_start_steps >= 0, f"warm_start_steps must be >= 0, got {self.warm_start_steps}")
+        need(self.warm_start_batch >= 1, f"warm_start_batch must be >= 1, got {self.warm_start_batch}")
+        need(math.isfinite(self.warm_start_lr) and self.warm_start_lr > 0,
+             f"warm_start_lr must be a finite number > 0, got {self.warm_start_lr}")
+        need(self.warm_start_steps == 0 or self.task == "lookup",
+             f"warm_start_steps trains on gold trajectories an agent task writes; task {self.task!r} writes none: use "
+             "--task lookup or drop --warm-start-steps")
         self.backward_options()  # plan, loss and its parameters, and their combinations: the engine's own rules
 
     def loss_options(self) -> dict[str, float]:

@@ -67,6 +67,8 @@ class Sampler:
         self.sampling = SamplingConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                                        top_p=cfg.top_p, top_k=cfg.top_k, stop_ids=stop_ids, call_end=self.call_end,
                                        max_turns=self.max_turns)
+        # An agent task's last held-out evaluation: the share of prompts whose greedy response made a tool call.
+        self.eval_tool_call_rate = float("nan")
 
     def step_groups(self, model: torch.nn.Module, step: int, progress: Progress, log: StepLog) -> list[ScoredGroup]:
         """This rank's prompts of 0-based `step` (all of them in one process), sampled and scored, each counted in
@@ -127,14 +129,17 @@ class Sampler:
         if talk:
             print(f"held-out evaluation {when}: {len(examples)} prompts, greedy ...", file=sys.stderr, flush=True)
         tty = sys.stderr.isatty()
-        total = 0.0
+        total, calling = 0.0, 0
         with par.compute(model, reduce=False):
             for i, example in enumerate(mine):
                 out = sample_group(model, data.encode(example), 1, greedy, chunk_size=cfg.chunk_size,
                                    context_shards=par.context_shards, environment=data.environment(example))
                 total += data.reward(data.decode(out.responses[0]), example, "held-out evaluation")
+                calling += int(bool(out.tool_calls and out.tool_calls[0]))
                 if talk and tty:
                     print(f"\r  prompt {i + 1}/{len(mine)}   ", end="", file=sys.stderr, flush=True)
         if talk and tty:
             print("\r", end="", file=sys.stderr, flush=True)
+        if self.call_end:
+            self.eval_tool_call_rate = par.sum(calling) / par.cp_size / len(examples)
         return par.sum(total) / par.cp_size / len(examples)  # a block's ranks all add the same

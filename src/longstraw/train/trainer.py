@@ -59,6 +59,7 @@ from longstraw.train.reporting import Progress, Report, StepLog
 from longstraw.train.rundir import RunLock, open_run_dir
 from longstraw.train.sampler import Sampler
 from longstraw.train.stopping import StopSignals, TrainingInterrupted, save_after_failure
+from longstraw.train.warmup import check_gold, warm_start
 
 
 class StoppedTogether(TrainingInterrupted):
@@ -74,6 +75,8 @@ class Trainer:
         self.par.share(cfg.prompts_per_step)  # refuse a count the ranks cannot split before loading anything
         if cfg.bias_every and self.par.distributed:
             raise ValueError("--bias-every runs in one process only (sharded gradients): drop it or --nproc")
+        if cfg.warm_start_steps and self.par.distributed:
+            raise ValueError("--warm-start-steps runs in one process only: drop it or --nproc")
         self.run_dir = Path(cfg.run_dir)
         # Rank 0 checks and locks the run directory and, on resume, reads and checks the checkpoint, before the model
         # loads. The lock is held until `run` ends (released here if the setup fails).
@@ -98,6 +101,8 @@ class Trainer:
         self.model = self.par.shard(self.model)  # FSDP2 across ranks; unchanged in one process
         self.optimizer, self.scheduler = make_optimizer(self.model, cfg)
         self.sampler = Sampler(cfg, self.data, stop_ids_of(self.model, tokenizer), self.reference, self.par)
+        if cfg.warm_start_steps:
+            check_gold(cfg, self.data, self.sampler.sampling.stop_ids)
         self.step = 0
         self.summary: dict[str, Any] = {}
         # Error-path bookkeeping: `_dirty` is True from the first optimizer/scheduler step of a step until the
@@ -141,6 +146,24 @@ class Trainer:
         lr = float(self.scheduler.get_last_lr()[0])  # typed float | Tensor; the trainer sets a float lr
         scheduler_step(self.scheduler)  # every step, also one whose groups were all dropped
         return log.row(self.par, step, n_kept, skipped, loss_total, grad_norm, lr, bias_metrics)
+
+    def _agent_eval(self, when: str) -> None:
+        """An agent task's held-out tool-call rate of the evaluation just run, in the summary."""
+        if self.data.call_end and self.cfg.eval_prompts:
+            self.summary[f"tool_call_rate_{when}"] = self.sampler.eval_tool_call_rate
+
+    def _warm_start(self) -> None:
+        """The supervised warm start (`warmup.py`) on a fresh run, then the held-out evaluation after it. Its weights
+        are no step boundary: a failure during it saves nothing (the run starts over)."""
+        self._dirty = True
+        self.summary["warm_start"] = warm_start(self.model, self.cfg, self.data, self.options,
+                                                self.sampler.sampling.stop_ids, self.report.note)
+        self._dirty = False
+        self.summary["eval_after_warm_start"] = self.sampler.evaluate(self.model, "after the warm start")
+        self._agent_eval("after_warm_start")
+        rate = self.summary.get("tool_call_rate_after_warm_start", float("nan"))
+        self.report.note(f"held-out greedy reward after the warm start: {self.summary['eval_after_warm_start']:.3f}"
+                         f" (tool-call rate {rate:.2f})")
 
     def save(self) -> None:
         """Checkpoint the current step boundary (every rank calls: a sharded state is gathered to rank 0)."""
@@ -207,6 +230,9 @@ class Trainer:
         else:
             self.summary["eval_before"] = self.sampler.evaluate(self.model, "before training")
             report.eval_before(self.summary["eval_before"])
+            self._agent_eval("before")
+            if cfg.warm_start_steps:
+                self._warm_start()
         self._boundary_rng = rng_state()
         last = min(cfg.steps, self.step + cfg.stop_after) if cfg.stop_after else cfg.steps
         while self.step < last:
@@ -226,6 +252,7 @@ class Trainer:
             report.note(f"stopped after step {self.step}; continue with --resume")
             return self.summary
         self.summary["eval_after"] = self.sampler.evaluate(self.model, "after training")
+        self._agent_eval("after")
         self.summary["steps"] = self.step
         self.save()
         report.finish(self.summary)  # rank 0: the evaluation line, summary.json, progress.png, the outputs

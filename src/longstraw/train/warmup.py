@@ -1,0 +1,101 @@
+"""The supervised warm start: `warm_start_steps` steps of the nll loss on gold trajectories before GRPO.
+
+A small model may never write a tool call (SmolLM2-135M-Instruct made none in 96 samples on `lookup`), so every
+group's rewards are equal, every advantage 0, and GRPO has nothing to learn from. The task writes the gold response
+itself (`TaskData.gold`: the environment knows the ids and the answer): call -> observation -> answer, the
+observation's tokens masked out of the loss as in a rollout. Each gold response is a group of one through
+`backward_group(loss="nll")` with the run's plan (exact: the gradient through the shared prompt too), so the warm
+start uses the engine, the prompt state and the masks GRPO uses.
+
+A warm-start step: `warm_start_batch` prompts from their own seed stream (never GRPO's or the held-out one's), one
+gold response each, the mean of their gradients, the norm clipped at `max_grad_norm`, one AdamW step at
+`warm_start_lr` (its own optimizer: GRPO's starts afresh after it). Runs on a fresh run only (a resumed run's
+checkpoint already holds the warmed-up weights), in one process.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from longstraw.engine.api import backward_group
+from longstraw.engine.group import Group
+from longstraw.train.data import derive_seed
+
+if TYPE_CHECKING:
+    from longstraw.engine.options import BackwardOptions
+    from longstraw.train.config import TrainConfig
+    from longstraw.train.data import TaskData
+
+WARM_START_STREAM = 2_000_003  # the warm start's prompts: a seed stream GRPO's steps and the held-out set never use
+NLL_LOSS = "nll"
+
+
+def warm_start_examples(cfg: TrainConfig, data: TaskData, step: int) -> list[Any]:
+    """The prompts of 0-based warm-start `step`, each from its own seed."""
+    return [data.task.sample(random.Random(derive_seed(cfg.seed, WARM_START_STREAM, step, j)))
+            for j in range(cfg.warm_start_batch)]
+
+
+def gold_group(data: TaskData, example: Any, stop_ids: tuple[int, ...]) -> Group:
+    """One gold response to `example` as a group of one: its observation tokens masked, advantage 1 (nll ignores
+    it)."""
+    gold = data.gold(example, stop_ids)
+    if gold is None:
+        raise ValueError(f"task {data.cfg.task!r} writes no gold responses: the warm start (warm_start_steps) needs "
+                         "an agent task that does (lookup)")
+    ids, mask = gold
+    return Group(data.encode(example), [ids], torch.ones(1, dtype=torch.float64), loss_masks=[mask])
+
+
+def check_gold(cfg: TrainConfig, data: TaskData, stop_ids: tuple[int, ...]) -> None:
+    """Before anything is trained: the first warm-start prompt's gold response fits --max-new-tokens (a longer one
+    would teach responses the rollouts cut short)."""
+    group = gold_group(data, warm_start_examples(cfg, data, 0)[0], stop_ids)
+    n = group.responses[0].numel()
+    if n > cfg.max_new_tokens:
+        raise ValueError(f"the warm start's gold response has {n} tokens (calls, results and the answer), more than "
+                         f"--max-new-tokens {cfg.max_new_tokens}: raise --max-new-tokens to at least {n}")
+
+
+def nll_options(options: BackwardOptions) -> BackwardOptions:
+    """The run's backward options with the nll loss (no KL term, no clip)."""
+    return replace(options, loss=NLL_LOSS, beta=0.0, epsilon_low=None, epsilon_high=None, epsilon=None)
+
+
+def warm_start(model: torch.nn.Module, cfg: TrainConfig, data: TaskData, options: BackwardOptions,
+               stop_ids: tuple[int, ...], note: Any) -> dict[str, Any]:
+    """Run the warm start on `model` in place; returns its record for summary.json (losses per step, seconds).
+    `note(text)`: the progress lines."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.warm_start_lr, weight_decay=cfg.weight_decay)
+    sft = nll_options(options)
+    losses: list[float] = []
+    t0 = time.perf_counter()
+    for step in range(cfg.warm_start_steps):
+        optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for example in warm_start_examples(cfg, data, step):
+            result = backward_group(model, gold_group(data, example, stop_ids), sft)
+            total += result.loss / cfg.warm_start_batch
+        grads = [p for p in params if p.grad is not None]
+        for p in grads:
+            assert p.grad is not None
+            p.grad.div_(cfg.warm_start_batch)  # the mean over the step's gold responses
+        max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
+        norm = float(torch.nn.utils.clip_grad_norm_(grads, max_norm))
+        if not math.isfinite(norm) or not math.isfinite(total):
+            raise FloatingPointError(f"warm-start step {step + 1}: the nll loss is {total} and its gradient norm "
+                                     f"{norm}; the weights are unchanged by it. Lower --warm-start-lr or use float32")
+        optimizer.step()
+        losses.append(total)
+        note(f"warm start {step + 1}/{cfg.warm_start_steps}: nll {total:.4f} | grad norm {norm:.3f} | "
+             f"{time.perf_counter() - t0:.0f} s")
+    optimizer.zero_grad(set_to_none=True)
+    return {"steps": cfg.warm_start_steps, "batch": cfg.warm_start_batch, "lr": cfg.warm_start_lr,
+            "nll": losses, "seconds": round(time.perf_counter() - t0, 1)}
