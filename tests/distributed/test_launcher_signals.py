@@ -127,10 +127,12 @@ def test_sigterm_saves_and_exits_143_and_a_killed_launcher_takes_its_ranks(tmp_p
 
 def test_a_signal_to_the_launcher_is_one_line_and_its_status(monkeypatch, capsys):
     """What the launcher does once torchrun's agent has forwarded SIGINT or SIGTERM and the ranks have ended."""
+    monkeypatch.delenv("LONGSTRAW_LAUNCHER_PID", raising=False)
     import torch.distributed.run
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     from longstraw.distributed import launch
+    from longstraw.distributed.runtime import LAUNCHER_PID_ENV
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         def stopped(args, sig=sig):
@@ -139,3 +141,4 @@ def test_a_signal_to_the_launcher_is_one_line_and_its_status(monkeypatch, capsys
         monkeypatch.setattr(torch.distributed.run, "run", stopped)
         assert launch.launch_train(["--steps", "1"], 2) == 128 + sig
         assert capsys.readouterr().err == f"longstraw train: stopped by {sig.name}\n"
+        assert LAUNCHER_PID_ENV not in os.environ  # not left for what this process starts later

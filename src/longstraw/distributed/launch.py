@@ -83,8 +83,12 @@ def launch_train(train_argv: list[str], nproc: int) -> int:
     args = get_args_parser().parse_args(
         ["--standalone", f"--nproc-per-node={nproc}", "--module", "longstraw.cli", "train", *train_argv]
     )
-    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # the ranks check that their parent is still this process
-    os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S))
+    # The ranks inherit this environment: they check that their parent is still this process. Restored after, so
+    # that nothing else this process starts later takes it for its launcher.
+    env = {LAUNCHER_PID_ENV: str(os.getpid()),
+           "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S))}
+    before = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
     for name in AGENT_LOGGERS:  # its notes on a signal say what the line below says; everything else still shows
         logging.getLogger(name).addFilter(_drop_signal_notes)
     try:
@@ -92,4 +96,10 @@ def launch_train(train_argv: list[str], nproc: int) -> int:
     except SignalException as err:
         print(f"longstraw train: stopped by {signal.Signals(err.sigval).name}", file=sys.stderr)
         return 128 + int(err.sigval)
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     return 0

@@ -19,7 +19,10 @@ before the model loads (`rundir.py`, `checkpoints.py`); the whole dataset is che
 changes the weights only at its end (optimizer and scheduler steps); until then the last completed step is
 still in memory, so an exception or Ctrl-C/SIGTERM there saves it (`stopping.py` holds a signal that arrives
 during the update or a checkpoint write until they finish). After a kill, a resume truncates metrics.jsonl to
-the checkpoint's step.
+the checkpoint's step. Rank 0 holds the run directory's lock (`rundir.RunLock`) from the check until the run ends,
+so a second process writing the same directory is refused before it touches anything. With several ranks a signal
+is held until the step ends; there the ranks agree (one gather) and save the step together, since saving needs
+every rank.
 
 Several processes (`longstraw train --nproc N`, or torchrun): each rank takes a contiguous slice of the step's
 prompts (same seeds as one process), rolls out and backpropagates its own groups with the model sharded by
@@ -177,7 +180,8 @@ class Trainer:
 
     def run(self) -> dict[str, Any]:
         """Train to cfg.steps (or cfg.stop_after more steps). On an exception or Ctrl-C/SIGTERM after a
-        completed step, the last completed step is checkpointed (one process) before the error propagates."""
+        completed step, the last completed step is checkpointed before the error propagates (several ranks: a
+        signal stops them together at the end of the step, saved; an exception is not saved, see `stopping`)."""
         # Several ranks: a signal is always held until the next step boundary, where every rank learns whether any
         # rank got one (`_stop_requested`) and they save and stop together (saving is a collective).
         signals = StopSignals(busy=lambda: self.par.distributed or self._dirty or self._saving,
