@@ -80,6 +80,21 @@ $(DEMO_STAMP): $(STAMP)
 demo: $(DEMO_STAMP)
 	$(BIN)/longstraw train examples/demo.toml --overwrite
 
+# The agent demo: SmolLM2-135M-Instruct on the lookup task at ~1k-token prompts (examples/agent-demo.toml): a
+# supervised warm start on gold trajectories, then GRPO (exact, G = 8), for each seed of AGENT_SEEDS; the held-out
+# greedy reward and tool-call rate before, after the warm start and after GRPO in runs/agent-demo/agent-results.json
+# and agent-results.png, with the wall time (docs/agents.md).
+AGENT_SEEDS ?= 0
+.PHONY: demo-agent
+demo-agent: $(DEMO_STAMP)
+	@start=$$(date +%s); \
+	for s in $(AGENT_SEEDS); do \
+		$(BIN)/longstraw train examples/agent-demo.toml --seed $$s --run-dir runs/agent-demo/seed$$s --overwrite \
+			|| exit 1; \
+	done; \
+	$(BIN)/python -m longstraw.train.agent_results runs/agent-demo $(addprefix runs/agent-demo/seed,$(AGENT_SEEDS)) \
+		--wall-s $$(( $$(date +%s) - start ))
+
 # The paper's check of the detach plan at demo size: examples/demo.toml once per plan (standard, exact, detach)
 # and seed (3), held-out reward table, weight divergence and plot in runs/compare-demo (resumable).
 .PHONY: compare-demo
