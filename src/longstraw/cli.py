@@ -403,6 +403,7 @@ def _launch_train(args: argparse.Namespace, cfg: TrainConfig, argv: list[str]) -
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from longstraw.distributed import launch
+    from longstraw.train.rundir import check_not_in_use
 
     if "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1:
         args.fail("this process was already started by torchrun: drop --nproc (torchrun's --nproc-per-node sets it)")
@@ -410,6 +411,11 @@ def _launch_train(args: argparse.Namespace, cfg: TrainConfig, argv: list[str]) -
         launch.check_nproc(args.nproc, cfg.device, cfg.prompts_per_step, cfg.cp)
     except ValueError as err:
         args.fail(str(err))
+    try:
+        check_not_in_use(cfg.run_dir)  # another process writing it: refused here, before any rank starts
+    except ValueError as err:
+        print(f"longstraw train: error: {err}", file=sys.stderr)
+        return 1
     try:
         return launch.launch_train(launch.strip_nproc(argv[argv.index("train") + 1 :]), args.nproc)
     except ChildFailedError as err:

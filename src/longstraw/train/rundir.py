@@ -124,6 +124,14 @@ def _read_holder(fd: int) -> tuple[str, str, str] | None:
     return fields[0], fields[1], fields[2]
 
 
+def check_not_in_use(run_dir: str | Path) -> None:
+    """Raise the ValueError `RunLock.acquire` would if another process holds `run_dir`'s lock; creates nothing (the
+    `--nproc` launcher's early check: rank 0 takes the lock itself)."""
+    path = Path(run_dir)
+    if (path / LOCK_FILE).is_file():
+        RunLock.acquire(path).release()
+
+
 def open_run_dir(run_dir: Path, cfg: TrainConfig) -> tuple[RunLock, dict[str, Any] | None]:
     """Check, create and lock the run directory; with cfg.resume, read and check its checkpoint (before any model is
     loaded) and return it, after printing the notes on changed settings. The caller releases the lock."""
