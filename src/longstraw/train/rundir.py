@@ -58,6 +58,7 @@ class RunLock:
 
     def __init__(self, path: Path, fd: int | None) -> None:
         self.path, self.fd = path, fd  # fd None: a filesystem without locks (noted when acquired)
+        self.pid = os.getpid()  # a forked child's copy must not clear the holder's line
 
     @classmethod
     def acquire(cls, run_dir: Path, what: str = "run_dir", option: str = "--run-dir") -> RunLock:
@@ -65,7 +66,7 @@ class RunLock:
         directory in messages, `option` the command-line option that chooses another."""
         key = str(run_dir.resolve())
         held = cls._held.get(key)
-        if held is not None and held.fd is not None:
+        if held is not None and held.fd is not None and held.pid == os.getpid():
             return held
         path = run_dir / LOCK_FILE
         try:
@@ -103,10 +104,11 @@ class RunLock:
         fd, self.fd = self.fd, None
         if fd is None:
             return
-        try:
-            os.ftruncate(fd, 0)
-        except OSError:
-            pass  # best effort: the next holder then only prints a note
+        if os.getpid() == self.pid:
+            try:
+                os.ftruncate(fd, 0)
+            except OSError:
+                pass  # best effort: the next holder then only prints a note
         os.close(fd)  # closing the last descriptor releases the flock
 
     def __del__(self) -> None:
