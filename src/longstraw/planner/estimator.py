@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 
 from longstraw.choices import DTYPE_BYTES, PLANS, PLANS_BASELINE_FIRST
 from longstraw.planner.formulas import (
+    MASKED_MIXERS,
     _recurrent_layers,
     chunk_activation_bytes,
     last_state_layer,
@@ -226,7 +227,7 @@ def estimate(spec: ModelSpec, inp: PlanInputs, plan: str) -> PlanEstimate:
             if not inp.checkpoint_layers:  # (with checkpointing the layer's backward buffers are counted above)
                 backward_transient = chunk * (spec.intermediate + d) * b
                 chunk_acts += backward_transient
-            attending = masked_layers(spec) - (spec.mixers[last_state_layer(spec)] in ("sliding", "mla", "dsa"))
+            attending = masked_layers(spec) - (spec.mixers[last_state_layer(spec)] in MASKED_MIXERS)
             chunk_acts += masked_score_bytes(spec, a, chunk, chunk if p - 1 > inp.chunk_size else 0, 1,
                                              inp.checkpoint_layers, attending)
             # Kept capture graphs: the last N chunks' saved activations, from their capture until their backward

@@ -29,15 +29,31 @@ def _recurrent_bytes(spec: ModelSpec, mixer: str, b: int) -> int:
         return inner * spec.conv_kernel * b + inner * spec.mamba_state * max(4, b)
     elif mixer == "conv":  # LFM2's short convolution: a window of the last `conv_kernel` inputs, no recurrent state
         return spec.hidden * spec.conv_kernel * b
+    elif mixer == "lightning":  # MiniMax: K^T V per head, in the model's dtype (the layer builds it from its values)
+        return spec.lin_value_heads * spec.lin_key_dim * spec.lin_value_dim * b
+    elif mixer == "cca":  # ZAYA: the q/k convolution's last inputs (query and key heads) and the delayed value
+        window = (spec.heads + spec.kv_heads) * spec.head_dim * spec.conv_kernel
+        return (window + spec.kv_heads * spec.head_dim // 2) * b
     else:
         return 0
+
+
+# Mixers whose state holds K and V per prompt token (`ModelSpec.layer_kv` where layers differ).
+KV_MIXERS = ("attention", "sliding", "chunked", "attention+mamba", "cca")
+
+
+def layer_kv(spec: ModelSpec, layer: int) -> tuple[int, int]:
+    """(key, value) elements per token that attention layer `layer` keeps."""
+    if spec.layer_kv:
+        return spec.layer_kv[layer]
+    return spec.kv_heads * spec.head_dim, spec.kv_heads * (spec.v_head_dim or spec.head_dim)
 
 
 def _per_token_state_bytes(spec: ModelSpec, layer: int, b: int) -> tuple[int, int]:
     """(bytes per prompt token that carry a gradient, bytes per token that do not) of one layer's state."""
     mixer = spec.mixers[layer]
-    if mixer in ("attention", "sliding", "attention+mamba"):  # K and V (V's head dim where it differs)
-        return spec.kv_heads * (spec.head_dim + (spec.v_head_dim or spec.head_dim)) * b, 0
+    if mixer in KV_MIXERS:  # K and V (V's head dim where it differs; the layer's own where layers differ)
+        return sum(layer_kv(spec, layer)) * b, 0
     elif mixer in ("mla", "dsa"):
         keys = spec.index_dim * b if mixer == "dsa" and spec.index_layers[layer] else 0
         return (spec.kv_lora_rank + spec.qk_rope_dim) * b, keys
@@ -125,7 +141,7 @@ class RecurrentBytes:
     backward: int
 
 
-RECURRENT_MIXERS = ("linear", "mamba", "attention+mamba", "mamba1")
+RECURRENT_MIXERS = ("linear", "mamba", "attention+mamba", "mamba1", "lightning")
 
 
 def recurrent_bytes(spec: ModelSpec, mixer: str, tokens: int, b: int, batch: int = 1,
@@ -195,9 +211,32 @@ def recurrent_bytes(spec: ModelSpec, mixer: str, tokens: int, b: int, batch: int
         tail = tokens * inner * b
         nograd = tokens * (5 * inner * b + 3 * inner * n * w)
         backward = tokens * 2 * inner * n * w
+    elif mixer == "lightning":
+        # MiniMax's lightning attention. Continuing a state (the cached segments: capture after the first chunk,
+        # replays) it runs token by token, and each token's output q_t S_t reads a new (H, d, d) state S_t, which
+        # autograd saves: one state per token. Without a state (the standard plans) it runs blocks of
+        # `LIGHTNING_BLOCK`: per block the decayed intra-block scores (H x block x block) and two states, per token
+        # the decayed query. Both: the activated q/k/v projection and its input, the RMSNorm (fp32) and the output
+        # gate. `saved` measured with saved-tensor hooks on one float64 layer (4 heads of 32): cached at 64 and 128
+        # tokens within 0.1%, uncached at 256 and 512 within 2%; the rest is counted from transformers' code.
+        h, d = spec.lin_value_heads, spec.lin_key_dim
+        state = h * d * d * b
+        per_token = 2 * 3 * h * d * b + 5 * h * d * 4 + 2 * h * d * b
+        if cached:
+            saved = tokens * (per_token + state)
+        else:
+            blocks = -(-tokens // LIGHTNING_BLOCK)
+            saved = tokens * (per_token + h * d * b) + blocks * (h * LIGHTNING_BLOCK * LIGHTNING_BLOCK * b + 2 * state)
+        tail = tokens * (5 * h * d * 4 + 2 * h * d * b)
+        nograd = tokens * 3 * 3 * h * d * b + 3 * state
+        backward = 2 * state + tokens * 3 * h * d * b
     else:
         return RecurrentBytes(0, 0, 0, 0)
     return RecurrentBytes(*(batch * x for x in (saved, tail, nograd, backward)))
+
+
+# MiniMax's lightning-attention block length (its config's `block_size` default, which MiniMax-Text-01 keeps).
+LIGHTNING_BLOCK = 256
 
 
 def _recurrent_layers(spec: ModelSpec) -> list[int]:
@@ -209,7 +248,8 @@ def _mixer_activation_bytes(spec: ModelSpec, mixer: str, b: int, a: int, kernel:
     prefix), 'own' (prefix attention without a prefix: the first chunk), 'sdpa' (the standard plans).
     Recurrent mixers (gated DeltaNet, Mamba2) pad to their scan chunk and are counted per segment by
     `recurrent_bytes`: here they count 0 (Falcon-H1's parallel attention heads count)."""
-    if mixer in ("attention", "sliding", "attention+mamba", "mla", "dsa"):
+    if mixer in ("attention", "sliding", "chunked", "attention+mamba", "cca", "mla", "dsa"):
+        # (ZAYA's `cca`: counted as attention; its q/k convolution's inputs and outputs are not counted)
         h = spec.heads
         if mixer in ("mla", "dsa"):
             qk, v = spec.qk_nope_dim + spec.qk_rope_dim, spec.v_head_dim
@@ -239,7 +279,7 @@ def _mixer_activation_bytes(spec: ModelSpec, mixer: str, b: int, a: int, kernel:
         # LFM2's gated short convolution, counted from the code (not measured): the in_proj output (B, C, x: 3·d),
         # B·x with the cached window before it, the conv output and C·conv (the output projection's input)
         return 7 * spec.hidden * b
-    elif mixer in ("linear", "mamba", "mamba1", "none"):
+    elif mixer in ("linear", "mamba", "mamba1", "lightning", "none"):
         return 0
     else:
         raise ValueError(f"unknown mixer kind {mixer!r}")
@@ -284,8 +324,10 @@ def model_activation_bytes(spec: ModelSpec, b: int, a: int, kernel: str, tokens:
 
 def last_state_layer(spec: ModelSpec) -> int:
     """The last layer that keeps prompt state: where a capture or prompt-backward chunk's forward stops. The last
-    layer but in Nemotron-H, whose trailing MLP/MoE blocks (mixer `none`) keep none."""
-    return max(i for i, mixer in enumerate(spec.mixers) if mixer != "none")
+    layer but in Nemotron-H, whose trailing MLP/MoE blocks (mixer `none`) keep none, and in Gemma-4 with KV-shared
+    layers (`layer_kv` (0, 0)), which read an earlier layer's K/V."""
+    return max(i for i, mixer in enumerate(spec.mixers)
+               if mixer != "none" and not (mixer in KV_MIXERS and layer_kv(spec, layer=i) == (0, 0)))
 
 
 def chunk_activation_bytes(spec: ModelSpec, b: int, a: int, kernel: str, tokens: int) -> int:
@@ -296,7 +338,7 @@ def chunk_activation_bytes(spec: ModelSpec, b: int, a: int, kernel: str, tokens:
     last_layer = last_state_layer(spec)
     layers = sum(_layer_per_token(spec, i, b, a, kernel) for i in range(last_layer))
     last = _norm(spec.hidden, b)
-    if spec.qk_norm and spec.mixers[last_layer] in ("attention", "sliding"):
+    if spec.qk_norm and spec.mixers[last_layer] in ("attention", "sliding", "chunked"):
         last += (4 + b) * (spec.heads + spec.kv_heads) * spec.head_dim
     rec = sum(recurrent_bytes(spec, spec.mixers[i], tokens, b).saved for i in _recurrent_layers(spec)
               if i < last_layer)
@@ -409,10 +451,15 @@ def recurrent_capture_bytes(spec: ModelSpec, positions: int, b: int, chunk: int)
     return tokens * 4 * spec.hidden * b + max(r.nograd for r in recs)
 
 
+# Mixers whose attention takes the masked path (`attention.masked_prefix_attention`): sliding windows, Llama-4's
+# attention chunks, MLA latents, DSA selections.
+MASKED_MIXERS = ("sliding", "chunked", "mla", "dsa")
+
+
 def masked_layers(spec: ModelSpec) -> int:
-    """Layers whose attention takes the masked path (`attention.masked_prefix_attention`): sliding windows, MLA
-    latents, DSA selections. It materialises each key part's scores, where the fused path streams them."""
-    return sum(m in ("sliding", "mla", "dsa") for m in spec.mixers)
+    """Layers whose attention takes the masked path (`MASKED_MIXERS`). It materialises each key part's scores, where
+    the fused path streams them."""
+    return sum(m in MASKED_MIXERS for m in spec.mixers)
 
 
 def masked_score_bytes(spec: ModelSpec, a: int, tokens: int, part: int, batch: int, checkpoint_layers: bool,
@@ -447,6 +494,6 @@ def math_attention_score_bytes(spec: ModelSpec, tokens: int, seqs: int, b: int, 
       forward holds two more (its masked scores and the logits with the sinks, beside the probabilities), counted
       from the code: n + 2 (measured on b1-gpt-oss, P = 4096, standard: 6.2)."""
     n = sum(spec.mixers[i] in ("mla", "dsa") for i in layers)
-    eager = sum(spec.eager_attention and spec.mixers[i] in ("attention", "sliding") for i in layers)
+    eager = sum(spec.eager_attention and spec.mixers[i] in ("attention", "sliding", "chunked") for i in layers)
     scores = spec.heads * seqs * tokens * tokens * b
     return (n * scores + 3 * scores // 2 if n else 0) + ((eager + 2) * scores if eager else 0)

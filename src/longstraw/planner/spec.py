@@ -124,10 +124,17 @@ def load_config(name: str):
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """What the planner needs from a config. `mixers[l]`: attention | sliding | linear | mamba | mla | dsa |
-    conv (LFM2's short convolution: a (hidden, conv_kernel) window) | attention+mamba (Falcon-H1's parallel heads) |
-    mamba1 (a Mamba-1 mixer: `mamba_heads` is its inner width, `mamba_head_dim` 1) | none (Nemotron-H's MLP/MoE
-    blocks); `mlps[l]`: dense | moe | none.
+    """What the planner needs from a config. `mixers[l]`: attention | sliding | chunked (Llama-4's chunked attention:
+    a query sees its own `attention_chunk_size` positions; the state keeps every position, like full attention) |
+    linear | lightning (MiniMax's lightning attention: one (heads, head_dim, head_dim) K^T V state, in the model's
+    dtype, `lin_*` fields) | mamba | mla | dsa | conv (LFM2's short convolution: a (hidden, conv_kernel) window) |
+    cca (ZAYA's compressed convolutional attention: K/V, a q/k convolution window of `conv_kernel` columns and one
+    delayed value projection) | attention+mamba (Falcon-H1's parallel heads; Zamba2's hybrid layers: the shared
+    attention block beside the layer's Mamba2 mixer) | mamba1 (a Mamba-1 mixer: `mamba_heads` is its inner width,
+    `mamba_head_dim` 1) | none (Nemotron-H's MLP/MoE blocks); `mlps[l]`: dense | moe | none.
+    `layer_kv[l]`: (key, value) elements per token of the K/V layer l keeps, where layers differ (per-layer head
+    dims and K/V head counts, KV-shared layers keeping none: (0, 0)); empty: every attention layer keeps
+    kv_heads x (head_dim + v_head_dim).
     Sizes are element counts."""
 
     name: str
@@ -172,6 +179,7 @@ class ModelSpec:
     max_positions: int = 0  # the config's max_position_embeddings (0: none given)
     # No SDPA path in transformers (gpt-oss: its sinks): the standard plans' attention materialises its scores
     eager_attention: bool = False
+    layer_kv: tuple[tuple[int, int], ...] = field(default_factory=tuple)
 
     @property
     def num_layers(self) -> int:
@@ -211,6 +219,10 @@ class _MetaModel:
     moe_layers: frozenset[int]
     qk_norm: bool
     eager_attention: bool  # the model class has no SDPA attention (transformers then runs its eager attention)
+    # (key, value) widths per decoder layer of its attention's `k_proj` / `v_proj` (a `v_proj` of None or none at all:
+    # the key's width, Gemma-4's `attention_k_eq_v` and ZAYA's split value projections); layers without a `k_proj`
+    # (fused q/k/v projections, MLA, recurrent mixers) are absent
+    kv_widths: dict[int, tuple[int, int]] = field(default_factory=dict)
 
 
 def _meta_model(config) -> _MetaModel:
@@ -240,7 +252,25 @@ def _meta_model(config) -> _MetaModel:
     qk_norm = any(re.search(r"\.(self_attn|attention|attn)\.(q_norm|k_norm|q_layernorm|k_layernorm)\.", name)
                   for name, _ in model.named_parameters())
     return _MetaModel(total, expert, max(per_layer.values(), default=0), frozenset(moe_layers), qk_norm,
-                      not getattr(model, "_supports_sdpa", True))
+                      not getattr(model, "_supports_sdpa", True), _kv_widths(model))
+
+
+def _kv_widths(model) -> dict[int, tuple[int, int]]:
+    """`_MetaModel.kv_widths`: per decoder layer, the output widths of the first attention `k_proj` in it and of its
+    sibling `v_proj` (an indexer's key projection is not the attention's). Modules shared by several layers (Zamba2's
+    shared attention block) are listed under each layer."""
+    import torch
+
+    widths: dict[int, tuple[int, int]] = {}
+    modules = dict(model.named_modules(remove_duplicate=False))
+    for name, module in modules.items():
+        m = re.search(r"\.layers\.(\d+)\.(?:.*\.)?k_proj$", name)
+        if not m or "indexer" in name or int(m.group(1)) in widths or not isinstance(module, torch.nn.Linear):
+            continue
+        value = modules.get(name[: -len("k_proj")] + "v_proj")
+        widths[int(m.group(1))] = (module.out_features,
+                                   value.out_features if isinstance(value, torch.nn.Linear) else module.out_features)
+    return widths
 
 
 class _AttentionDims(TypedDict):
@@ -326,9 +356,18 @@ ATTENTION_MODEL_TYPES = (
     "nanochat",
     "nemotron", "olmo", "olmo2", "olmo3", "olmoe", "persimmon", "phi", "phi3", "phimoe", "qwen2_moe", "qwen3_moe",
     "sarvam_moe", "seed_oss", "smollm3", "solar_open", "stablelm", "starcoder2", "vaultgemma",
+    # Learned or rotary positions under GPT-2-era field names (`n_head`, `n_embd`, `n_layer`: transformers' attribute
+    # maps read them as the common names; fused q/k/v projections: K/V of hidden / heads per head).
+    "codegen", "ctrl", "gpt2", "gptj", "opt",
+    "afmoe", "dots1", "hunyuan_v1_dense", "hunyuan_v1_moe", "ministral",
+    # Llama-4's chunked layers (`chunked`); Gemma-4's per-layer head dims and K/V head counts and its KV-shared layers
+    # (`layer_kv`); MiMo-V2-Flash's sliding layers with twice the K/V heads and a V head dim of its own (`layer_kv`);
+    # MiniMax-M3's full-attention layers (its indexer's sparse layers are refused by `_layer_mixers`).
+    "gemma4_text", "gemma4_unified_text", "llama4_text", "mimo_v2_flash", "minimax_m3_vl_text",
 )
-# Latent attention (MLA: the compressed c_kv and the shared RoPE key per token), read like DeepSeek-V3.
-MLA_MODEL_TYPES = ("axk1", "glm4_moe_lite", "minicpm3", "sarvam_mla", "youtu")
+# Latent attention (MLA: the compressed c_kv and the shared RoPE key per token), read like DeepSeek-V3. LongCat-Flash:
+# two MLA sublayers per decoder layer, each its own cache layer (`num_hidden_layers` = 2 x `num_layers`).
+MLA_MODEL_TYPES = ("axk1", "glm4_moe_lite", "minicpm3", "sarvam_mla", "youtu", "deepseek_v2", "longcat_flash")
 # MLA with DSA indexer keys on the layers whose `indexer_types` entry is not "shared" (every layer without it).
 DSA_MODEL_TYPES = ("deepseek_v32", "axk2", "hy_v4")
 # Mamba2 mixers (`linear_attention` in `layer_types`) and attention layers, Falcon-H1's Mamba2 field names.
@@ -338,6 +377,12 @@ GATED_DELTANET_TYPES = ("qwen3_5_moe_text", "olmo_hybrid", "lara_mini")
 # LFM2's gated short convolutions (`conv` layers: a (hidden, conv_L_cache) window, no recurrent state) and
 # attention layers.
 SHORT_CONV_TYPES = ("lfm2", "lfm3")
+# Lightning attention (`linear_attention` layers: one K^T V state per head, no conv window) and attention layers.
+LIGHTNING_TYPES = ("minimax",)
+# Mamba2 layers (`linear_attention`) and hybrid layers: a Mamba2 mixer beside one of the shared attention blocks.
+SHARED_BLOCK_TYPES = ("zamba2",)
+# Compressed convolutional attention on every layer (`hybrid`).
+CCA_TYPES = ("zaya",)
 
 # Configs carrying a `sliding_window` that transformers' attention never reads (Moshi's: full causal attention).
 WINDOW_UNUSED_TYPES = ("moshi",)
@@ -345,6 +390,10 @@ WINDOW_UNUSED_TYPES = ("moshi",)
 _EXPERT_COUNTS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
 _EXPERTS_PER_TOKEN = ("num_experts_per_tok", "num_experts_per_token", "moe_k", "moe_topk", "top_k")
 _SHARED_EXPERT_COUNTS = ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts")
+# The dense MLP's width (Llama-4's dense layers: `intermediate_size_mlp`, its `intermediate_size` being the experts';
+# OPT `ffn_dim`, CTRL `dff`, GPT-2 style `n_inner`, None there for 4 x hidden) and the routed experts'.
+_DENSE_WIDTHS = ("intermediate_size_mlp", "intermediate_size", "ffn_dim", "ffn_hidden_size", "dff", "n_inner")
+_EXPERT_WIDTHS = ("moe_intermediate_size", "expert_ffn_hidden_size")
 _SHARED_EXPERT_WIDTHS = ("shared_expert_intermediate_size", "shared_intermediate_size",
                          "moe_shared_expert_intermediate_size")
 
@@ -375,13 +424,15 @@ def _layer_mixers(c, mt: str, linear: str = "") -> tuple[tuple[str, ...], int]:
             mixers.append("attention")
         elif t == "sliding_attention" and window:
             mixers.append("sliding")
+        elif t == "chunked_attention":
+            mixers.append("chunked")
         elif t == "linear_attention" and linear:
             mixers.append(linear)
         elif t == "conv" and mt in SHORT_CONV_TYPES:
             mixers.append("conv")
         else:
             raise ValueError(f"{mt}: the planner does not model layer type {t!r} of this family (it models "
-                             "full_attention, sliding_attention with a sliding_window"
+                             "full_attention, sliding_attention with a sliding_window, chunked_attention"
                              + (f", linear_attention as {linear}" if linear else "")
                              + (", conv" if mt in SHORT_CONV_TYPES else "") + ")")
     return tuple(mixers), window
@@ -404,6 +455,18 @@ def _generic_attention_dims(c) -> _GenericAttentionDims:
             "v_head_dim": getattr(c, "v_head_dim", None) or head_dim}
 
 
+def _layer_kv(c, dims: _GenericAttentionDims, meta: _MetaModel) -> tuple[tuple[int, int], ...]:
+    """`ModelSpec.layer_kv`: each layer's (key, value) widths from its attention's projections (`kv_widths`), none for
+    the layers that reuse an earlier layer's K/V (Gemma-4's `num_kv_shared_layers`), the config's dims for layers
+    without a `k_proj`; empty where every layer keeps the config's kv_heads x (head_dim + v_head_dim)."""
+    from longstraw.engine.state.sharing import kv_shared_layers
+
+    shared = kv_shared_layers(c)
+    uniform = (dims["kv_heads"] * dims["head_dim"], dims["kv_heads"] * dims["v_head_dim"])
+    kv = tuple((0, 0) if i in shared else meta.kv_widths.get(i, uniform) for i in range(c.num_hidden_layers))
+    return () if all(w == uniform for w in kv) else kv
+
+
 class _GenericMlps(TypedDict):
     mlps: tuple[str, ...]
     intermediate: int
@@ -415,11 +478,11 @@ class _GenericMlps(TypedDict):
 
 def _generic_mlps(c, meta: _MetaModel) -> _GenericMlps:
     """Dense or routed-expert MLP per layer (a layer holding `.experts.` parameters in the meta model is MoE), the
-    dense width (`intermediate_size`, else 4 x hidden) and the experts' count, top-k and widths under the names
+    dense width (`_DENSE_WIDTHS`, else 4 x hidden) and the experts' count, top-k and widths under the names
     the families use."""
     n = c.num_hidden_layers
-    dense = getattr(c, "intermediate_size", None) or 4 * c.hidden_size
-    moe = getattr(c, "moe_intermediate_size", None) or dense
+    dense = _first(c, _DENSE_WIDTHS) or 4 * c.hidden_size
+    moe = _first(c, _EXPERT_WIDTHS) or dense
     shared = _first(c, _SHARED_EXPERT_WIDTHS) or _first(c, _SHARED_EXPERT_COUNTS) * moe
     return {"mlps": tuple("moe" if i in meta.moe_layers else "dense" for i in range(n)), "intermediate": dense,
             "moe_intermediate": moe if meta.moe_layers else 0,
@@ -451,7 +514,7 @@ def _mla_latent_dims(c) -> _MlaLatentDims:
 
 # Every model type `spec_from_config` describes.
 PLANNER_TYPES = (PLANNER_MODEL_TYPES + ATTENTION_MODEL_TYPES + MLA_MODEL_TYPES + DSA_MODEL_TYPES + MAMBA2_HYBRID_TYPES
-                 + GATED_DELTANET_TYPES + SHORT_CONV_TYPES)
+                 + GATED_DELTANET_TYPES + SHORT_CONV_TYPES + LIGHTNING_TYPES + SHARED_BLOCK_TYPES + CCA_TYPES)
 
 
 # Sizes a model cannot have fewer than one of, besides its head counts: transformers' config, the model's layers and
@@ -595,8 +658,11 @@ def spec_from_config(config, name: str = "") -> ModelSpec:
         )
     elif mt in ATTENTION_MODEL_TYPES:
         mixers, window = _layer_mixers(c, mt)
-        return ModelSpec(**base, mixers=mixers, **_generic_attention_dims(c), qk_norm=meta.qk_norm, window=window,
-                         **_generic_mlps(c, meta))
+        # a heterogeneous config (transformers' `per_layer_config`: Gemma-4) refuses to read per-layer fields
+        # globally: its first layer's stand for every layer, and `layer_kv` holds each layer's own K/V widths
+        dims = _generic_attention_dims(c.per_layer_config[0] if getattr(c, "is_heterogeneous", False) else c)
+        return ModelSpec(**base, mixers=mixers, **dims, qk_norm=meta.qk_norm, window=window,
+                         **_generic_mlps(c, meta), layer_kv=_layer_kv(c, dims, meta))
     elif mt in MLA_MODEL_TYPES or mt in DSA_MODEL_TYPES:
         if mt in DSA_MODEL_TYPES:
             types = list(getattr(c, "indexer_types", None) or ["full"] * n)
@@ -628,15 +694,47 @@ def spec_from_config(config, name: str = "") -> ModelSpec:
         mixers, window = _layer_mixers(c, mt)
         return ModelSpec(**base, mixers=mixers, **_attention_dims(c), qk_norm=meta.qk_norm, window=window,
                          **_generic_mlps(c, meta), conv_kernel=c.conv_L_cache)
-    elif mt == "minimax_m3_vl_text":
-        raise ValueError("the planner has no formulas for model_type 'minimax_m3_vl_text': its attention selects key "
-                         "blocks by an indexer whose keys and selection the planner does not model")
+    elif mt in LIGHTNING_TYPES:  # lightning attention: heads x head_dim x head_dim per layer, the model's dtype
+        mixers, window = _layer_mixers(c, mt, linear="lightning")
+        heads = _attention_dims(c)
+        return ModelSpec(
+            **base, mixers=mixers, **heads, qk_norm=meta.qk_norm, window=window, **_generic_mlps(c, meta),
+            lin_key_heads=heads["heads"], lin_value_heads=heads["heads"], lin_key_dim=heads["head_dim"],
+            lin_value_dim=heads["head_dim"],
+        )
+    elif mt in SHARED_BLOCK_TYPES:  # Mamba2 layers; hybrid layers: Mamba2 + a shared attention block and its MLP
+        blocks: list[tuple[str, str]] = []  # (mixer, mlp) per layer
+        for kind in c.layers_block_type:
+            if kind in ("linear_attention", "mamba"):
+                blocks.append(("mamba", "none"))
+            elif kind == "hybrid":
+                blocks.append(("attention+mamba", "dense"))
+            else:
+                raise ValueError(f"{mt}: the planner does not model block type {kind!r} (it models linear_attention "
+                                 "(Mamba2) and hybrid)")
+        return ModelSpec(
+            **base, mixers=tuple(k[0] for k in blocks), mlps=tuple(k[1] for k in blocks), heads=c.num_attention_heads,
+            kv_heads=c.num_key_value_heads or c.num_attention_heads, head_dim=c.attention_head_dim,
+            intermediate=c.intermediate_size, mamba_heads=c.n_mamba_heads, mamba_head_dim=c.mamba_headdim,
+            mamba_state=c.mamba_d_state, mamba_groups=c.mamba_ngroups, conv_kernel=c.mamba_d_conv,
+            mamba_chunk=c.chunk_size or MAMBA_SCAN_CHUNK,
+        )
+    elif mt in CCA_TYPES:  # K/V, a window of the q/k convolution's inputs and the last token's delayed value
+        kinds = sorted({str(t) for t in layer_types} - {"hybrid"})
+        if kinds:
+            raise ValueError(f"{mt}: the planner does not model layer type {kinds[0]!r} of this family (it models "
+                             "hybrid: compressed convolutional attention without a window)")
+        return ModelSpec(
+            **base, mixers=("cca",) * n, **_attention_dims(c), qk_norm=True, **_generic_mlps(c, meta),
+            conv_kernel=(c.cca_time0 - 1) + (c.cca_time1 - 1),
+        )
     else:
         kinds = sorted({str(t) for t in layer_types})
         raise ValueError(
             f"the planner has no formulas for model_type {mt!r}"
-            + (f" (its layer types: {', '.join(kinds)})" if kinds else "") + ": it models full and sliding "
-            "attention, MLA, DSA, gated DeltaNet, KDA, Mamba2, Mamba-1 and short-convolution layers, in the "
+            + (f" (its layer types: {', '.join(kinds)})" if kinds else "") + ": it models full, sliding and chunked "
+            "attention, MLA, DSA, gated DeltaNet, KDA, lightning attention, Mamba2, Mamba-1, short-convolution and "
+            "compressed convolutional attention layers, in the "
             f"{len(PLANNER_TYPES)} model types listed in longstraw.planner.spec (PLANNER_TYPES), each checked "
             "against its captured prompt state"
         )
