@@ -148,10 +148,10 @@ def context_blocks(cp: int) -> ContextParallel:
 
 
 def check_supported(model: torch.nn.Module) -> None:
-    """Refuse layer kinds whose attention does not run through the fused path (windows, MLA, DSA)."""
+    """Refuse layer kinds whose attention does not run through the fused path (windows, attention chunks, MLA, DSA)."""
     from longstraw.planner import spec_from_config
 
-    unsupported = set(spec_from_config(model.config).mixers) & {"sliding", "mla", "dsa"}
+    unsupported = set(spec_from_config(model.config).mixers) & {"sliding", "chunked", "mla", "dsa"}
     if unsupported or getattr(model.config, "final_logit_softcapping", None):
         raise ValueError(
             f"context parallelism supports full-attention and recurrent layers; this model has "

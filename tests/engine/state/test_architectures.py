@@ -33,7 +33,7 @@ from longstraw.models.architecture import cache_keyword
 RECURRENT = ("qwen3_next", "mamba2", "falcon_h1", "kimi_linear", "nemotron_h", "zamba2", "minimax",
              "granitemoehybrid", "mamba", "falcon_mamba", "jamba")
 # Families whose model type the planner's state formulas (`planner.spec_from_config`) do not describe yet.
-NO_PLANNER_SPEC = ("zamba2", "llama4", "minimax", "gemma4")
+NO_PLANNER_SPEC: tuple[str, ...] = ()
 _tol = gradient_tolerance  # helpers: 1e-6 for the FP32_INSIDE families, else 1e-10
 
 
