@@ -80,7 +80,7 @@ def _check(family: str, plan: str, world: int, per_rank: list[dict]) -> None:
         assert max(shards) < state_bytes
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "gemma3-A"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "gemma3-A", "llama4-A", "zamba2-A", "minimax"])
 def test_context_parallel_refuses_latent_and_windowed_attention(family):
     from longstraw.distributed.context import check_supported
 

@@ -147,10 +147,19 @@ def context_blocks(cp: int) -> ContextParallel:
     return mine
 
 
+# Families whose recurrent or shared-block state no context-parallel test has run: Zamba2's shared attention blocks,
+# MiniMax's lightning attention, ZAYA's convolutional attention.
+CP_UNVERIFIED_MODEL_TYPES = ("zamba2", "minimax", "zaya")
+
+
 def check_supported(model: torch.nn.Module) -> None:
     """Refuse layer kinds whose attention does not run through the fused path (windows, attention chunks, MLA, DSA)."""
     from longstraw.planner import spec_from_config
 
+    config = getattr(model.config, "text_config", None) or model.config
+    if config.model_type in CP_UNVERIFIED_MODEL_TYPES:
+        raise ValueError(f"context parallelism has not been verified on {config.model_type} (shared blocks, lightning "
+                         "or convolutional attention state): run it without --cp")
     unsupported = set(spec_from_config(model.config).mixers) & {"sliding", "chunked", "mla", "dsa"}
     if unsupported or getattr(model.config, "final_logit_softcapping", None):
         raise ValueError(
