@@ -23,8 +23,8 @@ on the decoded text. A call ends the response when no letter or digit follows it
 decodes the response so far with the tokenizer (SmolLM2's tokenizer writes ``</lookup>`` as ``</ lookup >``,
 `` </ lookup >`` after a space, ``… >.`` before a period: no one tuple of ids).
 
-``gold(example)``: the protocol followed correctly, as (text, is the policy's) pieces: each call, its result (the
-environment's, not the policy's), the answer; the trainer's warm start trains on it.
+``gold(example)``: the protocol followed correctly, as (text, is the policy's) pieces: the asked person's directory
+line, each call, its result (the environment's, not the policy's), the answer; the trainer's warm start trains on it.
 """
 
 from __future__ import annotations
@@ -199,12 +199,15 @@ class LookupTask(Task):
         return f"\n<result>phone: {record[0]}, manager: {record[1]}</result>\n"
 
     def gold(self, example: Example) -> list[tuple[str, bool]]:
-        """The protocol followed correctly, as (text, True where the policy writes it) pieces: each lookup, the
-        environment's result (False: an observation), then the answer."""
+        """The protocol followed correctly, as (text, True where the policy writes it) pieces: the asked person's
+        directory line (the one to read the id from, copied: a small model finds the id by continuing the line it
+        copies), each lookup, the environment's result (False: an observation), then the answer."""
         pieces: list[tuple[str, bool]] = []
         response, pid = "", example.meta["asked_id"]
-        for _ in range(self.hops):
+        for hop in range(self.hops):
             call = f"{CALL_OPEN}{pid}{CALL_CLOSE}"
+            if hop == 0:
+                call = f"{example.meta['asked']} -> id {pid}\n{call}"
             result = self.observe(response + call, example)
             assert result is not None  # the asked person and managers exist
             pieces += [(call, True), (result, False)]
