@@ -15,6 +15,7 @@ from longstraw.bench import stress
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+@pytest.mark.slow
 def test_gpu_script_dry_run_on_cpu(tmp_path):
     out = tmp_path / "gpu"
     env = dict(os.environ, PYTHON=sys.executable)

@@ -40,6 +40,7 @@ def workers_see_this_checkout(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (SRC, os.environ.get("PYTHONPATH")) if p))
 
 
+@pytest.mark.slow
 def test_smoke_run_writes_every_configuration_with_a_status(tmp_path, capsys, workers_see_this_checkout):
     out = tmp_path / "peers.json"
     assert main(["bench", "peers", "--smoke", "--out", str(out)]) == 0
@@ -284,6 +285,7 @@ def test_neighbours_option_must_not_be_negative(capsys):
     assert "must be >= 0" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_timing_run_really_runs_with_glibcs_default_allocator(tmp_path, workers_see_this_checkout):
     """Two real workers (LongStraw exact at the smoke shape, not smoke mode): each reports the threshold it saw."""
     shape = SHAPES["smoke"]
@@ -308,7 +310,7 @@ def test_only_runs_the_configurations_named(tmp_path, capsys, workers_see_this_c
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads child processes from Linux's /proc")
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
 def test_sigterm_ends_the_bench_and_its_busy_neighbours(tmp_path, signum):
     """`timeout` sends SIGTERM, Ctrl-C SIGINT: the bench stops with one line and status 128 + signal, its
     busy-loop neighbours end with it instead of running forever, and the configurations finished before the signal

@@ -36,6 +36,7 @@ def _cpu_seconds() -> float:
     return t.user + t.system + t.children_user + t.children_system
 
 
+@pytest.mark.slow
 def test_every_benchmark_smoke_runs(tmp_path, capsys):
     t0, c0 = time.perf_counter(), _cpu_seconds()
     docs = {}

@@ -19,6 +19,7 @@ pytest.importorskip("trl")
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 
+@pytest.mark.slow
 def test_smoke_run_has_every_row_sharded_where_fsdp_and_half_the_state_with_cp2(tmp_path, capsys, monkeypatch):
     # The workers are fresh interpreters: make them import this checkout's package (a worktree's, too).
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (SRC, os.environ.get("PYTHONPATH")) if p))

@@ -27,7 +27,7 @@ def _single(family: str, plan: str):
     return all_grads(model), result.logprobs, result.stats["prompt_state_bytes"]
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_context_parallel_equals_one_process(spawn, tmp_path, world):
     """C = 2 and C = 3 (8 chunks over 3 ranks: slices of 3, 3, 2), float32, for a full-attention model (exact
     and detach) and a hybrid with gated-DeltaNet recurrent layers (exact), the exact cases also with per-layer
@@ -42,7 +42,7 @@ def test_context_parallel_equals_one_process(spawn, tmp_path, world):
         _check(family, plan, world, [s[(family, plan, checkpoint)] for s in saved])
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_context_parallel_with_masks_equals_one_process(spawn, tmp_path, world):
     """With loss masks, C = 2 and 3, float32: full attention (exact and detach) and the hybrid with gated-DeltaNet
     recurrent layers (exact)."""

@@ -1,7 +1,8 @@
 """The families admitted on the CI list (`SUPPORTED_MODEL_TYPES`) through their verification: each family's config
 with a released checkpoint's values (`check.RELEASED`; the class defaults elsewhere) passes `verify`, and a second,
 independent measurement on another shape agrees (prompt 61 in 16-token chunks, micro-batches of 2, another seed):
-`exact` equals `standard` within the verdict's tolerance, and `detach` does not (the prompt state matters).
+`exact` equals `standard` within the verdict's tolerance, and `detach` does not (the prompt state matters). The check
+runs in the default suite, the second measurement in `make test-slow`.
 
 `test_every_decoder_only_text_type` (slow: ~10 min on 2 cores) runs every type of transformers' causal-LM mapping:
 none is admitted and wrong (every admitted type passes the second measurement), at least 90 decoder-only text types
@@ -45,9 +46,15 @@ def second_measurement(config, tolerance: float) -> tuple[float, float]:
 @pytest.mark.parametrize("model_type", VERIFIED_FAMILIES)
 def test_family_is_verified_and_on_the_ci_list(model_type):
     assert model_type in architecture.SUPPORTED_MODEL_TYPES
+    verdict = verify.verify(check.sweep_config(model_type))
+    assert verdict.admitted, verdict.summary()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", VERIFIED_FAMILIES)
+def test_family_second_measurement(model_type):
     config = check.sweep_config(model_type)
     verdict = verify.verify(config)
-    assert verdict.admitted, verdict.summary()
     exact, detach = second_measurement(config, verdict.tolerance)
     assert exact <= verdict.tolerance, f"{model_type}: exact vs standard {exact:.3g} > {verdict.tolerance:g}"
     assert detach > 1e-3, f"{model_type}: detach equals standard ({detach:.3g}): the prompt state is not exercised"

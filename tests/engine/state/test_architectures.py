@@ -253,7 +253,8 @@ def test_one_token_chunks_are_refused_for_recurrent_exact():
 def test_replay_is_within_the_references_own_chunking_noise(family):
     """For the FP32_INSIDE families: transformers' own chunked continuation (its DynamicCache, the prompt in
     13-token chunks) vs its full forward sets the float32 noise floor; our replay (capture chunks of 13) must
-    stay within 3x of it, so the 1e-6 tolerance above is the reference's noise, not slack for the state."""
+    stay within 3x of it (or one float32 rounding where the floor is 0), so the 1e-6 tolerance above is the
+    reference's noise, not slack for the state."""
     from transformers import DynamicCache
 
     model = _model(family)
@@ -270,7 +271,10 @@ def test_replay_is_within_the_references_own_chunking_noise(family):
         cont = cont.gather(-1, group.responses[0][:, None]).squeeze(-1)
     ours = score_responses(model, group.prompt, group.responses, chunk_size=13)[0]
     floor = float((full - cont).abs().max())
-    assert float((full - ours).abs().max()) <= max(3 * floor, 1e-12)
+    # Where the reference's chunked continuation happens to equal its full forward bit for bit on this host (floor 0:
+    # seen for mamba2 on some CPUs), the bound is one float32 rounding of the largest log-prob instead.
+    rounding = torch.finfo(torch.float32).eps * float(full.abs().max())
+    assert float((full - ours).abs().max()) <= max(3 * floor, rounding)
 
 
 @pytest.mark.parametrize("family", ["mamba", "falcon_mamba", "jamba"])
