@@ -27,7 +27,8 @@ def _model(family: str) -> torch.nn.Module:
 def test_checkpointing_changes_no_gradient(family):
     """Every plan with and without checkpointing: relative gradient error <= 1e-12, log-probs <= 1e-12
     (P = 300 in chunks of 13, 120 for Mamba-1: many prompt-backward chunks, recurrent boundaries and windows;
-    ragged G = 3, one single-token response, micro-batch 2). The exact plan with checkpointing also equals `standard`."""
+    ragged G = 3, one single-token response, micro-batch 2).
+    The exact plan with checkpointing also equals `standard`."""
     model = _model(family)
     # Mamba-1's scan runs token by token: 120 positions (10 chunks) keep its case within seconds
     group = random_group(120 if family in ("mamba", "falcon_mamba", "jamba") else 300, [5, 1, 9], seed=11)
