@@ -64,3 +64,18 @@ def test_one_name_for_the_plan():
              for i, line in enumerate(f.read_text().splitlines())
              if old.search(line) and "the old name: refused" not in line]
     assert not found, found
+
+
+def test_layout_rows_that_list_modules_list_every_one():
+    """A row of the README's layout table that names a folder's modules names all of them, and only ones that
+    exist."""
+    rows = [line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| `src/longstraw/")]
+    assert rows
+    for row in rows:
+        folder = ROOT / re.match(r"\| `([^`]+)`", row).group(1)
+        named = set(re.findall(r"`(\w+\.py)`", row)) - {"__init__.py"}
+        if not named:
+            continue
+        modules = {p.name for p in folder.glob("*.py") if p.name != "__init__.py"}
+        assert named <= modules, f"{folder}: {sorted(named - modules)} named but absent"
+        assert modules <= named, f"{folder}: {sorted(modules - named)} not in the README's layout table"
