@@ -26,6 +26,7 @@ under context parallelism are refused (`check_supported`).
 from __future__ import annotations
 
 import weakref
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -156,9 +157,10 @@ def check_supported(model: torch.nn.Module) -> None:
     """Refuse layer kinds whose attention does not run through the fused path (windows, attention chunks, MLA, DSA)."""
     from longstraw.planner import spec_from_config
 
-    config = getattr(model.config, "text_config", None) or model.config
-    if config.model_type in CP_UNVERIFIED_MODEL_TYPES:
-        raise ValueError(f"context parallelism has not been verified on {config.model_type} (shared blocks, lightning "
+    config: Any = model.config
+    model_type = (getattr(config, "text_config", None) or config).model_type
+    if model_type in CP_UNVERIFIED_MODEL_TYPES:
+        raise ValueError(f"context parallelism has not been verified on {model_type} (shared blocks, lightning "
                          "or convolutional attention state): run it without --cp")
     unsupported = set(spec_from_config(model.config).mixers) & {"sliding", "chunked", "mla", "dsa"}
     if unsupported or getattr(model.config, "final_logit_softcapping", None):
