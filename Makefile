@@ -63,6 +63,11 @@ test-verl: $(VERL_STAMP)
 test-slow: $(DEMO_STAMP)
 	$(BIN)/python -m pytest -q -m slow
 
+# The planner against measured 16k-token steps of a 30-layer model: about an hour and a half on 2 cores, outside CI.
+.PHONY: test-long
+test-long: $(DEMO_STAMP)
+	$(BIN)/python -m pytest -q -m long
+
 # ruff, then mypy on src/ (its settings: [tool.mypy] in pyproject.toml).
 lint: install
 	$(BIN)/ruff check src tests

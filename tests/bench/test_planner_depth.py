@@ -2,7 +2,7 @@
 with and without per-layer activation checkpointing, every plan that fits this machine.
 
 The default suite runs a short prompt (the checkpointed replay plans, where checkpointing changes the forecast
-most); the slow test runs P = 16,384 (docs/planner.md). Bound: ±10% of the measured step peak."""
+most); `make test-long` runs P = 16,384 (docs/planner.md: an hour and a half on 2 cores, outside CI). Bound: ±10% of the measured step peak."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def test_planner_at_depth_short_prompt():
     assert peaks["exact", "layers"] < peaks["exact", "none"]
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_planner_at_depth_16k():
     """P = 16,384, R = 128, G = 2 (about an hour on 2 CPU cores): detach and exact with and without checkpointing
     (bench/results/memory-deep-smollm2-16k-replay-plans-20261130.json,
@@ -51,7 +51,7 @@ def test_planner_at_depth_16k():
     _measure(16384, 128, [("detach", "none"), ("detach", "layers"), ("exact", "none"), ("exact", "layers")])
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_planner_at_depth_16k_standard_checkpointed():
     """The standard plans at P = 16,384 with checkpointing (without it, one 16,512-token sequence through 30
     layers needs ~24 GiB of activations): bench/results/memory-deep-smollm2-16k-standard-ckpt-20261130.json, 28 min
