@@ -319,8 +319,11 @@ def test_sigterm_ends_the_bench_and_its_busy_neighbours(tmp_path, signum):
     env = dict(os.environ, PYTHONPATH=SRC)
     out = tmp_path / "peers.json"
     partial = tmp_path / "peers.json.tmp"
+    # SIGINT at its default in the bench: a shell without job control starts background commands (and so this test
+    # runner) with SIGINT ignored, which the bench would inherit and honour.
     proc = subprocess.Popen([sys.executable, "-c", code, "bench", "peers", "--smoke", "--neighbours", "2",
-                             "--out", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+                             "--out", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     busy: list[int] = []
     deadline = time.monotonic() + 120
     # SIGTERM once a configuration has finished (its .tmp announced); SIGINT as soon as the neighbours run.
