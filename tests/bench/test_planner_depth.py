@@ -2,7 +2,8 @@
 with and without per-layer activation checkpointing, every plan that fits this machine.
 
 The default suite runs a short prompt (the checkpointed replay plans, where checkpointing changes the forecast
-most); `make test-long` runs P = 16,384 (docs/planner.md: an hour and a half on 2 cores, outside CI). Bound: ±10% of the measured step peak."""
+most); `make test-long` runs P = 16,384 (docs/planner.md: an hour and a half on 2 cores, outside CI).
+Bound: ±10% of the measured step peak."""
 
 from __future__ import annotations
 
