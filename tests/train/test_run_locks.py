@@ -8,6 +8,8 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -22,13 +24,23 @@ HOLD = "import sys; from pathlib import Path; from longstraw.train.rundir import
        "lock = RunLock.acquire(Path(sys.argv[1])); print('held', flush=True); sys.stdin.read()"
 
 
-def test_a_second_compare_on_the_same_out_is_refused_with_the_first_ones_pid(tmp_path, capsys):
-    out = tmp_path / "cmp"
-    out.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+@contextmanager
+def _held(path: Path) -> Iterator[subprocess.Popen]:
+    """Another process holding `path`'s run lock until the block ends (its stdin closed: the kernel releases it)."""
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               text=True, env=dict(os.environ, PYTHONPATH=str(SRC)))
     try:
         assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        yield holder
+    finally:
+        holder.communicate("")
+    assert holder.returncode == 0
+
+
+def test_a_second_compare_on_the_same_out_is_refused_with_the_first_ones_pid(tmp_path, capsys):
+    out = tmp_path / "cmp"
+    out.mkdir()
+    with _held(out) as holder:
         argv = ["compare", "--model", "tiny-llama", "--task", "jsonl", "--data", str(jsonl_dataset(tmp_path)),
                 "--group-size", "2", "--max-new-tokens", "2", "--eval-prompts", "1", "--steps", "1", "--plans",
                 "standard,detach", "--out", str(out)]
@@ -36,9 +48,6 @@ def test_a_second_compare_on_the_same_out_is_refused_with_the_first_ones_pid(tmp
         err = capsys.readouterr().err
         assert f"--out {out} is in use by another longstraw process (PID {holder.pid} on host" in err, err
         assert sorted(p.name for p in out.iterdir()) == [".longstraw.lock"]  # nothing written or trained
-    finally:
-        holder.communicate("")  # stdin closed: the holder ends, and the kernel releases its lock
-    assert holder.returncode == 0
 
 
 def test_train_nproc_refuses_a_run_dir_in_use_before_starting_any_rank(tmp_path, capsys, monkeypatch):
@@ -47,10 +56,7 @@ def test_train_nproc_refuses_a_run_dir_in_use_before_starting_any_rank(tmp_path,
     monkeypatch.setattr(launch, "launch_train", lambda *a: pytest.fail("ranks started on a run_dir in use"))
     run = tmp_path / "run"
     run.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              text=True, env=dict(os.environ, PYTHONPATH=str(SRC)))
-    try:
-        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+    with _held(run) as holder:
         argv = ["train", "--model", "tiny-llama", "--task", "jsonl", "--data", str(jsonl_dataset(tmp_path)),
                 "--eval-prompts", "0", "--prompts-per-step", "2", "--run-dir", str(run), "--nproc", "2"]
         assert cli.main(argv) == 1
@@ -58,5 +64,3 @@ def test_train_nproc_refuses_a_run_dir_in_use_before_starting_any_rank(tmp_path,
                                            f"process (PID {holder.pid} on host {socket.gethostname()}, since "
                                            f"{(run / LOCK_FILE).read_text().split()[2]}): wait for it to end or stop "
                                            f"it (kill {holder.pid}), or choose another --run-dir\n")
-    finally:
-        holder.communicate("")
