@@ -4,7 +4,9 @@
 log-probs, backward recomputes each block's logits and softmax. Peak extra memory is one block of logits
 (`token_chunk x vocab`; two in backward with a soft-cap, whose slope 1 - tanh^2 is kept beside the softmax) instead
 of all of them (8k tokens x 150k vocab in fp32 would be 4.9 GB).
-`naive_logprobs` beside it is the plain reference the parity test compares with.
+`naive_logprobs` beside it is the plain reference the parity test compares with. An output projection split by
+vocabulary over a tensor-parallel group (a DTensor, transformers' tp_plan) goes to `tp_logprobs`, which reduces the
+log-sum-exp and the target's logit across the ranks instead of gathering logits.
 
 `selected_logprobs` runs `chunked_logprobs` on the rows a boolean `keep` selects only (an agent's loss tokens: its
 observation tokens need no log-prob) and scatters them back with a placeholder elsewhere; `masked_logprobs_reference`
@@ -24,6 +26,7 @@ forms them and the samplers then divide by the temperature.
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from longstraw.engine.precision import accumulation_dtype
 
@@ -32,7 +35,13 @@ DEFAULT_TOKEN_CHUNK = 1024
 
 def accumulated_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """h (c, d) @ weight (V, d)^T (+ bias (V,)) -> (c, V) in the accumulation dtype (`precision.py`): for bf16/fp16
-    on CUDA straight from the GEMM's fp32 accumulator (torch.mm's out_dtype), elsewhere cast after the product."""
+    on CUDA straight from the GEMM's fp32 accumulator (torch.mm's out_dtype), elsewhere cast after the product.
+    A weight split by vocabulary over a tensor-parallel group (DTensor): every rank gets the full (c, V), gathered
+    (`tp_logprobs.gathered_logits`, the sampler's one position per sequence; no gradient)."""
+    if isinstance(weight, DTensor):
+        from longstraw.engine.tp_logprobs import gathered_logits
+
+        return gathered_logits(h, weight, bias)
     acc = accumulation_dtype(h.dtype)
     logits = None
     if acc == h.dtype:
@@ -138,9 +147,17 @@ def chunked_logprobs(
 ) -> torch.Tensor:
     """hidden (..., d), weight (V, d), targets (...) -> log-probs (...) of the logits (hidden @ weight.T + bias) *
     logit_scale, soft-capped to softcap * tanh(. / softcap) if softcap is set, at `temperature`. bias (V,): the
-    output projection's (Phi-2, CodeGen, GPT-J), or None. Differentiable in hidden, weight and bias."""
+    output projection's (Phi-2, CodeGen, GPT-J), or None. Differentiable in hidden, weight and bias. A weight that
+    is a DTensor split by vocabulary runs `tp_logprobs.vocab_parallel_logprobs` (every rank of its group calls this
+    with the same hidden states)."""
     check_softcap(softcap)
     shape = targets.shape
+    if isinstance(weight, DTensor):  # split by vocabulary over a tensor-parallel group
+        from longstraw.engine.tp_logprobs import vocab_parallel_logprobs
+
+        flat = vocab_parallel_logprobs(hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1),
+                                       token_chunk, temperature, logit_scale, softcap, bias)
+        return flat.view(shape)
     flat = _ChunkedLogprobs.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias, targets.reshape(-1),
                                   token_chunk, temperature, logit_scale, softcap)
     return flat.view(shape)
