@@ -10,10 +10,12 @@ rewards and advantages, the reference model (or the PEFT adapter switched off), 
 * `_prepare_inputs` keeps each prompt's G completions together. TRL shuffles the generation batch's rows and cuts
   them into `steps_per_generation` micro-batches, so a group may be spread over several; here whole groups are
   dealt to the micro-batches instead (each optimizer step gets whole groups; see `_deal_groups`).
-* `compute_loss` runs `backward_group` once per group of its micro-batch, with the options that make LongStraw's
-  loss TRL's (`_loss_options`; docs/trl.md has the table), so the gradient accumulated over an optimizer step
-  is the one TRL's `compute_loss` would give. It returns the loss value as a tensor without a graph: the backward
-  Trainer then runs on it reaches no parameter.
+* `compute_loss` runs `backward_tree` once over its micro-batch: every row a trajectory of one prefix tree, so a
+  token several rows share (each prompt's, a system prompt across prompts, earlier turns) is encoded once; or, with
+  `longstraw_tree=False` and where a tree cannot run, `backward_group` once per group. Either way with the options
+  that make LongStraw's loss TRL's (`_loss_options`; docs/trl.md has the table), so the gradient accumulated over an
+  optimizer step is the one TRL's `compute_loss` would give. It returns the loss value as a tensor without a graph:
+  the backward Trainer then runs on it reaches no parameter.
 
 What the loss cannot reproduce is refused with the reason when the trainer is built, before any parameter is
 touched (`_config_refusals`, `_model_refusals`). Evaluation (`prediction_step`) keeps TRL's own loss code.
@@ -41,8 +43,11 @@ from longstraw.engine.group import Group
 from longstraw.engine.loss import make_loss_config
 from longstraw.engine.options import BackwardOptions
 from longstraw.engine.router import aux_value
+from longstraw.engine.tree.api import backward_tree
+from longstraw.engine.tree.build import Trajectory, Tree
 from longstraw.integrations.deepspeed import gathered as deepspeed_gathered
 from longstraw.integrations.deepspeed import hand_over, plain_leaves
+from longstraw.integrations.tree_batch import Fallbacks, tree_of, tree_refusals
 from longstraw.models.admission import check_architecture
 from longstraw.models.architecture import eval_mode_when_equal, hf
 
@@ -88,6 +93,18 @@ class LongStrawGRPOConfig(GRPOConfig):
                           "(needs longstraw_cp equal to the number of processes, so that every process runs the "
                           "same forwards and backwards)."})
 
+    longstraw_tree: bool = field(
+        default=True,
+        metadata={"help": "One prefix tree over each micro-batch's rows (backward_tree): a token several rows share "
+                          "(a system prompt across prompts, earlier turns of a conversation) is encoded once, with "
+                          "TRL's gradient. False: backward_group per prompt's group. What a tree cannot run "
+                          "(longstraw_keep_prompt_graph, longstraw_cp > 1, the MoE load-balancing "
+                          "loss; a sequence-level loss over rows sharing completion tokens) takes the per-group path, "
+                          "with the reason logged."})
+    longstraw_tree_min_shared: int = field(
+        default=1, metadata={"help": "The shortest run of tokens the tree splits off as a node of its own (shorter "
+                                     "shared runs are encoded once per branch)."})
+
     def __post_init__(self) -> None:
         super().__post_init__()
         _backward_options(self)  # refused here, when the config is built, not after the first generation
@@ -115,6 +132,9 @@ def _backward_options(args: GRPOConfig) -> BackwardOptions:
     if cp > 1 and options.keep_prompt_graph:
         raise ValueError("LongStrawGRPOConfig's longstraw_keep_prompt_graph is not supported with longstraw_cp > 1: "
                          "set it to 0")
+    if not isinstance(getattr(args, "longstraw_tree", True), bool):
+        raise ValueError(f"LongStrawGRPOConfig's longstraw_tree must be True or False, got {args.longstraw_tree!r}")
+    _tree_min_shared(args)
     gather = getattr(args, "longstraw_fsdp_gather", "all")
     if gather not in ("all", "layer"):
         raise ValueError(f"LongStrawGRPOConfig's longstraw_fsdp_gather must be 'all' or 'layer', got {gather!r}")
@@ -127,6 +147,13 @@ def _context_size(args: GRPOConfig) -> int:
         raise ValueError(f"LongStrawGRPOConfig's longstraw_cp must be an integer >= 1 (processes per context-parallel "
                          f"block), got {cp!r}")
     return cp
+
+
+def _tree_min_shared(args: GRPOConfig) -> int:
+    value = getattr(args, "longstraw_tree_min_shared", 1)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"LongStrawGRPOConfig's longstraw_tree_min_shared must be an integer >= 1, got {value!r}")
+    return value
 
 
 def _loss_kind(args: GRPOConfig) -> str:
@@ -273,10 +300,12 @@ def _refuse(reasons: list[str]) -> None:
 
 
 class LongStrawGRPOTrainer(GRPOTrainer):
-    """`trl.GRPOTrainer` whose loss and backward are `longstraw.backward_group` over each prompt's group.
+    """`trl.GRPOTrainer` whose loss and backward are `longstraw.backward_tree` over each micro-batch's prefix tree (or
+    `backward_group` over each prompt's group).
 
     Takes GRPOTrainer's arguments; `args` may be a `LongStrawGRPOConfig` (plan, chunk size, micro-batch, checkpointing,
-    offloading) or a plain `GRPOConfig` (the exact plan). Raises ValueError, listing every reason, for what it cannot
+    offloading, the tree) or a plain `GRPOConfig` (the exact plan, a tree). `tree_fallbacks.reasons`: why batches
+    took the per-group path (each logged once). Raises ValueError, listing every reason, for what it cannot
     train (unmapped loss types, entropy terms, FSDP version 1, Megatron-LM, ...)."""
 
     # What mypy should know about Trainer's attributes here: `args` is a GRPOConfig (Trainer types it as
@@ -300,6 +329,13 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         self._longstraw = _backward_options(self.args)
         cp = _context_size(self.args)
         self._context = context_blocks(cp) if cp > 1 else None
+        self.tree_fallbacks = Fallbacks("LongStrawGRPOTrainer")
+        self._tree = bool(getattr(self.args, "longstraw_tree", True))
+        if self._tree:
+            reasons = tree_refusals(self._longstraw, context_parallel=cp > 1, router_aux=self.aux_loss_enabled)
+            for reason in reasons:
+                self.tree_fallbacks.note(reason)
+            self._tree = not reasons
 
     def _policy(self) -> torch.nn.Module:
         """The causal LM backward_group runs: unwrapped from accelerate, and the PEFT model's LoRA-injected base."""
@@ -418,29 +454,73 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         return torch.tensor(total, device=self.accelerator.device, requires_grad=True)
 
     def _backward_groups(self, batches: list[dict[str, Any]]) -> float:
-        """backward_group over every group of `batches`; returns the sum of their losses. With the MoE load-balancing
-        loss (TRL's `aux_loss_enabled`), each batch (TRL's micro-batch: its forward's aux_loss covers all its rows)
+        """Every row of `batches` backpropagated: one prefix tree per batch (`_backward_tree`), or backward_group over
+        each of its groups where the tree cannot run (`longstraw_tree`). Returns the sum of their losses."""
+        total = 0.0
+        for batch in batches:
+            built = self._tree_of(batch) if self._tree else None
+            total += self._backward_tree(*built) if built is not None else self._backward_batch_groups(batch)
+        return total
+
+    def _tree_of(self, inputs: dict[str, Any]) -> tuple[Tree, BackwardOptions] | None:
+        """The micro-batch's kept rows (`_kept_rows`) as one prefix tree, each row a trajectory of its own group
+        (integrations/tree_batch.py), with backward_tree's options: TRL's normalisers over the micro-batch as
+        `_loss_options` sets them for a group of one row. None: no row to train, or the tree cannot take this batch
+        (the reason logged; the per-group path then runs it)."""
+        g, rows = self.num_generations, inputs["completion_ids"].size(0)
+        kept = [i for first in range(0, rows, g) for i in self._kept_rows(inputs, range(first, first + g))]
+        options = self._options(1, inputs)
+        if not kept:
+            return None
+        prompt_ids, prompt_mask, tool_mask = inputs["prompt_ids"], inputs["prompt_mask"], inputs.get("tool_mask")
+        lengths = inputs["completion_mask"].sum(1)
+        old, ref = inputs.get("old_per_token_logps"), inputs.get("ref_per_token_logps") if self.beta != 0.0 else None
+        trajectories = []
+        for i in kept:
+            prompt, n = prompt_ids[i][prompt_mask[i].bool()], int(lengths[i])
+            trajectories.append(Trajectory(
+                ids=torch.cat([prompt, inputs["completion_ids"][i, :n]]), loss_start=prompt.numel(),
+                advantage=float(inputs["advantages"][i]),
+                loss_mask=None if tool_mask is None else tool_mask[i, :n].bool(),
+                old_logprobs=None if old is None else old[i, :n], ref_logprobs=None if ref is None else ref[i, :n],
+                group=i))
+        tree, reason = tree_of(trajectories, options, _tree_min_shared(self.args))
+        if tree is None:
+            self.tree_fallbacks.note(reason)
+            return None
+        return tree, options
+
+    def _backward_tree(self, tree: Tree, options: BackwardOptions) -> float:
+        """backward_tree over one micro-batch's tree; its statistics go to TRL's metrics (averaged per logging step)."""
+        with self._autocast():
+            result = backward_tree(self._policy(), tree, options)
+        for key in ("tokens_encoded", "tokens_flattened", "tree_nodes", "tree_depth"):
+            self._metrics["train"][f"longstraw/{key}"].append(float(result.stats[key]))
+        return result.loss
+
+    def _backward_batch_groups(self, batch: dict[str, Any]) -> float:
+        """backward_group over every group of `batch`; returns the sum of their losses. With the MoE load-balancing
+        loss (TRL's `aux_loss_enabled`), the batch (TRL's micro-batch: its forward's aux_loss covers all its rows)
         is counted first, then every group's backward adds its share of the term over those counts."""
         g, total = self.num_generations, 0.0
-        for batch in batches:
-            built = [self._group_of(batch, range(first, first + g))
-                     for first in range(0, batch["completion_ids"].size(0), g)]
-            groups = [(group, options) for group, options in built if group is not None]
-            router_batch = self._router_batch(groups) if self.aux_loss_enabled and groups else None
-            probs = []
-            for group, options in groups:
-                with self._autocast():
-                    result = backward_group(self._policy(), group, options, router_batch=router_batch)
-                total += result.loss
-                if result.router_probs is not None:
-                    probs.append(result.router_probs)
-            if self.aux_loss_enabled:  # TRL's metric; every process gathers, with a group or not
-                value = float("nan") if router_batch is None else aux_value(router_batch.counts,
-                                                                            torch.stack(probs).sum(0))
-                if router_batch is not None:  # TRL's loss value holds the term too
-                    total += value * groups[0][1].router_aux_coef
-                gathered = self.accelerator.gather_for_metrics(torch.tensor([value], device=self.accelerator.device))
-                self._metrics["train"]["aux_loss"].append(gathered.nanmean().item())
+        built = [self._group_of(batch, range(first, first + g))
+                 for first in range(0, batch["completion_ids"].size(0), g)]
+        groups = [(group, options) for group, options in built if group is not None]
+        router_batch = self._router_batch(groups) if self.aux_loss_enabled and groups else None
+        probs = []
+        for group, options in groups:
+            with self._autocast():
+                result = backward_group(self._policy(), group, options, router_batch=router_batch)
+            total += result.loss
+            if result.router_probs is not None:
+                probs.append(result.router_probs)
+        if self.aux_loss_enabled:  # TRL's metric; every process gathers, with a group or not
+            value = float("nan") if router_batch is None else aux_value(router_batch.counts,
+                                                                        torch.stack(probs).sum(0))
+            if router_batch is not None:  # TRL's loss value holds the term too
+                total += value * groups[0][1].router_aux_coef
+            gathered = self.accelerator.gather_for_metrics(torch.tensor([value], device=self.accelerator.device))
+            self._metrics["train"]["aux_loss"].append(gathered.nanmean().item())
         return total
 
     def _router_batch(self, groups: list[tuple[Group, BackwardOptions]]) -> RouterBatch:
@@ -505,15 +585,14 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             p.grad = flat[offset:offset + g.numel()].view_as(g)
             offset += g.numel()
 
-    def _group_of(self, inputs: dict[str, Any], rows: range) -> tuple[Group | None, BackwardOptions]:
-        """One prompt's completions as a Group, and its backward_group options (group None: nothing to train).
-        TRL's `tool_mask` (0 on tool results with `tools` or `environment_factory`, a rollout_func's `env_mask`)
-        becomes the group's loss masks: those tokens run through the model but add no loss. Completions with no token
-        in the loss (mask_truncated_completions) are left out, as they add nothing to TRL's loss either, while they
-        still count in its averages (`_loss_options`). With the MoE load-balancing loss, a completion left out that
-        has tokens in TRL's forward (every token tool-masked) is refused: its tokens' router term would be missing."""
-        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
-        tool_mask = inputs.get("tool_mask")
+    def _kept_rows(self, inputs: dict[str, Any], rows: range) -> list[int]:
+        """The rows of one prompt's group that are in the loss, checked. TRL's `tool_mask` (0 on tool results with
+        `tools` or `environment_factory`, a rollout_func's `env_mask`) becomes the loss masks: those tokens run
+        through the model but add no loss. Completions with no token in the loss (mask_truncated_completions) are
+        left out, as they add nothing to TRL's loss either, while they still count in its averages (`_loss_options`).
+        With the MoE load-balancing loss, a completion left out that has tokens in TRL's forward (every token
+        tool-masked) is refused: its tokens' router term would be missing."""
+        completion_mask, tool_mask = inputs["completion_mask"], inputs.get("tool_mask")
         lengths = {i: int(completion_mask[i].sum()) for i in rows}
         keep = [i for i in rows if lengths[i] > 0 and (tool_mask is None or bool(tool_mask[i, :lengths[i]].any()))]
         if self.aux_loss_enabled:
@@ -523,8 +602,29 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                                  "or a group all masked out) but their tokens run in TRL's forward, so they count in "
                                  "the MoE load-balancing loss, which LongStraw's replays of the loss's completions "
                                  "would leave out; set router_aux_loss_coef=0.0")
-        options = replace(self._longstraw, loss=_loss_kind(self.args), temperature=self.temperature,
-                          **self._loss_options(max(len(keep), 1), inputs))
+        for i in keep:
+            if not bool(completion_mask[i, :lengths[i]].all()):
+                raise ValueError(f"completion {i}'s attention mask is not a prefix of ones: LongStraw runs each "
+                                 "completion as one sequence after its prompt (mask tokens out of the loss with a "
+                                 "tool mask / env_mask instead)")
+        if keep and inputs["advantages"].dim() != 1:
+            raise ValueError("per-token advantages (B, T) are not supported: LongStraw's losses take one per "
+                             "completion")
+        return keep
+
+    def _options(self, kept: int, inputs: dict[str, Any]) -> BackwardOptions:
+        """The backward options of a group of `kept` rows of `inputs` (`_loss_options`)."""
+        return replace(self._longstraw, loss=_loss_kind(self.args), temperature=self.temperature,
+                       **self._loss_options(kept, inputs))
+
+    def _group_of(self, inputs: dict[str, Any], rows: range) -> tuple[Group | None, BackwardOptions]:
+        """One prompt's completions (`_kept_rows`) as a Group, and its backward_group options (group None: nothing to
+        train)."""
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        tool_mask = inputs.get("tool_mask")
+        lengths = {i: int(completion_mask[i].sum()) for i in rows}
+        keep = self._kept_rows(inputs, rows)
+        options = self._options(max(len(keep), 1), inputs)
         if self.aux_loss_enabled:
             # TRL adds router_aux_loss_coef * aux_loss / gradient_accumulation_steps to each micro-batch's loss
             coef = self.router_aux_loss_coef / self.current_gradient_accumulation_steps
@@ -534,15 +634,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                               loss_scale=options.loss_scale / self._context.size)
         if not keep:
             return None, options
-        for i in keep:
-            if not bool(completion_mask[i, :lengths[i]].all()):
-                raise ValueError(f"completion {i}'s attention mask is not a prefix of ones: LongStraw runs each "
-                                 "completion as one sequence after its prompt (mask tokens out of the loss with a "
-                                 "tool mask / env_mask instead)")
         advantages = inputs["advantages"]
-        if advantages.dim() != 1:
-            raise ValueError("per-token advantages (B, T) are not supported: LongStraw's losses take one per "
-                             "completion")
 
         def per_completion(name: str) -> list[torch.Tensor] | None:
             values = inputs.get(name)
