@@ -153,12 +153,22 @@ class Parallel:
     # data parallelism runs over the blocks.
     cp_size: int = 1
     context_shards: ContextParallel | None = field(default=None, repr=False)
+    # Tensor parallelism (distributed/tp.py): groups of `tp_size` consecutive ranks hold one model split by heads and
+    # share every prompt; with cp, a block is cp such groups (`block_size` ranks) and `mesh` is FSDP2's dimension
+    # over the blocks' tensor-parallel peers (None when every rank is in the one tensor-parallel group).
+    tp_size: int = 1
+    tp_mesh: DeviceMesh | None = field(default=None, repr=False)
 
     @classmethod
-    def start(cls, device: str = "cpu", timeout_s: float = 1800.0, cp: int = 1) -> Parallel:
+    def start(cls, device: str = "cpu", timeout_s: float = 1800.0, cp: int = 1, tp: int = 1) -> Parallel:
         """Join the process group described by the environment; a plain `Parallel(device)` if WORLD_SIZE <= 1.
-        cp: ranks per context-parallel block (must divide the number of ranks)."""
+        cp: ranks per context-parallel block; tp: ranks per tensor-parallel group (cp * tp must divide the ranks)."""
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        if tp > 1 and world_size % (cp * tp):
+            raise ValueError(
+                f"--tp {tp} --cp {cp} needs a number of processes that is a multiple of {cp * tp}, got {world_size}: "
+                f"launch with --nproc {cp * tp * max(1, world_size // (cp * tp))}, or lower --tp / --cp"
+            )
         if world_size % cp:
             raise ValueError(
                 f"--cp {cp} needs a number of processes that is a multiple of {cp}, got {world_size}: launch with "
@@ -181,8 +191,14 @@ class Parallel:
         store, _, _ = next(dist.rendezvous("env://", timeout=timedelta(seconds=timeout_s)))
         dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=timeout_s))
-        mesh = init_device_mesh(torch.device(device).type, (world_size,))
         watch = FailureWatch(dist.PrefixStore("longstraw_watch", store), rank, world_size)
+        if tp > 1:
+            from longstraw.distributed.tp import tensor_parallel_layout
+
+            tp_mesh, fsdp_mesh, context_shards = tensor_parallel_layout(torch.device(device).type, tp, cp)
+            return cls(rank=rank, world_size=world_size, local_rank=local_rank, device=device, mesh=fsdp_mesh,
+                       watch=watch, cp_size=cp, context_shards=context_shards, tp_size=tp, tp_mesh=tp_mesh)
+        mesh = init_device_mesh(torch.device(device).type, (world_size,))
         context_shards = context_blocks(cp) if cp > 1 else None
         return cls(rank=rank, world_size=world_size, local_rank=local_rank, device=device, mesh=mesh, watch=watch,
                    cp_size=cp, context_shards=context_shards)
@@ -196,18 +212,28 @@ class Parallel:
         return self.rank == 0
 
     @property
+    def block_size(self) -> int:
+        """Consecutive ranks that share every prompt: a context-parallel block of tensor-parallel groups."""
+        return self.cp_size * self.tp_size
+
+    @property
     def dp_rank(self) -> int:
-        """Index of this rank's context-parallel block (= the rank without context parallelism)."""
-        return self.rank // self.cp_size
+        """Index of this rank's block (= the rank without context or tensor parallelism)."""
+        return self.rank // self.block_size
 
     @property
     def dp_size(self) -> int:
-        return self.world_size // self.cp_size
+        return self.world_size // self.block_size
 
     # ------------------------------------------------------------------ model
 
     def shard(self, model: torch.nn.Module) -> torch.nn.Module:
-        """FSDP2 over all ranks (`fsdp.parallelize`); unchanged in one process."""
+        """FSDP2 over all ranks (`fsdp.parallelize`); unchanged in one process. With tensor parallelism: split by
+        heads over the tensor-parallel group first (`tp.tensor_parallel`), then FSDP2 over `mesh` if there is one."""
+        if self.tp_mesh is not None:
+            from longstraw.distributed.tp import tensor_parallel
+
+            model = tensor_parallel(model, self.tp_mesh)
         return parallelize(model, self.mesh) if self.mesh is not None else model
 
     def compute(self, model: torch.nn.Module, reduce: bool = True) -> AbstractContextManager[None]:
@@ -218,13 +244,17 @@ class Parallel:
     def clip_grad_norm(self, params: list[torch.nn.Parameter], max_norm: float) -> float:
         if not self.distributed:
             return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        if self.tp_mesh is not None:
+            from longstraw.distributed.tp import clip_grad_norm as clip_mixed
+
+            return clip_mixed(params, max_norm)
         return clip_grad_norm(params, max_norm)
 
     # ------------------------------------------------------------------ data
 
     def share(self, count: int, what: str = "prompts_per_step") -> range:
         """This rank's contiguous slice of `count` items (block 0 takes the first count/D, D = data-parallel
-        size = ranks / cp; the ranks of one context-parallel block take the same slice); count must divide."""
+        size = ranks / (cp * tp); the ranks of one block take the same slice); count must divide."""
         blocks = self.dp_size
         if count % blocks:
             suggestion = blocks * max(1, count // blocks)

@@ -1,0 +1,171 @@
+"""Tensor parallelism: a model sharded with transformers' own tensor-parallel plan, its prompt state split by heads.
+
+`tensor_parallel(model, mesh)` applies the plan transformers ships for the family (`model.tp_plan`, resolved and
+applied by `transformers.distributed.tensor_parallel.apply_tensor_parallelism`, the code `from_pretrained(...,
+distributed_config=DistributedConfig(tp_size=T))` runs at load time) to a model already in memory: q/k/v and the
+MLP's gate/up projections column-wise (each rank computes its own heads and MLP columns), o and down row-wise (the
+partial outputs all-reduced), the input embeddings and the output projection split by vocabulary. Parameters become
+DTensors; activations between modules are plain tensors, replicated on every rank.
+
+What that means for LongStraw, with nothing changed in the engine:
+* the attention kernels see this rank's heads only (q/k/v are the column-wise projections' local outputs), so the
+  prompt state every capture writes holds this rank's K/V heads: 1/T of the state on each rank;
+* the chunked log-prob reads the output projection's weight as a DTensor split by vocabulary and runs
+  `engine.tp_logprobs` (log-sum-exp and target logit reduced across ranks; no [R, V] logits);
+* every rank of the group runs the same segments in the same order (the collectives sit in module hooks), so the
+  ranks of a tensor-parallel group share every prompt, like those of a context-parallel block.
+
+One change to transformers' plan: its `replicated_with_grad_allreduce` style (Qwen3's per-head q/k norms, whose
+weight gradient each rank holds for its own heads only) all-reduces the *accumulated* `.grad` after every
+accumulation, which double-counts from the second backward into the same `.grad` on (LongStraw runs several: one per
+micro-batch and per prompt chunk). Here the gradient of each backward is all-reduced before it is accumulated.
+
+Admitted families: those whose plan transformers ships and which LongStraw's tests ran under tensor parallelism
+(`TP_MODEL_TYPES`); the heads must divide by T (a rank holds whole heads). Others are refused with the reason.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from longstraw.distributed.context import ContextParallel
+
+# Families whose transformers tensor-parallel plan LongStraw's float64 parity tests ran (tests/distributed/test_tp.py).
+TP_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3_text")
+_GRAD_ALLREDUCE = "replicated_with_grad_allreduce"
+
+
+def _text_config(model: torch.nn.Module) -> Any:
+    config: Any = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def check_tensor_parallel(model: torch.nn.Module, tp: int) -> None:
+    """Raise ValueError, saying what to change, unless `model` can be split over `tp` ranks by heads."""
+    if tp < 1:
+        raise ValueError(f"tp must be >= 1, got {tp}")
+    config = _text_config(model)
+    model_type = config.model_type
+    if model_type not in TP_MODEL_TYPES:
+        ships = bool(getattr(config, "base_model_tp_plan", None))
+        why = ("transformers ships a tensor-parallel plan for it, which LongStraw has not verified" if ships else
+               "transformers ships no tensor-parallel plan for it")
+        raise ValueError(f"tensor parallelism on {model_type}: {why}. Supported: {', '.join(TP_MODEL_TYPES)}; run "
+                         "it without --tp")
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
+    if heads % tp or kv_heads % tp:
+        raise ValueError(f"--tp {tp} splits attention by heads: {model_type} has {heads} query and {kv_heads} "
+                         f"key/value heads, which {tp} must divide (each rank holds whole heads); use a --tp that "
+                         f"divides {kv_heads}")
+    if getattr(model, "_is_hooked", False) or any(isinstance(p, DTensor) for p in model.parameters()):
+        raise ValueError("the model is already sharded (DTensor parameters): apply tensor_parallel once, to a plain "
+                         "model")
+
+
+def tensor_parallel(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
+    """Shard `model` in place over the 1-D tensor-parallel `mesh` with transformers' plan for its family (module
+    docstring). Every rank calls it with the same weights; returns the model."""
+    from transformers.distributed import DistributedConfig
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+    if mesh.ndim != 1:
+        raise ValueError(f"tensor_parallel takes a 1-D mesh (the tensor-parallel dimension), got {mesh.ndim}-D")
+    tp = mesh.size()
+    check_tensor_parallel(model, tp)
+    pretrained: Any = model  # a transformers PreTrainedModel (its plan methods)
+    plan, _, _ = pretrained._resolve_parallel_plans(DistributedConfig(tp_size=tp))  # one entry per module / parameter
+    modules = dict(model.named_modules())
+    summed = [modules[name] for name, style in plan.items() if style == _GRAD_ALLREDUCE and name in modules]
+    plan = {name: style for name, style in plan.items() if style != _GRAD_ALLREDUCE}
+    head = pretrained.get_output_embeddings()
+    tied = head is not None and head.weight is pretrained.get_input_embeddings().weight
+    if tied:  # the embeddings' entry shards the shared weight by vocabulary; the head keeps its module hook
+        head_name = next(n for n, m in modules.items() if m is head)
+        plan.pop(f"{head_name}.weight", None)
+    apply_tensor_parallelism(model, mesh, plan)
+    if tied:  # sharding replaced the embeddings' Parameter: point the head at the sharded one again
+        head.weight = pretrained.get_input_embeddings().weight
+    for module in summed:
+        _sum_gradients_over(module, mesh.get_group())
+    return model
+
+
+def _sum_gradients_over(module: torch.nn.Module, group: dist.ProcessGroup) -> None:
+    """Each backward's gradient of `module`'s own parameters summed over `group` before it is accumulated.
+
+    Registered on the parameter objects the forward sees (FSDP2 swaps in unsharded ones), once per object."""
+    hooked: dict[str, torch.Tensor] = {}
+
+    def all_reduce(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=group)
+        return grad
+
+    def pre_forward(mod: torch.nn.Module, args: Any) -> None:
+        if not torch.is_grad_enabled():
+            return
+        for name, param in mod.named_parameters(recurse=False):
+            if param.requires_grad and hooked.get(name) is not param:
+                param.register_hook(all_reduce)
+                hooked[name] = param
+
+    module.register_forward_pre_hook(pre_forward)
+
+
+def full_gradients(model: torch.nn.Module) -> torch.Tensor:
+    """Every parameter's gradient, gathered to its full shape and flattened in `model.parameters()` order (zeros
+    where none): the single-process layout, for comparisons. A collective: every rank calls it."""
+    parts = []
+    for p in model.parameters():
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        parts.append((g.full_tensor() if isinstance(g, DTensor) else g).flatten())
+    return torch.cat(parts)
+
+
+def tensor_parallel_layout(device_type: str, tp: int, cp: int = 1) -> tuple[DeviceMesh, DeviceMesh | None,
+                                                                               ContextParallel | None]:
+    """This rank's tensor-parallel mesh, FSDP2's mesh and context-parallel group on the world's ranks laid out as
+    rank = (block * cp + c) * tp + t: groups of `tp` consecutive ranks split the model by heads; `cp` consecutive
+    groups form a context-parallel block (its group: the ranks of the block with this rank's t); FSDP2 shards over the
+    ranks with this t (None when that is this rank alone). Collective: every rank calls it, in the same order."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if tp < 1 or cp < 1 or world % (tp * cp):
+        raise ValueError(f"--tp {tp} x --cp {cp} needs a number of processes that is a multiple of {tp * cp}, got "
+                         f"{world}")
+    mesh = init_device_mesh(device_type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+    context = None
+    if cp > 1:
+        for first in range(0, world, cp * tp):
+            for t in range(tp):
+                members = [first + c * tp + t for c in range(cp)]
+                group = dist.new_group(members)  # collective: every rank creates every group
+                if rank in members:
+                    context = ContextParallel(group)
+    return mesh["tp"], mesh["dp"] if world > tp else None, context
+
+
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
+    """`torch.nn.utils.clip_grad_norm_` for gradients that mix DTensors of different meshes (tensor-parallel shards,
+    FSDP2 shards) with plain tensors (replicated parameters, the same on every rank): each DTensor's norm is its
+    global one, so the total is the single-process norm on every rank. A collective per DTensor gradient."""
+    squares = []
+    for p in params:
+        if p.grad is None:
+            continue
+        norm = torch.linalg.vector_norm(p.grad, 2.0, dtype=torch.float64 if p.grad.dtype == torch.float64 else
+                                        torch.float32)
+        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
+    total = float(torch.stack(squares).sum().sqrt()) if squares else 0.0
+    coef = max_norm / (total + 1e-6)  # as torch's clip_grad_norm_
+    if coef < 1.0:
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(coef)
+    return total

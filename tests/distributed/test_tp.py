@@ -1,0 +1,109 @@
+"""Tensor parallelism (a model split by heads with transformers' plan): gradients and log-probs equal one process in
+float64, alone (TP = 2, every plan, five families), with context parallelism (TP = 2 x cp = 2) and with FSDP2 (2
+data-parallel ranks x TP = 2); each rank holds half of the prompt state's K/V (a quarter with cp = 2); sampling draws
+the same responses; families and head counts it cannot split are refused."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import SAME_ORDER_F64, assert_close, random_group, tiny_model
+from helpers import grads as all_grads
+
+from longstraw import backward_group
+from longstraw.engine.sampling import SamplingConfig, sample_group
+
+HERE = Path(__file__).resolve().parent
+_spec = importlib.util.spec_from_file_location("tp_worker", HERE / "tp_worker.py")
+assert _spec is not None and _spec.loader is not None
+tp_worker = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(tp_worker)  # the cases and the model both sides build
+CASES, CP_CASES, FSDP_CASES, FSDP_GROUP_SEEDS = (tp_worker.CASES, tp_worker.CP_CASES, tp_worker.FSDP_CASES,
+                                                 tp_worker.FSDP_GROUP_SEEDS)
+PROMPT, RESPONSES, CHUNK, SAMPLING, tp_model = (tp_worker.PROMPT, tp_worker.RESPONSES, tp_worker.CHUNK,
+                                                tp_worker.SAMPLING, tp_worker.tp_model)
+
+
+def _launch(spawn, tmp_path, mode: str, world: int) -> list[dict]:
+    out = tmp_path / mode
+    for code, text in spawn([str(HERE / "tp_worker.py"), str(out), mode], world, timeout=600):
+        assert code == 0, text
+    return [torch.load(f"{out}.rank{r}") for r in range(world)]
+
+
+def _single(family: str, plan: str, seed: int = 3):
+    model = tp_model(family)
+    result = backward_group(model, random_group(PROMPT, RESPONSES, seed=seed), plan=plan, chunk_size=CHUNK,
+                            micro_batch=2)
+    return all_grads(model), result
+
+
+def _check(name: str, ref_grads, ref, got: dict) -> None:
+    assert_close(f"{name} gradient", ref_grads, got["grads"], SAME_ORDER_F64)
+    assert abs(got["loss"] - ref.loss) <= 1e-12 * max(1.0, abs(ref.loss))
+    for a, b in zip(got["logprobs"], ref.logprobs):
+        assert float((a - b).abs().max()) <= 1e-12
+
+
+def test_tensor_parallel_equals_one_process(spawn, tmp_path):
+    """TP = 2, float64: standard, detach and exact on llama (untied), qwen3 (tied, per-head q/k norms), mistral,
+    qwen3_moe (routed experts) and gemma3 (sliding windows, soft-capped logits); each rank's prompt state is half of
+    one process's; sampling draws the same responses with the same log-probs on both ranks."""
+    saved = _launch(spawn, tmp_path, "tp", 2)
+    for family, plan in CASES:
+        ref_grads, ref = _single(family, plan)
+        for rank, s in enumerate(saved):
+            _check(f"{family} {plan} TP = 2 rank {rank}", ref_grads, ref, s[(family, plan)])
+            if plan != "standard":
+                assert s[(family, plan)]["state_bytes"] * 2 == ref.stats["prompt_state_bytes"]
+    prompt = random_group(PROMPT, RESPONSES, seed=3).prompt
+    rollout = sample_group(tp_model("llama"), prompt, 3, SamplingConfig(**SAMPLING), seed=5, chunk_size=CHUNK)
+    for s in saved:
+        assert all(torch.equal(a, b) for a, b in zip(s["sample"]["responses"], rollout.responses))
+        for a, b in zip(s["sample"]["logprobs"], rollout.logprobs):
+            assert float((a - b).abs().max()) <= 1e-12
+        assert s["sample"]["state_bytes"] * 2 == rollout.state.nbytes()
+
+
+def test_tensor_parallel_with_context_parallel_equals_one_process(spawn, tmp_path):
+    """4 ranks: TP = 2 x cp = 2, float64, exact and detach; each rank holds a quarter of the K/V."""
+    saved = _launch(spawn, tmp_path, "tp_cp", 4)
+    for family, plan in CP_CASES:
+        ref_grads, ref = _single(family, plan)
+        for rank, s in enumerate(saved):
+            _check(f"{family} {plan} TP = 2 x cp = 2 rank {rank}", ref_grads, ref, s[(family, plan)])
+            assert s[(family, plan)]["state_bytes"] * 4 == ref.stats["prompt_state_bytes"]  # 8 chunks: 4 + 4
+
+
+def test_tensor_parallel_with_fsdp_equals_one_process(spawn, tmp_path):
+    """4 ranks: FSDP2 over 2 data-parallel ranks x TP = 2 (a 2-D mesh), float64; data-parallel rank b backpropagates
+    its own group, and the reduced gradient is the mean of one process's gradients of the two groups."""
+    saved = _launch(spawn, tmp_path, "tp_fsdp", 4)
+    for family, plan in FSDP_CASES:
+        refs = [_single(family, plan, seed) for seed in FSDP_GROUP_SEEDS]
+        mean = (refs[0][0] + refs[1][0]) / 2
+        for rank, s in enumerate(saved):
+            got = s[(family, plan)]
+            assert_close(f"{family} {plan} FSDP2 x TP rank {rank} gradient", mean, got["grads"], SAME_ORDER_F64)
+            ref = refs[rank // 2][1]  # ranks 2b and 2b + 1 are data-parallel rank b's tensor-parallel pair
+            assert abs(got["loss"] - ref.loss) <= 1e-12 * max(1.0, abs(ref.loss))
+            assert got["state_bytes"] * 2 == ref.stats["prompt_state_bytes"]
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "deepseek_v3", "falcon_h1"])
+def test_tensor_parallel_refuses_unverified_families(family):
+    from longstraw.distributed.tp import check_tensor_parallel
+
+    with pytest.raises(ValueError, match="run it without --tp"):
+        check_tensor_parallel(tiny_model(family, torch.float32), 2)
+
+
+def test_tensor_parallel_refuses_split_heads():
+    from longstraw.distributed.tp import check_tensor_parallel
+
+    with pytest.raises(ValueError, match="1 key/value heads"):
+        check_tensor_parallel(tiny_model("qwen3", torch.float32), 2)  # one key/value head cannot be split
+    check_tensor_parallel(tiny_model("llama", torch.float32), 2)
