@@ -28,6 +28,14 @@ from longstraw.choices import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+ROLLOUTS = ("group", "tree")
+TREE_TRIGGERS = ("tool_call", "tokens")  # engine.tree.rollout.TRIGGERS, named here without importing torch
+TREE_ADVANTAGES = ("grpo", "siblings")  # engine.tree.rollout.TREE_ADVANTAGES
+SEQUENCE_LOSSES = ("gspo", "luspo", "vespo")  # a ratio per sequence: refused on trees that share response tokens
+
+if TYPE_CHECKING:
     from longstraw.engine.options import BackwardOptions
     from longstraw.engine.state.sharding import ContextShards
 
@@ -73,6 +81,22 @@ class TrainConfig:
     beta: float = _f(0.0, "KL coefficient against a frozen copy of the initial model (k3 estimator)")
     num_iterations: int = _f(1, "optimizer updates per rollout (>1 reuses it with PPO clipping)")
     dynamic_sampling: bool = _f(False, "drop groups whose rewards are all equal (DAPO)")
+    # rollout shape (engine/tree/rollout.py): a group of independent responses, or a tree that branches
+    rollout: str = _f("group", f"rollout: {' or '.join(ROLLOUTS)} (group: group_size responses per prompt; tree: "
+                               "tree_trunks responses that fork into tree_branching continuations, trained with "
+                               "backward_tree, every shared token encoded once)")
+    tree_trunks: int = _f(2, "rollout tree: responses sampled from the prompt (N)")
+    tree_branching: int = _f(2, "rollout tree: continuations per fork (B, >= 2)")
+    tree_depth: int = _f(2, "rollout tree: segments on a root-to-leaf path at most (1 = no fork)")
+    tree_leaves: int = _f(8, "rollout tree: leaf budget (trajectories per prompt at most, >= tree_trunks); a fork adds "
+                             "tree_branching - 1")
+    tree_trigger: str = _f("tool_call", f"rollout tree: when a sequence forks: {' or '.join(TREE_TRIGGERS)} "
+                                        "(tool_call: once a tool call's result is fed, agent tasks; tokens: every "
+                                        "tree_every tokens of a segment)")
+    tree_every: int = _f(0, "rollout tree with tree_trigger tokens: fork every N tokens of a segment")
+    tree_advantage: str = _f("grpo", f"rollout tree: {' or '.join(TREE_ADVANTAGES)} (grpo: the advantage estimator "
+                                     "over every leaf of the prompt's tree; siblings: a leaf's reward minus the mean "
+                                     "over the leaves below its parent node, Tree-GRPO's intra-tree comparison)")
     # plan
     plan: str = _f("exact", "gradient plan: exact (the standard GRPO gradient, prompt shared), detach (the paper's: "
                             "no gradient through the prompt), standard (each response with its prompt, one at a time) "
@@ -199,7 +223,45 @@ class TrainConfig:
         need(self.warm_start_steps == 0 or self.task == "lookup",
              f"warm_start_steps trains on gold trajectories an agent task writes; task {self.task!r} writes none: use "
              "--task lookup or drop --warm-start-steps")
+        self._check_rollout(need)
         self.backward_options()  # plan, loss and its parameters, and their combinations: the engine's own rules
+
+    def _check_rollout(self, need: Callable[[bool, str], None]) -> None:
+        """The rollout's shape and what a tree rollout trains with (backward_tree's plans and losses)."""
+        need(self.rollout in ROLLOUTS, f"rollout {self.rollout!r} is unknown{did_you_mean(self.rollout, ROLLOUTS)}: "
+                                       f"choose one of {', '.join(ROLLOUTS)}")
+        need(self.tree_trigger in TREE_TRIGGERS, f"tree_trigger {self.tree_trigger!r} is unknown"
+             f"{did_you_mean(self.tree_trigger, TREE_TRIGGERS)}: choose one of {', '.join(TREE_TRIGGERS)}")
+        need(self.tree_advantage in TREE_ADVANTAGES, f"tree_advantage {self.tree_advantage!r} is unknown"
+             f"{did_you_mean(self.tree_advantage, TREE_ADVANTAGES)}: choose one of {', '.join(TREE_ADVANTAGES)}")
+        if self.rollout != "tree":
+            return
+        for name, low in (("tree_trunks", 1), ("tree_branching", 2), ("tree_depth", 1), ("tree_every", 0)):
+            need(getattr(self, name) >= low, f"{name} must be >= {low}, got {getattr(self, name)}")
+        need(self.tree_leaves >= self.tree_trunks,
+             f"tree_leaves ({self.tree_leaves}) is below tree_trunks ({self.tree_trunks}): every trunk is a leaf "
+             "until it forks; raise --tree-leaves or lower --tree-trunks")
+        need(self.tree_leaves >= 2 or self.advantage == "mean_centered" or self.tree_advantage == "siblings",
+             f"tree_leaves {self.tree_leaves}: GRPO compares the leaves of a tree; use >= 2")
+        if self.tree_trigger == "tokens":
+            need(self.tree_every >= 1, "--tree-trigger tokens forks every --tree-every tokens: set --tree-every N "
+                                       "(N >= 1)")
+        else:
+            need(self.tree_every == 0, f"--tree-every {self.tree_every} applies to --tree-trigger tokens; "
+                                       "tool_call forks at tool calls: drop --tree-every or use --tree-trigger tokens")
+            need(self.task == "lookup" or self.tree_depth == 1,
+                 f"--tree-trigger tool_call forks at tool calls, which task {self.task!r} has none of: use --task "
+                 "lookup, or --tree-trigger tokens --tree-every N")
+        need(self.plan in ("exact", "detach", "standard"),
+             f"--rollout tree trains with backward_tree, whose plans are exact, detach and standard; got "
+             f"{self.plan!r}")
+        need(self.cp == 1, "--rollout tree does not run under context parallelism (backward_tree refuses it): drop "
+                           "--cp")
+        need(self.bias_every == 0, "--bias-every measures groups (backward_group); --rollout tree has none: drop it")
+        need(self.loss not in SEQUENCE_LOSSES or self.tree_depth == 1,
+             f"loss {self.loss!r} takes a ratio per sequence, which a tree refuses when trajectories share response "
+             f"tokens (a branched rollout's do): use a token-level loss "
+             f"({', '.join(loss for loss in LOSSES if loss not in SEQUENCE_LOSSES)}) or --tree-depth 1")
 
     def loss_options(self) -> dict[str, float]:
         """The loss parameters this config sets; a clip value of -1 means "the loss's own default"."""

@@ -44,6 +44,14 @@ class StepLog:
         self.rewards: list[torch.Tensor] = []
         self.dropped = self.response_tokens = self.prompt_tokens = self.observation_tokens = self.turns = 0
         self.tool_calls = 0
+        self.trees: dict[str, int] = {}  # --rollout tree: the kept trees' shapes and rollout counts, summed
+
+    def tree(self, stats: dict[str, int], rollout_stats: dict[str, int]) -> None:
+        """One kept tree: its prefix tree's shape (`Tree.stats`) and its rollout's counts (`TreeRollout.stats`)."""
+        for key, value in {**stats, **rollout_stats}.items():
+            name = key if key.startswith(("tree_", "rollout_")) else f"tree_{key}"
+            self.trees[name] = max(self.trees.get(name, 0), value) if name == "tree_depth" else \
+                self.trees.get(name, 0) + value
 
     def rollout(self, rewards: torch.Tensor, response_lengths: list[int], prompt_tokens: int, dropped: bool,
                 observation_tokens: int = 0, turns: int | None = None, tool_calls: int = 0) -> None:
@@ -70,6 +78,7 @@ class StepLog:
             "prompt_tokens": self.prompt_tokens, "peak": self.meter.peak_absolute_bytes(),
             "observation_tokens": self.observation_tokens, "turns": self.turns, "tool_calls": self.tool_calls,
             "t_rollout": self.t1 - self.t0, "t_train": t2 - self.t1, "t_step": t2 - self.t0, "skipped": skipped,
+            "trees": self.trees,
         })
         peak = max(x["peak"] for x in ranks)
         ranks = ranks[:: par.cp_size]  # the ranks of a context-parallel block hold the same groups
@@ -78,6 +87,13 @@ class StepLog:
         response_tokens = sum(x["response_tokens"] for x in ranks)
         prompt_tokens = sum(x["prompt_tokens"] for x in ranks)
         t_rollout, t_train = max(x["t_rollout"] for x in ranks), max(x["t_train"] for x in ranks)
+        trees: dict[str, float] = {}  # summed over ranks (the depth: the deepest)
+        for x in ranks:
+            for key, value in x["trees"].items():
+                trees[key] = max(trees.get(key, 0), value) if key == "tree_depth" else trees.get(key, 0) + value
+        if trees:
+            # tokens the tree's passes encode (each shared token once) over those of every trajectory run on its own
+            trees["tree_encoded_fraction"] = trees["tree_tokens_encoded"] / max(1, trees["tree_tokens_flattened"])
         return {
             "step": step + 1,
             "reward_mean": float(rewards.mean()),
@@ -103,6 +119,10 @@ class StepLog:
             "tokens_per_s": (prompt_tokens + response_tokens) / max(1e-9, max(x["t_step"] for x in ranks)),
             "time_rollout_s": t_rollout,
             "time_train_s": t_train,
+            # --rollout tree: tree_nodes, tree_leaves, tree_depth, tree_trajectories, tree_tokens_encoded,
+            # tree_tokens_flattened, tree_encoded_fraction; rollout_forks, rollout_groups, rollout_positions_run,
+            # rollout_tokens_sampled, rollout_tokens_flattened (engine/tree/rollout.py)
+            **trees,
             **bias_metrics,
         }
 

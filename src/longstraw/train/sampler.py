@@ -5,6 +5,9 @@
 - `Sampler.rollout`: one prompt of a step: capture it once, sample G responses from that state
   (`sampling.sample_group`), decode and reward them (`TaskData.reward`), their advantages (`compute_advantages`),
   and with beta > 0 the frozen reference model's log-probs of them, from its own prompt capture.
+- `Sampler.rollout_tree` (`--rollout tree`): one prompt's tree (`engine.tree.rollout.sample_tree`): trunks that fork
+  at tool calls or every k tokens, each leaf rewarded, the leaves' advantages over the tree or against their siblings
+  (`tree_advantages`), and the prefix tree of the leaves' trajectories that `backward_tree` trains on.
 - `Sampler.evaluate`: the mean greedy reward on `eval_prompts` held-out prompts (a seed stream training never
   draws from), before and after training.
 """
@@ -21,6 +24,8 @@ from longstraw.engine.group import Group
 from longstraw.engine.loss import UnnormalisableRewards, compute_advantages
 from longstraw.engine.precision import accumulation_dtype
 from longstraw.engine.sampling import SamplingConfig, sample_group, score_responses
+from longstraw.engine.tree.build import Tree
+from longstraw.engine.tree.rollout import TreeConfig, sample_tree, tree_advantages
 from longstraw.train.data import RewardError, derive_seed
 
 if TYPE_CHECKING:
@@ -54,6 +59,27 @@ class ScoredGroup:
     tool_calls: int = 0  # the environment's calls over the group's responses
 
 
+@dataclass
+class ScoredTree:
+    """One prompt's sampled and rewarded tree, ready for `backward_tree`: the prefix tree of its leaves' trajectories
+    (one group), the leaf rewards, and the rollout's own counts (`TreeRollout.stats`)."""
+
+    prompt: torch.Tensor
+    tree: Tree
+    rewards: torch.Tensor
+    rollout_stats: dict[str, int]
+    turns: int = 0
+    tool_calls: int = 0
+
+    @property
+    def lengths(self) -> list[int]:
+        return [t.length - t.loss_start for t in self.tree.trajectories]
+
+    @property
+    def loss_masks(self) -> list[torch.Tensor]:
+        return [t.in_loss() for t in self.tree.trajectories]
+
+
 class Sampler:
     """Samples the policy (the `model` passed to each call) on the task of `data`; `reference`: the frozen initial
     policy (beta > 0) or None."""
@@ -70,21 +96,31 @@ class Sampler:
         # An agent task's last held-out evaluation: the share of prompts whose greedy response made a tool call.
         self.eval_tool_call_rate = float("nan")
 
-    def step_groups(self, model: torch.nn.Module, step: int, progress: Progress, log: StepLog) -> list[ScoredGroup]:
+    def step_groups(self, model: torch.nn.Module, step: int, progress: Progress,
+                    log: StepLog) -> list[ScoredGroup | ScoredTree]:
         """This rank's prompts of 0-based `step` (all of them in one process), sampled and scored, each counted in
-        `log`; the groups kept for the gradient passes (dynamic sampling drops those whose rewards are all equal)."""
+        `log`; the groups (trees with --rollout tree) kept for the gradient passes (dynamic sampling drops those whose
+        rewards are all equal)."""
         examples = self.data.examples(step)
         mine = self.par.share(len(examples))  # this rank's prompts
-        kept: list[ScoredGroup] = []
+        kept: list[ScoredGroup | ScoredTree] = []
         with self.par.compute(model, reduce=False):
             for j in mine:
                 progress.update(step, "rollout", j - mine.start, len(mine))
-                r = self.rollout(model, step, j, examples[j])
+                r: ScoredGroup | ScoredTree
+                masks: list[torch.Tensor] | None
+                if self.cfg.rollout == "tree":
+                    r = self.rollout_tree(model, step, j, examples[j])
+                    lengths, masks = r.lengths, r.loss_masks
+                else:
+                    r = self.rollout(model, step, j, examples[j])
+                    lengths, masks = r.group.lengths, r.group.loss_masks
                 drop = self.cfg.dynamic_sampling and bool((r.rewards == r.rewards[0]).all())  # no signal in it
-                masks = r.group.loss_masks
-                log.rollout(r.rewards, r.group.lengths, int(r.prompt.numel()), dropped=drop, turns=r.turns,
+                log.rollout(r.rewards, lengths, int(r.prompt.numel()), dropped=drop, turns=r.turns,
                             tool_calls=r.tool_calls,
                             observation_tokens=0 if masks is None else sum(int((~m).sum()) for m in masks))
+                if isinstance(r, ScoredTree) and not drop:
+                    log.tree(r.tree.stats(), r.rollout_stats)
                 if not drop:
                     kept.append(r)
         log.rollouts_done()
@@ -113,6 +149,28 @@ class Sampler:
         return ScoredGroup(prompt=prompt, group=group, state=out.state, rewards=rewards,
                            turns=sum(out.turns) if out.turns is not None else len(out.responses),
                            tool_calls=sum(out.tool_calls) if out.tool_calls is not None else 0)
+
+    def rollout_tree(self, model: torch.nn.Module, step: int, j: int, example: Example) -> ScoredTree:
+        """Prompt j of 0-based `step` as a tree (its own seed), every leaf rewarded, with the leaves' advantages."""
+        cfg, data = self.cfg, self.data
+        prompt = data.encode(example)
+        shape = TreeConfig(trunks=cfg.tree_trunks, branching=cfg.tree_branching, depth=cfg.tree_depth,
+                           leaves=cfg.tree_leaves, trigger=cfg.tree_trigger, every=cfg.tree_every)
+        out = sample_tree(model, prompt, shape, self.sampling, seed=derive_seed(cfg.seed, step, j, 1),
+                          chunk_size=cfg.chunk_size, environment=data.environment(example))
+        rewards = torch.tensor([data.reward(data.decode(r), example, f"step {step + 1}") for r in out.responses],
+                               dtype=torch.float64)
+        where = f"step {step + 1}: rewards of tree {j + 1}"
+        try:
+            advantages = tree_advantages(rewards, out, cfg.tree_advantage, cfg.advantage,
+                                         loss_dtype=accumulation_dtype(getattr(torch, cfg.dtype)))
+        except UnnormalisableRewards as err:
+            raise RewardError(err.describe(where)) from None
+        ref = None
+        if self.reference is not None:  # each leaf scored on its own (the reference's log-probs, no gradient)
+            ref = score_responses(self.reference, prompt, out.responses, cfg.chunk_size, cfg.micro_batch)
+        return ScoredTree(prompt=prompt, tree=out.tree(advantages, ref_logprobs=ref), rewards=rewards,
+                          rollout_stats=out.stats, turns=sum(out.turns), tool_calls=sum(out.tool_calls))
 
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module, when: str) -> float:

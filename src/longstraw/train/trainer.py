@@ -5,6 +5,8 @@ One step, for each of `prompts_per_step` prompts:
   rewards   — decode, score with the task, drop the group if all rewards are equal (dynamic sampling);
   advantages— `compute_advantages` (grpo / mean_centered / rloo);
   reference — with beta > 0, the frozen initial model scores the responses from its own prompt capture;
+(with --rollout tree, each prompt's rollout is a tree instead — `sampler.rollout_tree` — and its step is
+`backward_tree` on the prefix tree of its leaves, every shared token encoded once);
 then, `num_iterations` times: `backward_group` on every kept group (the first pass reuses the rollout's
 prompt state, later passes recapture because the weights moved; a group whose advantages are all 0 with
 beta = 0 has an exactly zero gradient and is skipped, counted in `skipped_zero_advantage`), average over
@@ -60,7 +62,7 @@ from longstraw.train.optimizer import (
 )
 from longstraw.train.reporting import Progress, Report, StepLog
 from longstraw.train.rundir import RunLock, open_run_dir
-from longstraw.train.sampler import Sampler
+from longstraw.train.sampler import Sampler, ScoredTree
 from longstraw.train.stopping import StopSignals, TrainingInterrupted, save_after_failure
 from longstraw.train.warmup import check_gold, warm_start
 
@@ -128,6 +130,13 @@ class Trainer:
             with self.par.compute(self.model):  # sharded: gradients reduced (averaged over ranks) once, at exit
                 for j, r in enumerate(kept):
                     progress.update(step, f"train (pass {it + 1})", j, len(kept))
+                    if isinstance(r, ScoredTree):  # --rollout tree: the leaves' prefix tree, shared tokens once
+                        from longstraw.engine.tree.api import backward_tree
+
+                        tree_result = backward_tree(self.model, r.tree, self.options)
+                        loss_total += tree_result.loss / n_kept
+                        skipped += tree_result.skipped == "zero_advantage"
+                        continue
                     state = r.state if it == 0 else None  # the rollout's prompt state serves the first pass
                     result = backward_group(self.model, r.group, self.options, prompt_state=state)
                     if cfg.offload_state:
@@ -138,7 +147,7 @@ class Trainer:
             params = mean_gradient(self.model, n_kept / self.par.world_size,  # as the loss: the mean over groups
                                    none_computed=self.par.sum(len(kept) - skipped) == 0)
             if it == 0 and bias.due(cfg, step):  # the step's own unclipped gradient vs the exact one; changes nothing
-                bias_metrics = bias.measure(self.model, [r.group for r in kept], cfg)
+                bias_metrics = bias.measure(self.model, [r.group for r in kept if not isinstance(r, ScoredTree)], cfg)
             # Clip; refuse a non-finite norm, or an update that would make a weight non-finite, before AdamW runs.
             grad_norm = clip_and_check(self.par, self.optimizer, self.model, params, cfg.max_grad_norm, step)
             self._dirty = True  # from here until the step is complete, the state is not a step boundary
