@@ -15,6 +15,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ADVANTAGES", "LOSSES", "PLANS", "SUPPORTED_MODEL_TYPES",
     "BackwardOptions", "Group", "GroupResult", "backward_group", "compute_advantages", "load_model",
+    "Trajectory", "Tree", "TreeResult", "backward_tree", "build_tree",
 ]
 
 if TYPE_CHECKING:
@@ -22,6 +23,8 @@ if TYPE_CHECKING:
     from longstraw.engine.group import Group
     from longstraw.engine.loss import compute_advantages
     from longstraw.engine.options import BackwardOptions
+    from longstraw.engine.tree import Trajectory, Tree, build_tree
+    from longstraw.engine.tree.api import TreeResult, backward_tree
     from longstraw.models.architecture import SUPPORTED_MODEL_TYPES
     from longstraw.models.loading import load_model
 
@@ -31,6 +34,10 @@ def __getattr__(name: str) -> Any:
         from longstraw.engine import api
 
         return getattr(api, name)
+    elif name in ("Trajectory", "Tree", "TreeResult", "backward_tree", "build_tree"):
+        from longstraw.engine import tree
+
+        return getattr(tree, name)
     elif name == "BackwardOptions":
         from longstraw.engine.options import BackwardOptions
 

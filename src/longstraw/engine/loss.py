@@ -358,6 +358,52 @@ def response_loss(
 
     logp, mask, old_logp, ref_logp: (B, T), right-padded, mask True on real tokens; advantages: (B,).
     """
+    per_token = token_terms(logp, mask, advantages, cfg, old_logp, ref_logp)  # (B, T)
+    lengths = mask.to(logp.dtype).sum(-1)  # (B,)
+    g = totals.num_responses
+    if cfg.kind in ("grpo", "gspo", "sapo"):
+        loss = (per_token.sum(-1) / lengths).sum() / g
+    elif cfg.kind == "dr_grpo":
+        loss = per_token.sum() / (g * totals.max_tokens)
+    elif cfg.kind in _TOKEN_NORMALISED:
+        loss = per_token.sum() / totals.total_tokens
+    elif cfg.kind == "luspo":
+        loss = per_token.sum() / g
+    else:
+        raise ValueError(f"unknown loss {cfg.kind!r}: choose one of {', '.join(LOSSES)}")
+    return loss * cfg.loss_scale
+
+
+def token_weight(cfg: LossConfig, totals: GroupTotals, loss_tokens: int) -> float:
+    """The factor `response_loss` divides a response's summed per-token terms by, for a response of `loss_tokens`
+    loss tokens in a group of `totals`, times the config's loss_scale: the loss is Σ_i weight_i Σ_t term_{i,t}."""
+    g = totals.num_responses
+    if cfg.kind in ("grpo", "gspo", "sapo"):
+        weight = 1.0 / (loss_tokens * g)
+    elif cfg.kind == "dr_grpo":
+        weight = 1.0 / (g * totals.max_tokens)
+    elif cfg.kind in _TOKEN_NORMALISED:
+        weight = 1.0 / totals.total_tokens
+    elif cfg.kind == "luspo":
+        weight = 1.0 / g
+    else:
+        raise ValueError(f"unknown loss {cfg.kind!r}: choose one of {', '.join(LOSSES)}")
+    return weight * cfg.loss_scale
+
+
+def is_token_level(cfg: LossConfig) -> bool:
+    """Whether a token's term depends on its own log-prob only (not on the sequence's other tokens): then the loss of
+    a sequence is a sum over any split of its tokens (a prefix tree's nodes). The sequence ratio and vespo's weight
+    read the whole sequence."""
+    return not cfg.sequence_ratio and cfg.kind != "vespo"
+
+
+def token_terms(logp: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor, cfg: LossConfig,
+                old_logp: torch.Tensor | None = None, ref_logp: torch.Tensor | None = None) -> torch.Tensor:
+    """The per-token terms (B, T) of the loss before its normalisation, zero off `mask`: the policy term plus the
+    KL term. The sequence ratio and vespo's weight take each row as one whole sequence (its mask's tokens).
+
+    logp, mask, old_logp, ref_logp: (B, T); advantages: (B,)."""
     mask_f = mask.to(logp.dtype)
     lengths = mask_f.sum(-1)  # (B,)
     old = logp.detach() if old_logp is None else old_logp
@@ -377,19 +423,7 @@ def response_loss(
     if cfg.beta:
         kl = _kl_to(ref_logp, logp, cfg)
         per_token = per_token + cfg.beta * (kl * ratio if cfg.kl_ratio else kl)
-    per_token = per_token * mask_f  # (B, T)
-    g = totals.num_responses
-    if cfg.kind in ("grpo", "gspo", "sapo"):
-        loss = (per_token.sum(-1) / lengths).sum() / g
-    elif cfg.kind == "dr_grpo":
-        loss = per_token.sum() / (g * totals.max_tokens)
-    elif cfg.kind in _TOKEN_NORMALISED:
-        loss = per_token.sum() / totals.total_tokens
-    elif cfg.kind == "luspo":
-        loss = per_token.sum() / g
-    else:
-        raise ValueError(f"unknown loss {cfg.kind!r}: choose one of {', '.join(LOSSES)}")
-    return loss * cfg.loss_scale
+    return per_token * mask_f  # (B, T)
 
 
 class UnnormalisableRewards(ValueError):

@@ -18,6 +18,7 @@ a recompute: one prompt forward fewer per kept chunk, for those chunks' activati
 from __future__ import annotations
 
 import time
+from typing import Protocol
 
 import torch
 
@@ -56,22 +57,35 @@ def exact(model: torch.nn.Module, prompt: torch.Tensor, responses: list[torch.Te
     return total, logprobs
 
 
+class ChunkLoss(Protocol):
+    """A loss on the tokens a recomputed chunk predicts (a prefix tree's node, `engine/tree`): `wants(start, end)`
+    says whether chunk [start, end) has any, and the call returns that part of the loss from the chunk's hidden
+    states (1, end − start, d) (None: nothing there)."""
+
+    def wants(self, start: int, end: int) -> bool: ...
+
+    def __call__(self, start: int, end: int, hidden: torch.Tensor) -> torch.Tensor | None: ...
+
+
 def prompt_backward(model: torch.nn.Module, ids: torch.Tensor, leaves: PromptState,
-                    router: RouterAux | None = None) -> None:
-    """ids (N,): the encoded prompt (x[:-1]); leaves: the state the replays used, `.grad` filled. router: the router
-    load-balancing term, whose prompt tokens' share joins each chunk's backward (each chunk then runs to the last
-    layer's MoE block, and none is skipped)."""
+                    router: RouterAux | None = None, first: int = 0, chunk_loss: ChunkLoss | None = None) -> None:
+    """ids: the encoded tokens by position (the prompt's x[:-1], or a tree node's path); leaves: the state the replays
+    used, `.grad` filled. router: the router load-balancing term, whose prompt tokens' share joins each chunk's
+    backward (each chunk then runs to the last layer's MoE block, and none is skipped). first: backpropagate chunks
+    first … last only (a tree node's own chunks: the state before them, its parent's, receives their gradient).
+    chunk_loss: a loss on the tokens the chunks predict, added to each chunk's backward."""
     if not leaves.keep_boundaries and leaves.num_chunks > 1:
         raise ValueError("the exact plan needs the recurrent state at every chunk boundary: capture the prompt "
                          "with keep_boundaries=True")
     context_shards = leaves.context_shards
-    for j in reversed(range(leaves.num_chunks)):
+    for j in reversed(range(first, leaves.num_chunks)):
         start, end = leaves.bounds[j]
         produced = leaves.chunk_outputs(j)
         # An offloaded state's gradients live beside it in host memory: bring chunk j's to the compute device.
         upstream = [None if t is None or t.grad is None else leaves.fetch(t.grad) for t in produced]
         kept = leaves.graphs.pop(j, None)  # the capture's own graph of chunk j, if it was kept
-        if context_shards is None and router is None and all(g is None for g in upstream):
+        scored = chunk_loss is not None and chunk_loss.wants(start, end)
+        if context_shards is None and router is None and not scored and all(g is None for g in upstream):
             continue  # (under context parallelism every rank recomputes every chunk: collectives run in step)
         collect: Collected = {}
         term = None
@@ -81,10 +95,14 @@ def prompt_backward(model: torch.nn.Module, ids: torch.Tensor, leaves: PromptSta
             if router is not None:
                 router.tap.clear()
             with torch.enable_grad():
-                run_segment(model, ids[start:end].unsqueeze(0), start, leaves.prefix(j), collect,
-                            kv_only=router is None)
+                hidden = run_segment(model, ids[start:end].unsqueeze(0), start, leaves.prefix(j), collect,
+                                     kv_only=router is None and not scored)
                 if router is not None:
                     term = router.term(torch.full((end - start,), float(router.prompt_copies)))
+                elif scored:
+                    assert chunk_loss is not None and hidden is not None
+                    term = chunk_loss(start, end, hidden)
+                del hidden
             recomputed = PromptState.outputs_of(collect, leaves.num_layers)
         if context_shards is not None:
             upstream = _owner_gradients(context_shards, j, leaves.num_chunks, upstream, recomputed)

@@ -50,19 +50,31 @@ def capture_prompt(model: torch.nn.Module, ids: torch.Tensor, chunk_size: int,
                         provenance=provenance(model),
                         capacity=ids.numel(),
                         stateless=stateless_layers(model) | kv_shared_layers(text_config(model)))
-    bounds = chunk_bounds(ids.numel(), chunk_size)
+    extend_state(model, state, ids, chunk_size, leaves=leaves, keep_graph=keep_graph)
+    return state
+
+
+def extend_state(model: torch.nn.Module, state: PromptState, ids: torch.Tensor, chunk_size: int,
+                 leaves: bool = False, keep_graph: int = 0) -> None:
+    """Append the state of `ids` (n,), the tokens at positions state.length … state.length + n − 1, to `state`, in
+    chunks of `chunk_size` that each continue from the chunks before them (`capture_prompt`'s loop; a prefix tree's
+    node continues its parent's state with it). leaves / keep_graph: as `capture_prompt`'s. Under context parallelism
+    (`state.context_shards`) each rank keeps the attention parts of its own chunks of these ids only."""
+    offset = state.length
+    bounds = [(offset + s, offset + e) for s, e in chunk_bounds(ids.numel(), chunk_size)]
+    context_shards = state.context_shards
     for j, (start, end) in enumerate(bounds):
         collect: Collected = {}
         graph = j >= len(bounds) - keep_graph
         with torch.set_grad_enabled(graph):
-            run_segment(model, ids[start:end].unsqueeze(0), start, state.fork(), collect, kv_only=True)
+            run_segment(model, ids[start - offset:end - offset].unsqueeze(0), start, state.fork(), collect,
+                        kv_only=True)
         for layer, parts in collect.items():
             window = parts.pop("window", None)
             if window is not None:
                 state.windows[layer] = window  # type: ignore[call-overload]  # an int riding in the tensor dict
         if graph:
-            state.graphs[j] = PromptState.outputs_of(collect, state.num_layers)
+            state.graphs[state.num_chunks] = PromptState.outputs_of(collect, state.num_layers)
         state.append_chunk(start, end, collect, leaves=leaves)
         if context_shards is not None and not context_shards.owns(j, len(bounds)):
-            state.drop_attention(j)
-    return state
+            state.drop_attention(state.num_chunks - 1)

@@ -305,6 +305,17 @@ class PromptState:
         would update them in place, see `state.cache`), so sharing the tensors is safe."""
         return self.prefix(self.num_chunks)
 
+    def branch(self) -> PromptState:
+        """A fork that grows: new chunks appended to it (`capture.extend_state`) are its own, the chunks it starts
+        with are this state's tensors (no copy; an exact plan's leaves stay the same leaves, so the gradients the
+        branch's recompute sends into them accumulate in this state's `.grad`). A prefix tree's node continues its
+        parent's state so. The branch reads its chunks one by one, not through this state's slabs, which hold this
+        state's positions only."""
+        branch = self._map(lambda name, t: t)
+        branch._slabs = {}
+        branch.fingerprint = None
+        return branch
+
     def offload(self, device: torch.device) -> PromptState:
         """The same state kept in host memory and read on `device` (see the module docstring)."""
         if self.offloaded:

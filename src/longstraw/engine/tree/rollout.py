@@ -382,18 +382,20 @@ class _Run:
             policy = torch.log_softmax(logits, dim=-1)
             probs = torch.softmax(_filter_logits(logits / cfg.temperature, cfg.top_k, cfg.top_p), dim=-1)
             nxt = torch.multinomial(probs, 1, generator=gen).squeeze(1)
+            forced = [bool(seq.pending) for seq in group.seqs]
             for i, seq in enumerate(group.seqs):
-                forced = bool(seq.pending)
-                if forced:
-                    nxt[i] = seq.pending.pop(0)
+                if forced[i]:
+                    nxt[i] = seq.pending.pop(0)  # an observation token replaces the sample
+            ids, logps = nxt.tolist(), policy.gather(1, nxt[:, None]).squeeze(1).tolist()  # one copy per step
+            for i, seq in enumerate(group.seqs):
                 if seq.ended:
                     continue
-                t = int(nxt[i])
+                t = ids[i]
                 seq.tokens.append(t)
-                seq.logps.append(float(policy[i, t]))
-                seq.observed.append(forced)
+                seq.logps.append(logps[i])
+                seq.observed.append(forced[i])
                 length = used + len(seq.tokens)
-                if forced:
+                if forced[i]:
                     if not seq.pending and self.tree.trigger == "tool_call" and self._may_fork(group.depth, length):
                         children.append(self._fork(group, buffer, i, step))
                 elif t in cfg.stop_ids:

@@ -1,0 +1,128 @@
+"""`backward_tree`: the gradient of a batch of trajectories that share prefixes, accumulated into the parameters.
+
+Read top to bottom, one call is:
+  1. the options (as `backward_group`'s) and the tree (`build_tree` from a list of trajectories, or a `Tree`);
+  2. every refusal that needs the model, the tree or the options, before anything is computed;
+  3. skip when the loss's gradient is identically zero (every advantage 0 and beta = 0);
+  4. the loss (`loss.TreeLoss`: each trajectory with its group's normalisers) and the plan (`plans`): standard,
+     exact or detach.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from longstraw.engine.activation_checkpointing import checkpointed_layers
+from longstraw.engine.api import _options, check_model_options
+from longstraw.engine.options import BackwardOptions
+from longstraw.engine.precision import accumulation_dtype
+from longstraw.engine.state.checks import check_materialised
+from longstraw.engine.tree import plans
+from longstraw.engine.tree.build import Trajectory, Tree, build_tree
+from longstraw.engine.tree.loss import TreeLoss, check_sequence_losses
+from longstraw.models.admission import check_architecture, is_recurrent
+from longstraw.models.architecture import eval_mode_when_equal, hf
+from longstraw.models.composite import text_config
+
+
+@dataclass
+class TreeResult:
+    """loss: the batch loss (float); logprobs: per trajectory, detached (N_i − loss_start,), NaN at the tokens outside
+    its loss; stats: the tree's shape (`Tree.stats`), phase times and the largest state held along one path.
+    skipped: "zero_advantage" when every advantage is 0 and beta is 0 (nothing ran), else None."""
+
+    loss: float
+    logprobs: list[torch.Tensor]
+    stats: dict[str, float | int | str] = field(default_factory=dict)
+    skipped: str | None = None
+
+
+def backward_tree(model: torch.nn.Module, trajectories: list[Trajectory] | Tree,
+                  options: BackwardOptions | None = None, *, min_shared: int = 1, **settings: Any) -> TreeResult:
+    """Accumulate d(loss)/d(params) into `.grad` for every trajectory, as running each on its own and summing the
+    losses would (never zeroes or steps). trajectories: a list of `Trajectory` (its prefix tree is built with
+    `min_shared`) or a `Tree`. options/settings: as `backward_group`'s; plan "standard" (every trajectory a full
+    sequence: the reference), "exact" (depth first, equal to standard) or "detach" (a node's state a constant for its
+    descendants); micro_batch: sibling leaves replayed at once (standard: trajectories per forward)."""
+    options = _options(options, settings)
+    tree = trajectories if isinstance(trajectories, Tree) else build_tree(trajectories, min_shared)
+    if options.plan in ("exact", "detach") and tree.min_shared < 2 and is_recurrent(model):
+        # A recurrent layer's one-token step (Mamba-2's selective_state_update) writes its state in place, which
+        # autograd cannot differentiate: a one-token inner node's token goes into each of its branches instead.
+        tree = build_tree(tree.trajectories, 2)
+    training = options.allow_train_mode and any(m.training for m in model.modules())
+    with eval_mode_when_equal(model) if training else nullcontext():
+        _check(model, tree, options)
+        return _backward(model, tree, options)
+
+
+def _check(model: torch.nn.Module, tree: Tree, options: BackwardOptions) -> None:
+    """What the options alone cannot say: this model and this tree."""
+    if options.plan not in ("standard", "standard_batched", "exact", "detach"):
+        raise ValueError(f"unknown plan {options.plan!r}")
+    for name, on, why in (
+            ("router_aux_coef", bool(options.router_aux_coef), "the router load-balancing term over a tree's shared "
+                                                                  "tokens is not implemented"),
+            ("keep_prompt_graph", bool(options.keep_prompt_graph), "a tree recomputes every node's chunks"),
+            ("context_shards", options.context_shards is not None, "context parallelism of a tree's root is not "
+                                                                    "implemented")):
+        if on:
+            raise ValueError(f"{name} is not supported by backward_tree ({why}): unset it, or run each group "
+                             "with backward_group")
+    check_model_options(model, options)
+    check_materialised(model, "backward_tree")
+    longest = max(t.length for t in tree.trajectories)
+    check_architecture(model, longest)
+    vocab = hf(model).get_input_embeddings().num_embeddings
+    top = max(int(t.ids.max()) for t in tree.trajectories)
+    if top >= vocab:
+        raise ValueError(f"token id {top} is out of the model's vocabulary (size {vocab})")
+    max_pos = getattr(text_config(model), "max_position_embeddings", None)
+    if max_pos is not None and longest > max_pos:
+        raise ValueError(f"the longest trajectory has {longest} tokens, more than the model's max_position_embeddings "
+                         f"({max_pos}): shorten it or use a longer-context model")
+    cfg = options.loss_config
+    if cfg.beta:
+        missing = [i for i, t in enumerate(tree.trajectories) if t.ref_logprobs is None]
+        if missing:
+            raise ValueError(f"beta > 0 needs ref_logprobs on every trajectory (missing on {missing[:5]})")
+    dtype = accumulation_dtype(hf(model).get_input_embeddings().weight.dtype)
+    bound = math.sqrt(torch.finfo(dtype).max)
+    for i, t in enumerate(tree.trajectories):
+        if not abs(t.advantage) < bound:
+            raise ValueError(f"trajectories[{i}].advantage = {t.advantage:.3g} is too large for the loss's dtype "
+                             f"{str(dtype).removeprefix('torch.')}: |advantage| must be < {bound:.3g}; rescale the "
+                             "rewards or normalise the advantages")
+    check_sequence_losses(tree, cfg)
+
+
+def _backward(model: torch.nn.Module, tree: Tree, options: BackwardOptions) -> TreeResult:
+    device = hf(model).get_input_embeddings().weight.device
+    dtype = accumulation_dtype(hf(model).get_input_embeddings().weight.dtype)
+    stats: dict[str, float | int | str] = {"plan": options.plan, **tree.stats(), "checkpoint": options.checkpoint,
+                                           "offload_state": options.offload_state}
+    cfg = options.loss_config
+    if cfg.beta == 0 and cfg.kind != "nll" and all(t.advantage == 0 for t in tree.trajectories):
+        stats.update(capture_s=0.0, replay_s=0.0, backward_s=0.0, peak_path_state_bytes=0)
+        return TreeResult(loss=0.0, logprobs=[], stats=stats, skipped="zero_advantage")
+    for node in tree.nodes():
+        node.tokens = node.tokens.to(device=device, dtype=torch.long)
+    loss = TreeLoss(tree, cfg, device, dtype)
+    walk = plans._Walk(model=model, tree=tree, loss=loss, options=options)
+    with checkpointed_layers(model, enabled=options.checkpoint == "layers"):
+        if options.plan in ("standard", "standard_batched"):
+            plans.standard(walk, batched=options.plan == "standard_batched")
+        elif options.plan == "exact":
+            plans.exact(walk)
+        elif options.plan == "detach":
+            plans.detach(walk)
+        else:
+            raise ValueError(f"unknown plan {options.plan!r}")
+    stats.update(capture_s=walk.capture_s, replay_s=walk.replay_s, backward_s=walk.backward_s,
+                 peak_path_state_bytes=walk.peak_path_bytes)
+    return TreeResult(loss=walk.total, logprobs=loss.logprobs, stats=stats)

@@ -1,0 +1,125 @@
+"""The loss of a prefix tree, taken a run of positions at a time.
+
+The batch loss is Σ_i w_i Σ_{t ∈ loss_i} term(logp_t; old_{i,t}, ref_{i,t}, A_i) (`loss.token_terms`), with w_i the
+normaliser of trajectory i in its group (`loss.token_weight`: GRPO's 1/(G_g |o_i|), dr_grpo's 1/(G_g L_max), dapo's
+1/Σ_g|o|, times loss_scale). A token at position t of a node is on the path of every trajectory in `node.through`:
+its log-prob logp_t is computed once, and the term is added once for each of those trajectories that has t in its
+loss, with that trajectory's own fields. For the token-level losses the loss of a node's run of positions is then a
+sum of independent pieces, which the plans add in any order; the sequence-level losses (the sequence ratio, vespo)
+need each trajectory's loss tokens in one piece: the tree plans take them only when every trajectory's loss lies in
+its last node and that node is a leaf (`check_sequence_losses`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from longstraw.engine.loss import GroupTotals, LossConfig, is_token_level, token_terms, token_weight
+from longstraw.engine.tree.build import Node, Tree
+
+
+class TreeLoss:
+    """The loss of `tree` under `cfg`, in `dtype` on `device`; collects each trajectory's log-probs as they are
+    computed (`logprobs`: (N_i − loss_start,), NaN where none was computed)."""
+
+    def __init__(self, tree: Tree, cfg: LossConfig, device: torch.device, dtype: torch.dtype) -> None:
+        self.tree, self.cfg, self.device, self.dtype = tree, cfg, device, dtype
+        by_group: dict[int, list[int]] = {}
+        for t in tree.trajectories:
+            by_group.setdefault(t.group, []).append(t.loss_tokens)
+        totals = {g: GroupTotals.of(lengths, cfg) for g, lengths in by_group.items()}
+        self.weights = [token_weight(cfg, totals[t.group], t.loss_tokens) for t in tree.trajectories]
+        self.masks = [t.in_loss().to(device) for t in tree.trajectories]
+        self.logprobs = [torch.full((t.length - t.loss_start,), float("nan"), dtype=dtype)
+                         for t in tree.trajectories]
+
+    def keep(self, through: list[int], first: int, count: int) -> torch.Tensor:
+        """(count,) bool: positions first … first+count−1 in the loss of any trajectory of `through`."""
+        keep = torch.zeros(count, dtype=torch.bool, device=self.device)
+        for i in through:
+            lo, hi, rows = self._span(i, first, count)
+            if hi > lo:
+                keep[lo:hi] |= rows
+        return keep
+
+    def _span(self, i: int, first: int, count: int) -> tuple[int, int, torch.Tensor]:
+        """Where trajectory i's loss tokens meet positions [first, first+count): [lo, hi) in that run and the loss
+        mask over it."""
+        t = self.tree.trajectories[i]
+        lo = max(t.loss_start, first)
+        hi = min(t.length, first + count)
+        if hi <= lo:
+            return 0, 0, self.masks[i][:0]
+        return lo - first, hi - first, self.masks[i][lo - t.loss_start: hi - t.loss_start]
+
+    def term(self, through: list[int], first: int, logp: torch.Tensor) -> torch.Tensor | None:
+        """The loss's part at positions first … first+T−1 for the trajectories `through` (their shared tokens);
+        logp (T,): the log-probs of those positions' tokens (anything where `keep` is False). None when no
+        trajectory has a loss token there. Records the log-probs."""
+        count = logp.numel()
+        rows, masks, olds, refs, advantages, weights = [], [], [], [], [], []
+        for i in through:
+            lo, hi, in_loss = self._span(i, first, count)
+            if hi <= lo or not bool(in_loss.any()):
+                continue
+            t = self.tree.trajectories[i]
+            start = first + lo - t.loss_start  # index into the trajectory's loss fields
+            piece = logp[lo:hi]
+            self.logprobs[i][start: start + hi - lo] = torch.where(
+                in_loss, piece.detach(), torch.full_like(piece.detach(), float("nan"))).to("cpu", self.dtype)
+            rows.append(piece)
+            masks.append(in_loss)
+            olds.append(self._field(t.old_logprobs, start, hi - lo, piece, in_loss))
+            refs.append(self._field(t.ref_logprobs, start, hi - lo, piece, in_loss))
+            advantages.append(t.advantage)
+            weights.append(self.weights[i])
+        if not rows:
+            return None
+        width = max(r.numel() for r in rows)
+
+        def stacked(values: list[torch.Tensor], fill: float | bool) -> torch.Tensor:
+            """(M, width), right-padded."""
+            return torch.stack([torch.nn.functional.pad(v, (0, width - v.numel()), value=fill) for v in values])
+
+        logp_rows = stacked(rows, 0.0)
+        mask = stacked(masks, False)
+        old, ref = stacked(olds, 0.0), stacked(refs, 0.0)
+        adv = torch.tensor(advantages, dtype=self.dtype, device=self.device)
+        per_token = token_terms(logp_rows, mask, adv, self.cfg, old, ref)  # (M, width)
+        w = torch.tensor(weights, dtype=self.dtype, device=self.device)
+        return (per_token.sum(-1) * w).sum()
+
+    def _field(self, values: torch.Tensor | None, start: int, count: int, logp: torch.Tensor,
+               in_loss: torch.Tensor) -> torch.Tensor:
+        """A trajectory's old/ref log-probs over `count` tokens from `start`, in the loss's dtype; off its loss tokens
+        the policy's own detached log-probs (a ratio of 1 and a KL of 0 there, whatever the caller holds: NaN times
+        the mask's 0 would still be NaN). Without values (on-policy, or no reference with beta = 0): the policy's
+        own."""
+        if values is None:
+            return logp.detach().to(self.dtype)
+        piece = values[start: start + count].to(device=self.device, dtype=self.dtype)
+        return torch.where(in_loss, piece, logp.detach().to(self.dtype))
+
+
+def check_sequence_losses(tree: Tree, cfg: LossConfig) -> None:
+    """The sequence-level losses need each trajectory's loss tokens in one replayed piece: its last node, a leaf."""
+    if is_token_level(cfg):
+        return
+    what = "vespo's sequence weight" if cfg.kind == "vespo" else "the sequence ratio"
+    for node in tree.nodes():
+        for i in node.through:
+            t = tree.trajectories[i]
+            if i in node.ending and node.is_leaf:
+                continue
+            mask = t.in_loss()  # positions loss_start … N−1
+            if bool(mask[max(node.start - t.loss_start, 0): max(node.end - t.loss_start, 0)].any()):
+                raise ValueError(
+                    f"{cfg.kind} with {what} reads a trajectory's whole loss at once, and trajectory {i} has loss "
+                    f"tokens in a shared node (positions {node.start}–{node.end - 1}) or in a node with children: use "
+                    "a token-level loss (grpo, dr_grpo, dapo, cispo, sapo) for trees that share response tokens, or "
+                    "set loss_start past the shared tokens")
+
+
+def node_first_target(node: Node) -> int:
+    """The first position whose token the node's forward predicts: its start, or 1 for a node at position 0."""
+    return max(node.start, 1)

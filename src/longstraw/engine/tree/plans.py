@@ -1,0 +1,264 @@
+"""The plans of a prefix tree (docs/trees.md §3).
+
+* `standard`: every trajectory a full sequence through the unmodified model — the reference.
+* `exact`: depth first. A node's state continues its parent's (`PromptState.branch`), captured chunk by chunk without
+  grad as leaves that require grad; its leaf children are replayed from it with grad (sibling leaves `micro_batch` at
+  a time), its inner children visited the same way; then its own chunks are recomputed with grad, last first, and
+  backpropagated with the gradient its descendants left on its state plus its own tokens' loss (`exact.prompt_backward`
+  with a `ChunkLoss`): the gradient reaches its parent's state leaves, and the node's state is freed. The memory held
+  is the states of the nodes on one root-to-leaf path and one chunk's activations, whatever the tree's width.
+* `detach`: the same walk with every state a constant: a node's own loss tokens get their gradient from their chunk's
+  forward (the parent's state constant), each leaf from its replay; no gradient flows into a node's state.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from longstraw.engine.logprobs import selected_logprobs
+from longstraw.engine.options import BackwardOptions
+from longstraw.engine.plans.exact import prompt_backward
+from longstraw.engine.plans.replay import pad
+from longstraw.engine.precision import accumulation_dtype
+from longstraw.engine.segment import run_segment
+from longstraw.engine.state.capture import chunk_bounds, extend_state
+from longstraw.engine.state.prompt import Collected, PromptState
+from longstraw.engine.state.sharing import kv_shared_layers
+from longstraw.engine.tree.build import Node, Tree
+from longstraw.engine.tree.loss import TreeLoss, node_first_target
+from longstraw.models.architecture import hf, logit_scale, logit_softcap, stateless_layers
+from longstraw.models.composite import text_config
+
+
+@dataclass
+class _Walk:
+    """What one walk of the tree needs: the model, its options, the loss, and the running totals."""
+
+    model: torch.nn.Module
+    tree: Tree
+    loss: TreeLoss
+    options: BackwardOptions
+    total: float = 0.0
+    path_bytes: int = 0  # the states held along the current path
+    peak_path_bytes: int = 0
+    replay_s: float = 0.0
+    capture_s: float = 0.0
+    backward_s: float = 0.0
+
+    def head(self) -> tuple[torch.Tensor, torch.Tensor | None, float, float | None]:
+        out = hf(self.model).get_output_embeddings()
+        return out.weight, getattr(out, "bias", None), logit_scale(self.model), logit_softcap(self.model)
+
+
+def empty_state(model: torch.nn.Module, keep_boundaries: bool, offload: bool) -> PromptState:
+    """The state of no position, which a tree's root continues (as `capture_prompt` makes it)."""
+    device = hf(model).get_input_embeddings().weight.device if offload else None
+    return PromptState(num_layers=text_config(model).num_hidden_layers, keep_boundaries=keep_boundaries,
+                       device=device,
+                       stateless=stateless_layers(model) | kv_shared_layers(text_config(model)))
+
+
+def path_ids(node: Node, above: torch.Tensor) -> torch.Tensor:
+    """The tokens at positions 0 … node.end − 1 (`above`: those before node.start)."""
+    return torch.cat([above, node.tokens])
+
+
+# --- exact --------------------------------------------------------------------------------------------------------
+class _NodeLoss:
+    """A node's loss for `prompt_backward`: chunk [start, end) of its input predicts the tokens at start+1 … end."""
+
+    def __init__(self, walk: _Walk, node: Node, path: torch.Tensor) -> None:
+        self.walk, self.node, self.path = walk, node, path
+
+    def wants(self, start: int, end: int) -> bool:
+        return bool(self.walk.loss.keep(self.node.through, start + 1, end - start).any())
+
+    def __call__(self, start: int, end: int, hidden: torch.Tensor) -> torch.Tensor | None:
+        targets = self.path[start + 1: end + 1].unsqueeze(0)  # (1, T)
+        keep = self.walk.loss.keep(self.node.through, start + 1, end - start).unsqueeze(0)
+        logp = _logprobs(self.walk, hidden, targets, keep)  # (1, T)
+        term = self.walk.loss.term(self.node.through, start + 1, logp[0])
+        if term is not None:
+            _check_finite(logp, keep, term, f"positions {start + 1}–{end}")
+            self.walk.total += float(term.detach())
+        return term
+
+
+def exact(walk: _Walk) -> None:
+    root = walk.tree.root
+    state = empty_state(walk.model, keep_boundaries=True, offload=walk.options.offload_state)
+    state.capacity = max(root.tokens.numel() - 1, 0)  # the root's K/V go into one tensor per layer (`_slab`)
+    _exact_node(walk, root, state, root.tokens.new_empty(0))
+
+
+def _exact_node(walk: _Walk, node: Node, parent: PromptState, above: torch.Tensor) -> None:
+    """Visit `node` from its parent's state (positions [0, node.input_start)); `above`: the tokens before it."""
+    path = path_ids(node, above)
+    state = parent if node is walk.tree.root else parent.branch()
+    first = state.num_chunks
+    ids = node.input_ids(above[-1:] if above.numel() else None)
+    t0 = time.perf_counter()
+    extend_state(walk.model, state, ids, walk.options.chunk_size, leaves=True)
+    walk.capture_s += time.perf_counter() - t0
+    held = sum(t.numel() * t.element_size() for t in _own_tensors(state, first))
+    walk.path_bytes += held
+    walk.peak_path_bytes = max(walk.peak_path_bytes, walk.path_bytes)
+    _children(walk, node, state, path, _exact_node)
+    t0 = time.perf_counter()
+    prompt_backward(walk.model, path, state, first=first, chunk_loss=_NodeLoss(walk, node, path))
+    walk.backward_s += time.perf_counter() - t0
+    walk.path_bytes -= held
+
+
+def _own_tensors(state: PromptState, first: int) -> list[torch.Tensor]:
+    """The tensors of chunks first … of `state`: what a node's capture added."""
+    return [t for per_layer in state.parts.values() for layer in per_layer for t in layer[first:] if t is not None]
+
+
+# --- detach -------------------------------------------------------------------------------------------------------
+def detach(walk: _Walk) -> None:
+    root = walk.tree.root
+    state = empty_state(walk.model, keep_boundaries=False, offload=walk.options.offload_state)
+    state.capacity = max(root.tokens.numel() - 1, 0)
+    _detach_node(walk, root, state, root.tokens.new_empty(0))
+
+
+def _detach_node(walk: _Walk, node: Node, parent: PromptState, above: torch.Tensor) -> None:
+    """Capture `node` as a constant continuing its parent's state; its own loss tokens' terms are backpropagated
+    from their chunk's forward (into the parameters only)."""
+    path = path_ids(node, above)
+    state = parent if node is walk.tree.root else parent.branch()
+    first = state.num_chunks
+    ids = node.input_ids(above[-1:] if above.numel() else None)
+    t0 = time.perf_counter()
+    offset = state.length
+    scored = _NodeLoss(walk, node, path)
+    for start, end in [(offset + s, offset + e) for s, e in chunk_bounds(ids.numel(), walk.options.chunk_size)]:
+        if not scored.wants(start, end):
+            extend_state(walk.model, state, ids[start - offset: end - offset], walk.options.chunk_size)
+            continue
+        collect: Collected = {}
+        with torch.enable_grad():
+            hidden = run_segment(walk.model, ids[start - offset: end - offset].unsqueeze(0), start, state.fork(),
+                                 collect)
+            assert hidden is not None
+            term = scored(start, end, hidden)
+            if term is not None and term.requires_grad:
+                term.backward()
+        del hidden, term
+        for layer, parts in collect.items():
+            window = parts.pop("window", None)
+            if window is not None:
+                state.windows[layer] = window  # type: ignore[call-overload]  # an int riding in the tensor dict
+            for name in list(parts):
+                parts[name] = parts[name].detach()
+        state.append_chunk(start, end, collect)
+    walk.capture_s += time.perf_counter() - t0
+    held = sum(t.numel() * t.element_size() for t in _own_tensors(state, first))
+    walk.path_bytes += held
+    walk.peak_path_bytes = max(walk.peak_path_bytes, walk.path_bytes)
+    _children(walk, node, state, path, _detach_node)
+    walk.path_bytes -= held
+
+
+# --- both: the children of a node -----------------------------------------------------------------------------------
+def _children(walk: _Walk, node: Node, state: PromptState, path: torch.Tensor, visit) -> None:
+    """Replay `node`'s leaf children from `state`, `micro_batch` siblings at a time, then visit its inner children."""
+    leaves = [c for c in node.children if c.is_leaf]
+    k = walk.options.micro_batch
+    t0 = time.perf_counter()
+    for first in range(0, len(leaves), k):
+        _replay_leaves(walk, leaves[first: first + k], state, path)
+    walk.replay_s += time.perf_counter() - t0
+    for child in node.children:
+        if not child.is_leaf:
+            visit(walk, child, state, path)
+
+
+def _replay_leaves(walk: _Walk, leaves: list[Node], state: PromptState, above: torch.Tensor) -> None:
+    """Forward+backward sibling leaves (all starting at the same position) from their parent's state."""
+    last = above[-1:] if above.numel() else None
+    inputs_list = [leaf.input_ids(last) for leaf in leaves]
+    starts = [node_first_target(leaf) for leaf in leaves]
+    targets_list = [leaf.tokens[s - leaf.start:] for leaf, s in zip(leaves, starts)]
+    inputs, _ = pad(inputs_list)  # (k, T)
+    targets, mask = pad(targets_list)  # (k, T)
+    if inputs.shape[1] == 1:
+        # One-token segments: pad to two. transformers' SSM layers take an in-place single-token path that autograd
+        # cannot differentiate; causality keeps the padding out of the real position.
+        inputs = torch.nn.functional.pad(inputs, (0, 1))
+        targets, mask = torch.nn.functional.pad(targets, (0, 1)), torch.nn.functional.pad(mask, (0, 1))
+    keep = torch.zeros_like(mask)
+    for row, (leaf, s) in enumerate(zip(leaves, starts)):
+        keep[row, : targets_list[row].numel()] = walk.loss.keep(leaf.through, s, targets_list[row].numel())
+    if not bool(keep.any()):
+        return
+    start = leaves[0].input_start
+    with torch.enable_grad():
+        hidden = run_segment(walk.model, inputs, start, state.fork())  # (k, T, d)
+        assert hidden is not None
+        logp = _logprobs(walk, hidden, targets, keep)  # (k, T)
+        terms = [walk.loss.term(leaf.through, s, logp[row, : targets_list[row].numel()])
+                 for row, (leaf, s) in enumerate(zip(leaves, starts))]
+        present = [t for t in terms if t is not None]
+        term = torch.stack(present).sum()
+    where = f"leaves at positions {leaves[0].start}…"
+    _check_finite(logp, keep, term, where)
+    walk.total += float(term.detach())
+    if term.requires_grad:
+        term.backward()
+
+
+def _logprobs(walk: _Walk, hidden: torch.Tensor, targets: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Log-probs (k, T) of `targets` at the `keep` positions (0 elsewhere) from the final hidden states (k, T, d)."""
+    weight, bias, scale, softcap = walk.head()
+    return selected_logprobs(hidden, weight, targets, keep, walk.options.token_chunk, walk.options.temperature,
+                             scale, softcap=softcap, bias=bias)
+
+
+def _check_finite(logp: torch.Tensor, keep: torch.Tensor, term: torch.Tensor, where: str) -> None:
+    """Refuse a piece of the loss before its backward if its log-probs or its value are not finite."""
+    if not torch.isfinite(logp.detach()[keep]).all():
+        raise FloatingPointError(f"{where}: the model's log-probs are not finite (its forward overflowed in "
+                                 f"{str(logp.dtype).removeprefix('torch.')}); use float32 or bfloat16, or check the "
+                                 "weights")
+    if not torch.isfinite(term.detach()):
+        raise FloatingPointError(f"{where}: its share of the loss is {float(term.detach())}: check old_logprobs/"
+                                 "ref_logprobs and the advantages")
+
+
+def _device(walk: _Walk) -> torch.device:
+    return hf(walk.model).get_input_embeddings().weight.device
+
+
+# --- standard -----------------------------------------------------------------------------------------------------
+def standard(walk: _Walk, batched: bool) -> None:
+    """Every trajectory as a full sequence through the unmodified model (its own attention and logits),
+    `micro_batch` sequences per forward (all of them when `batched`), right-padded."""
+    trajectories = walk.tree.trajectories
+    k = len(trajectories) if batched else walk.options.micro_batch
+    device = _device(walk)
+    t0 = time.perf_counter()
+    for first in range(0, len(trajectories), k):
+        idx = list(range(first, min(first + k, len(trajectories))))
+        ids, mask = pad([trajectories[i].ids.to(device=device, dtype=torch.long) for i in idx])  # (k, N_max)
+        low = min(trajectories[i].loss_start for i in idx)  # the first position any row scores
+        kept = ids.shape[1] - low  # logits of input positions low − 1 … N_max − 2
+        logits = walk.model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1].long(), logits_to_keep=kept,
+                            use_cache=False).logits
+        logits = logits.to(accumulation_dtype(logits.dtype))
+        if walk.options.temperature != 1.0:
+            logits = logits / walk.options.temperature
+        logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, low:].unsqueeze(-1)).squeeze(-1)  # (k, kept)
+        terms = [walk.loss.term([i], low, logp[row, : trajectories[i].length - low]) for row, i in enumerate(idx)]
+        term = torch.stack([t for t in terms if t is not None]).sum()
+        keep = torch.zeros_like(logp, dtype=torch.bool)
+        for row, i in enumerate(idx):
+            keep[row, : trajectories[i].length - low] = walk.loss.keep([i], low, trajectories[i].length - low)
+        _check_finite(logp, keep, term, f"trajectories {idx}")
+        walk.total += float(term.detach())
+        term.backward()
+    walk.replay_s += time.perf_counter() - t0
