@@ -1,0 +1,216 @@
+"""Prefix trees (`longstraw.engine.tree`): the trie, and `backward_tree`'s exact plan against the standard plan (every
+trajectory a full sequence through transformers) in float64, on the layer kinds the group path supports."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import SAME_ORDER_F64, assert_close, gradient_tolerance, grads, random_group, tiny_model
+
+from longstraw import Trajectory, backward_group, backward_tree, build_tree
+
+_MODELS: dict[str, torch.nn.Module] = {}
+
+
+def _model(family: str) -> torch.nn.Module:
+    if family not in _MODELS:
+        _MODELS[family] = tiny_model(family)
+    return _MODELS[family]
+
+
+def _run(model: torch.nn.Module, fn):
+    for p in model.parameters():
+        p.grad = None
+    result = fn()
+    return result, grads(model).clone()
+
+
+class _Ids:
+    """Random token runs from one seeded generator."""
+
+    def __init__(self, seed: int) -> None:
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def __call__(self, n: int) -> torch.Tensor:
+        return torch.randint(0, 512, (n,), generator=self.gen)
+
+
+def _depth2() -> list[Trajectory]:
+    """One prompt shared by two tasks' groups (depth 2: system prompt, task, answers); uneven groups."""
+    r = _Ids(1)
+    system, task_a, task_b = r(19), r(7), r(5)
+    out = [Trajectory(torch.cat([system, task_a, r(n)]), 26, a, group=0) for n, a in ((4, 1.0), (6, -0.5), (1, 0.3))]
+    out += [Trajectory(torch.cat([system, task_b, r(n)]), 24, a, group=1) for n, a in ((3, 0.7), (5, -0.7))]
+    return out
+
+
+def _agent() -> list[Trajectory]:
+    """An agent tree with root-to-leaf paths of 2, 3 and 4 nodes and every case at once: a shared first turn (response tokens in the loss of four
+    trajectories with different advantages), a masked observation, a one-token node (`y`), uneven branching, a
+    trajectory that is a prefix of others (successive turns of one conversation), two groups."""
+    r = _Ids(3)
+    system, task, turn, obs, y = r(17), r(9), r(5), r(4), r(1)
+    start = 26  # the first turn is the policy's
+    out = []
+    for tail, adv in ((r(3), 1.0), (r(4), -0.5)):
+        ids = torch.cat([system, task, turn, obs, tail])
+        mask = torch.ones(ids.numel() - start, dtype=torch.bool)
+        mask[5:9] = False  # the observation
+        out.append(Trajectory(ids, start, adv, loss_mask=mask))
+    out.append(Trajectory(torch.cat([system, task, turn, r(6)]), start, 0.3))
+    out.append(Trajectory(torch.cat([system, task, turn]), start, -0.8))  # earlier turn of the ones above
+    out.append(Trajectory(torch.cat([system, task, turn, y, r(3)]), start, 0.4))
+    out.append(Trajectory(torch.cat([system, task, turn, y, r(2)]), start, -0.9))
+    other = r(6)
+    out += [Trajectory(torch.cat([system, other, r(n)]), 23, a, group=1) for n, a in ((7, 0.7), (2, -0.7))]
+    return out
+
+
+def test_the_trie_holds_each_shared_run_once():
+    tree = build_tree(_agent())
+    lengths = sorted(n.tokens.numel() for n in tree.nodes())
+    assert lengths == [1, 2, 2, 3, 3, 4, 4, 6, 6, 7, 14, 17]  # `y` is a one-token node; `obs` a 4-token one
+    assert tree.depth == 4
+    assert tree.stats()["tokens_flattened"] == sum(t.length - 1 for t in tree.trajectories)
+    assert tree.tokens_encoded == sum(n.tokens.numel() for n in tree.nodes()) - 1  # the root's first token: no input
+    ending = {i for n in tree.nodes() for i in n.ending}
+    assert ending == set(range(len(tree.trajectories)))  # every trajectory ends at exactly one node
+    # min_shared: the one-token node goes into its two branches
+    merged = build_tree(_agent(), min_shared=2)
+    assert sorted(n.tokens.numel() for n in merged.nodes()) == [2, 3, 3, 4, 4, 4, 6, 6, 7, 14, 17]
+
+
+def test_trajectories_are_checked():
+    ids = torch.arange(10)
+    with pytest.raises(ValueError, match="loss_start"):
+        Trajectory(ids, 0, 1.0)
+    with pytest.raises(ValueError, match="loss_start"):
+        Trajectory(ids, 10, 1.0)
+    with pytest.raises(ValueError, match="loss_mask masks every token"):
+        Trajectory(ids, 5, 1.0, loss_mask=torch.zeros(5, dtype=torch.bool))
+    with pytest.raises(ValueError, match="shape"):
+        Trajectory(ids, 5, 1.0, old_logprobs=torch.zeros(4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="advantage"):
+        Trajectory(ids, 5, float("nan"))
+    with pytest.raises(ValueError, match="min_shared"):
+        build_tree([Trajectory(ids, 5, 1.0)], min_shared=0)
+
+
+@pytest.mark.parametrize("family", ("llama", "mamba2"))
+def test_depth_one_is_backward_group(family):
+    """One prompt and its responses: every plan gives backward_group's loss and gradient."""
+    model = _model(family)
+    group = random_group(23, [5, 1, 7], seed=1)
+    trajectories = [Trajectory(torch.cat([group.prompt, r]), group.prompt.numel(), float(a))
+                    for r, a in zip(group.responses, group.advantages)]
+    for plan in ("exact", "detach"):
+        ref, g_ref = _run(model, lambda: backward_group(model, group, plan=plan, chunk_size=8))
+        got, g_got = _run(model, lambda: backward_tree(model, trajectories, plan=plan, chunk_size=8))
+        assert got.loss == pytest.approx(ref.loss, rel=1e-12)
+        assert_close(f"{plan} gradient", g_ref, g_got, SAME_ORDER_F64)
+        for lp_ref, lp_got in zip(ref.logprobs, got.logprobs):
+            assert_close(f"{plan} log-probs", lp_ref, lp_got, SAME_ORDER_F64)
+
+
+@pytest.mark.parametrize("shape", ("depth2", "agent"))
+@pytest.mark.parametrize("family", ("llama", "qwen3_next-A", "mamba2", "deepseek_v3", "gemma3-A"))
+def test_exact_equals_standard(family, shape):
+    """Full attention, gated DeltaNet hybrid, Mamba-2, MLA and sliding window + full: the exact walk's loss,
+    gradient and log-probs equal every trajectory's full forward (within the family's kernels' tolerance), and
+    detach's differ (its states are constants)."""
+    model = _model(family)
+    trajectories = _depth2() if shape == "depth2" else _agent()
+    ref, g_ref = _run(model, lambda: backward_tree(model, trajectories, plan="standard"))
+    got, g_got = _run(model, lambda: backward_tree(model, trajectories, plan="exact", chunk_size=6))
+    tol = gradient_tolerance(family)
+    assert got.loss == pytest.approx(ref.loss, rel=tol, abs=1e-12)
+    assert_close("gradient", g_ref, g_got, tol)
+    for lp_ref, lp_got in zip(ref.logprobs, got.logprobs):
+        assert torch.equal(lp_ref.isnan(), lp_got.isnan())
+        assert_close("log-probs", lp_ref.nan_to_num(), lp_got.nan_to_num(), tol)
+    biased, g_biased = _run(model, lambda: backward_tree(model, trajectories, plan="detach", chunk_size=6))
+    assert biased.loss == pytest.approx(ref.loss, rel=tol, abs=1e-12)  # the same forward
+    assert float((g_biased - g_ref).norm() / g_ref.norm()) > 1e-3
+
+
+@pytest.mark.parametrize("family", ("llama", "qwen3_next-A"))
+def test_exact_options_regroup_the_same_sums(family):
+    """Chunk size, one sibling leaf at a time, per-layer checkpointing and the offloaded state give the default's
+    gradient in float64 (gated DeltaNet's float32 kernels round differently on other chunk boundaries)."""
+    model = _model(family)
+    trajectories = _agent()
+    _, g_ref = _run(model, lambda: backward_tree(model, trajectories, plan="exact"))
+    for options in ({"chunk_size": 3, "micro_batch": 1}, {"checkpoint": "layers", "offload_state": True},
+                    {"micro_batch": 8, "chunk_size": 64}):
+        _, g_got = _run(model, lambda: backward_tree(model, trajectories, plan="exact", **options))
+        assert_close(f"gradient with {options}", g_ref, g_got, 1e-11 if family == "llama" else
+                     gradient_tolerance(family))
+
+
+@pytest.mark.parametrize("loss", ("dapo", "dr_grpo", "cispo", "sapo", "grpo-kl-clipped"))
+def test_losses_on_shared_response_tokens(loss):
+    """Token-level losses with old and reference log-probs on a tree whose shared turn is in four trajectories'
+    losses: exact equals standard."""
+    model = _model("llama")
+    gen = torch.Generator().manual_seed(5)
+    trajectories = []
+    for t in _agent():
+        n = t.length - t.loss_start
+        old = -torch.rand(n, generator=gen, dtype=torch.float64) * 3
+        ref = -torch.rand(n, generator=gen, dtype=torch.float64) * 3
+        trajectories.append(Trajectory(t.ids, t.loss_start, t.advantage, loss_mask=t.loss_mask, old_logprobs=old,
+                                       ref_logprobs=ref, group=t.group))
+    settings = {"loss": loss} if loss != "grpo-kl-clipped" else {"loss": "grpo", "beta": 0.1, "epsilon": 0.1}
+    ref_result, g_ref = _run(model, lambda: backward_tree(model, trajectories, plan="standard", **settings))
+    got, g_got = _run(model, lambda: backward_tree(model, trajectories, plan="exact", **settings))
+    assert got.loss == pytest.approx(ref_result.loss, rel=1e-10)
+    assert_close("gradient", g_ref, g_got, 1e-10)
+
+
+def test_sequence_losses_need_each_loss_in_a_leaf():
+    """gspo reads a trajectory's whole loss: allowed (and exact) when every loss lies in a leaf, refused naming the
+    trajectory when a shared node holds loss tokens."""
+    model = _model("llama")
+    trajectories = _depth2()
+    ref, g_ref = _run(model, lambda: backward_tree(model, trajectories, plan="standard", loss="gspo"))
+    got, g_got = _run(model, lambda: backward_tree(model, trajectories, plan="exact", loss="gspo"))
+    assert_close("gspo gradient", g_ref, g_got, 1e-10)
+    before = grads(model).clone()
+    with pytest.raises(ValueError, match="sequence ratio.*trajectory 0"):
+        backward_tree(model, _agent(), plan="exact", loss="gspo")
+    assert torch.equal(grads(model), before)  # refused before anything ran
+
+
+def test_refusals_come_first():
+    model = _model("llama")
+    for settings, match in (({"router_aux_coef": 0.01}, "router_aux_coef"),
+                            ({"keep_prompt_graph": 1}, "keep_prompt_graph"),
+                            ({"beta": 0.1}, "ref_logprobs")):
+        with pytest.raises(ValueError, match=match):
+            backward_tree(model, _depth2(), **settings)
+    big = [Trajectory(torch.tensor([1, 2, 600]), 1, 1.0)]
+    with pytest.raises(ValueError, match="vocabulary"):
+        backward_tree(model, big)
+    skipped = backward_tree(model, [Trajectory(torch.arange(6), 3, 0.0)])
+    assert skipped.skipped == "zero_advantage" and skipped.loss == 0.0
+
+
+def test_the_path_state_does_not_grow_with_the_width():
+    """Exact's largest state held along one root-to-leaf path stays the same when every node's leaves double; the
+    tree encodes the new leaves' tokens only, while a flattened batch runs every trajectory's tokens twice over."""
+    r = _Ids(7)
+    system, turns = r(40), [r(6) for _ in range(2)]
+
+    def tree(width: int) -> list[Trajectory]:
+        out = []
+        for t in turns:
+            for _ in range(width):
+                out.append(Trajectory(torch.cat([system, t, r(5)]), 40, float(torch.randn(1, generator=r.gen))))
+        return out
+
+    model = _model("llama")
+    narrow = backward_tree(model, tree(2), plan="exact", chunk_size=16)
+    wide = backward_tree(model, tree(4), plan="exact", chunk_size=16)
+    assert wide.stats["peak_path_state_bytes"] == narrow.stats["peak_path_state_bytes"] > 0
+    assert wide.stats["tokens_flattened"] == 2 * narrow.stats["tokens_flattened"]
+    assert wide.stats["tokens_encoded"] - narrow.stats["tokens_encoded"] == 2 * 2 * 5  # the new leaves' tokens only
