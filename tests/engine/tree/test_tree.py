@@ -18,10 +18,11 @@ def _model(family: str) -> torch.nn.Module:
     return _MODELS[family]
 
 
-def _run(model: torch.nn.Module, fn):
+def _run(model: torch.nn.Module, fn, *args, **kwargs):
+    """fn(*args, **kwargs) from zero gradients: its result and the gradient it left."""
     for p in model.parameters():
         p.grad = None
-    result = fn()
+    result = fn(*args, **kwargs)
     return result, grads(model).clone()
 
 
@@ -45,8 +46,8 @@ def _depth2() -> list[Trajectory]:
 
 
 def _agent() -> list[Trajectory]:
-    """An agent tree with root-to-leaf paths of 2, 3 and 4 nodes and every case at once: a shared first turn (response tokens in the loss of four
-    trajectories with different advantages), a masked observation, a one-token node (`y`), uneven branching, a
+    """An agent tree with root-to-leaf paths of 2, 3 and 4 nodes and every case at once: a shared first turn
+    (response tokens in the loss of four trajectories with different advantages), a masked observation, a one-token node (`y`), uneven branching, a
     trajectory that is a prefix of others (successive turns of one conversation), two groups."""
     r = _Ids(3)
     system, task, turn, obs, y = r(17), r(9), r(5), r(4), r(1)
@@ -104,8 +105,8 @@ def test_depth_one_is_backward_group(family):
     trajectories = [Trajectory(torch.cat([group.prompt, r]), group.prompt.numel(), float(a))
                     for r, a in zip(group.responses, group.advantages)]
     for plan in ("exact", "detach"):
-        ref, g_ref = _run(model, lambda: backward_group(model, group, plan=plan, chunk_size=8))
-        got, g_got = _run(model, lambda: backward_tree(model, trajectories, plan=plan, chunk_size=8))
+        ref, g_ref = _run(model, backward_group, model, group, plan=plan, chunk_size=8)
+        got, g_got = _run(model, backward_tree, model, trajectories, plan=plan, chunk_size=8)
         assert got.loss == pytest.approx(ref.loss, rel=1e-12)
         assert_close(f"{plan} gradient", g_ref, g_got, SAME_ORDER_F64)
         for lp_ref, lp_got in zip(ref.logprobs, got.logprobs):
@@ -120,15 +121,15 @@ def test_exact_equals_standard(family, shape):
     detach's differ (its states are constants)."""
     model = _model(family)
     trajectories = _depth2() if shape == "depth2" else _agent()
-    ref, g_ref = _run(model, lambda: backward_tree(model, trajectories, plan="standard"))
-    got, g_got = _run(model, lambda: backward_tree(model, trajectories, plan="exact", chunk_size=6))
+    ref, g_ref = _run(model, backward_tree, model, trajectories, plan="standard")
+    got, g_got = _run(model, backward_tree, model, trajectories, plan="exact", chunk_size=6)
     tol = gradient_tolerance(family)
     assert got.loss == pytest.approx(ref.loss, rel=tol, abs=1e-12)
     assert_close("gradient", g_ref, g_got, tol)
     for lp_ref, lp_got in zip(ref.logprobs, got.logprobs):
         assert torch.equal(lp_ref.isnan(), lp_got.isnan())
         assert_close("log-probs", lp_ref.nan_to_num(), lp_got.nan_to_num(), tol)
-    biased, g_biased = _run(model, lambda: backward_tree(model, trajectories, plan="detach", chunk_size=6))
+    biased, g_biased = _run(model, backward_tree, model, trajectories, plan="detach", chunk_size=6)
     assert biased.loss == pytest.approx(ref.loss, rel=tol, abs=1e-12)  # the same forward
     assert float((g_biased - g_ref).norm() / g_ref.norm()) > 1e-3
 
@@ -139,10 +140,10 @@ def test_exact_options_regroup_the_same_sums(family):
     gradient in float64 (gated DeltaNet's float32 kernels round differently on other chunk boundaries)."""
     model = _model(family)
     trajectories = _agent()
-    _, g_ref = _run(model, lambda: backward_tree(model, trajectories, plan="exact"))
+    _, g_ref = _run(model, backward_tree, model, trajectories, plan="exact")
     for options in ({"chunk_size": 3, "micro_batch": 1}, {"checkpoint": "layers", "offload_state": True},
                     {"micro_batch": 8, "chunk_size": 64}):
-        _, g_got = _run(model, lambda: backward_tree(model, trajectories, plan="exact", **options))
+        _, g_got = _run(model, backward_tree, model, trajectories, plan="exact", **options)
         assert_close(f"gradient with {options}", g_ref, g_got, 1e-11 if family == "llama" else
                      gradient_tolerance(family))
 
@@ -161,8 +162,8 @@ def test_losses_on_shared_response_tokens(loss):
         trajectories.append(Trajectory(t.ids, t.loss_start, t.advantage, loss_mask=t.loss_mask, old_logprobs=old,
                                        ref_logprobs=ref, group=t.group))
     settings = {"loss": loss} if loss != "grpo-kl-clipped" else {"loss": "grpo", "beta": 0.1, "epsilon": 0.1}
-    ref_result, g_ref = _run(model, lambda: backward_tree(model, trajectories, plan="standard", **settings))
-    got, g_got = _run(model, lambda: backward_tree(model, trajectories, plan="exact", **settings))
+    ref_result, g_ref = _run(model, backward_tree, model, trajectories, plan="standard", **settings)
+    got, g_got = _run(model, backward_tree, model, trajectories, plan="exact", **settings)
     assert got.loss == pytest.approx(ref_result.loss, rel=1e-10)
     assert_close("gradient", g_ref, g_got, 1e-10)
 
@@ -172,8 +173,8 @@ def test_sequence_losses_need_each_loss_in_a_leaf():
     trajectory when a shared node holds loss tokens."""
     model = _model("llama")
     trajectories = _depth2()
-    ref, g_ref = _run(model, lambda: backward_tree(model, trajectories, plan="standard", loss="gspo"))
-    got, g_got = _run(model, lambda: backward_tree(model, trajectories, plan="exact", loss="gspo"))
+    ref, g_ref = _run(model, backward_tree, model, trajectories, plan="standard", loss="gspo")
+    got, g_got = _run(model, backward_tree, model, trajectories, plan="exact", loss="gspo")
     assert_close("gspo gradient", g_ref, g_got, 1e-10)
     before = grads(model).clone()
     with pytest.raises(ValueError, match="sequence ratio.*trajectory 0"):
