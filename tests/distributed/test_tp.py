@@ -1,7 +1,11 @@
 """Tensor parallelism (a model split by heads with transformers' plan): gradients and log-probs equal one process in
 float64, alone (TP = 2, every plan, five families), with context parallelism (TP = 2 x cp = 2) and with FSDP2 (2
 data-parallel ranks x TP = 2); each rank holds half of the prompt state's K/V (a quarter with cp = 2); sampling draws
-the same responses; families and head counts it cannot split are refused."""
+the same responses; the vocabulary-parallel log-prob equals the plain one, gradients included; families and head
+counts it cannot split are refused.
+
+The quick cases (llama's three plans, qwen3's exact plan, sampling, the log-prob) share one launch of 2 ranks; the
+other families and the 4-rank combinations run under `make test-slow` (each over a minute of wall time on 2 cores)."""
 
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ tp_worker = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(tp_worker)  # the cases and the model both sides build
 CASES, CP_CASES, FSDP_CASES, FSDP_GROUP_SEEDS = (tp_worker.CASES, tp_worker.CP_CASES, tp_worker.FSDP_CASES,
                                                  tp_worker.FSDP_GROUP_SEEDS)
+QUICK_CASES, LOGPROB_SETTINGS = tp_worker.QUICK_CASES, tp_worker.LOGPROB_SETTINGS
 PROMPT, RESPONSES, CHUNK, SAMPLING, tp_model = (tp_worker.PROMPT, tp_worker.RESPONSES, tp_worker.CHUNK,
                                                 tp_worker.SAMPLING, tp_worker.tp_model)
 
@@ -48,17 +53,26 @@ def _check(name: str, ref_grads, ref, got: dict) -> None:
         assert float((a - b).abs().max()) <= 1e-12
 
 
-def test_tensor_parallel_equals_one_process(spawn, tmp_path):
-    """TP = 2, float64: standard, detach and exact on llama (untied), qwen3 (tied, per-head q/k norms), mistral,
-    qwen3_moe (routed experts) and gemma3 (sliding windows, soft-capped logits); each rank's prompt state is half of
-    one process's; sampling draws the same responses with the same log-probs on both ranks."""
-    saved = _launch(spawn, tmp_path, "tp", 2)
-    for family, plan in CASES:
+@pytest.fixture(scope="module")
+def quick(spawn, tmp_path_factory) -> list[dict]:
+    return _launch(spawn, tmp_path_factory.mktemp("tp"), "quick", 2)
+
+
+def _check_cases(cases, saved: list[dict]) -> None:
+    for family, plan in cases:
         ref_grads, ref = _single(family, plan)
         for rank, s in enumerate(saved):
             _check(f"{family} {plan} TP = 2 rank {rank}", ref_grads, ref, s[(family, plan)])
             if plan != "standard":
                 assert s[(family, plan)]["state_bytes"] * 2 == ref.stats["prompt_state_bytes"]
+
+
+def test_tensor_parallel_equals_one_process(quick):
+    """TP = 2, float64: standard, detach and exact on llama (untied), exact on qwen3 (tied embeddings, per-head q/k
+    norms); each rank's prompt state is half of one process's; sampling draws the same responses with the same
+    log-probs on both ranks."""
+    _check_cases(QUICK_CASES, quick)
+    saved = quick
     prompt = random_group(PROMPT, RESPONSES, seed=3).prompt
     rollout = sample_group(tp_model("llama"), prompt, 3, SamplingConfig(**SAMPLING), seed=5, chunk_size=CHUNK)
     for s in saved:
@@ -68,6 +82,34 @@ def test_tensor_parallel_equals_one_process(spawn, tmp_path):
         assert s["sample"]["state_bytes"] * 2 == rollout.state.nbytes()
 
 
+@pytest.mark.slow
+def test_tensor_parallel_other_families_equal_one_process(spawn, tmp_path):
+    """TP = 2, float64, every plan: qwen3, mistral, qwen3_moe (routed experts) and gemma3 (sliding windows)."""
+    _check_cases(CASES, _launch(spawn, tmp_path, "tp", 2))
+
+
+def test_vocab_parallel_logprobs_equal_plain(quick):
+    """The output projection split by vocabulary (51 rows as 26 + 25) against `naive_logprobs` on the whole weight,
+    float64: log-probs and the gradients of the hidden states, the weight and the bias, with temperature, logit scale
+    and soft-cap."""
+    from longstraw.engine.logprobs import naive_logprobs
+
+    for settings in LOGPROB_SETTINGS:
+        temperature, scale, softcap, with_bias = settings
+        hidden, weight, bias, targets, w = tp_worker.logprob_inputs()
+        leaves = [t.requires_grad_(True) for t in (hidden, weight, bias)]
+        logp = naive_logprobs(hidden, weight, targets, temperature, scale, softcap, bias if with_bias else None)
+        (logp * w).sum().backward()
+        for rank, s in enumerate(quick):
+            got = s["logprobs"][settings]
+            assert float((got["logp"] - logp.detach()).abs().max()) <= 1e-12, (settings, rank)
+            assert_close(f"{settings} hidden gradient", leaves[0].grad, got["hidden"], SAME_ORDER_F64)
+            assert_close(f"{settings} weight gradient", leaves[1].grad, got["weight"], SAME_ORDER_F64)
+            if with_bias:
+                assert_close(f"{settings} bias gradient", leaves[2].grad, got["bias"], SAME_ORDER_F64)
+
+
+@pytest.mark.slow
 def test_tensor_parallel_with_context_parallel_equals_one_process(spawn, tmp_path):
     """4 ranks: TP = 2 x cp = 2, float64, exact and detach; each rank holds a quarter of the K/V."""
     saved = _launch(spawn, tmp_path, "tp_cp", 4)
@@ -75,9 +117,15 @@ def test_tensor_parallel_with_context_parallel_equals_one_process(spawn, tmp_pat
         ref_grads, ref = _single(family, plan)
         for rank, s in enumerate(saved):
             _check(f"{family} {plan} TP = 2 x cp = 2 rank {rank}", ref_grads, ref, s[(family, plan)])
-            assert s[(family, plan)]["state_bytes"] * 4 == ref.stats["prompt_state_bytes"]  # 8 chunks: 4 + 4
+        # rank = c * 2 + t: a tensor-parallel rank t's context-parallel pair (t, t + 2) holds its heads once, split
+        # 32 + 28 positions (8 chunks of 8, the last of 4, as 4 + 4 chunks)
+        full = ref.stats["prompt_state_bytes"]
+        for t in (0, 1):
+            pair = [saved[t][(family, plan)]["state_bytes"], saved[t + 2][(family, plan)]["state_bytes"]]
+            assert sum(pair) * 2 == full and pair[0] * 60 == full // 2 * 32
 
 
+@pytest.mark.slow
 def test_tensor_parallel_with_fsdp_equals_one_process(spawn, tmp_path):
     """4 ranks: FSDP2 over 2 data-parallel ranks x TP = 2 (a 2-D mesh), float64; data-parallel rank b backpropagates
     its own group, and the reduced gradient is the mean of one process's gradients of the two groups."""

@@ -1,7 +1,8 @@
 """One rank of the tensor-parallel tests: `backward_group` and sampling on a model split by heads with transformers'
 plan (`distributed.tp.tensor_parallel`), alone or combined with context parallelism or FSDP2.
 
-argv: OUT_PATH MODE. MODE "tp": every rank in one tensor-parallel group, every case of CASES plus sampling. MODE
+argv: OUT_PATH MODE. MODE "quick": every rank in one tensor-parallel group, the vocabulary-parallel log-prob on
+LOGPROB_SETTINGS, QUICK_CASES and sampling. MODE "tp": the same group, the other families' CASES. MODE
 "tp_cp": 4 ranks, TP = 2 x cp = 2, CP_CASES. MODE "tp_fsdp": 4 ranks, FSDP2 over 2 data-parallel ranks x TP = 2, each
 data-parallel rank backpropagating its own group (FSDP_GROUP_SEEDS[dp]). Each rank saves its gathered (full-shape)
 gradients, log-probs and prompt-state bytes to OUT_PATH.rank<r>.
@@ -18,8 +19,8 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from longstraw import backward_group
-from longstraw.engine.sampling import SamplingConfig, sample_group
 from longstraw.distributed.tp import full_gradients, tensor_parallel, tensor_parallel_layout
+from longstraw.engine.sampling import SamplingConfig, sample_group
 
 _spec = importlib.util.spec_from_file_location("tests_helpers", Path(__file__).parent.parent / "helpers.py")
 helpers = importlib.util.module_from_spec(_spec)
@@ -27,12 +28,49 @@ _spec.loader.exec_module(helpers)
 
 PROMPT, RESPONSES, CHUNK = 61, [5, 1, 9], 8  # 60 encoded positions in 8 chunks
 # (family, plan): full attention with and without tied embeddings, per-head q/k norms, routed experts, sliding windows
-CASES = [(family, plan) for family in ("llama", "qwen3", "mistral", "qwen3_moe", "gemma3-A")
-         for plan in ("standard", "detach", "exact")]
+QUICK_CASES = [("llama", "standard"), ("llama", "detach"), ("llama", "exact"), ("qwen3", "exact")]
+CASES = [(family, plan) for family in ("qwen3", "mistral", "qwen3_moe", "gemma3-A")
+         for plan in ("standard", "detach", "exact") if (family, plan) not in QUICK_CASES]
 CP_CASES = [("llama", "exact"), ("llama", "detach"), ("qwen3", "exact")]
 FSDP_CASES = [("llama", "exact"), ("qwen3", "detach")]
 FSDP_GROUP_SEEDS = (3, 4)
 SAMPLING = dict(max_new_tokens=6, temperature=1.0, top_k=0, top_p=1.0, stop_ids=())
+# The vocabulary-parallel log-prob: V = 51 rows (26 + 25 on two ranks), N = 37 tokens in chunks of 8, and each of
+# (temperature, logit_scale, softcap, bias)
+LOGPROB_SHAPE = (37, 16, 51)
+LOGPROB_SETTINGS = [(1.0, 1.0, None, False), (0.7, 0.5, 3.0, True), (1.3, 2.0, None, True)]
+
+
+def logprob_inputs(seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """hidden (N, d), weight (V, d), bias (V,), targets (N,) (every vocabulary row's owner hit), loss weights (N,)."""
+    n, d, v = LOGPROB_SHAPE
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, d, generator=gen, dtype=torch.float64)
+    weight = torch.randn(v, d, generator=gen, dtype=torch.float64)
+    bias = torch.randn(v, generator=gen, dtype=torch.float64)
+    targets = torch.randint(0, v, (n,), generator=gen)
+    targets[:2] = torch.tensor([0, v - 1])
+    return hidden, weight, bias, targets, torch.randn(n, generator=gen, dtype=torch.float64)
+
+
+def run_logprobs(mesh) -> dict:
+    """Each setting's log-probs and gradients (hidden, full weight, full bias) through a weight split by vocabulary."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from longstraw.engine.logprobs import chunked_logprobs
+
+    out = {}
+    for temperature, scale, softcap, with_bias in LOGPROB_SETTINGS:
+        hidden, weight, bias, targets, w = logprob_inputs()
+        hidden.requires_grad_(True)
+        weight = torch.nn.Parameter(distribute_tensor(weight, mesh, [Shard(0)]))
+        bias = torch.nn.Parameter(distribute_tensor(bias, mesh, [Shard(0)])) if with_bias else None
+        logp = chunked_logprobs(hidden, weight, targets, 8, temperature, scale, softcap, bias)
+        (logp * w).sum().backward()
+        out[(temperature, scale, softcap, with_bias)] = {
+            "logp": logp.detach(), "hidden": hidden.grad, "weight": weight.grad.full_tensor(),
+            "bias": bias.grad.full_tensor() if bias is not None else None}
+    return out
 
 
 def tp_model(family: str, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
@@ -53,14 +91,17 @@ def _result(model, result) -> dict:
             "state_bytes": result.stats["prompt_state_bytes"]}
 
 
-def run_tp() -> dict:
+def run_tp(quick: bool) -> dict:
     mesh = tensor_parallel_layout("cpu", dist.get_world_size())[0]
     results = {}
     group = helpers.random_group(PROMPT, RESPONSES, seed=3)
-    for family, plan in CASES:
+    for family, plan in QUICK_CASES if quick else CASES:
         model = tensor_parallel(tp_model(family), mesh)
         result = backward_group(model, group, plan=plan, chunk_size=CHUNK, micro_batch=2)
         results[(family, plan)] = _result(model, result)
+    if not quick:
+        return results
+    results["logprobs"] = run_logprobs(mesh)
     model = tensor_parallel(tp_model("llama"), mesh)
     rollout = sample_group(model, group.prompt, 3, SamplingConfig(**SAMPLING), seed=5, chunk_size=CHUNK)
     results["sample"] = {"responses": rollout.responses, "logprobs": rollout.logprobs,
@@ -99,7 +140,8 @@ def main() -> None:
     out_path, mode = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    results = {"tp": run_tp, "tp_cp": run_tp_cp, "tp_fsdp": run_tp_fsdp}[mode]()
+    runs = {"quick": lambda: run_tp(True), "tp": lambda: run_tp(False), "tp_cp": run_tp_cp, "tp_fsdp": run_tp_fsdp}
+    results = runs[mode]()
     torch.save(results, f"{out_path}.rank{dist.get_rank()}")
     dist.destroy_process_group()
 
