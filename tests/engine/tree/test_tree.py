@@ -47,8 +47,9 @@ def _depth2() -> list[Trajectory]:
 
 def _agent() -> list[Trajectory]:
     """An agent tree with root-to-leaf paths of 2, 3 and 4 nodes and every case at once: a shared first turn
-    (response tokens in the loss of four trajectories with different advantages), a masked observation, a one-token node (`y`), uneven branching, a
-    trajectory that is a prefix of others (successive turns of one conversation), two groups."""
+    (response tokens in the loss of four trajectories with different advantages), a masked observation, a one-token
+    node (`y`), uneven branching, a trajectory that is a prefix of others (successive turns of one conversation), two
+    groups."""
     r = _Ids(3)
     system, task, turn, obs, y = r(17), r(9), r(5), r(4), r(1)
     start = 26  # the first turn is the policy's
