@@ -236,16 +236,21 @@ def _arch_configs() -> dict[str, Callable[[], object]]:
     out["granitemoeshared"] = lambda: transformers.GraniteMoeSharedConfig(
         num_hidden_layers=2, num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2,
         shared_intermediate_size=32, router_aux_loss_coef=0.0, **granite, **c)
-    # granite-4.0-h-tiny's layout: Mamba2 layers with an attention layer among them, no position embedding ("nope"),
-    # every layer with a routed MoE (top 6 of 64 -> 2 of 4) beside a shared expert, tied embeddings; its Mamba2 mixer
-    # (conv 4, 1 group, conv bias, no projection bias) shrunk to 8 heads of 16, state 16, chunk 16; the Granite
-    # multipliers as granite-3.x-8b's above (logits / 16, embeddings x 12, residuals x 0.22, attention scale 1/128).
+    # granite-4.0-h-tiny's layout: Mamba2 layers with a NoPE attention layer among them, every layer with a routed MoE
+    # (top 6 of 64 -> 2 of 4) beside a shared expert, grouped key/value heads (12:4 -> 4:2), tied embeddings, RMSNorm
+    # eps 1e-5; its Mamba2 mixer (conv 4, 1 group, conv bias, no projection bias) shrunk to 8 heads of 16, state 16,
+    # chunk 16. The multipliers are granite-4.0-h-350m's (check.RELEASED: embeddings x 12, residual branches x 0.246,
+    # attention scale 1/64, logits / 3): H-Tiny's own were not found.
+    granite_h = dict(logits_scaling=3.0, embedding_multiplier=12.0, residual_multiplier=0.246,
+                     attention_multiplier=0.015625, rms_norm_eps=1e-5, tie_word_embeddings=True, pad_token_id=None,
+                     bos_token_id=None, eos_token_id=None)
     out["granitemoehybrid"] = lambda: transformers.GraniteMoeHybridConfig(
         num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"], num_key_value_heads=2,
         num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=32, router_aux_loss_coef=0.0,
         mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=1, mamba_d_conv=4, mamba_expand=2,
         mamba_chunk_size=16, mamba_conv_bias=True, mamba_proj_bias=False, position_embedding_type="nope",
-        **granite, **{k: v for k, v in c.items() if k != "intermediate_size"}, intermediate_size=32)
+        **granite_h, **{k: v for k, v in c.items() if k != "intermediate_size"},
+        intermediate_size=32)
     # c4ai-command-r-v01's values: logits x 0.0625, no q/k norm, multi-head attention (64 KV heads of 64), LayerNorm
     # eps 1e-5, RoPE theta 8e6, tied embeddings; attention and MLP in parallel behind one LayerNorm.
     out["cohere"] = lambda: transformers.CohereConfig(

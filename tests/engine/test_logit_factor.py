@@ -20,6 +20,8 @@ _SIZES = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_att
               vocab_size=VOCAB, max_position_embeddings=1024, pad_token_id=None, bos_token_id=None, eos_token_id=None)
 _GRANITE = dict(logits_scaling=16.0, embedding_multiplier=12.0, residual_multiplier=0.22,
                 attention_multiplier=0.0078125)  # granite-3.x-8b
+_GRANITE_H = dict(logits_scaling=3.0, embedding_multiplier=12.0, residual_multiplier=0.246,
+                  attention_multiplier=0.015625)  # granite-4.0-h-350m
 
 # model type -> (config class name, its fields beyond _SIZES, the factor logit_scale must return, the soft-cap)
 CASES: dict[str, tuple[str, dict, float, float | None]] = {
@@ -32,10 +34,10 @@ CASES: dict[str, tuple[str, dict, float, float | None]] = {
     "granitemoe": ("GraniteMoeConfig", dict(_GRANITE, num_local_experts=4, num_experts_per_tok=2), 1 / 16, None),
     "granitemoeshared": ("GraniteMoeSharedConfig", dict(_GRANITE, num_local_experts=4, num_experts_per_tok=2,
                                                          shared_intermediate_size=32), 1 / 16, None),
-    "granitemoehybrid": ("GraniteMoeHybridConfig", dict(_GRANITE, num_local_experts=4, num_experts_per_tok=2,
+    "granitemoehybrid": ("GraniteMoeHybridConfig", dict(_GRANITE_H, num_local_experts=4, num_experts_per_tok=2,
                                                          shared_intermediate_size=32, mamba_n_heads=8, mamba_d_state=16,
                                                          mamba_d_head=16, mamba_chunk_size=16,
-                                                         layer_types=["mamba", "attention"]), 1 / 16, None),
+                                                         layer_types=["mamba", "attention"]), 1 / 3, None),
     "granite_swa": ("GraniteSWAConfig", _GRANITE, 1 / 16, None),
     "granitemoe_swa": ("GraniteMoeSWAConfig", dict(_GRANITE, num_local_experts=4, num_experts_per_tok=2), 1 / 16,
                        None),

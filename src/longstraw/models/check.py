@@ -21,57 +21,170 @@ from pathlib import Path
 from typing import Any
 
 # Values of a released checkpoint's config that differ from its class defaults and change the computation
-# (multipliers, logit factors, soft-caps): the sweep's configs keep them, so a default of 1.0 cannot hide a factor.
+# (multipliers, logit factors, soft-caps, router settings, rotary fractions and bases, layer patterns, head grouping):
+# the sweep's configs keep them, so a default of 1.0 cannot hide a factor. Sizes (width, depth, vocabulary, experts)
+# are left out: `verify.tiny_config` shrinks them anyway. Each entry names its checkpoint in `RELEASED_CHECKPOINT`;
+# the comment names where its config.json was read (the hub itself is not reachable from the machines that wrote
+# this table).
+_GEMMA3_TEXT_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                     "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0}}
+# DeepSeek-V3 / V3.2's YaRN (factor 40 over 4096 positions; mscale 1 scales the softmax by (0.1 ln 40 + 1)^2).
+_DEEPSEEK_V3_YARN = {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 40.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                     "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096}
+_QWEN3_5_MOE_TEXT = {"rope_parameters": {"rope_type": "default", "rope_theta": 10_000_000.0,
+                                         "partial_rotary_factor": 0.25, "mrope_interleaved": True,
+                                         "mrope_section": [11, 11, 10]}}
 RELEASED: dict[str, dict[str, Any]] = {
-    # ibm-granite/granite-3.1-8b-instruct
+    # https://huggingface.co/ibm-granite/granite-3.3-8b-instruct/blob/main/config.json (a public dump of it:
+    # multipliers, RoPE theta 1e7, GQA 32:8, tied embeddings, eps 1e-5)
     "granite": {"logits_scaling": 16.0, "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
-                "attention_multiplier": 0.0078125},
-    # ibm-granite/granite-3.1-3b-a800m-instruct
+                "attention_multiplier": 0.0078125, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+                "num_attention_heads": 32, "num_key_value_heads": 8,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10_000_000.0}},
+    # ibm-granite/granite-3.1-3b-a800m-instruct (not re-read against its config.json)
     "granitemoe": {"logits_scaling": 6.0, "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
                    "attention_multiplier": 0.015625},
     "granitemoeshared": {"logits_scaling": 6.0, "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
                          "attention_multiplier": 0.015625},
-    # the Granite-4.0-H multipliers (embedding 12, residual 0.22, attention 1/128) with a logit divisor of 4
-    "granitemoehybrid": {"logits_scaling": 4.0, "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
-                         "attention_multiplier": 0.0078125},
-    # CohereForAI/c4ai-command-r-v01
+    # https://huggingface.co/ibm-granite/granite-4.0-h-350m/blob/main/config.json (as quoted by an MLX port's test
+    # fixture): the multipliers (embedding 12, residual 0.246, attention 1/64, logits / 3), Mamba2 layers with four
+    # NoPE attention layers among 32, GQA 12:4, tied embeddings, a dense shared MLP (no routed experts). The routed
+    # Granite-4.0-H checkpoints' (H-Tiny, H-Small) multipliers were not found.
+    "granitemoehybrid": {"logits_scaling": 3.0, "embedding_multiplier": 12.0, "residual_multiplier": 0.246,
+                         "attention_multiplier": 0.015625, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+                         "num_attention_heads": 12, "num_key_value_heads": 4, "position_embedding_type": "nope",
+                         "num_local_experts": 0, "num_experts_per_tok": 0, "mamba_n_groups": 1,
+                         "mamba_conv_bias": True, "mamba_proj_bias": False, "num_hidden_layers": 32,
+                         "layer_types": ["attention" if i in (10, 13, 17, 27) else "mamba" for i in range(32)]},
+    # CohereForAI/c4ai-command-r-v01 (not re-read against its config.json)
     "cohere": {"logit_scale": 0.0625},
-    # google/gemma-2-9b
+    # google/gemma-2-9b (not re-read against its config.json)
     "gemma2": {"final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0, "query_pre_attn_scalar": 256},
-    # Qwen/Qwen3-30B-A3B (its class defaults do not normalise the top-k weights)
-    "qwen3_moe": {"norm_topk_prob": True, "num_experts": 128, "num_experts_per_tok": 8, "router_aux_loss_coef": 0.001},
-    # mistralai/Mixtral-8x7B-v0.1
+    # https://huggingface.co/google/gemma-3-27b-it/blob/main/config.json's text_config (AI-Hypercomputer/maxtext,
+    # src/maxtext/checkpoint_conversion/utils/hf_model_configs.py): queries scaled by 168^-1/2 with head_dim 128,
+    # global layers' RoPE linearly scaled x8, GQA 2:1, no soft-capping.
+    "gemma3_text": {"query_pre_attn_scalar": 168, "num_attention_heads": 32, "num_key_value_heads": 16,
+                    "final_logit_softcapping": None, "attn_logit_softcapping": None,
+                    "rope_parameters": _GEMMA3_TEXT_ROPE},
+    # https://huggingface.co/google/gemma-3-4b-it/blob/main/config.json (same source): the global layers' linear
+    # RoPE scaling x8; the rest of its text_config is the class defaults.
+    "gemma3": {"text_config": {"rope_parameters": _GEMMA3_TEXT_ROPE, "final_logit_softcapping": None,
+                               "attn_logit_softcapping": None}},
+    # https://huggingface.co/openai/gpt-oss-20b/blob/main/config.json (same source): the class defaults are
+    # gpt-oss-20b's but for the router's auxiliary-loss coefficient.
+    "gpt_oss": {"router_aux_loss_coef": 0.9},
+    # https://huggingface.co/Qwen/Qwen3-30B-A3B-Base/blob/main/config.json (same source; its class defaults do not
+    # normalise the top-k weights)
+    "qwen3_moe": {"norm_topk_prob": True, "num_experts": 128, "num_experts_per_tok": 8, "router_aux_loss_coef": 0.001,
+                  "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0}},
+    # https://huggingface.co/mistralai/Mixtral-8x7B-Instruct-v0.1/blob/main/config.json (same source)
     "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2, "rms_norm_eps": 1e-5, "router_aux_loss_coef": 0.02},
-    # Qwen/Qwen1.5-MoE-A2.7B
+    # Qwen/Qwen1.5-MoE-A2.7B (not re-read against its config.json)
     "qwen2_moe": {"num_experts": 60, "num_experts_per_tok": 4, "norm_topk_prob": False,
                   "shared_expert_intermediate_size": 5632},
-    # allenai/OLMoE-1B-7B-0924
+    # allenai/OLMoE-1B-7B-0924 (not re-read against its config.json)
     "olmoe": {"num_experts": 64, "num_experts_per_tok": 8, "norm_topk_prob": False},
-    # microsoft/Phi-4-mini-instruct (without its LongRoPE factor lists, which are sized by the head dim)
+    # microsoft/Phi-4-mini-instruct (without its LongRoPE factor lists, which are sized by the head dim; not re-read)
     "phi3": {"partial_rotary_factor": 0.75, "tie_word_embeddings": True, "num_attention_heads": 24,
              "num_key_value_heads": 8},
-    # bigcode/starcoder2-7b
+    # bigcode/starcoder2-7b (not re-read against its config.json)
     "starcoder2": {"use_bias": True, "hidden_act": "gelu_pytorch_tanh", "norm_epsilon": 1e-5, "sliding_window": 4096},
-    # deepseek-ai/DeepSeek-V2-Lite (its class defaults have no routed experts)
+    # https://huggingface.co/deepseek-ai/DeepSeek-V2-Lite/blob/main/config.json (same source; its class defaults have
+    # no routed experts): YaRN x40 with mscale 0.707, which scales the softmax.
     "deepseek_v2": {"n_routed_experts": 64, "num_experts_per_tok": 6, "n_shared_experts": 2, "first_k_dense_replace": 1,
                     "topk_method": "greedy", "n_group": 1, "topk_group": 1, "moe_intermediate_size": 1408,
                     "kv_lora_rank": 512, "q_lora_rank": None, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
-                    "v_head_dim": 128, "routed_scaling_factor": 1.0},
-    # rednote-hilab/dots.llm1.base (its class defaults have no routed experts)
+                    "v_head_dim": 128, "routed_scaling_factor": 1.0,
+                    "rope_parameters": {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 40.0,
+                                        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707,
+                                        "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096}},
+    # https://huggingface.co/deepseek-ai/DeepSeek-V3/blob/main/config.json (same source)
+    "deepseek_v3": {"rope_parameters": _DEEPSEEK_V3_YARN},
+    # https://huggingface.co/deepseek-ai/DeepSeek-V3.2/blob/main/config.json (same source)
+    "deepseek_v32": {"rope_parameters": _DEEPSEEK_V3_YARN},
+    # Qwen/Qwen3-Next-80B-A3B's config.json (same source): RoPE theta 1e7
+    "qwen3_next": {"rope_parameters": {"rope_type": "default", "rope_theta": 10_000_000.0,
+                                       "partial_rotary_factor": 0.25}},
+    # https://huggingface.co/Qwen/Qwen3.5-35B-A3B/blob/main/config.json's text_config (same source): RoPE theta 1e7,
+    # interleaved M-RoPE sections (equal to 1-D RoPE on text)
+    "qwen3_5_moe_text": _QWEN3_5_MOE_TEXT,
+    "qwen3_5_moe": {"text_config": _QWEN3_5_MOE_TEXT},
+    # allenai/Olmo-3-1025-7B's config.json (same source, which lists the 7B base and instruct together): RMSNorm
+    # eps 1e-6
+    "olmo3": {"rms_norm_eps": 1e-6},
+    # https://huggingface.co/allenai/OLMo-2-1124-7B/blob/main/config.json (a public dump of it; also mirrored in
+    # Megatron-Bridge's OLMo-2 tests): RMSNorm eps 1e-6, RoPE theta 5e5
+    "olmo2": {"rms_norm_eps": 1e-6, "rope_parameters": {"rope_type": "default", "rope_theta": 500_000.0}},
+    # https://huggingface.co/HuggingFaceTB/SmolLM3-3B/blob/main/config.json (as quoted by public ports' fixtures):
+    # RoPE theta 5e6 (on three of every four layers, the class default pattern)
+    "smollm3": {"rope_parameters": {"rope_type": "default", "rope_theta": 5_000_000.0}},
+    # tiiuae/Falcon-H1-0.5B's config.json (NVIDIA-NeMo/Megatron-Bridge,
+    # tests/unit_tests/models/falcon_h1/test_falcon_h1_bridge.py FALCON_H1_500M_CONFIG): the muP multipliers, RoPE
+    # theta 1e11, GQA 8:2, the Mamba2 gate applied after the norm
+    "falcon_h1": {"embedding_multiplier": 5.656854249492381, "lm_head_multiplier": 0.0390625,
+                  "attention_in_multiplier": 1.0, "attention_out_multiplier": 0.9375,
+                  "key_multiplier": 0.39062499999999994,
+                  "ssm_in_multiplier": 1.25, "ssm_out_multiplier": 0.23570226039551587,
+                  "mlp_multipliers": [0.8838834764831844, 0.5859375],
+                  "ssm_multipliers": [0.3535533905932738, 0.25, 0.3535533905932738, 0.5, 0.3535533905932738],
+                  "mamba_norm_before_gate": False, "rms_norm_eps": 1e-5,
+                  "num_attention_heads": 8, "num_key_value_heads": 2,
+                  "rope_parameters": {"rope_type": "default", "rope_theta": 1e11}},
+    # rednote-hilab/dots.llm1.base (its class defaults have no routed experts; not re-read)
     "dots1": {"n_routed_experts": 128, "num_experts_per_tok": 6, "n_shared_experts": 2, "first_k_dense_replace": 1,
               "norm_topk_prob": True, "routed_scaling_factor": 2.5, "moe_intermediate_size": 1408, "n_group": 1,
               "topk_group": 1},
-    # LiquidAI/LFM2-1.2B (its class defaults have no short-conv layers)
+    # LiquidAI/LFM2-1.2B (its class defaults have no short-conv layers; not re-read)
     "lfm2": {"num_hidden_layers": 16, "layer_types": [
         "full_attention" if i in (2, 5, 8, 10, 12, 14) else "conv" for i in range(16)]},
-    # microsoft/phi-2 (an output projection with a bias)
+    # https://huggingface.co/microsoft/phi-2/blob/main/config.json (a public dump of it): a fifth of each head rotated
     "phi": {"partial_rotary_factor": 0.4, "hidden_act": "gelu_new", "layer_norm_eps": 1e-5},
-    # nvidia/Minitron-4B-Base (Nemotron-4; its class defaults leave the key/value heads unset)
+    # nvidia/Minitron-4B-Base (Nemotron-4; its class defaults leave the key/value heads unset; not re-read)
     "nemotron": {"num_key_value_heads": 8, "head_dim": 128, "partial_rotary_factor": 0.5, "hidden_act": "relu2",
                  "norm_eps": 1e-5},
-    # EleutherAI/pythia-1b
+    # EleutherAI/pythia-1b (the class defaults' values)
     "gpt_neox": {"rotary_pct": 0.25, "use_parallel_residual": True, "hidden_act": "gelu"},
 }
+# The checkpoint each `RELEASED` entry is read from (docs/architecture-verdicts.md names it per type).
+RELEASED_CHECKPOINT: dict[str, str] = {
+    "granite": "ibm-granite/granite-3.3-8b-instruct", "granitemoe": "ibm-granite/granite-3.1-3b-a800m-instruct",
+    "granitemoeshared": "ibm-granite/granite-3.1-3b-a800m-instruct (its values on the shared-expert class)",
+    "granitemoehybrid": "ibm-granite/granite-4.0-h-350m", "cohere": "CohereForAI/c4ai-command-r-v01",
+    "gemma2": "google/gemma-2-9b", "gemma3_text": "google/gemma-3-27b-it", "gemma3": "google/gemma-3-4b-it",
+    "gpt_oss": "openai/gpt-oss-20b", "qwen3_moe": "Qwen/Qwen3-30B-A3B-Base",
+    "mixtral": "mistralai/Mixtral-8x7B-Instruct-v0.1",
+    "qwen2_moe": "Qwen/Qwen1.5-MoE-A2.7B", "olmoe": "allenai/OLMoE-1B-7B-0924", "phi3": "microsoft/Phi-4-mini-instruct",
+    "starcoder2": "bigcode/starcoder2-7b", "deepseek_v2": "deepseek-ai/DeepSeek-V2-Lite",
+    "deepseek_v3": "deepseek-ai/DeepSeek-V3", "deepseek_v32": "deepseek-ai/DeepSeek-V3.2",
+    "qwen3_next": "Qwen/Qwen3-Next-80B-A3B", "qwen3_5_moe_text": "Qwen/Qwen3.5-35B-A3B",
+    "qwen3_5_moe": "Qwen/Qwen3.5-35B-A3B", "olmo3": "allenai/Olmo-3-1025-7B", "olmo2": "allenai/OLMo-2-1124-7B",
+    "smollm3": "HuggingFaceTB/SmolLM3-3B", "falcon_h1": "tiiuae/Falcon-H1-0.5B",
+    "dots1": "rednote-hilab/dots.llm1.base", "lfm2": "LiquidAI/LFM2-1.2B", "phi": "microsoft/phi-2",
+    "nemotron": "nvidia/Minitron-4B-Base", "gpt_neox": "EleutherAI/pythia-1b",
+}
+# Types whose class defaults were checked against a released config.json and found to hold every value that changes
+# the computation (model type -> the checkpoint, and where its config was read).
+RELEASED_EQUALS_DEFAULTS: dict[str, str] = {
+    # every computation-changing value of its config equals JambaConfig's defaults (its mamba_dt_rank 256 is the
+    # default "auto", hidden / 16)
+    "jamba": "ai21labs/AI21-Jamba-1.5-Mini (config.json quoted in sdpython's onnx model helpers)",
+}
+# Types of the families on the CI list whose released config.json was looked for and not found here: their sweep
+# runs on the class defaults.
+RELEASED_NOT_FOUND: tuple[str, ...] = ()
+
+
+def released_source(model_type: str) -> str:
+    """Where the sweep's config of `model_type` comes from, for the table: a released checkpoint's values, the class
+    defaults checked equal to one, or the class defaults."""
+    if model_type in RELEASED:
+        return f"values of {RELEASED_CHECKPOINT[model_type]}"
+    if model_type in RELEASED_EQUALS_DEFAULTS:
+        return f"class defaults, checked equal to {RELEASED_EQUALS_DEFAULTS[model_type].split(' (')[0]}"
+    if model_type in RELEASED_NOT_FOUND:
+        return "class defaults: no released config found"
+    return "class defaults"
+
 
 # Types of the causal-LM mapping that are not decoder-only text models: encoders with a causal-LM head, the decoders of
 # encoder-decoder models, XLNet's permutation LM, and speech, music and image-captioning decoders. Listed in the table,
@@ -147,6 +260,7 @@ def _row(model_type: str) -> dict[str, Any]:
         row = {"model_type": model_type, "kind": "refused",
                "reason": f"its default config cannot be built: {type(err).__name__}: {str(err)[:200]}"}
     row["decoder_only_text"] = model_type not in NOT_DECODER_ONLY_TEXT
+    row["values"] = released_source(model_type)
     row["seconds"] = round(time.perf_counter() - started, 2)
     return row
 
@@ -182,12 +296,16 @@ def markdown(rows: list[dict[str, Any]], source: str) -> str:
         f"({sum(r['kind'] == 'exact' for r in admitted)} exact in float64, "
         f"{sum(r['kind'] != 'exact' for r in admitted)} exact within float32 kernels).",
         "",
-        "| model type | verdict | measured / why |",
-        "|---|---|---|",
+        "The config column says whose values the check's config holds: a released checkpoint's (`RELEASED` in "
+        "models/check.py), the class defaults checked equal to a released config, or the class defaults.",
+        "",
+        "| model type | verdict | measured / why | config |",
+        "|---|---|---|---|",
     ]
     for r in sorted(rows, key=lambda r: (not r["decoder_only_text"], r["model_type"])):
         kind = r["kind"] if r["decoder_only_text"] else f"{r['kind']} (not a decoder-only text model)"
-        lines.append(f"| `{r['model_type']}` | {kind} | {_short(r)} |")
+        values = r.get("values") or released_source(r["model_type"])
+        lines.append(f"| `{r['model_type']}` | {kind} | {_short(r)} | {values} |")
     return "\n".join(lines) + "\n"
 
 

@@ -1,0 +1,104 @@
+"""The released checkpoints' values the sweep and the family checks run on (`check.RELEASED`): every entry names its
+checkpoint, its values reach the config the check builds and survive the tiny copy (only sizes shrink), the types
+recorded as equal to their class defaults still are, and the verdict table says whose values each row used."""
+
+from __future__ import annotations
+
+import pytest
+import transformers
+
+from longstraw.models import check, verify
+
+# Sizes `verify.tiny_config` shrinks (or a layer pattern it cuts to a prefix): not compared after the tiny copy.
+_SHRUNK = {"num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
+           "shared_expert_intermediate_size", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
+           "v_head_dim", "head_dim", "n_group", "topk_group", "num_hidden_layers", "layer_types", "sliding_window",
+           "num_attention_heads", "num_key_value_heads", "first_k_dense_replace", "rotary_pct"}
+
+
+def _text(config):
+    return getattr(config, "text_config", None) or config
+
+
+def _pattern(kinds: list) -> list[int]:
+    """A layer-kind list as the pattern it spells (the class may rename the kinds: mamba -> linear_attention)."""
+    return [kinds.index(kind) for kind in kinds]
+
+
+def _holds(config, key: str, value) -> bool:
+    """`config` holds `value` under `key` (a rope_parameters dict: every key given, the class may add more; the
+    rotated fraction where transformers keeps it, in rope_parameters; a layer-kind list: the same pattern)."""
+    if key == "partial_rotary_factor" and not hasattr(config, key):
+        return config.rope_parameters["partial_rotary_factor"] == value
+    held = getattr(config, key)
+    if key == "layer_types":
+        return _pattern(list(held)) == _pattern(list(value))
+    if isinstance(value, dict) and isinstance(held, dict):
+        return all(_holds_item(held, k, v) for k, v in value.items())
+    return held == value
+
+
+def _holds_item(held: dict, key: str, value) -> bool:
+    if isinstance(value, dict):
+        return isinstance(held.get(key), dict) and all(_holds_item(held[key], k, v) for k, v in value.items())
+    return held.get(key) == value
+
+
+def test_every_released_entry_names_its_checkpoint():
+    assert set(check.RELEASED) == set(check.RELEASED_CHECKPOINT)
+    assert not set(check.RELEASED) & set(check.RELEASED_EQUALS_DEFAULTS)
+    assert not set(check.RELEASED_NOT_FOUND) & (set(check.RELEASED) | set(check.RELEASED_EQUALS_DEFAULTS))
+    assert set(check.RELEASED) | set(check.RELEASED_EQUALS_DEFAULTS) <= set(check.causal_lm_types()) | {
+        "qwen3_5_moe_text"}
+
+
+@pytest.mark.parametrize("model_type", sorted(t for t in check.RELEASED if "text_config" not in check.RELEASED[t]))
+def test_released_values_reach_the_check_and_survive_the_tiny_copy(model_type):
+    """The config `longstraw check --all` builds holds every released value, and the tiny float64 copy keeps each one
+    that is not a size (a multiplier left at its default 1.0 would hide a missing factor)."""
+    values = check.RELEASED[model_type]
+    config = check.sweep_config(model_type)
+    for key, value in values.items():
+        if key == "rotary_pct":  # GPT-NeoX's spelling of the rotated fraction
+            key = "partial_rotary_factor"
+        assert _holds(config, key, value), f"{model_type}.{key}: {getattr(config, key)!r} != {value!r}"
+    tiny, _ = verify.tiny_config(config)
+    for key, value in values.items():
+        if key not in _SHRUNK:
+            assert _holds(tiny, key, value), f"tiny {model_type}.{key}: {getattr(tiny, key)!r} != {value!r}"
+
+
+@pytest.mark.parametrize("model_type", sorted(t for t in check.RELEASED if "text_config" in check.RELEASED[t]))
+def test_a_composite_types_released_text_values_reach_its_text_model(model_type):
+    text = _text(transformers.AutoConfig.for_model(model_type, **check.RELEASED[model_type]))
+    for key, value in check.RELEASED[model_type]["text_config"].items():
+        assert _holds(text, key, value), f"{model_type}.text_config.{key}: {getattr(text, key)!r} != {value!r}"
+
+
+def test_jambas_class_defaults_still_hold_jamba_1_5_minis_values():
+    """`RELEASED_EQUALS_DEFAULTS['jamba']`: AI21-Jamba-1.5-Mini's config.json values that change the computation
+    (read from it) are JambaConfig's defaults; a transformers that changed one would make the sweep's config wrong."""
+    released = dict(attn_layer_offset=4, attn_layer_period=8, expert_layer_offset=1, expert_layer_period=2,
+                    hidden_act="silu", mamba_conv_bias=True, mamba_d_conv=4, mamba_d_state=16, mamba_expand=2,
+                    mamba_proj_bias=False, num_attention_heads=32, num_key_value_heads=8, num_experts=16,
+                    num_experts_per_tok=2, rms_norm_eps=1e-6, router_aux_loss_coef=0.001, tie_word_embeddings=False)
+    defaults = transformers.JambaConfig()
+    assert {k: getattr(defaults, k) for k in released} == released
+    assert defaults.mamba_dt_rank == 256  # "auto" at hidden 4096: the released config's 256
+
+
+def test_the_verdict_table_says_whose_values_each_row_used():
+    rows = [
+        {"model_type": "gemma3_text", "kind": "exact within float32 kernels", "logprob_error": 1e-15,
+         "gradient_error": 4e-8, "sampled_error": 0.0, "tolerance": 1e-6, "decoder_only_text": True},
+        {"model_type": "jamba", "kind": "exact within float32 kernels", "logprob_error": 1e-15,
+         "gradient_error": 1e-8, "sampled_error": 0.0, "tolerance": 1e-6, "decoder_only_text": True},
+        {"model_type": "llama", "kind": "exact within float32 kernels", "logprob_error": 1e-15,
+         "gradient_error": 1e-8, "sampled_error": 0.0, "tolerance": 1e-6, "decoder_only_text": True},
+    ]
+    table = check.markdown(rows, "a test")
+    assert "| `gemma3_text` | exact within float32 kernels | max error 4.0e-08 (tolerance 1e-06) | values of " \
+           "google/gemma-3-27b-it |" in table
+    assert "| class defaults, checked equal to ai21labs/AI21-Jamba-1.5-Mini |" in table
+    assert table.rstrip().endswith("| `llama` | exact within float32 kernels | max error 1.0e-08 (tolerance 1e-06) | "
+                                   "class defaults |")
