@@ -408,7 +408,7 @@ def _launch_train(args: argparse.Namespace, cfg: TrainConfig, argv: list[str]) -
     if "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1:
         args.fail("this process was already started by torchrun: drop --nproc (torchrun's --nproc-per-node sets it)")
     try:
-        launch.check_nproc(args.nproc, cfg.device, cfg.prompts_per_step, cfg.cp)
+        launch.check_nproc(args.nproc, cfg.device, cfg.prompts_per_step, cfg.cp, cfg.tp)
     except ValueError as err:
         args.fail(str(err))
     try:

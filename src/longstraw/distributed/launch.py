@@ -48,10 +48,13 @@ def strip_nproc(argv: list[str]) -> list[str]:
     return out
 
 
-def check_nproc(nproc: int, device: str, prompts_per_step: int, cp: int = 1) -> None:
+def check_nproc(nproc: int, device: str, prompts_per_step: int, cp: int = 1, tp: int = 1) -> None:
     """Refuse a process count the machine or the data cannot serve, with what to change."""
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
+    if tp > 1 and nproc % (cp * tp):
+        raise ValueError(f"--tp {tp} x --cp {cp} needs --nproc to be a multiple of {cp * tp}, got {nproc}: use "
+                         f"--nproc {cp * tp * max(1, nproc // (cp * tp))} or a --tp that divides {nproc // cp or 1}")
     if nproc % cp:
         raise ValueError(f"--cp {cp} needs --nproc to be a multiple of {cp}, got {nproc}: use --nproc "
                          f"{cp * max(1, nproc // cp)} or a --cp that divides {nproc}")
@@ -64,11 +67,11 @@ def check_nproc(nproc: int, device: str, prompts_per_step: int, cp: int = 1) -> 
             )
     elif torch.device(device).type != "cpu":
         raise ValueError(f"--nproc supports --device cpu (gloo) and cuda (nccl), got {device!r}")
-    groups = nproc // cp  # data-parallel groups of ranks (each group of cp ranks shares its prompts)
+    groups = nproc // (cp * tp)  # data-parallel groups of ranks (each group of cp * tp ranks shares its prompts)
     if prompts_per_step % groups:
         raise ValueError(
             f"--prompts-per-step {prompts_per_step} cannot be split evenly over {groups} data-parallel groups "
-            f"(--nproc {nproc} / --cp {cp}): use a multiple of {groups} (e.g. --prompts-per-step "
+            f"(--nproc {nproc} / (--cp {cp} x --tp {tp})): use a multiple of {groups} (e.g. --prompts-per-step "
             f"{groups * max(1, prompts_per_step // groups)}) or a process count that divides {prompts_per_step}"
         )
 

@@ -110,6 +110,9 @@ class TrainConfig:
     cp: int = _f(1, "context parallelism: consecutive ranks that share one prompt's state, each holding 1/cp of "
                     "its K/V (launch with --nproc a multiple of cp); detach/exact plans, full-attention and "
                     "recurrent layers")
+    tp: int = _f(1, "tensor parallelism: consecutive ranks that hold one model split by heads with transformers' "
+                    "tp_plan (each rank 1/tp of the K/V and of the attention/MLP weights; launch with --nproc a "
+                    "multiple of cp * tp); llama, mistral, qwen2, qwen3, qwen3_moe, gemma3")
     # optimizer
     steps: int = _f(20, "optimizer steps in total")
     lr: float = _f(1e-5, "AdamW learning rate")
@@ -170,6 +173,7 @@ class TrainConfig:
         need(self.loss in LOSSES, f"unknown loss {self.loss!r}{did_you_mean(self.loss, LOSSES)}: choose one of "
                                   f"{', '.join(LOSSES)}")
         need(self.cp >= 1, f"cp must be >= 1, got {self.cp}")
+        need(self.tp >= 1, f"tp must be >= 1, got {self.tp}")
         need(self.cp == 1 or self.plan in ("detach", "exact"),
              f"cp = {self.cp} shards the prompt state, which the {self.plan} plan does not use: --plan detach or exact")
         need(self.advantage in ADVANTAGES, f"advantage {self.advantage!r} is unknown"

@@ -81,7 +81,7 @@ class StepLog:
             "trees": self.trees,
         })
         peak = max(x["peak"] for x in ranks)
-        ranks = ranks[:: par.cp_size]  # the ranks of a context-parallel block hold the same groups
+        ranks = ranks[:: par.block_size]  # the ranks of a block (context and tensor parallel) hold the same groups
         rewards = torch.cat([x["rewards"] for x in ranks])
         dropped = sum(x["dropped"] for x in ranks)
         response_tokens = sum(x["response_tokens"] for x in ranks)
@@ -102,7 +102,7 @@ class StepLog:
             "loss": loss,
             "grad_norm": grad_norm,
             "lr": lr,
-            "kept_groups": n_kept // par.cp_size,  # a context-parallel block's ranks share their groups
+            "kept_groups": n_kept // par.block_size,  # a block's ranks share their groups
             "skipped_zero_advantage": sum(x["skipped"] for x in ranks),
             "dropped_groups": dropped,
             "response_tokens_mean": response_tokens / max(1, rewards.numel()),
@@ -114,7 +114,7 @@ class StepLog:
             "observation_tokens_mean": sum(x["observation_tokens"] for x in ranks) / max(1, rewards.numel()),
             "turns_mean": sum(x["turns"] for x in ranks) / max(1, rewards.numel()),
             "tool_calls_mean": sum(x["tool_calls"] for x in ranks) / max(1, rewards.numel()),
-            "prompt_tokens": prompt_tokens // max(1, n_kept // par.cp_size) if n_kept else 0,
+            "prompt_tokens": prompt_tokens // max(1, n_kept // par.block_size) if n_kept else 0,
             "peak_memory_bytes": peak,  # the largest rank's
             "tokens_per_s": (prompt_tokens + response_tokens) / max(1e-9, max(x["t_step"] for x in ranks)),
             "time_rollout_s": t_rollout,

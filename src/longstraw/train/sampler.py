@@ -199,5 +199,5 @@ class Sampler:
         if talk and tty:
             print("\r", end="", file=sys.stderr, flush=True)
         if self.call_end:
-            self.eval_tool_call_rate = par.sum(calling) / par.cp_size / len(examples)
-        return par.sum(total) / par.cp_size / len(examples)  # a block's ranks all add the same
+            self.eval_tool_call_rate = par.sum(calling) / par.block_size / len(examples)
+        return par.sum(total) / par.block_size / len(examples)  # a block's ranks all add the same

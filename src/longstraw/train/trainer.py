@@ -274,7 +274,7 @@ class Trainer:
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Train in this process, or as one rank of a distributed job when launched by torchrun (WORLD_SIZE > 1)."""
-    parallel = Parallel.start(cfg.device, cp=cfg.cp)
+    parallel = Parallel.start(cfg.device, cp=cfg.cp, tp=cfg.tp)
     stopped = 0
     try:
         summary = Trainer(cfg, parallel).run()
