@@ -82,8 +82,6 @@ RELEASED: dict[str, dict[str, Any]] = {
     # Qwen/Qwen1.5-MoE-A2.7B (not re-read against its config.json)
     "qwen2_moe": {"num_experts": 60, "num_experts_per_tok": 4, "norm_topk_prob": False,
                   "shared_expert_intermediate_size": 5632},
-    # allenai/OLMoE-1B-7B-0924 (not re-read against its config.json)
-    "olmoe": {"num_experts": 64, "num_experts_per_tok": 8, "norm_topk_prob": False},
     # microsoft/Phi-4-mini-instruct (without its LongRoPE factor lists, which are sized by the head dim; not re-read)
     "phi3": {"partial_rotary_factor": 0.75, "tie_word_embeddings": True, "num_attention_heads": 24,
              "num_key_value_heads": 8},
@@ -130,6 +128,32 @@ RELEASED: dict[str, dict[str, Any]] = {
                   "mamba_norm_before_gate": False, "rms_norm_eps": 1e-5,
                   "num_attention_heads": 8, "num_key_value_heads": 2,
                   "rope_parameters": {"rope_type": "default", "rope_theta": 1e11}},
+    # zai-org/GLM-4.5's config.json (NVIDIA-NeMo/Megatron-Bridge, tests/unit_tests/models/glm/test_glm45_bridge.py
+    # glm45_355b_config): q/k/v biases and a per-head q/k norm, routed weights x 2.5, three dense layers first, RoPE
+    # theta 1e6 over half of each head, RMSNorm eps 1e-6
+    "glm4_moe": {"attention_bias": True, "use_qk_norm": True, "routed_scaling_factor": 2.5, "first_k_dense_replace": 3,
+                 "rms_norm_eps": 1e-6, "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0,
+                                                           "partial_rotary_factor": 0.5}},
+    # LGAI-EXAONE/EXAONE-4.0-1.2B's config.json (NVIDIA-NeMo/Megatron-Bridge,
+    # tests/unit_tests/models/exaone/test_exaone4_bridge.py make_exaone4_config): Llama-3 RoPE scaling x16 over 8192
+    # positions at theta 1e6, GQA 32:8, tied embeddings. That copy omits the window fields, so the layer pattern is
+    # the class default's (three sliding layers, then a global one).
+    "exaone4": {"num_attention_heads": 32, "num_key_value_heads": 8, "tie_word_embeddings": True,
+                "rope_parameters": {"rope_type": "llama3", "rope_theta": 1_000_000.0, "factor": 16.0,
+                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                    "original_max_position_embeddings": 8192}},
+    # CohereLabs/tiny-aya-global's config.json (as quoted, four of its layers, by an MLX Swift port's test): logits
+    # not scaled (logit_scale 1.0; Command-R7B-style checkpoints scale them), GQA 16:4, RoPE theta 5e4, three
+    # sliding-window layers then a global one
+    "cohere2": {"logit_scale": 1.0, "num_attention_heads": 16, "num_key_value_heads": 4, "layer_norm_eps": 1e-5,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 50_000.0}},
+    # ByteDance-Seed/Seed-OSS-36B-Instruct's config.json (as quoted by MLX Swift ports' tests): RoPE theta 1e7
+    "seed_oss": {"rope_parameters": {"rope_type": "default", "rope_theta": 10_000_000.0}},
+    # tencent/Hunyuan-7B-Instruct's config.json (a public dump of it): NTK-alpha RoPE (alpha 1000, labelled
+    # "dynamic"), GQA 32:8, tied embeddings
+    "hunyuan_v1_dense": {"num_attention_heads": 32, "num_key_value_heads": 8, "tie_word_embeddings": True,
+                         "rope_parameters": {"rope_type": "dynamic", "rope_theta": 10_000.0, "alpha": 1000.0,
+                                             "factor": 1.0}},
     # rednote-hilab/dots.llm1.base (its class defaults have no routed experts; not re-read)
     "dots1": {"n_routed_experts": 128, "num_experts_per_tok": 6, "n_shared_experts": 2, "first_k_dense_replace": 1,
               "norm_topk_prob": True, "routed_scaling_factor": 2.5, "moe_intermediate_size": 1408, "n_group": 1,
@@ -147,20 +171,40 @@ RELEASED: dict[str, dict[str, Any]] = {
 }
 # The checkpoint each `RELEASED` entry is read from (docs/architecture-verdicts.md names it per type).
 RELEASED_CHECKPOINT: dict[str, str] = {
-    "granite": "ibm-granite/granite-3.3-8b-instruct", "granitemoe": "ibm-granite/granite-3.1-3b-a800m-instruct",
+    "granite": "ibm-granite/granite-3.3-8b-instruct",
+    "granitemoe": "ibm-granite/granite-3.1-3b-a800m-instruct",
     "granitemoeshared": "ibm-granite/granite-3.1-3b-a800m-instruct (its values on the shared-expert class)",
-    "granitemoehybrid": "ibm-granite/granite-4.0-h-350m", "cohere": "CohereForAI/c4ai-command-r-v01",
-    "gemma2": "google/gemma-2-9b", "gemma3_text": "google/gemma-3-27b-it", "gemma3": "google/gemma-3-4b-it",
-    "gpt_oss": "openai/gpt-oss-20b", "qwen3_moe": "Qwen/Qwen3-30B-A3B-Base",
+    "granitemoehybrid": "ibm-granite/granite-4.0-h-350m",
+    "cohere": "CohereForAI/c4ai-command-r-v01",
+    "gemma2": "google/gemma-2-9b",
+    "gemma3_text": "google/gemma-3-27b-it",
+    "gemma3": "google/gemma-3-4b-it",
+    "gpt_oss": "openai/gpt-oss-20b",
+    "qwen3_moe": "Qwen/Qwen3-30B-A3B-Base",
     "mixtral": "mistralai/Mixtral-8x7B-Instruct-v0.1",
-    "qwen2_moe": "Qwen/Qwen1.5-MoE-A2.7B", "olmoe": "allenai/OLMoE-1B-7B-0924", "phi3": "microsoft/Phi-4-mini-instruct",
-    "starcoder2": "bigcode/starcoder2-7b", "deepseek_v2": "deepseek-ai/DeepSeek-V2-Lite",
-    "deepseek_v3": "deepseek-ai/DeepSeek-V3", "deepseek_v32": "deepseek-ai/DeepSeek-V3.2",
-    "qwen3_next": "Qwen/Qwen3-Next-80B-A3B", "qwen3_5_moe_text": "Qwen/Qwen3.5-35B-A3B",
-    "qwen3_5_moe": "Qwen/Qwen3.5-35B-A3B", "olmo3": "allenai/Olmo-3-1025-7B", "olmo2": "allenai/OLMo-2-1124-7B",
-    "smollm3": "HuggingFaceTB/SmolLM3-3B", "falcon_h1": "tiiuae/Falcon-H1-0.5B",
-    "dots1": "rednote-hilab/dots.llm1.base", "lfm2": "LiquidAI/LFM2-1.2B", "phi": "microsoft/phi-2",
-    "nemotron": "nvidia/Minitron-4B-Base", "gpt_neox": "EleutherAI/pythia-1b",
+    "qwen2_moe": "Qwen/Qwen1.5-MoE-A2.7B",
+    "phi3": "microsoft/Phi-4-mini-instruct",
+    "starcoder2": "bigcode/starcoder2-7b",
+    "deepseek_v2": "deepseek-ai/DeepSeek-V2-Lite",
+    "deepseek_v3": "deepseek-ai/DeepSeek-V3",
+    "deepseek_v32": "deepseek-ai/DeepSeek-V3.2",
+    "qwen3_next": "Qwen/Qwen3-Next-80B-A3B",
+    "qwen3_5_moe_text": "Qwen/Qwen3.5-35B-A3B",
+    "qwen3_5_moe": "Qwen/Qwen3.5-35B-A3B",
+    "olmo3": "allenai/Olmo-3-1025-7B",
+    "olmo2": "allenai/OLMo-2-1124-7B",
+    "smollm3": "HuggingFaceTB/SmolLM3-3B",
+    "falcon_h1": "tiiuae/Falcon-H1-0.5B",
+    "glm4_moe": "zai-org/GLM-4.5",
+    "exaone4": "LGAI-EXAONE/EXAONE-4.0-1.2B",
+    "cohere2": "CohereLabs/tiny-aya-global",
+    "seed_oss": "ByteDance-Seed/Seed-OSS-36B-Instruct",
+    "hunyuan_v1_dense": "tencent/Hunyuan-7B-Instruct",
+    "dots1": "rednote-hilab/dots.llm1.base",
+    "lfm2": "LiquidAI/LFM2-1.2B",
+    "phi": "microsoft/phi-2",
+    "nemotron": "nvidia/Minitron-4B-Base",
+    "gpt_neox": "EleutherAI/pythia-1b",
 }
 # Types whose class defaults were checked against a released config.json and found to hold every value that changes
 # the computation (model type -> the checkpoint, and where its config was read).
@@ -168,10 +212,15 @@ RELEASED_EQUALS_DEFAULTS: dict[str, str] = {
     # every computation-changing value of its config equals JambaConfig's defaults (its mamba_dt_rank 256 is the
     # default "auto", hidden / 16)
     "jamba": "ai21labs/AI21-Jamba-1.5-Mini (config.json quoted in sdpython's onnx model helpers)",
+    "olmoe": "allenai/OLMoE-1B-7B-0924 (NVIDIA-NeMo/Megatron-Bridge, "
+             "tests/unit_tests/models/olmoe/test_olmoe_bridge.py)",
 }
 # Types of the families on the CI list whose released config.json was looked for and not found here: their sweep
 # runs on the class defaults.
-RELEASED_NOT_FOUND: tuple[str, ...] = ()
+RELEASED_NOT_FOUND: tuple[str, ...] = (
+    # only trimmed or test-sized copies were found (Phi-3.5-MoE, MiniMax-M2, ERNIE-4.5-21B-A3B, Nemotron-H)
+    "phimoe", "minimax_m2", "ernie4_5_moe", "nemotron_h",
+)
 
 
 def released_source(model_type: str) -> str:
