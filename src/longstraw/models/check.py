@@ -58,8 +58,6 @@ RELEASED: dict[str, dict[str, Any]] = {
                          "layer_types": ["attention" if i in (10, 13, 17, 27) else "mamba" for i in range(32)]},
     # CohereForAI/c4ai-command-r-v01 (not re-read against its config.json)
     "cohere": {"logit_scale": 0.0625},
-    # google/gemma-2-9b (not re-read against its config.json)
-    "gemma2": {"final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0, "query_pre_attn_scalar": 256},
     # https://huggingface.co/google/gemma-3-27b-it/blob/main/config.json's text_config (AI-Hypercomputer/maxtext,
     # src/maxtext/checkpoint_conversion/utils/hf_model_configs.py): queries scaled by 168^-1/2 with head_dim 128,
     # global layers' RoPE linearly scaled x8, GQA 2:1, no soft-capping.
@@ -176,7 +174,6 @@ RELEASED_CHECKPOINT: dict[str, str] = {
     "granitemoeshared": "ibm-granite/granite-3.1-3b-a800m-instruct (its values on the shared-expert class)",
     "granitemoehybrid": "ibm-granite/granite-4.0-h-350m",
     "cohere": "CohereForAI/c4ai-command-r-v01",
-    "gemma2": "google/gemma-2-9b",
     "gemma3_text": "google/gemma-3-27b-it",
     "gemma3": "google/gemma-3-4b-it",
     "gpt_oss": "openai/gpt-oss-20b",
@@ -212,14 +209,18 @@ RELEASED_EQUALS_DEFAULTS: dict[str, str] = {
     # every computation-changing value of its config equals JambaConfig's defaults (its mamba_dt_rank 256 is the
     # default "auto", hidden / 16)
     "jamba": "ai21labs/AI21-Jamba-1.5-Mini (config.json quoted in sdpython's onnx model helpers)",
+    # soft-caps 50 (attention) and 30 (logits), queries scaled by 256^-1/2, GQA 2:1, window 4096: Gemma2Config's
+    # defaults
+    "gemma2": "google/gemma-2-2b-it (config.json quoted in a public profiling script)",
     "olmoe": "allenai/OLMoE-1B-7B-0924 (NVIDIA-NeMo/Megatron-Bridge, "
              "tests/unit_tests/models/olmoe/test_olmoe_bridge.py)",
 }
 # Types of the families on the CI list whose released config.json was looked for and not found here: their sweep
 # runs on the class defaults.
 RELEASED_NOT_FOUND: tuple[str, ...] = (
-    # only trimmed or test-sized copies were found (Phi-3.5-MoE, MiniMax-M2, ERNIE-4.5-21B-A3B, Nemotron-H)
-    "phimoe", "minimax_m2", "ernie4_5_moe", "nemotron_h",
+    # only trimmed or test-sized copies were found (Phi-3.5-MoE, MiniMax-M2, ERNIE-4.5-21B-A3B, Nemotron-H,
+    # Hunyuan-A13B, gemma-2b)
+    "phimoe", "minimax_m2", "ernie4_5_moe", "nemotron_h", "hunyuan_v1_moe", "gemma",
 )
 
 
