@@ -53,6 +53,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--gpu-memory", default="80GB", help="memory per GPU, e.g. 96GB or 80GiB (default 80GB)")
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPE_BYTES), help="parameter dtype")
     parser.add_argument("--cp", type=positive_int, default=1, help="context-parallel degree of the prompt state")
+    parser.add_argument("--tp", type=positive_int, default=1,
+                        help="tensor-parallel degree: GPUs holding the model split by heads (weights, K/V and the "
+                             "output projection's rows / tp per GPU; longstraw train --tp)")
     parser.add_argument("--no-shard", action="store_true", help="replicate weights/grads/optimizer (no FSDP)")
     parser.add_argument("--fsdp-gather", choices=("all", "layer"), default="all",
                         help="how FSDP gathers parameters for detach/exact (LongStraw's sharded_compute): all "
@@ -109,10 +112,13 @@ def inputs_from_args(args) -> PlanInputs:
         raise ValueError("--prompt-tokens must be >= 2 (detach/exact capture all but the last prompt token)")
     if args.cp > args.gpus:
         raise ValueError(f"--cp {args.cp} needs at least as many GPUs (--gpus {args.gpus})")
+    if args.gpus % (args.cp * args.tp):
+        raise ValueError(f"--tp {args.tp} x --cp {args.cp} needs --gpus to be a multiple of {args.cp * args.tp}, got "
+                         f"{args.gpus}")
     return PlanInputs(
         prompt_tokens=args.prompt_tokens, response_tokens=args.response_tokens + args.observation_tokens,
         observation_tokens=args.observation_tokens, group_size=args.group_size,
-        dtype=args.dtype, gpus=args.gpus, gpu_memory=parse_size(args.gpu_memory), cp=args.cp,
+        dtype=args.dtype, gpus=args.gpus, gpu_memory=parse_size(args.gpu_memory), cp=args.cp, tp=args.tp,
         shard=not args.no_shard, micro_batch=args.micro_batch, chunk_size=args.chunk_size,
         token_chunk=args.token_chunk, optimizer=args.optimizer, device=args.device,
         reserve=parse_size(args.reserve) if args.reserve else None, checkpoint_layers=args.checkpoint_layers,
@@ -145,9 +151,10 @@ def format_plan(document: dict[str, Any], other_gather: dict[str, dict[str, Any]
         + (f" (of which {inp['observation_tokens']} observation tokens)" if inp.get("observation_tokens") else "")
         + f" G={inp['group_size']} {inp['dtype']}, "
         f"{inp['gpus']} GPU(s) x {inp['gpu_memory'] / 1e9:.1f} GB, cp={inp['cp']}, "
-        f"{'FSDP/ZeRO-3' if inp['shard'] and inp['gpus'] > 1 else 'no sharding'}"
+        + (f"tp={inp['tp']}, " if inp.get("tp", 1) > 1 else "") +
+        f"{'FSDP/ZeRO-3' if inp['shard'] and inp['gpus'] > inp.get('tp', 1) else 'no sharding'}"
         + (f" (LongStraw's plans gather {'every parameter' if inp.get('fsdp_gather', 'all') == 'all' else 'a layer'}"
-           " at a time)" if inp["shard"] and inp["gpus"] > 1 else "")
+           " at a time)" if inp["shard"] and inp["gpus"] > inp.get("tp", 1) else "")
         + ", micro-batch "
         f"{inp['micro_batch']}, chunk {inp['chunk_size']}"
         + (", per-layer activation checkpointing" if inp["checkpoint_layers"] else "")

@@ -53,6 +53,11 @@ class PlanInputs:
     gpus: int = 1
     gpu_memory: int = 96 * 10**9
     cp: int = 1
+    # Tensor parallelism (distributed/tp.py): groups of tp GPUs hold the model split by heads and MLP columns, the
+    # embeddings and output projection by vocabulary; FSDP shards over gpus / tp. Per GPU: weights, gradients,
+    # optimizer state, the prompt state's K/V and the log-prob's logits block / tp; activations are counted whole
+    # (the hidden states between modules are replicated; an over-estimate of the per-head and MLP parts).
+    tp: int = 1
     shard: bool = True  # FSDP/ZeRO-3 over the GPUs (when gpus > 1)
     micro_batch: int = 1
     chunk_size: int = 2048
@@ -113,8 +118,13 @@ def estimate(spec: ModelSpec, inp: PlanInputs, plan: str) -> PlanEstimate:
     b = _bytes_of(inp.dtype)
     a = max(4, b)  # accumulation dtype of attention merges and optimizer moments
     p, r, g = inp.prompt_tokens, inp.response_tokens, inp.group_size
-    shards = inp.gpus if inp.shard and inp.gpus > 1 else 1
-    n, d, v = spec.params, spec.hidden, spec.vocab
+    if inp.tp < 1 or inp.gpus % inp.tp:
+        raise ValueError(f"tp = {inp.tp} must be >= 1 and divide the GPUs ({inp.gpus})")
+    fsdp = inp.gpus // inp.tp  # FSDP's ranks: the GPUs with the same tensor-parallel index
+    shards = fsdp if inp.shard and fsdp > 1 else 1
+    # n, v: this GPU's share of the parameters and of the vocabulary's rows (its logits block, its (V, d) gradients)
+    n, d, v = math.ceil(spec.params / inp.tp), spec.hidden, math.ceil(spec.vocab / inp.tp)
+    layer_params = math.ceil(spec.max_layer_params / inp.tp)
 
     weights = n * b // shards
     grads = n * b // shards
@@ -124,7 +134,7 @@ def estimate(spec: ModelSpec, inp: PlanInputs, plan: str) -> PlanEstimate:
         optimizer = 0
     else:
         raise ValueError(f"unknown optimizer {inp.optimizer!r}: adamw or none")
-    gathered = (2 * max(spec.max_layer_params, v * d) + spec.max_layer_params) * b if shards > 1 else 0
+    gathered = (2 * max(layer_params, v * d) + layer_params) * b if shards > 1 else 0
     if inp.fsdp_gather not in ("all", "layer"):
         raise ValueError(f"fsdp_gather must be 'all' or 'layer', got {inp.fsdp_gather!r}")
     if shards > 1 and plan in ("detach", "exact") and inp.fsdp_gather == "all":
@@ -141,7 +151,7 @@ def estimate(spec: ModelSpec, inp: PlanInputs, plan: str) -> PlanEstimate:
         # gradient lives until its reduce-scatter after each backward through it: FSDP copies it into a flat input
         # (L), allocates the rank's output (L / gpus), and gloo (device cpu) works on another copy of the input.
         held = (v * d * (1 if spec.tied else 2) + d) * b
-        layer = spec.max_layer_params * b
+        layer = layer_params * b
         gathered = held + 2 * layer
         grads = (n * b - held) // shards + held  # the layers' gradient sharded, the held units' whole
         layer_reduce = layer + layer + layer // shards + (layer if inp.device == "cpu" else 0)
@@ -159,7 +169,7 @@ def estimate(spec: ModelSpec, inp: PlanInputs, plan: str) -> PlanEstimate:
     if plan in ("detach", "exact"):
         exact = plan == "exact"
         parts = state_parts(spec, p - 1, b, inp.chunk_size, exact)
-        state, state_grad = parts.per_rank(inp.cp)
+        state, state_grad = parts.per_rank(inp.cp, inp.tp)
         if inp.offload_state:
             host = state + state_grad
             if inp.checkpoint_layers:
@@ -258,7 +268,7 @@ def estimate(spec: ModelSpec, inp: PlanInputs, plan: str) -> PlanEstimate:
             # + cp 2: the step's peak): 78.1 MiB = 2.5 · 31.25 MiB above the level before the reduction. On CUDA
             # (NCCL reads the input in place) U·(1 + 1/gpus) is assumed, not measured.
             # With gather="layer" only the units that are not layers are left to reduce there (the largest: V·d).
-            unit = (max(spec.max_layer_params, v * d) if inp.fsdp_gather == "all" else v * d) * b
+            unit = (max(layer_params, v * d) if inp.fsdp_gather == "all" else v * d) * b
             reduce = unit + unit // shards + (unit if inp.device == "cpu" else 0)
             phases["gradient_reduce"] = resident + grads + reduce
             comp["fsdp_reduce"] = reduce
@@ -269,7 +279,8 @@ def estimate(spec: ModelSpec, inp: PlanInputs, plan: str) -> PlanEstimate:
         else:
             acts = segment_activation_bytes(spec, b, a, "sdpa", p + r, seqs, False)
             acts += math_attention_score_bytes(spec, p + r, seqs, b, list(range(spec.num_layers)))
-        logits = 3 * seqs * r * v * b  # log-softmax output, its gradient, the logits' gradient
+        # the log-softmax output, its gradient, the logits' gradient (whole V: tensor parallelism gathers them here)
+        logits = 3 * seqs * r * spec.vocab * b
         steady = plan == "standard" and g > 1  # gradients already resident while the next sequence runs
         if inp.checkpoint_layers:
             step = standard_checkpointed_step_bytes(spec, b, a, p + r, seqs, logits, grads, steady)

@@ -74,10 +74,11 @@ class StateBytes:
     recurrent_grad: int
     largest_layer: int
 
-    def per_rank(self, cp: int) -> tuple[int, int]:
-        """(state, state gradient) on one of `cp` context-parallel ranks."""
-        return (math.ceil(self.attention / cp) + self.recurrent,
-                math.ceil(self.attention_grad / cp) + self.recurrent_grad)
+    def per_rank(self, cp: int, tp: int = 1) -> tuple[int, int]:
+        """(state, state gradient) on one of `cp` context-parallel ranks, each of `tp` tensor-parallel ranks holding
+        the K/V of 1/tp of the heads (tensor parallelism admits attention-only families: no recurrent part)."""
+        return (math.ceil(self.attention / (cp * tp)) + self.recurrent,
+                math.ceil(self.attention_grad / (cp * tp)) + self.recurrent_grad)
 
 
 def state_parts(spec: ModelSpec, positions: int, b: int, chunk: int, exact: bool) -> StateBytes:
