@@ -12,7 +12,7 @@ __all__ = ["Node", "Trajectory", "Tree", "TreeResult", "backward_tree", "build_t
 def __getattr__(name: str):
     # api imports the group engine (engine.api), which is heavier than the data model: loaded on first use.
     if name in ("backward_tree", "TreeResult"):
-        from longstraw.engine.tree import api
+        import longstraw.engine.tree.api
 
-        return getattr(api, name)
+        return getattr(longstraw.engine.tree.api, name)
     raise AttributeError(f"module 'longstraw.engine.tree' has no attribute {name!r}")

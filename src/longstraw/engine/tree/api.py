@@ -22,9 +22,9 @@ from longstraw.engine.api import _options, check_model_options
 from longstraw.engine.options import BackwardOptions
 from longstraw.engine.precision import accumulation_dtype
 from longstraw.engine.state.checks import check_materialised
-from longstraw.engine.tree import plans
 from longstraw.engine.tree.build import Trajectory, Tree, build_tree
 from longstraw.engine.tree.loss import TreeLoss, check_sequence_losses
+from longstraw.engine.tree.plans import Walk, detach, exact, standard
 from longstraw.models.admission import check_architecture, is_recurrent
 from longstraw.models.architecture import eval_mode_when_equal, hf
 from longstraw.models.composite import text_config
@@ -113,14 +113,14 @@ def _backward(model: torch.nn.Module, tree: Tree, options: BackwardOptions) -> T
     for node in tree.nodes():
         node.tokens = node.tokens.to(device=device, dtype=torch.long)
     loss = TreeLoss(tree, cfg, device, dtype)
-    walk = plans._Walk(model=model, tree=tree, loss=loss, options=options)
+    walk = Walk(model=model, tree=tree, loss=loss, options=options)
     with checkpointed_layers(model, enabled=options.checkpoint == "layers"):
         if options.plan in ("standard", "standard_batched"):
-            plans.standard(walk, batched=options.plan == "standard_batched")
+            standard(walk, batched=options.plan == "standard_batched")
         elif options.plan == "exact":
-            plans.exact(walk)
+            exact(walk)
         elif options.plan == "detach":
-            plans.detach(walk)
+            detach(walk)
         else:
             raise ValueError(f"unknown plan {options.plan!r}")
     stats.update(capture_s=walk.capture_s, replay_s=walk.replay_s, backward_s=walk.backward_s,

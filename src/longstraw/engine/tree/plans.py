@@ -34,7 +34,7 @@ from longstraw.models.composite import text_config
 
 
 @dataclass
-class _Walk:
+class Walk:
     """What one walk of the tree needs: the model, its options, the loss, and the running totals."""
 
     model: torch.nn.Module
@@ -70,7 +70,7 @@ def path_ids(node: Node, above: torch.Tensor) -> torch.Tensor:
 class _NodeLoss:
     """A node's loss for `prompt_backward`: chunk [start, end) of its input predicts the tokens at start+1 … end."""
 
-    def __init__(self, walk: _Walk, node: Node, path: torch.Tensor) -> None:
+    def __init__(self, walk: Walk, node: Node, path: torch.Tensor) -> None:
         self.walk, self.node, self.path = walk, node, path
 
     def wants(self, start: int, end: int) -> bool:
@@ -87,14 +87,14 @@ class _NodeLoss:
         return term
 
 
-def exact(walk: _Walk) -> None:
+def exact(walk: Walk) -> None:
     root = walk.tree.root
     state = empty_state(walk.model, keep_boundaries=True, offload=walk.options.offload_state)
     state.capacity = max(root.tokens.numel() - 1, 0)  # the root's K/V go into one tensor per layer (`_slab`)
     _exact_node(walk, root, state, root.tokens.new_empty(0))
 
 
-def _exact_node(walk: _Walk, node: Node, parent: PromptState, above: torch.Tensor) -> None:
+def _exact_node(walk: Walk, node: Node, parent: PromptState, above: torch.Tensor) -> None:
     """Visit `node` from its parent's state (positions [0, node.input_start)); `above`: the tokens before it."""
     path = path_ids(node, above)
     state = parent if node is walk.tree.root else parent.branch()
@@ -119,14 +119,14 @@ def _own_tensors(state: PromptState, first: int) -> list[torch.Tensor]:
 
 
 # --- detach -------------------------------------------------------------------------------------------------------
-def detach(walk: _Walk) -> None:
+def detach(walk: Walk) -> None:
     root = walk.tree.root
     state = empty_state(walk.model, keep_boundaries=False, offload=walk.options.offload_state)
     state.capacity = max(root.tokens.numel() - 1, 0)
     _detach_node(walk, root, state, root.tokens.new_empty(0))
 
 
-def _detach_node(walk: _Walk, node: Node, parent: PromptState, above: torch.Tensor) -> None:
+def _detach_node(walk: Walk, node: Node, parent: PromptState, above: torch.Tensor) -> None:
     """Capture `node` as a constant continuing its parent's state; its own loss tokens' terms are backpropagated
     from their chunk's forward (into the parameters only)."""
     path = path_ids(node, above)
@@ -165,7 +165,7 @@ def _detach_node(walk: _Walk, node: Node, parent: PromptState, above: torch.Tens
 
 
 # --- both: the children of a node -----------------------------------------------------------------------------------
-def _children(walk: _Walk, node: Node, state: PromptState, path: torch.Tensor, visit) -> None:
+def _children(walk: Walk, node: Node, state: PromptState, path: torch.Tensor, visit) -> None:
     """Replay `node`'s leaf children from `state`, `micro_batch` siblings at a time, then visit its inner children."""
     leaves = [c for c in node.children if c.is_leaf]
     k = walk.options.micro_batch
@@ -178,7 +178,7 @@ def _children(walk: _Walk, node: Node, state: PromptState, path: torch.Tensor, v
             visit(walk, child, state, path)
 
 
-def _replay_leaves(walk: _Walk, leaves: list[Node], state: PromptState, above: torch.Tensor) -> None:
+def _replay_leaves(walk: Walk, leaves: list[Node], state: PromptState, above: torch.Tensor) -> None:
     """Forward+backward sibling leaves (all starting at the same position) from their parent's state."""
     last = above[-1:] if above.numel() else None
     inputs_list = [leaf.input_ids(last) for leaf in leaves]
@@ -212,7 +212,7 @@ def _replay_leaves(walk: _Walk, leaves: list[Node], state: PromptState, above: t
         term.backward()
 
 
-def _logprobs(walk: _Walk, hidden: torch.Tensor, targets: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+def _logprobs(walk: Walk, hidden: torch.Tensor, targets: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """Log-probs (k, T) of `targets` at the `keep` positions (0 elsewhere) from the final hidden states (k, T, d)."""
     weight, bias, scale, softcap = walk.head()
     return selected_logprobs(hidden, weight, targets, keep, walk.options.token_chunk, walk.options.temperature,
@@ -230,12 +230,12 @@ def _check_finite(logp: torch.Tensor, keep: torch.Tensor, term: torch.Tensor, wh
                                  "ref_logprobs and the advantages")
 
 
-def _device(walk: _Walk) -> torch.device:
+def _device(walk: Walk) -> torch.device:
     return hf(walk.model).get_input_embeddings().weight.device
 
 
 # --- standard -----------------------------------------------------------------------------------------------------
-def standard(walk: _Walk, batched: bool) -> None:
+def standard(walk: Walk, batched: bool) -> None:
     """Every trajectory as a full sequence through the unmodified model (its own attention and logits),
     `micro_batch` sequences per forward (all of them when `batched`), right-padded."""
     trajectories = walk.tree.trajectories
