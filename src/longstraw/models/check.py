@@ -152,6 +152,12 @@ RELEASED: dict[str, dict[str, Any]] = {
     "hunyuan_v1_dense": {"num_attention_heads": 32, "num_key_value_heads": 8, "tie_word_embeddings": True,
                          "rope_parameters": {"rope_type": "dynamic", "rope_theta": 10_000.0, "alpha": 1000.0,
                                              "factor": 1.0}},
+    # microsoft/bitnet-b1.58-2B-4T's config.json (as quoted in a public model card's "Model Architecture"): the class
+    # defaults but for tied embeddings
+    "bitnet": {"tie_word_embeddings": True},
+    # swiss-ai/Apertus-8B-Instruct-2509's config.json (as quoted by public MLX ports' tests): the class defaults (xIELU,
+    # q/k norm, Llama-3 RoPE x8 at theta 1.2e7) but for GQA 32:8
+    "apertus": {"num_attention_heads": 32, "num_key_value_heads": 8},
     # rednote-hilab/dots.llm1.base (its class defaults have no routed experts; not re-read)
     "dots1": {"n_routed_experts": 128, "num_experts_per_tok": 6, "n_shared_experts": 2, "first_k_dense_replace": 1,
               "norm_topk_prob": True, "routed_scaling_factor": 2.5, "moe_intermediate_size": 1408, "n_group": 1,
@@ -197,6 +203,8 @@ RELEASED_CHECKPOINT: dict[str, str] = {
     "cohere2": "CohereLabs/tiny-aya-global",
     "seed_oss": "ByteDance-Seed/Seed-OSS-36B-Instruct",
     "hunyuan_v1_dense": "tencent/Hunyuan-7B-Instruct",
+    "bitnet": "microsoft/bitnet-b1.58-2B-4T",
+    "apertus": "swiss-ai/Apertus-8B-Instruct-2509",
     "dots1": "rednote-hilab/dots.llm1.base",
     "lfm2": "LiquidAI/LFM2-1.2B",
     "phi": "microsoft/phi-2",
@@ -212,6 +220,10 @@ RELEASED_EQUALS_DEFAULTS: dict[str, str] = {
     # soft-caps 50 (attention) and 30 (logits), queries scaled by 256^-1/2, GQA 2:1, window 4096: Gemma2Config's
     # defaults
     "gemma2": "google/gemma-2-2b-it (config.json quoted in a public profiling script)",
+    # GQA 16:2 with head_dim 128, RoPE theta 5e5, tied embeddings, no biases: Ernie4_5Config's defaults
+    "ernie4_5": "baidu/ERNIE-4.5-0.3B-PT (a public copy of its config.json)",
+    # GQA-free 20 heads, RMSNorm eps 1e-8, RoPE theta 1e5, untied: HeliumConfig's defaults
+    "helium": "kyutai/helium-1-preview-2b (config.json quoted field for field by an MLX port's test)",
     "olmoe": "allenai/OLMoE-1B-7B-0924 (NVIDIA-NeMo/Megatron-Bridge, "
              "tests/unit_tests/models/olmoe/test_olmoe_bridge.py)",
 }
@@ -219,8 +231,8 @@ RELEASED_EQUALS_DEFAULTS: dict[str, str] = {
 # runs on the class defaults.
 RELEASED_NOT_FOUND: tuple[str, ...] = (
     # only trimmed or test-sized copies were found (Phi-3.5-MoE, MiniMax-M2, ERNIE-4.5-21B-A3B, Nemotron-H,
-    # Hunyuan-A13B, gemma-2b)
-    "phimoe", "minimax_m2", "ernie4_5_moe", "nemotron_h", "hunyuan_v1_moe", "gemma",
+    # Hunyuan-A13B, gemma-2b, Ministral-8B)
+    "phimoe", "minimax_m2", "ernie4_5_moe", "nemotron_h", "hunyuan_v1_moe", "gemma", "ministral",
 )
 
 
