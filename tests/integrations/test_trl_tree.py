@@ -92,12 +92,12 @@ def test_shared_system_prompt_across_groups_equals_trl(tmp_path, model_dir, conf
     g_ls, p_ls = train(LongStrawGRPOTrainer, LongStrawGRPOConfig, model_dir, tmp_path / "ls", prompts=SHARED,
                        info=info, **config)
     assert g_trl[0].norm() > 0
-    assert_close("gradient", g_trl[0], g_ls[0], 1e-12)
+    err = assert_close("gradient", g_trl[0], g_ls[0], 1e-12)
     assert_close("parameters", p_trl, p_ls, 1e-12)
     assert info["tree_fallbacks"] == []
     stats = _tree_stats(info)
     s = len(_ids(SYSTEM))
-    print(stats)
+    print(f"gradient {err:.2g}; {stats}")
     assert stats["tokens_flattened"] - stats["tokens_encoded"] >= (2 * G - 1) * s
 
 
@@ -107,7 +107,7 @@ def test_shared_system_prompt_per_group_switch(tmp_path, model_dir):
     g_trl, _ = train(GRPOTrainer, GRPOConfig, model_dir, tmp_path / "trl", prompts=SHARED, loss_type="grpo")
     g_ls, _ = train(LongStrawGRPOTrainer, LongStrawGRPOConfig, model_dir, tmp_path / "ls", prompts=SHARED,
                     info=info, loss_type="grpo", longstraw_tree=False)
-    assert_close("gradient", g_trl[0], g_ls[0], 1e-12)
+    print(f"gradient {assert_close('gradient', g_trl[0], g_ls[0], 1e-12):.2g}")
     assert not any("longstraw/tokens_encoded" in entry for entry in info["log_history"])
 
 
@@ -132,8 +132,9 @@ def test_successive_turns_equal_trl(tmp_path, model_dir, config):
     assert len(g_ls) == len(g_trl) == settings.get("max_steps", 1)
     for step, (ours, theirs, group) in enumerate(zip(g_ls, g_trl, g_group)):
         assert theirs.norm() > 0
-        assert_close(f"step {step + 1} gradient against TRL", theirs, ours, 1e-8)
-        assert_close(f"step {step + 1} gradient against the per-group path", group, ours, 1e-12)
+        err = assert_close(f"step {step + 1} gradient against TRL", theirs, ours, 1e-8)
+        err_group = assert_close(f"step {step + 1} gradient against the per-group path", group, ours, 1e-12)
+        print(f"step {step + 1}: against TRL {err:.2g}, against the per-group path {err_group:.2g}")
     assert_close("parameters", p_trl, p_ls, 1e-8)
     assert info["tree_fallbacks"] == []
     stats = [{k.removeprefix("longstraw/"): v for k, v in entry.items() if k.startswith("longstraw/")}
@@ -155,7 +156,7 @@ def test_sequence_level_loss_on_shared_completions_falls_back_per_group(tmp_path
     with caplog.at_level(logging.WARNING, logger="longstraw.integrations.tree_batch"):
         g_ls, _ = train(LongStrawGRPOTrainer, LongStrawGRPOConfig, model_dir, tmp_path / "ls", info=info, **settings)
     g_trl, _ = train(GRPOTrainer, GRPOConfig, model_dir, tmp_path / "trl", **settings)
-    assert_close("gradient", g_trl[0], g_ls[0], 1e-8)
+    print(f"gradient {assert_close('gradient', g_trl[0], g_ls[0], 1e-8):.2g}")
     (reason,) = info["tree_fallbacks"]
     assert "the sequence ratio" in reason and "shared node" in reason
     (record,) = [r for r in caplog.records if r.name == "longstraw.integrations.tree_batch"]  # logged once

@@ -7,7 +7,9 @@ gradient was left behind are saved). Each rank makes its own share of the batch 
 response token), overwrites those entries of the batch's (B, R_max) field inside the responses. The spec's
 `reference_gap` {"scale": s, "gap": g} runs the case on the tiny model with its lm_head times s (log-probs spread
 over tens of nats), the first response token of every row the likeliest one whose log-prob is at most -(g + 0.5),
-old log-probs the policy's own (on-policy) and reference log-probs 0.1 below them, but g above on that token."""
+old log-probs the policy's own (on-policy) and reference log-probs 0.1 below them, but g above on that token. The
+spec's `env` sets LONGSTRAW_* variables for LongStraw's run; its training calls' LongStraw metrics and per-group
+reasons are saved as `calls`."""
 
 from __future__ import annotations
 
@@ -60,8 +62,13 @@ def main() -> None:
             except ValueError as err:
                 results[name] = {"error": str(err), "gradients_left": any(left)}
             continue
-        results[name] = {who: run_update(engine, models[key], batch, spec["actor"], **spec.get("update", {}))
-                         for who, engine in (("verl", FSDPEngineWithLMHead), ("longstraw", LongStrawFSDPEngine))}
+        calls: list[dict] = []
+        results[name] = {"verl": run_update(FSDPEngineWithLMHead, models[key], batch, spec["actor"],
+                                            **spec.get("update", {}))}
+        with _environment(spec.get("env", {})):
+            results[name]["longstraw"] = run_update(_Recorded.of(calls), models[key], batch, spec["actor"],
+                                                    **spec.get("update", {}))
+        results[name]["calls"] = calls
         if spec.get("unclamped"):  # LongStraw's update without verl's clamps: shows the case reaches them
             with _unclamped():
                 results[name]["unclamped"] = run_update(LongStrawFSDPEngine, models[key], batch, spec["actor"],
@@ -130,6 +137,41 @@ def _set(batch, edits: list) -> None:
         for k in range(inside.shape[0]) if rows is None else rows:
             chosen[k, slice(None) if tokens is None else tokens] = True
         batch[field][chosen & inside] = value
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]):
+    """The spec's `env` (LONGSTRAW_* settings) set inside the block."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+class _Recorded(LongStrawFSDPEngine):
+    """LongStraw's engine recording, for each training mini-batch, its LongStraw metrics (the tree's statistics)
+    and why it took the per-group path (`tree_fallbacks`), if it did."""
+
+    calls: list[dict]
+
+    @classmethod
+    def of(cls, calls: list[dict]) -> type:
+        return type("Recorded", (cls,), {"calls": calls})
+
+    def forward_backward_batch(self, data, loss_function, forward_only=False):
+        out = super().forward_backward_batch(data, loss_function, forward_only)
+        metrics = out["metrics"] if isinstance(out, dict) else {}
+        if "actor/pg_loss" in metrics:
+            fallbacks = getattr(self, "tree_fallbacks", None)
+            self.calls.append({"metrics": {k: v for k, v in metrics.items() if k.startswith("actor/longstraw_")},
+                               "fallbacks": [] if fallbacks is None else list(fallbacks.reasons)})
+        return out
 
 
 class _Watched(LongStrawFSDPEngine):

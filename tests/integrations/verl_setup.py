@@ -66,19 +66,27 @@ def save_tiny_model(family: str, folder: str) -> None:
 
 
 def make_batch(prompt_lengths: tuple[int, ...] = (12, 9), g: int = 4, r_max: int = 7, seed: int = 0,
-               observation: bool = False, token_advantages: bool = False) -> TensorDict:
+               observation: bool = False, token_advantages: bool = False, system: int = 0,
+               turns: bool = False) -> TensorDict:
     """verl's actor batch after the rollout, in its no-padding layout: len(prompt_lengths) prompts × g responses of
     2..r_max tokens. observation: tokens 2-3 of every response of 5+ tokens are a tool's output (response_mask 0),
     as verl's multi-turn rollouts mark them. Old and reference log-probs are random in [-7, -4] (the policy's own
-    are about -4.85 on a 128-token vocabulary): the ratios spread over and beyond the clip range."""
+    are about -4.85 on a 128-token vocabulary): the ratios spread over and beyond the clip range. system: a system
+    prompt of that many tokens before every prompt (different questions after one shared prefix). turns: prompt p > 0
+    is prompt p−1's first row (its prompt and response) followed by its own tokens: successive turns of one
+    conversation, each row of turn p continuing that row."""
     gen = torch.Generator().manual_seed(seed)
-    rows = []
+    shared = torch.randint(1, VOCAB, (system,), generator=gen) if system else torch.zeros(0, dtype=torch.long)
+    rows: list[tuple[int, torch.Tensor, torch.Tensor]] = []
     for p, length in enumerate(prompt_lengths):
-        prompt = torch.randint(1, VOCAB, (length,), generator=gen)
+        prompt = torch.cat([shared, torch.randint(1, VOCAB, (length,), generator=gen)])
+        if turns and p > 0:
+            _, before, answer = rows[-g]  # the previous turn's first row
+            prompt = torch.cat([before, answer, prompt[system:]])
         for _ in range(g):
             r = int(torch.randint(2, r_max + 1, (1,), generator=gen))
             rows.append((p, prompt, torch.randint(1, VOCAB, (r,), generator=gen)))
-    b, p_max = len(rows), max(prompt_lengths)
+    b, p_max = len(rows), max(len(prompt) for _, prompt, _ in rows)
     prompts, prompt_mask = torch.zeros(b, p_max, dtype=torch.long), torch.zeros(b, p_max, dtype=torch.long)
     responses, attention = torch.zeros(b, r_max, dtype=torch.long), torch.zeros(b, r_max, dtype=torch.long)
     for k, (_, prompt, response) in enumerate(rows):

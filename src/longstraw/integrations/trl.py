@@ -132,8 +132,9 @@ def _backward_options(args: GRPOConfig) -> BackwardOptions:
     if cp > 1 and options.keep_prompt_graph:
         raise ValueError("LongStrawGRPOConfig's longstraw_keep_prompt_graph is not supported with longstraw_cp > 1: "
                          "set it to 0")
-    if not isinstance(getattr(args, "longstraw_tree", True), bool):
-        raise ValueError(f"LongStrawGRPOConfig's longstraw_tree must be True or False, got {args.longstraw_tree!r}")
+    tree = getattr(args, "longstraw_tree", True)
+    if not isinstance(tree, bool):
+        raise ValueError(f"LongStrawGRPOConfig's longstraw_tree must be True or False, got {tree!r}")
     _tree_min_shared(args)
     gather = getattr(args, "longstraw_fsdp_gather", "all")
     if gather not in ("all", "layer"):

@@ -9,15 +9,19 @@ verl's engine registry for the language model's FSDP backends (`strategy` fsdp o
 actor's `TrainingWorker` builds it instead of `FSDPEngineWithLMHead`. verl's data flow is kept: rollout, rewards,
 advantages, old and reference log-probs (forward-only passes stay verl's), mini-batches and PPO epochs, FSDP
 sharding, the optimizer, gradient clipping, checkpoints and logging. One method changes: `forward_backward_batch`
-of a training mini-batch regroups its rows by prompt and runs `backward_group` once per group, inside one
-all-gather / reduce-scatter of the FSDP parameters, instead of verl's full-sequence forward and backward per
-micro-batch. The options that make the group loss verl's `ppo_loss` are `loss_options` (docs/verl.md has the
-table); what it cannot reproduce is refused with the reason before any parameter or gradient is touched.
+of a training mini-batch runs `backward_tree` once over all its rows, one prefix tree in which a token several rows
+share (each prompt's, a system prompt across prompts, earlier turns of a conversation) is encoded once — or, with
+LONGSTRAW_TREE=0 and where a tree cannot run, regroups its rows by prompt and runs `backward_group` once per
+group — inside one all-gather / reduce-scatter of the FSDP parameters, instead of verl's full-sequence forward and
+backward per micro-batch. The options that make the loss verl's `ppo_loss` are `loss_options` (docs/verl.md has
+the table); what it cannot reproduce is refused with the reason before any parameter or gradient is touched.
 
 LongStraw's own settings come from the environment of the worker processes (verl passes
 `ray_kwargs.ray_init.runtime_env.env_vars` to them): LONGSTRAW_PLAN (exact | detach | standard |
 standard_batched; default exact, verl's gradient), LONGSTRAW_CHUNK_SIZE (prompt tokens per capture chunk, 2048),
-LONGSTRAW_MICRO_BATCH (responses replayed at once, 1), LONGSTRAW_CHECKPOINT (none | layers).
+LONGSTRAW_MICRO_BATCH (responses replayed at once, 1), LONGSTRAW_CHECKPOINT (none | layers), LONGSTRAW_TREE (1: one
+prefix tree per mini-batch, the default; 0: backward_group per prompt), LONGSTRAW_TREE_MIN_SHARED (the shortest
+shared run of tokens the tree splits off as a node, 1).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -43,6 +47,9 @@ from longstraw.distributed.fsdp import sharded_compute
 from longstraw.engine.api import backward_group
 from longstraw.engine.group import Group
 from longstraw.engine.options import BackwardOptions
+from longstraw.engine.tree.api import backward_tree
+from longstraw.engine.tree.build import Trajectory, Tree
+from longstraw.integrations.tree_batch import Fallbacks, tree_of, tree_refusals
 from longstraw.models.architecture import hf
 
 __all__ = ["LongStrawFSDPEngine", "install", "loss_options", "settings_from_environment"]
@@ -72,20 +79,38 @@ class Settings:
     chunk_size: int = 2048
     micro_batch: int = 1
     checkpoint: str = "none"
+    tree: bool = True
+    tree_min_shared: int = 1
+
+
+def _flag(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    elif value in ("0", "false", "no", "off"):
+        return False
+    else:
+        raise ValueError(f"{text!r} is not 1 or 0")
 
 
 def settings_from_environment(environ: dict[str, str] | None = None) -> Settings:
     """The LONGSTRAW_* variables of the module docstring, validated (a bad value names the variable)."""
     env = os.environ if environ is None else environ
     values: dict[str, Any] = {}
-    for name, key, kind in (("plan", "LONGSTRAW_PLAN", str), ("chunk_size", "LONGSTRAW_CHUNK_SIZE", int),
-                            ("micro_batch", "LONGSTRAW_MICRO_BATCH", int), ("checkpoint", "LONGSTRAW_CHECKPOINT", str)):
+    parsers: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
+        ("plan", "LONGSTRAW_PLAN", str, "str"), ("chunk_size", "LONGSTRAW_CHUNK_SIZE", int, "int"),
+        ("micro_batch", "LONGSTRAW_MICRO_BATCH", int, "int"), ("checkpoint", "LONGSTRAW_CHECKPOINT", str, "str"),
+        ("tree", "LONGSTRAW_TREE", _flag, "flag (1 or 0)"),
+        ("tree_min_shared", "LONGSTRAW_TREE_MIN_SHARED", int, "int"))
+    for name, key, kind, what in parsers:
         if key in env:
             try:
                 values[name] = kind(env[key])
             except ValueError:
-                raise ValueError(f"{key}={env[key]!r} is not a valid {kind.__name__}") from None
+                raise ValueError(f"{key}={env[key]!r} is not a valid {what}") from None
     settings = Settings(**values)
+    if settings.tree_min_shared < 1:
+        raise ValueError(f"LONGSTRAW_TREE_MIN_SHARED={settings.tree_min_shared} must be >= 1")
     try:
         BackwardOptions(plan=settings.plan, chunk_size=settings.chunk_size, micro_batch=settings.micro_batch,
                         checkpoint=settings.checkpoint)
@@ -255,8 +280,10 @@ def _temperature(data: Any) -> float:
 
 
 class LongStrawFSDPEngine(FSDPEngineWithLMHead):
-    """verl's FSDP engine for the language model, whose training mini-batch runs `backward_group` per prompt.
-    Forward-only passes (old and reference log-probs), other loss functions and everything else stay verl's."""
+    """verl's FSDP engine for the language model, whose training mini-batch runs `backward_tree` over one prefix tree
+    of its rows (or `backward_group` per prompt: LONGSTRAW_TREE=0, and where a tree cannot run; `tree_fallbacks`
+    holds the reasons, each logged once). Forward-only passes (old and reference log-probs), other loss functions and
+    everything else stay verl's."""
 
     def forward_backward_batch(self, data: Any, loss_function: Callable[..., Any], forward_only: bool = False) -> Any:
         config = _actor_config(loss_function)
@@ -275,31 +302,61 @@ class LongStrawFSDPEngine(FSDPEngineWithLMHead):
         torch.distributed.all_reduce(batch_num_tokens, op=torch.distributed.ReduceOp.SUM, group=dp_group)
         global_batch_size = int(data["global_batch_size"])
         rows = _rows(data, with_ref=bool(config.use_kl_loss))
-        groups = _groups(rows)
         temperature = _temperature(data)
         common = BackwardOptions(plan=settings.plan, chunk_size=settings.chunk_size, micro_batch=settings.micro_batch,
                                  checkpoint=settings.checkpoint, temperature=temperature, allow_train_mode=True)
+        normalisers = dict(dp_size=dp_size, batch_num_tokens=float(batch_num_tokens),
+                           global_batch_size=global_batch_size, horizon=data["response_mask"].shape[-1])
+        tree_options = replace(common, **loss_options(config, 1, **normalisers))
+        tree = self._tree(rows, settings, tree_options)
         autocast_dtype = getattr(self, "_autocast_dtype", torch.float32)
         autocast = (nullcontext() if autocast_dtype == torch.float32
                     else torch.autocast(device_type=device.type, dtype=autocast_dtype))
-        total = 0.0
+        total, metrics = 0.0, {}
         # Every parameter gathered once for the mini-batch; the gradients reduce-scattered once (averaged over the
         # data-parallel ranks) at the end, as verl's no_sync accumulation does over its micro-batches.
         with sharded_compute(self.module), autocast:
-            for members in groups:
-                group = Group(
-                    prompt=members[0].prompt.to(device), responses=[m.response.to(device) for m in members],
-                    advantages=torch.stack([m.advantage for m in members]).to(device),
-                    old_logprobs=[m.old.to(device) for m in members],
-                    ref_logprobs=[m.ref.to(device) for m in members if m.ref is not None] or None,
-                    loss_masks=[m.loss_mask.to(device) for m in members],
-                )
-                options = loss_options(config, len(members), dp_size=dp_size,
-                                       batch_num_tokens=float(batch_num_tokens), global_batch_size=global_batch_size,
-                                       horizon=data["response_mask"].shape[-1])
-                total += backward_group(hf(self.module), group, common, **options).loss
-        output = {"loss": total, "metrics": {"actor/pg_loss": total}}
+            if tree is not None:
+                result = backward_tree(hf(self.module), tree, tree_options)
+                total = result.loss
+                metrics = {f"actor/longstraw_{key}": float(result.stats[key])
+                           for key in ("tokens_encoded", "tokens_flattened", "tree_nodes", "tree_depth")}
+            else:
+                for members in _groups(rows):
+                    group = Group(
+                        prompt=members[0].prompt.to(device), responses=[m.response.to(device) for m in members],
+                        advantages=torch.stack([m.advantage for m in members]).to(device),
+                        old_logprobs=[m.old.to(device) for m in members],
+                        ref_logprobs=[m.ref.to(device) for m in members if m.ref is not None] or None,
+                        loss_masks=[m.loss_mask.to(device) for m in members],
+                    )
+                    options = loss_options(config, len(members), **normalisers)
+                    total += backward_group(hf(self.module), group, common, **options).loss
+        output = {"loss": total, "metrics": {"actor/pg_loss": total, **metrics}}
         return postprocess_batch_func(output_lst=[output], indices=None, data=data)
+
+    def _tree(self, rows: list[_Row], settings: Settings, options: BackwardOptions) -> Tree | None:
+        """The mini-batch's rows with a token in the loss as one prefix tree, each row its own group (verl's
+        normalisers are the mini-batch's: `loss_options` of a group of one row), or None where the per-group path
+        runs instead: LONGSTRAW_TREE=0, or what a tree cannot run (the reason logged once)."""
+        if not settings.tree:
+            return None
+        if not hasattr(self, "tree_fallbacks"):
+            self.tree_fallbacks = Fallbacks("LongStrawFSDPEngine")
+        device = next(self.module.parameters()).device
+        reasons = tree_refusals(options)
+        trajectories = [Trajectory(ids=torch.cat([row.prompt, row.response]).to(device), loss_start=row.prompt.numel(),
+                                   advantage=float(row.advantage), loss_mask=row.loss_mask.to(device),
+                                   old_logprobs=row.old.to(device),
+                                   ref_logprobs=None if row.ref is None else row.ref.to(device), group=k)
+                        for k, row in enumerate(rows) if row.loss_mask.any()]
+        tree = None
+        if not reasons and trajectories:
+            tree, reason = tree_of(trajectories, options, settings.tree_min_shared)
+            reasons = [reason] if tree is None else []
+        for reason in reasons:
+            self.tree_fallbacks.note(reason)
+        return tree
 
 
 def install() -> None:
