@@ -41,9 +41,11 @@ RELEASED: dict[str, dict[str, Any]] = {
                 "attention_multiplier": 0.0078125, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
                 "num_attention_heads": 32, "num_key_value_heads": 8,
                 "rope_parameters": {"rope_type": "default", "rope_theta": 10_000_000.0}},
-    # ibm-granite/granite-3.1-3b-a800m-instruct (not re-read against its config.json)
+    # ibm-granite/granite-3.1-3b-a800m-instruct: RoPE theta 1e7, GQA 24:8 and tied embeddings as a public planner
+    # fixture quotes its config.json; the multipliers (not in that copy) are not re-read
     "granitemoe": {"logits_scaling": 6.0, "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
-                   "attention_multiplier": 0.015625},
+                   "attention_multiplier": 0.015625, "tie_word_embeddings": True, "num_attention_heads": 24,
+                   "num_key_value_heads": 8, "rope_parameters": {"rope_type": "default", "rope_theta": 10_000_000.0}},
     "granitemoeshared": {"logits_scaling": 6.0, "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
                          "attention_multiplier": 0.015625},
     # https://huggingface.co/ibm-granite/granite-4.0-h-350m/blob/main/config.json (as quoted by an MLX port's test
@@ -77,10 +79,12 @@ RELEASED: dict[str, dict[str, Any]] = {
                   "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0}},
     # https://huggingface.co/mistralai/Mixtral-8x7B-Instruct-v0.1/blob/main/config.json (same source)
     "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2, "rms_norm_eps": 1e-5, "router_aux_loss_coef": 0.02},
-    # Qwen/Qwen1.5-MoE-A2.7B (not re-read against its config.json)
+    # Qwen/Qwen1.5-MoE-A2.7B(-Chat): experts, top-k and the shared expert's width as a public planner fixture quotes
+    # its config.json (norm_topk_prob, not in that copy, is not re-read)
     "qwen2_moe": {"num_experts": 60, "num_experts_per_tok": 4, "norm_topk_prob": False,
                   "shared_expert_intermediate_size": 5632},
-    # microsoft/Phi-4-mini-instruct (without its LongRoPE factor lists, which are sized by the head dim; not re-read)
+    # microsoft/Phi-4-mini-instruct, as a public planner fixture quotes its config.json (without its LongRoPE factor
+    # lists, which are sized by the head dim)
     "phi3": {"partial_rotary_factor": 0.75, "tie_word_embeddings": True, "num_attention_heads": 24,
              "num_key_value_heads": 8},
     # bigcode/starcoder2-7b (not re-read against its config.json)
