@@ -84,8 +84,14 @@ def test_tensor_parallel_equals_one_process(quick):
 
 @pytest.mark.slow
 def test_tensor_parallel_other_families_equal_one_process(spawn, tmp_path):
-    """TP = 2, float64, every plan: qwen3, mistral, qwen3_moe (routed experts) and gemma3 (sliding windows)."""
-    _check_cases(CASES, _launch(spawn, tmp_path, "tp", 2))
+    """TP = 2, float64, every plan: qwen3, mistral, qwen3_moe (routed experts) and gemma3 (sliding windows); and
+    llama's exact plan with per-layer checkpointing, the state offloaded, and kept capture graphs."""
+    saved = _launch(spawn, tmp_path, "tp", 2)
+    _check_cases(CASES, saved)
+    ref_grads, ref = _single("llama", "exact")  # every lever computes the same gradient as the plain exact plan
+    for name, _ in tp_worker.LEVERS:
+        for rank, s in enumerate(saved):
+            _check(f"llama exact {name} TP = 2 rank {rank}", ref_grads, ref, s[name])
 
 
 def test_vocab_parallel_logprobs_equal_plain(quick):

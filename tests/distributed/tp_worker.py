@@ -31,6 +31,8 @@ PROMPT, RESPONSES, CHUNK = 61, [5, 1, 9], 8  # 60 encoded positions in 8 chunks
 QUICK_CASES = [("llama", "standard"), ("llama", "detach"), ("llama", "exact"), ("qwen3", "exact")]
 CASES = [(family, plan) for family in ("qwen3", "mistral", "qwen3_moe", "gemma3-A")
          for plan in ("standard", "detach", "exact") if (family, plan) not in QUICK_CASES]
+# llama's exact plan with each memory lever (per-layer checkpointing re-runs the collectives in the backward)
+LEVERS = [("checkpoint", "layers"), ("offload_state", True), ("keep_prompt_graph", 2)]
 CP_CASES = [("llama", "exact"), ("llama", "detach"), ("qwen3", "exact")]
 FSDP_CASES = [("llama", "exact"), ("qwen3", "detach")]
 FSDP_GROUP_SEEDS = (3, 4)
@@ -100,6 +102,10 @@ def run_tp(quick: bool) -> dict:
         result = backward_group(model, group, plan=plan, chunk_size=CHUNK, micro_batch=2)
         results[(family, plan)] = _result(model, result)
     if not quick:
+        for name, value in LEVERS:
+            model = tensor_parallel(tp_model("llama"), mesh)
+            result = backward_group(model, group, plan="exact", chunk_size=CHUNK, micro_batch=2, **{name: value})
+            results[name] = _result(model, result)
         return results
     results["logprobs"] = run_logprobs(mesh)
     model = tensor_parallel(tp_model("llama"), mesh)
