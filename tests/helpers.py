@@ -44,7 +44,7 @@ from transformers import (
     Zamba2Config,
 )
 
-from longstraw import Group
+from longstraw import Group, Trajectory
 from longstraw.engine.kernels.attention import prefix_attention
 from longstraw.models.architecture import CI_TRANSFORMERS, on_the_ci_list, transformers_too_old
 
@@ -606,3 +606,46 @@ def running(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+# --- prefix trees (tests/engine/tree, tests/distributed) ------------------------------------------------------
+class TokenRuns:
+    """Random token runs from one seeded generator."""
+
+    def __init__(self, seed: int) -> None:
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def __call__(self, n: int) -> torch.Tensor:
+        return torch.randint(0, 512, (n,), generator=self.gen)
+
+
+def two_task_tree() -> list[Trajectory]:
+    """One prompt shared by two tasks' groups (depth 2: system prompt, task, answers); uneven groups."""
+    r = TokenRuns(1)
+    system, task_a, task_b = r(19), r(7), r(5)
+    out = [Trajectory(torch.cat([system, task_a, r(n)]), 26, a, group=0) for n, a in ((4, 1.0), (6, -0.5), (1, 0.3))]
+    out += [Trajectory(torch.cat([system, task_b, r(n)]), 24, a, group=1) for n, a in ((3, 0.7), (5, -0.7))]
+    return out
+
+
+def agent_tree() -> list[Trajectory]:
+    """An agent tree with root-to-leaf paths of 2, 3 and 4 nodes and every case at once: a shared first turn
+    (response tokens in the loss of four trajectories with different advantages), a masked observation, a one-token
+    node (`y`), uneven branching, a trajectory that is a prefix of others (successive turns of one conversation), two
+    groups."""
+    r = TokenRuns(3)
+    system, task, turn, obs, y = r(17), r(9), r(5), r(4), r(1)
+    start = 26  # the first turn is the policy's
+    out = []
+    for tail, adv in ((r(3), 1.0), (r(4), -0.5)):
+        ids = torch.cat([system, task, turn, obs, tail])
+        mask = torch.ones(ids.numel() - start, dtype=torch.bool)
+        mask[5:9] = False  # the observation
+        out.append(Trajectory(ids, start, adv, loss_mask=mask))
+    out.append(Trajectory(torch.cat([system, task, turn, r(6)]), start, 0.3))
+    out.append(Trajectory(torch.cat([system, task, turn]), start, -0.8))  # earlier turn of the ones above
+    out.append(Trajectory(torch.cat([system, task, turn, y, r(3)]), start, 0.4))
+    out.append(Trajectory(torch.cat([system, task, turn, y, r(2)]), start, -0.9))
+    other = r(6)
+    out += [Trajectory(torch.cat([system, other, r(n)]), 23, a, group=1) for n, a in ((7, 0.7), (2, -0.7))]
+    return out

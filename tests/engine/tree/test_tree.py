@@ -5,7 +5,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import SAME_ORDER_F64, assert_close, gradient_tolerance, grads, random_group, tiny_model
+from helpers import (
+    SAME_ORDER_F64,
+    TokenRuns,
+    agent_tree,
+    assert_close,
+    gradient_tolerance,
+    grads,
+    random_group,
+    tiny_model,
+    two_task_tree,
+)
 
 from longstraw import Trajectory, backward_group, backward_tree, build_tree
 
@@ -26,50 +36,8 @@ def _run(model: torch.nn.Module, fn, *args, **kwargs):
     return result, grads(model).clone()
 
 
-class _Ids:
-    """Random token runs from one seeded generator."""
-
-    def __init__(self, seed: int) -> None:
-        self.gen = torch.Generator().manual_seed(seed)
-
-    def __call__(self, n: int) -> torch.Tensor:
-        return torch.randint(0, 512, (n,), generator=self.gen)
-
-
-def _depth2() -> list[Trajectory]:
-    """One prompt shared by two tasks' groups (depth 2: system prompt, task, answers); uneven groups."""
-    r = _Ids(1)
-    system, task_a, task_b = r(19), r(7), r(5)
-    out = [Trajectory(torch.cat([system, task_a, r(n)]), 26, a, group=0) for n, a in ((4, 1.0), (6, -0.5), (1, 0.3))]
-    out += [Trajectory(torch.cat([system, task_b, r(n)]), 24, a, group=1) for n, a in ((3, 0.7), (5, -0.7))]
-    return out
-
-
-def _agent() -> list[Trajectory]:
-    """An agent tree with root-to-leaf paths of 2, 3 and 4 nodes and every case at once: a shared first turn
-    (response tokens in the loss of four trajectories with different advantages), a masked observation, a one-token
-    node (`y`), uneven branching, a trajectory that is a prefix of others (successive turns of one conversation), two
-    groups."""
-    r = _Ids(3)
-    system, task, turn, obs, y = r(17), r(9), r(5), r(4), r(1)
-    start = 26  # the first turn is the policy's
-    out = []
-    for tail, adv in ((r(3), 1.0), (r(4), -0.5)):
-        ids = torch.cat([system, task, turn, obs, tail])
-        mask = torch.ones(ids.numel() - start, dtype=torch.bool)
-        mask[5:9] = False  # the observation
-        out.append(Trajectory(ids, start, adv, loss_mask=mask))
-    out.append(Trajectory(torch.cat([system, task, turn, r(6)]), start, 0.3))
-    out.append(Trajectory(torch.cat([system, task, turn]), start, -0.8))  # earlier turn of the ones above
-    out.append(Trajectory(torch.cat([system, task, turn, y, r(3)]), start, 0.4))
-    out.append(Trajectory(torch.cat([system, task, turn, y, r(2)]), start, -0.9))
-    other = r(6)
-    out += [Trajectory(torch.cat([system, other, r(n)]), 23, a, group=1) for n, a in ((7, 0.7), (2, -0.7))]
-    return out
-
-
 def test_the_trie_holds_each_shared_run_once():
-    tree = build_tree(_agent())
+    tree = build_tree(agent_tree())
     lengths = sorted(n.tokens.numel() for n in tree.nodes())
     assert lengths == [1, 2, 2, 3, 3, 4, 4, 6, 6, 7, 14, 17]  # `y` is a one-token node; `obs` a 4-token one
     assert tree.depth == 4
@@ -78,7 +46,7 @@ def test_the_trie_holds_each_shared_run_once():
     ending = {i for n in tree.nodes() for i in n.ending}
     assert ending == set(range(len(tree.trajectories)))  # every trajectory ends at exactly one node
     # min_shared: the one-token node goes into its two branches
-    merged = build_tree(_agent(), min_shared=2)
+    merged = build_tree(agent_tree(), min_shared=2)
     assert sorted(n.tokens.numel() for n in merged.nodes()) == [2, 3, 3, 4, 4, 4, 6, 6, 7, 14, 17]
 
 
@@ -121,7 +89,7 @@ def test_exact_equals_standard(family, shape):
     gradient and log-probs equal every trajectory's full forward (within the family's kernels' tolerance), and
     detach's differ (its states are constants)."""
     model = _model(family)
-    trajectories = _depth2() if shape == "depth2" else _agent()
+    trajectories = two_task_tree() if shape == "depth2" else agent_tree()
     ref, g_ref = _run(model, backward_tree, model, trajectories, plan="standard")
     got, g_got = _run(model, backward_tree, model, trajectories, plan="exact", chunk_size=6)
     tol = gradient_tolerance(family)
@@ -140,7 +108,7 @@ def test_exact_options_regroup_the_same_sums(family):
     """Chunk size, one sibling leaf at a time, per-layer checkpointing and the offloaded state give the default's
     gradient in float64 (gated DeltaNet's float32 kernels round differently on other chunk boundaries)."""
     model = _model(family)
-    trajectories = _agent()
+    trajectories = agent_tree()
     _, g_ref = _run(model, backward_tree, model, trajectories, plan="exact")
     for options in ({"chunk_size": 3, "micro_batch": 1}, {"checkpoint": "layers", "offload_state": True},
                     {"micro_batch": 8, "chunk_size": 64}):
@@ -156,7 +124,7 @@ def test_losses_on_shared_response_tokens(loss):
     model = _model("llama")
     gen = torch.Generator().manual_seed(5)
     trajectories = []
-    for t in _agent():
+    for t in agent_tree():
         n = t.length - t.loss_start
         old = -torch.rand(n, generator=gen, dtype=torch.float64) * 3
         ref = -torch.rand(n, generator=gen, dtype=torch.float64) * 3
@@ -173,13 +141,13 @@ def test_sequence_losses_need_each_loss_in_a_leaf():
     """gspo reads a trajectory's whole loss: allowed (and exact) when every loss lies in a leaf, refused naming the
     trajectory when a shared node holds loss tokens."""
     model = _model("llama")
-    trajectories = _depth2()
+    trajectories = two_task_tree()
     ref, g_ref = _run(model, backward_tree, model, trajectories, plan="standard", loss="gspo")
     got, g_got = _run(model, backward_tree, model, trajectories, plan="exact", loss="gspo")
     assert_close("gspo gradient", g_ref, g_got, 1e-10)
     before = grads(model).clone()
     with pytest.raises(ValueError, match="sequence ratio.*trajectory 0"):
-        backward_tree(model, _agent(), plan="exact", loss="gspo")
+        backward_tree(model, agent_tree(), plan="exact", loss="gspo")
     assert torch.equal(grads(model), before)  # refused before anything ran
 
 
@@ -189,7 +157,7 @@ def test_refusals_come_first():
                             ({"keep_prompt_graph": 1}, "keep_prompt_graph"),
                             ({"beta": 0.1}, "ref_logprobs")):
         with pytest.raises(ValueError, match=match):
-            backward_tree(model, _depth2(), **settings)
+            backward_tree(model, two_task_tree(), **settings)
     big = [Trajectory(torch.tensor([1, 2, 600]), 1, 1.0)]
     with pytest.raises(ValueError, match="vocabulary"):
         backward_tree(model, big)
@@ -200,7 +168,7 @@ def test_refusals_come_first():
 def test_the_path_state_does_not_grow_with_the_width():
     """Exact's largest state held along one root-to-leaf path stays the same when every node's leaves double; the
     tree encodes the new leaves' tokens only, while a flattened batch runs every trajectory's tokens twice over."""
-    r = _Ids(7)
+    r = TokenRuns(7)
     system, turns = r(40), [r(6) for _ in range(2)]
 
     def tree(width: int) -> list[Trajectory]:

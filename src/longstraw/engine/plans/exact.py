@@ -105,7 +105,7 @@ def prompt_backward(model: torch.nn.Module, ids: torch.Tensor, leaves: PromptSta
                 del hidden
             recomputed = PromptState.outputs_of(collect, leaves.num_layers)
         if context_shards is not None:
-            upstream = _owner_gradients(context_shards, j, leaves.num_chunks, upstream, recomputed)
+            upstream = _owner_gradients(context_shards, leaves.owners[j], upstream, recomputed)
         # A part computed from frozen parameters and frozen inputs only (e.g. the first layer's K/V with the
         # embeddings and that layer frozen) has no trainable path: its gradient stops here.
         pairs = [(out, g) for out, g in zip(recomputed, upstream)
@@ -121,14 +121,13 @@ def prompt_backward(model: torch.nn.Module, ids: torch.Tensor, leaves: PromptSta
         del collect, recomputed, pairs, kept, term
 
 
-def _owner_gradients(context_shards: ContextShards, j: int, num_chunks: int, upstream: list,
-                     recomputed: list) -> list:
-    """Context parallelism: chunk j's K/V gradients live on its owner; every rank needs them to backpropagate
-    its (replicated) recompute of chunk j. Recurrent parts are replicated, so their gradients are local.
+def _owner_gradients(context_shards: ContextShards, owner: int, upstream: list, recomputed: list) -> list:
+    """Context parallelism: a chunk's K/V gradients live on its owner (rank `owner`); every rank needs them to
+    backpropagate its (replicated) recompute of the chunk. Recurrent parts are replicated, so their gradients are local.
     GRAD_PARTS order per layer: key, value, conv, recurrent."""
     attention = [i for i, out in enumerate(recomputed) if out is not None and i % len(GRAD_PARTS) < 2]
     shared = context_shards.broadcast_from([upstream[i] for i in attention], [recomputed[i] for i in attention],
-                                           context_shards.owner(j, num_chunks))
+                                           owner)
     upstream = list(upstream)
     for i, g in zip(attention, shared):
         upstream[i] = g

@@ -59,10 +59,10 @@ def extend_state(model: torch.nn.Module, state: PromptState, ids: torch.Tensor, 
     """Append the state of `ids` (n,), the tokens at positions state.length … state.length + n − 1, to `state`, in
     chunks of `chunk_size` that each continue from the chunks before them (`capture_prompt`'s loop; a prefix tree's
     node continues its parent's state with it). leaves / keep_graph: as `capture_prompt`'s. Under context parallelism
-    (`state.context_shards`) each rank keeps the attention parts of its own chunks of these ids only."""
+    (`state.context_shards`) these ids' chunks are split over the ranks as a prompt's are, each rank keeping the
+    attention parts of its own slice of them (`state.owners` records whose each chunk is)."""
     offset = state.length
     bounds = [(offset + s, offset + e) for s, e in chunk_bounds(ids.numel(), chunk_size)]
-    context_shards = state.context_shards
     for j, (start, end) in enumerate(bounds):
         collect: Collected = {}
         graph = j >= len(bounds) - keep_graph
@@ -76,5 +76,15 @@ def extend_state(model: torch.nn.Module, state: PromptState, ids: torch.Tensor, 
         if graph:
             state.graphs[state.num_chunks] = PromptState.outputs_of(collect, state.num_layers)
         state.append_chunk(start, end, collect, leaves=leaves)
-        if context_shards is not None and not context_shards.owns(j, len(bounds)):
-            state.drop_attention(state.num_chunks - 1)
+        keep_owned(state, j, len(bounds))
+
+
+def keep_owned(state: PromptState, j: int, count: int) -> None:
+    """Context parallelism: the chunk just appended is chunk j of a run of `count` split over the ranks; record its
+    owner, and drop its attention parts unless this rank is that owner. Nothing without context parallelism."""
+    shards = state.context_shards
+    if shards is None:
+        return
+    state.owners.append(shards.owner(j, count))
+    if not shards.owns(j, count):
+        state.drop_attention(state.num_chunks - 1)

@@ -73,8 +73,10 @@ class PromptState:
     # no part, which for any other layer means its cache calls were lost (refused at the first chunk).
     stateless: frozenset[int] = frozenset()
     windows: list[int | None] = field(default_factory=list)  # sliding window per layer (None: full attention)
-    # Context parallelism (`sharding.ContextShards`): this rank holds the attention parts of its own chunks only.
+    # Context parallelism (`sharding.ContextShards`): this rank holds the attention parts of its own chunks only;
+    # owners[j] is the rank that keeps chunk j's (decided when the chunk is captured, `capture.extend_state`).
     context_shards: ContextShards | None = None
+    owners: list[int] = field(default_factory=list)
     # Offloaded: the tensors live in host memory and are copied to this compute device where they are read.
     device: torch.device | None = None
     # `prompt_fingerprint` of the ids captured (set by `capture_prompt`; None for a prefix of the state).
@@ -289,6 +291,7 @@ class PromptState:
             stateless=self.stateless,
             windows=list(self.windows),
             context_shards=self.context_shards,
+            owners=list(self.owners[:n]),
             device=self.device if device is None else device,
             fingerprint=self.fingerprint if n == self.num_chunks else None,  # a prefix holds other ids
             provenance=self.provenance,

@@ -68,14 +68,14 @@ def _check(model: torch.nn.Module, tree: Tree, options: BackwardOptions) -> None
     for name, on, why in (
             ("router_aux_coef", bool(options.router_aux_coef), "the router load-balancing term over a tree's shared "
                                                                   "tokens is not implemented"),
-            ("keep_prompt_graph", bool(options.keep_prompt_graph), "a tree recomputes every node's chunks"),
-            ("context_shards", options.context_shards is not None, "context parallelism of a tree's root is not "
-                                                                    "implemented")):
+            ("keep_prompt_graph", bool(options.keep_prompt_graph), "a tree recomputes every node's chunks")):
         if on:
             raise ValueError(f"{name} is not supported by backward_tree ({why}): unset it, or run each group "
                              "with backward_group")
     check_model_options(model, options)
     check_materialised(model, "backward_tree")
+    if options.context_shards is not None:
+        options.context_shards.check_supported(model)
     longest = max(t.length for t in tree.trajectories)
     check_architecture(model, longest)
     vocab = hf(model).get_input_embeddings().num_embeddings

@@ -24,7 +24,7 @@ from longstraw.engine.plans.exact import prompt_backward
 from longstraw.engine.plans.replay import pad
 from longstraw.engine.precision import accumulation_dtype
 from longstraw.engine.segment import run_segment
-from longstraw.engine.state.capture import chunk_bounds, extend_state
+from longstraw.engine.state.capture import chunk_bounds, extend_state, keep_owned
 from longstraw.engine.state.prompt import Collected, PromptState
 from longstraw.engine.state.sharing import kv_shared_layers
 from longstraw.engine.tree.build import Node, Tree
@@ -53,11 +53,11 @@ class Walk:
         return out.weight, getattr(out, "bias", None), logit_scale(self.model), logit_softcap(self.model)
 
 
-def empty_state(model: torch.nn.Module, keep_boundaries: bool, offload: bool) -> PromptState:
+def empty_state(model: torch.nn.Module, keep_boundaries: bool, options: BackwardOptions) -> PromptState:
     """The state of no position, which a tree's root continues (as `capture_prompt` makes it)."""
-    device = hf(model).get_input_embeddings().weight.device if offload else None
+    device = hf(model).get_input_embeddings().weight.device if options.offload_state else None
     return PromptState(num_layers=text_config(model).num_hidden_layers, keep_boundaries=keep_boundaries,
-                       device=device,
+                       device=device, context_shards=options.context_shards,
                        stateless=stateless_layers(model) | kv_shared_layers(text_config(model)))
 
 
@@ -89,7 +89,7 @@ class _NodeLoss:
 
 def exact(walk: Walk) -> None:
     root = walk.tree.root
-    state = empty_state(walk.model, keep_boundaries=True, offload=walk.options.offload_state)
+    state = empty_state(walk.model, True, walk.options)
     state.capacity = max(root.tokens.numel() - 1, 0)  # the root's K/V go into one tensor per layer (`_slab`)
     _exact_node(walk, root, state, root.tokens.new_empty(0))
 
@@ -121,7 +121,7 @@ def _own_tensors(state: PromptState, first: int) -> list[torch.Tensor]:
 # --- detach -------------------------------------------------------------------------------------------------------
 def detach(walk: Walk) -> None:
     root = walk.tree.root
-    state = empty_state(walk.model, keep_boundaries=False, offload=walk.options.offload_state)
+    state = empty_state(walk.model, False, walk.options)
     state.capacity = max(root.tokens.numel() - 1, 0)
     _detach_node(walk, root, state, root.tokens.new_empty(0))
 
@@ -136,16 +136,14 @@ def _detach_node(walk: Walk, node: Node, parent: PromptState, above: torch.Tenso
     t0 = time.perf_counter()
     offset = state.length
     scored = _NodeLoss(walk, node, path)
-    for start, end in [(offset + s, offset + e) for s, e in chunk_bounds(ids.numel(), walk.options.chunk_size)]:
-        if not scored.wants(start, end):
-            extend_state(walk.model, state, ids[start - offset: end - offset], walk.options.chunk_size)
-            continue
+    bounds = [(offset + s, offset + e) for s, e in chunk_bounds(ids.numel(), walk.options.chunk_size)]
+    for j, (start, end) in enumerate(bounds):
         collect: Collected = {}
-        with torch.enable_grad():
+        wanted = scored.wants(start, end)
+        with torch.set_grad_enabled(wanted):
             hidden = run_segment(walk.model, ids[start - offset: end - offset].unsqueeze(0), start, state.fork(),
-                                 collect)
-            assert hidden is not None
-            term = scored(start, end, hidden)
+                                 collect, kv_only=not wanted)
+            term = scored(start, end, hidden) if wanted and hidden is not None else None
             if term is not None and term.requires_grad:
                 term.backward()
         del hidden, term
@@ -156,6 +154,7 @@ def _detach_node(walk: Walk, node: Node, parent: PromptState, above: torch.Tenso
             for name in list(parts):
                 parts[name] = parts[name].detach()
         state.append_chunk(start, end, collect)
+        keep_owned(state, j, len(bounds))
     walk.capture_s += time.perf_counter() - t0
     held = sum(t.numel() * t.element_size() for t in _own_tensors(state, first))
     walk.path_bytes += held
