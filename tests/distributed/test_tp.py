@@ -70,8 +70,15 @@ def _check_cases(cases, saved: list[dict]) -> None:
 def test_tensor_parallel_equals_one_process(quick):
     """TP = 2, float64: standard, detach and exact on llama (untied), exact on qwen3 (tied embeddings, per-head q/k
     norms); each rank's prompt state is half of one process's; sampling draws the same responses with the same
-    log-probs on both ranks."""
+    log-probs on both ranks. qwen3 loaded by transformers with `DistributedConfig(tp_size=2)`: refused before any
+    gradient is touched (transformers' q/k-norm hook would all-reduce the accumulated gradient after every backward),
+    then equal to one process after `tp.adopt`."""
     _check_cases(QUICK_CASES, quick)
+    ref_grads, ref = _single("qwen3", "exact")
+    for rank, s in enumerate(quick):
+        loaded = s["loaded"]
+        assert "tp.adopt(model)" in loaded["refusal"] and loaded["untouched"]
+        _check(f"qwen3 loaded with tp_size=2, adopted, rank {rank}", ref_grads, ref, loaded)
     saved = quick
     prompt = random_group(PROMPT, RESPONSES, seed=3).prompt
     rollout = sample_group(tp_model("llama"), prompt, 3, SamplingConfig(**SAMPLING), seed=5, chunk_size=CHUNK)
@@ -161,3 +168,14 @@ def test_tensor_parallel_refuses_split_heads():
     with pytest.raises(ValueError, match="1 key/value heads"):
         check_tensor_parallel(tiny_model("qwen3", torch.float32), 2)  # one key/value head cannot be split
     check_tensor_parallel(tiny_model("llama", torch.float32), 2)
+
+
+def test_backward_group_refuses_a_tensor_parallel_model_of_an_unverified_family():
+    """A model of a family LongStraw has not verified under tensor parallelism, hooked by transformers' plan, is
+    refused before any gradient exists."""
+    model = tiny_model("olmoe", torch.float32)
+    model.model.layers[0].self_attn.q_proj._is_hooked = True  # the mark transformers' apply_tensor_parallelism sets
+    with pytest.raises(ValueError, match="has not verified its tensor-parallel plan"):
+        backward_group(model, random_group(PROMPT, RESPONSES, seed=3, dtype=torch.float32), plan="exact",
+                       chunk_size=CHUNK)
+    assert all(p.grad is None for p in model.parameters())

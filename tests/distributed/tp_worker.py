@@ -2,7 +2,8 @@
 plan (`distributed.tp.tensor_parallel`), alone or combined with context parallelism or FSDP2.
 
 argv: OUT_PATH MODE. MODE "quick": every rank in one tensor-parallel group, the vocabulary-parallel log-prob on
-LOGPROB_SETTINGS, QUICK_CASES and sampling. MODE "tp": the same group, the other families' CASES. MODE
+LOGPROB_SETTINGS, QUICK_CASES, sampling, and qwen3 loaded by transformers itself with `DistributedConfig(tp_size=2)`
+(refused until `tp.adopt`, then the exact plan). MODE "tp": the same group, the other families' CASES. MODE
 "tp_cp": 4 ranks, TP = 2 x cp = 2, CP_CASES. MODE "tp_fsdp": 4 ranks, FSDP2 over 2 data-parallel ranks x TP = 2, each
 data-parallel rank backpropagating its own group (FSDP_GROUP_SEEDS[dp]). Each rank saves its gathered (full-shape)
 gradients, log-probs and prompt-state bytes to OUT_PATH.rank<r>.
@@ -19,7 +20,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from longstraw import backward_group
-from longstraw.distributed.tp import full_gradients, tensor_parallel, tensor_parallel_layout
+from longstraw.distributed.tp import adopt, full_gradients, tensor_parallel, tensor_parallel_layout
 from longstraw.engine.sampling import SamplingConfig, sample_group
 
 _spec = importlib.util.spec_from_file_location("tests_helpers", Path(__file__).parent.parent / "helpers.py")
@@ -101,6 +102,8 @@ def run_tp(quick: bool) -> dict:
         model = tensor_parallel(tp_model(family), mesh)
         result = backward_group(model, group, plan=plan, chunk_size=CHUNK, micro_batch=2)
         results[(family, plan)] = _result(model, result)
+    if quick:
+        results["loaded"] = run_loaded(group)
     if not quick:
         for name, value in LEVERS:
             model = tensor_parallel(tp_model("llama"), mesh)
@@ -113,6 +116,30 @@ def run_tp(quick: bool) -> dict:
     results["sample"] = {"responses": rollout.responses, "logprobs": rollout.logprobs,
                          "state_bytes": rollout.state.nbytes()}
     return results
+
+
+def run_loaded(group) -> dict:
+    """qwen3 saved by rank 0 and loaded by every rank with transformers' own tensor-parallel loading: backward_group
+    refuses it (transformers' q/k-norm gradient hook) before touching a gradient; after `adopt`, the exact plan."""
+    from transformers.distributed import DistributedConfig
+
+    folder = Path(sys.argv[1] + ".qwen3")
+    if dist.get_rank() == 0:
+        tp_model("qwen3").save_pretrained(folder)
+    dist.barrier()
+    model = AutoModelForCausalLM.from_pretrained(folder, distributed_config=DistributedConfig(tp_size=2),
+                                                 dtype=torch.float64, attn_implementation="sdpa").eval()
+    for p in model.parameters():
+        p.requires_grad_(True)
+    try:
+        backward_group(model, group, plan="exact", chunk_size=CHUNK, micro_batch=2)
+        refusal = ""
+    except ValueError as err:
+        refusal = str(err)
+    untouched = all(p.grad is None for p in model.parameters())
+    helpers.faithful_float64(adopt(model))  # after adopt: both replace the norms' forward; its hook stays
+    result = backward_group(model, group, plan="exact", chunk_size=CHUNK, micro_batch=2)
+    return _result(model, result) | {"refusal": refusal, "untouched": untouched}
 
 
 def run_tp_cp() -> dict:

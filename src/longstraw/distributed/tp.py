@@ -34,9 +34,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from longstraw.distributed.context import ContextParallel
+from longstraw.engine.tp_check import TP_MODEL_TYPES, check_tensor_parallel_model, grad_allreduce_hooked
 
-# Families whose transformers tensor-parallel plan LongStraw's float64 parity tests ran (tests/distributed/test_tp.py).
-TP_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3_text")
 _GRAD_ALLREDUCE = "replicated_with_grad_allreduce"
 
 
@@ -92,6 +91,33 @@ def tensor_parallel(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module
         head.weight = pretrained.get_input_embeddings().weight
     for module in summed:
         _sum_gradients_over(module, mesh.get_group())
+    return model
+
+
+def adopt(model: torch.nn.Module) -> torch.nn.Module:
+    """Make a model that transformers itself split (`from_pretrained(..., distributed_config=DistributedConfig(
+    tp_size=T))`, as accelerate and TRL load one) exact under LongStraw's several backwards per group: each module with
+    transformers' `replicated_with_grad_allreduce` hook gets its class's forward back, loses the post-accumulate hook
+    its parameters got at a forward with grad (it would all-reduce the accumulated `.grad`), and sums each backward's
+    gradient over the tensor-parallel group instead. Then `check_tensor_parallel_model`. Returns the model."""
+    hooked = set(grad_allreduce_hooked(model))
+    if hooked:
+        mesh: Any = getattr(model, "_device_mesh", None)
+        if mesh is None:
+            raise ValueError("adopt: the model has transformers' tensor-parallel hooks but no `_device_mesh`: load it "
+                             "with from_pretrained(..., distributed_config=DistributedConfig(tp_size=T)) or split it "
+                             "with longstraw.distributed.tp.tensor_parallel")
+        group = (mesh["tp"] if mesh.mesh_dim_names and "tp" in mesh.mesh_dim_names else mesh).get_group()
+        for name, module in model.named_modules():
+            if name not in hooked:
+                continue
+            del module.forward  # the instance attribute transformers installed: the class's forward again
+            for param in module.parameters(recurse=False):
+                hooks = getattr(param, "_post_accumulate_grad_hooks", None)
+                if hooks:  # registered at a forward with grad: drop them (torch keeps no other handle)
+                    hooks.clear()
+            _sum_gradients_over(module, group)
+    check_tensor_parallel_model(model)
     return model
 
 

@@ -37,6 +37,7 @@ from longstraw.engine.precision import accumulation_dtype
 from longstraw.engine.router import RouterAux, RouterCounts, aux_value
 from longstraw.engine.state.checks import check_materialised, check_prompt_state
 from longstraw.engine.state.prompt import PromptState
+from longstraw.engine.tp_check import check_tensor_parallel_model
 from longstraw.models.admission import check_architecture, is_recurrent
 from longstraw.models.architecture import eval_mode_when_equal, hf
 from longstraw.models.composite import text_config
@@ -233,6 +234,7 @@ def _check(model: torch.nn.Module, group: Group, options: BackwardOptions, promp
         raise TypeError(f"group must be a longstraw.Group, got {type(group).__name__}")
     check_model_options(model, options)
     check_materialised(model, "backward_group")
+    check_tensor_parallel_model(model)
     _check_model_and_group(model, group, options.loss_config.beta)
     if options.context_shards is not None:
         options.context_shards.check_supported(model)
