@@ -162,6 +162,9 @@ RELEASED: dict[str, dict[str, Any]] = {
     # swiss-ai/Apertus-8B-Instruct-2509's config.json (as quoted by public MLX ports' tests): the class defaults (xIELU,
     # q/k norm, Llama-3 RoPE x8 at theta 1.2e7) but for GQA 32:8
     "apertus": {"num_attention_heads": 32, "num_key_value_heads": 8},
+    # zai-org/GLM-4-9B-0414's config.json (the values a public fine-tuning script checks it against): the class
+    # defaults (GQA 32:2, q/k/v biases, half of each head rotated) but for RMSNorm eps 1e-5
+    "glm4": {"rms_norm_eps": 1e-5},
     # zai-org/GLM-4.7-Flash's config.json (as vLLM's and public ports' tests quote it): the class defaults but for
     # RoPE theta 1e6
     "glm4_moe_lite": {"rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0}},
@@ -215,6 +218,7 @@ RELEASED_CHECKPOINT: dict[str, str] = {
     "hunyuan_v1_dense": "tencent/Hunyuan-7B-Instruct",
     "bitnet": "microsoft/bitnet-b1.58-2B-4T",
     "apertus": "swiss-ai/Apertus-8B-Instruct-2509",
+    "glm4": "zai-org/GLM-4-9B-0414",
     "glm4_moe_lite": "zai-org/GLM-4.7-Flash",
     "bamba": "ibm-ai-platform/Bamba-9B",
     "dots1": "rednote-hilab/dots.llm1.base",
