@@ -58,8 +58,9 @@ RELEASED: dict[str, dict[str, Any]] = {
                          "num_local_experts": 0, "num_experts_per_tok": 0, "mamba_n_groups": 1,
                          "mamba_conv_bias": True, "mamba_proj_bias": False, "num_hidden_layers": 32,
                          "layer_types": ["attention" if i in (10, 13, 17, 27) else "mamba" for i in range(32)]},
-    # CohereForAI/c4ai-command-r-v01 (not re-read against its config.json)
-    "cohere": {"logit_scale": 0.0625},
+    # CohereForAI/c4ai-command-r-v01's config.json (as public ports' tests quote it): logits x 0.0625 (the class
+    # default), RoPE theta 8e6, multi-head attention, tied embeddings
+    "cohere": {"logit_scale": 0.0625, "rope_parameters": {"rope_type": "default", "rope_theta": 8_000_000.0}},
     # https://huggingface.co/google/gemma-3-27b-it/blob/main/config.json's text_config (AI-Hypercomputer/maxtext,
     # src/maxtext/checkpoint_conversion/utils/hf_model_configs.py): queries scaled by 168^-1/2 with head_dim 128,
     # global layers' RoPE linearly scaled x8, GQA 2:1, no soft-capping.
@@ -247,8 +248,8 @@ RELEASED_EQUALS_DEFAULTS: dict[str, str] = {
 # runs on the class defaults.
 RELEASED_NOT_FOUND: tuple[str, ...] = (
     # only trimmed or test-sized copies were found (Phi-3.5-MoE, MiniMax-M2, ERNIE-4.5-21B-A3B, Nemotron-H,
-    # Hunyuan-A13B, gemma-2b, Ministral-8B)
-    "phimoe", "minimax_m2", "ernie4_5_moe", "nemotron_h", "hunyuan_v1_moe", "gemma", "ministral",
+    # Hunyuan-A13B, gemma-2b, Ministral-8B, AFM-4.5B)
+    "phimoe", "minimax_m2", "ernie4_5_moe", "nemotron_h", "hunyuan_v1_moe", "gemma", "ministral", "arcee",
 )
 
 
