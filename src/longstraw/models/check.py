@@ -46,6 +46,7 @@ RELEASED: dict[str, dict[str, Any]] = {
     "granitemoe": {"logits_scaling": 6.0, "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
                    "attention_multiplier": 0.015625, "tie_word_embeddings": True, "num_attention_heads": 24,
                    "num_key_value_heads": 8, "rope_parameters": {"rope_type": "default", "rope_theta": 10_000_000.0}},
+    # granite-3.1-3b-a800m's multipliers on the shared-expert class (no released config of its own was looked up)
     "granitemoeshared": {"logits_scaling": 6.0, "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
                          "attention_multiplier": 0.015625},
     # https://huggingface.co/ibm-granite/granite-4.0-h-350m/blob/main/config.json (as quoted by an MLX port's test
@@ -248,8 +249,8 @@ RELEASED_EQUALS_DEFAULTS: dict[str, str] = {
 # runs on the class defaults.
 RELEASED_NOT_FOUND: tuple[str, ...] = (
     # only trimmed or test-sized copies were found (Phi-3.5-MoE, MiniMax-M2, ERNIE-4.5-21B-A3B, Nemotron-H,
-    # Hunyuan-A13B, gemma-2b, Ministral-8B, AFM-4.5B)
-    "phimoe", "minimax_m2", "ernie4_5_moe", "nemotron_h", "hunyuan_v1_moe", "gemma", "ministral", "arcee",
+    # Hunyuan-A13B, gemma-2b, Ministral-8B, AFM-4.5B, glm-4-9b-chat-hf)
+    "phimoe", "minimax_m2", "ernie4_5_moe", "nemotron_h", "hunyuan_v1_moe", "gemma", "ministral", "arcee", "glm",
 )
 
 
