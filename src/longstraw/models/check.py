@@ -177,7 +177,8 @@ RELEASED: dict[str, dict[str, Any]] = {
     "dots1": {"n_routed_experts": 128, "num_experts_per_tok": 6, "n_shared_experts": 2, "first_k_dense_replace": 1,
               "norm_topk_prob": True, "routed_scaling_factor": 2.5, "moe_intermediate_size": 1408, "n_group": 1,
               "topk_group": 1},
-    # LiquidAI/LFM2-1.2B (its class defaults have no short-conv layers; not re-read)
+    # LiquidAI/LFM2-1.2B: attention at layers 2, 5, 8, 10, 12, 14 of 16, short convolutions elsewhere (as public
+    # ports' tests quote its config.json's full_attn_idxs; the class defaults have no short-conv layers)
     "lfm2": {"num_hidden_layers": 16, "layer_types": [
         "full_attention" if i in (2, 5, 8, 10, 12, 14) else "conv" for i in range(16)]},
     # https://huggingface.co/microsoft/phi-2/blob/main/config.json (a public dump of it): a fifth of each head rotated
