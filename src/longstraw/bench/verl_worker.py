@@ -114,7 +114,10 @@ def build_worker(row: dict[str, Any], model_dir: str, shape: dict[str, Any]) -> 
         from longstraw.integrations.verl import LongStrawFSDPEngine
 
         engine_cls = LongStrawFSDPEngine
-        os.environ.update(LONGSTRAW_PLAN=str(row["plan"]), LONGSTRAW_CHUNK_SIZE=str(shape["chunk_size"]))
+        # The per-group path: one prompt's group, whose backward_group calls the row records (a tree of one prompt
+        # computes the same).
+        os.environ.update(LONGSTRAW_PLAN=str(row["plan"]), LONGSTRAW_CHUNK_SIZE=str(shape["chunk_size"]),
+                          LONGSTRAW_TREE="0")
     else:
         engine_cls = _module("verl.workers.engine.fsdp.transformer_impl").FSDPEngineWithLMHead
     registry = _module("verl.workers.engine.base").EngineRegistry
