@@ -193,6 +193,17 @@ def build_parser() -> Parser:
     )
     provenance_bench.add_arguments(provenance_parser)
     provenance_parser.set_defaults(fail=provenance_parser.error)
+    from longstraw.bench import tree as tree_bench
+
+    tree_parser = benches.add_parser(
+        "tree", help="a tau^2-bench-shaped agent batch of prefix trees: flattened, per group, packed tree mask, "
+                     "LongStraw tree exact and detach",
+        description="A shared system prompt, K tasks, G branching multi-turn trajectories per task, run five ways, "
+                    "each row in a fresh process: peak memory, step time, the token-pass floor beside the measured "
+                    "ratio, the planner's forecast; K and G swept; table, JSON and plot.",
+    )
+    tree_bench.add_arguments(tree_parser)
+    tree_parser.set_defaults(fail=tree_parser.error)
 
     from longstraw.models import check
 
@@ -372,6 +383,10 @@ def _run_bench(args: argparse.Namespace) -> int:
         from longstraw.bench import provenance as provenance_bench
 
         return provenance_bench.run_from_args(args)
+    if args.bench == "tree":
+        from longstraw.bench import tree as tree_bench
+
+        return tree_bench.run_from_args(args)
     raise ValueError(f"unknown bench {args.bench!r}")
 
 

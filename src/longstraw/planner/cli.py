@@ -81,6 +81,9 @@ def add_arguments(parser) -> None:
                              "recomputing them (backward_group(keep_prompt_graph=N)): faster, their activations "
                              "held through the replays")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    from longstraw.planner.tree import add_tree_arguments
+
+    add_tree_arguments(parser)  # --tree: a prefix-tree step (planner/tree.py)
 
 
 def _int_at_least(text: str, least: int) -> int:
@@ -229,6 +232,13 @@ def verdict(document: dict[str, Any], other_gather: dict[str, dict[str, Any]] | 
 
 def run_from_args(args) -> int:
     """Entry point of `longstraw plan`; bad input goes to the parser's error (exit 2)."""
+    from longstraw.planner import tree
+
+    if getattr(args, "tree", False):
+        return tree.run_from_args(args)
+    given = [f"--{name.replace('_', '-')}" for name in tree.TREE_ONLY if getattr(args, name, None) is not None]
+    if given:
+        args.fail(f"{', '.join(given)} describe a prefix tree: add --tree")
     try:
         inp = inputs_from_args(args)
         spec = spec_from_config(load_config(args.model), name=args.model)

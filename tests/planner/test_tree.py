@@ -1,0 +1,130 @@
+"""`planner.tree`: a prefix-tree step's forecast (tree exact and flattened) within 10% of `longstraw bench tree`'s
+measured peaks (the committed results file; a row measured here, slow), the shape's refusals, and `longstraw plan
+--tree`'s command line."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from longstraw import planner
+from longstraw.cli import main
+from longstraw.planner.tree import TreeShape, counts, forecast
+
+ROOT = Path(__file__).resolve().parents[2]
+SRC = str(ROOT / "src")
+TOLERANCE = 0.10
+
+
+def _results_files() -> list[str]:
+    return sorted(f for f in glob.glob(str(ROOT / "bench" / "results" / "tree-*.json")))
+
+
+def _base(dtype: str, chunk: int) -> planner.PlanInputs:
+    return planner.PlanInputs(prompt_tokens=2, response_tokens=1, group_size=1, dtype=dtype, chunk_size=chunk,
+                              device="cpu", optimizer="none")
+
+
+def _shape(cfg: dict, k: int, g: int) -> TreeShape:
+    return TreeShape(system_tokens=cfg["system_tokens"], tasks=k, task_tokens=cfg["task_tokens"], group_size=g,
+                     turns=cfg["turns"], response_tokens=cfg["response_tokens"],
+                     observation_tokens=cfg["observation_tokens"], branching=cfg["branching"])
+
+
+def test_forecast_within_ten_percent_of_the_bench_results():
+    files = _results_files()
+    assert files, "no bench/results/tree-*.json: run `longstraw bench tree`"
+    checked = 0
+    for path in files:
+        doc = json.loads(Path(path).read_text())
+        cfg = doc["config"]
+        spec = planner.spec_from_config(planner.load_config(cfg["model"]), cfg["model"])
+        base = _base(cfg["dtype"], cfg["chunk_size"])
+        for r in doc["results"]:
+            if r.get("status") != "ok" or r["row"] not in ("flattened", "tree_exact"):
+                continue
+            predicted = forecast(spec, _shape(cfg, r["tasks"], r["group_size"]), base)[r["row"]].step_bytes
+            error = predicted / r["peak_bytes"] - 1
+            assert abs(error) <= TOLERANCE, (path, r["row"], r["tasks"], r["group_size"], error)
+            checked += 1
+    assert checked >= 2
+
+
+def test_tree_exact_is_one_path_flattened_one_trajectory():
+    spec = planner.spec_from_config(planner.load_config("b1-llama"), "b1-llama")
+    base = _base("float32", 256)
+    shape = TreeShape(1024, 2, 128, 4, 4, 32, 96)
+    plans = forecast(spec, shape, base)
+    exact, flat = plans["tree_exact"].step_bytes, plans["flattened"].step_bytes
+    assert exact < flat
+    for wider in (replace(shape, group_size=8), replace(shape, tasks=4)):  # more leaves, more tasks: same path
+        assert forecast(spec, wider, base)["tree_exact"].step_bytes == exact
+        assert forecast(spec, wider, base)["flattened"].step_bytes == flat
+    longer = forecast(spec, replace(shape, system_tokens=4096), base)
+    assert longer["tree_exact"].step_bytes > exact and longer["flattened"].step_bytes > flat
+    question = plans["tree_exact"].inputs
+    c = counts(shape)
+    assert (question.prompt_tokens, question.response_tokens) == (c.path_prefix, c.leaf_tokens)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"group_size": 6}, "not a power of branching 2"),
+    ({"group_size": 8, "turns": 2}, "raise --turns to 3"),
+    ({"observation_tokens": -1}, "observation_tokens must be an integer >= 0"),
+    ({"branching": 1}, "branching must be an integer >= 2"),
+])
+def test_bad_shapes_say_what_to_change(kwargs, message):
+    fields = dict(system_tokens=8, tasks=1, task_tokens=2, group_size=2, turns=2, response_tokens=2)
+    with pytest.raises(ValueError, match=message):
+        TreeShape(**{**fields, **kwargs})
+
+
+TREE = ["plan", "--model", "b1-llama", "--tree", "--prompt-tokens", "1024", "--tasks", "2", "--task-tokens", "128",
+        "--group-size", "4", "--turns", "4", "--response-tokens", "32", "--observation-tokens", "96", "--dtype",
+        "float32", "--device", "cpu", "--optimizer", "none", "--chunk-size", "256"]
+
+
+def test_plan_tree_prints_both_forecasts(capsys):
+    assert main(TREE) == 0
+    out = capsys.readouterr().out
+    assert "tree S=1024 K=2 C=128 G=4 T=4 r=32 o=96 B=2" in out and "3,327 tokens encoded of 13,304" in out
+    assert "flattened" in out and "tree_exact" in out
+    assert main([*TREE, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["counts"]["tokens_encoded"] == 3327 and doc["token_passes"]["tree_exact"] == 12284
+    assert doc["plans"]["tree_exact"]["step_bytes"] < doc["plans"]["flattened"]["step_bytes"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tasks", "2"], "--tasks describe a prefix tree: add --tree"),
+    (["--tree"], "--tree needs --task-tokens and --turns"),
+    (["--tree", "--task-tokens", "4", "--turns", "2", "--cp", "2", "--gpus", "2"], "drop --gpus, --cp"),
+    (["--tree", "--task-tokens", "4", "--turns", "1", "--group-size", "4"], "raise --turns to 2"),
+])
+def test_plan_tree_refusals(argv, message, capsys):
+    base = ["plan", "--model", "b1-llama", "--prompt-tokens", "64", "--response-tokens", "8", "--group-size", "2"]
+    with pytest.raises(SystemExit):
+        main([*base[:-2], *argv] if "--group-size" in argv else [*base, *argv])
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_forecast_within_ten_percent_of_a_row_measured_here(monkeypatch):
+    """A small b1-llama tree measured in a fresh worker, both rows."""
+    from longstraw.bench.tree import TreeBenchConfig, run_row
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (SRC, os.environ.get("PYTHONPATH")) if p))
+    config = TreeBenchConfig(system_tokens=512, task_tokens=64, turns=3, response_tokens=32, observation_tokens=64,
+                             chunk_size=256, threads=1, warm_steps=0)
+    spec = planner.spec_from_config(planner.load_config(config.model), config.model)
+    shape = _shape({**vars(config)}, 2, 4)
+    for row in ("tree_exact", "flattened"):
+        entry = run_row(config, row, 2, 4)
+        assert entry["status"] == "ok", entry
+        predicted = forecast(spec, shape, _base(config.dtype, config.chunk_size))[row].step_bytes
+        assert abs(predicted / entry["peak_bytes"] - 1) <= TOLERANCE, (row, predicted, entry["peak_bytes"])
