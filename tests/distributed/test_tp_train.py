@@ -82,3 +82,19 @@ def test_train_refuses_a_model_it_cannot_split_by_heads(tmp_path):
     run = _cli([*_common(tmp_path), "--model", "tiny-qwen3", "--run-dir", str(tmp_path / "r"), "--nproc", "2",
                 "--tp", "2", "--steps", "1"], tmp_path, timeout=300)
     assert run.returncode != 0 and "1 key/value heads" in run.stderr + run.stdout
+
+
+@pytest.mark.slow
+def test_resume_a_one_process_run_with_tensor_parallelism(tmp_path):
+    """One process stops after step 1; `--nproc 2 --tp 2` resumes it (tp is a noted setting, not a refused one) to
+    step 2: the weights of a straight one-process run."""
+    one = _cli([*_common(tmp_path), "--run-dir", str(tmp_path / "one")], tmp_path)
+    assert one.returncode == 0, one.stderr
+    first = _cli([*_common(tmp_path), "--run-dir", str(tmp_path / "r"), "--stop-after", "1"], tmp_path)
+    assert first.returncode == 0, first.stderr
+    then = _cli([*_common(tmp_path), "--run-dir", str(tmp_path / "r"), "--resume", "--nproc", "2", "--tp", "2"],
+                tmp_path)
+    assert then.returncode == 0, then.stderr
+    ca = torch.load(tmp_path / "one" / "checkpoint.pt", weights_only=False)
+    cb = torch.load(tmp_path / "r" / "checkpoint.pt", weights_only=False)
+    assert_close("weights after resuming under TP = 2", _flat(ca["model"]), _flat(cb["model"]), FP32_RANKS)

@@ -44,7 +44,7 @@ LOCK_FILE = ".longstraw.lock"  # not a run output: --overwrite keeps it, its pre
 IGNORED_FIELDS = ("run_dir", "resume", "overwrite", "force", "stop_after", "save_every", "eval_prompts",
                   "tensorboard", "plot", "save_weights_only", "bias_every")
 # Fields that change how a step is computed (float rounding only) or how long the run is: a note on resume.
-NOTED_FIELDS = ("steps", "device", "chunk_size", "micro_batch", "checkpoint_layers", "offload_state", "cp")
+NOTED_FIELDS = ("steps", "device", "chunk_size", "micro_batch", "checkpoint_layers", "offload_state", "cp", "tp")
 # Every other field (model, dtype, task, data, reward_fn, loss, group_size, lr, seed, ...) changes what is trained:
 # refused on resume unless --force. Unknown future fields fall in this group, the safe side.
 
