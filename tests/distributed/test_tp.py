@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import SAME_ORDER_F64, assert_close, random_group, tiny_model
+from helpers import SAME_ORDER_F64, assert_close, masked, random_group, tiny_model
 from helpers import grads as all_grads
 
 from longstraw import backward_group
@@ -91,14 +91,22 @@ def test_tensor_parallel_equals_one_process(quick):
 
 @pytest.mark.slow
 def test_tensor_parallel_other_families_equal_one_process(spawn, tmp_path):
-    """TP = 2, float64, every plan: qwen3, mistral, qwen3_moe (routed experts) and gemma3 (sliding windows); and
-    llama's exact plan with per-layer checkpointing, the state offloaded, and kept capture graphs."""
+    """TP = 2, float64, every plan: qwen3, mistral, qwen2 (q/k/v biases), qwen3_moe (routed experts) and gemma3
+    (sliding windows), llama's standard_batched; llama's exact plan with per-layer checkpointing, the state offloaded,
+    kept capture graphs, and loss masks."""
     saved = _launch(spawn, tmp_path, "tp", 2)
     _check_cases(CASES, saved)
     ref_grads, ref = _single("llama", "exact")  # every lever computes the same gradient as the plain exact plan
     for name, _ in tp_worker.LEVERS:
         for rank, s in enumerate(saved):
             _check(f"llama exact {name} TP = 2 rank {rank}", ref_grads, ref, s[name])
+    model = tp_model("llama")
+    group = masked(random_group(PROMPT, RESPONSES, seed=3))
+    ref = backward_group(model, group, plan="exact", chunk_size=CHUNK, micro_batch=2)
+    for rank, s in enumerate(saved):
+        assert_close(f"llama exact masked TP = 2 rank {rank}", all_grads(model), s["masked"]["grads"], SAME_ORDER_F64)
+        for a, b, m in zip(s["masked"]["logprobs"], ref.logprobs, group.loss_masks):
+            assert bool(a[~m].isnan().all()) and float((a[m] - b[m]).abs().max()) <= 1e-12
 
 
 def test_vocab_parallel_logprobs_equal_plain(quick):
@@ -154,7 +162,7 @@ def test_tensor_parallel_with_fsdp_equals_one_process(spawn, tmp_path):
             assert got["state_bytes"] * 2 == ref.stats["prompt_state_bytes"]
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_text", "deepseek_v3", "falcon_h1"])
+@pytest.mark.parametrize("family", ["qwen3_5_text", "deepseek_v3", "falcon_h1", "gemma3_mm"])
 def test_tensor_parallel_refuses_unverified_families(family):
     from longstraw.distributed.tp import check_tensor_parallel
 

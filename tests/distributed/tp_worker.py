@@ -30,8 +30,9 @@ _spec.loader.exec_module(helpers)
 PROMPT, RESPONSES, CHUNK = 61, [5, 1, 9], 8  # 60 encoded positions in 8 chunks
 # (family, plan): full attention with and without tied embeddings, per-head q/k norms, routed experts, sliding windows
 QUICK_CASES = [("llama", "standard"), ("llama", "detach"), ("llama", "exact"), ("qwen3", "exact")]
-CASES = [(family, plan) for family in ("qwen3", "mistral", "qwen3_moe", "gemma3-A")
+CASES = [(family, plan) for family in ("qwen3", "mistral", "qwen2", "qwen3_moe", "gemma3-A")
          for plan in ("standard", "detach", "exact") if (family, plan) not in QUICK_CASES]
+CASES.append(("llama", "standard_batched"))
 # llama's exact plan with each memory lever (per-layer checkpointing re-runs the collectives in the backward)
 LEVERS = [("checkpoint", "layers"), ("offload_state", True), ("keep_prompt_graph", 2)]
 CP_CASES = [("llama", "exact"), ("llama", "detach"), ("qwen3", "exact")]
@@ -109,6 +110,9 @@ def run_tp(quick: bool) -> dict:
             model = tensor_parallel(tp_model("llama"), mesh)
             result = backward_group(model, group, plan="exact", chunk_size=CHUNK, micro_batch=2, **{name: value})
             results[name] = _result(model, result)
+        model = tensor_parallel(tp_model("llama"), mesh)  # loss masks: the log-prob of the kept rows only
+        result = backward_group(model, helpers.masked(group), plan="exact", chunk_size=CHUNK, micro_batch=2)
+        results["masked"] = _result(model, result)
         return results
     results["logprobs"] = run_logprobs(mesh)
     model = tensor_parallel(tp_model("llama"), mesh)

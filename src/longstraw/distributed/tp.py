@@ -49,7 +49,7 @@ def check_tensor_parallel(model: torch.nn.Module, tp: int) -> None:
     if tp < 1:
         raise ValueError(f"tp must be >= 1, got {tp}")
     config = _text_config(model)
-    model_type = config.model_type
+    model_type = getattr(model.config, "model_type", None)  # its own type: a multimodal wrapper is not its text tower
     if model_type not in TP_MODEL_TYPES:
         ships = bool(getattr(config, "base_model_tp_plan", None))
         why = ("transformers ships a tensor-parallel plan for it, which LongStraw has not verified" if ships else

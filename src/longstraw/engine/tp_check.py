@@ -38,8 +38,7 @@ def check_tensor_parallel_model(model: torch.nn.Module) -> None:
     docstring); nothing for any other model."""
     if not is_tensor_parallel(model):
         return
-    config: Any = model.config
-    model_type = (config.get_text_config() if hasattr(config, "get_text_config") else config).model_type
+    model_type = getattr(model.config, "model_type", None)  # its own type: a multimodal wrapper is not its text tower
     if model_type not in TP_MODEL_TYPES:
         raise ValueError(f"tensor parallelism on {model_type}: LongStraw has not verified its tensor-parallel plan "
                          f"(supported: {', '.join(TP_MODEL_TYPES)}); run it without --tp / tp_size")
