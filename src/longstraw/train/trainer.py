@@ -47,6 +47,7 @@ from typing import Any
 from longstraw.distributed.runtime import Parallel
 from longstraw.engine.api import backward_group
 from longstraw.engine.sampling import stop_ids_of
+from longstraw.engine.tree.api import backward_tree
 from longstraw.models.loading import load_model
 from longstraw.models.tokenizer import load_tokenizer
 from longstraw.train import bias
@@ -131,8 +132,6 @@ class Trainer:
                 for j, r in enumerate(kept):
                     progress.update(step, f"train (pass {it + 1})", j, len(kept))
                     if isinstance(r, ScoredTree):  # --rollout tree: the leaves' prefix tree, shared tokens once
-                        from longstraw.engine.tree.api import backward_tree
-
                         tree_result = backward_tree(self.model, r.tree, self.options)
                         loss_total += tree_result.loss / n_kept
                         skipped += tree_result.skipped == "zero_advantage"
