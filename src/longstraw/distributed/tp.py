@@ -18,7 +18,8 @@ What that means for LongStraw, with nothing changed in the engine:
 One change to transformers' plan: its `replicated_with_grad_allreduce` style (Qwen3's per-head q/k norms, whose
 weight gradient each rank holds for its own heads only) all-reduces the *accumulated* `.grad` after every
 accumulation, which double-counts from the second backward into the same `.grad` on (LongStraw runs several: one per
-micro-batch and per prompt chunk). Here the gradient of each backward is all-reduced before it is accumulated.
+micro-batch and per prompt chunk). Here the gradient of each backward is all-reduced before it is accumulated;
+`adopt(model)` makes the same change on a model transformers split at load time.
 
 Admitted families: those whose plan transformers ships and which LongStraw's tests ran under tensor parallelism
 (`TP_MODEL_TYPES`); the heads must divide by T (a rank holds whole heads). Others are refused with the reason.
@@ -34,7 +35,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from longstraw.distributed.context import ContextParallel
-from longstraw.engine.tp_check import TP_MODEL_TYPES, check_tensor_parallel_model, grad_allreduce_hooked
+from longstraw.engine.tp_check import (
+    TP_MODEL_TYPES,
+    check_tensor_parallel_model,
+    grad_allreduce_hooked,
+    is_tensor_parallel,
+)
 
 _GRAD_ALLREDUCE = "replicated_with_grad_allreduce"
 
@@ -61,7 +67,7 @@ def check_tensor_parallel(model: torch.nn.Module, tp: int) -> None:
         raise ValueError(f"--tp {tp} splits attention by heads: {model_type} has {heads} query and {kv_heads} "
                          f"key/value heads, which {tp} must divide (each rank holds whole heads); use a --tp that "
                          f"divides {kv_heads}")
-    if getattr(model, "_is_hooked", False) or any(isinstance(p, DTensor) for p in model.parameters()):
+    if is_tensor_parallel(model) or any(isinstance(p, DTensor) for p in model.parameters()):
         raise ValueError("the model is already sharded (DTensor parameters): apply tensor_parallel once, to a plain "
                          "model")
 
