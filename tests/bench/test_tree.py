@@ -126,13 +126,17 @@ def _row(row: str, k: int, g: int, peak_mib: float, time_s: float, floor: float 
 def test_checks_pass_and_fail_on_synthetic_rows():
     config = TreeBenchConfig(tasks=(2,), groups=(2, 4))
     good = [_row("flattened", 2, 2, 400, 10), _row("packed", 2, 2, 300, 4), _row("tree_exact", 2, 2, 150, 4, 2.0),
-            _row("flattened", 2, 4, 800, 20), _row("packed", 2, 4, 500, 6), _row("tree_exact", 2, 4, 155, 6, 3.0)]
+            _row("flattened", 2, 4, 800, 20), _row("packed", 2, 4, 500, 6), _row("tree_exact", 2, 4, 155, 6, 3.0),
+            _row("tree_detach", 2, 4, 140, 5)]
     for r in good:
         r["time_ratio"] = {2: 10, 4: 20}[r["group_size"]] / r["time_s"]
     result = checks(good, config)
     assert {name: c["ok"] for name, c in result.items()} == {
-        "exact_lowest_peak": True, "exact_flat_in_g": True, "exact_time_vs_floor": True, "packed_peak_grows": True}
-    bad = [dict(r) for r in good]
+        "exact_lowest_peak": True, "detach_below_exact": None, "exact_flat_in_g": True, "exact_time_vs_floor": True,
+        "packed_peak_grows": True}
+    assert result["detach_below_exact"]["at"] == [
+        {"tasks": 2, "group_size": 4, "tree_detach_mib": 140, "tree_exact_mib": 155, "below": True}]
+    bad = [dict(r) for r in good if r["row"] != "tree_detach"]
     bad[5].update(peak_bytes=600 * MIB, time_ratio=1.0)  # G=4: above packed, +300%, 1.0x of a 3x floor
     bad[4].update(peak_bytes=200 * MIB)  # packed shrinks from G=2 to G=4
     result = checks(bad, config)

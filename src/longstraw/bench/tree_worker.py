@@ -6,9 +6,10 @@ backward, gradients accumulated into `.grad` from None, no optimizer step — as
 `backward_group` (peak: VmHWM above VmRSS just before the step, the high-water mark reset first; wall and CPU time;
 CPU pressure). The first step is cold: its peak is the row's `peak_bytes` (what every bench and the planner
 measure: it includes the process's one-time runtime allocations). `warm_steps` more follow, each after
-`zero_grad(set_to_none=True)`: the last one's times are the row's `time_s`, `cpu_time_s` and `cpu_pressure` (a
-training run's steady state, without the first call's one-time costs, which differ between rows); the first step's
-are kept under `first_step`, the last one's peak as `warm_peak_bytes`. Rows (`planner.tree.ROWS`):
+`zero_grad(set_to_none=True)`: the fastest one's times are the row's `time_s`, `cpu_time_s` and `cpu_pressure` (a
+training run's steady state, without the first call's one-time costs, which differ between rows; the fastest of
+several, the least disturbed by other processes); the first step's are kept under `first_step`, every warm step's
+wall time as `warm_times_s`, the last one's peak as `warm_peak_bytes`. Rows (`planner.tree.ROWS`):
 
 * flattened: `tree_baselines.flattened_step` (every trajectory a full sequence, one at a time);
 * group: `backward_group` per task (plan exact), the task's S + C tokens as the prompt;
@@ -78,11 +79,11 @@ def run_row(config: dict[str, Any]) -> dict[str, Any]:
         meter.start()
         loss = step()
         steps.append({**meter.stop(), "loss": loss})
-    first, last = steps[0], steps[-1]
-    timing = {key: last[key] for key in ("time_s", "cpu_time_s", "cpu_pressure")}
+    first, fastest = steps[0], min(steps[1:] or steps, key=lambda m: m["time_s"])
+    timing = {key: fastest[key] for key in ("time_s", "cpu_time_s", "cpu_pressure")}
     return {**first, **timing, "first_step": {key: first[key] for key in ("time_s", "cpu_time_s", "cpu_pressure")},
-            "warm_steps": len(steps) - 1, "warm_peak_bytes": last["peak_bytes"] if len(steps) > 1 else None,
-            "stats": stats}
+            "warm_steps": len(steps) - 1, "warm_times_s": [m["time_s"] for m in steps[1:]],
+            "warm_peak_bytes": steps[-1]["peak_bytes"] if len(steps) > 1 else None, "stats": stats}
 
 
 def main(argv: list[str] | None = None) -> int:
