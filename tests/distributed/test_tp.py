@@ -87,6 +87,8 @@ def test_tensor_parallel_equals_one_process(quick):
         for a, b in zip(s["sample"]["logprobs"], rollout.logprobs):
             assert float((a - b).abs().max()) <= 1e-12
         assert s["sample"]["state_bytes"] * 2 == rollout.state.nbytes()
+        split, whole = s["trl_refusals"]  # the TRL drop-in refuses the split model, saying what to use instead
+        assert len(split) == 1 and "longstraw train --tp" in split[0] and whole == []
 
 
 @pytest.mark.slow

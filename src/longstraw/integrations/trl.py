@@ -294,6 +294,20 @@ def _fsdp_refusals(plugin: Any) -> list[str]:
     return out
 
 
+def tensor_parallel_refusals(model: torch.nn.Module) -> list[str]:
+    """A model split by tensor parallelism (DTensor parameters: transformers' tp_plan, `DistributedConfig(tp_size=)`)
+    is not trained through the drop-in: accelerate (1.15) refuses tensor parallelism on CPU processes and its FSDP2 x
+    TP path needs a transformers class 5.24 no longer has, so no TRL run here configures it, and the drop-in's gradient
+    average over processes takes plain tensors. `longstraw train --tp` trains such a model (docs/distributed.md)."""
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        return ["a tensor-parallel model (DTensor parameters): the TRL drop-in does not run tensor parallelism "
+                "(accelerate refuses it on CPU processes and its FSDP2 x TP path needs a transformers class this "
+                "release lacks); train it with `longstraw train --tp T`, or load it without tp_plan/tp_size"]
+    return []
+
+
 def _refuse(reasons: list[str]) -> None:
     if reasons:
         raise ValueError("LongStrawGRPOTrainer cannot train this configuration with LongStraw's backward:\n- "
@@ -365,6 +379,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                        "longstraw_keep_prompt_graph > 0: the router term's prompt share needs every prompt chunk "
                        "recomputed to its last layer; set longstraw_keep_prompt_graph=0")
         policy = self._policy()
+        out.extend(tensor_parallel_refusals(policy))
         dtype = hf(policy).get_input_embeddings().weight.dtype
         if self.args.bf16 and dtype not in (torch.bfloat16, torch.float32):
             out.append(f"bf16=True with {str(dtype).removeprefix('torch.')} parameters: bf16 autocast runs over "
