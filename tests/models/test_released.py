@@ -91,6 +91,30 @@ def test_jambas_class_defaults_still_hold_jamba_1_5_minis_values():
     assert defaults.mamba_dt_rank == 256  # "auto" at hidden 4096: the released config's 256
 
 
+def test_ernie_moes_class_defaults_still_hold_ernie_4_5_21b_a3bs_values():
+    """`RELEASED_EQUALS_DEFAULTS['ernie4_5_moe']`: ERNIE-4.5-21B-A3B's config.json values that change the computation
+    are Ernie4_5_MoeConfig's defaults."""
+    released = dict(num_attention_heads=20, num_key_value_heads=4, hidden_size=2560, num_hidden_layers=28,
+                    rms_norm_eps=1e-5, use_bias=False, tie_word_embeddings=True, hidden_act="silu",
+                    moe_num_experts=64, moe_k=6, moe_num_shared_experts=2, moe_layer_start_index=1,
+                    moe_layer_end_index=27, moe_layer_interval=1)
+    defaults = transformers.Ernie4_5_MoeConfig()
+    assert {k: getattr(defaults, k) for k in released} == released
+    assert dict(defaults.rope_parameters or {})["rope_theta"] == 500_000.0
+    assert defaults.hidden_size // defaults.num_attention_heads == 128  # the released head_dim
+
+
+def test_glms_class_defaults_still_hold_glm_4_9b_chat_hfs_values():
+    """`RELEASED_EQUALS_DEFAULTS['glm']`: glm-4-9b-chat-hf's config.json values that change the computation are
+    GlmConfig's defaults (its config.json omits partial_rotary_factor: the class's 0.5 is what it runs with)."""
+    released = dict(num_attention_heads=32, num_key_value_heads=2, head_dim=128, hidden_size=4096, attention_bias=True,
+                    hidden_act="silu", rms_norm_eps=1.5625e-07, tie_word_embeddings=False)
+    defaults = transformers.GlmConfig()
+    assert {k: getattr(defaults, k) for k in released} == released
+    rope = dict(defaults.rope_parameters or {})
+    assert (rope["rope_theta"], rope["partial_rotary_factor"]) == (10_000.0, 0.5)
+
+
 def test_the_verdict_table_says_whose_values_each_row_used():
     rows = [
         {"model_type": "gemma3_text", "kind": "exact within float32 kernels", "logprob_error": 1e-15,

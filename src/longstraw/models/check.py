@@ -41,12 +41,16 @@ RELEASED: dict[str, dict[str, Any]] = {
                 "attention_multiplier": 0.0078125, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
                 "num_attention_heads": 32, "num_key_value_heads": 8,
                 "rope_parameters": {"rope_type": "default", "rope_theta": 10_000_000.0}},
-    # ibm-granite/granite-3.1-3b-a800m-instruct: RoPE theta 1e7, GQA 24:8 and tied embeddings as a public planner
-    # fixture quotes its config.json; the multipliers (not in that copy) are not re-read
+    # ibm-granite/granite-3.1-1b-a400m's config.json (a full copy in a public benchmark's model presets; the same
+    # multipliers appear in two ports' Granite-MoE test configs): embedding x 12, residual x 0.22, attention scale 1/64,
+    # logits / 6, RoPE theta 1.5e6, GQA 16:8, tied embeddings, eps 1e-6. No copy of granite-3.1-3b-a800m's
+    # multipliers was found.
     "granitemoe": {"logits_scaling": 6.0, "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
-                   "attention_multiplier": 0.015625, "tie_word_embeddings": True, "num_attention_heads": 24,
-                   "num_key_value_heads": 8, "rope_parameters": {"rope_type": "default", "rope_theta": 10_000_000.0}},
-    # granite-3.1-3b-a800m's multipliers on the shared-expert class (no released config of its own was looked up)
+                   "attention_multiplier": 0.015625, "tie_word_embeddings": True, "num_attention_heads": 16,
+                   "num_key_value_heads": 8, "rms_norm_eps": 1e-6,
+                   "rope_parameters": {"rope_type": "default", "rope_theta": 1_500_000.0}},
+    # granite-3.1-1b-a400m's multipliers on the shared-expert class (no released config of a shared-expert
+    # checkpoint was found)
     "granitemoeshared": {"logits_scaling": 6.0, "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
                          "attention_multiplier": 0.015625},
     # https://huggingface.co/ibm-granite/granite-4.0-h-350m/blob/main/config.json (as quoted by an MLX port's test
@@ -89,8 +93,12 @@ RELEASED: dict[str, dict[str, Any]] = {
     # lists, which are sized by the head dim)
     "phi3": {"partial_rotary_factor": 0.75, "tie_word_embeddings": True, "num_attention_heads": 24,
              "num_key_value_heads": 8},
-    # bigcode/starcoder2-7b (not re-read against its config.json)
-    "starcoder2": {"use_bias": True, "hidden_act": "gelu_pytorch_tanh", "norm_epsilon": 1e-5, "sliding_window": 4096},
+    # bigcode/starcoder2-7b's config.json (an inference engine's test copy of it, cut to 6 layers; NeMo's
+    # Starcoder2Config7B agrees): biases, tanh GELU, LayerNorm eps 1e-5, every layer windowed (4096), GQA 36:4,
+    # RoPE theta 1e6
+    "starcoder2": {"use_bias": True, "hidden_act": "gelu_pytorch_tanh", "norm_epsilon": 1e-5, "sliding_window": 4096,
+                   "num_attention_heads": 36, "num_key_value_heads": 4,
+                   "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0}},
     # https://huggingface.co/deepseek-ai/DeepSeek-V2-Lite/blob/main/config.json (same source; its class defaults have
     # no routed experts): YaRN x40 with mscale 0.707, which scales the softmax.
     "deepseek_v2": {"n_routed_experts": 64, "num_experts_per_tok": 6, "n_shared_experts": 2, "first_k_dense_replace": 1,
@@ -173,27 +181,71 @@ RELEASED: dict[str, dict[str, Any]] = {
     # ibm-ai-platform/Bamba-9B's config.json (as a public architecture classifier's test quotes it, trimmed):
     # attention layers at 9, 18 and 27 of 32 Mamba2 layers (the class defaults have none)
     "bamba": {"num_hidden_layers": 32, "attn_layer_indices": [9, 18, 27]},
-    # rednote-hilab/dots.llm1.base (its class defaults have no routed experts; not re-read)
+    # rednote-hilab/dots.llm1.inst's config.json (as an MLX port's test quotes its mlx-community quantized copy,
+    # trimmed; n_group / topk_group are null there: no grouped routing): 128 experts top-6 with 2 shared, weights
+    # normalised and x 2.5, one dense layer first, multi-head attention, RoPE theta 1e7, RMSNorm eps 1e-5 (its class
+    # defaults have no routed experts)
     "dots1": {"n_routed_experts": 128, "num_experts_per_tok": 6, "n_shared_experts": 2, "first_k_dense_replace": 1,
               "norm_topk_prob": True, "routed_scaling_factor": 2.5, "moe_intermediate_size": 1408, "n_group": 1,
-              "topk_group": 1},
+              "topk_group": 1, "rms_norm_eps": 1e-5, "num_attention_heads": 32, "num_key_value_heads": 32,
+              "rope_parameters": {"rope_type": "default", "rope_theta": 10_000_000.0}},
     # LiquidAI/LFM2-1.2B: attention at layers 2, 5, 8, 10, 12, 14 of 16, short convolutions elsewhere (as public
     # ports' tests quote its config.json's full_attn_idxs; the class defaults have no short-conv layers)
     "lfm2": {"num_hidden_layers": 16, "layer_types": [
         "full_attention" if i in (2, 5, 8, 10, 12, 14) else "conv" for i in range(16)]},
     # https://huggingface.co/microsoft/phi-2/blob/main/config.json (a public dump of it): a fifth of each head rotated
     "phi": {"partial_rotary_factor": 0.4, "hidden_act": "gelu_new", "layer_norm_eps": 1e-5},
-    # nvidia/Minitron-4B-Base (Nemotron-4; its class defaults leave the key/value heads unset; not re-read)
+    # nvidia/Minitron-4B-Base's config.json (Nemotron-4; NVIDIA-NeMo/Megatron-Bridge,
+    # tests/unit_tests/models/nemotron/test_nemotron_bridge.py nemotron_config_dict, whose sizes are Minitron-4B's:
+    # hidden 3072, GQA 24:8, half of each head rotated, relu2, eps 1e-5; its class defaults leave the key/value
+    # heads unset)
     "nemotron": {"num_key_value_heads": 8, "head_dim": 128, "partial_rotary_factor": 0.5, "hidden_act": "relu2",
                  "norm_eps": 1e-5},
     # EleutherAI/pythia-1b (the class defaults' values)
     "gpt_neox": {"rotary_pct": 0.25, "use_parallel_residual": True, "hidden_act": "gelu"},
+    # microsoft/Phi-3.5-MoE-instruct's config.json (listed field by field in a public fine-tuning write-up): q/k/v/o
+    # and LM-head biases, RoPE theta 1e4 (the class default is 1e6), a window as long as the context, no router
+    # auxiliary loss. Its LongRoPE factor lists (sized by the head dim, not in that copy) are left out: plain RoPE.
+    "phimoe": {"attention_bias": True, "lm_head_bias": True, "sliding_window": 131072, "router_aux_loss_coef": 0.0,
+               "rope_parameters": {"rope_type": "default", "rope_theta": 10_000.0}},
+    # MiniMaxAI/MiniMax-M2's config.json (as public ports' tests quote it: rotary_dim 64 of head_dim 128, RoPE theta
+    # 5e6, GQA 48:8, eps 1e-6): half of each head rotated (the class defaults rotate all of it)
+    "minimax_m2": {"rope_parameters": {"rope_type": "default", "rope_theta": 5_000_000.0,
+                                       "partial_rotary_factor": 0.5}},
+    # nvidia/Nemotron-H-8B-Base-8K's config.json (NVIDIA-NeMo/Megatron-Bridge,
+    # tests/unit_tests/models/nemotronh/test_nemotron_h_bridge.py nemotronh_8b_config_dict): the layer pattern
+    # M-M-M-M*-M-M-M-M-M*-... of 52 (Mamba2, MLP, attention; no MoE layers, which the class defaults have); every
+    # other value that changes the computation is the class defaults'
+    "nemotron_h": {"layer_types": [
+        {"M": "mamba", "-": "mlp", "*": "attention"}[c]
+        for c in "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"]},
+    # mistralai/Ministral-8B-Instruct-2410's config.json (a full copy, saved as model_type mistral by transformers
+    # 4.46, in a public kernel benchmark suite): RoPE theta 1e8, RMSNorm eps 1e-5, every layer windowed (32768),
+    # GQA 32:8
+    "ministral": {"rms_norm_eps": 1e-5, "sliding_window": 32768, "num_attention_heads": 32, "num_key_value_heads": 8,
+                  "rope_parameters": {"rope_type": "default", "rope_theta": 100_000_000.0}},
+    # google/gemma-2b's config.json (NVIDIA-NeMo/Megatron-Bridge, tests/unit_tests/models/gemma/test_gemma_bridge.py
+    # gemma_2b_config_dict): one key/value head for 8 query heads of 256; its "hidden_act": "gelu" is the legacy
+    # spelling GemmaConfig turns into the tanh GELU (the default). gemma-7b's config there is the class defaults.
+    "gemma": {"num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 256},
+    # tencent/Hunyuan-A13B-Instruct's config.json (remote-code spelling, quoted by an MLX Swift port's test
+    # fixture): NTK-alpha RoPE (alpha 1000, labelled "dynamic"), GQA 32:8, tied embeddings, 64 experts top-8 beside
+    # one shared MLP of the experts' width (3072), q/k norm (the class always has both)
+    "hunyuan_v1_moe": {"num_attention_heads": 32, "num_key_value_heads": 8, "tie_word_embeddings": True,
+                       "num_experts": 64, "num_experts_per_tok": 8,
+                       "rope_parameters": {"rope_type": "dynamic", "rope_theta": 10_000.0, "alpha": 1000.0,
+                                           "factor": 1.0}},
+    # allenai/Olmo-Hybrid-7B: no RoPE on any layer (its config.json's rope_parameters is {"rope_theta": null}, as a
+    # public port's parity test describes the release after reading its checkpoint; no copy of the file itself was
+    # found). The rest that port names (3 Gated DeltaNet layers in 4, eps 1e-6, negative eigenvalues allowed) is the
+    # class defaults.
+    "olmo_hybrid": {"rope_parameters": {"rope_theta": None}},
 }
 # The checkpoint each `RELEASED` entry is read from (docs/architecture-verdicts.md names it per type).
 RELEASED_CHECKPOINT: dict[str, str] = {
     "granite": "ibm-granite/granite-3.3-8b-instruct",
-    "granitemoe": "ibm-granite/granite-3.1-3b-a800m-instruct",
-    "granitemoeshared": "ibm-granite/granite-3.1-3b-a800m-instruct (its values on the shared-expert class)",
+    "granitemoe": "ibm-granite/granite-3.1-1b-a400m",
+    "granitemoeshared": "ibm-granite/granite-3.1-1b-a400m (its multipliers on the shared-expert class)",
     "granitemoehybrid": "ibm-granite/granite-4.0-h-350m",
     "cohere": "CohereForAI/c4ai-command-r-v01",
     "gemma3_text": "google/gemma-3-27b-it",
@@ -224,11 +276,18 @@ RELEASED_CHECKPOINT: dict[str, str] = {
     "glm4": "zai-org/GLM-4-9B-0414",
     "glm4_moe_lite": "zai-org/GLM-4.7-Flash",
     "bamba": "ibm-ai-platform/Bamba-9B",
-    "dots1": "rednote-hilab/dots.llm1.base",
+    "dots1": "rednote-hilab/dots.llm1.inst",
     "lfm2": "LiquidAI/LFM2-1.2B",
     "phi": "microsoft/phi-2",
     "nemotron": "nvidia/Minitron-4B-Base",
     "gpt_neox": "EleutherAI/pythia-1b",
+    "phimoe": "microsoft/Phi-3.5-MoE-instruct",
+    "minimax_m2": "MiniMaxAI/MiniMax-M2",
+    "nemotron_h": "nvidia/Nemotron-H-8B-Base-8K",
+    "ministral": "mistralai/Ministral-8B-Instruct-2410",
+    "gemma": "google/gemma-2b",
+    "hunyuan_v1_moe": "tencent/Hunyuan-A13B-Instruct",
+    "olmo_hybrid": "allenai/Olmo-Hybrid-7B",
 }
 # Types whose class defaults were checked against a released config.json and found to hold every value that changes
 # the computation (model type -> the checkpoint, and where its config was read).
@@ -245,13 +304,18 @@ RELEASED_EQUALS_DEFAULTS: dict[str, str] = {
     "helium": "kyutai/helium-1-preview-2b (config.json quoted field for field by an MLX port's test)",
     "olmoe": "allenai/OLMoE-1B-7B-0924 (NVIDIA-NeMo/Megatron-Bridge, "
              "tests/unit_tests/models/olmoe/test_olmoe_bridge.py)",
+    # GQA 20:4 with head_dim 128, RoPE theta 5e5, eps 1e-5, tied embeddings, no biases, 64 experts top-6 with 2 shared,
+    # experts on layers 1-27: Ernie4_5_MoeConfig's defaults
+    "ernie4_5_moe": "baidu/ERNIE-4.5-21B-A3B-PT (config.json quoted by an MLX Swift port's test and a planner fixture)",
+    # GQA 32:2 with head_dim 128, q/k/v biases, half of each head rotated at theta 1e4, RMSNorm eps 1.5625e-7,
+    # untied: GlmConfig's defaults
+    "glm": "THUDM/glm-4-9b-chat-hf (config.json quoted as golden values by public ports' tests)",
 }
 # Types of the families on the CI list whose released config.json was looked for and not found here: their sweep
 # runs on the class defaults.
 RELEASED_NOT_FOUND: tuple[str, ...] = (
-    # only trimmed or test-sized copies were found (Phi-3.5-MoE, MiniMax-M2, ERNIE-4.5-21B-A3B, Nemotron-H,
-    # Hunyuan-A13B, gemma-2b, Ministral-8B, AFM-4.5B, glm-4-9b-chat-hf)
-    "phimoe", "minimax_m2", "ernie4_5_moe", "nemotron_h", "hunyuan_v1_moe", "gemma", "ministral", "arcee", "glm",
+    # no copy of arcee-ai/AFM-4.5B's config.json was found (only test-sized ones)
+    "arcee",
 )
 
 
