@@ -91,6 +91,23 @@ def test_a_wrong_attention_is_refused_naming_the_first_layer(monkeypatch):
     assert verdict.first_difference.startswith("layer 0 (")
 
 
+@pytest.mark.parametrize("model_type, values", [
+    ("phimoe", check.RELEASED["phimoe"]),  # Phi-3.5-MoE: a window on every layer, through the mask only
+    ("qwen2_moe", {"use_sliding_window": True, "sliding_window": 4096, "max_window_layers": 28}),  # sliding layers
+])
+def test_windows_applied_through_the_mask_only_are_read(model_type, values, monkeypatch):
+    """PhiMoE and Qwen2-MoE pass no sliding_window to their attention call (their mask holds it): LongStraw reads the
+    window itself and is exact; an engine that ignored it would be refused at layer 0."""
+    config = _config(model_type, **values)
+    assert verify.verify(config).admitted
+    from longstraw.engine import segment
+
+    monkeypatch.setattr(segment, "_mask_window", lambda module, window: window)
+    verdict = verify.verify(_config(model_type, **values))
+    assert not verdict.admitted and verdict.logprob_error > 1e-3
+    assert verdict.first_difference.startswith("layer 0 (")
+
+
 def test_verdicts_are_cached_on_disk_per_config_and_version(monkeypatch, tmp_path):
     monkeypatch.setenv("LONGSTRAW_CACHE", str(tmp_path))
     monkeypatch.setattr(verify, "_VERDICTS", {})

@@ -66,6 +66,21 @@ def _attention_chunk(module: torch.nn.Module, layer: int) -> int | None:
     return None
 
 
+def _mask_window(module: torch.nn.Module, sliding_window: int | None) -> int | None:
+    """The sliding window of this attention call. Most families pass it as the `sliding_window` keyword; two apply it
+    through their attention mask only, which LongStraw's kernel does not read: PhiMoE (every layer, the config's
+    `sliding_window`, transformers' `create_sliding_window_causal_mask`) and Qwen2-MoE (its sliding layers, whose
+    module holds `sliding_window`, with `use_sliding_window`)."""
+    if sliding_window is not None:
+        return sliding_window
+    model_type = getattr(getattr(module, "config", None), "model_type", None)
+    if model_type == "phimoe":
+        return getattr(module.config, "sliding_window", None)
+    elif model_type == "qwen2_moe":
+        return getattr(module, "sliding_window", None)
+    return None
+
+
 def _longstraw_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -94,6 +109,7 @@ def _longstraw_attention(
     if longstraw is None:
         raise RuntimeError("longstraw attention called without a SegmentCache (use replay.run_segment)")
     _check_kwargs(module, kwargs)
+    sliding_window = _mask_window(module, sliding_window)
     if dropout:
         raise RuntimeError("attention dropout is active: put the model in eval() mode")
     ctx = longstraw
