@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from longstraw.engine.precision import accumulation_dtype
+from longstraw.engine.precision import accumulated_product, accumulation_dtype
 
 DEFAULT_TOKEN_CHUNK = 1024
 
@@ -42,20 +42,7 @@ def accumulated_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         from longstraw.engine.tp_logprobs import gathered_logits
 
         return gathered_logits(h, weight, bias)
-    acc = accumulation_dtype(h.dtype)
-    logits = None
-    if acc == h.dtype:
-        logits = h @ weight.t()
-    elif h.is_cuda:
-        try:
-            logits = torch.mm(h, weight.t(), out_dtype=acc)
-        except (RuntimeError, TypeError):  # a torch without out_dtype for this GEMM
-            pass
-    if logits is None:
-        logits = (h @ weight.t()).to(acc)
-    if bias is not None:
-        logits.add_(bias.to(acc))
-    return logits
+    return accumulated_product(h, weight, bias)
 
 
 def _scaled(logits: torch.Tensor, logit_scale: float, temperature: float,

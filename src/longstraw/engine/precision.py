@@ -27,3 +27,23 @@ REDUCED = (torch.float16, torch.bfloat16)
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """fp32 for bf16/fp16, else `dtype` itself (fp32 and fp64 are kept)."""
     return torch.float32 if dtype in REDUCED else dtype
+
+
+def accumulated_product(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """h (c, d) @ weight (V, d)^T (+ bias (V,)) -> (c, V) in the accumulation dtype: for bf16/fp16 on CUDA straight
+    from the GEMM's fp32 accumulator (torch.mm's out_dtype), elsewhere cast after the product. Plain tensors only
+    (`logprobs.accumulated_logits` takes a vocabulary-split weight too)."""
+    acc = accumulation_dtype(h.dtype)
+    logits = None
+    if acc == h.dtype:
+        logits = h @ weight.t()
+    elif h.is_cuda:
+        try:
+            logits = torch.mm(h, weight.t(), out_dtype=acc)
+        except (RuntimeError, TypeError):  # a torch without out_dtype for this GEMM
+            pass
+    if logits is None:
+        logits = (h @ weight.t()).to(acc)
+    if bias is not None:
+        logits.add_(bias.to(acc))
+    return logits

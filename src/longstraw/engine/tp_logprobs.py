@@ -24,8 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from longstraw.engine.logprobs import accumulated_logits
-from longstraw.engine.precision import accumulation_dtype
+from longstraw.engine.precision import accumulated_product, accumulation_dtype
 
 
 def vocab_shard(weight: DTensor) -> tuple[torch.Tensor, dist.ProcessGroup, int]:
@@ -53,7 +52,7 @@ def vocab_shard(weight: DTensor) -> tuple[torch.Tensor, dist.ProcessGroup, int]:
 def _local_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, logit_scale: float,
                   temperature: float, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """This rank's block of scored logits (c, V_t) and, with a soft-cap, its slope 1 - tanh^2 (c, V_t)."""
-    logits = accumulated_logits(h, weight, bias)
+    logits = accumulated_product(h, weight, bias)
     if logit_scale != 1.0:
         logits.mul_(logit_scale)
     slope = None
@@ -167,7 +166,7 @@ def gathered_logits(h: torch.Tensor, weight: DTensor, bias: torch.Tensor | None 
     if bias is not None:
         local_bias = vocab_shard(bias)[0] if isinstance(bias, DTensor) else bias[start : start + local.shape[0]]
     with torch.no_grad():
-        block = accumulated_logits(h.detach(), local.detach(), None if local_bias is None else local_bias.detach())
+        block = accumulated_product(h.detach(), local.detach(), None if local_bias is None else local_bias.detach())
         size = dist.get_world_size(group)
         per = -(-weight.shape[0] // size)
         padded = torch.zeros(block.shape[0], per, dtype=block.dtype, device=block.device)

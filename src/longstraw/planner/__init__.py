@@ -52,20 +52,13 @@ included, is still importable from `longstraw.planner` itself):
 * `formulas`: the prompt state's and the activations' bytes per layer (`StateBytes`, `RecurrentBytes`, the
   segment and standard-plan checkpointed terms);
 * `estimator`: `PlanInputs`, `PlanEstimate`, `estimate`, `largest_prompt`, `plan_all`;
-* `cli`: `longstraw plan`'s options, `parse_size`, `format_plan`, `run_from_args`.
+* `cli`: `longstraw plan`'s options, `format_plan`, `run_from_args`.
+* `parsing`: the argument types, `parse_size`, `positive_int`, `non_negative_int`.
 """
 
 from __future__ import annotations
 
-from longstraw.planner.cli import (
-    add_arguments,
-    format_plan,
-    inputs_from_args,
-    non_negative_int,
-    parse_size,
-    positive_int,
-    run_from_args,
-)
+from longstraw.planner.cli import add_arguments, format_plan, inputs_from_args, run_from_args
 from longstraw.planner.estimator import (
     CPU_RUNTIME_BYTES,
     DEFAULT_CUDA_RESERVE,
@@ -94,6 +87,7 @@ from longstraw.planner.formulas import (
     state_bytes,
     state_parts,
 )
+from longstraw.planner.parsing import non_negative_int, parse_size, positive_int
 from longstraw.planner.spec import (
     BUILTIN_NAMES,
     LINEAR_SCAN_CHUNK,

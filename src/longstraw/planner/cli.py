@@ -1,38 +1,19 @@
-"""`longstraw plan`'s command line: options (`add_arguments`), `PlanInputs` from them, the table (`format_plan`),
-sizes such as 96GB (`parse_size`)."""
+"""`longstraw plan`'s command line: options (`add_arguments`), `PlanInputs` from them, the table (`format_plan`)."""
 
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import asdict, replace
 from typing import Any
 
 from longstraw.choices import PACKAGED_MODELS, PRESET_NAMES
-from longstraw.planner.estimator import DTYPE_BYTES, GIB, MIB, PlanInputs, estimate, plan_all
+from longstraw.planner.estimator import DTYPE_BYTES, PlanInputs, estimate, plan_all
+from longstraw.planner.parsing import non_negative_int, parse_size, positive_int
 from longstraw.planner.spec import BUILTIN_NAMES, load_config, spec_from_config
+from longstraw.planner.tree import TREE_ONLY, add_tree_arguments
+from longstraw.planner.tree import run_from_args as run_tree_from_args
 
 # ---------------------------------------------------------------- CLI
-
-
-_UNITS = {
-    "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-    "KIB": 2**10, "MIB": MIB, "GIB": GIB, "TIB": 2**40,
-}
-
-
-def parse_size(text: str) -> int:
-    """'96GB' (10^9), '24GiB' (2^30), '512MiB', '1.5TB' -> bytes. A unit is required."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]+)\s*", text)
-    if not m or m.group(2).upper() not in _UNITS:
-        raise ValueError(
-            f"cannot read memory size {text!r}: write a number and a unit, e.g. 96GB, 80GiB, 512MiB "
-            f"(units: {', '.join(u if u.endswith('B') and len(u) < 4 else u[:-2] + 'iB' for u in _UNITS)})"
-        )
-    value = float(m.group(1)) * _UNITS[m.group(2).upper()]
-    if value <= 0:
-        raise ValueError(f"memory size must be positive, got {text!r}")
-    return int(value)
 
 
 def add_arguments(parser) -> None:
@@ -81,32 +62,7 @@ def add_arguments(parser) -> None:
                              "recomputing them (backward_group(keep_prompt_graph=N)): faster, their activations "
                              "held through the replays")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    from longstraw.planner.tree import add_tree_arguments
-
     add_tree_arguments(parser)  # --tree: a prefix-tree step (planner/tree.py)
-
-
-def _int_at_least(text: str, least: int) -> int:
-    """argparse type body: an integer >= `least`, else ArgumentTypeError saying what was given."""
-    import argparse
-
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < least:
-        raise argparse.ArgumentTypeError(f"must be >= {least}, got {value}")
-    return value
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (shared by the planner's and the benchmarks' command lines)."""
-    return _int_at_least(text, 1)
-
-
-def non_negative_int(text: str) -> int:
-    """argparse type: an integer >= 0 (--keep-prompt-graph here, bench peers --neighbours, bench pareto)."""
-    return _int_at_least(text, 0)
 
 
 def inputs_from_args(args) -> PlanInputs:
@@ -232,11 +188,9 @@ def verdict(document: dict[str, Any], other_gather: dict[str, dict[str, Any]] | 
 
 def run_from_args(args) -> int:
     """Entry point of `longstraw plan`; bad input goes to the parser's error (exit 2)."""
-    from longstraw.planner import tree
-
     if getattr(args, "tree", False):
-        return tree.run_from_args(args)
-    given = [f"--{name.replace('_', '-')}" for name in tree.TREE_ONLY if getattr(args, name, None) is not None]
+        return run_tree_from_args(args)
+    given = [f"--{name.replace('_', '-')}" for name in TREE_ONLY if getattr(args, name, None) is not None]
     if given:
         args.fail(f"{', '.join(given)} describe a prefix tree: add --tree")
     try:

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from longstraw.planner.estimator import PlanEstimate, PlanInputs, estimate
+from longstraw.planner.parsing import parse_size, positive_int
 from longstraw.planner.spec import ModelSpec
 
 
@@ -265,8 +266,6 @@ def add_tree_arguments(parser: Any) -> None:
 
 
 def _positive(text: str) -> int:
-    from longstraw.planner.cli import positive_int
-
     return positive_int(text)
 
 
@@ -310,7 +309,6 @@ def run_from_args(args: Any) -> int:
     """`longstraw plan --tree`: the forecast's table (or JSON); bad input goes to the parser's error."""
     import json
 
-    from longstraw.planner.cli import parse_size
     from longstraw.planner.spec import load_config, spec_from_config
 
     try:
