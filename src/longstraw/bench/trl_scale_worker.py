@@ -179,8 +179,11 @@ def run_row(shape: dict[str, Any], row: dict[str, Any]) -> dict[str, Any]:
     if row["fsdp"]:
         settings.update(fsdp=True, fsdp_config={"version": 2})
     if ours:
+        # The per-group path (longstraw_tree=False), whose backward_group calls the row records; each rank's batch
+        # is one prompt's group, which a tree would compute the same way.
         settings.update(longstraw_plan="exact", longstraw_chunk_size=int(shape["chunk_size"]),
-                        longstraw_cp=int(row["cp"]), longstraw_fsdp_gather=str(row.get("gather", "all")))
+                        longstraw_cp=int(row["cp"]), longstraw_fsdp_gather=str(row.get("gather", "all")),
+                        longstraw_tree=False)
     trainer_cls, config_cls = ((drop_in.LongStrawGRPOTrainer, drop_in.LongStrawGRPOConfig) if ours
                                else (GRPOTrainer, GRPOConfig))
     model = load_bench_model(str(shape["model"]), str(shape["dtype"]))
