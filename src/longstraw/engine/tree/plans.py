@@ -48,6 +48,15 @@ class Walk:
     capture_s: float = 0.0
     backward_s: float = 0.0
 
+    def hold(self, state: PromptState, first: int) -> int:
+        """Count the bytes of `state`'s chunks first … (what a node's capture added) as held on the current path;
+        the caller releases them (`path_bytes -= held`) when the node's state is freed."""
+        held = sum(t.numel() * t.element_size() for per_layer in state.parts.values() for layer in per_layer
+                   for t in layer[first:] if t is not None)
+        self.path_bytes += held
+        self.peak_path_bytes = max(self.peak_path_bytes, self.path_bytes)
+        return held
+
     def head(self) -> tuple[torch.Tensor, torch.Tensor | None, float, float | None]:
         out = hf(self.model).get_output_embeddings()
         return out.weight, getattr(out, "bias", None), logit_scale(self.model), logit_softcap(self.model)
@@ -103,19 +112,12 @@ def _exact_node(walk: Walk, node: Node, parent: PromptState, above: torch.Tensor
     t0 = time.perf_counter()
     extend_state(walk.model, state, ids, walk.options.chunk_size, leaves=True)
     walk.capture_s += time.perf_counter() - t0
-    held = sum(t.numel() * t.element_size() for t in _own_tensors(state, first))
-    walk.path_bytes += held
-    walk.peak_path_bytes = max(walk.peak_path_bytes, walk.path_bytes)
+    held = walk.hold(state, first)
     _children(walk, node, state, path, _exact_node)
     t0 = time.perf_counter()
     prompt_backward(walk.model, path, state, first=first, chunk_loss=_NodeLoss(walk, node, path))
     walk.backward_s += time.perf_counter() - t0
     walk.path_bytes -= held
-
-
-def _own_tensors(state: PromptState, first: int) -> list[torch.Tensor]:
-    """The tensors of chunks first … of `state`: what a node's capture added."""
-    return [t for per_layer in state.parts.values() for layer in per_layer for t in layer[first:] if t is not None]
 
 
 # --- detach -------------------------------------------------------------------------------------------------------
@@ -156,9 +158,7 @@ def _detach_node(walk: Walk, node: Node, parent: PromptState, above: torch.Tenso
         state.append_chunk(start, end, collect)
         keep_owned(state, j, len(bounds))
     walk.capture_s += time.perf_counter() - t0
-    held = sum(t.numel() * t.element_size() for t in _own_tensors(state, first))
-    walk.path_bytes += held
-    walk.peak_path_bytes = max(walk.peak_path_bytes, walk.path_bytes)
+    held = walk.hold(state, first)
     _children(walk, node, state, path, _detach_node)
     walk.path_bytes -= held
 

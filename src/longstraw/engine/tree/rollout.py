@@ -222,7 +222,7 @@ class _Group:
     seqs: list[_Sequence]
 
 
-def extend_state(state: PromptState, buffer: ResponseState, row: int, start: int, end: int) -> PromptState:
+def branch_state(state: PromptState, buffer: ResponseState, row: int, start: int, end: int) -> PromptState:
     """`state` (positions [0, start)) continued by row `row` of `buffer` over [start, end): a new list of the same
     chunks plus one whose parts are views of the buffer (K/V, latents, indexer keys of those positions; the conv
     window and recurrent state the row holds now, i.e. after position end − 1). Nothing is copied."""
@@ -231,10 +231,7 @@ def extend_state(state: PromptState, buffer: ResponseState, row: int, start: int
     n = end - start
     if buffer.length != n:
         raise RuntimeError(f"the group's buffer holds {buffer.length} positions, the fork needs {n}")
-    out = state.prefix(state.num_chunks)  # new lists over the same tensors
-    out._slabs = {}  # the slab view covers the prompt's capacity only: read chunk by chunk past it
-    out.fingerprint = None
-    out.capacity = None
+    out = state.branch()  # new lists over the same tensors, read chunk by chunk past the prompt's slab
     for layer in range(state.num_layers):
         parts: dict[str, torch.Tensor | None] = dict.fromkeys(PARTS)
         if layer in buffer.kv:
@@ -447,7 +444,7 @@ class _Run:
         self.forks += 1
         self.leaf_count += self.tree.branching - 1
         end = group.start + step + 1
-        state = extend_state(group.state, buffer, i, group.start, end)
+        state = branch_state(group.state, buffer, i, group.start, end)
         if self.keep_states:
             self.states[seq.node] = state
         kids = [_Sequence(node=self.new_node(seq.node, group.depth + 1), before=seq.before + seq.tokens,
