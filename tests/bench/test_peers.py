@@ -17,11 +17,10 @@ import torch
 from helpers import child_pids, running
 
 from longstraw.bench import peers
-from longstraw.bench.common import BUSY_LOOP, busy_neighbours, worker_env
+from longstraw.bench.common import BUSY_LOOP, TIMING_THRESHOLD, busy_neighbours, combine_runs, worker_env
 from longstraw.bench.peers import (
     SHAPES,
     Configuration,
-    combine_runs,
     configurations,
     format_table,
     run_peer,
@@ -204,7 +203,7 @@ def test_busy_neighbours_start_n_processes_and_kill_them_even_when_the_body_rais
 
 def test_worker_env_peak_run_fixes_the_threshold_timing_run_removes_it():
     users = {"PATH": "/bin", "MALLOC_MMAP_THRESHOLD_": "999", "OMP_WAIT_POLICY": "PASSIVE"}
-    peak, timing = worker_env(peers.PEAK_THRESHOLD, base=users), worker_env(peers.TIMING_THRESHOLD, base=users)
+    peak, timing = worker_env(peers.PEAK_THRESHOLD, base=users), worker_env(TIMING_THRESHOLD, base=users)
     assert peak["MALLOC_MMAP_THRESHOLD_"] == str(128 * 1024) and "MALLOC_MMAP_THRESHOLD_" not in timing
     assert peak["OMP_WAIT_POLICY"] == timing["OMP_WAIT_POLICY"] == "PASSIVE" and "OMP_NUM_THREADS" not in timing
     assert worker_env(0, smoke=True, base={})["OMP_NUM_THREADS"] == "1"

@@ -25,9 +25,9 @@ def _results_files() -> list[str]:
     return sorted(f for f in glob.glob(str(ROOT / "bench" / "results" / "tree-*.json")))
 
 
-def _base(dtype: str, chunk: int) -> planner.PlanInputs:
+def _base(dtype: str, chunk: int, micro_batch: int = 1) -> planner.PlanInputs:
     return planner.PlanInputs(prompt_tokens=2, response_tokens=1, group_size=1, dtype=dtype, chunk_size=chunk,
-                              device="cpu", optimizer="none")
+                              micro_batch=micro_batch, device="cpu", optimizer="none")
 
 
 def _shape(cfg: dict, k: int, g: int) -> TreeShape:
@@ -44,7 +44,7 @@ def test_forecast_within_ten_percent_of_the_bench_results():
         doc = json.loads(Path(path).read_text())
         cfg = doc["config"]
         spec = planner.spec_from_config(planner.load_config(cfg["model"]), cfg["model"])
-        base = _base(cfg["dtype"], cfg["chunk_size"])
+        base = _base(cfg["dtype"], cfg["chunk_size"], cfg.get("micro_batch", 1))
         for r in doc["results"]:
             if r.get("status") != "ok" or r["row"] not in ("flattened", "tree_exact"):
                 continue
@@ -70,6 +70,12 @@ def test_tree_exact_is_one_path_flattened_one_trajectory():
     question = plans["tree_exact"].inputs
     c = counts(shape)
     assert (question.prompt_tokens, question.response_tokens) == (c.path_prefix, c.leaf_tokens)
+    # sibling leaves two at a time: one more leaf's activations; at most a node's B leaves; flattened unchanged
+    pairs = forecast(spec, shape, replace(base, micro_batch=2))
+    assert pairs["tree_exact"].step_bytes > exact and pairs["tree_exact"].inputs.micro_batch == 2
+    assert pairs["flattened"].step_bytes == flat
+    eight = forecast(spec, shape, replace(base, micro_batch=8))["tree_exact"]
+    assert eight.step_bytes == pairs["tree_exact"].step_bytes
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -120,11 +126,23 @@ def test_forecast_within_ten_percent_of_a_row_measured_here(monkeypatch):
 
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (SRC, os.environ.get("PYTHONPATH")) if p))
     config = TreeBenchConfig(system_tokens=512, task_tokens=64, turns=3, response_tokens=32, observation_tokens=64,
-                             chunk_size=256, threads=1, warm_steps=0)
+                             chunk_size=256, threads=1, warm_steps=0, timing_run=False)
     spec = planner.spec_from_config(planner.load_config(config.model), config.model)
     shape = _shape({**vars(config)}, 2, 4)
     for row in ("tree_exact", "flattened"):
         entry = run_row(config, row, 2, 4)
         assert entry["status"] == "ok", entry
-        predicted = forecast(spec, shape, _base(config.dtype, config.chunk_size))[row].step_bytes
+        predicted = forecast(spec, shape, _base(config.dtype, config.chunk_size, config.micro_batch))[row].step_bytes
         assert abs(predicted / entry["peak_bytes"] - 1) <= TOLERANCE, (row, predicted, entry["peak_bytes"])
+
+
+def test_inner_loss_rows_count_one_chunk_of_an_inner_node():
+    """The trunk (C task tokens, then the shared turns) chunked from its own start: a 256-token chunk holds the task's
+    128 tokens and one turn (32 loss tokens), a 512-token chunk both shared turns; a one-turn branching node its r
+    tokens; no inner node scores anything when every task is a leaf."""
+    from longstraw.planner.tree import inner_loss_rows
+
+    shape = TreeShape(1024, 2, 128, 4, 4, 32, 96)  # m = 2: trunk of 2 turns, one inner branching turn
+    assert inner_loss_rows(shape, 256) == 32 and inner_loss_rows(shape, 512) == 64
+    assert inner_loss_rows(replace(shape, group_size=2), 1024) == 96  # m = 1: a trunk of 3 turns
+    assert inner_loss_rows(replace(shape, group_size=1), 256) == 0

@@ -306,6 +306,33 @@ def worker_env(malloc_mmap_threshold: int, smoke: bool = False,
     return env
 
 
+# `bench peers` and `bench tree` run each configuration twice, each time in a fresh process: a peak run (the fixed
+# threshold above: peaks that repeat) and a timing run under glibc's default allocator, what users run.
+TIMING_THRESHOLD = 0  # the timing run's: glibc's default allocator (MALLOC_MMAP_THRESHOLD_ unset)
+# What the timing run contributes to a configuration's entry (the rest is the peak run's), and what else of it
+# the entry keeps under "timing_run".
+TIMING_KEYS = ("time_s", "cpu_time_s", "cpu_pressure")
+TIMING_RUN_KEYS = ("status", "error", *TIMING_KEYS, "peak_bytes", "malloc_mmap_threshold", "process_s", "stats",
+                   "stderr_tail")
+
+
+def combine_runs(peak: dict[str, Any], timing: dict[str, Any] | None) -> dict[str, Any]:
+    """A configuration's entry: its peak run's result (fixed mmap threshold) with the time, CPU time and CPU pressure
+    of its timing run (glibc's default allocator); the peak run's as `time_fixed_threshold_s`,
+    `cpu_time_fixed_threshold_s`, `cpu_pressure_fixed_threshold`; the timing run's status and the rest of its
+    measurement under `timing_run`. A failed timing run leaves the three None (no time, the peak stands); timing
+    None (not run: the peak run did not succeed, or a smoke run) keeps the peak run's result as it is."""
+    entry = dict(peak)
+    if timing is None or peak.get("status") != "ok":
+        return entry
+    entry.update(time_fixed_threshold_s=peak.get("time_s"), cpu_time_fixed_threshold_s=peak.get("cpu_time_s"),
+                 cpu_pressure_fixed_threshold=peak.get("cpu_pressure"))
+    ok = timing.get("status") == "ok"
+    entry.update({key: timing.get(key) if ok else None for key in TIMING_KEYS})
+    entry["timing_run"] = {key: timing[key] for key in TIMING_RUN_KEYS if key in timing}
+    return entry
+
+
 BUSY_LOOP = "while True: pass"  # one neighbour of `busy_neighbours`: a core's worth of competing work
 
 

@@ -60,9 +60,11 @@ from longstraw.bench.common import (
     RESULTS_FILE,
     SMOKE_NOTE,
     STDERR_TAIL,
+    TIMING_THRESHOLD,
     busy,
     busy_neighbours,
     check_out,
+    combine_runs,
     default_out,
     describe_exit,
     non_negative_int,
@@ -78,12 +80,6 @@ from longstraw.planner import positive_int
 
 DEFAULT_TIMEOUT_S = 1800.0  # per configuration; TRL's unchecked batch of 8 at P = 4096 takes well under a minute
 PEAK_THRESHOLD = B1.malloc_mmap_threshold  # the peak run's fixed glibc mmap threshold (bytes)
-TIMING_THRESHOLD = 0  # the timing run's: glibc's default allocator (MALLOC_MMAP_THRESHOLD_ unset)
-# What the timing run contributes to a configuration's entry (the rest is the peak run's), and what else of it
-# the entry keeps under "timing_run".
-TIMING_KEYS = ("time_s", "cpu_time_s", "cpu_pressure")
-TIMING_RUN_KEYS = ("status", "error", *TIMING_KEYS, "peak_bytes", "malloc_mmap_threshold", "process_s", "stats",
-                   "stderr_tail")
 
 
 @dataclass(frozen=True)
@@ -203,23 +199,6 @@ def run_configuration(shape: PeersShape, row: Configuration, timeout_s: float | 
         (entry,) = run_longstraw(shape, [row], timeout_s, smoke, mmap_threshold)
         return entry
     return run_peer(shape, row, timeout_s, smoke, mmap_threshold, trl_compact_head)
-
-
-def combine_runs(peak: dict[str, Any], timing: dict[str, Any] | None) -> dict[str, Any]:
-    """A configuration's entry: its peak run's result (fixed mmap threshold) with the time, CPU time and CPU pressure
-    of its timing run (glibc's default allocator); the peak run's as `time_fixed_threshold_s`,
-    `cpu_time_fixed_threshold_s`, `cpu_pressure_fixed_threshold`; the timing run's status and the rest of its
-    measurement under `timing_run`. A failed timing run leaves the three None (no time, the peak stands); timing
-    None (not run: the peak run did not succeed, or a smoke run) keeps the peak run's result as it is."""
-    entry = dict(peak)
-    if timing is None or peak.get("status") != "ok":
-        return entry
-    entry.update(time_fixed_threshold_s=peak.get("time_s"), cpu_time_fixed_threshold_s=peak.get("cpu_time_s"),
-                 cpu_pressure_fixed_threshold=peak.get("cpu_pressure"))
-    ok = timing.get("status") == "ok"
-    entry.update({key: timing.get(key) if ok else None for key in TIMING_KEYS})
-    entry["timing_run"] = {key: timing[key] for key in TIMING_RUN_KEYS if key in timing}
-    return entry
 
 
 # ---------------------------------------------------------------- the table

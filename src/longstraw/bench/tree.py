@@ -8,8 +8,13 @@ each row in a fresh `bench/tree_worker.py` process on the same weights and token
 * packed: the whole tree once in one sequence with an ancestor attention mask (the peers' approach);
 * tree_exact, tree_detach: LongStraw's `backward_tree`.
 
-Per row: peak step memory (VmHWM above the loaded model, glibc's mmap threshold fixed as every bench: peaks repeat
-within 1 MiB, `bench/common.py`), wall and CPU time of the step, CPU pressure, its token-pass floor
+Each row runs twice, as `bench peers` runs a configuration: a peak run under glibc's fixed mmap threshold (as every
+bench: peaks repeat within 1 MiB, `bench/common.py`) and a timing run under glibc's default allocator, what users run
+(under the fixed threshold every allocation above 128 KiB is a fresh mmap, page-faulted on first touch, which charges
+the plans that make more, smaller allocations: the tree's many node and leaf backwards, each with its (V, d)
+embedding and head gradients). Per row: peak step memory (VmHWM above the loaded model) from the peak run, wall and
+CPU time of the step and CPU pressure from the timing run (the peak run's under `time_fixed_threshold_s`), its
+token-pass floor
 (`planner.tree.token_passes`) and floor ratio (flattened's passes / the row's), its measured time ratio (flattened's
 time / the row's at the same K and G), and for flattened and tree_exact the planner's forecast (`planner.tree.forecast`)
 with its error. K and G are swept: by default along two axes through the middle values (every K at the middle G,
@@ -36,10 +41,12 @@ from longstraw.bench.common import (
     MIB,
     PEAK_RESOLUTION,
     STDERR_TAIL,
+    TIMING_THRESHOLD,
     busy,
     check_device,
     check_model,
     check_out,
+    combine_runs,
     describe_exit,
     finish_sweep,
     non_negative_int,
@@ -77,12 +84,13 @@ class TreeBenchConfig:
     grid: str = "cross"  # "cross": every K at the middle G and every G at the middle K; "full": every pair
     rows: tuple[str, ...] = ROWS
     chunk_size: int = 256
-    micro_batch: int = 1
+    micro_batch: int = 2  # B = 2: a node's two sibling leaves in one replay (per group: two responses)
     seed: int = 0
     threads: int = 0  # torch intra-op threads of the workers (OMP_NUM_THREADS); 0: torch's default
     warm_steps: int = 1  # steps after the cold first one; the fastest of them is timed (`bench/tree_worker.py`)
     timeout_s: float | None = None
-    malloc_mmap_threshold: int = B1.malloc_mmap_threshold
+    malloc_mmap_threshold: int = B1.malloc_mmap_threshold  # the peak run's
+    timing_run: bool = True  # time each row again in a process under glibc's default allocator
     smoke: bool = False
 
 
@@ -90,7 +98,7 @@ DEFAULT = TreeBenchConfig()
 # --smoke: tiny-llama at a tiny shape, every row at one K and G; seconds (the tests use it).
 SMOKE = replace(DEFAULT, name="smoke", model="tiny-llama", system_tokens=32, task_tokens=8, turns=2,
                 response_tokens=4, observation_tokens=4, tasks=(2,), groups=(2,), chunk_size=16, threads=1,
-                warm_steps=0, smoke=True)
+                warm_steps=0, timing_run=False, smoke=True)
 
 
 def shape_of(config: TreeBenchConfig, tasks: int, group_size: int) -> TreeShape:
@@ -118,7 +126,9 @@ def pairs(config: TreeBenchConfig) -> list[tuple[int, int]]:
 
 
 def run_row(config: TreeBenchConfig, row: str, tasks: int, group_size: int) -> dict[str, Any]:
-    """One row in a fresh `bench/tree_worker.py`; its entry (status ok or failed, never raising)."""
+    """One row: its peak run (fixed mmap threshold) and, unless a smoke run or the peak run failed, its timing run
+    (glibc's default allocator), each in a fresh `bench/tree_worker.py`; the entry (`common.combine_runs`: status
+    ok or failed, never raising)."""
     shape = shape_of(config, tasks, group_size)
     entry: dict[str, Any] = {"row": row, "plan": row, "tasks": tasks, "group_size": group_size,
                              "counts": asdict(counts(shape)), "token_passes": token_passes(shape, row),
@@ -126,7 +136,15 @@ def run_row(config: TreeBenchConfig, row: str, tasks: int, group_size: int) -> d
     payload = {"row": row, "model": config.model, "dtype": config.dtype, "device": config.device,
                "shape": asdict(shape), "chunk_size": config.chunk_size, "micro_batch": config.micro_batch,
                "seed": config.seed, "warm_steps": config.warm_steps}
-    env = worker_env(config.malloc_mmap_threshold, smoke=config.smoke)
+    peak = {**entry, **_run_worker(config, payload, config.malloc_mmap_threshold)}
+    timed = config.timing_run and peak["status"] == "ok"
+    return combine_runs(peak, _run_worker(config, payload, TIMING_THRESHOLD) if timed else None)
+
+
+def _run_worker(config: TreeBenchConfig, payload: dict[str, Any], mmap_threshold: int) -> dict[str, Any]:
+    """One worker process under `mmap_threshold` (0: glibc's default): its measurement with status ok, or failed
+    with the error and stderr's tail."""
+    env = worker_env(mmap_threshold, smoke=config.smoke)
     if config.threads:
         env["OMP_NUM_THREADS"] = str(config.threads)
     t0 = time.perf_counter()
@@ -135,16 +153,16 @@ def run_row(config: TreeBenchConfig, row: str, tasks: int, group_size: int) -> d
                               capture_output=True, text=True, timeout=config.timeout_s, env=env)
     except subprocess.TimeoutExpired as err:
         stderr = err.stderr.decode(errors="replace") if isinstance(err.stderr, bytes) else (err.stderr or "")
-        return {**entry, "status": "failed", "error": f"timed out after {config.timeout_s} s",
+        return {"status": "failed", "error": f"timed out after {config.timeout_s} s",
                 "stderr_tail": stderr[-STDERR_TAIL:], "process_s": time.perf_counter() - t0}
-    entry["process_s"] = time.perf_counter() - t0
+    result: dict[str, Any] = {"malloc_mmap_threshold": mmap_threshold, "process_s": time.perf_counter() - t0}
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
         error = describe_exit(proc.returncode) if proc.returncode != 0 else "worker printed no result"
         last = proc.stderr.strip().splitlines()[-1:]
-        return {**entry, "status": "failed", "error": error + (f": {last[0]}" if last else ""),
+        return {**result, "status": "failed", "error": error + (f": {last[0]}" if last else ""),
                 "stderr_tail": proc.stderr[-STDERR_TAIL:]}
-    return {**entry, "status": "ok", **json.loads(lines[-1])}
+    return {**result, "status": "ok", **json.loads(lines[-1])}
 
 
 # ---------------------------------------------------------------- ratios, forecasts, checks
@@ -182,7 +200,8 @@ def add_forecasts(results: list[dict[str, Any]], config: TreeBenchConfig) -> Non
         print(f"note: no planner forecast for {config.model} ({err})", file=sys.stderr)
         return
     base = planner.PlanInputs(prompt_tokens=2, response_tokens=1, group_size=1, dtype=config.dtype,
-                              chunk_size=config.chunk_size, device="cpu", optimizer="none")
+                              chunk_size=config.chunk_size, micro_batch=config.micro_batch, device="cpu",
+                              optimizer="none")
     for r in results:
         if r.get("status") != "ok" or r["row"] not in ("flattened", "tree_exact"):
             continue
@@ -418,7 +437,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"rows to run, of {', '.join(ROWS)} (default all)")
     parser.add_argument("--chunk-size", type=positive_int, help=f"LongStraw's chunk (default {DEFAULT.chunk_size})")
     parser.add_argument("--micro-batch", type=positive_int,
-                        help="LongStraw: sibling leaves / responses replayed at once (default 1)")
+                        help=f"LongStraw: sibling leaves / responses replayed at once (default {DEFAULT.micro_batch})")
     parser.add_argument("--threads", type=positive_int,
                         help="torch threads per worker (OMP_NUM_THREADS; default torch's own)")
     parser.add_argument("--warm-steps", type=non_negative_int, metavar="N",

@@ -72,9 +72,13 @@ class PlanInputs:
     # parameter and the full gradient through the step) or "layer" (the decoder layers one at a time through FSDP's
     # hooks; the embeddings and output projection gathered, with their full gradient, through the step).
     fsdp_gather: str = "all"
-    # Of response_tokens, those an environment appended (an agent's tool results): the same memory as generated
-    # tokens (they run through the model and LongStraw computes their log-probs too), only masked from the loss.
+    # Of response_tokens, those an environment appended (an agent's tool results), masked from the loss: they run
+    # through the model as generated tokens do, but LongStraw's replay computes no log-prob for them
+    # (`logprobs.selected_logprobs`), so detach's and exact's log-prob transient counts the loss tokens only.
     observation_tokens: int = 0
+    # exact: loss tokens in one prompt-backward chunk (a prefix tree's inner nodes score their own response turns
+    # while they are recomputed; a group's prompt scores none): that chunk's backward holds their log-prob transient.
+    prompt_loss_tokens: int = 0
 
 
 @dataclass
@@ -189,7 +193,6 @@ def estimate(spec: ModelSpec, inp: PlanInputs, plan: str) -> PlanEstimate:
                 state_grad = (layer + parts.recurrent_grad) if exact else 0
             # else: every layer's copy is saved for the backward: the whole state is on the device anyway
         k = min(inp.micro_batch, g)
-        tokens = k * r
         acts = segment_activation_bytes(spec, b, a, "replay", r, k, inp.checkpoint_layers)
         acts += masked_score_bytes(spec, a, r, min(inp.chunk_size, p - 1), k, inp.checkpoint_layers)
         # With checkpointing, the recurrent layers' recompute terms come after the log-prob's transient has ended
@@ -197,11 +200,15 @@ def estimate(spec: ModelSpec, inp: PlanInputs, plan: str) -> PlanEstimate:
         # its input only): they count against it with a max (attention-only models: acts).
         during_logprob = (segment_activation_bytes(spec, b, a, "replay", r, k, True, scans=False)
                           if inp.checkpoint_layers else acts)
-        c = min(inp.token_chunk, tokens)
-        if a > b:  # bf16/fp16: fp32 logits beside the model-dtype product, then beside the gradient's cast
-            logprob = c * v * (a + b) + v * d * b  # (precision.py), with the (V, d) weight gradient
-        else:
-            logprob = max(2 * c * v * b, c * v * b + v * d * b)
+
+        def logprob_bytes(rows: int) -> int:
+            """The chunked log-prob's transient for `rows` scored rows, with the (V, d) weight gradient."""
+            c = min(inp.token_chunk, rows)
+            if a > b:  # bf16/fp16: fp32 logits beside the model-dtype product, then beside the gradient's cast
+                return c * v * (a + b) + v * d * b  # (precision.py)
+            return max(2 * c * v * b, c * v * b + v * d * b)
+
+        logprob = logprob_bytes(k * max(r - inp.observation_tokens, 1))  # the rows the output projection scores
         dsa = any(m == "dsa" for m in spec.mixers)
         indexer = DSA_SCORE_ROWS * math.ceil(p / inp.cp) * 4 if dsa else 0
         steady = math.ceil(g / k) > 1  # gradients already resident while the next micro-batch runs
@@ -252,6 +259,8 @@ def estimate(spec: ModelSpec, inp: PlanInputs, plan: str) -> PlanEstimate:
                 phases["capture"] += kept
                 phases["replay"] += kept
                 comp["kept_prompt_graphs"] = kept
+            if inp.prompt_loss_tokens:
+                chunk_acts += logprob_bytes(inp.prompt_loss_tokens)
             recompute = chunk_acts if kept_tokens < p - 1 else 0
             first = kept + chunk_acts - saved if kept else 0  # the last chunk's backward, every kept graph alive
             phases["prompt_backward"] = resident + grads + state + state_grad + max(recompute, first) + layer_reduce

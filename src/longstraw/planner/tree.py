@@ -204,6 +204,20 @@ class TreeForecast:
         return self.estimate.step_bytes
 
 
+def inner_loss_rows(shape: TreeShape, chunk: int) -> int:
+    """The most loss tokens one capture chunk of an inner node holds (its recompute scores them): a task's trunk
+    (its C tokens, then the T − m shared turns) and a branching turn that branches again, each chunked from its own
+    start. 0 when no inner node has loss tokens (G = 1: every task a leaf)."""
+    turn = [True] * shape.response_tokens + [False] * shape.observation_tokens
+    m = shape.branch_turns
+    layouts = []
+    if m >= 1:
+        layouts.append([False] * shape.task_tokens + turn * (shape.turns - m))
+    if m >= 2:
+        layouts.append(turn)
+    return max((sum(layout[i:i + chunk]) for layout in layouts for i in range(0, len(layout), chunk)), default=0)
+
+
 def forecast(spec: ModelSpec, shape: TreeShape, base: PlanInputs) -> dict[str, TreeForecast]:
     """Peak memory of one tree step, for the flattened plan and tree `exact` (`base`: dtype, device, chunk and token
     chunk, optimizer, GPU memory; its P, R and G are replaced).
@@ -213,15 +227,21 @@ def forecast(spec: ModelSpec, shape: TreeShape, base: PlanInputs) -> dict[str, T
 
     tree exact: depth first, one root-to-leaf path in memory. Its largest phase is that of one leaf: the path's
     state (N − ℓ positions, as gradient leaves) with its gradient, and the leaf's ℓ tokens replayed with grad, or
-    the recompute of one chunk of an inner node. That is the `exact` plan of a group whose prompt is a leaf's path
-    (P = N − ℓ) and whose responses are single leaves (R = ℓ), every micro-batch after the first (gradients
-    resident), so it does not grow with the number of leaves, tasks or branches."""
+    the recompute of one chunk of an inner node with its loss tokens' log-prob (`inner_loss_rows`). That is the
+    `exact` plan of a group whose prompt is a leaf's path (P = N − ℓ) and whose responses are single leaves
+    (R = ℓ), every micro-batch after the first (gradients resident), so it does not grow with the number of leaves,
+    tasks or branches. base.micro_batch: sibling leaves replayed at once, at most a node's leaf children (B; K when
+    the tasks are the leaves); flattened runs one trajectory at a time."""
     c = counts(shape)
     flat_in = replace(base, prompt_tokens=shape.prompt_tokens, response_tokens=shape.turns * shape.turn_tokens,
-                      observation_tokens=shape.turns * shape.observation_tokens, group_size=shape.trajectories)
+                      observation_tokens=shape.turns * shape.observation_tokens, group_size=shape.trajectories,
+                      micro_batch=1)
+    siblings = shape.branching if shape.branch_turns else shape.tasks
+    k = max(1, min(base.micro_batch, siblings))
     tree_in = replace(base, prompt_tokens=c.path_prefix, response_tokens=c.leaf_tokens,
                       observation_tokens=shape.observation_tokens if shape.branch_turns else 0,
-                      group_size=max(2, c.leaves), micro_batch=1)
+                      group_size=max(2 * k, c.leaves), micro_batch=k,
+                      prompt_loss_tokens=inner_loss_rows(shape, base.chunk_size))
     return {
         "flattened": TreeForecast("flattened", estimate(spec, flat_in, "standard"), flat_in),
         "tree_exact": TreeForecast("tree_exact", estimate(spec, tree_in, "exact"), tree_in),
@@ -275,7 +295,6 @@ def shape_from_args(args: Any) -> TreeShape:
     if missing:
         raise ValueError(f"--tree needs {' and '.join(missing)}")
     refused = [flag for flag, on in (("--gpus", args.gpus > 1), ("--cp", args.cp > 1), ("--tp", args.tp > 1),
-                                     ("--micro-batch", args.micro_batch > 1),
                                      ("--checkpoint-layers", args.checkpoint_layers),
                                      ("--offload-state", args.offload_state),
                                      ("--keep-prompt-graph", bool(args.keep_prompt_graph))) if on]
