@@ -104,6 +104,10 @@ def test_plan_tree_prints_both_forecasts(capsys):
     doc = json.loads(capsys.readouterr().out)
     assert doc["counts"]["tokens_encoded"] == 3327 and doc["token_passes"]["tree_exact"] == 12284
     assert doc["plans"]["tree_exact"]["step_bytes"] < doc["plans"]["flattened"]["step_bytes"]
+    assert main([*TREE, "--json", "--micro-batch", "2"]) == 0  # sibling leaves two at a time
+    pairs = json.loads(capsys.readouterr().out)["plans"]
+    assert pairs["tree_exact"]["as_group"]["micro_batch"] == 2
+    assert pairs["tree_exact"]["step_bytes"] > doc["plans"]["tree_exact"]["step_bytes"]
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -18,14 +18,12 @@ from longstraw.engine.tree.loss import check_sequence_losses
 
 log = logging.getLogger(__name__)
 
-def tree_refusals(options: BackwardOptions, *, context_parallel: bool = False, router_aux: bool = False) -> list[str]:
-    """Why `options` cannot run on a tree (empty: they can); the per-group path then runs them. context_parallel,
-    router_aux: the host sets context_shards / router_aux_coef per group, later."""
+def tree_refusals(options: BackwardOptions, *, router_aux: bool = False) -> list[str]:
+    """Why `options` cannot run on a tree (empty: they can); the per-group path then runs them. router_aux: the host
+    sets router_aux_coef per group, later."""
     out = []
     if options.keep_prompt_graph:
         out.append("keep_prompt_graph > 0 keeps a group prompt's capture graphs; a tree recomputes every node")
-    if options.context_shards is not None or context_parallel:
-        out.append("context parallelism shards one group prompt's state; a tree's nodes are not sharded")
     if options.router_aux_coef or router_aux:
         out.append("the MoE load-balancing loss (router_aux_coef > 0) is counted per group")
     return out

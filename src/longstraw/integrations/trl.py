@@ -347,7 +347,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         self.tree_fallbacks = Fallbacks("LongStrawGRPOTrainer")
         self._tree = bool(getattr(self.args, "longstraw_tree", True))
         if self._tree:
-            reasons = tree_refusals(self._longstraw, context_parallel=cp > 1, router_aux=self.aux_loss_enabled)
+            reasons = tree_refusals(self._longstraw, router_aux=self.aux_loss_enabled)
             for reason in reasons:
                 self.tree_fallbacks.note(reason)
             self._tree = not reasons
@@ -486,6 +486,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         g, rows = self.num_generations, inputs["completion_ids"].size(0)
         kept = [i for first in range(0, rows, g) for i in self._kept_rows(inputs, range(first, first + g))]
         options = self._options(1, inputs)
+        if self._context is not None:  # every process of a context-parallel block runs the tree, as `_group_of`
+            options = replace(options, context_shards=self._context, loss_scale=options.loss_scale / self._context.size)
         if not kept:
             return None
         prompt_ids, prompt_mask, tool_mask = inputs["prompt_ids"], inputs["prompt_mask"], inputs.get("tool_mask")

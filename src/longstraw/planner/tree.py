@@ -335,7 +335,8 @@ def run_from_args(args: Any) -> int:
         spec = spec_from_config(load_config(args.model), name=args.model)
         base = PlanInputs(prompt_tokens=2, response_tokens=1, group_size=1, dtype=args.dtype,
                           gpu_memory=parse_size(args.gpu_memory), chunk_size=args.chunk_size,
-                          token_chunk=args.token_chunk, optimizer=args.optimizer, device=args.device,
+                          micro_batch=args.micro_batch, token_chunk=args.token_chunk, optimizer=args.optimizer,
+                          device=args.device,
                           reserve=parse_size(args.reserve) if args.reserve else None)
         document = forecast_document(spec, shape, base)
     except ValueError as err:
