@@ -156,6 +156,7 @@ def test_bad_arguments_are_argparse_errors(capsys):
     assert exit_info.value.code == 0 and capsys.readouterr().out.startswith("longstraw ")
 
 
+@pytest.mark.slow  # three fresh-process measurements (~10 s); the planner's recorded checks run by default
 def test_checkpoint_dimension_side_by_side_with_planner_prediction(tmp_path, capsys):
     # In-process bench (one worker for all 8 configurations, as --smoke): every plan with and without
     # per-layer activation checkpointing, and the planner's forecast beside each measured peak.

@@ -147,12 +147,13 @@ def train(trainer_cls, config_cls, model_dir, tmp_path, drop_tool_mask=False, so
     return gradients.steps, masks
 
 
-# grpo with the KL term runs in the default suite, with tools= and with environment_factory=; the other normalisers
-# (each ~1 min of three trainings) in `make test-slow` (the rollout_func env_mask test of test_trl.py covers them on
+# grpo with the KL term and tools= runs in the default suite; environment_factory= and the other normalisers (each
+# 20 s to 1 min of three trainings) in `make test-slow` (the rollout_func env_mask test of test_trl.py covers them on
 # the same mask path by default).
 @pytest.mark.parametrize("config,source", [
     pytest.param(dict(loss_type="grpo", beta=0.04), "tools", id="grpo"),
-    pytest.param(dict(loss_type="grpo", beta=0.04), "environment", id="grpo-environment_factory"),
+    pytest.param(dict(loss_type="grpo", beta=0.04), "environment", id="grpo-environment_factory",
+                 marks=pytest.mark.slow),
     pytest.param(dict(loss_type="dapo"), "tools", id="dapo", marks=pytest.mark.slow),
     pytest.param(dict(loss_type="dr_grpo", num_iterations=2), "tools", id="dr_grpo", marks=pytest.mark.slow)])
 def test_tool_results_are_masked_as_trl_masks_them(tmp_path, model_dir, float64_trl_kernel, config, source,
