@@ -239,8 +239,8 @@ def _arch_configs() -> dict[str, Callable[[], object]]:
     # granite-4.0-h-tiny's layout: Mamba2 layers with a NoPE attention layer among them, every layer with a routed MoE
     # (top 6 of 64 -> 2 of 4) beside a shared expert, grouped key/value heads (12:4 -> 4:2), tied embeddings, RMSNorm
     # eps 1e-5; its Mamba2 mixer (conv 4, 1 group, conv bias, no projection bias) shrunk to 8 heads of 16, state 16,
-    # chunk 16. The multipliers are granite-4.0-h-350m's (check.RELEASED: embeddings x 12, residual branches x 0.246,
-    # attention scale 1/64, logits / 3): H-Tiny's own were not found.
+    # chunk 16. The multipliers are granite-4.0-h-350m's (`released.RELEASED`: embeddings x 12, residual branches
+    # x 0.246, attention scale 1/64, logits / 3): H-Tiny's own were not found.
     granite_h = dict(logits_scaling=3.0, embedding_multiplier=12.0, residual_multiplier=0.246,
                      attention_multiplier=0.015625, rms_norm_eps=1e-5, tie_word_embeddings=True, pad_token_id=None,
                      bos_token_id=None, eos_token_id=None)

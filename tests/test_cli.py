@@ -193,7 +193,7 @@ def test_train_help_lists_the_values_its_config_accepts(field, values, capsys):
 
 def test_preset_names_for_help_match_the_presets():
     from longstraw.choices import PACKAGED_MODELS, PRESET_NAMES
-    from longstraw.models.loading import PACKAGED_GGUF
+    from longstraw.models.gguf_files import PACKAGED_GGUF
     from longstraw.models.presets import PRESETS
 
     assert PRESET_NAMES == tuple(PRESETS) and PACKAGED_MODELS == tuple(PACKAGED_GGUF)

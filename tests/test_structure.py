@@ -55,7 +55,8 @@ def test_models_planner_and_tasks_stay_below_the_trainer():
 def test_the_top_level_holds_the_cli_and_few_modules():
     assert {p.name for p in PACKAGE.glob("*.py")} == TOP_LEVEL
     folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
-    assert folders == {"engine", "models", "train", "tasks", "planner", "distributed", "integrations", "bench"}
+    assert folders == {"engine", "models", "admission", "train", "tasks", "planner", "distributed", "integrations",
+                       "bench"}
 
 
 def test_the_walk_sees_function_level_imports(tmp_path):

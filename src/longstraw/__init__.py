@@ -19,6 +19,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from longstraw.admission.loading import load_model
     from longstraw.engine.api import GroupResult, backward_group
     from longstraw.engine.group import Group
     from longstraw.engine.loss import compute_advantages
@@ -26,7 +27,6 @@ if TYPE_CHECKING:
     from longstraw.engine.tree import Trajectory, Tree, build_tree
     from longstraw.engine.tree.api import TreeResult, backward_tree
     from longstraw.models.architecture import SUPPORTED_MODEL_TYPES
-    from longstraw.models.loading import load_model
 
 
 def __getattr__(name: str) -> Any:
@@ -55,7 +55,7 @@ def __getattr__(name: str) -> Any:
 
         return SUPPORTED_MODEL_TYPES
     elif name == "load_model":
-        from longstraw.models.loading import load_model
+        from longstraw.admission.loading import load_model
 
         return load_model
     raise AttributeError(f"module 'longstraw' has no attribute {name!r}")

@@ -33,7 +33,7 @@ DTYPE_ALIASES = {"fp32": "float32", "fp64": "float64", "bf16": "bfloat16", "fp16
 DTYPES = tuple(name for name in DTYPE_BYTES if name not in DTYPE_ALIASES)  # torch's names: float32, float64, ...
 
 # The model presets (`longstraw.models.presets.PRESETS`, random-init configs) and the real models shipped in a PyPI
-# package (`longstraw.models.loading.PACKAGED_GGUF`), by name, for help texts that must not import transformers;
+# package (`longstraw.models.gguf_files.PACKAGED_GGUF`), by name, for help texts that must not import transformers;
 # tests/test_cli.py checks that they match those mappings.
 PRESET_NAMES = ("tiny-llama", "tiny-qwen3", "tiny-mamba2", "b1-llama", "b1-qwen3", "b1-qwen3-next", "b1-deepseek-v3",
                 "b1-mamba2", "gpu-llama-1b", "tiny-llama-long", "deep-smollm2")

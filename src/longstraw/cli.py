@@ -205,7 +205,7 @@ def build_parser() -> Parser:
     tree_bench.add_arguments(tree_parser)
     tree_parser.set_defaults(fail=tree_parser.error)
 
-    from longstraw.models import check
+    from longstraw.admission import check
 
     check_parser = commands.add_parser(
         "check", help="admission check: a tiny float64 copy of a model's own config against transformers",
@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         return _bench(args)
     if args.command == "check":
-        from longstraw.models import check
+        from longstraw.admission import check
 
         return check.run_from_args(args)
     if args.command == "plan":

@@ -1,5 +1,5 @@
 """The families admitted on the CI list (`SUPPORTED_MODEL_TYPES`) through their verification: each family's config
-with a released checkpoint's values (`check.RELEASED`; the class defaults elsewhere) passes `verify`, and a second,
+with a released checkpoint's values (`released.RELEASED`; the class defaults elsewhere) passes `verify`, and a second,
 independent measurement on another shape agrees (prompt 61 in 16-token chunks, micro-batches of 2, another seed):
 `exact` equals `standard` within the verdict's tolerance, and `detach` does not (the prompt state matters). The check
 runs in the default suite, the second measurement in `make test-slow`.
@@ -14,7 +14,9 @@ import pytest
 from helpers import grads, random_group, rel_err
 
 from longstraw import backward_group
-from longstraw.models import architecture, check, verify
+from longstraw.admission import check, released, verify
+from longstraw.admission.tiny import build_tiny_model, tiny_config
+from longstraw.models import architecture
 
 # Families admitted through verification and kept on the CI list (the fast path). The families with tests of their
 # own in tests/engine/state/test_architectures.py are not repeated here.
@@ -28,8 +30,8 @@ VERIFIED_FAMILIES = (
 
 def second_measurement(config, tolerance: float) -> tuple[float, float]:
     """(exact vs standard relative gradient error, detach vs standard) on another shape and seed than `verify`'s."""
-    tiny, _ = verify.tiny_config(config)
-    model = verify.build_tiny_model(tiny, seed=1)
+    tiny, _ = tiny_config(config)
+    model = build_tiny_model(tiny, seed=1)
     vocab = model.get_input_embeddings().num_embeddings
     group = random_group(61, [7, 2, 12], seed=3, vocab=vocab)
     out = {}
@@ -46,14 +48,14 @@ def second_measurement(config, tolerance: float) -> tuple[float, float]:
 @pytest.mark.parametrize("model_type", VERIFIED_FAMILIES)
 def test_family_is_verified_and_on_the_ci_list(model_type):
     assert model_type in architecture.SUPPORTED_MODEL_TYPES
-    verdict = verify.verify(check.sweep_config(model_type))
+    verdict = verify.verify(released.sweep_config(model_type))
     assert verdict.admitted, verdict.summary()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type", VERIFIED_FAMILIES)
 def test_family_second_measurement(model_type):
-    config = check.sweep_config(model_type)
+    config = released.sweep_config(model_type)
     verdict = verify.verify(config)
     exact, detach = second_measurement(config, verdict.tolerance)
     assert exact <= verdict.tolerance, f"{model_type}: exact vs standard {exact:.3g} > {verdict.tolerance:g}"
@@ -63,8 +65,8 @@ def test_family_second_measurement(model_type):
 @pytest.mark.slow
 def test_every_decoder_only_text_type():
     admitted, refused = [], []
-    for model_type in check.causal_lm_types():
-        if model_type in check.NOT_DECODER_ONLY_TEXT:
+    for model_type in released.causal_lm_types():
+        if model_type in released.NOT_DECODER_ONLY_TEXT:
             continue
         row = check._row(model_type)
         if row["kind"] == "refused":
@@ -74,6 +76,6 @@ def test_every_decoder_only_text_type():
             assert any(word in why for word in named), f"{model_type}: refusal without a measured reason: {why}"
             continue
         admitted.append(model_type)
-        exact, _ = second_measurement(check.sweep_config(model_type), row["tolerance"])
+        exact, _ = second_measurement(released.sweep_config(model_type), row["tolerance"])
         assert exact <= row["tolerance"], f"{model_type} admitted but exact vs standard is {exact:.3g}"
     assert len(admitted) >= 90, f"{len(admitted)} admitted, {len(refused)} refused"

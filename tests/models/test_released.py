@@ -1,4 +1,4 @@
-"""The released checkpoints' values the sweep and the family checks run on (`check.RELEASED`): every entry names its
+"""The released checkpoints' values the sweep and the family checks run on (`released.RELEASED`): every entry names its
 checkpoint, its values reach the config the check builds and survive the tiny copy (only sizes shrink), the types
 recorded as equal to their class defaults still are, and the verdict table says whose values each row used."""
 
@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import transformers
 
-from longstraw.models import check, verify
+from longstraw.admission import check, released
+from longstraw.admission.tiny import tiny_config
 
-# Sizes `verify.tiny_config` shrinks (or a layer pattern it cuts to a prefix): not compared after the tiny copy.
+# Sizes `tiny_config` shrinks (or a layer pattern it cuts to a prefix): not compared after the tiny copy.
 _SHRUNK = {"num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
            "shared_expert_intermediate_size", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
            "v_head_dim", "head_dim", "n_group", "topk_group", "num_hidden_layers", "layer_types", "sliding_window",
@@ -45,24 +46,25 @@ def _holds_item(held: dict, key: str, value) -> bool:
 
 
 def test_every_released_entry_names_its_checkpoint():
-    assert set(check.RELEASED) == set(check.RELEASED_CHECKPOINT)
-    assert not set(check.RELEASED) & set(check.RELEASED_EQUALS_DEFAULTS)
-    assert not set(check.RELEASED_NOT_FOUND) & (set(check.RELEASED) | set(check.RELEASED_EQUALS_DEFAULTS))
-    assert set(check.RELEASED) | set(check.RELEASED_EQUALS_DEFAULTS) <= set(check.causal_lm_types()) | {
+    assert set(released.RELEASED) == set(released.RELEASED_CHECKPOINT)
+    assert not set(released.RELEASED) & set(released.RELEASED_EQUALS_DEFAULTS)
+    assert not set(released.RELEASED_NOT_FOUND) & (set(released.RELEASED) | set(released.RELEASED_EQUALS_DEFAULTS))
+    assert set(released.RELEASED) | set(released.RELEASED_EQUALS_DEFAULTS) <= set(released.causal_lm_types()) | {
         "qwen3_5_moe_text"}
 
 
-@pytest.mark.parametrize("model_type", sorted(t for t in check.RELEASED if "text_config" not in check.RELEASED[t]))
+@pytest.mark.parametrize("model_type",
+                         sorted(t for t in released.RELEASED if "text_config" not in released.RELEASED[t]))
 def test_released_values_reach_the_check_and_survive_the_tiny_copy(model_type):
     """The config `longstraw check --all` builds holds every released value, and the tiny float64 copy keeps each one
     that is not a size (a multiplier left at its default 1.0 would hide a missing factor)."""
-    values = check.RELEASED[model_type]
-    config = check.sweep_config(model_type)
+    values = released.RELEASED[model_type]
+    config = released.sweep_config(model_type)
     for key, value in values.items():
         if key == "rotary_pct":  # GPT-NeoX's spelling of the rotated fraction
             key = "partial_rotary_factor"
         assert _holds(config, key, value), f"{model_type}.{key}: {getattr(config, key)!r} != {value!r}"
-    tiny, _ = verify.tiny_config(config)
+    tiny, _ = tiny_config(config)
     for key, value in values.items():
         if key in _SHRUNK:
             continue
@@ -72,10 +74,10 @@ def test_released_values_reach_the_check_and_survive_the_tiny_copy(model_type):
         assert _holds(tiny, key, value), f"tiny {model_type}.{key}: {getattr(tiny, key)!r} != {value!r}"
 
 
-@pytest.mark.parametrize("model_type", sorted(t for t in check.RELEASED if "text_config" in check.RELEASED[t]))
+@pytest.mark.parametrize("model_type", sorted(t for t in released.RELEASED if "text_config" in released.RELEASED[t]))
 def test_a_composite_types_released_text_values_reach_its_text_model(model_type):
-    text = _text(transformers.AutoConfig.for_model(model_type, **check.RELEASED[model_type]))
-    for key, value in check.RELEASED[model_type]["text_config"].items():
+    text = _text(transformers.AutoConfig.for_model(model_type, **released.RELEASED[model_type]))
+    for key, value in released.RELEASED[model_type]["text_config"].items():
         assert _holds(text, key, value), f"{model_type}.text_config.{key}: {getattr(text, key)!r} != {value!r}"
 
 

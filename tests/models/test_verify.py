@@ -13,7 +13,9 @@ import transformers
 from helpers import random_group
 
 from longstraw import backward_group
-from longstraw.models import architecture, check, verify
+from longstraw.admission import check, released, verify
+from longstraw.admission.tiny import build_tiny_model, tiny_config
+from longstraw.models import architecture
 
 
 def _config(model_type: str, **values):
@@ -25,26 +27,26 @@ def test_the_tiny_copy_keeps_multipliers_flags_and_the_layer_pattern():
     go below the 37-token test prompt; depth is the shortest prefix holding every layer kind."""
     granite = _config("granite", logits_scaling=16.0, embedding_multiplier=12.0, residual_multiplier=0.22,
                       attention_multiplier=0.0078125, hidden_act="silu")
-    tiny, note = verify.tiny_config(granite)
+    tiny, note = tiny_config(granite)
     assert (tiny.logits_scaling, tiny.embedding_multiplier, tiny.residual_multiplier, tiny.attention_multiplier) == (
         16.0, 12.0, 0.22, 0.0078125)
     assert tiny.hidden_act == "silu" and tiny.hidden_size == 64 and tiny.num_hidden_layers == 2
     assert "2 of 40 layers" in note or tiny.num_hidden_layers < granite.num_hidden_layers
 
     oss = _config("gpt_oss")
-    tiny, _ = verify.tiny_config(oss)
+    tiny, _ = tiny_config(oss)
     assert tiny.layer_types == oss.layer_types[: tiny.num_hidden_layers]
     assert set(tiny.layer_types) == set(oss.layer_types) and tiny.sliding_window <= 16
     assert tiny.num_local_experts == 4 and tiny.num_experts_per_tok == 2
     assert tiny.rope_parameters == oss.rope_parameters
 
     gemma = _config("gemma3_text")  # 5 sliding layers, then a global one: six layers keep the pattern
-    tiny, _ = verify.tiny_config(gemma)
+    tiny, _ = tiny_config(gemma)
     assert tiny.layer_types == gemma.layer_types[:6] and tiny.layer_types[-1] == "full_attention"
     assert tiny.query_pre_attn_scalar == gemma.query_pre_attn_scalar
 
     qwen = _config("qwen3_moe", num_key_value_heads=4, num_attention_heads=32)  # grouped heads stay grouped
-    tiny, _ = verify.tiny_config(qwen)
+    tiny, _ = tiny_config(qwen)
     assert (tiny.num_attention_heads, tiny.num_key_value_heads) == (4, 2) and tiny.norm_topk_prob == qwen.norm_topk_prob
 
 
@@ -92,7 +94,7 @@ def test_a_wrong_attention_is_refused_naming_the_first_layer(monkeypatch):
 
 
 @pytest.mark.parametrize("model_type, values", [
-    ("phimoe", check.RELEASED["phimoe"]),  # Phi-3.5-MoE: a window on every layer, through the mask only
+    ("phimoe", released.RELEASED["phimoe"]),  # Phi-3.5-MoE: a window on every layer, through the mask only
     ("qwen2_moe", {"use_sliding_window": True, "sliding_window": 4096, "max_window_layers": 28}),  # sliding layers
 ])
 def test_windows_applied_through_the_mask_only_are_read(model_type, values, monkeypatch):
@@ -127,7 +129,7 @@ def test_backward_group_admits_a_verified_type_and_refuses_a_wrong_one(monkeypat
     """A type off the CI list goes through the check once; a refused one fails before any parameter is touched."""
     monkeypatch.setenv("LONGSTRAW_CACHE", str(tmp_path))
     monkeypatch.setattr(verify, "_VERDICTS", {})
-    model = verify.build_tiny_model(verify.tiny_config(_config("opt"))[0])
+    model = build_tiny_model(tiny_config(_config("opt"))[0])
     assert model.config.model_type not in architecture.SUPPORTED_MODEL_TYPES
     backward_group(model, random_group(20, [3, 2]), plan="exact", chunk_size=8)
     assert list((tmp_path / "verdicts").glob("opt-*.json"))

@@ -11,7 +11,7 @@ import transformers
 from packaging.version import Version
 
 from longstraw import Group, backward_group
-from longstraw.models.admission import check_architecture
+from longstraw.admission.admission import check_architecture
 from longstraw.models.architecture import (
     CI_TRANSFORMERS,
     MIN_TRANSFORMERS,

@@ -1,6 +1,6 @@
 """The planner's prompt-state formula against the captured state of every family it reads generically from its
 config (`planner.spec`: plain attention, MLA, DSA, Mamba2 and gated-DeltaNet hybrids, short convolutions): the tiny
-float64 copy `longstraw check` verifies (`verify.tiny_config` of the sweep's config: the class defaults with a
+float64 copy `longstraw check` verifies (`tiny_config` of the sweep's config: the class defaults with a
 released checkpoint's values), captured over 40 positions in 16-token chunks, with every chunk boundary kept (exact)
 and lean (detach: sliding layers drop the chunks no later token sees). The bytes must be equal, not close."""
 
@@ -12,8 +12,9 @@ import transformers
 from helpers import _arch_configs
 
 from longstraw import planner
+from longstraw.admission import released
+from longstraw.admission.tiny import build_tiny_model, tiny_config
 from longstraw.engine.state.capture import capture_prompt
-from longstraw.models import check, verify
 from longstraw.planner import spec as planner_spec
 
 GENERIC_TYPES = (planner_spec.ATTENTION_MODEL_TYPES + planner_spec.MLA_MODEL_TYPES + planner_spec.DSA_MODEL_TYPES
@@ -30,13 +31,13 @@ PARITY_CONFIG = {"nemotron": "nemotron"}
 def _config(model_type: str):
     if model_type in PARITY_CONFIG:
         return _arch_configs()[PARITY_CONFIG[model_type]]()
-    tiny, _ = verify.tiny_config(check.sweep_config(model_type))
+    tiny, _ = tiny_config(released.sweep_config(model_type))
     return tiny
 
 
 @pytest.mark.parametrize("model_type", GENERIC_TYPES + ALIAS_TYPES)
 def test_planner_state_bytes_equal_the_captured_state(model_type):
-    model = verify.build_tiny_model(_config(model_type))
+    model = build_tiny_model(_config(model_type))
     spec = planner.spec_from_config(model.config, model_type)
     state = capture_prompt(model, torch.arange(40), chunk_size=16)  # 3 chunks, all boundaries kept
     lean = capture_prompt(model, torch.arange(40), chunk_size=16, keep_boundaries=False)
@@ -55,10 +56,10 @@ WINDOWED = {
 
 @pytest.mark.parametrize("model_type", sorted(WINDOWED))
 def test_planner_state_bytes_with_sliding_windows(model_type):
-    config = transformers.AutoConfig.for_model(model_type, **{**check.RELEASED.get(model_type, {}),
+    config = transformers.AutoConfig.for_model(model_type, **{**released.RELEASED.get(model_type, {}),
                                                               **WINDOWED[model_type]})
-    tiny, _ = verify.tiny_config(config)
-    model = verify.build_tiny_model(tiny)
+    tiny, _ = tiny_config(config)
+    model = build_tiny_model(tiny)
     spec = planner.spec_from_config(model.config, model_type)
     assert "sliding" in spec.mixers
     state = capture_prompt(model, torch.arange(40), chunk_size=16)
@@ -71,7 +72,7 @@ def test_planner_state_bytes_with_sliding_windows(model_type):
 def test_every_sweep_type_reads_its_own_model_type():
     """Each generic type is a model type some causal-LM class of this transformers has (a text config's own type
     for the multimodal wrappers: `qwen3_5_moe_text`), so no entry of the lists is dead."""
-    types = set(check.causal_lm_types())
+    types = set(released.causal_lm_types())
     assert set(GENERIC_TYPES) <= types | {"qwen3_5_moe_text"}
 
 
@@ -110,7 +111,7 @@ def _gemma4(**changes):
 def test_gemma4_kv_shared_layers_and_per_layer_head_dims(changes):
     """Gemma-4: full layers with a head dim of their own (and, with `attention_k_eq_v`, their own K/V head count),
     KV-shared layers that keep no state; the prompt-backward chunk stops at the last layer that keeps some."""
-    model = verify.build_tiny_model(_gemma4(**changes))
+    model = build_tiny_model(_gemma4(**changes))
     spec = planner.spec_from_config(model.config)
     full_kv = 1 if changes else 2
     assert spec.layer_kv == ((32, 32), (full_kv * 32,) * 2) * 2 + ((0, 0),) * 2
@@ -128,7 +129,7 @@ def test_llama4_chunked_layers_keep_every_position_and_take_the_masked_path():
     config = transformers.Llama4TextConfig(
         hidden_size=64, intermediate_size=96, intermediate_size_mlp=96, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, vocab_size=512, num_local_experts=4, attention_chunk_size=16)
-    model = verify.build_tiny_model(config)
+    model = build_tiny_model(config)
     spec = planner.spec_from_config(model.config)
     assert spec.mixers == ("chunked",) * 3 + ("attention",)
     assert planner.formulas.masked_layers(spec) == 3

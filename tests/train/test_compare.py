@@ -15,7 +15,7 @@ from helpers import faithful_float64, jsonl_dataset
 
 import longstraw.train.trainer
 from longstraw import cli
-from longstraw.models.loading import load_model
+from longstraw.admission.loading import load_model
 from longstraw.train.checkpoints import load_checkpoint, save_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")

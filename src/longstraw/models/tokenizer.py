@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from longstraw.models.loading import converted_gguf, resolve_model_path
+from longstraw.models.gguf_files import converted_gguf, resolve_model_path
 from longstraw.models.presets import PRESETS
 
 

@@ -72,7 +72,7 @@ def load_config(name: str):
     Raises ValueError (with what is accepted) when nothing matches.
     """
     from longstraw.choices import did_you_mean
-    from longstraw.models.loading import PACKAGED_GGUF, converted_gguf, resolve_model_path
+    from longstraw.models.gguf_files import PACKAGED_GGUF, converted_gguf, resolve_model_path
     from longstraw.models.presets import PRESETS
 
     if name == "hybrid-27b":

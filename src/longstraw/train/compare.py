@@ -361,7 +361,7 @@ def weight_divergence(model: str, dtype: str, seeds: list[int], plans: list[str]
                       run_dir_of: dict[tuple[str, int], Path]) -> dict[str, list[dict[str, float]]]:
     """Per plan other than the baseline and per seed: distances between the final weights of that plan's run
     and of the baseline's run of the same seed (trainable parameters, each once even if tied), in float64."""
-    from longstraw.models.loading import load_model
+    from longstraw.admission.loading import load_model
     from longstraw.train.checkpoints import load_checkpoint
 
     out: dict[str, list[dict[str, float]]] = {p: [] for p in plans if p != BASELINE}

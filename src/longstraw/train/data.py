@@ -97,7 +97,7 @@ def check_model(cfg: TrainConfig) -> None:
     """What can be checked of the model without loading it, before anything is written: that its name is a model
     (a preset, a directory, a GGUF file or a hub id), and that --prompt-tokens + --max-new-tokens fit the positions its
     config declares (presets and local directories; a hub or GGUF model's prompts are checked once loaded)."""
-    from longstraw.models.loading import declared_max_positions
+    from longstraw.admission.loading import declared_max_positions
 
     try:
         positions = declared_max_positions(cfg.model)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from longstraw.models import verify
+from longstraw.admission import verify
 from longstraw.models.architecture import (
     RECURRENT_MODEL_TYPES,
     REFUSED_MODEL_TYPES,
