@@ -13,12 +13,12 @@ import torch
 
 from longstraw.admission import verify
 from longstraw.models.architecture import (
-    RECURRENT_MODEL_TYPES,
     REFUSED_MODEL_TYPES,
     check_eval_mode,
     check_transformers_for,
     check_uniform_dtype,
     hf,
+    known_recurrence,
     on_the_ci_list,
 )
 from longstraw.models.composite import language_config
@@ -49,14 +49,11 @@ def admit(model: torch.nn.Module) -> None:
 
 
 def is_recurrent(model: torch.nn.Module) -> bool:
-    """Whether some layer of `model` keeps a conv or recurrent state: a type on `RECURRENT_MODEL_TYPES`, or what the
-    check of its config measured (`verify`, cached)."""
+    """Whether some layer of `model` keeps a conv or recurrent state: what its type says (`known_recurrence`), else
+    what the check of its config measured (`verify`, cached). The public entry points pass it to the engine."""
     config = hf(model).config
-    if config.model_type in RECURRENT_MODEL_TYPES:
-        return True
-    if on_the_ci_list(config.model_type):
-        return False
-    return verify.verdict_for(config).recurrent
+    known = known_recurrence(config.model_type)
+    return verify.verdict_for(config).recurrent if known is None else known
 
 
 def check_architecture(model: torch.nn.Module, max_length: int) -> None:

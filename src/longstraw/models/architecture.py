@@ -225,6 +225,17 @@ def on_the_ci_list(model_type: str, version: str | None = None) -> bool:
     return model_type in SUPPORTED_MODEL_TYPES and (model_type in TESTED_ON_OLDEST or version == CI_TRANSFORMERS)
 
 
+def known_recurrence(model_type: str) -> bool | None:
+    """Whether some layer of a `model_type` model keeps a conv or recurrent state, where the type says it: True on
+    `RECURRENT_MODEL_TYPES`, False for any other type on CI's list (`on_the_ci_list`), None for a type only the check
+    of its config measures (`longstraw.admission.admission.is_recurrent`)."""
+    if model_type in RECURRENT_MODEL_TYPES:
+        return True
+    if on_the_ci_list(model_type):
+        return False
+    return None
+
+
 def check_eval_mode(model: torch.nn.Module) -> None:
     """Refuse a model any of whose modules is in train() mode, naming the first one.
 
