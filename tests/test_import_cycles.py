@@ -1,14 +1,32 @@
-"""No import cycle among the modules of `longstraw.bench` and of `longstraw.planner`: every import is
-counted, including the lazy ones inside functions, since a lazy import only hides a cycle until it runs."""
+"""The floors of `longstraw`: every module sits on a floor (`FLOORS`), imports only from its own floor or lower ones,
+and neither the folders nor the modules import each other in a cycle. Every import is counted, including the lazy
+ones inside functions and those under `TYPE_CHECKING`, since a lazy import only hides a dependency until it runs."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
-import pytest
-
 SRC = Path(__file__).resolve().parents[1] / "src"
+
+# Bottom -> top: a module of one entry may import only from entries of its floor or below. An entry holds the module
+# of that name and every module under it; the package's own `__init__` is the entry `longstraw` alone.
+FLOORS: dict[str, int] = {
+    "longstraw.choices": 1,
+    "longstraw.plan": 1,
+    "longstraw.models": 2,
+    "longstraw.tasks": 2,
+    "longstraw.engine": 3,
+    "longstraw.planner": 4,
+    "longstraw.peak": 4,
+    "longstraw.admission": 5,
+    "longstraw.api": 6,
+    "longstraw.distributed": 7,
+    "longstraw.train": 8,
+    "longstraw.integrations": 9,
+    "longstraw.cli": 10,
+    "longstraw": 10,
+}
 
 
 def _imported(path: Path, package: str, modules: set[str]) -> set[str]:
@@ -52,23 +70,6 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return cycles
 
 
-def import_graph(package: str) -> dict[str, set[str]]:
-    folder = SRC.joinpath(*package.split("."))
-    files = {f"{package}.{p.stem}": p for p in folder.glob("*.py") if p.stem != "__init__"}
-    return {module: _imported(path, package, set(files)) - {module} for module, path in files.items()}
-
-
-@pytest.mark.parametrize("package", ["longstraw.bench", "longstraw.planner"])
-def test_no_import_cycle(package):
-    graph = import_graph(package)
-    assert len(graph) > 3 and any(graph.values())  # the walk found the modules and their imports
-    assert _cycles(graph) == []
-
-
-def test_the_cycle_finder_finds_one():
-    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == [["a", "b", "c", "a"]]
-
-
 def whole_package_graph() -> dict[str, set[str]]:
     """Every module under src/longstraw (packages by their `__init__`), with the package modules it imports."""
     files = {}
@@ -80,7 +81,78 @@ def whole_package_graph() -> dict[str, set[str]]:
             - {module} for module, path in files.items()}
 
 
-def test_no_import_cycle_in_the_whole_package():
+def entry(module: str, floors: dict[str, int] = FLOORS) -> str | None:
+    """The entry of `floors` that holds `module` (the longest one naming it or a package above it), or None. The
+    root package's entry holds its `__init__` alone."""
+    if module in floors:
+        return module
+    names = [name for name in floors if "." in name and module.startswith(name + ".")]
+    return max(names, key=len) if names else None
+
+
+def unplaced(graph: dict[str, set[str]], floors: dict[str, int] = FLOORS) -> list[str]:
+    """The modules of `graph` that no entry of `floors` holds."""
+    return sorted(module for module in graph if entry(module, floors) is None)
+
+
+def upward_imports(graph: dict[str, set[str]], floors: dict[str, int] = FLOORS) -> list[str]:
+    """Every import of a module on a higher floor, as 'importer (floor) -> imported (floor)'."""
+    arrows = []
+    for module, imported in sorted(graph.items()):
+        here = entry(module, floors)
+        for other in sorted(imported):
+            there = entry(other, floors)
+            if here is not None and there is not None and floors[there] > floors[here]:
+                arrows.append(f"{module} ({floors[here]}) -> {other} ({floors[there]})")
+    return arrows
+
+
+def folder_graph(graph: dict[str, set[str]], floors: dict[str, int] = FLOORS) -> dict[str, set[str]]:
+    """The imports between the entries of `floors` (each module counted in the entry that holds it)."""
+    folders: dict[str, set[str]] = {}
+    for module, imported in graph.items():
+        here = entry(module, floors) or module
+        targets = {entry(other, floors) or other for other in imported} - {here}
+        folders.setdefault(here, set()).update(targets)
+        for target in targets:
+            folders.setdefault(target, set())
+    return folders
+
+
+def test_the_walk_finds_the_package_and_its_imports():
     graph = whole_package_graph()
-    assert len(graph) > 50 and "longstraw.engine.api" in graph["longstraw.train.trainer"]
-    assert _cycles(graph) == []
+    assert len(graph) > 50 and "longstraw.admission.loading" in graph["longstraw.train.trainer"]
+
+
+def test_every_module_sits_on_a_floor():
+    """A new folder or top-level module must be placed in `FLOORS` before its imports can be checked."""
+    missing = unplaced(whole_package_graph())
+    assert not missing, "modules on no floor:\n" + "\n".join(missing)
+
+
+def test_no_module_imports_from_a_higher_floor():
+    arrows = upward_imports(whole_package_graph())
+    assert not arrows, "imports of a higher floor:\n" + "\n".join(arrows)
+
+
+def test_no_import_cycle_between_folders():
+    cycles = _cycles(folder_graph(whole_package_graph()))
+    assert not cycles, "folder cycles:\n" + "\n".join(" -> ".join(cycle) for cycle in cycles)
+
+
+def test_no_import_cycle_between_modules():
+    cycles = _cycles(whole_package_graph())
+    assert not cycles, "module cycles:\n" + "\n".join(" -> ".join(cycle) for cycle in cycles)
+
+
+def test_the_cycle_finder_finds_one():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == [["a", "b", "c", "a"]]
+
+
+def test_the_floor_checks_find_an_unplaced_module_and_an_upward_import():
+    floors = {"p.low": 1, "p.high": 2, "p": 3}
+    graph = {"p.low.a": {"p.high.b"}, "p.high.b": {"p.low.a"}, "p.new.c": set(), "p": {"p.high.b"}}
+    assert unplaced(graph, floors) == ["p.new.c"]
+    assert upward_imports(graph, floors) == ["p.low.a (1) -> p.high.b (2)"]
+    assert entry("p.lower.x", floors) is None  # a prefix of a name is not its package
+    assert _cycles(folder_graph(graph, floors)) == [["p.high", "p.low", "p.high"]]
