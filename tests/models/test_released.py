@@ -46,7 +46,8 @@ def _holds_item(held: dict, key: str, value) -> bool:
 
 
 def test_every_released_entry_names_its_checkpoint():
-    assert set(released.RELEASED) == set(released.RELEASED_CHECKPOINT)
+    assert set(released.RELEASED) == set(released.RELEASED_CHECKPOINT) == set(released.RELEASED_SOURCE)
+    assert all(released.RELEASED_CHECKPOINT.values()) and all(released.RELEASED_SOURCE.values())
     assert not set(released.RELEASED) & set(released.RELEASED_EQUALS_DEFAULTS)
     assert not set(released.RELEASED_NOT_FOUND) & (set(released.RELEASED) | set(released.RELEASED_EQUALS_DEFAULTS))
     assert set(released.RELEASED) | set(released.RELEASED_EQUALS_DEFAULTS) <= set(released.causal_lm_types()) | {
@@ -132,3 +133,14 @@ def test_the_verdict_table_says_whose_values_each_row_used():
     assert "| class defaults, checked equal to ai21labs/AI21-Jamba-1.5-Mini |" in table
     assert table.rstrip().endswith("| `llama` | exact within float32 kernels | max error 1.0e-08 (tolerance 1e-06) | "
                                    "class defaults |")
+
+
+def test_the_released_configs_ship_as_package_data():
+    """The data file sits in the package and the project ships it (an installed wheel reads it)."""
+    import tomllib
+    from importlib import resources
+    from pathlib import Path
+
+    assert resources.files("longstraw.admission").joinpath("released_configs.json").is_file()
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    assert "released_configs.json" in pyproject["tool"]["setuptools"]["package-data"]["longstraw.admission"]
