@@ -1,6 +1,6 @@
-"""Admission by verification (`models/verify.py`, `longstraw check`): the tiny copy keeps what shapes the computation,
-a correct engine is admitted, a wrong one is refused with the measured difference and where it starts, and the
-verdict is cached per config and version."""
+"""Admission by verification (`admission/verify.py`, `longstraw check`): the tiny copy keeps what shapes the
+computation, a correct engine is admitted, a wrong one is refused with the measured difference and where it starts,
+and the verdict is cached per config and version."""
 
 from __future__ import annotations
 
