@@ -1,5 +1,5 @@
 """The package's layering as folder rules: the engine (one group's gradient) imports nothing from the trainer,
-bench, distributed or integrations folders; models/, planner/ and tasks/ none of those either; the top level holds
+bench, distributed or integrations folders; models/, planner/, admission/ and tasks/ none of those; the top level holds
 few modules; and the context-parallel group implements the protocol through which the engine uses it."""
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ def test_the_engine_imports_nothing_from_train_bench_distributed_or_integrations
     assert _offenders(("engine",), OUTER) == {}
 
 
-def test_models_planner_and_tasks_stay_below_the_trainer():
-    assert _offenders(("models", "planner"), OUTER) == {}
+def test_models_planner_admission_and_tasks_stay_below_the_trainer():
+    assert _offenders(("models", "planner", "admission"), OUTER) == {}
     assert _offenders(("tasks",), ("longstraw.bench", "longstraw.distributed", "longstraw.integrations")) == {}
 
 
