@@ -119,6 +119,31 @@ def folder_graph(graph: dict[str, set[str]], floors: dict[str, int] = FLOORS) ->
     return folders
 
 
+def missing_modules() -> list[str]:
+    """Every `longstraw` module an import statement names that is not in the package, as 'importer -> name' (such an
+    import would escape the floor checks, which see only the package's own modules)."""
+    graph = whole_package_graph()
+    found = []
+    for path in (SRC / "longstraw").rglob("*.py"):
+        parts = path.relative_to(SRC).with_suffix("").parts
+        importer = ".".join(parts[:-1]) if parts[-1] == "__init__" else ".".join(parts)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                names = [node.module]
+            else:
+                continue
+            found += [f"{importer} -> {name}" for name in names if name.split(".")[0] == "longstraw"
+                      and name not in graph]
+    return sorted(found)
+
+
+def test_every_import_of_the_package_names_one_of_its_modules():
+    missing = missing_modules()
+    assert not missing, "imports of no module:\n" + "\n".join(missing)
+
+
 def test_the_walk_finds_the_package_and_its_imports():
     graph = whole_package_graph()
     assert len(graph) > 50 and "longstraw.admission.loading" in graph["longstraw.train.trainer"]
