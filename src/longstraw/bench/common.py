@@ -231,7 +231,7 @@ def check_out(out: str | None, fail: Callable[[str], Any]) -> None:
 def check_model(name: str, fail: Callable[[str], Any]) -> None:
     """The benches' --model rule: a preset, packaged model, local directory or file, or a hub id, checked before
     any work (`models.loading.check_model_name`)."""
-    from longstraw.models.loading import check_model_name
+    from longstraw.admission.loading import check_model_name
 
     try:
         check_model_name(name)
@@ -419,7 +419,7 @@ def load_bench_model(name: str, dtype: str, device: str = "cpu"):
     and 5 GB of host memory."""
     import torch
 
-    from longstraw.models.loading import load_model
+    from longstraw.admission.loading import load_model
 
     model = load_model(name, dtype=dtype, device=device, seed=0, init_on_device=torch.device(device).type == "cuda")
     # Weights loaded from safetensors can stay memory-mapped: their pages become resident only when the step first

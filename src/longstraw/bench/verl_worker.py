@@ -65,9 +65,9 @@ def _module(name: str) -> Any:
 
 def save_model(name: str, folder: str, max_length: int) -> dict[str, Any]:
     """The row's model, built with seed 0 (a preset: random init), checked, saved to `folder` for verl to load."""
-    from longstraw.models.admission import check_architecture
+    from longstraw.admission.admission import check_architecture
+    from longstraw.admission.loading import load_model
     from longstraw.models.architecture import hf
-    from longstraw.models.loading import load_model
 
     model = load_model(name, dtype="float32", device="cpu", seed=0)
     check_architecture(model, max_length)  # a model type LongStraw supports on this transformers

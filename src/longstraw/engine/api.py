@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from longstraw.admission.admission import check_architecture, is_recurrent
 from longstraw.engine.activation_checkpointing import checkpointed_layers
 from longstraw.engine.group import Group
 from longstraw.engine.loss import GroupTotals, response_loss
@@ -38,7 +39,6 @@ from longstraw.engine.router import RouterAux, RouterCounts, aux_value
 from longstraw.engine.state.checks import check_materialised, check_prompt_state
 from longstraw.engine.state.prompt import PromptState
 from longstraw.engine.tp_check import check_tensor_parallel_model
-from longstraw.models.admission import check_architecture, is_recurrent
 from longstraw.models.architecture import eval_mode_when_equal, hf
 from longstraw.models.composite import text_config
 

@@ -35,6 +35,7 @@ try:
 except ImportError as err:  # pragma: no cover - exercised only without the extra
     raise ImportError(f"longstraw.integrations.trl needs TRL: pip install 'longstraw[trl]' ({err})") from err
 
+from longstraw.admission.admission import check_architecture
 from longstraw.distributed.context import check_supported as check_context_supported
 from longstraw.distributed.context import context_blocks
 from longstraw.distributed.fsdp import check_same_work, sharded_compute
@@ -48,7 +49,6 @@ from longstraw.engine.tree.build import Trajectory, Tree
 from longstraw.integrations.deepspeed import gathered as deepspeed_gathered
 from longstraw.integrations.deepspeed import hand_over, plain_leaves
 from longstraw.integrations.tree_batch import Fallbacks, tree_of, tree_refusals
-from longstraw.models.admission import check_architecture
 from longstraw.models.architecture import eval_mode_when_equal, hf
 
 __all__ = ["LongStrawGRPOConfig", "LongStrawGRPOTrainer"]

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from longstraw.admission.admission import check_architecture, is_recurrent
 from longstraw.engine.activation_checkpointing import checkpointed_layers
 from longstraw.engine.api import _options, check_model_options
 from longstraw.engine.options import BackwardOptions
@@ -25,7 +26,6 @@ from longstraw.engine.state.checks import check_materialised
 from longstraw.engine.tree.build import Trajectory, Tree, build_tree
 from longstraw.engine.tree.loss import TreeLoss, check_sequence_losses
 from longstraw.engine.tree.plans import Walk, detach, exact, standard
-from longstraw.models.admission import check_architecture, is_recurrent
 from longstraw.models.architecture import eval_mode_when_equal, hf
 from longstraw.models.composite import text_config
 
