@@ -4,7 +4,7 @@
 accelerate enables FSDP only for accelerator distributed types (MULTI_GPU, ...); on CPU processes (MULTI_CPU,
 `ACCELERATE_USE_CPU=1` or `use_cpu=True`) it drops the FSDP plugin silently and runs plain DDP, so a CPU run of
 `fsdp=True` would not be sharded. DeepSpeed it refuses on CPU processes, and without them finds no backend on a
-machine without an accelerator. The tests (tests/integrations/) and `longstraw bench trl-scale` run FSDP2 and
+machine without an accelerator. The tests (tests/integrations/) and `python -m benchmarks trl-scale` run FSDP2 and
 DeepSpeed on CPU processes through these patches; nothing in the library calls them. Imports accelerate when called.
 """
 

@@ -3,7 +3,7 @@
 verl ships cuda, npu and rocm platforms only, and registers its FSDP engines for those devices, so its
 `TrainingWorker` cannot be built on a machine without an accelerator. `use_cpu()` registers a CPU platform (devices
 "cpu", collectives gloo, memory statistics 0), selects it, and registers verl's own `FSDPEngineWithLMHead` for the
-"cpu" device, its code unchanged. The tests (tests/integrations/test_verl.py) and `longstraw bench verl` run verl's
+"cpu" device, its code unchanged. The tests (tests/integrations/test_verl.py) and `python -m benchmarks verl` run verl's
 actor update on CPU through it; nothing in the library calls it. Imports verl when called.
 """
 
