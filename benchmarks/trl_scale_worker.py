@@ -13,7 +13,7 @@ function (`_generate_single_turn` returns G fixed completions of exactly R token
 beta 0 (no reference model), float32 without autocast, plain SGD without momentum (`optim="sgd"`: no optimizer state,
 so this first step's peak is every step's), TRL's gradient clipping (max_grad_norm 1), and TRL's own default
 activation checkpointing unless the job turns it off (LongStraw follows it: per-layer checkpointing). FSDP rows set
-`fsdp=True, fsdp_config={"version": 2}` and enable accelerate's FSDP path on CPU (`integrations.accelerate_cpu`);
+`fsdp=True, fsdp_config={"version": 2}` and enable accelerate's FSDP path on CPU (`benchmarks.accelerate_cpu`);
 each checks that its parameters really are DTensors. TRL rows score only the completion positions in TRL's LM head,
 as TRL does on CUDA (`peers_worker._compact_head_on_every_device`; on CPU TRL would project every prompt position).
 
@@ -161,7 +161,7 @@ def run_row(shape: dict[str, Any], row: dict[str, Any]) -> dict[str, Any]:
 
     import longstraw.integrations.trl as drop_in
     from benchmarks.peers_worker import _compact_head_on_every_device
-    from longstraw.integrations.accelerate_cpu import accelerate_fsdp_on_cpu
+    from benchmarks.accelerate_cpu import accelerate_fsdp_on_cpu
     from longstraw.models.tokenizer import byte_tokenizer_hf
 
     os.environ.pop("ACCELERATE_USE_FSDP", None)  # an earlier FSDP row's, in a shared process (--smoke)

@@ -6,7 +6,7 @@ each row the process writes the JSON list of the measurements so far to OUT_PATH
 LONGSTRAW_PLAN (the row's plan) and LONGSTRAW_CHUNK_SIZE (the shape's chunk) in the environment, which
 `longstraw.integrations.verl` reads inside the update.
 
-What runs: verl on CPU (`integrations.verl_cpu.use_cpu`), a 1-rank gloo group, verl's `TrainingWorker` with the
+What runs: verl on CPU (`benchmarks.verl_cpu.use_cpu`), a 1-rank gloo group, verl's `TrainingWorker` with the
 fsdp2 strategy on that rank (parameters are DTensors of a 1-rank mesh), float32 parameters and mixed precision all
 float32, verl's defaults otherwise (per-layer activation checkpointing on, `use_remove_padding` as the row says),
 sdpa attention, and the engine the row names registered for the "cpu" device: verl's `FSDPEngineWithLMHead` or
@@ -158,7 +158,7 @@ def packed_mask_bytes(row: dict[str, Any], shape: dict[str, Any]) -> int:
 
 def run_row(shape: dict[str, Any], row: dict[str, Any]) -> dict[str, Any]:
     """Build the row's worker, run one `train_mini_batch`, return the measurement (module docstring)."""
-    from longstraw.integrations.verl_cpu import use_cpu
+    from benchmarks.verl_cpu import use_cpu
 
     use_cpu()
     import torch.distributed as dist
