@@ -160,8 +160,8 @@ def run_row(shape: dict[str, Any], row: dict[str, Any]) -> dict[str, Any]:
     from trl import GRPOConfig, GRPOTrainer
 
     import longstraw.integrations.trl as drop_in
-    from benchmarks.peers_worker import _compact_head_on_every_device
     from benchmarks.accelerate_cpu import accelerate_fsdp_on_cpu
+    from benchmarks.peers_worker import _compact_head_on_every_device
     from longstraw.models.tokenizer import byte_tokenizer_hf
 
     os.environ.pop("ACCELERATE_USE_FSDP", None)  # an earlier FSDP row's, in a shared process (--smoke)
