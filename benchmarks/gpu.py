@@ -28,6 +28,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -119,6 +120,42 @@ def _run_gpu_tests(cfg: GpuBenchConfig, out_dir: str, timeout_s: float) -> dict[
     return doc
 
 
+def _record(entry: dict[str, Any], job: MemoryBenchConfig, label: str, summary: dict[str, Any]) -> None:
+    """Complete a finished configuration's entry (its forecast over its peak), print its line after `label`, and add
+    its check to the summary."""
+    entry["micro_batch"], entry["chunk_size"] = job.micro_batch, job.chunk_size
+    predicted = entry["predicted_step_bytes"]
+    if entry.get("status") == "ok":
+        forecast = "(no planner forecast)"
+        if isinstance(predicted, int):
+            entry["predicted_over_measured"] = predicted / max(1, int(entry["peak_bytes"]))
+            forecast = f"(planner {predicted / MIB:9.1f})"
+        note = f"peak {entry['peak_bytes'] / MIB:9.1f} MiB {forecast}  {entry['time_s']:7.2f} s"
+    else:
+        note = f"{entry['status']}: {entry.get('error')}"
+    print(f"{label} {note}", file=sys.stderr, flush=True)
+    summary["checks"].append({k: entry.get(k) for k in (
+        "plan", "group_size", "prompt_tokens", "micro_batch", "chunk_size", "status", "peak_bytes",
+        "predicted_step_bytes", "time_s")})
+
+
+def _b1_at(cfg: GpuBenchConfig, job: MemoryBenchConfig, run: Callable[[list[Any]], list[dict[str, Any]]],
+           out_dir: str, summary: dict[str, Any]) -> None:
+    """Part 1 at one prompt length: B1 (every plan and G) through `run`; its document memory-P<P>.json (+ PNG)."""
+    from benchmarks.plots import plot_memory
+
+    p = job.prompt_tokens
+    results = run([(job, plan, g, f"B1 P={p} G={g}") for g in cfg.groups for plan in cfg.plans])
+    doc = {"bench": "memory", "started": summary["started"], "config": asdict(job), "machine": summary["machine"],
+           "results": results, "ratios": compute_ratios(results)}
+    summary.setdefault("b1", {})[str(p)] = {"results": results, "ratios": doc["ratios"]}
+    path = os.path.join(out_dir, f"memory-P{p}.json")
+    write_json(path, doc)
+    if cfg.plots:
+        plot_memory(doc, os.path.splitext(path)[0] + ".png")
+    summary["documents"].append(path)
+
+
 def run_gpu_bench(cfg: GpuBenchConfig, out_dir: str) -> dict[str, Any]:
     """Run the parts in order (module docstring) until the deadline; write every document into out_dir."""
     os.makedirs(out_dir, exist_ok=True)
@@ -162,38 +199,13 @@ def run_gpu_bench(cfg: GpuBenchConfig, out_dir: str) -> dict[str, Any]:
             for (i, _), m in zip(todo, measured):
                 entries[i].update(m)
         for entry, (job, plan, _, label) in zip(entries, jobs):
-            entry["micro_batch"], entry["chunk_size"] = job.micro_batch, job.chunk_size
-            predicted = entry["predicted_step_bytes"]
-            if entry.get("status") == "ok":
-                forecast = "(no planner forecast)"
-                if isinstance(predicted, int):
-                    entry["predicted_over_measured"] = predicted / max(1, int(entry["peak_bytes"]))
-                    forecast = f"(planner {predicted / MIB:9.1f})"
-                note = f"peak {entry['peak_bytes'] / MIB:9.1f} MiB {forecast}  {entry['time_s']:7.2f} s"
-            else:
-                note = f"{entry['status']}: {entry.get('error')}"
-            print(f"[{time.perf_counter() - t_start:5.0f} s] {label:<24} {plan:<17} {note}", file=sys.stderr,
-                  flush=True)
-            summary["checks"].append({k: entry.get(k) for k in (
-                "plan", "group_size", "prompt_tokens", "micro_batch", "chunk_size", "status", "peak_bytes",
-                "predicted_step_bytes", "time_s")})
+            _record(entry, job, f"[{time.perf_counter() - t_start:5.0f} s] {label:<24} {plan:<17}", summary)
         return entries
 
     base = replace(B1, model=cfg.model, dtype=cfg.dtype, device=cfg.device, response_tokens=cfg.response_tokens,
                    chunk_size=cfg.chunk_size, groups=cfg.groups, plans=cfg.plans)
-    from benchmarks.plots import plot_memory
-
     for p in cfg.prompts:
-        job = replace(base, prompt_tokens=p)
-        results = run([(job, plan, g, f"B1 P={p} G={g}") for g in cfg.groups for plan in cfg.plans])
-        doc = {"bench": "memory", "started": summary["started"], "config": asdict(job), "machine": machine,
-               "results": results, "ratios": compute_ratios(results)}
-        summary.setdefault("b1", {})[str(p)] = {"results": results, "ratios": doc["ratios"]}
-        path = os.path.join(out_dir, f"memory-P{p}.json")
-        write_json(path, doc)
-        if cfg.plots:
-            plot_memory(doc, os.path.splitext(path)[0] + ".png")
-        summary["documents"].append(path)
+        _b1_at(cfg, replace(base, prompt_tokens=p), run, out_dir, summary)
 
     if cfg.longest_from:
         summary["longest_exact"] = _longest_exact(cfg, base, run, out_dir, summary)

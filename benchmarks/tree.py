@@ -490,13 +490,10 @@ def run_from_args(args: argparse.Namespace) -> int:
     return 0
 
 
-BENCHMARKS = (
-    Benchmark(
-        name="tree", help="a tau^2-bench-shaped agent batch of prefix trees: flattened, per group, packed tree mask, "
-                     "LongStraw tree exact and detach",
-        description="A shared system prompt, K tasks, G branching multi-turn trajectories per task, run five ways, "
-                    "each row in a fresh process: peak memory, step time, the token-pass floor beside the measured "
-                    "ratio, the planner's forecast; K and G swept; table, JSON and plot.",
-        add_arguments=add_arguments, run=run_from_args,
-    ),
-)
+BENCHMARKS = (Benchmark(
+    name="tree", help="a tau^2-bench-shaped agent batch of prefix trees: flattened, per group, packed tree mask, "
+                      "LongStraw tree exact and detach",
+    description="A shared system prompt, K tasks, G branching multi-turn trajectories per task, run five ways, each "
+                "row in a fresh process: peak memory, step time, the token-pass floor beside the measured ratio, the "
+                "planner's forecast; K and G swept; table, JSON and plot.",
+    add_arguments=add_arguments, run=run_from_args),)

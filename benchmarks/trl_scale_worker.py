@@ -153,6 +153,27 @@ class StepMeter:
             at_rest_bytes=self.record["param_bytes"] + self.record.get("optimizer_state_bytes", 0) + left_grads)
 
 
+def trainer_settings(shape: dict[str, Any], row: dict[str, Any], ours: bool) -> dict[str, Any]:
+    """The GRPOConfig arguments of a row: one group of G per rank, one SGD step, fixed completions of R tokens; FSDP2
+    when the row asks; for ours, LongStraw's plan, chunk, context parallelism and gathering."""
+    g, r = int(shape["group_size"]), int(shape["response_tokens"])
+    settings: dict[str, Any] = dict(
+        per_device_train_batch_size=g, num_generations=g, max_completion_length=r, max_steps=1, loss_type="grpo",
+        beta=0.0, optim="sgd", learning_rate=1e-6, lr_scheduler_type="constant", bf16=False, fp16=False,
+        use_cpu=True, gradient_checkpointing=bool(shape["gradient_checkpointing"]),
+        mask_truncated_completions=False, report_to="none", save_strategy="no", logging_strategy="no",
+        disable_tqdm=True, seed=0, dataloader_num_workers=0)
+    if row["fsdp"]:
+        settings.update(fsdp=True, fsdp_config={"version": 2})
+    if ours:
+        # The per-group path (longstraw_tree=False), whose backward_group calls the row records; each rank's batch
+        # is one prompt's group, which a tree would compute the same way.
+        settings.update(longstraw_plan="exact", longstraw_chunk_size=int(shape["chunk_size"]),
+                        longstraw_cp=int(row["cp"]), longstraw_fsdp_gather=str(row.get("gather", "all")),
+                        longstraw_tree=False)
+    return settings
+
+
 def run_row(shape: dict[str, Any], row: dict[str, Any]) -> dict[str, Any]:
     """Build the row's trainer, train one optimizer step, return this rank's measurement (module docstring)."""
     import torch.distributed as dist
@@ -170,21 +191,8 @@ def run_row(shape: dict[str, Any], row: dict[str, Any]) -> dict[str, Any]:
     ours = row["trainer"] == "longstraw"
     if not ours:
         _compact_head_on_every_device()
-    g, p, r = int(shape["group_size"]), int(shape["prompt_tokens"]), int(shape["response_tokens"])
-    settings: dict[str, Any] = dict(
-        per_device_train_batch_size=g, num_generations=g, max_completion_length=r, max_steps=1, loss_type="grpo",
-        beta=0.0, optim="sgd", learning_rate=1e-6, lr_scheduler_type="constant", bf16=False, fp16=False,
-        use_cpu=True, gradient_checkpointing=bool(shape["gradient_checkpointing"]),
-        mask_truncated_completions=False, report_to="none", save_strategy="no", logging_strategy="no",
-        disable_tqdm=True, seed=0, dataloader_num_workers=0)
-    if row["fsdp"]:
-        settings.update(fsdp=True, fsdp_config={"version": 2})
-    if ours:
-        # The per-group path (longstraw_tree=False), whose backward_group calls the row records; each rank's batch
-        # is one prompt's group, which a tree would compute the same way.
-        settings.update(longstraw_plan="exact", longstraw_chunk_size=int(shape["chunk_size"]),
-                        longstraw_cp=int(row["cp"]), longstraw_fsdp_gather=str(row.get("gather", "all")),
-                        longstraw_tree=False)
+    p, r = int(shape["prompt_tokens"]), int(shape["response_tokens"])
+    settings = trainer_settings(shape, row, ours)
     trainer_cls, config_cls = ((drop_in.LongStrawGRPOTrainer, drop_in.LongStrawGRPOConfig) if ours
                                else (GRPOTrainer, GRPOConfig))
     model = load_bench_model(str(shape["model"]), str(shape["dtype"]))
