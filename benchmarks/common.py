@@ -261,7 +261,7 @@ def _unpack(job: Job) -> tuple[MemoryBenchConfig, str, int, str]:
 
 def worker_config(config: MemoryBenchConfig, plan: str, group_size: int,
                   checkpoint: str = "none") -> dict[str, Any]:
-    """The JSON object `bench/worker.py` reads (every key of its `CONFIG_KEYS`)."""
+    """The JSON object `benchmarks/worker.py` reads (every key of its `CONFIG_KEYS`)."""
     return {
         "model": config.model, "dtype": config.dtype, "device": config.device,
         "prompt_tokens": config.prompt_tokens, "response_tokens": config.response_tokens,

@@ -1,6 +1,6 @@
 """One rank of `python -m benchmarks cp`: `python -m benchmarks.cp_worker '<json config>' OUT_PATH`.
 
-Launched C x T times with torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) by `bench/cp.py`.
+Launched C x T times with torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) by `benchmarks/cp.py`.
 Every rank loads the same model and group, splits it by heads over T ranks with transformers' tensor-parallel plan
 when T > 1 (`distributed/tp.py`), runs one `backward_group` with the prompt state sharded over the C ranks of its
 context-parallel group (C = 1: no context parallelism), and writes its own measurement — peak memory as in

@@ -32,7 +32,7 @@ decode the same model is tested (tests/benchmarks/test_decode.py: transformers' 
 LongStraw's scoring of them; tests/engine/test_sampling.py: LongStraw's sampled log-probs equal a full forward).
 
 Per phase (two prefills, two decodes): wall time, CPU time, CPU pressure (the share of the phase during which
-some runnable task waited for a CPU, from /proc/pressure/cpu as `bench/worker.py` records it; > 10% marks the host
+some runnable task waited for a CPU, from /proc/pressure/cpu as `benchmarks/worker.py` records it; > 10% marks the host
 busy and the time inflated) and the peak memory above the phase's start (`peak.PeakMemory`: on CUDA
 `torch.cuda.max_memory_allocated` after `reset_peak_memory_stats`, also recorded absolute; on CPU VmHWM after a
 reset, indicative only, since both sides run in one process and glibc reuses freed heap). A warm-up of both sides

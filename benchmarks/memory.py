@@ -7,7 +7,7 @@ recorded with its stderr tail and the bench moves on. The result file holds the 
 result and the ratios; the table and ratios are also printed. Plans are compared as ratios from one run
 (docs/design.md §5).
 
-Workers run with glibc's mmap threshold fixed, so peaks repeat within 1 MiB (why: `bench/common.py`).
+Workers run with glibc's mmap threshold fixed, so peaks repeat within 1 MiB (why: `benchmarks/common.py`).
 
 `--checkpoint none layers` measures every plan with and without per-layer activation checkpointing side by
 side (one table column per plan and checkpoint; `<plan>+ckpt` is checkpointed). On CPU each measured peak is

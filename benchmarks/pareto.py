@@ -5,8 +5,8 @@ lever, is at least as good in both and better in one) and on the front of all po
 per plan and lever, the median of time(lever)/time(plain) and peak(lever)/peak(plain) at equal
 (micro_batch, chunk_size).
 
-Every configuration runs in a fresh worker (`bench/worker.py`) exactly as `bench memory` does; `--smoke` runs a
-tiny grid in one worker process. Its command line is with the other sweeps' (`bench/sweeps.py`).
+Every configuration runs in a fresh worker (`benchmarks/worker.py`) exactly as `bench memory` does; `--smoke` runs a
+tiny grid in one worker process. Its command line is with the other sweeps' (`benchmarks/sweeps.py`).
 """
 
 from __future__ import annotations

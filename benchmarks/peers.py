@@ -1,10 +1,10 @@
 """`python -m benchmarks peers`: LongStraw against what users run today, on one shape, in one run.
 
-Configurations on the same model weights and the same group (prompt, G responses, advantages: `bench/worker.py`'s
+Configurations on the same model weights and the same group (prompt, G responses, advantages: `benchmarks/worker.py`'s
 `make_group`), each run twice, each time in a fresh process:
 
 * the peak run: glibc's mmap threshold fixed (MALLOC_MMAP_THRESHOLD_ = 128 KiB, as every bench: peaks repeat within
-  1 MiB, `bench/common.py`); its peak (VmHWM above the loaded model) is the table's peak;
+  1 MiB, `benchmarks/common.py`); its peak (VmHWM above the loaded model) is the table's peak;
 * the timing run: glibc's default allocator (MALLOC_MMAP_THRESHOLD_ removed from the environment), what users run;
   its wall time is the table's time. Under the fixed threshold every allocation above 128 KiB is a fresh mmap,
   page-faulted on first touch, which penalizes the configurations that allocate more bytes per step (`exact`
@@ -12,13 +12,13 @@ Configurations on the same model weights and the same group (prompt, G responses
   against 3.7-3.9 s with the default allocator). The JSON keeps both times (`time_s` from the timing run,
   `time_fixed_threshold_s` from the peak run) and each run's CPU pressure (`cpu_pressure`: the timing run's).
 
-* LongStraw `detach` and `exact`: `bench/worker.py`, one `backward_group` call.
+* LongStraw `detach` and `exact`: `benchmarks/worker.py`, one `backward_group` call.
 * TRL's GRPO training step with per-device batch G (one micro-batch) and with batch 1 x G gradient-accumulation
   steps, each without and with activation checkpointing (TRL's default is with): a real `trl.GRPOTrainer`, only its
   generation replaced by the group, its LM head scoring only the completions as on CUDA (`--trl-all-positions`: as
-  on CPU, every position; `bench/peers_worker.py` says exactly what runs).
+  on CPU, every position; `benchmarks/peers_worker.py` says exactly what runs).
 * Prefix Grouper (PyPI `prefix-grouper`), without and with activation checkpointing: its own grouping and attention
-  split through an SDPA adapter on CPU, LongStraw's log-prob head and grpo loss (`bench/peers_worker.py`). Optional:
+  split through an SDPA adapter on CPU, LongStraw's log-prob head and grpo loss (`peers_worker.py`). Optional:
   where it is not importable it is recorded as "not installed" (e.g. installed with `pip install --target DIR
   prefix-grouper` and found through `PYTHONPATH=DIR`).
 
@@ -146,7 +146,7 @@ def configurations(g: int) -> list[Configuration]:
 
 def run_peer(shape: PeersShape, row: Configuration, timeout_s: float | None, smoke: bool = False,
              mmap_threshold: int = PEAK_THRESHOLD, trl_compact_head: bool = True) -> dict[str, Any]:
-    """Run a TRL or Prefix Grouper configuration in a fresh `bench/peers_worker.py`; its result (status "ok",
+    """Run a TRL or Prefix Grouper configuration in a fresh `benchmarks/peers_worker.py`; its result (status "ok",
     "not installed" or "failed", with the error and stderr tail), never raising. mmap_threshold: glibc's, 0 for its
     default allocator (`common.worker_env`). trl_compact_head: TRL's LM head scores only the completions, as on
     CUDA (`peers_worker._compact_head_on_every_device`)."""
@@ -181,7 +181,7 @@ def run_peer(shape: PeersShape, row: Configuration, timeout_s: float | None, smo
 
 def run_longstraw(shape: PeersShape, rows: list[Configuration], timeout_s: float | None,
                   smoke: bool = False, mmap_threshold: int = PEAK_THRESHOLD) -> list[dict[str, Any]]:
-    """LongStraw's rows through `bench/worker.py` (a fresh worker each; a smoke run shares one), with glibc's mmap
+    """LongStraw's rows through `benchmarks/worker.py` (a fresh worker each; a smoke run shares one), with glibc's mmap
     threshold `mmap_threshold` (0: its default allocator)."""
     config = replace(B1, model=shape.model, dtype=shape.dtype, device=shape.device, prompt_tokens=shape.prompt_tokens,
                      response_tokens=shape.response_tokens, chunk_size=shape.chunk_size, seed=shape.seed,
@@ -314,7 +314,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "carry the shape's G); default all")
     parser.add_argument("--trl-all-positions", action="store_true",
                         help="TRL's LM head as TRL runs it on CPU: every position scored, prompt included (default: "
-                             "only the completions, as TRL does on CUDA; bench/peers_worker.py)")
+                             "only the completions, as TRL does on CUDA; benchmarks/peers_worker.py)")
     parser.add_argument("--out", default=None, help="JSON path (default bench/results/peers-<time>.json; smoke: "
                                                     "under bench/results/smoke/)")
 

@@ -1,10 +1,10 @@
 """One peer configuration of `python -m benchmarks peers` in a fresh process:
 `python -m benchmarks.peers_worker '<json config>'`.
 
-The group is `bench/worker.py`'s (`make_group`: the same prompt, G responses of R tokens and advantages for the same
+The group is `worker.py`'s (`make_group`: the same prompt, G responses of R tokens and advantages for the same
 seed) and the model is the same preset with the same seed, so every configuration scores the same tokens with the
 same weights. What is measured is one group's loss forward and backward (gradients accumulated into `.grad`; no
-optimizer step), as `bench/worker.py` measures `backward_group`: peak = VmHWM above VmRSS just before it (the
+optimizer step), as `benchmarks/worker.py` measures `backward_group`: peak = VmHWM above VmRSS just before it (the
 high-water mark reset first, docs/design.md §5), wall and CPU time, CPU pressure. One JSON line on stdout: status
 "ok" and the measurement, or status "not installed" when the peer's package cannot be imported (exit 0). Any other
 failure exits non-zero with the traceback on stderr, which the parent records.
@@ -73,7 +73,7 @@ class _Measured(Exception):
 
 
 class _Meter:
-    """The measured region, as `bench/worker.py` measures `backward_group`."""
+    """The measured region, as `benchmarks/worker.py` measures `backward_group`."""
 
     def __init__(self, device: str) -> None:
         self.device = device

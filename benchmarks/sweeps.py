@@ -1,4 +1,4 @@
-"""`python -m benchmarks prompt | pareto | arch`: the sweeps beside Bench B1 (`bench/memory.py`).
+"""`python -m benchmarks prompt | pareto | arch`: the sweeps beside Bench B1 (`benchmarks/memory.py`).
 
 * prompt — P = 1k, 2k, … at fixed (R, G): peak and step time per plan; a plan stops at its first P whose
   measured peak exceeds `--budget` (or that fails). A configuration the planner predicts above the budget
@@ -6,11 +6,11 @@
   not OOM a shared host.
 * pareto — fixed (P, R, G): time vs peak over micro-batch × chunk size × the memory levers (per-layer
   activation checkpointing, the prompt state offloaded to host memory) for detach and exact, with each plan's
-  Pareto front and the levers' cost: `bench/pareto.py` (its options and dispatch are here).
+  Pareto front and the levers' cost: `benchmarks/pareto.py` (its options and dispatch are here).
 * arch — Bench B1's comparison for every architecture family that has a `b1-<arch>` preset in
   `longstraw.models` (found by name, so families added later are picked up without changes here).
 
-Every configuration runs in a fresh worker (`bench/worker.py`, through `bench/common.py`) exactly as
+Every configuration runs in a fresh worker (`benchmarks/worker.py`, through `benchmarks/common.py`) exactly as
 `bench memory` does; `--smoke` runs a tiny version of each in one worker process. Results: a JSON document
 (config, machine, results, summary) under `bench/results/`, a printed table, a PNG beside the JSON.
 """

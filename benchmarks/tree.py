@@ -1,7 +1,7 @@
 """`python -m benchmarks tree`: a synthetic agent mini-batch shaped like tau^2-bench (`planner.tree.TreeShape`: a shared
 system prompt + tools of S tokens, K tasks of C tokens, G trajectories per task of T turns, each turn r response
 tokens in the loss and o observation tokens masked out, branching B ways at the last log_B(G) turns) run five ways,
-each row in a fresh `bench/tree_worker.py` process on the same weights and tokens:
+each row in a fresh `benchmarks/tree_worker.py` process on the same weights and tokens:
 
 * flattened: every trajectory through the model as one full sequence (what TRL and verl do);
 * group: LongStraw per task (`backward_group`, plan exact, the task's S + C tokens as the group prompt: today's path);
@@ -9,7 +9,7 @@ each row in a fresh `bench/tree_worker.py` process on the same weights and token
 * tree_exact, tree_detach: LongStraw's `backward_tree`.
 
 Each row runs twice, as `bench peers` runs a configuration: a peak run under glibc's fixed mmap threshold (as every
-bench: peaks repeat within 1 MiB, `bench/common.py`) and a timing run under glibc's default allocator, what users run
+bench: peaks repeat within 1 MiB, `common.py`) and a timing run under glibc's default allocator, what users run
 (under the fixed threshold every allocation above 128 KiB is a fresh mmap, page-faulted on first touch, which charges
 the plans that make more, smaller allocations: the tree's many node and leaf backwards, each with its (V, d)
 embedding and head gradients). Per row: peak step memory (VmHWM above the loaded model) from the peak run, wall and
@@ -87,7 +87,7 @@ class TreeBenchConfig:
     micro_batch: int = 2  # B = 2: a node's two sibling leaves in one replay (per group: two responses)
     seed: int = 0
     threads: int = 0  # torch intra-op threads of the workers (OMP_NUM_THREADS); 0: torch's default
-    warm_steps: int = 1  # steps after the cold first one; the fastest of them is timed (`bench/tree_worker.py`)
+    warm_steps: int = 1  # steps after the cold first one; the fastest of them is timed (`benchmarks/tree_worker.py`)
     timeout_s: float | None = None
     malloc_mmap_threshold: int = B1.malloc_mmap_threshold  # the peak run's
     timing_run: bool = True  # time each row again in a process under glibc's default allocator
@@ -127,7 +127,7 @@ def pairs(config: TreeBenchConfig) -> list[tuple[int, int]]:
 
 def run_row(config: TreeBenchConfig, row: str, tasks: int, group_size: int) -> dict[str, Any]:
     """One row: its peak run (fixed mmap threshold) and, unless a smoke run or the peak run failed, its timing run
-    (glibc's default allocator), each in a fresh `bench/tree_worker.py`; the entry (`common.combine_runs`: status
+    (glibc's default allocator), each in a fresh `benchmarks/tree_worker.py`; the entry (`common.combine_runs`: status
     ok or failed, never raising)."""
     shape = shape_of(config, tasks, group_size)
     entry: dict[str, Any] = {"row": row, "plan": row, "tasks": tasks, "group_size": group_size,

@@ -2,7 +2,7 @@
 
 Builds the model (`load_bench_model`, seed 0) and the synthetic batch (`tree_batch.make_trajectories` with the
 config's seed: the same tokens and advantages for every row), then measures steps — the batch's loss forward and
-backward, gradients accumulated into `.grad` from None, no optimizer step — as `bench/worker.py` measures
+backward, gradients accumulated into `.grad` from None, no optimizer step — as `benchmarks/worker.py` measures
 `backward_group` (peak: VmHWM above VmRSS just before the step, the high-water mark reset first; wall and CPU time;
 CPU pressure). The first step is cold: its peak is the row's `peak_bytes` (what every bench and the planner
 measure: it includes the process's one-time runtime allocations). `warm_steps` more follow, each after

@@ -6,7 +6,7 @@ one pair): `trl.GRPOTrainer` with DDP and with FSDP2, `LongStrawGRPOTrainer` (ex
 with FSDP2 and `longstraw_cp=2` (the two ranks exchange their groups and each holds half of every prompt's K/V), and
 the same with `longstraw_fsdp_gather="layer"` (a decoder layer gathered at a time).
 One optimizer step of one group per rank, generation a fixed function, SGD without momentum (no optimizer state),
-TRL's default activation checkpointing: `bench/trl_scale_worker.py` says exactly what runs and what is measured.
+TRL's default activation checkpointing: `benchmarks/trl_scale_worker.py` says exactly what runs and what is measured.
 
 Default shape: b1-llama, float32, P = 8192 prompt tokens, G = 8 completions of R = 128 tokens, capture chunk 1024.
 

@@ -1,7 +1,7 @@
 """One rank of `python -m benchmarks trl-scale`: `python -m benchmarks.trl_scale_worker '<json job>' OUT_PATH`.
 
 Launched as 2 ranks with torchrun's environment and ACCELERATE_USE_CPU=1 (accelerate's MULTI_CPU over gloo) by
-`bench/trl_scale.py`. The job is a shape and a list of rows; each row builds a trainer, `trl.GRPOTrainer` or
+`benchmarks/trl_scale.py`. The job is a shape and a list of rows; each row builds a trainer, `trl.GRPOTrainer` or
 `LongStrawGRPOTrainer`, on the preset (seed 0 on every rank) and trains it for one optimizer step; the rank writes a
 JSON list, one measurement per row, to OUT_PATH.rank<r>. A real run gives each row its own pair of fresh processes;
 `--smoke` runs every row in one pair, DDP rows first (accelerate sets ACCELERATE_USE_FSDP=true in the environment once

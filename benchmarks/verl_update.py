@@ -2,7 +2,7 @@
 side, each row in a fresh CPU process (`--smoke`: every row in one process, LongStraw's first).
 
 Rows (every one verl's `TrainingWorker`, fsdp2 on a 1-rank gloo group, float32, SGD without momentum, one
-`train_mini_batch` of one prompt's G responses: `bench/verl_worker.py` says exactly what runs and what is measured):
+`train_mini_batch` of one prompt's G responses: `verl_worker.py` says exactly what runs and what is measured):
 
 * verl's `FSDPEngineWithLMHead`, micro-batch G, verl's default `use_remove_padding=True`: the G rows packed into one
   sequence of G (P + R) tokens, forward and backward at once;

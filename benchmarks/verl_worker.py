@@ -1,6 +1,6 @@
 """The rows of `python -m benchmarks verl`: `python -m benchmarks.verl_worker '<json job>' OUT_PATH`.
 
-Launched by `bench/verl_update.py` with RANK=0, WORLD_SIZE=1, MASTER_ADDR/PORT set. The job is the shape and a list
+Launched by `benchmarks/verl_update.py` with RANK=0, WORLD_SIZE=1, MASTER_ADDR/PORT set. The job is the shape and a list
 of rows: a real run gives each row a fresh process (a list of one), `--smoke` runs them all in one process. After
 each row the process writes the JSON list of the measurements so far to OUT_PATH. LongStraw's rows set
 LONGSTRAW_PLAN (the row's plan) and LONGSTRAW_CHUNK_SIZE (the shape's chunk) in the environment, which

@@ -23,7 +23,7 @@ from benchmarks.launch import worker_args
 from longstraw import Group, backward_group
 from longstraw.peak import PeakMemory
 
-# Keys a config must carry; the parent (`bench/common.py`: `worker_config`) writes them all.
+# Keys a config must carry; the parent (`benchmarks/common.py`: `worker_config`) writes them all.
 CONFIG_KEYS = (
     "model", "dtype", "device", "prompt_tokens", "response_tokens", "group_size", "plan", "chunk_size",
     "micro_batch", "seed", "checkpoint",
