@@ -1,8 +1,8 @@
-"""The `longstraw` command line: `python -m benchmarks memory ...`, `longstraw train ...`, `longstraw compare ...`,
-`longstraw --version`.
+"""The `longstraw` command line: `longstraw train ...`, `longstraw compare ...`, `longstraw plan ...`,
+`longstraw check ...`, `longstraw --version`. (The benchmarks are a separate package: `python -m benchmarks NAME`.)
 
-Each command is an explicit argparse subparser, dispatched by name in `main`; a new command (`bench prompt`,
-`train`, `plan`) is one more `add_parser` call and one more branch. Commands import their heavy modules only
+Each command is an explicit argparse subparser, dispatched by name in `main`; a new command (`train`, `plan`) is one
+more `add_parser` call and one more branch. Commands import their heavy modules only
 when they run: building the parser imports no torch or transformers (`--version` and `--help` answer in well
 under a second; tests/test_cli.py checks that torch stays unimported). Before anything imports torch, `main` sets
 OMP_WAIT_POLICY=PASSIVE unless the user set it (`passive_openmp_wait`).
@@ -96,7 +96,8 @@ class Parser(argparse.ArgumentParser):
 
 def build_parser() -> Parser:
     parser = Parser(
-        prog="longstraw", description="GRPO on very long shared prompts: benchmarks and tools.",
+        prog="longstraw",
+        description="GRPO on very long shared prompts: training, the memory planner, admission checks.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -166,7 +167,7 @@ def passive_openmp_wait(environ: MutableMapping[str, str] | None = None,
     each sequence whole, so it pays this far more often: on a 2-core host with one busy-loop neighbour process,
     the exact plan at b1-llama P=4096 R=256 G=8 slowed from 3.8 s to 10.3 s (2.7x) while Prefix Grouper slowed
     from 3.8 s to 7.1 s (1.9x). With PASSIVE (threads sleep instead of spinning): exact 6.7 s and Prefix Grouper
-    5.8 s on the busy host. `bench peers --neighbours 1` (docs/benchmarks.md): exact 2.47x slower with
+    5.8 s on the busy host. `python -m benchmarks peers --neighbours 1` (docs/benchmarks.md): exact 2.47x slower with
     the default wait, 1.71x with PASSIVE (Prefix Grouper 1.84x / 1.65x). Not free on an idle host: waking sleeping
     threads at every region costs LongStraw +3-15% there (ACTIVE or GOMP_SPINCOUNT=10000 is faster on a dedicated
     host); this project's machines are shared, so PASSIVE is the command's default.
