@@ -7,6 +7,7 @@ the way out (its `finally` blocks run; `subprocess.run` kills its child); either
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
 
@@ -21,8 +22,10 @@ def build_parser() -> Parser:
     for bench in benchmarks().values():
         sub = names.add_parser(bench.name, help=bench.help, description=bench.description)
         bench.add_arguments(sub)
+        if bench.table is not None:
+            sub.add_argument("--table-of", metavar="FILE", help="print the table of this results file and exit")
         # Option checks that argparse cannot express report through the benchmark's own usage line.
-        sub.set_defaults(fail=sub.error, run=bench.run)
+        sub.set_defaults(fail=sub.error, run=bench.run, table=bench.table)
     return parser
 
 
@@ -45,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra:  # reported through the benchmark's parser: its usage, its options' names
         args.fail.__self__.unknown_options(extra)
+    if getattr(args, "table_of", None):
+        with open(args.table_of) as f:
+            print(args.table(json.load(f)))
+        return 0
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         return int(args.run(args))

@@ -467,6 +467,6 @@ BENCHMARKS = (
         description="Per prompt length: LongStraw (capture_prompt, then sample_group of G responses from the shared "
                     "state) against transformers (one forward into a DynamicCache repeated G times, then "
                     "generate): tokens/s, prefill times, prompt-cache bytes, CPU pressure; table and JSON.",
-        add_arguments=add_arguments, run=run_from_args,
+        add_arguments=add_arguments, run=run_from_args, table=format_table,
     ),
 )

@@ -441,6 +441,6 @@ BENCHMARKS = (
         name="peers", help="LongStraw against TRL's GRPO step and Prefix Grouper on one shape: peak memory and time",
         description="LongStraw detach/exact, TRL (batch G and 1 x G, with and without checkpointing) and Prefix "
                     "Grouper (when installed), each in a fresh process on the same group; table and JSON.",
-        add_arguments=add_arguments, run=run_from_args,
+        add_arguments=add_arguments, run=run_from_args, table=format_table,
     ),
 )

@@ -147,6 +147,6 @@ BENCHMARKS = (
         description="Times engine.state.provenance.provenance on a materialised Qwen2-1.5B-shaped model (random "
                     "weights, no download): the digest paid at capture and at each check of a reused prompt state; "
                     "table and JSON.",
-        add_arguments=add_arguments, run=run_from_args,
+        add_arguments=add_arguments, run=run_from_args, table=format_table,
     ),
 )

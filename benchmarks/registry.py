@@ -8,19 +8,22 @@ import argparse
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
 class Benchmark:
     """One benchmark: its command name, the one-line `help` of the listing, the `description` of its own `--help`,
-    `add_arguments` (adds its options to its argparse subparser) and `run` (runs it from the parsed options; returns
-    the exit status)."""
+    `add_arguments` (adds its options to its argparse subparser), `run` (runs it from the parsed options; returns
+    the exit status) and, where it has one, `table` (the text table of one of its results files, as a run prints it:
+    `python -m benchmarks NAME --table-of FILE`)."""
 
     name: str
     help: str
     description: str
     add_arguments: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], int]
+    table: Callable[[dict[str, Any]], str] | None = None
 
 
 # Modules of this package that declare benchmarks: each holds `BENCHMARKS`, a tuple of `Benchmark` values.

@@ -55,7 +55,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     predict = predictor(args.model, args.dtype)
     document: dict[str, Any] = {
         "bench": "stress", "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine_info("cpu"),
-        "config": {k: v for k, v in vars(args).items() if k not in ("out", "bench", "fail", "run")},
+        "config": {k: v for k, v in vars(args).items() if k not in ("out", "bench", "fail", "run", "table")},
         "command": " ".join(sys.argv),
         "results": [],
     }

@@ -496,4 +496,4 @@ BENCHMARKS = (Benchmark(
     description="A shared system prompt, K tasks, G branching multi-turn trajectories per task, run five ways, each "
                 "row in a fresh process: peak memory, step time, the token-pass floor beside the measured ratio, the "
                 "planner's forecast; K and G swept; table, JSON and plot.",
-    add_arguments=add_arguments, run=run_from_args),)
+    add_arguments=add_arguments, run=run_from_args, table=format_table),)

@@ -430,6 +430,6 @@ BENCHMARKS = (
                     "same gathering a layer at a time), each as 2 fresh CPU processes (gloo) training one group per "
                     "rank for one optimizer step: per-rank peak memory, tensors at rest, prompt state, step time, "
                     "beside `longstraw plan`'s forecast; table and JSON. Needs the trl extra.",
-        add_arguments=add_arguments, run=run_from_args,
+        add_arguments=add_arguments, run=run_from_args, table=format_table,
     ),
 )

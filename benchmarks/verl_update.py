@@ -430,6 +430,6 @@ BENCHMARKS = (
                     "1) and with LongStrawFSDPEngine (exact, detach), each row in a fresh process: update peak "
                     "memory, time, CPU pressure, prompt state; table and JSON. Needs verl (its own venv: verl 0.9 "
                     "pins transformers < 5.11).",
-        add_arguments=add_arguments, run=run_from_args,
+        add_arguments=add_arguments, run=run_from_args, table=format_table,
     ),
 )
