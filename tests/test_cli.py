@@ -1,4 +1,5 @@
-"""The command line's front door: `--version` and `--help` must not import torch or transformers."""
+"""The command lines' front doors (`longstraw` and `python -m benchmarks`): `--version` and `--help` must not import
+torch or transformers; every (sub)command's help and mistyped names."""
 
 import os
 import subprocess
@@ -7,14 +8,18 @@ from pathlib import Path
 
 import pytest
 
-SRC = Path(__file__).parent.parent / "src"
+ROOT = Path(__file__).parent.parent
+SRC = ROOT / "src"
+IMPORT_PATH = os.pathsep.join([str(ROOT), str(SRC), os.environ.get("PYTHONPATH", "")])
 
-# Runs the CLI's main() in a fresh interpreter, then reports which heavy modules that imported.
+# Runs a command line's main() (module argv[1]: longstraw.cli or benchmarks.__main__) in a fresh interpreter, then
+# reports which heavy modules that imported.
 PROBE = """
+import importlib
 import sys
-from longstraw.cli import main
+main = importlib.import_module(sys.argv[1]).main
 try:
-    main(sys.argv[1:])
+    main(sys.argv[2:])
 except SystemExit as exit_:
     code = exit_.code
 print("HEAVY=" + ",".join(m for m in ("torch", "transformers", "numpy", "matplotlib") if m in sys.modules))
@@ -22,15 +27,21 @@ print("EXIT=" + str(code))
 """
 
 
-@pytest.mark.parametrize("argv", [
-    ["--version"], ["--help"], ["train", "--help"], ["plan", "--help"], ["bench", "memory", "--help"],
-    ["bench", "prompt", "--help"], ["bench", "cp", "--help"], ["bench", "peers", "--help"], ["compare", "--help"],
-    ["check", "--help"], ["bench", "pareto", "--help"], ["bench", "arch", "--help"], ["bench", "trl-scale", "--help"],
-    ["bench", "verl", "--help"], ["bench", "decode", "--help"], ["bench", "provenance", "--help"],
+CLI, BENCH = "longstraw.cli", "benchmarks.__main__"
+
+
+@pytest.mark.parametrize("module, argv", [
+    (CLI, ["--version"]), (CLI, ["--help"]), (CLI, ["train", "--help"]), (CLI, ["plan", "--help"]),
+    (CLI, ["compare", "--help"]), (CLI, ["check", "--help"]), (BENCH, ["--help"]), (BENCH, ["memory", "--help"]),
+    (BENCH, ["prompt", "--help"]), (BENCH, ["cp", "--help"]), (BENCH, ["peers", "--help"]),
+    (BENCH, ["pareto", "--help"]), (BENCH, ["arch", "--help"]), (BENCH, ["trl-scale", "--help"]),
+    (BENCH, ["verl", "--help"]), (BENCH, ["decode", "--help"]), (BENCH, ["provenance", "--help"]),
+    (BENCH, ["tree", "--help"]), (BENCH, ["stress", "--help"]), (BENCH, ["gpu", "--help"]),
 ])
-def test_version_and_help_import_no_torch(argv):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run([sys.executable, "-c", PROBE, *argv], capture_output=True, text=True, env=env, timeout=60)
+def test_version_and_help_import_no_torch(module, argv):
+    env = dict(os.environ, PYTHONPATH=IMPORT_PATH)
+    out = subprocess.run([sys.executable, "-c", PROBE, module, *argv], capture_output=True, text=True, env=env,
+                         timeout=60)
     lines = out.stdout.splitlines()
     assert "EXIT=0" in lines, out.stdout + out.stderr
     assert "HEAVY=" in lines, f"{argv} imported {[x for x in lines if x.startswith('HEAVY=')]}"
@@ -108,12 +119,13 @@ def test_cli_sets_passive_openmp_wait_before_torch_loads(users):
 # ---------------------------------------------------------------- every subcommand's help and errors
 
 
-def _subcommands() -> list[tuple[str, ...]]:
-    """Every command path of the parser (`()`, `("bench",)`, `("bench", "memory")`, ...), found by walking it, so a
-    new subcommand is covered without being named here."""
+def _subcommands(module: str) -> list[tuple[str, tuple[str, ...]]]:
+    """Every command path of `module`'s parser (`()`, `("train",)`, ...; `("memory",)`, ... of the benchmarks), found by
+    walking it, so a new subcommand is covered without being named here."""
     import argparse
+    import importlib
 
-    from longstraw.cli import build_parser
+    build_parser = importlib.import_module(module).build_parser
 
     def walk(parser: argparse.ArgumentParser, path: tuple[str, ...]):
         yield path
@@ -122,52 +134,53 @@ def _subcommands() -> list[tuple[str, ...]]:
                 for name, sub in action.choices.items():
                     yield from walk(sub, (*path, name))
 
-    return list(walk(build_parser(), ()))
+    return [(module, path) for path in walk(build_parser(), ())]
 
 
-def _parser_of(path: tuple[str, ...]):
+def _parser_of(module: str, path: tuple[str, ...]):
     import argparse
+    import importlib
 
-    from longstraw.cli import build_parser
-
-    parser = build_parser()
+    parser = importlib.import_module(module).build_parser()
     for name in path:
         action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
         parser = action.choices[name]
     return parser
 
 
-SUBCOMMANDS = _subcommands()
+SUBCOMMANDS = _subcommands(CLI) + _subcommands(BENCH)
 
 
 def test_the_walk_finds_every_command():
-    assert {("train",), ("plan",), ("check",), ("compare",), ("bench", "memory"), ("bench", "verl"),
-            ("bench", "decode"), ("bench", "provenance")} <= set(SUBCOMMANDS)
+    assert {(CLI, ("train",)), (CLI, ("plan",)), (CLI, ("check",)), (CLI, ("compare",)), (BENCH, ("memory",)),
+            (BENCH, ("verl",)), (BENCH, ("decode",)), (BENCH, ("provenance",))} <= set(SUBCOMMANDS)
+    assert (CLI, ("bench",)) not in SUBCOMMANDS  # the benchmarks live outside the library's command line
 
 
-@pytest.mark.parametrize("path", SUBCOMMANDS, ids=lambda p: " ".join(p) or "longstraw")
-def test_every_help_runs_and_lists_every_choice(path, capsys):
+@pytest.mark.parametrize("module, path", SUBCOMMANDS, ids=lambda p: " ".join(p) if isinstance(p, tuple) else p)
+def test_every_help_runs_and_lists_every_choice(module, path, capsys):
     """`--help` of every (sub)command prints its help and exits 0 (a '%' in a help text once broke one), and every
     option with a fixed set of values names each value in its own help, also where a metavar hides them from
     argparse's usage; every --model option lists the presets."""
     import argparse
+    import importlib
     import re
 
     from longstraw.choices import PRESET_NAMES
-    from longstraw.cli import main
 
     with pytest.raises(SystemExit) as exit_:
-        main([*path, "--help"])
+        importlib.import_module(module).main([*path, "--help"])
     out = capsys.readouterr().out
-    assert exit_.value.code == 0 and "usage: longstraw" in out and "%%" not in out  # argparse leaves %% in descriptions
-    parser = _parser_of(path)
+    prog = "longstraw" if module == CLI else "python -m benchmarks"
+    assert exit_.value.code == 0 and f"usage: {prog}" in out and "%%" not in out  # argparse leaves %% in descriptions
+    parser = _parser_of(module, path)
     formatter = parser._get_formatter()
     for action in parser._actions:
         block = " ".join(formatter._format_action(action).split())
         if action.choices is not None and not isinstance(action, argparse._SubParsersAction):
             missing = [c for c in action.choices if not re.search(rf"(?<![\w-]){re.escape(str(c))}(?![\w-])", block)]
             assert not missing, f"{' '.join(path)} {action.option_strings}: help does not name {missing}"
-        if "--model" in action.option_strings or (path == ("check",) and action.dest == "model"):
+        if "--model" in action.option_strings or (module, path) == (CLI, ("check",)) and action.dest == "model":
             assert all(name in block for name in PRESET_NAMES), f"{' '.join(path)} --model: {block}"
 
 
@@ -199,19 +212,21 @@ def test_preset_names_for_help_match_the_presets():
     assert PRESET_NAMES == tuple(PRESETS) and PACKAGED_MODELS == tuple(PACKAGED_GGUF)
 
 
-@pytest.mark.parametrize("path", SUBCOMMANDS, ids=lambda p: " ".join(p) or "longstraw")
-def test_every_usage_error_comes_first_in_one_line(path, capsys, tmp_path):
+@pytest.mark.parametrize("module, path", SUBCOMMANDS, ids=lambda p: " ".join(p) if isinstance(p, tuple) else p)
+def test_every_usage_error_comes_first_in_one_line(module, path, capsys, tmp_path):
     """A mistake's one-line error is the first line on stderr, followed by at most one short usage line (not the
     whole usage text before it); status 2."""
-    from longstraw.cli import main
+    import importlib
 
+    main = importlib.import_module(module).main
     with pytest.raises(SystemExit) as exit_:
         main([*path, "--no-such-option", "--out", str(tmp_path / "x.json"), "--run-dir", str(tmp_path / "run")])
     err = capsys.readouterr().err.strip().splitlines()
-    prog = " ".join(("longstraw", *path))
+    root = "longstraw" if module == CLI else "python -m benchmarks"
+    prog = " ".join((root, *path))
     assert exit_.value.code == 2 and len(err) == 2, err
     assert err[0].startswith(f"{prog}: error: ") or err[0].startswith(f"{prog} "), err
-    assert err[1].startswith("usage: longstraw"), err
+    assert err[1].startswith(f"usage: {root}"), err
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -227,12 +242,10 @@ def test_every_usage_error_comes_first_in_one_line(path, capsys, tmp_path):
     (["plan", "--promt-tokens", "64"],
      "required: --model, --prompt-tokens, --response-tokens, --group-size (--promt-tokens: did you mean "
      "--prompt-tokens"),
-    (["bench", "memroy"], "invalid choice: 'memroy'"),
-    (["bench", "memory", "--plans", "exat"], "(did you mean exact?)"),
-    (["bench", "memory", "--arch", "lama"], "no preset 'b1-lama' (did you mean llama?)"),
+    (["bench", "memory"], "invalid choice: 'bench'"),
 ])
 def test_did_you_mean(argv, message, capsys, tmp_path, monkeypatch):
-    """A mistyped name (model preset, task, plan, loss, option, bench, choice) is refused with the closest names."""
+    """A mistyped name (model preset, task, plan, loss, option, choice) is refused with the closest names."""
     from longstraw.cli import main
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -244,6 +257,21 @@ def test_did_you_mean(argv, message, capsys, tmp_path, monkeypatch):
     first = err.strip().splitlines()[0]
     assert exit_.value.code == 2 and message in first, err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["memroy"], "invalid choice: 'memroy'"),
+    (["memory", "--plans", "exat"], "(did you mean exact?)"),
+    (["memory", "--arch", "lama"], "no preset 'b1-lama' (did you mean llama?)"),
+])
+def test_did_you_mean_in_benchmarks(argv, message, capsys):
+    """`python -m benchmarks`: a mistyped benchmark, choice or preset is refused with the closest names."""
+    from benchmarks.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message in err.strip().splitlines()[0], err
 
 
 def test_did_you_mean_for_a_toml_key(tmp_path, capsys):

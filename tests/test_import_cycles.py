@@ -181,3 +181,12 @@ def test_the_floor_checks_find_an_unplaced_module_and_an_upward_import():
     assert upward_imports(graph, floors) == ["p.low.a (1) -> p.high.b (2)"]
     assert entry("p.lower.x", floors) is None  # a prefix of a name is not its package
     assert _cycles(folder_graph(graph, floors)) == [["p.high", "p.low", "p.high"]]
+
+
+def test_no_import_cycle_among_the_benchmarks():
+    """`benchmarks` (outside the library, at the repository's root) has no cycle among its own modules."""
+    folder = SRC.parent / "benchmarks"
+    files = {f"benchmarks.{p.stem}": p for p in folder.glob("*.py") if p.stem != "__init__"}
+    graph = {module: _imported(path, "benchmarks", set(files)) - {module} for module, path in files.items()}
+    assert len(graph) > 10 and any(graph.values())  # the walk found the modules and their imports
+    assert _cycles(graph) == []

@@ -1,6 +1,7 @@
 """The package's layering as folder rules: the engine (one group's gradient) imports nothing from the trainer,
-bench, distributed or integrations folders; models/, planner/, admission/ and tasks/ none of those; the top level holds
-few modules; and the context-parallel group implements the protocol through which the engine uses it."""
+distributed or integrations folders nor from the benchmarks (a package outside the library); models/, planner/,
+admission/ and tasks/ none of those either; nothing in the library imports the benchmarks; the top level holds few
+modules; and the context-parallel group implements the protocol through which the engine uses it."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 import longstraw
 
 PACKAGE = Path(longstraw.__file__).parent
-OUTER = ("longstraw.train", "longstraw.bench", "longstraw.distributed", "longstraw.integrations")
+OUTER = ("longstraw.train", "benchmarks", "longstraw.distributed", "longstraw.integrations")
 TOP_LEVEL = {"__init__.py", "cli.py", "choices.py", "peak.py"}
 
 
@@ -36,27 +37,33 @@ def _offenders(folders: tuple[str, ...], forbidden: tuple[str, ...]) -> dict[str
     for folder in folders:
         for path in _modules(folder):
             bad = sorted(n for n in _imports(path) if n.startswith(forbidden)
-                         or any(n == f"longstraw.{m}" for m in ("train", "bench", "distributed", "integrations")))
+                         or any(n == f"longstraw.{m}" for m in ("train", "distributed", "integrations")))
             if bad:
                 found[str(path.relative_to(PACKAGE))] = bad
     return found
 
 
-def test_the_engine_imports_nothing_from_train_bench_distributed_or_integrations():
+def test_the_engine_imports_nothing_from_train_benchmarks_distributed_or_integrations():
     assert len(_modules("engine")) >= 20 and (PACKAGE / "engine" / "api.py").exists()
     assert _offenders(("engine",), OUTER) == {}
 
 
 def test_models_planner_admission_and_tasks_stay_below_the_trainer():
     assert _offenders(("models", "planner", "admission"), OUTER) == {}
-    assert _offenders(("tasks",), ("longstraw.bench", "longstraw.distributed", "longstraw.integrations")) == {}
+    assert _offenders(("tasks",), ("benchmarks", "longstraw.distributed", "longstraw.integrations")) == {}
+
+
+def test_nothing_in_the_library_imports_the_benchmarks():
+    folders = tuple(p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists())
+    found = {str(path.relative_to(PACKAGE)): sorted(n for n in _imports(path) if n.split(".")[0] == "benchmarks")
+             for path in [*PACKAGE.glob("*.py"), *(m for f in folders for m in _modules(f))]}
+    assert len(found) > 50 and {k: v for k, v in found.items() if v} == {}
 
 
 def test_the_top_level_holds_the_cli_and_few_modules():
     assert {p.name for p in PACKAGE.glob("*.py")} == TOP_LEVEL
     folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
-    assert folders == {"engine", "models", "admission", "train", "tasks", "planner", "distributed", "integrations",
-                       "bench"}
+    assert folders == {"engine", "models", "admission", "train", "tasks", "planner", "distributed", "integrations"}
 
 
 def test_the_walk_sees_function_level_imports(tmp_path):

@@ -1,8 +1,8 @@
-"""The `longstraw` command line: `longstraw bench memory ...`, `longstraw train ...`, `longstraw compare ...`,
-`longstraw --version`.
+"""The `longstraw` command line: `longstraw train ...`, `longstraw compare ...`, `longstraw plan ...`,
+`longstraw check ...`, `longstraw --version`. (The benchmarks are a separate package: `python -m benchmarks NAME`.)
 
-Each command is an explicit argparse subparser, dispatched by name in `main`; a new command (`bench prompt`,
-`train`, `plan`) is one more `add_parser` call and one more branch. Commands import their heavy modules only
+Each command is an explicit argparse subparser, dispatched by name in `main`; a new command (`train`, `plan`) is one
+more `add_parser` call and one more branch. Commands import their heavy modules only
 when they run: building the parser imports no torch or transformers (`--version` and `--help` answer in well
 under a second; tests/test_cli.py checks that torch stays unimported). Before anything imports torch, `main` sets
 OMP_WAIT_POLICY=PASSIVE unless the user set it (`passive_openmp_wait`).
@@ -95,115 +95,13 @@ class Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> Parser:
-    from longstraw.bench import memory
-
     parser = Parser(
-        prog="longstraw", description="GRPO on very long shared prompts: benchmarks and tools.",
+        prog="longstraw",
+        description="GRPO on very long shared prompts: training, the memory planner, admission checks.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    bench = commands.add_parser("bench", help="benchmarks (docs/design.md §5)", description="Run a benchmark.")
-    benches = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)
-    memory_parser = benches.add_parser(
-        "memory", help="peak memory and step time of every plan across group sizes (Bench B1)",
-        description="Bench B1: each (plan, G) in a fresh process; peak memory, step time, plan ratios.",
-    )
-    memory.add_arguments(memory_parser)
-    # Option checks that argparse cannot express report through the subcommand's own usage line.
-    memory_parser.set_defaults(fail=memory_parser.error)
-    from longstraw.bench import sweeps
-
-    prompt_parser = benches.add_parser(
-        "prompt", help="prompt-length sweep at fixed G: where each plan leaves a memory budget, time vs P",
-        description="Each (plan, P) in a fresh process; a plan stops at the first P over --budget.",
-    )
-    sweeps.add_prompt_arguments(prompt_parser)
-    prompt_parser.set_defaults(fail=prompt_parser.error)
-    pareto_parser = benches.add_parser(
-        "pareto", help="time vs peak memory over micro-batch and chunk size for detach and exact",
-        description="Fixed (P, R, G); every (plan, micro_batch, chunk_size) in a fresh process; Pareto front.",
-    )
-    sweeps.add_pareto_arguments(pareto_parser)
-    pareto_parser.set_defaults(fail=pareto_parser.error)
-    arch_parser = benches.add_parser(
-        "arch", help="the B1 shape on every architecture with a b1-<arch> preset",
-        description="Bench B1's comparison (all plans) for each architecture family's b1-<arch> preset.",
-    )
-    sweeps.add_arch_arguments(arch_parser)
-    arch_parser.set_defaults(fail=arch_parser.error)
-    from longstraw.bench import cp as cp_bench
-
-    cp_parser = benches.add_parser(
-        "cp", help="context-parallel prompt state: per-rank peak memory and time for C in {1, 2, 4}",
-        description="Each C as C processes (gloo) sharing one prompt's state; per-rank peak, state bytes, time.",
-    )
-    cp_bench.add_arguments(cp_parser)
-    cp_parser.set_defaults(fail=cp_parser.error)
-    from longstraw.bench import peers as peers_bench
-
-    peers_parser = benches.add_parser(
-        "peers", help="LongStraw against TRL's GRPO step and Prefix Grouper on one shape: peak memory and time",
-        description="LongStraw detach/exact, TRL (batch G and 1 x G, with and without checkpointing) and Prefix "
-                    "Grouper (when installed), each in a fresh process on the same group; table and JSON.",
-    )
-    peers_bench.add_arguments(peers_parser)
-    peers_parser.set_defaults(fail=peers_parser.error)
-    from longstraw.bench import trl_scale as trl_scale_bench
-
-    trl_scale_parser = benches.add_parser(
-        "trl-scale", help="TRL's GRPOTrainer and the drop-in on 2 processes: DDP, FSDP2, context parallelism",
-        description="trl.GRPOTrainer (DDP, FSDP2) and LongStrawGRPOTrainer (DDP, FSDP2, FSDP2 + cp 2, and the "
-                    "same gathering a layer at a time), each as 2 fresh CPU processes (gloo) training one group per "
-                    "rank for one optimizer step: per-rank peak memory, tensors at rest, prompt state, step time, "
-                    "beside `longstraw plan`'s forecast; table and JSON. Needs the trl extra.",
-    )
-    trl_scale_bench.add_arguments(trl_scale_parser)
-    trl_scale_parser.set_defaults(fail=trl_scale_parser.error)
-    from longstraw.bench import verl_update as verl_bench
-
-    verl_parser = benches.add_parser(
-        "verl", help="verl's own actor update against LongStraw's engine in verl: peak memory, side by side",
-        description="verl's TrainingWorker (FSDP2, 1 CPU process, float32, SGD) running one train_mini_batch of one "
-                    "prompt's group with verl's FSDPEngineWithLMHead (micro-batch G packed and padded, micro-batch "
-                    "1) and with LongStrawFSDPEngine (exact, detach), each row in a fresh process: update peak "
-                    "memory, time, CPU pressure, prompt state; table and JSON. Needs verl (its own venv: verl 0.9 "
-                    "pins transformers < 5.11).",
-    )
-    verl_bench.add_arguments(verl_parser)
-    verl_parser.set_defaults(fail=verl_parser.error)
-    from longstraw.bench import decode as decode_bench
-
-    decode_parser = benches.add_parser(
-        "decode", help="sampling throughput over a long prompt: LongStraw's shared state against transformers' "
-                       "generate",
-        description="Per prompt length: LongStraw (capture_prompt, then sample_group of G responses from the shared "
-                    "state) against transformers (one forward into a DynamicCache repeated G times, then "
-                    "generate): tokens/s, prefill times, prompt-cache bytes, CPU pressure; table and JSON.",
-    )
-    decode_bench.add_arguments(decode_parser)
-    decode_parser.set_defaults(fail=decode_parser.error)
-    from longstraw.bench import provenance as provenance_bench
-
-    provenance_parser = benches.add_parser(
-        "provenance", help="the cost of a prompt state's provenance digest (capture and each check) at 1.5B parameters",
-        description="Times engine.state.provenance.provenance on a materialised Qwen2-1.5B-shaped model (random "
-                    "weights, no download): the digest paid at capture and at each check of a reused prompt state; "
-                    "table and JSON.",
-    )
-    provenance_bench.add_arguments(provenance_parser)
-    provenance_parser.set_defaults(fail=provenance_parser.error)
-    from longstraw.bench import tree as tree_bench
-
-    tree_parser = benches.add_parser(
-        "tree", help="a tau^2-bench-shaped agent batch of prefix trees: flattened, per group, packed tree mask, "
-                     "LongStraw tree exact and detach",
-        description="A shared system prompt, K tasks, G branching multi-turn trajectories per task, run five ways, "
-                    "each row in a fresh process: peak memory, step time, the token-pass floor beside the measured "
-                    "ratio, the planner's forecast; K and G swept; table, JSON and plot.",
-    )
-    tree_bench.add_arguments(tree_parser)
-    tree_parser.set_defaults(fail=tree_parser.error)
 
     from longstraw.admission import check
 
@@ -269,7 +167,7 @@ def passive_openmp_wait(environ: MutableMapping[str, str] | None = None,
     each sequence whole, so it pays this far more often: on a 2-core host with one busy-loop neighbour process,
     the exact plan at b1-llama P=4096 R=256 G=8 slowed from 3.8 s to 10.3 s (2.7x) while Prefix Grouper slowed
     from 3.8 s to 7.1 s (1.9x). With PASSIVE (threads sleep instead of spinning): exact 6.7 s and Prefix Grouper
-    5.8 s on the busy host. `bench peers --neighbours 1` (docs/benchmarks.md): exact 2.47x slower with
+    5.8 s on the busy host. `python -m benchmarks peers --neighbours 1` (docs/benchmarks.md): exact 2.47x slower with
     the default wait, 1.71x with PASSIVE (Prefix Grouper 1.84x / 1.65x). Not free on an idle host: waking sleeping
     threads at every region costs LongStraw +3-15% there (ACTIVE or GOMP_SPINCOUNT=10000 is faster on a dedicated
     host); this project's machines are shared, so PASSIVE is the command's default.
@@ -292,8 +190,6 @@ def main(argv: list[str] | None = None) -> int:
     if extra:  # reported through the subcommand's parser: its usage, its options' names
         fail = getattr(args, "fail", None)
         getattr(fail, "__self__", parser).unknown_options(extra)
-    if args.command == "bench":
-        return _bench(args)
     if args.command == "check":
         from longstraw.admission import check
 
@@ -320,74 +216,6 @@ def main(argv: list[str] | None = None) -> int:
         return compare.run_from_args(args)
     parser.error(f"unknown command {args.command!r}")
     return 2
-
-
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM raised as an exception, like Ctrl-C's KeyboardInterrupt; `signum` gives the exit status."""
-
-    def __init__(self, signum: int) -> None:
-        self.signum = signum
-        super().__init__(f"signal {signum}")
-
-
-def _bench(args: argparse.Namespace) -> int:
-    """Run a benchmark. SIGTERM (what `timeout` and schedulers send) is raised like Ctrl-C, so every process the
-    bench started is ended on the way out (its `finally` blocks run; `subprocess.run` kills its child); either ends
-    with one line and status 128 + signal, no traceback."""
-    import signal
-
-    def terminate(signum: int, frame: object) -> None:
-        raise _Terminated(signum)
-
-    previous = signal.signal(signal.SIGTERM, terminate)
-    try:
-        return _run_bench(args)
-    except KeyboardInterrupt as err:
-        signum = getattr(err, "signum", signal.SIGINT)
-        print(f"longstraw bench {args.bench}: stopped by {signal.Signals(signum).name}", file=sys.stderr)
-        return 128 + int(signum)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def _run_bench(args: argparse.Namespace) -> int:
-    if args.bench == "memory":
-        from longstraw.bench import memory
-
-        return memory.run_from_args(args)
-    if args.bench in ("prompt", "pareto", "arch"):
-        from longstraw.bench import sweeps
-
-        return sweeps.run_from_args(args)
-    if args.bench == "cp":
-        from longstraw.bench import cp as cp_bench
-
-        return cp_bench.run_from_args(args)
-    if args.bench == "peers":
-        from longstraw.bench import peers as peers_bench
-
-        return peers_bench.run_from_args(args)
-    if args.bench == "trl-scale":
-        from longstraw.bench import trl_scale as trl_scale_bench
-
-        return trl_scale_bench.run_from_args(args)
-    if args.bench == "verl":
-        from longstraw.bench import verl_update as verl_bench
-
-        return verl_bench.run_from_args(args)
-    if args.bench == "decode":
-        from longstraw.bench import decode as decode_bench
-
-        return decode_bench.run_from_args(args)
-    if args.bench == "provenance":
-        from longstraw.bench import provenance as provenance_bench
-
-        return provenance_bench.run_from_args(args)
-    if args.bench == "tree":
-        from longstraw.bench import tree as tree_bench
-
-        return tree_bench.run_from_args(args)
-    raise ValueError(f"unknown bench {args.bench!r}")
 
 
 def _train(trainer: ModuleType, cfg: TrainConfig, debug: bool) -> int:

@@ -390,7 +390,8 @@ def _launch(cases: dict, model_dir: str, out: Path, cpu: bool = True) -> Path:
     here = Path(__file__).resolve().parent
     assert "ACCELERATE_USE_CPU" not in os.environ
     ranks = run_ranks([str(here / "trl_ddp_child.py"), model_dir, str(out), json.dumps(cases)], 2, timeout=900,
-                      paths=[here, here.parent, Path(ROOT) / "src"], env={"ACCELERATE_USE_CPU": "1"} if cpu else {})
+                      paths=[here, here.parent, Path(ROOT), Path(ROOT) / "src"],
+                      env={"ACCELERATE_USE_CPU": "1"} if cpu else {})
     for code, output in ranks:
         assert code == 0, output[-4000:]
     return out
@@ -504,7 +505,7 @@ def test_fsdp2_example_trains_two_steps_on_two_processes(tmp_path, cp, gather):
     here = Path(__file__).resolve().parent
     ranks = run_ranks([str(here / "cpu_shim.py"), os.path.join(ROOT, "examples", "trl_fsdp2.py"), "--cp", str(cp),
                        "--gather", gather],
-                      2, timeout=600, cwd=tmp_path, paths=[here, here.parent, Path(ROOT) / "src"],
+                      2, timeout=600, cwd=tmp_path, paths=[here, here.parent, Path(ROOT), Path(ROOT) / "src"],
                       env={"ACCELERATE_USE_CPU": "1", "OUTPUT_DIR": str(tmp_path / "out")})
     for code, output in ranks:
         assert code == 0, output[-4000:]
@@ -533,7 +534,7 @@ def test_ddp_example_trains_under_deepspeed_zero3(tmp_path):
     env = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3",
            "ACCELERATE_MIXED_PRECISION": "no", "OUTPUT_DIR": str(tmp_path / "out")}
     ranks = run_ranks([str(here / "cpu_shim.py"), os.path.join(ROOT, "examples", "trl_ddp.py")], 2, timeout=600,
-                      cwd=tmp_path, paths=[here, here.parent, Path(ROOT) / "src"], env=env)
+                      cwd=tmp_path, paths=[here, here.parent, Path(ROOT), Path(ROOT) / "src"], env=env)
     for code, output in ranks:
         assert code == 0, output[-4000:]
     assert "trained 2 steps on 2 processes (DEEPSPEED)" in ranks[0][1]

@@ -110,7 +110,8 @@ def updates(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("verl") / "updates.pt"
     here = Path(__file__).resolve().parent
     env = os.environ | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "PYTHONPATH": os.pathsep.join(
-        [str(here), str(here.parent), str(here.parents[1] / "src"), os.environ.get("PYTHONPATH", "")])}
+        [str(here), str(here.parent), str(here.parents[1]), str(here.parents[1] / "src"),
+         os.environ.get("PYTHONPATH", "")])}
     env.pop("LONGSTRAW_PLAN", None)
     run = subprocess.run([sys.executable, str(here / "verl_child.py"), str(out), json.dumps(cases)], env=env,
                          capture_output=True, text=True, timeout=1800)
@@ -285,7 +286,7 @@ def test_two_data_parallel_ranks_equal_verls_two_ranks(tmp_path):
     here = Path(__file__).resolve().parent
     out = tmp_path / "dp2.pt"
     ranks = run_ranks([str(here / "verl_child.py"), str(out), json.dumps(cases)], 2, timeout=900,
-                      paths=[here, here.parent, here.parents[1] / "src"])
+                      paths=[here, here.parent, here.parents[1], here.parents[1] / "src"])
     for code, output in ranks:
         assert code == 0, output[-4000:]
     updates = torch.load(out, weights_only=False)

@@ -1,8 +1,8 @@
 """What the TRL equality tests share, in one process or in several (trl_ddp_child.py): the fixed completions
 that stand in for generation, the reward, the float64 log-prob kernel swapped into TRL, the gradient recorder, and
 one training run from a saved model; and, for the children, accelerate's FSDP path on CPU processes
-(`accelerate_fsdp_on_cpu`, from `longstraw.integrations.accelerate_cpu`, which `longstraw bench trl-scale` uses too)
-and DeepSpeed's (`accelerate_deepspeed_on_cpu`, with `deepspeed_config`)."""
+(`accelerate_fsdp_on_cpu`, from `benchmarks.accelerate_cpu`, which `python -m benchmarks trl-scale` uses
+too) and DeepSpeed's (`accelerate_deepspeed_on_cpu`, with `deepspeed_config`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from datasets import Dataset
 from helpers import faithful_float64
 from transformers import AutoModelForCausalLM, TrainerCallback
 
-from longstraw.integrations.accelerate_cpu import accelerate_deepspeed_on_cpu, accelerate_fsdp_on_cpu  # noqa: F401
+from benchmarks.accelerate_cpu import accelerate_deepspeed_on_cpu, accelerate_fsdp_on_cpu  # noqa: F401
 from longstraw.models.tokenizer import byte_tokenizer_hf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

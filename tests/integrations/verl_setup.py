@@ -1,6 +1,6 @@
 """verl's actor update on CPU processes, for the equality tests of `longstraw.integrations.verl` (test_verl.py).
 
-verl runs on CPU processes through `longstraw.integrations.verl_cpu.use_cpu` (a CPU platform; verl's own engine
+verl runs on CPU processes through `benchmarks.verl_cpu.use_cpu` (a CPU platform; verl's own engine
 registered for the "cpu" device): its `TrainingWorker` then runs over a 1-rank gloo group, unchanged otherwise.
 float64: verl's `PrecisionType` knows no "fp64", so `to_dtype` learns it, and the model's RMSNorms compute in
 float64 (`helpers.faithful_float64`; transformers rounds them to float32) with SDPA attention (eager attention's
@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from longstraw.integrations.verl_cpu import use_cpu
+from benchmarks.verl_cpu import use_cpu
 
 use_cpu()
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.memory import B1, run_one
 from longstraw import Group, backward_group, load_model
-from longstraw.bench.memory import B1, run_one
 from longstraw.cli import main
 from longstraw.planner import (
     PLANS,
@@ -397,7 +397,7 @@ def test_planner_matches_measured_peaks_recurrent():
         assert abs(predicted / measured - 1) <= RECURRENT_TOLERANCE, f"{model} {case}\n{report}"
 
 
-# Every recorded measurement of the engine that the planner claims (bench/results/, written by `longstraw bench
+# Every recorded measurement of the engine that the planner claims (bench/results/, written by `python -m benchmarks
 # memory`/`bench pareto`/`bench stress`). b1-deepseek-v3 (MLA + MoE): its masked-path and math-SDPA score terms are
 # located on the B1 runs (memory-b1-deepseek-v3-4k-20261129-1213/-1240) and checked on a second shape
 # (memory-b1-deepseek-v3-2k-all-plans-20261130).

@@ -1,7 +1,7 @@
-"""The planner's `--tp` against `longstraw bench cp --tp` (bench/results/cp-tp-b1-llama-4k-20261202.json: b1-llama, P =
-4096, exact, every (C, TP) in {1, 2}^2 as C x TP CPU processes): the prompt state a rank holds within 10% of the
-measured one, its step memory within 10% of the measured per-rank peak (the bench runs without FSDP: shard=False),
-and the measured state at TP = 2 half of TP = 1's."""
+"""The planner's `--tp` against `python -m benchmarks cp --tp` (bench/results/cp-tp-b1-llama-4k-20261202.json:
+b1-llama, P = 4096, exact, every (C, TP) in {1, 2}^2 as C x TP CPU processes): the prompt state a rank holds within
+10% of the measured one, its step memory within 10% of the measured per-rank peak (the bench runs without FSDP:
+shard=False), and the measured state at TP = 2 half of TP = 1's."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`planner.tree`: a prefix-tree step's forecast (tree exact and flattened) within 10% of `longstraw bench tree`'s
+"""`planner.tree`: a prefix-tree step's forecast (tree exact and flattened) within 10% of `python -m benchmarks tree`'s
 measured peaks (the committed results file; a row measured here, slow), the shape's refusals, and `longstraw plan
 --tree`'s command line."""
 
@@ -38,7 +38,7 @@ def _shape(cfg: dict, k: int, g: int) -> TreeShape:
 
 def test_forecast_within_ten_percent_of_the_bench_results():
     files = _results_files()
-    assert files, "no bench/results/tree-*.json: run `longstraw bench tree`"
+    assert files, "no bench/results/tree-*.json: run `python -m benchmarks tree`"
     checked = 0
     for path in files:
         doc = json.loads(Path(path).read_text())
@@ -126,7 +126,7 @@ def test_plan_tree_refusals(argv, message, capsys):
 @pytest.mark.slow
 def test_forecast_within_ten_percent_of_a_row_measured_here(monkeypatch):
     """A small b1-llama tree measured in a fresh worker, both rows."""
-    from longstraw.bench.tree import TreeBenchConfig, run_row
+    from benchmarks.tree import TreeBenchConfig, run_row
 
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (SRC, os.environ.get("PYTHONPATH")) if p))
     config = TreeBenchConfig(system_tokens=512, task_tokens=64, turns=3, response_tokens=32, observation_tokens=64,
