@@ -81,6 +81,10 @@ def plan_named(name: str | Plan) -> Plan:
         return name
     if name in PLANS:
         return PLANS[name]
-    from longstraw.choices import did_you_mean
+    import difflib
 
-    raise ValueError(f"unknown plan {name!r}: choose one of {', '.join(PLANS)}{did_you_mean(name, PLANS)}")
+    # `choices.did_you_mean`'s hint, spelled here: choices derives its PLANS from this module, so importing it back
+    # would close an import cycle.
+    close = difflib.get_close_matches(str(name), list(PLANS), n=3, cutoff=0.6)
+    hint = f" (did you mean {' or '.join(close)}?)" if close else ""
+    raise ValueError(f"unknown plan {name!r}: choose one of {', '.join(PLANS)}{hint}")

@@ -58,6 +58,7 @@ included, is still importable from `longstraw.planner` itself):
 
 from __future__ import annotations
 
+from longstraw.choices import PLANS
 from longstraw.planner.cli import add_arguments, format_plan, inputs_from_args, run_from_args
 from longstraw.planner.estimator import (
     CPU_RUNTIME_BYTES,
@@ -66,7 +67,6 @@ from longstraw.planner.estimator import (
     DTYPE_BYTES,
     GIB,
     MIB,
-    PLANS,
     PlanEstimate,
     PlanInputs,
     estimate,

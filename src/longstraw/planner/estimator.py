@@ -6,7 +6,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from longstraw.choices import DTYPE_BYTES, PLANS, PLANS_BASELINE_FIRST
+from longstraw.choices import DTYPE_BYTES
+from longstraw.plan import PLANS_BASELINE_FIRST, Plan, plan_named
 from longstraw.planner.formulas import (
     MASKED_MIXERS,
     _recurrent_layers,
@@ -114,11 +115,10 @@ def _trailing_tokens(positions: int, chunk: int, n: int) -> int:
     return min(positions, last + (n - 1) * chunk)
 
 
-def estimate(spec: ModelSpec, inp: PlanInputs, plan: str) -> PlanEstimate:
+def estimate(spec: ModelSpec, inp: PlanInputs, plan: str | Plan) -> PlanEstimate:
     """Predict one plan's per-GPU memory for `inp` (see the package docstring, `longstraw.planner`, for the
-    composition)."""
-    if plan not in PLANS:
-        raise ValueError(f"unknown plan {plan!r}: choose one of {', '.join(PLANS)}")
+    composition). `plan`: a Plan or its name."""
+    plan = plan_named(plan)
     b = _bytes_of(inp.dtype)
     a = max(4, b)  # accumulation dtype of attention merges and optimizer moments
     p, r, g = inp.prompt_tokens, inp.response_tokens, inp.group_size
@@ -141,14 +141,14 @@ def estimate(spec: ModelSpec, inp: PlanInputs, plan: str) -> PlanEstimate:
     gathered = (2 * max(layer_params, v * d) + layer_params) * b if shards > 1 else 0
     if inp.fsdp_gather not in ("all", "layer"):
         raise ValueError(f"fsdp_gather must be 'all' or 'layer', got {inp.fsdp_gather!r}")
-    if shards > 1 and plan in ("detach", "exact") and inp.fsdp_gather == "all":
+    if shards > 1 and plan.captures_state and inp.fsdp_gather == "all":
         # LongStraw under FSDP (its trainer and the TRL drop-in: `distributed.fsdp.sharded_compute`) gathers every
         # parameter once for the whole block and reduce-scatters the gradient once at its end: during the step a
         # rank holds the full parameters and the full, unsharded gradient (measured: `bench trl-scale`).
         gathered = n * b
         grads = n * b
     layer_reduce = 0
-    if shards > 1 and plan in ("detach", "exact") and inp.fsdp_gather == "layer":
+    if shards > 1 and plan.captures_state and inp.fsdp_gather == "layer":
         # sharded_compute(gather="layer"): the units that are not decoder layers (embeddings, final norm, output
         # projection; one V·d matrix when tied) stay gathered through the block with their full gradient; of the
         # layers, the one computing and the one FSDP prefetches in backward are gathered, and a layer's unsharded
@@ -170,8 +170,8 @@ def estimate(spec: ModelSpec, inp: PlanInputs, plan: str) -> PlanEstimate:
     host = 0  # offload_state: bytes in host memory, outside the GPU's phases
     phases: dict[str, int] = {}
     resident = weights + optimizer + runtime + gathered
-    if plan in ("detach", "exact"):
-        exact = plan == "exact"
+    if plan.captures_state:
+        exact = plan.needs_chunk_boundaries
         parts = state_parts(spec, p - 1, b, inp.chunk_size, exact)
         state, state_grad = parts.per_rank(inp.cp, inp.tp)
         if inp.offload_state:
@@ -193,7 +193,7 @@ def estimate(spec: ModelSpec, inp: PlanInputs, plan: str) -> PlanEstimate:
                 state_grad = (layer + parts.recurrent_grad) if exact else 0
             # else: every layer's copy is saved for the backward: the whole state is on the device anyway
         k = min(inp.micro_batch, g)
-        acts = segment_activation_bytes(spec, b, a, "replay", r, k, inp.checkpoint_layers)
+        acts = segment_activation_bytes(spec, b, a, plan.peak_key, r, k, inp.checkpoint_layers)
         acts += masked_score_bytes(spec, a, r, min(inp.chunk_size, p - 1), k, inp.checkpoint_layers)
         # With checkpointing, the recurrent layers' recompute terms come after the log-prob's transient has ended
         # (measured: a checkpointed replay of b1-mamba2 / b1-qwen3-next peaks in its log-prob, every layer holding
@@ -282,15 +282,15 @@ def estimate(spec: ModelSpec, inp: PlanInputs, plan: str) -> PlanEstimate:
             phases["gradient_reduce"] = resident + grads + reduce
             comp["fsdp_reduce"] = reduce
     else:
-        seqs = g if plan == "standard_batched" else 1
+        seqs = g if plan.batched else 1
         if inp.checkpoint_layers:  # what the step holds at its layers' high point (counted inside `step` below)
             acts = standard_checkpointed_activation_bytes(spec, b, a, p + r, seqs)
         else:
-            acts = segment_activation_bytes(spec, b, a, "sdpa", p + r, seqs, False)
+            acts = segment_activation_bytes(spec, b, a, plan.peak_key, p + r, seqs, False)
             acts += math_attention_score_bytes(spec, p + r, seqs, b, list(range(spec.num_layers)))
         # the log-softmax output, its gradient, the logits' gradient (whole V: tensor parallelism gathers them here)
         logits = 3 * seqs * r * spec.vocab * b
-        steady = plan == "standard" and g > 1  # gradients already resident while the next sequence runs
+        steady = not plan.batched and g > 1  # gradients already resident while the next sequence runs
         if inp.checkpoint_layers:
             step = standard_checkpointed_step_bytes(spec, b, a, p + r, seqs, logits, grads, steady)
         else:
@@ -305,13 +305,13 @@ def estimate(spec: ModelSpec, inp: PlanInputs, plan: str) -> PlanEstimate:
     total = phases[peak_phase]
     within = not spec.max_positions or p + r <= spec.max_positions
     return PlanEstimate(
-        plan=plan, components=comp, phases=phases, peak_phase=peak_phase, total_bytes=total,
+        plan=plan.name, components=comp, phases=phases, peak_phase=peak_phase, total_bytes=total,
         step_bytes=total - weights - optimizer, fits=within and total <= inp.gpu_memory,
         prompt_state_bytes=prompt_state, within_positions=within, host_bytes=host,
     )
 
 
-def largest_prompt(spec: ModelSpec, inp: PlanInputs, plan: str, limit: int = 2**34) -> int | None:
+def largest_prompt(spec: ModelSpec, inp: PlanInputs, plan: str | Plan, limit: int = 2**34) -> int | None:
     """The largest prompt length (tokens) for which `plan` fits `inp.gpu_memory`; None if not even 2 fits,
     `limit` if everything up to it fits. Memory grows monotonically with P, so a binary search suffices."""
     from dataclasses import replace
@@ -330,7 +330,9 @@ def largest_prompt(spec: ModelSpec, inp: PlanInputs, plan: str, limit: int = 2**
     return lo
 
 
-def plan_all(spec: ModelSpec, inp: PlanInputs, plans: tuple[str, ...] = PLANS_BASELINE_FIRST) -> dict[str, object]:
+def plan_all(
+    spec: ModelSpec, inp: PlanInputs, plans: tuple[str | Plan, ...] = PLANS_BASELINE_FIRST,
+) -> dict[str, object]:
     """Every plan's estimate and largest fitting prompt, as the JSON document `longstraw plan --json` prints (and
     its table shows): the baseline, standard_batched, first."""
     out: dict[str, object] = {}
@@ -338,7 +340,7 @@ def plan_all(spec: ModelSpec, inp: PlanInputs, plans: tuple[str, ...] = PLANS_BA
         est = estimate(spec, inp, plan)
         entry = asdict(est)
         entry["largest_prompt_tokens"] = largest_prompt(spec, inp, plan)
-        out[plan] = entry
+        out[str(plan)] = entry
     return {
         "model": {
             "name": spec.name, "model_type": spec.model_type, "params": spec.params,
