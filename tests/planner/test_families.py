@@ -174,7 +174,7 @@ def test_lightning_attention_saved_bytes(cached, tokens, tolerance):
     outside = {t.untyped_storage().data_ptr() for t in [*layer.parameters(), *layer.buffers(), x]}
     saved = sum(n for ptr, n in storages.items() if ptr not in outside)
     spec = planner.spec_from_config(config)
-    formula = planner.formulas.recurrent_bytes(spec, "lightning", tokens, 8, cached=cached).saved
+    formula = planner.recurrent.recurrent_bytes(spec, "lightning", tokens, 8, cached=cached).saved
     assert abs(formula / saved - 1) < tolerance
     if cached:
         assert saved > tokens * 4 * 32 * 32 * 8  # one state per token

@@ -49,8 +49,9 @@ The package, by what each module holds (every name of the former single module `
 included, is still importable from `longstraw.planner` itself):
 
 * `spec`: `ModelSpec`, `spec_from_config`, `load_config`, the built-in descriptions, parameter counting;
-* `formulas`: the prompt state's and the activations' bytes per layer (`StateBytes`, `RecurrentBytes`, the
-  segment and standard-plan checkpointed terms);
+* `formulas`: the prompt state's and the activations' bytes per layer (`StateBytes`, the segment and
+  standard-plan checkpointed terms);
+* `recurrent`: the recurrent token mixers' bytes over a segment (`RecurrentBytes`, `recurrent_bytes`);
 * `estimator`: `PlanInputs`, `PlanEstimate`, `estimate`, `largest_prompt`, `plan_all`;
 * `cli`: `longstraw plan`'s options, `format_plan`, `run_from_args`.
 * `parsing`: the argument types, `parse_size`, `positive_int`, `non_negative_int`.
@@ -74,13 +75,10 @@ from longstraw.planner.estimator import (
     plan_all,
 )
 from longstraw.planner.formulas import (
-    RECURRENT_MIXERS,
-    RecurrentBytes,
     StateBytes,
     chunk_activation_bytes,
     layer_activation_bytes,
     model_activation_bytes,
-    recurrent_bytes,
     recurrent_capture_bytes,
     segment_activation_bytes,
     standard_checkpointed_step_bytes,
@@ -88,6 +86,7 @@ from longstraw.planner.formulas import (
     state_parts,
 )
 from longstraw.planner.parsing import non_negative_int, parse_size, positive_int
+from longstraw.planner.recurrent import RECURRENT_MIXERS, RecurrentBytes, recurrent_bytes
 from longstraw.planner.spec import (
     BUILTIN_NAMES,
     LINEAR_SCAN_CHUNK,

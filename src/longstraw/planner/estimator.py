@@ -10,20 +10,18 @@ from longstraw.choices import DTYPE_BYTES
 from longstraw.plan import PLANS_BASELINE_FIRST, Plan, plan_named
 from longstraw.planner.formulas import (
     MASKED_MIXERS,
-    RecurrentBytes,
-    _recurrent_layers,
     chunk_activation_bytes,
     last_state_layer,
     masked_layers,
     masked_score_bytes,
     math_attention_score_bytes,
-    recurrent_bytes,
     recurrent_capture_bytes,
     segment_activation_bytes,
     standard_checkpointed_activation_bytes,
     standard_checkpointed_step_bytes,
     state_parts,
 )
+from longstraw.planner.recurrent import RecurrentBytes, _recurrent_layers, recurrent_bytes
 from longstraw.planner.spec import ModelSpec
 
 MIB = 1024**2  # the package's byte units (peak meter, reports, benches import them from the planner)
