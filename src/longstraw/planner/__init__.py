@@ -48,7 +48,8 @@ in host memory, one layer's copies on the device; saves nothing without checkpoi
 The package, by what each module holds (every name of the former single module `planner.py`, private helpers
 included, is still importable from `longstraw.planner` itself):
 
-* `spec`: `ModelSpec`, `spec_from_config`, `load_config`, the built-in descriptions, parameter counting;
+* `spec`: `ModelSpec`, `load_config`, the built-in descriptions, parameter counting;
+* `families`: `spec_from_config`, one reader per model family; `config_fields`: the fields they share;
 * `formulas`: the prompt state's and the activations' bytes per layer (`StateBytes`, the segment and
   standard-plan checkpointed terms);
 * `recurrent`: the recurrent token mixers' bytes over a segment (`RecurrentBytes`, `recurrent_bytes`);
@@ -74,6 +75,7 @@ from longstraw.planner.estimator import (
     largest_prompt,
     plan_all,
 )
+from longstraw.planner.families import spec_from_config
 from longstraw.planner.formulas import (
     StateBytes,
     chunk_activation_bytes,
@@ -96,7 +98,6 @@ from longstraw.planner.spec import (
     glm5_class,
     hybrid_27b,
     load_config,
-    spec_from_config,
 )
 
 __all__ = [

@@ -9,8 +9,9 @@ from typing import Any
 from longstraw.choices import PACKAGED_MODELS, PRESET_NAMES
 from longstraw.plan import PLANS
 from longstraw.planner.estimator import DTYPE_BYTES, PlanInputs, estimate, plan_all
+from longstraw.planner.families import spec_from_config
 from longstraw.planner.parsing import non_negative_int, parse_size, positive_int
-from longstraw.planner.spec import BUILTIN_NAMES, load_config, spec_from_config
+from longstraw.planner.spec import BUILTIN_NAMES, load_config
 from longstraw.planner.tree import TREE_ONLY, add_tree_arguments
 from longstraw.planner.tree import run_from_args as run_tree_from_args
 

@@ -329,7 +329,8 @@ def run_from_args(args: Any) -> int:
     """`longstraw plan --tree`: the forecast's table (or JSON); bad input goes to the parser's error."""
     import json
 
-    from longstraw.planner.spec import load_config, spec_from_config
+    from longstraw.planner.families import spec_from_config
+    from longstraw.planner.spec import load_config
 
     try:
         shape = shape_from_args(args)
