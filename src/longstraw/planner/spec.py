@@ -1,6 +1,6 @@
 """The planner's model description: `ModelSpec` (layer kinds, dimensions, parameter counts from a meta-device
-instantiation: no weights are allocated) read from a transformers config by `families.spec_from_config`; `load_config` and
-the built-in descriptions of paper-scale models (`hybrid_27b`, `glm5_class`)."""
+instantiation: no weights are allocated), which `families.spec_from_config` reads from a transformers config;
+`load_config` and the built-in descriptions of paper-scale models (`hybrid_27b`, `glm5_class`)."""
 
 from __future__ import annotations
 
