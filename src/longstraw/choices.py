@@ -7,13 +7,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from longstraw.plan import PLANS as _PLAN_VALUES  # the Plan values and their properties
+from longstraw.plan import PLANS_BASELINE_FIRST as _BASELINE_FIRST
+
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-PLANS = ("standard", "standard_batched", "detach", "exact")  # `backward_group(plan=...)`, `--plan`, `--plans`
-# How tables, plots and the planner's document list them: the baseline the others are measured against
-# (standard_batched, the whole group in one padded batch as an unmodified trainer runs it) first.
-PLANS_BASELINE_FIRST = ("standard_batched", *(plan for plan in PLANS if plan != "standard_batched"))
+PLANS = tuple(_PLAN_VALUES)  # the plans' names: `backward_group(plan=...)`, `--plan`, `--plans`
+# How tables, plots and the planner's document list them: the baseline (standard_batched) first.
+PLANS_BASELINE_FIRST = tuple(plan.name for plan in _BASELINE_FIRST)
 LOSSES = ("grpo", "dr_grpo", "dapo", "gspo", "luspo", "cispo", "sapo", "vespo")
 ADVANTAGES = ("grpo", "mean_centered", "rloo")
 CHECKPOINT_CHOICES = ("none", "layers")

@@ -1,5 +1,5 @@
 """The planner's prompt-state formula against the captured state of every family it reads generically from its
-config (`planner.spec`: plain attention, MLA, DSA, Mamba2 and gated-DeltaNet hybrids, short convolutions): the tiny
+config (`planner.families`: plain attention, MLA, DSA, Mamba2 and gated-DeltaNet hybrids, short convolutions): the tiny
 float64 copy `longstraw check` verifies (`tiny_config` of the sweep's config: the class defaults with a
 released checkpoint's values), captured over 40 positions in 16-token chunks, with every chunk boundary kept (exact)
 and lean (detach: sliding layers drop the chunks no later token sees). The bytes must be equal, not close."""
@@ -15,12 +15,12 @@ from longstraw import planner
 from longstraw.admission import released
 from longstraw.admission.tiny import build_tiny_model, tiny_config
 from longstraw.engine.state.capture import capture_prompt
-from longstraw.planner import spec as planner_spec
+from longstraw.planner import config_fields as planner_fields
 
-GENERIC_TYPES = (planner_spec.ATTENTION_MODEL_TYPES + planner_spec.MLA_MODEL_TYPES + planner_spec.DSA_MODEL_TYPES
-                 + planner_spec.MAMBA2_HYBRID_TYPES + planner_spec.GATED_DELTANET_TYPES
-                 + planner_spec.SHORT_CONV_TYPES + planner_spec.LIGHTNING_TYPES + planner_spec.SHARED_BLOCK_TYPES
-                 + planner_spec.CCA_TYPES)
+GENERIC_TYPES = (planner_fields.ATTENTION_MODEL_TYPES + planner_fields.MLA_MODEL_TYPES
+                 + planner_fields.DSA_MODEL_TYPES + planner_fields.MAMBA2_HYBRID_TYPES
+                 + planner_fields.GATED_DELTANET_TYPES + planner_fields.SHORT_CONV_TYPES
+                 + planner_fields.LIGHTNING_TYPES + planner_fields.SHARED_BLOCK_TYPES + planner_fields.CCA_TYPES)
 # Causal-LM types whose config is another type's (GPT-SW3: a GPT-2 config; Llama-4: its text model's).
 ALIAS_TYPES = ("gpt-sw3", "llama4")
 # Types whose class-default config builds no model (Nemotron-4's has no num_key_value_heads): the parity family's
@@ -175,7 +175,7 @@ def test_lightning_attention_saved_bytes(cached, tokens, tolerance):
     outside = {t.untyped_storage().data_ptr() for t in [*layer.parameters(), *layer.buffers(), x]}
     saved = sum(n for ptr, n in storages.items() if ptr not in outside)
     spec = planner.spec_from_config(config)
-    formula = planner.formulas.recurrent_bytes(spec, "lightning", tokens, 8, cached=cached).saved
+    formula = planner.recurrent.recurrent_bytes(spec, "lightning", tokens, 8, cached=cached).saved
     assert abs(formula / saved - 1) < tolerance
     if cached:
         assert saved > tokens * 4 * 32 * 32 * 8  # one state per token

@@ -48,9 +48,11 @@ in host memory, one layer's copies on the device; saves nothing without checkpoi
 The package, by what each module holds (every name of the former single module `planner.py`, private helpers
 included, is still importable from `longstraw.planner` itself):
 
-* `spec`: `ModelSpec`, `spec_from_config`, `load_config`, the built-in descriptions, parameter counting;
-* `formulas`: the prompt state's and the activations' bytes per layer (`StateBytes`, `RecurrentBytes`, the
-  segment and standard-plan checkpointed terms);
+* `spec`: `ModelSpec`, `load_config`, the built-in descriptions, parameter counting;
+* `families`: `spec_from_config`, one reader per model family; `config_fields`: the fields they share;
+* `formulas`: the prompt state's and the activations' bytes per layer (`StateBytes`, the segment and
+  standard-plan checkpointed terms);
+* `recurrent`: the recurrent token mixers' bytes over a segment (`RecurrentBytes`, `recurrent_bytes`);
 * `estimator`: `PlanInputs`, `PlanEstimate`, `estimate`, `largest_prompt`, `plan_all`;
 * `cli`: `longstraw plan`'s options, `format_plan`, `run_from_args`.
 * `parsing`: the argument types, `parse_size`, `positive_int`, `non_negative_int`.
@@ -58,6 +60,7 @@ included, is still importable from `longstraw.planner` itself):
 
 from __future__ import annotations
 
+from longstraw.choices import PLANS
 from longstraw.planner.cli import add_arguments, format_plan, inputs_from_args, run_from_args
 from longstraw.planner.estimator import (
     CPU_RUNTIME_BYTES,
@@ -66,21 +69,18 @@ from longstraw.planner.estimator import (
     DTYPE_BYTES,
     GIB,
     MIB,
-    PLANS,
     PlanEstimate,
     PlanInputs,
     estimate,
     largest_prompt,
     plan_all,
 )
+from longstraw.planner.families import spec_from_config
 from longstraw.planner.formulas import (
-    RECURRENT_MIXERS,
-    RecurrentBytes,
     StateBytes,
     chunk_activation_bytes,
     layer_activation_bytes,
     model_activation_bytes,
-    recurrent_bytes,
     recurrent_capture_bytes,
     segment_activation_bytes,
     standard_checkpointed_step_bytes,
@@ -88,6 +88,7 @@ from longstraw.planner.formulas import (
     state_parts,
 )
 from longstraw.planner.parsing import non_negative_int, parse_size, positive_int
+from longstraw.planner.recurrent import RECURRENT_MIXERS, RecurrentBytes, recurrent_bytes
 from longstraw.planner.spec import (
     BUILTIN_NAMES,
     LINEAR_SCAN_CHUNK,
@@ -97,7 +98,6 @@ from longstraw.planner.spec import (
     glm5_class,
     hybrid_27b,
     load_config,
-    spec_from_config,
 )
 
 __all__ = [

@@ -7,9 +7,11 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from longstraw.choices import PACKAGED_MODELS, PRESET_NAMES
+from longstraw.plan import PLANS
 from longstraw.planner.estimator import DTYPE_BYTES, PlanInputs, estimate, plan_all
+from longstraw.planner.families import spec_from_config
 from longstraw.planner.parsing import non_negative_int, parse_size, positive_int
-from longstraw.planner.spec import BUILTIN_NAMES, load_config, spec_from_config
+from longstraw.planner.spec import BUILTIN_NAMES, load_config
 from longstraw.planner.tree import TREE_ONLY, add_tree_arguments
 from longstraw.planner.tree import run_from_args as run_tree_from_args
 
@@ -205,6 +207,6 @@ def run_from_args(args) -> int:
     other = None
     if inp.shard and inp.gpus > 1 and inp.cp == inp.gpus:  # both gatherings apply: say where the other differs
         switched = replace(inp, fsdp_gather="layer" if inp.fsdp_gather == "all" else "all")
-        other = {plan: asdict(estimate(spec, switched, plan)) for plan in ("detach", "exact")}
+        other = {plan.name: asdict(estimate(spec, switched, plan)) for plan in PLANS.values() if plan.captures_state}
     print(format_plan(document, other))
     return 0

@@ -28,6 +28,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from longstraw.plan import EXACT, STANDARD
 from longstraw.planner.estimator import PlanEstimate, PlanInputs, estimate
 from longstraw.planner.parsing import parse_size, positive_int
 from longstraw.planner.spec import ModelSpec
@@ -243,8 +244,8 @@ def forecast(spec: ModelSpec, shape: TreeShape, base: PlanInputs) -> dict[str, T
                       group_size=max(2 * k, c.leaves), micro_batch=k,
                       prompt_loss_tokens=inner_loss_rows(shape, base.chunk_size))
     return {
-        "flattened": TreeForecast("flattened", estimate(spec, flat_in, "standard"), flat_in),
-        "tree_exact": TreeForecast("tree_exact", estimate(spec, tree_in, "exact"), tree_in),
+        "flattened": TreeForecast("flattened", estimate(spec, flat_in, STANDARD), flat_in),
+        "tree_exact": TreeForecast("tree_exact", estimate(spec, tree_in, EXACT), tree_in),
     }
 
 
@@ -328,7 +329,8 @@ def run_from_args(args: Any) -> int:
     """`longstraw plan --tree`: the forecast's table (or JSON); bad input goes to the parser's error."""
     import json
 
-    from longstraw.planner.spec import load_config, spec_from_config
+    from longstraw.planner.families import spec_from_config
+    from longstraw.planner.spec import load_config
 
     try:
         shape = shape_from_args(args)
