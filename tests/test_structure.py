@@ -43,8 +43,13 @@ def _offenders(folders: tuple[str, ...], forbidden: tuple[str, ...]) -> dict[str
 
 
 def test_the_engine_imports_nothing_from_train_bench_distributed_or_integrations():
-    assert len(_modules("engine")) >= 20 and (PACKAGE / "engine" / "api.py").exists()
+    assert len(_modules("engine")) >= 20 and (PACKAGE / "api" / "group.py").exists()
     assert _offenders(("engine",), OUTER) == {}
+
+
+def test_the_engine_imports_neither_the_entry_points_nor_the_admission_checks():
+    assert _offenders(("engine",), ("longstraw.api", "longstraw.models.admission")) == {}
+    assert _offenders(("models", "planner", "tasks"), ("longstraw.api",)) == {}
 
 
 def test_models_planner_and_tasks_stay_below_the_trainer():
@@ -55,7 +60,7 @@ def test_models_planner_and_tasks_stay_below_the_trainer():
 def test_the_top_level_holds_the_cli_and_few_modules():
     assert {p.name for p in PACKAGE.glob("*.py")} == TOP_LEVEL
     folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
-    assert folders == {"engine", "models", "train", "tasks", "planner", "distributed", "integrations", "bench"}
+    assert folders == {"api", "engine", "models", "train", "tasks", "planner", "distributed", "integrations", "bench"}
 
 
 def test_the_walk_sees_function_level_imports(tmp_path):

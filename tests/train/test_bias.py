@@ -11,7 +11,7 @@ import torch
 from helpers import faithful_float64
 
 import longstraw.train.trainer
-from longstraw.engine.api import backward_group
+from longstraw.api.group import backward_group
 from longstraw.models.loading import load_model
 from longstraw.train import bias
 from longstraw.train.config import TrainConfig

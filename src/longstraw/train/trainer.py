@@ -44,10 +44,10 @@ import copy
 from pathlib import Path
 from typing import Any
 
+from longstraw.api.group import backward_group
+from longstraw.api.tree import backward_tree
 from longstraw.distributed.runtime import Parallel
-from longstraw.engine.api import backward_group
 from longstraw.engine.sampling import stop_ids_of
-from longstraw.engine.tree.api import backward_tree
 from longstraw.models.loading import load_model
 from longstraw.models.tokenizer import load_tokenizer
 from longstraw.train import bias

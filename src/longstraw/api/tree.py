@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
+from longstraw.api.group import _options, check_model_options
 from longstraw.engine.activation_checkpointing import checkpointed_layers
-from longstraw.engine.api import _options, check_model_options
 from longstraw.engine.options import BackwardOptions
 from longstraw.engine.precision import accumulation_dtype
 from longstraw.engine.state.checks import check_materialised
