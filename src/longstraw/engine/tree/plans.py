@@ -109,13 +109,17 @@ def _exact_node(walk: Walk, node: Node, parent: PromptState, above: torch.Tensor
     state = parent if node is walk.tree.root else parent.branch()
     first = state.num_chunks
     ids = node.input_ids(above[-1:] if above.numel() else None)
+    own = _NodeLoss(walk, node, path)
+    # keep_prompt_graph: the node's last chunks keep their capture graph, which its backward then uses instead of a
+    # recompute; a node with loss tokens of its own recomputes them (the capture computes no log-probs).
+    keep = 0 if own.wants(state.length, state.length + ids.numel()) else walk.options.keep_prompt_graph
     t0 = time.perf_counter()
-    extend_state(walk.model, state, ids, walk.options.chunk_size, leaves=True)
+    extend_state(walk.model, state, ids, walk.options.chunk_size, leaves=True, keep_graph=keep)
     walk.capture_s += time.perf_counter() - t0
     held = walk.hold(state, first)
     _children(walk, node, state, path, _exact_node)
     t0 = time.perf_counter()
-    prompt_backward(walk.model, path, state, first=first, chunk_loss=_NodeLoss(walk, node, path))
+    prompt_backward(walk.model, path, state, first=first, chunk_loss=own)
     walk.backward_s += time.perf_counter() - t0
     walk.path_bytes -= held
 
