@@ -20,7 +20,7 @@ from router_helpers import patch_routers
 from longstraw import backward_group
 from longstraw.api.group import RouterBatch, router_counts
 from longstraw.engine.options import BackwardOptions
-from longstraw.engine.plans.replay import pad
+from longstraw.engine.pad import pad
 from longstraw.engine.router import aux_value
 
 # the released configs' values (gpt-oss-20b: 0.9)
