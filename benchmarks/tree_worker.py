@@ -64,7 +64,7 @@ def run_row(config: dict[str, Any]) -> dict[str, Any]:
             assert groups is not None
             return sum(backward_group(model, group, plan="exact", chunk_size=chunk, micro_batch=k).loss
                        for group in groups)
-        from longstraw.engine.tree.api import backward_tree
+        from longstraw.api.tree import backward_tree
 
         result = backward_tree(model, trajectories, plan=row.removeprefix("tree_"), chunk_size=chunk, micro_batch=k)
         stats.update(result.stats)

@@ -13,7 +13,7 @@ import longstraw
 
 PACKAGE = Path(longstraw.__file__).parent
 OUTER = ("longstraw.train", "benchmarks", "longstraw.distributed", "longstraw.integrations")
-TOP_LEVEL = {"__init__.py", "cli.py", "choices.py", "peak.py"}
+TOP_LEVEL = {"__init__.py", "cli.py", "choices.py", "plan.py", "peak.py"}
 
 
 def _modules(folder: str) -> list[Path]:
@@ -44,8 +44,13 @@ def _offenders(folders: tuple[str, ...], forbidden: tuple[str, ...]) -> dict[str
 
 
 def test_the_engine_imports_nothing_from_train_benchmarks_distributed_or_integrations():
-    assert len(_modules("engine")) >= 20 and (PACKAGE / "engine" / "api.py").exists()
+    assert len(_modules("engine")) >= 20 and (PACKAGE / "api" / "group.py").exists()
     assert _offenders(("engine",), OUTER) == {}
+
+
+def test_the_engine_imports_neither_the_entry_points_nor_the_admission_checks():
+    assert _offenders(("engine",), ("longstraw.api", "longstraw.admission")) == {}
+    assert _offenders(("models", "planner", "tasks"), ("longstraw.api", "longstraw.admission")) == {}
 
 
 def test_models_planner_admission_and_tasks_stay_below_the_trainer():
@@ -63,7 +68,8 @@ def test_nothing_in_the_library_imports_the_benchmarks():
 def test_the_top_level_holds_the_cli_and_few_modules():
     assert {p.name for p in PACKAGE.glob("*.py")} == TOP_LEVEL
     folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
-    assert folders == {"engine", "models", "admission", "train", "tasks", "planner", "distributed", "integrations"}
+    assert folders == {"api", "engine", "models", "admission", "train", "tasks", "planner", "distributed",
+                       "integrations"}
 
 
 def test_the_walk_sees_function_level_imports(tmp_path):

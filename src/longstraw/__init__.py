@@ -20,21 +20,25 @@ __all__ = [
 
 if TYPE_CHECKING:
     from longstraw.admission.loading import load_model
-    from longstraw.engine.api import GroupResult, backward_group
+    from longstraw.api.group import GroupResult, backward_group
+    from longstraw.api.tree import TreeResult, backward_tree
     from longstraw.engine.group import Group
     from longstraw.engine.loss import compute_advantages
     from longstraw.engine.options import BackwardOptions
     from longstraw.engine.tree import Trajectory, Tree, build_tree
-    from longstraw.engine.tree.api import TreeResult, backward_tree
     from longstraw.models.architecture import SUPPORTED_MODEL_TYPES
 
 
 def __getattr__(name: str) -> Any:
     if name in ("GroupResult", "backward_group"):
-        from longstraw.engine import api
+        from longstraw.api import group
 
-        return getattr(api, name)
-    elif name in ("Trajectory", "Tree", "TreeResult", "backward_tree", "build_tree"):
+        return getattr(group, name)
+    elif name in ("TreeResult", "backward_tree"):
+        from longstraw.api import tree as tree_api
+
+        return getattr(tree_api, name)
+    elif name in ("Trajectory", "Tree", "build_tree"):
         from longstraw.engine import tree
 
         return getattr(tree, name)

@@ -18,9 +18,9 @@ from helpers import EXACT_F64, assert_close, gradient_tolerance, grads, random_g
 from router_helpers import patch_routers
 
 from longstraw import backward_group
-from longstraw.engine.api import RouterBatch, router_counts
+from longstraw.api.group import RouterBatch, router_counts
 from longstraw.engine.options import BackwardOptions
-from longstraw.engine.plans.replay import pad
+from longstraw.engine.pad import pad
 from longstraw.engine.router import aux_value
 
 # the released configs' values (gpt-oss-20b: 0.9)

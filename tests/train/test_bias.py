@@ -12,7 +12,7 @@ from helpers import faithful_float64
 
 import longstraw.train.trainer
 from longstraw.admission.loading import load_model
-from longstraw.engine.api import backward_group
+from longstraw.api.group import backward_group
 from longstraw.train import bias
 from longstraw.train.config import TrainConfig
 from longstraw.train.reporting import Progress, plot_metrics

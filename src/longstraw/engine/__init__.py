@@ -1,2 +1,3 @@
-"""The engine: one GRPO group's gradient (`api.backward_group`), its plans, the prompt state and the attention
-kernels. It imports nothing from train/, bench/, distributed/ or integrations/ (tests/test_structure.py)."""
+"""The engine: the plans that run one GRPO group's or one prefix tree's gradient, the prompt state and the attention
+kernels; the public entry points that check and call it are in `longstraw.api`. It imports nothing from api/, train/,
+bench/, distributed/ or integrations/ (tests/test_structure.py)."""

@@ -36,15 +36,15 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
     raise ImportError(f"longstraw.integrations.trl needs TRL: pip install 'longstraw[trl]' ({err})") from err
 
 from longstraw.admission.admission import check_architecture
+from longstraw.api.group import RouterBatch, backward_group, check_model_options, router_counts
+from longstraw.api.tree import backward_tree
 from longstraw.distributed.context import check_supported as check_context_supported
 from longstraw.distributed.context import context_blocks
 from longstraw.distributed.fsdp import check_same_work, sharded_compute
-from longstraw.engine.api import RouterBatch, backward_group, check_model_options, router_counts
 from longstraw.engine.group import Group
 from longstraw.engine.loss import make_loss_config
 from longstraw.engine.options import BackwardOptions
 from longstraw.engine.router import aux_value
-from longstraw.engine.tree.api import backward_tree
 from longstraw.engine.tree.build import Trajectory, Tree
 from longstraw.integrations.deepspeed import gathered as deepspeed_gathered
 from longstraw.integrations.deepspeed import hand_over, plain_leaves

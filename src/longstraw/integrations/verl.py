@@ -43,11 +43,11 @@ try:
 except ImportError as err:  # pragma: no cover - exercised only without the extra
     raise ImportError(f"longstraw.integrations.verl needs verl: pip install 'longstraw[verl]' ({err})") from err
 
+from longstraw.api.group import backward_group
+from longstraw.api.tree import backward_tree
 from longstraw.distributed.fsdp import sharded_compute
-from longstraw.engine.api import backward_group
 from longstraw.engine.group import Group
 from longstraw.engine.options import BackwardOptions
-from longstraw.engine.tree.api import backward_tree
 from longstraw.engine.tree.build import Trajectory, Tree
 from longstraw.integrations.tree_batch import Fallbacks, tree_of, tree_refusals
 from longstraw.models.architecture import hf

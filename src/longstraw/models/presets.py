@@ -96,7 +96,7 @@ def _b1_mamba2() -> PretrainedConfig:
 
 
 def _tiny_llama_long() -> PretrainedConfig:
-    """tiny-llama with 16M positions: the full-attention model of the stress record (`longstraw.bench.stress`)."""
+    """tiny-llama with 16M positions: the full-attention model of the stress record (`benchmarks.stress`)."""
     config = _tiny_llama()
     config.max_position_embeddings = 2**24
     return config

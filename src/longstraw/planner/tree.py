@@ -2,7 +2,7 @@
 prompt and tools shared by every trajectory (S tokens), K tasks (C tokens each), G trajectories per task of T turns
 (each turn r response tokens in the loss, then o observation tokens masked out of it) that share their first turns
 and branch B ways at each of the last log_B(G) turns. From it: the tree's token counts (`TreeCounts`, equal to
-`Tree.stats()` of the batch `longstraw.bench.tree_batch` builds), the token-pass floor of each way of running the
+`Tree.stats()` of the batch `benchmarks.tree_batch` builds), the token-pass floor of each way of running the
 step (`token_passes`), and the forecast of a step's peak memory for the tree `exact` plan and for the flattened plan
 (every trajectory through the unmodified model, one at a time: `forecast`), which `longstraw plan --tree` prints.
 
@@ -320,7 +320,7 @@ def format_forecast(document: dict[str, Any]) -> str:
     for name, plan in document["plans"].items():
         lines.append(f"{name:<12}{plan['step_bytes'] / 1e9:>10.3f}{plan['total_bytes'] / 1e9:>10.3f}  "
                      f"{plan['peak_phase']:<18}{'yes' if plan['fits'] else 'NO'}")
-    lines.append("step: the step's peak above the loaded weights (no optimizer state), what `longstraw bench tree` "
+    lines.append("step: the step's peak above the loaded weights (no optimizer state), what `python -m benchmarks tree` "
                  "measures; total: with weights, optimizer and runtime reserve")
     return "\n".join(lines)
 

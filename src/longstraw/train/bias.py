@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from longstraw.engine.api import backward_group
+from longstraw.api.group import backward_group
 from longstraw.engine.group import Group
 from longstraw.train.checkpoints import rng_state, set_rng_state
 

@@ -45,10 +45,10 @@ from pathlib import Path
 from typing import Any
 
 from longstraw.admission.loading import load_model
+from longstraw.api.group import backward_group
+from longstraw.api.tree import backward_tree
 from longstraw.distributed.runtime import Parallel
-from longstraw.engine.api import backward_group
 from longstraw.engine.sampling import stop_ids_of
-from longstraw.engine.tree.api import backward_tree
 from longstraw.models.tokenizer import load_tokenizer
 from longstraw.train import bias
 from longstraw.train.checkpoints import FILENAME, check_same_shapes, restore_run, rng_state, save_run

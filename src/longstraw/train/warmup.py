@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from longstraw.engine.api import backward_group
+from longstraw.api.group import backward_group
 from longstraw.engine.group import Group
 from longstraw.train.data import derive_seed
 

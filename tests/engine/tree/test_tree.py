@@ -154,7 +154,6 @@ def test_sequence_losses_need_each_loss_in_a_leaf():
 def test_refusals_come_first():
     model = _model("llama")
     for settings, match in (({"router_aux_coef": 0.01}, "router_aux_coef"),
-                            ({"keep_prompt_graph": 1}, "keep_prompt_graph"),
                             ({"beta": 0.1}, "ref_logprobs")):
         with pytest.raises(ValueError, match=match):
             backward_tree(model, two_task_tree(), **settings)

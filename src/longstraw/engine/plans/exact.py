@@ -18,17 +18,15 @@ a recompute: one prompt forward fewer per kept chunk, for those chunks' activati
 from __future__ import annotations
 
 import time
-from typing import Protocol
 
 import torch
 
+from longstraw.engine.backprop import prompt_backward
 from longstraw.engine.options import BackwardOptions
 from longstraw.engine.plans.replay import LossFn, replay_responses
 from longstraw.engine.router import RouterAux
-from longstraw.engine.segment import run_segment
 from longstraw.engine.state.capture import capture_prompt
-from longstraw.engine.state.prompt import GRAD_PARTS, Collected, PromptState
-from longstraw.engine.state.sharding import ContextShards
+from longstraw.engine.state.prompt import PromptState
 
 
 def exact(model: torch.nn.Module, prompt: torch.Tensor, responses: list[torch.Tensor], loss_fn: LossFn,
@@ -55,80 +53,3 @@ def exact(model: torch.nn.Module, prompt: torch.Tensor, responses: list[torch.Te
     stats.update(prompt_state_bytes=state.nbytes(), capture_s=t1 - t0, replay_s=t2 - t1,
                  prompt_backward_s=time.perf_counter() - t2)
     return total, logprobs
-
-
-class ChunkLoss(Protocol):
-    """A loss on the tokens a recomputed chunk predicts (a prefix tree's node, `engine/tree`): `wants(start, end)`
-    says whether chunk [start, end) has any, and the call returns that part of the loss from the chunk's hidden
-    states (1, end − start, d) (None: nothing there)."""
-
-    def wants(self, start: int, end: int) -> bool: ...
-
-    def __call__(self, start: int, end: int, hidden: torch.Tensor) -> torch.Tensor | None: ...
-
-
-def prompt_backward(model: torch.nn.Module, ids: torch.Tensor, leaves: PromptState,
-                    router: RouterAux | None = None, first: int = 0, chunk_loss: ChunkLoss | None = None) -> None:
-    """ids: the encoded tokens by position (the prompt's x[:-1], or a tree node's path); leaves: the state the replays
-    used, `.grad` filled. router: the router load-balancing term, whose prompt tokens' share joins each chunk's
-    backward (each chunk then runs to the last layer's MoE block, and none is skipped). first: backpropagate chunks
-    first … last only (a tree node's own chunks: the state before them, its parent's, receives their gradient).
-    chunk_loss: a loss on the tokens the chunks predict, added to each chunk's backward."""
-    if not leaves.keep_boundaries and leaves.num_chunks > 1:
-        raise ValueError("the exact plan needs the recurrent state at every chunk boundary: capture the prompt "
-                         "with keep_boundaries=True")
-    context_shards = leaves.context_shards
-    for j in reversed(range(first, leaves.num_chunks)):
-        start, end = leaves.bounds[j]
-        produced = leaves.chunk_outputs(j)
-        # An offloaded state's gradients live beside it in host memory: bring chunk j's to the compute device.
-        upstream = [None if t is None or t.grad is None else leaves.fetch(t.grad) for t in produced]
-        kept = leaves.graphs.pop(j, None)  # the capture's own graph of chunk j, if it was kept
-        scored = chunk_loss is not None and chunk_loss.wants(start, end)
-        if context_shards is None and router is None and not scored and all(g is None for g in upstream):
-            continue  # (under context parallelism every rank recomputes every chunk: collectives run in step)
-        collect: Collected = {}
-        term = None
-        if kept is not None:
-            recomputed = kept
-        else:
-            if router is not None:
-                router.tap.clear()
-            with torch.enable_grad():
-                hidden = run_segment(model, ids[start:end].unsqueeze(0), start, leaves.prefix(j), collect,
-                                     kv_only=router is None and not scored)
-                if router is not None:
-                    term = router.term(torch.full((end - start,), float(router.prompt_copies)))
-                elif scored:
-                    assert chunk_loss is not None and hidden is not None
-                    term = chunk_loss(start, end, hidden)
-                del hidden
-            recomputed = PromptState.outputs_of(collect, leaves.num_layers)
-        if context_shards is not None:
-            upstream = _owner_gradients(context_shards, leaves.owners[j], upstream, recomputed)
-        # A part computed from frozen parameters and frozen inputs only (e.g. the first layer's K/V with the
-        # embeddings and that layer frozen) has no trainable path: its gradient stops here.
-        pairs = [(out, g) for out, g in zip(recomputed, upstream)
-                 if g is not None and out is not None and out.requires_grad]
-        if term is not None and term.requires_grad:
-            pairs.append((term, torch.ones_like(term)))
-        if pairs:
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        for t in produced:
-            if t is not None:
-                t.grad = None  # consumed: free this chunk's state gradient
-        # and this chunk's recompute (or kept graph), before the next one runs
-        del collect, recomputed, pairs, kept, term
-
-
-def _owner_gradients(context_shards: ContextShards, owner: int, upstream: list, recomputed: list) -> list:
-    """Context parallelism: a chunk's K/V gradients live on its owner (rank `owner`); every rank needs them to
-    backpropagate its (replicated) recompute of the chunk. Recurrent parts are replicated, so their gradients are local.
-    GRAD_PARTS order per layer: key, value, conv, recurrent."""
-    attention = [i for i, out in enumerate(recomputed) if out is not None and i % len(GRAD_PARTS) < 2]
-    shared = context_shards.broadcast_from([upstream[i] for i in attention], [recomputed[i] for i in attention],
-                                           owner)
-    upstream = list(upstream)
-    for i, g in zip(attention, shared):
-        upstream[i] = g
-    return upstream

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 
 from longstraw.engine.logprobs import chunked_logprobs, selected_logprobs
+from longstraw.engine.pad import pad
 from longstraw.engine.router import RouterAux, responses_weights
 from longstraw.engine.segment import run_segment
 from longstraw.engine.state.prompt import PromptState
@@ -25,17 +26,6 @@ from longstraw.models.architecture import hf, logit_scale, logit_softcap
 # A micro-batch's share of the group loss from its log-probs and mask (k, T) and which responses it holds (both
 # plans, replay and standard, call it; `api.backward_group` builds it).
 LossFn = Callable[[torch.Tensor, torch.Tensor, list[int]], torch.Tensor]
-
-
-def pad(seqs: list[torch.Tensor], value: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad 1-D id tensors to (B, T_max); returns (ids, mask) with mask True on real tokens."""
-    t = max(s.numel() for s in seqs)
-    ids = torch.full((len(seqs), t), value, dtype=torch.long, device=seqs[0].device)
-    mask = torch.zeros((len(seqs), t), dtype=torch.bool, device=seqs[0].device)
-    for i, s in enumerate(seqs):
-        ids[i, : s.numel()] = s
-        mask[i, : s.numel()] = True
-    return ids, mask
 
 
 def filled(logprobs: list[torch.Tensor | None]) -> list[torch.Tensor]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from longstraw.engine.options import BackwardOptions
-from longstraw.engine.plans.replay import pad
+from longstraw.engine.pad import pad
 from longstraw.engine.router import RouterCounts, RouterTap, count, responses_weights, top_k
 from longstraw.engine.segment import run_segment
 from longstraw.engine.state.capture import capture_prompt

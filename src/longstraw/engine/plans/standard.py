@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from longstraw.engine.plans.replay import LossFn, filled, finish_batch, pad
+from longstraw.engine.pad import pad
+from longstraw.engine.plans.replay import LossFn, filled, finish_batch
 from longstraw.engine.precision import accumulation_dtype
 from longstraw.engine.router import RouterAux
 

@@ -28,7 +28,7 @@ Cheaper signals cannot be trusted alone (measured on torch 2.13): a tensor's ver
 moved by fused AdamW, by writes through `p.data` or by a NumPy view, and 8 sampled values per tensor miss the sparse
 update of a few embedding rows (SGD or AdamW without weight decay when only the embeddings train). Storage addresses
 change when FSDP gathers the same weights again. So every value is read, at capture and at each check: two passes
-over the weights' memory (`longstraw bench provenance` measures it at 1.5B parameters; docs/usage.md gives the
+over the weights' memory (`python -m benchmarks provenance` measures it at 1.5B parameters; docs/usage.md gives the
 numbers). Sharded (DTensor) parameters are read as their local shard, so each rank checks its own shards.
 """
 

@@ -4,9 +4,10 @@
 * `exact`: depth first. A node's state continues its parent's (`PromptState.branch`), captured chunk by chunk without
   grad as leaves that require grad; its leaf children are replayed from it with grad (sibling leaves `micro_batch` at
   a time), its inner children visited the same way; then its own chunks are recomputed with grad, last first, and
-  backpropagated with the gradient its descendants left on its state plus its own tokens' loss (`exact.prompt_backward`
-  with a `ChunkLoss`): the gradient reaches its parent's state leaves, and the node's state is freed. The memory held
-  is the states of the nodes on one root-to-leaf path and one chunk's activations, whatever the tree's width.
+  backpropagated with the gradient its descendants left on its state plus its own tokens' loss
+  (`backprop.prompt_backward` with a `ChunkLoss`): the gradient reaches its parent's state leaves, and the node's
+  state is freed. The memory held is the states of the nodes on one root-to-leaf path and one chunk's activations,
+  whatever the tree's width.
 * `detach`: the same walk with every state a constant: a node's own loss tokens get their gradient from their chunk's
   forward (the parent's state constant), each leaf from its replay; no gradient flows into a node's state.
 """
@@ -18,10 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
+from longstraw.engine.backprop import prompt_backward
 from longstraw.engine.logprobs import selected_logprobs
 from longstraw.engine.options import BackwardOptions
-from longstraw.engine.plans.exact import prompt_backward
-from longstraw.engine.plans.replay import pad
+from longstraw.engine.pad import pad
 from longstraw.engine.precision import accumulation_dtype
 from longstraw.engine.segment import run_segment
 from longstraw.engine.state.capture import chunk_bounds, extend_state, keep_owned
@@ -109,13 +110,17 @@ def _exact_node(walk: Walk, node: Node, parent: PromptState, above: torch.Tensor
     state = parent if node is walk.tree.root else parent.branch()
     first = state.num_chunks
     ids = node.input_ids(above[-1:] if above.numel() else None)
+    own = _NodeLoss(walk, node, path)
+    # keep_prompt_graph: the node's last chunks keep their capture graph, which its backward then uses instead of a
+    # recompute; a node with loss tokens of its own recomputes them (the capture computes no log-probs).
+    keep = 0 if own.wants(state.length, state.length + ids.numel()) else walk.options.keep_prompt_graph
     t0 = time.perf_counter()
-    extend_state(walk.model, state, ids, walk.options.chunk_size, leaves=True)
+    extend_state(walk.model, state, ids, walk.options.chunk_size, leaves=True, keep_graph=keep)
     walk.capture_s += time.perf_counter() - t0
     held = walk.hold(state, first)
     _children(walk, node, state, path, _exact_node)
     t0 = time.perf_counter()
-    prompt_backward(walk.model, path, state, first=first, chunk_loss=_NodeLoss(walk, node, path))
+    prompt_backward(walk.model, path, state, first=first, chunk_loss=own)
     walk.backward_s += time.perf_counter() - t0
     walk.path_bytes -= held
 

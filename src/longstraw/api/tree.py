@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from longstraw.admission.admission import check_architecture, is_recurrent
+from longstraw.api.group import _options, check_model_options
 from longstraw.engine.activation_checkpointing import checkpointed_layers
-from longstraw.engine.api import _options, check_model_options
 from longstraw.engine.options import BackwardOptions
 from longstraw.engine.precision import accumulation_dtype
 from longstraw.engine.state.checks import check_materialised
@@ -65,13 +65,9 @@ def _check(model: torch.nn.Module, tree: Tree, options: BackwardOptions) -> None
     """What the options alone cannot say: this model and this tree."""
     if options.plan not in ("standard", "standard_batched", "exact", "detach"):
         raise ValueError(f"unknown plan {options.plan!r}")
-    for name, on, why in (
-            ("router_aux_coef", bool(options.router_aux_coef), "the router load-balancing term over a tree's shared "
-                                                                  "tokens is not implemented"),
-            ("keep_prompt_graph", bool(options.keep_prompt_graph), "a tree recomputes every node's chunks")):
-        if on:
-            raise ValueError(f"{name} is not supported by backward_tree ({why}): unset it, or run each group "
-                             "with backward_group")
+    if options.router_aux_coef:
+        raise ValueError("router_aux_coef is not supported by backward_tree (the router load-balancing term over a "
+                         "tree's shared tokens is not implemented): unset it, or run each group with backward_group")
     check_model_options(model, options)
     check_materialised(model, "backward_tree")
     if options.context_shards is not None:

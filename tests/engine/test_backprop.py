@@ -1,4 +1,4 @@
-"""The exact plan's kept capture graphs (`backward_group(keep_prompt_graph=N)`, `plans/exact.py`)."""
+"""The exact plan's kept capture graphs (`backward_group(keep_prompt_graph=N)`, `engine/backprop.py`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import torch
 from helpers import SAME_ORDER_F64, assert_close, gradient_tolerance, grads, random_group, tiny_model
 
 from longstraw import backward_group
-from longstraw.engine.plans import exact as exact_module
+from longstraw.engine import backprop
+from longstraw.engine.plans import exact as exact_plan
 
 _MODELS: dict[str, torch.nn.Module] = {}
 
@@ -19,15 +20,15 @@ def _model(family: str) -> torch.nn.Module:
 
 
 def _count_recomputes(monkeypatch) -> list[int]:
-    """Prompt-backward recomputes (run_segment calls from plans/exact.py), by chunk start."""
+    """Prompt-backward recomputes (run_segment calls from backprop.py), by chunk start."""
     starts: list[int] = []
-    run = exact_module.run_segment
+    run = backprop.run_segment
 
     def counted(model, ids, start, *args, **kwargs):
         starts.append(start)
         return run(model, ids, start, *args, **kwargs)
 
-    monkeypatch.setattr(exact_module, "run_segment", counted)
+    monkeypatch.setattr(backprop, "run_segment", counted)
     return starts
 
 
@@ -66,17 +67,17 @@ def test_kept_graph_is_released_after_its_backward():
     model = _model("llama")
     group = random_group(70, [5, 9], seed=6)
     seen: list[weakref.ref] = []
-    original = exact_module.prompt_backward
+    original = exact_plan.prompt_backward
 
     def spying(model_, ids, leaves, router=None):
         seen.extend(weakref.ref(t) for outs in leaves.graphs.values() for t in outs if t is not None)
         return original(model_, ids, leaves, router)
 
-    exact_module.prompt_backward = spying  # what `exact` calls
+    exact_plan.prompt_backward = spying  # what `exact` calls
     try:
         backward_group(model, group, plan="exact", chunk_size=16, keep_prompt_graph=2)
     finally:
-        exact_module.prompt_backward = original
+        exact_plan.prompt_backward = original
     assert seen, "no kept graph reached the prompt backward"
     assert all(ref() is None for ref in seen)
 
@@ -119,7 +120,7 @@ def test_exact_plan_reads_its_prefix_in_one_run_per_layer(keep, monkeypatch):
     group = random_group(70, [5, 9], seed=5)  # prompt[:-1] = 69 tokens: chunks of 16 -> 5 chunks
     seen: list[tuple[int, int]] = []  # (chunks read, runs) per ChunkAttention call over a prefix
     recomputes: list[tuple[int, int]] = []  # the same, during the prompt backward's recomputes
-    real_runs, real_segment = attention.adjacent_runs, exact_module.run_segment
+    real_runs, real_segment = attention.adjacent_runs, backprop.run_segment
 
     def counted(keys, values):
         runs = real_runs(keys, values)
@@ -133,7 +134,7 @@ def test_exact_plan_reads_its_prefix_in_one_run_per_layer(keep, monkeypatch):
         return out
 
     monkeypatch.setattr(attention, "adjacent_runs", counted)
-    monkeypatch.setattr(exact_module, "run_segment", recompute)
+    monkeypatch.setattr(backprop, "run_segment", recompute)
     backward_group(model, group, plan="exact", chunk_size=16, micro_batch=2, keep_prompt_graph=keep)
     replays = [runs for chunks, runs in seen if chunks == 5]  # responses against the whole prompt
     assert replays and set(replays) == {1}
