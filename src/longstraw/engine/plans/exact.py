@@ -22,10 +22,10 @@ from typing import Protocol
 
 import torch
 
+from longstraw.engine.hf.segment import run_segment
 from longstraw.engine.options import BackwardOptions
 from longstraw.engine.plans.replay import LossFn, replay_responses
 from longstraw.engine.router import RouterAux
-from longstraw.engine.segment import run_segment
 from longstraw.engine.state.capture import capture_prompt
 from longstraw.engine.state.prompt import GRAD_PARTS, Collected, PromptState
 from longstraw.engine.state.sharding import ContextShards
