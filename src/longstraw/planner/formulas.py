@@ -201,7 +201,7 @@ def recurrent_bytes(spec: ModelSpec, mixer: str, tokens: int, b: int, batch: int
         # on the three shapes at T = 2048; this 8.2-24.6 KB).
         backward = tp * h * c * 4
     elif mixer == "mamba1":
-        # Mamba-1 (`engine/hf/mamba1.py`, `kernels/selective_scan.py`) counted from the code, not measured; per token the
+        # Mamba-1 (`engine/hf/mamba1.py`, `kernels/selective_scan.py`) counted from the code; per token the
         # in_proj output, the conv input, output and activation, dt, B, C, gate and output projection input (~8 x the
         # inner width in the param dtype) and a few fp32 vectors of it; decays and inputs (2 x inner x N, fp32 or
         # wider), with the replay's doubling scan ~2 log2(SCAN_CHUNK) = 8 more and the states, or with transformers'
