@@ -319,7 +319,7 @@ def _arch_configs() -> dict[str, Callable[[], object]]:
     out["gemma3_mm"] = _gemma3_multimodal
     # stablelm-2-1_6b (A: q/k/v biases, sequential residual) and stablelm-2-12b (B: per-head q/k LayerNorm, parallel
     # residual, GQA 4:1): a quarter of each head rotated (partial_rotary_factor 0.25), RoPE theta 1e4, LayerNorm eps
-    # 1e-5. Their attention modules call the kernel without the layer's keyword arguments (`state/active.py`).
+    # 1e-5. Their attention modules call the kernel without the layer's keyword arguments (`engine/hf/active.py`).
     stablelm = dict(num_hidden_layers=2, partial_rotary_factor=0.25, layer_norm_eps=1e-5, hidden_act="silu",
                     tie_word_embeddings=False, **c)
     out["stablelm-A"] = lambda: StableLmConfig(num_key_value_heads=4, use_qkv_bias=True, qk_layernorm=False,

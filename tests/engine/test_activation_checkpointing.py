@@ -9,7 +9,7 @@ from helpers import ARCH_FAMILIES, SAME_ORDER_F64, assert_close, gradient_tolera
 
 from longstraw import backward_group
 from longstraw.engine.activation_checkpointing import checkpointed_layers, decoder_layers
-from longstraw.engine.segment import run_segment
+from longstraw.engine.hf.segment import run_segment
 from longstraw.engine.state.capture import capture_prompt
 
 FAMILIES = ("llama", "qwen3", *ARCH_FAMILIES)

@@ -80,7 +80,7 @@ def test_a_wrong_logit_factor_is_refused_after_the_decoder(monkeypatch):
 
 def test_a_wrong_attention_is_refused_naming_the_first_layer(monkeypatch):
     """An attention kernel that dropped the prompt's K/V: refused, and the first layer that differs is layer 0."""
-    from longstraw.engine import segment
+    from longstraw.engine.hf import segment
 
     real = segment.prefix_attention
 
@@ -102,7 +102,7 @@ def test_windows_applied_through_the_mask_only_are_read(model_type, values, monk
     window itself and is exact; an engine that ignored it would be refused at layer 0."""
     config = _config(model_type, **values)
     assert verify.verify(config).admitted
-    from longstraw.engine import segment
+    from longstraw.engine.hf import segment
 
     monkeypatch.setattr(segment, "_mask_window", lambda module, window: window)
     verdict = verify.verify(_config(model_type, **values))

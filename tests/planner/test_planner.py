@@ -347,7 +347,7 @@ def test_recurrent_saved_bytes_match_saved_tensor_hooks(name):
     """What autograd saves in a 100-token replay segment (padded to 256 by b1-mamba2's scan, to 128 by the gated
     delta rule), counted with saved-tensor hooks (distinct storages, weights excluded), against
     `planner.model_activation_bytes`: within 8% (measured: b1-mamba2 -2.2%, b1-qwen3-next +3.1%)."""
-    from longstraw.engine.segment import run_segment
+    from longstraw.engine.hf.segment import run_segment
     from longstraw.engine.state.capture import capture_prompt
     from longstraw.planner import model_activation_bytes
 

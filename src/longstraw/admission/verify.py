@@ -185,7 +185,7 @@ def _layer_outputs(model: torch.nn.Module, run) -> list[torch.Tensor]:
 def _first_difference(model: torch.nn.Module, prompt: torch.Tensor, response: torch.Tensor, tol: float) -> str | None:
     """The first decoder layer whose output over [last prompt token ; response] differs between a replay from the
     captured prompt state and the full forward, with the difference and the layer's kind."""
-    from longstraw.engine.segment import run_segment
+    from longstraw.engine.hf.segment import run_segment
     from longstraw.engine.state.capture import capture_prompt
 
     ids = torch.cat([prompt, response])

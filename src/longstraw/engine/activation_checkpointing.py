@@ -34,8 +34,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from longstraw.choices import CHECKPOINT_CHOICES
-from longstraw.engine.mamba1 import mamba1_mixers
-from longstraw.engine.state.active import active_cache, running
+from longstraw.engine.hf.active import active_cache, running
+from longstraw.engine.hf.mamba1 import mamba1_mixers
 from longstraw.models.composite import text_config, text_decoder
 
 
@@ -93,7 +93,7 @@ def _wrap(layer: torch.nn.Module, index: int, config):
             with _attention_kernel(config, kernel):
                 if cache is None:
                     return inner(layer, *a, **kw)
-                # A Mamba-1 mixer's recompute must continue its state as the first run did (engine/mamba1.py).
+                # A Mamba-1 mixer's recompute must continue its state as the first run did (engine/hf/mamba1.py).
                 with cache.layer(index, recompute=runs > 1), running(cache), mamba1_mixers([layer]):
                     return inner(layer, *a, **kw)
 

@@ -17,8 +17,8 @@ from typing import Protocol
 
 import torch
 
+from longstraw.engine.hf.segment import run_segment
 from longstraw.engine.router import RouterAux
-from longstraw.engine.segment import run_segment
 from longstraw.engine.state.prompt import GRAD_PARTS, Collected, PromptState
 from longstraw.engine.state.sharding import ContextShards
 

@@ -41,9 +41,9 @@ from dataclasses import dataclass
 import torch
 
 from longstraw.choices import MIN_TEMPERATURE
+from longstraw.engine.hf.segment import run_segment
 from longstraw.engine.logprobs import DEFAULT_TOKEN_CHUNK, accumulated_logits
 from longstraw.engine.plans.replay import replay_responses
-from longstraw.engine.segment import run_segment
 from longstraw.engine.state.capture import capture_prompt
 from longstraw.engine.state.checks import check_materialised, check_prompt_state
 from longstraw.engine.state.prompt import PromptState

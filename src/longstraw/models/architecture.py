@@ -79,7 +79,7 @@ SUPPORTED_MODEL_TYPES = (
     "ernie4_5_moe", "dots1", "minimax_m2", "deepseek_v2", "deepseek_v32", "bamba", "ministral", "olmo_hybrid",
     "qwen3_5_moe_text", "gpt2", "gemma", "helium", "phi",
 )
-# Those with conv/recurrent layers: their single-token kernels update state in place (see state/cache.py).
+# Those with conv/recurrent layers: their single-token kernels update state in place (see engine/hf/cache.py).
 RECURRENT_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "mamba2", "falcon_h1", "kimi_linear", "nemotron_h", "zamba2",
                          "mamba", "falcon_mamba", "jamba", "lfm2", "bamba", "olmo_hybrid", "qwen3_5_moe_text",
                          "minimax", "granitemoehybrid")
@@ -172,7 +172,7 @@ MIN_TRANSFORMERS_BY_MODEL_TYPE: dict[str, tuple[tuple[int, int, int], str]] = {
     "minimax": ((5, 24, 0), "its lightning attention's state continuation (get/set_linear_cache) is verified on 5.24 "
                             "only"),
     "gemma4_text": ((5, 24, 0), "its KV-shared layers and per-layer head dims are verified on 5.24 only"),
-    # Mamba-1 layers run LongStraw's own scan (engine/mamba1.py) inside transformers' modules
+    # Mamba-1 layers run LongStraw's own scan (engine/hf/mamba1.py) inside transformers' modules
     **{name: ((5, 24, 0), "its Mamba-1 layers are not verified on older releases")
        for name in ("mamba", "falcon_mamba", "jamba")},
 }

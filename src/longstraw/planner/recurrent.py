@@ -96,7 +96,7 @@ def _mamba2_bytes(spec: ModelSpec, tokens: int, b: int, batch: int, cached: bool
 
 def _mamba1_bytes(spec: ModelSpec, tokens: int, b: int, cached: bool) -> RecurrentBytes:
     """`RecurrentBytes` of one row of a Mamba-1 mixer (see `recurrent_bytes`)."""
-    # Mamba-1 (`engine/mamba1.py`, `kernels/selective_scan.py`), counted from the code, not measured: per token the
+    # Mamba-1 (`engine/hf/mamba1.py`, `kernels/selective_scan.py`), counted from the code (not measured): per token the
     # in_proj output, the conv input, output and activation, dt, B, C, gate and output projection input (~8 x the
     # inner width in the param dtype) and a few fp32 vectors of it; decays and inputs (2 x inner x N, fp32 or
     # wider), with the replay's doubling scan ~2 log2(SCAN_CHUNK) = 8 more and the states, or with transformers'

@@ -320,8 +320,8 @@ def format_forecast(document: dict[str, Any]) -> str:
     for name, plan in document["plans"].items():
         lines.append(f"{name:<12}{plan['step_bytes'] / 1e9:>10.3f}{plan['total_bytes'] / 1e9:>10.3f}  "
                      f"{plan['peak_phase']:<18}{'yes' if plan['fits'] else 'NO'}")
-    lines.append("step: the step's peak above the loaded weights (no optimizer state), what `python -m benchmarks tree` "
-                 "measures; total: with weights, optimizer and runtime reserve")
+    lines.append("step: the step's peak above the loaded weights (no optimizer state), what "
+                 "`python -m benchmarks tree` measures; total: with weights, optimizer and runtime reserve")
     return "\n".join(lines)
 
 

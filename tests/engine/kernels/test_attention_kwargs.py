@@ -6,7 +6,7 @@ import pytest
 import torch
 from helpers import tiny_model
 
-from longstraw.engine.segment import _check_kwargs, run_segment
+from longstraw.engine.hf.segment import _check_kwargs, run_segment
 from longstraw.engine.state.capture import capture_prompt
 
 

@@ -25,8 +25,8 @@ import torch
 from helpers import ARCH_FAMILIES, assert_close, gradient_tolerance, grads, random_group, rel_err, tiny_model
 
 from longstraw import backward_group, planner
+from longstraw.engine.hf.segment import run_segment
 from longstraw.engine.sampling import SamplingConfig, sample_group, score_responses
-from longstraw.engine.segment import run_segment
 from longstraw.engine.state.capture import capture_prompt
 from longstraw.models.architecture import cache_keyword
 
@@ -281,7 +281,7 @@ def test_replay_is_within_the_references_own_chunking_noise(family):
 def test_mamba1_replay_continues_the_ssm_state(family):
     """transformers' own cached continuation of a Mamba-1 model (its DynamicCache, the prompt in 13-token chunks)
     restarts every multi-token segment's SSM scan from a zero state and is far from its full forward; LongStraw's
-    replay (engine/mamba1.py) continues the state and equals the full forward. (transformers' continuation is off by
+    replay (engine/hf/mamba1.py) continues the state and equals the full forward. (transformers' continuation is off by
     up to 1.1e-4 on Jamba, whose tiny model's dt starts near softplus(0) and forgets within a few tokens, and by more
     than 1e-3 on Mamba and Falcon-Mamba, whose dt starts in the released [0.001, 0.1].)"""
     from transformers import DynamicCache

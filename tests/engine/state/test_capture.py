@@ -5,7 +5,7 @@ import torch
 from helpers import tiny_model
 
 from longstraw import planner
-from longstraw.engine.segment import run_segment
+from longstraw.engine.hf.segment import run_segment
 from longstraw.engine.state.capture import capture_prompt, chunk_bounds
 
 

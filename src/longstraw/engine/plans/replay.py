@@ -16,10 +16,10 @@ from collections.abc import Callable
 
 import torch
 
+from longstraw.engine.hf.segment import run_segment
 from longstraw.engine.logprobs import chunked_logprobs, selected_logprobs
 from longstraw.engine.pad import pad
 from longstraw.engine.router import RouterAux, responses_weights
-from longstraw.engine.segment import run_segment
 from longstraw.engine.state.prompt import PromptState
 from longstraw.models.architecture import hf, logit_scale, logit_softcap
 

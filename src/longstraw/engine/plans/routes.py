@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 
+from longstraw.engine.hf.segment import run_segment
 from longstraw.engine.options import BackwardOptions
 from longstraw.engine.pad import pad
 from longstraw.engine.router import RouterCounts, RouterTap, count, responses_weights, top_k
-from longstraw.engine.segment import run_segment
 from longstraw.engine.state.capture import capture_prompt
 from longstraw.engine.state.prompt import PromptState
 

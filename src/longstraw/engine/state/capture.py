@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from longstraw.engine.segment import run_segment
+from longstraw.engine.hf.segment import run_segment
 from longstraw.engine.state.prompt import Collected, PromptState, prompt_fingerprint
 from longstraw.engine.state.provenance import provenance
 from longstraw.engine.state.sharding import ContextShards

@@ -305,7 +305,7 @@ class PromptState:
 
     def fork(self) -> PromptState:
         """A view for one replay. Replays never write into it (recurrent parts are cloned where a layer
-        would update them in place, see `state.cache`), so sharing the tensors is safe."""
+        would update them in place, see `engine.hf.cache`), so sharing the tensors is safe."""
         return self.prefix(self.num_chunks)
 
     def branch(self) -> PromptState:

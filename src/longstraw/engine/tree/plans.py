@@ -20,11 +20,11 @@ from dataclasses import dataclass
 import torch
 
 from longstraw.engine.backprop import prompt_backward
+from longstraw.engine.hf.segment import run_segment
 from longstraw.engine.logprobs import selected_logprobs
 from longstraw.engine.options import BackwardOptions
 from longstraw.engine.pad import pad
 from longstraw.engine.precision import accumulation_dtype
-from longstraw.engine.segment import run_segment
 from longstraw.engine.state.capture import chunk_bounds, extend_state, keep_owned
 from longstraw.engine.state.prompt import Collected, PromptState
 from longstraw.engine.state.sharing import kv_shared_layers

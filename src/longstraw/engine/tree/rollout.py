@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from longstraw.engine.hf.segment import run_segment
 from longstraw.engine.logprobs import accumulated_logits
 from longstraw.engine.loss import compute_advantages
 from longstraw.engine.sampling import (
@@ -46,7 +47,6 @@ from longstraw.engine.sampling import (
     _name,
     _observation_ids,
 )
-from longstraw.engine.segment import run_segment
 from longstraw.engine.state.capture import capture_prompt
 from longstraw.engine.state.prompt import PARTS, PromptState
 from longstraw.engine.state.response import ResponseState

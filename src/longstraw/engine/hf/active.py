@@ -15,7 +15,7 @@ from contextvars import ContextVar
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from longstraw.engine.state.cache import SegmentCache
+    from longstraw.engine.hf.cache import SegmentCache
 
 _ACTIVE: ContextVar[SegmentCache | None] = ContextVar("longstraw_segment_cache", default=None)
 

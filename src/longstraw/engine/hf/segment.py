@@ -4,7 +4,7 @@ We do not fork the model's code: the unmodified transformers modules compute emb
 projections, MLPs/MoE, conv and recurrent kernels. Two things are swapped, both through transformers' own
 extension points:
 
-* the cache object: a `SegmentCache` (state/cache.py) answers the layers' cache calls functionally over a
+* the cache object: a `SegmentCache` (engine/hf/cache.py) answers the layers' cache calls functionally over a
   fork of the prompt state (recurrent/conv state, MLA latents, DSA indexer keys) and collects what each
   layer produced (capture, the exact plan's recompute, decoding);
 * the attention *kernel*, through `AttentionInterface`: `_longstraw_attention` attends to the prompt's
@@ -23,10 +23,10 @@ from typing import Any
 import torch
 from transformers import AttentionInterface
 
+from longstraw.engine.hf.active import active_cache, running
+from longstraw.engine.hf.cache import SegmentCache, StateCollected
+from longstraw.engine.hf.mamba1 import MAMBA1_MODEL_TYPES, mamba1_mixers
 from longstraw.engine.kernels.attention import masked_prefix_attention, prefix_attention
-from longstraw.engine.mamba1 import MAMBA1_MODEL_TYPES, mamba1_mixers
-from longstraw.engine.state.active import active_cache, running
-from longstraw.engine.state.cache import SegmentCache, StateCollected
 from longstraw.engine.state.prompt import Collected, PromptState
 from longstraw.engine.state.response import ResponseState
 from longstraw.engine.state.sharing import kv_source
@@ -209,7 +209,7 @@ def run_segment(
     if has_indexer(model):
         mask = _indexer_mask(b, t, start, input_ids.device)  # keys: prompt, generated so far, this segment
     base = text_decoder(model)
-    # Mamba-1 mixers continue the SSM state through LongStraw's scan (engine/mamba1.py).
+    # Mamba-1 mixers continue the SSM state through LongStraw's scan (engine/hf/mamba1.py).
     mixers = mamba1_mixers(hf(base).layers) if model_type in MAMBA1_MODEL_TYPES else nullcontext()
     with replay_attention(model), running(cache), mixers:
         try:

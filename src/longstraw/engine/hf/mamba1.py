@@ -27,8 +27,8 @@ from transformers.models.falcon_mamba.modeling_falcon_mamba import FalconMambaMi
 from transformers.models.jamba.modeling_jamba import JambaMambaMixer
 from transformers.models.mamba.modeling_mamba import MambaMixer
 
+from longstraw.engine.hf.cache import SegmentCache
 from longstraw.engine.kernels.selective_scan import selective_scan
-from longstraw.engine.state.cache import SegmentCache
 from longstraw.models.architecture import hf
 
 MAMBA1_MODEL_TYPES = ("mamba", "falcon_mamba", "jamba")

@@ -228,7 +228,7 @@ class SegmentCache:
 
     def read_recurrent_state(self, layer_idx: int) -> torch.Tensor | None:
         """The recurrent state this segment continues, not copied: the prompt's (1, ...), shared by every row, or
-        while decoding the rollout's (B, ...). For a kernel that never writes into it (`engine.mamba1`)."""
+        while decoding the rollout's (B, ...). For a kernel that never writes into it (`engine.hf.mamba1`)."""
         self._asked(layer_idx, "recurrent")
         if self.generated is not None and self.generated.has("recurrent", layer_idx):
             return self.generated.get("recurrent", layer_idx)
