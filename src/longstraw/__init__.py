@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from longstraw.admission.loading import load_model
     from longstraw.engine.api import GroupResult, backward_group
     from longstraw.engine.group import Group
-    from longstraw.engine.loss import compute_advantages
+    from longstraw.engine.loss.advantages import compute_advantages
     from longstraw.engine.options import BackwardOptions
     from longstraw.engine.tree import Trajectory, Tree, build_tree
     from longstraw.engine.tree.api import TreeResult, backward_tree
@@ -47,7 +47,7 @@ def __getattr__(name: str) -> Any:
 
         return Group
     elif name == "compute_advantages":
-        from longstraw.engine.loss import compute_advantages
+        from longstraw.engine.loss.advantages import compute_advantages
 
         return compute_advantages
     elif name == "SUPPORTED_MODEL_TYPES":

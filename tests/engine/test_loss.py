@@ -6,7 +6,9 @@ import re
 import pytest
 import torch
 
-from longstraw.engine.loss import GroupTotals, compute_advantages, k3_kl, make_loss_config, response_loss
+from longstraw.engine.loss.advantages import compute_advantages
+from longstraw.engine.loss.config import make_loss_config
+from longstraw.engine.loss.terms import GroupTotals, k3_kl, response_loss
 
 LENGTHS = [3, 5, 2, 4]
 
@@ -540,7 +542,7 @@ def test_bad_clamps_are_refused():
 def test_advantages_refuse_rewards_they_cannot_normalise(kind, rewards, why):
     """Finite rewards whose mean, deviations or standard deviation overflow: one ValueError that names the rewards
     and the fix, never zeros or NaN advantages."""
-    from longstraw.engine.loss import UnnormalisableRewards
+    from longstraw.engine.loss.advantages import UnnormalisableRewards
 
     with pytest.raises(UnnormalisableRewards, match=r"rewards are too large to normalise: \[.*\] \(" + re.escape(why)
                        + r"\); scale the reward function's values down"):

@@ -41,7 +41,7 @@ from longstraw.distributed.context import context_blocks
 from longstraw.distributed.fsdp import check_same_work, sharded_compute
 from longstraw.engine.api import RouterBatch, backward_group, check_model_options, router_counts
 from longstraw.engine.group import Group
-from longstraw.engine.loss import make_loss_config
+from longstraw.engine.loss.config import make_loss_config
 from longstraw.engine.options import BackwardOptions
 from longstraw.engine.router import aux_value
 from longstraw.engine.tree.api import backward_tree

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from longstraw.engine.logprobs import accumulated_logits
-from longstraw.engine.loss import compute_advantages
+from longstraw.engine.loss.advantages import compute_advantages
 from longstraw.engine.sampling import (
     Environment,
     SamplingConfig,
