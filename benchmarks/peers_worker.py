@@ -294,7 +294,8 @@ def prepare_prefix_grouper(model: Any) -> None:
 
 def run_prefix_grouper(config: dict[str, Any]) -> dict[str, Any]:
     """One group's GRPO loss forward and backward through Prefix Grouper (module docstring)."""
-    from longstraw.engine.loss import GroupTotals, make_loss_config, response_loss
+    from longstraw.engine.loss.config import make_loss_config
+    from longstraw.engine.loss.terms import GroupTotals, response_loss
 
     device = str(config["device"])
     g, p, r = int(config["group_size"]), int(config["prompt_tokens"]), int(config["response_tokens"])

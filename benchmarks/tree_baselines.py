@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from longstraw.engine.logprobs import DEFAULT_TOKEN_CHUNK, chunked_logprobs
-from longstraw.engine.loss import GroupTotals, LossConfig, make_loss_config, response_loss
+from longstraw.engine.loss.config import LossConfig, make_loss_config
+from longstraw.engine.loss.terms import GroupTotals, response_loss
 from longstraw.engine.precision import accumulation_dtype
 from longstraw.engine.tree import Trajectory, build_tree
 

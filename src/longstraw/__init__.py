@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from longstraw.api.group import GroupResult, backward_group
     from longstraw.api.tree import TreeResult, backward_tree
     from longstraw.engine.group import Group
-    from longstraw.engine.loss import compute_advantages
+    from longstraw.engine.loss.advantages import compute_advantages
     from longstraw.engine.options import BackwardOptions
     from longstraw.engine.tree import Trajectory, Tree, build_tree
     from longstraw.models.architecture import SUPPORTED_MODEL_TYPES
@@ -51,7 +51,7 @@ def __getattr__(name: str) -> Any:
 
         return Group
     elif name == "compute_advantages":
-        from longstraw.engine.loss import compute_advantages
+        from longstraw.engine.loss.advantages import compute_advantages
 
         return compute_advantages
     elif name == "SUPPORTED_MODEL_TYPES":

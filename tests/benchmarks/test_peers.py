@@ -140,7 +140,8 @@ def test_prefix_grouper_path_gives_backward_groups_gradient():
     from benchmarks.peers_worker import prefix_grouper_logprobs, prepare_prefix_grouper
     from benchmarks.worker import make_group
     from longstraw import backward_group, load_model
-    from longstraw.engine.loss import GroupTotals, make_loss_config, response_loss
+    from longstraw.engine.loss.config import make_loss_config
+    from longstraw.engine.loss.terms import GroupTotals, response_loss
 
     p, r, g = 40, 6, 3
     reference = faithful_float64(load_model("tiny-llama", dtype="float64"))

@@ -6,7 +6,9 @@ import re
 import pytest
 import torch
 
-from longstraw.engine.loss import GroupTotals, compute_advantages, k3_kl, make_loss_config, response_loss
+from longstraw.engine.loss.advantages import compute_advantages
+from longstraw.engine.loss.config import make_loss_config
+from longstraw.engine.loss.terms import GroupTotals, k3_kl, response_loss
 
 LENGTHS = [3, 5, 2, 4]
 
@@ -199,7 +201,7 @@ def test_token_normalizer_and_loss_scale():
 
 
 # The losses and options that reproduce TRL's loss types (luspo, cispo, sapo, vespo, the sequence-level ratio with
-# any loss, two-sided clipping), each restated token by token from the module docstring of engine/loss.py.
+# any loss, two-sided clipping), each restated token by token from the package docstring of engine/loss/.
 
 def _restated(cfg, logp, old, ref, adv, lengths=LENGTHS):
     """The group loss, one token at a time, from loss.py's definitions (independent of its vectorised code; the
@@ -540,7 +542,7 @@ def test_bad_clamps_are_refused():
 def test_advantages_refuse_rewards_they_cannot_normalise(kind, rewards, why):
     """Finite rewards whose mean, deviations or standard deviation overflow: one ValueError that names the rewards
     and the fix, never zeros or NaN advantages."""
-    from longstraw.engine.loss import UnnormalisableRewards
+    from longstraw.engine.loss.advantages import UnnormalisableRewards
 
     with pytest.raises(UnnormalisableRewards, match=r"rewards are too large to normalise: \[.*\] \(" + re.escape(why)
                        + r"\); scale the reward function's values down"):
@@ -552,3 +554,11 @@ def test_advantages_refuse_rewards_they_cannot_normalise(kind, rewards, why):
     assert float(big[0]) == pytest.approx(1e30)
     large = compute_advantages(torch.tensor([1e150, 0.0, -1e150], dtype=torch.float64), "grpo")  # std 1e150: fine
     assert float(large.abs().max()) == pytest.approx(1.0)
+
+
+def test_every_loss_has_one_entry():
+    from longstraw.choices import LOSSES
+    from longstraw.engine.loss.kinds import LOSS_KINDS
+
+    assert tuple(name for name, entry in LOSS_KINDS.items() if not entry.supervised) == LOSSES
+    assert [name for name, entry in LOSS_KINDS.items() if entry.supervised] == ["nll"]

@@ -27,7 +27,7 @@ import torch
 from longstraw.admission.admission import check_architecture, is_recurrent
 from longstraw.engine.activation_checkpointing import checkpointed_layers
 from longstraw.engine.group import Group
-from longstraw.engine.loss import GroupTotals, response_loss
+from longstraw.engine.loss.terms import GroupTotals, response_loss
 from longstraw.engine.options import BackwardOptions
 from longstraw.engine.plans.detach import detach
 from longstraw.engine.plans.exact import exact

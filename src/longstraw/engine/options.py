@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 from longstraw.choices import MIN_TEMPERATURE, PLANS
 from longstraw.engine.activation_checkpointing import check_checkpoint
 from longstraw.engine.logprobs import DEFAULT_TOKEN_CHUNK
-from longstraw.engine.loss import LossConfig, make_loss_config
+from longstraw.engine.loss.config import LossConfig, make_loss_config
 from longstraw.engine.state.sharding import ContextShards
 
 PROMPT_STATE_PLANS = ("detach", "exact")  # the plans that capture a prompt state (the others run full sequences)

@@ -42,7 +42,7 @@ from longstraw.distributed.context import check_supported as check_context_suppo
 from longstraw.distributed.context import context_blocks
 from longstraw.distributed.fsdp import check_same_work, sharded_compute
 from longstraw.engine.group import Group
-from longstraw.engine.loss import make_loss_config
+from longstraw.engine.loss.config import make_loss_config
 from longstraw.engine.options import BackwardOptions
 from longstraw.engine.router import aux_value
 from longstraw.engine.tree.build import Trajectory, Tree

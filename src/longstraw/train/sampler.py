@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from longstraw.engine.group import Group
-from longstraw.engine.loss import UnnormalisableRewards, compute_advantages
+from longstraw.engine.loss.advantages import UnnormalisableRewards, compute_advantages
 from longstraw.engine.precision import accumulation_dtype
 from longstraw.engine.sampling import SamplingConfig, sample_group, score_responses
 from longstraw.engine.tree.build import Tree

@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers import gradient_tolerance, tiny_model
 
-from longstraw.engine.loss import compute_advantages
+from longstraw.engine.loss.advantages import compute_advantages
 from longstraw.engine.sampling import SamplingConfig
 from longstraw.engine.tree.rollout import TreeConfig, TreeRollout, sample_tree, tree_advantages
 

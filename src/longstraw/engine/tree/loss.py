@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from longstraw.engine.loss import GroupTotals, LossConfig, is_token_level, token_terms, token_weight
+from longstraw.engine.loss.config import LossConfig
+from longstraw.engine.loss.terms import GroupTotals, is_token_level, token_terms, token_weight
 from longstraw.engine.tree.build import Node, Tree
 
 

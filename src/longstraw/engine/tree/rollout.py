@@ -37,7 +37,7 @@ import torch
 
 from longstraw.engine.hf.segment import run_segment
 from longstraw.engine.logprobs import accumulated_logits
-from longstraw.engine.loss import compute_advantages
+from longstraw.engine.loss.advantages import compute_advantages
 from longstraw.engine.sampling import (
     Environment,
     SamplingConfig,
