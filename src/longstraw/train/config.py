@@ -326,8 +326,46 @@ def _check_device(device: str) -> None:
         raise ValueError(f"device {device!r}: training runs on cpu or cuda devices")
 
 
+# The TOML file's sections and the fields each holds.
+SECTIONS: dict[str, tuple[str, ...]] = {
+    "model": ("model", "dtype", "device"),
+    "task": ("task", "prompt_tokens", "digits", "num_keys", "hops", "max_turns", "format_reward", "data", "reward_fn"),
+    "rollout": ("group_size", "prompts_per_step", "max_new_tokens", "temperature", "top_p", "top_k",
+                "dynamic_sampling", "rollout", "tree_trunks", "tree_branching", "tree_depth", "tree_leaves",
+                "tree_trigger", "tree_every", "tree_advantage"),
+    "plan": ("plan", "chunk_size", "micro_batch", "checkpoint_layers", "offload_state", "loss", "advantage",
+             "epsilon_low", "epsilon_high", "beta", "num_iterations"),
+    "optimizer": ("steps", "lr", "weight_decay", "warmup_steps", "lr_schedule", "max_grad_norm", "warm_start_steps",
+                  "warm_start_lr", "warm_start_batch"),
+    "run": ("seed", "run_dir", "save_every", "resume", "overwrite", "force", "save_weights_only", "stop_after",
+            "eval_prompts", "tensorboard", "plot", "bias_every"),
+    "parallelism": ("cp", "tp"),
+}
+SECTION_OF = {name: section for section, names in SECTIONS.items() for name in names}
+
+
+def _flatten_sections(path: Path, data: dict[str, Any]) -> dict[str, Any]:
+    """The `[section]` tables of a TOML file as one flat dict; ValueError for a key outside its section."""
+    flat: dict[str, Any] = {}
+    for section, table in data.items():
+        if section not in SECTIONS:
+            if not isinstance(table, dict) and section not in SECTION_OF:
+                raise ValueError(f"{path}: unknown option {section}{did_you_mean(section, SECTION_OF)}")
+            if section in SECTION_OF:
+                raise ValueError(f"{path}: {section} belongs in [{SECTION_OF[section]}]")
+            raise ValueError(f"{path}: unknown section [{section}]{did_you_mean(section, SECTIONS)}; sections: "
+                             f"{', '.join(f'[{name}]' for name in SECTIONS)}")
+        if not isinstance(table, dict):  # a flat key whose name is also a section's (plan = "exact")
+            raise ValueError(f"{path}: {section} belongs in [{SECTION_OF[section]}]")
+        for key, value in table.items():
+            if key in SECTION_OF and SECTION_OF[key] != section:
+                raise ValueError(f"{path}: {key} belongs in [{SECTION_OF[key]}], not [{section}]")
+            flat[key] = value
+    return flat
+
+
 def load_toml(path: str | Path) -> dict[str, Any]:
-    """Flat `key = value` pairs of a TOML file, checked against the fields."""
+    """The options of a TOML file's `[section]` tables (SECTIONS), flat and checked against the fields."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"config file not found: {path}")
@@ -342,6 +380,7 @@ def load_toml(path: str | Path) -> dict[str, Any]:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:  # its message ends with "(at line N, column M)"
         raise ValueError(f"{path}: not valid TOML: {err}") from None
+    data = _flatten_sections(path, data)
     known = {f.name for f in fields(TrainConfig)}
     unknown = sorted(set(data) - known)
     if unknown:
