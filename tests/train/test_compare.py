@@ -168,9 +168,9 @@ def test_out_that_is_a_file_is_a_usage_error(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("lines, message", [
-    ("resume = true\nstop_after = 1\n", "compare does not use resume, stop_after (resume: compare resumes"),
-    ("force = true\n", "compare does not use force"),
-    ("overwrite = true\n", "pass --overwrite on the command line"),
+    ("[run]\nresume = true\nstop_after = 1\n", "compare does not use resume, stop_after (resume: compare resumes"),
+    ("[run]\nforce = true\n", "compare does not use force"),
+    ("[run]\noverwrite = true\n", "pass --overwrite on the command line"),
 ])
 def test_toml_keys_compare_does_not_use_are_refused(tmp_path, capsys, lines, message):
     """Dropping them in silence would run something else than the file says; a destructive option is taken from the
@@ -191,8 +191,9 @@ def finished(tmp_path_factory):
     data = jsonl_dataset(root)
     toml = root / "train.toml"
     train_run = root / "train-run"
-    toml.write_text(f'plan = "exact"\nrun_dir = "{train_run}"\nmodel = "tiny-llama"\ntask = "jsonl"\n'
-                    f'data = "{data}"\ngroup_size = 2\nmax_new_tokens = 4\neval_prompts = 1\nchunk_size = 8\n')
+    toml.write_text(f'[model]\nmodel = "tiny-llama"\n[task]\ntask = "jsonl"\ndata = "{data}"\n'
+                    '[rollout]\ngroup_size = 2\nmax_new_tokens = 4\n[plan]\nplan = "exact"\nchunk_size = 8\n'
+                    f'[run]\nrun_dir = "{train_run}"\neval_prompts = 1\n')
     out = root / "cmp"
     argv = ["compare", str(toml), "--plans", "standard,detach", "--seeds", "2", "--steps", "1", "--no-plot"]
     threads = torch.get_num_threads()

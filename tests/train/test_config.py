@@ -15,7 +15,8 @@ def _parse(*argv: str) -> TrainConfig:
 
 def test_toml_then_flags(tmp_path):
     path = tmp_path / "c.toml"
-    path.write_text('group_size = 16\nloss = "dapo"\nlr = 3e-6\ndynamic_sampling = true\n')
+    path.write_text('[rollout]\ngroup_size = 16\ndynamic_sampling = true\n[plan]\nloss = "dapo"\n'
+                    '[optimizer]\nlr = 3e-6\n')
     cfg = _parse(str(path), "--group-size", "4", "--no-dynamic-sampling")
     assert (cfg.group_size, cfg.loss, cfg.lr, cfg.dynamic_sampling) == (4, "dapo", 3e-6, False)
     assert TrainConfig().plan == "exact"
@@ -23,9 +24,14 @@ def test_toml_then_flags(tmp_path):
 
 @pytest.mark.parametrize("text,match", [
     ("gruop_size = 4", "unknown option"),
-    ('group_size = "four"', "group_size must be a int"),
-    ("lr = true", "lr must be a float"),
+    ("[rollout]\ngruop_size = 4", "unknown option"),
+    ('[rollout]\ngroup_size = "four"', "group_size must be a int"),
+    ("[optimizer]\nlr = true", "lr must be a float"),
     ("group_size = [", "not valid TOML"),
+    ("lr = 1e-5", r"lr belongs in \[optimizer\]"),
+    ("[plan]\nlr = 1e-5", r"lr belongs in \[optimizer\], not \[plan\]"),
+    ("[optimiser]\nlr = 1e-5", r"unknown section \[optimiser\]"),
+    ("plan = 3", r"plan belongs in \[plan\]"),
 ])
 def test_bad_toml(tmp_path, text, match):
     path = tmp_path / "c.toml"
@@ -73,10 +79,10 @@ def test_every_numeric_option_is_checked_at_parse_time(flags, match):
 
 def test_nan_and_inf_in_toml_are_refused(tmp_path):
     path = tmp_path / "c.toml"
-    path.write_text("epsilon_high = nan\n")
+    path.write_text("[plan]\nepsilon_high = nan\n")
     with pytest.raises(ValueError, match="epsilon_high must be a finite number"):
         _parse(str(path))
-    path.write_text("lr = inf\n")
+    path.write_text("[optimizer]\nlr = inf\n")
     with pytest.raises(ValueError, match="lr must be a finite number"):
         _parse(str(path))
 
@@ -125,10 +131,10 @@ def test_shipped_examples_are_valid_configs():
 
 def test_toml_that_is_not_utf8_names_file_and_line(tmp_path):
     path = tmp_path / "c.toml"
-    path.write_bytes(b'steps = 3\nmodel = "caf\xe9"\n')
+    path.write_bytes(b'[model]\nmodel = "caf\xe9"\n')
     with pytest.raises(ValueError, match=rf"{path}:2: not UTF-8 \(byte 0xe9\)"):
         _parse(str(path))
-    path.write_text("steps = 3\nlr = \n")
+    path.write_text("[optimizer]\nlr = \n")
     with pytest.raises(ValueError, match=rf"{path}: not valid TOML: .*\(at line 2, column 6\)"):
         _parse(str(path))
 
@@ -136,8 +142,8 @@ def test_toml_that_is_not_utf8_names_file_and_line(tmp_path):
 def test_overwrite_is_taken_from_the_command_line_only(tmp_path):
     """A file reused for a later run must not delete that run's directory: overwrite = true is refused."""
     path = tmp_path / "c.toml"
-    path.write_text("overwrite = true\n")
+    path.write_text("[run]\noverwrite = true\n")
     with pytest.raises(ValueError, match="pass --overwrite on the command line"):
         _parse(str(path))
-    path.write_text("overwrite = false\n")
+    path.write_text("[run]\noverwrite = false\n")
     assert _parse(str(path), "--overwrite").overwrite is True

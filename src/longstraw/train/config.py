@@ -44,6 +44,12 @@ def _f(default: Any, help: str) -> Any:  # noqa: A002 - mirrors argparse's name
     return field(default=default, metadata={"help": help})
 
 
+def _need(cond: bool, message: str) -> None:
+    """Raise ValueError(message) unless cond holds."""
+    if not cond:
+        raise ValueError(message)
+
+
 @dataclass
 class TrainConfig:
     # model
@@ -146,10 +152,15 @@ class TrainConfig:
                             "(bias_cosine, bias_rel_error in metrics.jsonl); the run itself is unchanged (0 = off)")
 
     def __post_init__(self) -> None:
-        def need(cond: bool, message: str) -> None:
-            if not cond:
-                raise ValueError(message)
+        need = _need
+        self._check_types(need)
+        self._check_choices(need)
+        self._check_ranges(need)
+        self._check_rollout(need)
+        self.backward_options()  # plan, loss and its parameters, and their combinations: the engine's own rules
 
+    def _check_types(self, need: Callable[[bool, str], None]) -> None:
+        """Each field's Python type."""
         # Types first (a TrainConfig built in Python skips argparse's and load_toml's conversions), so that every
         # range check below compares numbers, and NaN cannot slip through a comparison that is simply False.
         for f in fields(self):
@@ -164,6 +175,9 @@ class TrainConfig:
                 need(isinstance(value, bool), f"{f.name} must be true or false, got {value!r}")
             elif kind == "str":
                 need(isinstance(value, str), f"{f.name} must be a string, got {value!r}")
+
+    def _check_choices(self, need: Callable[[bool, str], None]) -> None:
+        """The named choices (device, task, plan, loss, advantage, schedule, dtype) and their combinations."""
         _check_device(self.device)
         need(self.task in TASKS, f"task {self.task!r} is unknown{did_you_mean(self.task, TASKS)}: choose one of "
                                  f"{', '.join(TASKS)}")
@@ -191,6 +205,9 @@ class TrainConfig:
         need(self.dtype in DTYPES,  # float16 is refused above
              f"dtype {self.dtype!r} is unknown: choose float32, bfloat16 or float64"
              f"{did_you_mean(self.dtype, [d for d in DTYPES if d != 'float16'])}")
+
+    def _check_ranges(self, need: Callable[[bool, str], None]) -> None:
+        """The numbers' ranges, and which options the task takes."""
         for name in ("group_size", "prompts_per_step", "max_new_tokens", "num_iterations", "chunk_size",
                      "micro_batch", "steps", "prompt_tokens", "digits", "num_keys", "max_turns"):
             need(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
@@ -227,8 +244,6 @@ class TrainConfig:
         need(self.warm_start_steps == 0 or self.task == "lookup",
              f"warm_start_steps trains on gold trajectories an agent task writes; task {self.task!r} writes none: use "
              "--task lookup or drop --warm-start-steps")
-        self._check_rollout(need)
-        self.backward_options()  # plan, loss and its parameters, and their combinations: the engine's own rules
 
     def _check_rollout(self, need: Callable[[bool, str], None]) -> None:
         """The rollout's shape and what a tree rollout trains with (backward_tree's plans and losses)."""
@@ -311,8 +326,46 @@ def _check_device(device: str) -> None:
         raise ValueError(f"device {device!r}: training runs on cpu or cuda devices")
 
 
+# The TOML file's sections and the fields each holds.
+SECTIONS: dict[str, tuple[str, ...]] = {
+    "model": ("model", "dtype", "device"),
+    "task": ("task", "prompt_tokens", "digits", "num_keys", "hops", "max_turns", "format_reward", "data", "reward_fn"),
+    "rollout": ("group_size", "prompts_per_step", "max_new_tokens", "temperature", "top_p", "top_k",
+                "dynamic_sampling", "rollout", "tree_trunks", "tree_branching", "tree_depth", "tree_leaves",
+                "tree_trigger", "tree_every", "tree_advantage"),
+    "plan": ("plan", "chunk_size", "micro_batch", "checkpoint_layers", "offload_state", "loss", "advantage",
+             "epsilon_low", "epsilon_high", "beta", "num_iterations"),
+    "optimizer": ("steps", "lr", "weight_decay", "warmup_steps", "lr_schedule", "max_grad_norm", "warm_start_steps",
+                  "warm_start_lr", "warm_start_batch"),
+    "run": ("seed", "run_dir", "save_every", "resume", "overwrite", "force", "save_weights_only", "stop_after",
+            "eval_prompts", "tensorboard", "plot", "bias_every"),
+    "parallelism": ("cp", "tp"),
+}
+SECTION_OF = {name: section for section, names in SECTIONS.items() for name in names}
+
+
+def _flatten_sections(path: Path, data: dict[str, Any]) -> dict[str, Any]:
+    """The `[section]` tables of a TOML file as one flat dict; ValueError for a key outside its section."""
+    flat: dict[str, Any] = {}
+    for section, table in data.items():
+        if section not in SECTIONS:
+            if not isinstance(table, dict) and section not in SECTION_OF:
+                raise ValueError(f"{path}: unknown option {section}{did_you_mean(section, SECTION_OF)}")
+            if section in SECTION_OF:
+                raise ValueError(f"{path}: {section} belongs in [{SECTION_OF[section]}]")
+            raise ValueError(f"{path}: unknown section [{section}]{did_you_mean(section, SECTIONS)}; sections: "
+                             f"{', '.join(f'[{name}]' for name in SECTIONS)}")
+        if not isinstance(table, dict):  # a flat key whose name is also a section's (plan = "exact")
+            raise ValueError(f"{path}: {section} belongs in [{SECTION_OF[section]}]")
+        for key, value in table.items():
+            if key in SECTION_OF and SECTION_OF[key] != section:
+                raise ValueError(f"{path}: {key} belongs in [{SECTION_OF[key]}], not [{section}]")
+            flat[key] = value
+    return flat
+
+
 def load_toml(path: str | Path) -> dict[str, Any]:
-    """Flat `key = value` pairs of a TOML file, checked against the fields."""
+    """The options of a TOML file's `[section]` tables (SECTIONS), flat and checked against the fields."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"config file not found: {path}")
@@ -327,6 +380,7 @@ def load_toml(path: str | Path) -> dict[str, Any]:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:  # its message ends with "(at line N, column M)"
         raise ValueError(f"{path}: not valid TOML: {err}") from None
+    data = _flatten_sections(path, data)
     known = {f.name for f in fields(TrainConfig)}
     unknown = sorted(set(data) - known)
     if unknown:
