@@ -30,7 +30,7 @@ OLD_VENV := .venv-oldest
 OLD_BIN := $(OLD_VENV)/bin
 OLD_STAMP := $(OLD_VENV)/.installed
 OLDEST_TESTS := tests/models/test_versions.py tests/engine/test_api.py tests/engine/state/test_architectures.py \
-	tests/engine/state/test_capture.py tests/engine/plans/test_exact.py tests/benchmarks/test_decode.py
+	tests/engine/state/test_capture.py tests/engine/test_backprop.py tests/benchmarks/test_decode.py
 
 .PHONY: test-oldest
 $(OLD_STAMP): pyproject.toml constraints-oldest.txt
