@@ -34,7 +34,7 @@ def with_planner(verdict: Any, config: Any) -> Any:
 
     from longstraw.admission.tiny import tiny_config
     from longstraw.planner.formulas import state_bytes
-    from longstraw.planner.spec import spec_from_config
+    from longstraw.planner.families import spec_from_config
 
     try:
         tiny, _ = tiny_config(config)
