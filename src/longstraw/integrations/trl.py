@@ -18,13 +18,13 @@ rewards and advantages, the reference model (or the PEFT adapter switched off), 
   the backward Trainer then runs on it reaches no parameter.
 
 What the loss cannot reproduce is refused with the reason when the trainer is built, before any parameter is
-touched (`_config_refusals`, `_model_refusals`). Evaluation (`prediction_step`) keeps TRL's own loss code.
+touched (`trl_config.config_refusals`, `_model_refusals`). Evaluation (`prediction_step`) keeps TRL's own loss code.
 """
 
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -42,277 +42,32 @@ from longstraw.distributed.context import check_supported as check_context_suppo
 from longstraw.distributed.context import context_blocks
 from longstraw.distributed.fsdp import check_same_work, sharded_compute
 from longstraw.engine.group import Group
-from longstraw.engine.loss.config import make_loss_config
 from longstraw.engine.options import BackwardOptions
 from longstraw.engine.router import aux_value
 from longstraw.engine.tree.build import Trajectory, Tree
 from longstraw.integrations.deepspeed import gathered as deepspeed_gathered
 from longstraw.integrations.deepspeed import hand_over, plain_leaves
 from longstraw.integrations.tree_batch import Fallbacks, tree_of, tree_refusals
+from longstraw.integrations.trl_config import (
+    LongStrawGRPOConfig,
+    backward_options,
+    config_refusals,
+    context_size,
+    fsdp_gather,
+    fsdp_refusals,
+    loss_kind,
+    loss_parameters,
+    refuse,
+    steps_per_generation,
+    tensor_parallel_refusals,
+    tree_min_shared,
+    work_of,
+)
 from longstraw.models.architecture import eval_mode_when_equal, hf
 
 __all__ = ["LongStrawGRPOConfig", "LongStrawGRPOTrainer"]
 
 # TRL's loss types, each mapped onto a LongStraw loss by `_loss_kind` (docs/trl.md, "What it maps").
-_TRL_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
-
-
-@dataclass
-class LongStrawGRPOConfig(GRPOConfig):
-    """TRL's `GRPOConfig` plus how LongStraw computes the gradient. A plain `GRPOConfig` works too (these defaults)."""
-
-    longstraw_plan: str = field(
-        default="exact",
-        metadata={"help": "backward_group's plan: 'exact' (TRL's gradient, prompt encoded once), 'detach' (the "
-                          "paper's cheaper plan: the prompt state is a constant, a biased gradient), 'standard' / "
-                          "'standard_batched' (full sequences, the reference)."},
-    )
-    longstraw_chunk_size: int = field(
-        default=2048, metadata={"help": "Prompt tokens per capture chunk (and per prompt-backward chunk for exact)."})
-    longstraw_micro_batch: int = field(default=1, metadata={"help": "Responses replayed at once."})
-    longstraw_checkpoint: str | None = field(
-        default=None,
-        metadata={"help": "'none' or 'layers' (per-layer activation checkpointing); None follows "
-                          "`gradient_checkpointing`."},
-    )
-    longstraw_offload_state: bool = field(
-        default=False, metadata={"help": "Keep the prompt state in host memory (detach/exact)."})
-    longstraw_keep_prompt_graph: int = field(
-        default=0, metadata={"help": "exact: keep the last N capture chunks' graphs instead of recomputing them in "
-                                     "the prompt backward (faster; their activations held through the replays)."})
-    longstraw_cp: int = field(
-        default=1,
-        metadata={"help": "Context parallelism: blocks of this many consecutive processes exchange their groups and "
-                          "backpropagate each together, each process holding 1/C of every prompt's state (detach or "
-                          "exact plan; full-attention and recurrent layers). Must divide the number of processes."})
-    longstraw_fsdp_gather: str = field(
-        default="all",
-        metadata={"help": "FSDP2: 'all' gathers every parameter once per micro-batch and holds the full gradient "
-                          "until one reduce-scatter (processes may do different work); 'layer' gathers one decoder "
-                          "layer at a time through FSDP's hooks and reduce-scatters its gradient after each backward "
-                          "(needs longstraw_cp equal to the number of processes, so that every process runs the "
-                          "same forwards and backwards)."})
-
-    longstraw_tree: bool = field(
-        default=True,
-        metadata={"help": "One prefix tree over each micro-batch's rows (backward_tree): a token several rows share "
-                          "(a system prompt across prompts, earlier turns of a conversation) is encoded once, with "
-                          "TRL's gradient. False: backward_group per prompt's group. What a tree cannot run "
-                          "(longstraw_keep_prompt_graph, longstraw_cp > 1, the MoE load-balancing "
-                          "loss; a sequence-level loss over rows sharing completion tokens) takes the per-group path, "
-                          "with the reason logged."})
-    longstraw_tree_min_shared: int = field(
-        default=1, metadata={"help": "The shortest run of tokens the tree splits off as a node of its own (shorter "
-                                     "shared runs are encoded once per branch)."})
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _backward_options(self)  # refused here, when the config is built, not after the first generation
-
-
-def _backward_options(args: GRPOConfig) -> BackwardOptions:
-    """backward_group's options from the config (a plain GRPOConfig gets LongStrawGRPOConfig's defaults), validated
-    by the engine; the loss and its parameters are set per group (`_loss_options`)."""
-    checkpoint = getattr(args, "longstraw_checkpoint", None)
-    if checkpoint is None:
-        checkpoint = "layers" if args.gradient_checkpointing else "none"
-    try:
-        options = BackwardOptions(plan=getattr(args, "longstraw_plan", "exact"),
-                               chunk_size=getattr(args, "longstraw_chunk_size", 2048),
-                               micro_batch=getattr(args, "longstraw_micro_batch", 1), checkpoint=checkpoint,
-                               offload_state=getattr(args, "longstraw_offload_state", False),
-                               keep_prompt_graph=getattr(args, "longstraw_keep_prompt_graph", 0),
-                               allow_train_mode=True)
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"LongStrawGRPOConfig's longstraw_* options: {err}") from None
-    cp = _context_size(args)
-    if cp > 1 and options.plan not in ("detach", "exact"):
-        raise ValueError(f"LongStrawGRPOConfig's longstraw_cp={cp} shards the prompt state: use longstraw_plan "
-                         f"'exact' or 'detach', not {options.plan!r}")
-    if cp > 1 and options.keep_prompt_graph:
-        raise ValueError("LongStrawGRPOConfig's longstraw_keep_prompt_graph is not supported with longstraw_cp > 1: "
-                         "set it to 0")
-    tree = getattr(args, "longstraw_tree", True)
-    if not isinstance(tree, bool):
-        raise ValueError(f"LongStrawGRPOConfig's longstraw_tree must be True or False, got {tree!r}")
-    _tree_min_shared(args)
-    gather = getattr(args, "longstraw_fsdp_gather", "all")
-    if gather not in ("all", "layer"):
-        raise ValueError(f"LongStrawGRPOConfig's longstraw_fsdp_gather must be 'all' or 'layer', got {gather!r}")
-    return options
-
-
-def _context_size(args: GRPOConfig) -> int:
-    cp = getattr(args, "longstraw_cp", 1)
-    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
-        raise ValueError(f"LongStrawGRPOConfig's longstraw_cp must be an integer >= 1 (processes per context-parallel "
-                         f"block), got {cp!r}")
-    return cp
-
-
-def _tree_min_shared(args: GRPOConfig) -> int:
-    value = getattr(args, "longstraw_tree_min_shared", 1)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"LongStrawGRPOConfig's longstraw_tree_min_shared must be an integer >= 1, got {value!r}")
-    return value
-
-
-def _loss_kind(args: GRPOConfig) -> str:
-    """LongStraw's loss for TRL's loss_type: grpo with importance_sampling_level='sequence' is gspo, bnpo is dapo
-    with the micro-batch's tokens as its denominator (`_loss_options`), the others are LongStraw's loss of the same
-    name; the ratio's level of the others is `_loss_parameters`'s sequence_ratio."""
-    loss = args.loss_type
-    if loss == "grpo":
-        return "gspo" if args.importance_sampling_level == "sequence" else "grpo"
-    elif loss == "bnpo":
-        return "dapo"
-    elif loss in _TRL_LOSS_TYPES:
-        return loss
-    else:
-        raise ValueError(f"loss_type={loss!r} is not one LongStraw maps onto its losses ({', '.join(_TRL_LOSS_TYPES)})")
-
-
-def _loss_parameters(args: GRPOConfig) -> dict[str, Any]:
-    """backward_group's loss options that TRL's config fixes (the per-micro-batch normalisers are `_loss_options`'s):
-    the KL term, the ratio's level, and the clip widths (with delta) or the loss's own shape. TRL applies delta to its
-    clipped losses only (grpo, dr_grpo, dapo, bnpo, luspo), and its epsilon_high is cispo's cap ε_max itself, as
-    LongStraw's."""
-    kind = _loss_kind(args)
-    high = args.epsilon if args.epsilon_high is None else args.epsilon_high
-    out: dict[str, Any] = dict(beta=args.beta, kl_ratio=bool(args.use_bias_correction_kl),
-                               sequence_ratio=args.importance_sampling_level == "sequence")
-    if kind == "cispo":
-        out["epsilon_high"] = high
-    elif kind == "sapo":
-        out.update(sapo_temperature_pos=args.sapo_temperature_pos, sapo_temperature_neg=args.sapo_temperature_neg)
-    elif kind == "vespo":
-        out.update(vespo_k_pos=args.vespo_k_pos, vespo_lambda_pos=args.vespo_lambda_pos, vespo_k_neg=args.vespo_k_neg,
-                   vespo_lambda_neg=args.vespo_lambda_neg)
-    else:
-        out.update(epsilon_low=args.epsilon, epsilon_high=high, delta=args.delta)
-    return out
-
-
-def _fsdp_gather(args: GRPOConfig) -> str:
-    return str(getattr(args, "longstraw_fsdp_gather", "all"))
-
-
-def _work(batches: list[dict[str, Any]]) -> tuple[int, ...]:
-    """What fixes the forwards and backwards `_backward_groups` runs on `batches`: rows, prompt and completion lengths,
-    and which completion tokens the tool mask keeps."""
-    out: list[int] = []
-    for batch in batches:
-        out.append(batch["completion_ids"].size(0))
-        out.extend(batch["prompt_mask"].sum(1).tolist())
-        out.extend(batch["completion_mask"].sum(1).tolist())
-        if batch.get("tool_mask") is not None:
-            out.extend(batch["tool_mask"].sum(1).tolist())
-    return tuple(int(v) for v in out)
-
-
-def _steps_per_generation(args: GRPOConfig) -> int:
-    """args.steps_per_generation: typed `int | None`, but GRPOConfig.__post_init__ always sets it."""
-    steps = args.steps_per_generation
-    assert steps is not None
-    return steps
-
-
-def _config_refusals(args: GRPOConfig, named: dict[str, Any]) -> list[str]:
-    """Why this configuration cannot be trained with LongStraw's backward (empty: it can)."""
-    out = []
-    loss, level = args.loss_type, args.importance_sampling_level
-    if level not in ("token", "sequence"):
-        out.append(f"importance_sampling_level={level!r}: only 'token' and 'sequence' exist")
-    elif loss not in _TRL_LOSS_TYPES:
-        out.append(f"loss_type={loss!r} is not one LongStraw maps onto its losses ({', '.join(_TRL_LOSS_TYPES)})")
-    else:
-        try:  # the engine's checks of the loss options, here rather than at the first step
-            make_loss_config(_loss_kind(args), **_loss_parameters(args))
-        except (TypeError, ValueError) as err:
-            out.append(f"loss_type={loss!r} with these options: {err}")
-    if loss == "bnpo" and args.num_generations and args.per_device_train_batch_size % args.num_generations:
-        out.append(f"loss_type='bnpo' with per_device_train_batch_size ({args.per_device_train_batch_size}) not a "
-                   f"multiple of num_generations ({args.num_generations}): bnpo divides by the tokens of a micro-batch "
-                   "of per_device_train_batch_size rows, and the drop-in's micro-batches hold whole groups, so they "
-                   "would not have that many rows (some more, some none)")
-    if loss == "dr_grpo" and args.max_completion_length is None:
-        out.append("loss_type='dr_grpo' needs max_completion_length (its normaliser)")
-    if args.top_entropy_quantile < 1.0 or args.entropy_coef != 0.0 or args.use_adaptive_entropy:
-        out.append("top_entropy_quantile < 1, entropy_coef or use_adaptive_entropy: they need every token's entropy, "
-                   "which LongStraw's log-prob kernel does not compute")
-    if args.off_policy_mask_threshold is not None:
-        out.append("off_policy_mask_threshold: off-policy sequence masking is not in LongStraw's losses")
-    if args.use_vllm and args.vllm_importance_sampling_correction:
-        out.append("use_vllm with vllm_importance_sampling_correction=True: the per-token importance weights for "
-                   "vLLM's sampling mismatch are not in LongStraw's losses; set vllm_importance_sampling_correction="
-                   "False (vLLM generation itself is kept)")
-    if args.fp16:
-        out.append("fp16=True: Trainer's gradient scaler scales the loss it backpropagates, and LongStraw runs its own "
-                   "backward; load the model in bfloat16 (or float32) and set fp16=False")
-    if args.cast_lm_head_to_fp32:
-        out.append("cast_lm_head_to_fp32=True: over bfloat16/float16 parameters it makes the LM head's weights float32 "
-                   "and the rest not, a mixed-dtype model, which backward_group refuses (it computes in the "
-                   "parameters' one dtype, the log-probs accumulated in float32); over float32 parameters under bf16 "
-                   "autocast TRL runs the head outside the autocast, which backward_group's autocast region does not; "
-                   "over float32 without autocast it changes nothing: set cast_lm_head_to_fp32=False")
-    if args.fsdp:
-        out.extend(_fsdp_refusals(args.fsdp_plugin_args or {}))
-    g, b = args.num_generations, args.per_device_train_batch_size
-    s, spg = args.gradient_accumulation_steps, _steps_per_generation(args)
-    assert g is not None  # GRPOConfig.__post_init__ requires num_generations >= 2
-    if (b * spg) % g:
-        out.append(f"per_device_train_batch_size ({b}) x steps_per_generation ({spg}) is not a multiple of "
-                   f"num_generations ({g}): a prompt's group would be split across processes or generation batches, "
-                   "which cannot be put back together")
-    elif spg % s and s % spg:
-        out.append(f"steps_per_generation ({spg}) and gradient_accumulation_steps ({s}): neither divides the other, so "
-                   "a generation batch's groups would straddle optimizer steps")
-    elif spg > s and (b * s) % g:
-        out.append(f"one generation batch feeds {spg // s} optimizer steps of per_device_train_batch_size ({b}) x "
-                   f"gradient_accumulation_steps ({s}) sequences, not a multiple of num_generations ({g}): each step "
-                   "must get whole groups")
-    return out
-
-
-def _fsdp_refusals(plugin: Any) -> list[str]:
-    """What LongStraw cannot run of an FSDP configuration: TrainingArguments' `fsdp_plugin_args` (a dict) or
-    accelerate's `FullyShardedDataParallelPlugin` (an `accelerate launch` config file)."""
-    get = plugin.get if isinstance(plugin, dict) else lambda name, default=None: getattr(plugin, name, default)
-    out = []
-    version = get("fsdp_version", 2)
-    if version != 2:
-        out.append(f"FSDP version {version}: LongStraw runs under FSDP2 (`fully_shard`), whose sharded modules it can "
-                   "gather once per micro-batch; set fsdp_config={'version': 2} (accelerate: fsdp_version: 2)")
-    offload = get("cpu_offload", False)  # TrainingArguments: a bool; the plugin: an FSDP2 offload policy
-    if offload is True or type(offload).__name__ == "CPUOffloadPolicy" or getattr(offload, "offload_params", False):
-        out.append("FSDP cpu_offload: not supported by LongStraw's gathered compute; keep the prompt state in host "
-                   "memory instead (longstraw_offload_state=True)")
-    if get("activation_checkpointing", False):
-        out.append("FSDP activation_checkpointing wraps the decoder layers, which backward_group runs itself; use "
-                   "gradient_checkpointing=True (or longstraw_checkpoint='layers'): LongStraw's per-layer "
-                   "checkpointing")
-    return out
-
-
-def tensor_parallel_refusals(model: torch.nn.Module) -> list[str]:
-    """A model split by tensor parallelism (DTensor parameters: transformers' tp_plan, `DistributedConfig(tp_size=)`)
-    is not trained through the drop-in: accelerate (1.15) refuses tensor parallelism on CPU processes and its FSDP2 x
-    TP path needs a transformers class 5.24 no longer has, so no TRL run here configures it, and the drop-in's gradient
-    average over processes takes plain tensors. `longstraw train --tp` trains such a model (docs/distributed.md)."""
-    from torch.distributed.tensor import DTensor
-
-    if any(isinstance(p, DTensor) for p in model.parameters()):
-        return ["a tensor-parallel model (DTensor parameters): the TRL drop-in does not run tensor parallelism "
-                "(accelerate refuses it on CPU processes and its FSDP2 x TP path needs a transformers class this "
-                "release lacks); train it with `longstraw train --tp T`, or load it without tp_plan/tp_size"]
-    return []
-
-
-def _refuse(reasons: list[str]) -> None:
-    if reasons:
-        raise ValueError("LongStrawGRPOTrainer cannot train this configuration with LongStraw's backward:\n- "
-                         + "\n- ".join(reasons))
-
 
 class LongStrawGRPOTrainer(GRPOTrainer):
     """`trl.GRPOTrainer` whose loss and backward are `longstraw.backward_tree` over each micro-batch's prefix tree (or
@@ -338,11 +93,11 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             model = named["model"]
             name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "") or "model"
             named["args"] = LongStrawGRPOConfig(f"{name.rstrip('/').split('/')[-1]}-GRPO")
-        _refuse(_config_refusals(named["args"], named))
+        refuse(config_refusals(named["args"], named))
         super().__init__(*bound.args[1:], **bound.kwargs)
-        _refuse(self._model_refusals())
-        self._longstraw = _backward_options(self.args)
-        cp = _context_size(self.args)
+        refuse(self._model_refusals())
+        self._longstraw = backward_options(self.args)
+        cp = context_size(self.args)
         self._context = context_blocks(cp) if cp > 1 else None
         self.tree_fallbacks = Fallbacks("LongStrawGRPOTrainer")
         self._tree = bool(getattr(self.args, "longstraw_tree", True))
@@ -361,7 +116,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         out = []
         kind = str(self.accelerator.distributed_type.value)
         if kind == "FSDP":
-            out.extend(_fsdp_refusals(self.accelerator.state.fsdp_plugin))
+            out.extend(fsdp_refusals(self.accelerator.state.fsdp_plugin))
         elif kind in ("MEGATRON_LM", "XLA"):
             out.append(f"accelerate's {kind}: backward_group runs the model's layers itself, outside the wrapper that "
                        "distributes them; use DDP (accelerate's MULTI_GPU / MULTI_CPU) or FSDP2")
@@ -370,7 +125,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         if self.aux_loss_enabled and self.router_aux_loss_coef < 0:
             out.append(f"router_aux_loss_coef={self.router_aux_loss_coef}: LongStraw's router term takes a "
                        "coefficient >= 0")
-        if self.aux_loss_enabled and _context_size(self.args) > 1:
+        if self.aux_loss_enabled and context_size(self.args) > 1:
             out.append("a Mixture-of-Experts load-balancing loss (router_aux_loss_coef != 0) with longstraw_cp > 1: "
                        "LongStraw's router term is not supported with context parallelism; set longstraw_cp=1 or "
                        "router_aux_loss_coef=0.0")
@@ -390,10 +145,10 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         except ValueError as err:
             out.append(str(err))
         try:  # what backward_group would refuse on its first group: nothing to train, a recurrent exact chunk of 1
-            check_model_options(policy, _backward_options(self.args))
+            check_model_options(policy, backward_options(self.args))
         except ValueError as err:
             out.append(str(err))
-        cp, world = _context_size(self.args), self.accelerator.num_processes
+        cp, world = context_size(self.args), self.accelerator.num_processes
         if cp > 1 and world % cp:
             out.append(f"longstraw_cp={cp} needs a number of processes that is a multiple of {cp}, got {world}: launch "
                        f"{cp * max(1, world // cp)} processes, or set longstraw_cp=1")
@@ -402,7 +157,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 check_context_supported(policy)
             except ValueError as err:
                 out.append(f"longstraw_cp={cp}: {err}")
-        if _fsdp_gather(self.args) == "layer" and (kind != "FSDP" or cp != world):
+        if fsdp_gather(self.args) == "layer" and (kind != "FSDP" or cp != world):
             out.append(f"longstraw_fsdp_gather='layer' gathers FSDP2's layers through its hooks, whose collectives "
                        f"need every process to run the same forwards and backwards: use it under FSDP2 with "
                        f"longstraw_cp equal to the number of processes ({world}), or set longstraw_fsdp_gather='all' "
@@ -413,14 +168,14 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         """TRL's buffering of a generation batch over its micro-steps, with whole groups per micro-batch."""
         if not self.model.training:
             return super()._prepare_inputs(generation_batch)  # evaluation: TRL's own path and loss
-        generate_every = _steps_per_generation(self.args) * self.num_iterations
+        generate_every = steps_per_generation(self.args) * self.num_iterations
         if self._step % generate_every == 0 or self._buffered_inputs is None:
             batch = self._generate_and_score_completions(generation_batch)
             # TRL shuffles the batch's rows here with torch.randperm; whole groups are dealt instead, but the same
             # draw is made, so that the global random stream, hence the next generation's samples, stay TRL's.
             torch.randperm(len(next(v for v in batch.values() if v is not None)))
             self._buffered_inputs = self._deal_groups(batch)
-        return self._buffered_inputs[self._step % _steps_per_generation(self.args)]
+        return self._buffered_inputs[self._step % steps_per_generation(self.args)]
 
     def _deal_groups(self, batch: dict[str, Any]) -> list[dict[str, Any]]:
         """Split a generation batch (rows in sampler order: each prompt's G completions consecutive, as TRL's
@@ -435,7 +190,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                                  "LongStraw needs each prompt's num_generations completions consecutive (TRL's "
                                  "sampler order); a custom sampler or rollout_func changed it")
         groups = list(range(rows // g))
-        spg = _steps_per_generation(self.args)
+        spg = steps_per_generation(self.args)
         steps = max(spg // self.args.gradient_accumulation_steps, 1)  # optimizer steps this batch feeds, per pass
         per_step, slices_per_step = len(groups) // steps, spg // steps
         out = []
@@ -459,9 +214,9 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         # reduce-scattered (averaged over the processes) into the sharded .grad once at the end; every process
         # enters, whatever its number of groups. 'layer': one layer gathered at a time, every process running the
         # same groups (the context-parallel block is the whole world: `_model_refusals`), checked first.
-        gather = _fsdp_gather(self.args)
+        gather = fsdp_gather(self.args)
         if gather == "layer":
-            check_same_work(_work(batches))
+            check_same_work(work_of(batches))
         with sharded_compute(self.accelerator.unwrap_model(self.model), gather=gather):
             total = self._backward_groups(batches)
         if self.accelerator.num_processes > 1 and self.accelerator.sync_gradients and not self.is_fsdp_enabled:
@@ -502,7 +257,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 loss_mask=None if tool_mask is None else tool_mask[i, :n].bool(),
                 old_logprobs=None if old is None else old[i, :n], ref_logprobs=None if ref is None else ref[i, :n],
                 group=i))
-        tree, reason = tree_of(trajectories, options, _tree_min_shared(self.args))
+        tree, reason = tree_of(trajectories, options, tree_min_shared(self.args))
         if tree is None:
             self.tree_fallbacks.note(reason)
             return None
@@ -632,7 +387,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
 
     def _options(self, kept: int, inputs: dict[str, Any]) -> BackwardOptions:
         """The backward options of a group of `kept` rows of `inputs` (`_loss_options`)."""
-        return replace(self._longstraw, loss=_loss_kind(self.args), temperature=self.temperature,
+        return replace(self._longstraw, loss=loss_kind(self.args), temperature=self.temperature,
                        **self._loss_options(kept, inputs))
 
     def _group_of(self, inputs: dict[str, Any], rows: range) -> tuple[Group | None, BackwardOptions]:
@@ -680,20 +435,20 @@ class LongStrawGRPOTrainer(GRPOTrainer):
           S/steps_per_generation (the generation batch's tokens per optimizer step): token_normalizer.
         * bnpo (LongStraw's dapo): TRL divides by the tokens of the micro-batch, at least 1, times S: token_normalizer.
           This micro-batch holds whole groups and TRL's holds shuffled rows, the same number B of them
-          (`_config_refusals` requires B to be a multiple of G): the normaliser is the one TRL's shuffle would give
+          (`config_refusals` requires B to be a multiple of G): the normaliser is the one TRL's shuffle would give
           had it kept the groups together, equal to TRL's run when the micro-batch is the whole generation batch.
-        * the rest (`_loss_parameters`): the KL term, the ratio's level, the clip widths and delta or the loss's shape.
+        * the rest (`loss_parameters`): the KL term, the ratio's level, the clip widths and delta or the loss's shape.
         """
-        kind = _loss_kind(self.args)
+        kind = loss_kind(self.args)
         steps = self.current_gradient_accumulation_steps
-        options = _loss_parameters(self.args)
+        options = loss_parameters(self.args)
         if self.args.loss_type == "bnpo":
             loss_mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)  # TRL's: tool results excluded
             options["token_normalizer"] = max(float(loss_mask.sum()), 1.0) * steps
         elif kind in ("dapo", "cispo", "vespo"):
             # TRL's: the generation batch's completion tokens over all processes, per process and micro-batch
             tokens = max(float(inputs["num_items_in_batch"]), 1.0) / self.accelerator.num_processes
-            options["token_normalizer"] = tokens * steps / _steps_per_generation(self.args)
+            options["token_normalizer"] = tokens * steps / steps_per_generation(self.args)
         else:
             options["loss_scale"] = kept / (self.args.per_device_train_batch_size * steps)
         if kind == "dr_grpo":
