@@ -11,7 +11,7 @@ import json
 import signal
 import sys
 
-from benchmarks.registry import benchmarks
+from benchmarks.registry import benchmarks, verdict_lines
 from longstraw.cli import Parser, passive_openmp_wait
 
 
@@ -24,8 +24,12 @@ def build_parser() -> Parser:
         bench.add_arguments(sub)
         if bench.table is not None:
             sub.add_argument("--table-of", metavar="FILE", help="print the table of this results file and exit")
+        if bench.checks is not None:
+            sub.add_argument("--checks-of", metavar="FILE",
+                             help="print the verdict of each of this benchmark's checks on this results file and exit "
+                                  "(status 1 when one fails)")
         # Option checks that argparse cannot express report through the benchmark's own usage line.
-        sub.set_defaults(fail=sub.error, run=bench.run, table=bench.table)
+        sub.set_defaults(fail=sub.error, run=bench.run, table=bench.table, checks=bench.checks)
     return parser
 
 
@@ -52,6 +56,11 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.table_of) as f:
             print(args.table(json.load(f)))
         return 0
+    if getattr(args, "checks_of", None):
+        with open(args.checks_of) as f:
+            lines, passed = verdict_lines(args.checks(json.load(f)))
+        print("\n".join(lines))
+        return 0 if passed else 1
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         return int(args.run(args))

@@ -271,6 +271,26 @@ def compute_ratios(results: list[dict[str, Any]]) -> dict[str, Any]:
     return ratios
 
 
+FLAT_PCT = 5.0  # a replay plan's peak may grow this much (%) from the smallest G to the largest
+
+
+def checks(document: dict[str, Any]) -> dict[str, Any]:
+    """B1's claims on a results file (its `ratios`), each with `ok` (None where the rows it needs did not run):
+
+    * replay_flat_in_g: detach's and exact's peaks (no activation checkpointing) grow at most FLAT_PCT % from the
+      smallest G to the largest;
+    * replay_below_standard: at the reference G, standard_batched's peak is above detach's and exact's."""
+    ratios = document.get("ratios") or compute_ratios(document["results"])
+    growth = {plan: value for plan, value in ratios["peak_growth"].items() if value is not None}
+    flat = {"ok": all(v["pct"] <= FLAT_PCT for v in growth.values()) if growth else None, "tolerance_pct": FLAT_PCT,
+            "growth": growth}
+    below = {plan: ratios.get(f"peak_standard_batched_over_{plan}") for plan in ("detach", "exact")}
+    measured = [r for r in below.values() if r is not None]
+    return {"replay_flat_in_g": flat,
+            "replay_below_standard": {"ok": all(r > 1 for r in measured) if measured else None,
+                                      "group_size": ratios.get("group_size"), "standard_batched_over": below}}
+
+
 def format_table(results: list[dict[str, Any]], groups: tuple[int, ...] | list[int],
                  plans: tuple[str, ...] | list[str], checkpoints: tuple[str, ...] | list[str] = ("none",)) -> str:
     """Rows G, one column per (plan, checkpoint) labelled `plan` or `plan+ckpt` (peak MiB, step s); FAILED
@@ -427,6 +447,6 @@ BENCHMARKS = (
     Benchmark(
         name="memory", help="peak memory and step time of every plan across group sizes (Bench B1)",
         description="Bench B1: each (plan, G) in a fresh process; peak memory, step time, plan ratios.",
-        add_arguments=add_arguments, run=run_from_args,
+        add_arguments=add_arguments, run=run_from_args, checks=checks,
     ),
 )

@@ -15,8 +15,9 @@ from typing import Any
 class Benchmark:
     """One benchmark: its command name, the one-line `help` of the listing, the `description` of its own `--help`,
     `add_arguments` (adds its options to its argparse subparser), `run` (runs it from the parsed options; returns
-    the exit status) and, where it has one, `table` (the text table of one of its results files, as a run prints it:
-    `python -m benchmarks NAME --table-of FILE`)."""
+    the exit status) and, where it has them, `table` (the text table of one of its results files, as a run prints it:
+    `python -m benchmarks NAME --table-of FILE`) and `checks` (the claims a results file is measured for, by name,
+    each judged by `verdict`; `--checks-of FILE` prints them and exits 1 when one fails)."""
 
     name: str
     help: str
@@ -24,6 +25,27 @@ class Benchmark:
     add_arguments: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], int]
     table: Callable[[dict[str, Any]], str] | None = None
+    checks: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+
+
+def verdict(check: Any) -> bool | None:
+    """A check's verdict: a bool is one; a dict carries it under `ok` or is a dict of verdicts (all must hold); a
+    number is reported, not judged (None)."""
+    if isinstance(check, bool):
+        return check
+    if isinstance(check, dict):
+        if "ok" in check:
+            return check["ok"]
+        if check and all(isinstance(v, bool) for v in check.values()):
+            return all(check.values())
+    return None
+
+
+def verdict_lines(checks: dict[str, Any]) -> tuple[list[str], bool]:
+    """One line per check (`name: ok | FAILED | reported`) and whether none failed."""
+    words = {True: "ok", False: "FAILED", None: "reported (no verdict)"}
+    lines = [f"{name}: {words[verdict(check)]}" for name, check in checks.items()]
+    return lines, all(verdict(check) is not False for check in checks.values())
 
 
 # Modules of this package that declare benchmarks: each holds `BENCHMARKS`, a tuple of `Benchmark` values.

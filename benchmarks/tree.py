@@ -280,6 +280,12 @@ def checks(results: list[dict[str, Any]], config: TreeBenchConfig) -> dict[str, 
     return out
 
 
+def document_checks(document: dict[str, Any]) -> dict[str, Any]:
+    """`checks` of a results file, with the K and G it swept."""
+    swept = replace(DEFAULT, tasks=tuple(document["config"]["tasks"]), groups=tuple(document["config"]["groups"]))
+    return checks(document["results"], swept)
+
+
 # ---------------------------------------------------------------- the table and the plot
 
 
@@ -496,4 +502,4 @@ BENCHMARKS = (Benchmark(
     description="A shared system prompt, K tasks, G branching multi-turn trajectories per task, run five ways, each "
                 "row in a fresh process: peak memory, step time, the token-pass floor beside the measured ratio, the "
                 "planner's forecast; K and G swept; table, JSON and plot.",
-    add_arguments=add_arguments, run=run_from_args, table=format_table),)
+    add_arguments=add_arguments, run=run_from_args, table=format_table, checks=document_checks),)

@@ -431,5 +431,6 @@ BENCHMARKS = (
                     "rank for one optimizer step: per-rank peak memory, tensors at rest, prompt state, step time, "
                     "beside `longstraw plan`'s forecast; table and JSON. Needs the trl extra.",
         add_arguments=add_arguments, run=run_from_args, table=format_table,
+        checks=lambda document: checks(document["results"]),
     ),
 )

@@ -431,5 +431,6 @@ BENCHMARKS = (
                     "memory, time, CPU pressure, prompt state; table and JSON. Needs verl (its own venv: verl 0.9 "
                     "pins transformers < 5.11).",
         add_arguments=add_arguments, run=run_from_args, table=format_table,
+        checks=lambda document: checks(document["results"]),
     ),
 )
