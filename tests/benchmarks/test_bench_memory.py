@@ -24,6 +24,7 @@ from benchmarks.memory import (
 from longstraw.planner import MIB
 
 
+@pytest.mark.slow
 def test_smoke_bench_writes_every_configuration(tmp_path):
     out = tmp_path / "x.json"
     proc = subprocess.run(
@@ -75,6 +76,7 @@ def test_peaks_under_the_resolution_give_no_ratio_and_no_negative_size():
     assert default_out("memory", smoke=False).startswith("bench/results/memory-")
 
 
+@pytest.mark.slow
 def test_failed_worker_is_recorded_not_raised(tmp_path):
     # tiny-llama allows 2048 positions: the worker raises, the bench records it in the partial file; no row
     # finished, so no results file is written.

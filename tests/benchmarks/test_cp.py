@@ -17,6 +17,7 @@ IMPORT_PATH = os.pathsep.join(str(Path(__file__).resolve().parents[2] / d) for d
 WORKER = "benchmarks.cp_worker"
 
 
+@pytest.mark.slow
 def test_bench_cp_smoke(tmp_path, capsys):
     out = tmp_path / "cp.json"
     assert main(["cp", "--smoke", "--out", str(out)]) == 0

@@ -311,7 +311,8 @@ def test_only_runs_the_configurations_named(tmp_path, capsys, workers_see_this_c
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads child processes from Linux's /proc")
-@pytest.mark.parametrize("signum", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_sigterm_ends_the_bench_and_its_busy_neighbours(tmp_path, signum):
     """`timeout` sends SIGTERM, Ctrl-C SIGINT: the bench stops with one line and status 128 + signal, its
     busy-loop neighbours end with it instead of running forever, and the configurations finished before the signal

@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 import longstraw
 from longstraw.train.checkpoints import load_checkpoint
 from longstraw.train.rundir import RunLock
@@ -86,6 +88,7 @@ def _check_saved(run: Path) -> int:
     return saved
 
 
+@pytest.mark.slow
 def test_sigterm_saves_and_exits_143_and_a_killed_launcher_takes_its_ranks(tmp_path):
     """One run, two launches (each launch costs ~20 s of start-up on a small host):
     1. SIGTERM to the launcher with --save-every 0: the ranks finish the step and save it together; the launcher

@@ -47,6 +47,7 @@ def _flat(sd: dict) -> torch.Tensor:
     return torch.cat([sd[k].flatten().double() for k in sorted(sd)])
 
 
+@pytest.mark.slow
 def test_two_ranks_with_four_prompts_equal_one_process(tmp_path):
     one = _cli([*_common(tmp_path), "--steps", "2", "--run-dir", str(tmp_path / "one")], tmp_path)
     assert one.returncode == 0, one.stderr
@@ -90,6 +91,7 @@ def test_a_rank_that_raises_stops_every_rank_with_its_message(spawn, tmp_path):
     assert len(rows) == 1  # step 1 completed, the failure came mid-run
 
 
+@pytest.mark.slow
 def test_launcher_reports_the_failing_rank(tmp_path):
     out = _cli([*_common(tmp_path, "failing_reward:fail_on_rank_1_in_step_2"), "--eval-prompts", "0",
                 "--steps", "3", "--run-dir", str(tmp_path / "run"), "--nproc", "2"], tmp_path, timeout=240)
@@ -141,6 +143,7 @@ def test_resume_with_another_process_count(tmp_path):
         assert_close("weights", _flat(wa), _flat(wb), FP32_RANKS)
 
 
+@pytest.mark.slow
 def test_context_parallel_trainer_equals_one_process(tmp_path):
     """--nproc 2 --cp 2: both ranks share every prompt's state (each holds half its K/V); the run equals one
     process: same samples, same gradient, same weights."""

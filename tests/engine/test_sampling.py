@@ -176,6 +176,7 @@ def test_an_environment_needs_a_call_end():
         SamplingConfig(max_turns=0)
 
 
+@pytest.mark.slow
 def test_multi_turn_rollout_peak_is_flat_in_group_size():
     """A multi-turn rollout at G = 2 and G = 16 from the same 32 MiB prompt state, each in a fresh process with
     glibc's mmap threshold fixed (as the benches run): the peak grows by less than half the state's size, far below

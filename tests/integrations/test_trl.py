@@ -527,6 +527,7 @@ def test_accelerate_config_files_describe_what_the_docs_say():
     assert zero3.distributed_type.value == "DEEPSPEED" and zero3.deepspeed_config["zero_stage"] == 3
 
 
+@pytest.mark.slow
 def test_ddp_example_trains_under_deepspeed_zero3(tmp_path):
     """examples/trl_ddp.py under accelerate's DeepSpeed ZeRO-3 (the environment `accelerate launch` sets from
     examples/accelerate/deepspeed_zero3.yaml, mixed precision off on CPU), 2 processes over gloo."""

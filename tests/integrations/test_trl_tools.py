@@ -147,11 +147,10 @@ def train(trainer_cls, config_cls, model_dir, tmp_path, drop_tool_mask=False, so
     return gradients.steps, masks
 
 
-# grpo with the KL term and tools= runs in the default suite; environment_factory= and the other normalisers (each
-# 20 s to 1 min of three trainings) in `make test-slow` (the rollout_func env_mask test of test_trl.py covers them on
-# the same mask path by default).
+# Each case is 20 s to 1 min of three trainings: all run in `make test-slow` (the rollout_func env_mask test of
+# test_trl.py covers the same mask path in the default suite).
 @pytest.mark.parametrize("config,source", [
-    pytest.param(dict(loss_type="grpo", beta=0.04), "tools", id="grpo"),
+    pytest.param(dict(loss_type="grpo", beta=0.04), "tools", id="grpo", marks=pytest.mark.slow),
     pytest.param(dict(loss_type="grpo", beta=0.04), "environment", id="grpo-environment_factory",
                  marks=pytest.mark.slow),
     pytest.param(dict(loss_type="dapo"), "tools", id="dapo", marks=pytest.mark.slow),

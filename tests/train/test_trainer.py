@@ -46,6 +46,7 @@ def _jsonl(tmp_path: Path) -> Path:
     return jsonl_dataset(tmp_path)
 
 
+@pytest.mark.slow
 def test_resume_in_a_fresh_process_equals_a_straight_run(tmp_path):
     common = ["--model", "tiny-llama", "--task", "jsonl", "--data", str(_jsonl(tmp_path)),
               "--reward-fn", "rewards_for_tests:even_byte_fraction", "--group-size", "4", "--max-new-tokens", "6",
@@ -166,6 +167,7 @@ def test_kl_reuse_and_dynamic_sampling_run_and_report(tmp_path):
     assert m2["dropped_groups"] == 2 and m2["kept_groups"] == 0 and m2["grad_norm"] == 0.0
 
 
+@pytest.mark.slow
 def test_checkpointing_and_offload_train_like_the_plain_run(tmp_path):
     """`--checkpoint-layers --offload-state` (the memory levers) change no metric and no weight of a 3-step run.
     float64: the plain run reads its coalesced prefix in one attention call, the offloaded one chunk by chunk (sums
