@@ -33,8 +33,8 @@ def with_planner(verdict: Any, config: Any) -> Any:
     import dataclasses
 
     from longstraw.admission.tiny import tiny_config
-    from longstraw.planner.formulas import state_bytes
     from longstraw.planner.families import spec_from_config
+    from longstraw.planner.formulas import state_bytes
 
     try:
         tiny, _ = tiny_config(config)
