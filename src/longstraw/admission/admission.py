@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from longstraw.admission import verify
+from longstraw.engine.hf.composite import language_config
 from longstraw.models.architecture import (
     REFUSED_MODEL_TYPES,
     check_eval_mode,
@@ -21,7 +22,6 @@ from longstraw.models.architecture import (
     known_recurrence,
     on_the_ci_list,
 )
-from longstraw.models.composite import language_config
 
 
 def admit(model: torch.nn.Module) -> None:

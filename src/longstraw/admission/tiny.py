@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import transformers
 
-from longstraw.models.composite import language_config
+from longstraw.engine.hf.composite import language_config
 
 VOCAB = 512
 # Layers of the tiny copy at most: a layer-kind pattern longer than this is cut (said in the verdict).

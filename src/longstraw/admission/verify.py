@@ -42,7 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from longstraw.admission.tiny import build_tiny_model, tiny_config
-from longstraw.models.composite import COMPOSITE_MODEL_TYPES, language_config
+from longstraw.engine.hf.composite import COMPOSITE_MODEL_TYPES, language_config
 
 PROMPT, RESPONSES, CHUNK = 37, (5, 1, 9), 13
 EXACT_TOL = 1e-9  # every op in float64: another order of the same sums

@@ -27,6 +27,7 @@ import torch
 from longstraw.admission.admission import check_architecture, is_recurrent
 from longstraw.engine.activation_checkpointing import checkpointed_layers
 from longstraw.engine.group import Group
+from longstraw.engine.hf.composite import text_config
 from longstraw.engine.loss.terms import GroupTotals, response_loss
 from longstraw.engine.options import BackwardOptions
 from longstraw.engine.plans.detach import detach
@@ -40,7 +41,6 @@ from longstraw.engine.state.checks import check_materialised, check_prompt_state
 from longstraw.engine.state.prompt import PromptState
 from longstraw.engine.tp_check import check_tensor_parallel_model
 from longstraw.models.architecture import eval_mode_when_equal, hf
-from longstraw.models.composite import text_config
 
 
 @dataclass

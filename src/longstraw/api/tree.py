@@ -20,6 +20,7 @@ import torch
 from longstraw.admission.admission import check_architecture, is_recurrent
 from longstraw.api.group import _options, check_model_options
 from longstraw.engine.activation_checkpointing import checkpointed_layers
+from longstraw.engine.hf.composite import text_config
 from longstraw.engine.options import BackwardOptions
 from longstraw.engine.precision import accumulation_dtype
 from longstraw.engine.state.checks import check_materialised
@@ -27,7 +28,6 @@ from longstraw.engine.tree.build import Trajectory, Tree, build_tree
 from longstraw.engine.tree.loss import TreeLoss, check_sequence_losses
 from longstraw.engine.tree.plans import Walk, detach, exact, standard
 from longstraw.models.architecture import eval_mode_when_equal, hf
-from longstraw.models.composite import text_config
 
 
 @dataclass

@@ -35,8 +35,8 @@ from torch.utils.checkpoint import checkpoint
 
 from longstraw.choices import CHECKPOINT_CHOICES
 from longstraw.engine.hf.active import active_cache, running
+from longstraw.engine.hf.composite import text_config, text_decoder
 from longstraw.engine.hf.mamba1 import mamba1_mixers
-from longstraw.models.composite import text_config, text_decoder
 
 
 def check_checkpoint(value: object) -> str:

@@ -25,13 +25,13 @@ from transformers import AttentionInterface
 
 from longstraw.engine.hf.active import active_cache, running
 from longstraw.engine.hf.cache import SegmentCache, StateCollected
+from longstraw.engine.hf.composite import text_config, text_decoder
 from longstraw.engine.hf.mamba1 import MAMBA1_MODEL_TYPES, mamba1_mixers
 from longstraw.engine.kernels.attention import masked_prefix_attention, prefix_attention
 from longstraw.engine.state.prompt import Collected, PromptState
 from longstraw.engine.state.response import ResponseState
 from longstraw.engine.state.sharing import kv_source
 from longstraw.models.architecture import cache_keyword, check_transformers_for, hf
-from longstraw.models.composite import text_config, text_decoder
 
 ATTN_NAME = "longstraw"
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch
 
+from longstraw.engine.hf.composite import text_config
 from longstraw.engine.hf.segment import run_segment
 from longstraw.engine.state.prompt import Collected, PromptState, prompt_fingerprint
 from longstraw.engine.state.provenance import provenance
 from longstraw.engine.state.sharding import ContextShards
 from longstraw.engine.state.sharing import kv_shared_layers
 from longstraw.models.architecture import hf, stateless_layers
-from longstraw.models.composite import text_config
 
 
 def chunk_bounds(length: int, chunk_size: int) -> list[tuple[int, int]]:

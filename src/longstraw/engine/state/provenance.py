@@ -42,8 +42,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from longstraw.engine.hf.composite import text_config
 from longstraw.models.architecture import hf
-from longstraw.models.composite import text_config
 
 # Config fields that fix a prompt state's layout (absent ones read as None).
 _IDENTITY_FIELDS = (

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from longstraw.engine.backprop import prompt_backward
+from longstraw.engine.hf.composite import text_config
 from longstraw.engine.hf.segment import run_segment
 from longstraw.engine.logprobs import selected_logprobs
 from longstraw.engine.options import BackwardOptions
@@ -31,7 +32,6 @@ from longstraw.engine.state.sharing import kv_shared_layers
 from longstraw.engine.tree.build import Node, Tree
 from longstraw.engine.tree.loss import TreeLoss, node_first_target
 from longstraw.models.architecture import hf, logit_scale, logit_softcap, stateless_layers
-from longstraw.models.composite import text_config
 
 
 @dataclass
