@@ -4,8 +4,9 @@ Read top to bottom, one call is:
   1. the options (as `backward_group`'s) and the tree (`build_tree` from a list of trajectories, or a `Tree`);
   2. every refusal that needs the model, the tree or the options, before anything is computed;
   3. skip when the loss's gradient is identically zero (every advantage 0 and beta = 0);
-  4. the loss (`loss.TreeLoss`: each trajectory with its group's normalisers) and the plan (`plans`): standard,
-     exact or detach.
+  4. the loss (`loss.TreeLoss`: each trajectory with its group's normalisers), the first pass of a sequence-level
+     loss whose loss tokens are shared (`sequence.first_pass`: a no-grad walk; none otherwise) and the plan
+     (`plans`): standard, exact or detach.
 """
 
 from __future__ import annotations
