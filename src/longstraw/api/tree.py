@@ -4,8 +4,9 @@ Read top to bottom, one call is:
   1. the options (as `backward_group`'s) and the tree (`build_tree` from a list of trajectories, or a `Tree`);
   2. every refusal that needs the model, the tree or the options, before anything is computed;
   3. skip when the loss's gradient is identically zero (every advantage 0 and beta = 0);
-  4. the loss (`loss.TreeLoss`: each trajectory with its group's normalisers) and the plan (`plans`): standard,
-     exact or detach.
+  4. the loss (`loss.TreeLoss`: each trajectory with its group's normalisers), the first pass of a sequence-level
+     loss whose loss tokens are shared (`sequence.first_pass`: a no-grad walk; none otherwise) and the plan
+     (`plans`): standard, exact or detach.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from longstraw.engine.options import BackwardOptions
 from longstraw.engine.precision import accumulation_dtype
 from longstraw.engine.state.checks import check_materialised
 from longstraw.engine.tree.build import Trajectory, Tree, build_tree
-from longstraw.engine.tree.loss import TreeLoss, check_sequence_losses
+from longstraw.engine.tree.loss import TreeLoss
 from longstraw.engine.tree.plans import Walk, detach, exact, standard
+from longstraw.engine.tree.sequence import first_pass
 from longstraw.models.architecture import eval_mode_when_equal, hf
 
 
@@ -94,7 +96,6 @@ def _check(model: torch.nn.Module, tree: Tree, options: BackwardOptions) -> None
             raise ValueError(f"trajectories[{i}].advantage = {t.advantage:.3g} is too large for the loss's dtype "
                              f"{str(dtype).removeprefix('torch.')}: |advantage| must be < {bound:.3g}; rescale the "
                              "rewards or normalise the advantages")
-    check_sequence_losses(tree, cfg)
 
 
 def _backward(model: torch.nn.Module, tree: Tree, options: BackwardOptions) -> TreeResult:
@@ -104,11 +105,13 @@ def _backward(model: torch.nn.Module, tree: Tree, options: BackwardOptions) -> T
                                            "offload_state": options.offload_state}
     cfg = options.loss_config
     if cfg.beta == 0 and cfg.kind != "nll" and all(t.advantage == 0 for t in tree.trajectories):
-        stats.update(capture_s=0.0, replay_s=0.0, backward_s=0.0, peak_path_state_bytes=0)
+        stats.update(capture_s=0.0, replay_s=0.0, backward_s=0.0, peak_path_state_bytes=0, first_pass_s=0.0)
         return TreeResult(loss=0.0, logprobs=[], stats=stats, skipped="zero_advantage")
     for node in tree.nodes():
         node.tokens = node.tokens.to(device=device, dtype=torch.long)
     loss = TreeLoss(tree, cfg, device, dtype)
+    first = first_pass(model, tree, loss, options)  # sequence-level losses over shared loss tokens (sequence.py)
+    loss.linear = first.linear
     walk = Walk(model=model, tree=tree, loss=loss, options=options)
     with checkpointed_layers(model, enabled=options.checkpoint == "layers"):
         if options.plan in ("standard", "standard_batched"):
@@ -120,5 +123,5 @@ def _backward(model: torch.nn.Module, tree: Tree, options: BackwardOptions) -> T
         else:
             raise ValueError(f"unknown plan {options.plan!r}")
     stats.update(capture_s=walk.capture_s, replay_s=walk.replay_s, backward_s=walk.backward_s,
-                 peak_path_state_bytes=walk.peak_path_bytes)
-    return TreeResult(loss=walk.total, logprobs=loss.logprobs, stats=stats)
+                 peak_path_state_bytes=walk.peak_path_bytes, first_pass_s=first.seconds)
+    return TreeResult(loss=walk.total + first.loss, logprobs=loss.logprobs, stats=stats)

@@ -137,18 +137,17 @@ def test_losses_on_shared_response_tokens(loss):
     assert_close("gradient", g_ref, g_got, 1e-10)
 
 
-def test_sequence_losses_need_each_loss_in_a_leaf():
-    """gspo reads a trajectory's whole loss: allowed (and exact) when every loss lies in a leaf, refused naming the
-    trajectory when a shared node holds loss tokens."""
+def test_sequence_losses_run_on_shared_loss_tokens():
+    """gspo reads a trajectory's whole loss: one pass (and exact) when every loss lies in a leaf; two passes (and
+    exact) when a shared node holds loss tokens (tests/engine/tree/test_sequence_losses.py against a reference without
+    a tree)."""
     model = _model("llama")
-    trajectories = two_task_tree()
-    ref, g_ref = _run(model, backward_tree, model, trajectories, plan="standard", loss="gspo")
-    got, g_got = _run(model, backward_tree, model, trajectories, plan="exact", loss="gspo")
-    assert_close("gspo gradient", g_ref, g_got, 1e-10)
-    before = grads(model).clone()
-    with pytest.raises(ValueError, match="sequence ratio.*trajectory 0"):
-        backward_tree(model, agent_tree(), plan="exact", loss="gspo")
-    assert torch.equal(grads(model), before)  # refused before anything ran
+    for trajectories, first_pass in ((two_task_tree(), False), (agent_tree(), True)):
+        ref, g_ref = _run(model, backward_tree, model, trajectories, plan="standard", loss="gspo")
+        got, g_got = _run(model, backward_tree, model, trajectories, plan="exact", loss="gspo")
+        assert got.loss == pytest.approx(ref.loss, rel=1e-10)
+        assert_close("gspo gradient", g_ref, g_got, 1e-10)
+        assert (got.stats["first_pass_s"] > 0) == first_pass
 
 
 def test_refusals_come_first():

@@ -6,8 +6,8 @@ normaliser of trajectory i in its group (`loss.token_weight`: GRPO's 1/(G_g |o_i
 its log-prob logp_t is computed once, and the term is added once for each of those trajectories that has t in its
 loss, with that trajectory's own fields. For the token-level losses the loss of a node's run of positions is then a
 sum of independent pieces, which the plans add in any order; the sequence-level losses (the sequence ratio, vespo)
-need each trajectory's loss tokens in one piece: the tree plans take them only when every trajectory's loss lies in
-its last node and that node is a leaf (`check_sequence_losses`).
+need each trajectory's loss tokens in one piece: a trajectory whose loss tokens lie in a shared node or a node with
+children takes the linear surrogate of its term (`linear`, computed by a first no-grad walk: engine/tree/sequence.py).
 """
 
 from __future__ import annotations
@@ -21,10 +21,16 @@ from longstraw.engine.tree.build import Node, Tree
 
 class TreeLoss:
     """The loss of `tree` under `cfg`, in `dtype` on `device`; collects each trajectory's log-probs as they are
-    computed (`logprobs`: (N_i − loss_start,), NaN where none was computed)."""
+    computed (`logprobs`: (N_i − loss_start,), NaN where none was computed).
 
-    def __init__(self, tree: Tree, cfg: LossConfig, device: torch.device, dtype: torch.dtype) -> None:
+    linear: trajectory i -> g_i (N_i − loss_start,), the gradient of its weighted term with respect to its loss
+    tokens' log-probs: its term is then the surrogate Σ_t g_{i,t} (logp_t − sg(logp_t)), whose value is 0 and whose
+    gradient is its term's (engine/tree/sequence.py: the sequence-level losses over shared loss tokens)."""
+
+    def __init__(self, tree: Tree, cfg: LossConfig, device: torch.device, dtype: torch.dtype,
+                 linear: dict[int, torch.Tensor] | None = None) -> None:
         self.tree, self.cfg, self.device, self.dtype = tree, cfg, device, dtype
+        self.linear = linear or {}
         by_group: dict[int, list[int]] = {}
         for t in tree.trajectories:
             by_group.setdefault(t.group, []).append(t.loss_tokens)
@@ -59,6 +65,7 @@ class TreeLoss:
         trajectory has a loss token there. Records the log-probs."""
         count = logp.numel()
         rows, masks, olds, refs, advantages, weights = [], [], [], [], [], []
+        surrogates: list[torch.Tensor] = []
         for i in through:
             lo, hi, in_loss = self._span(i, first, count)
             if hi <= lo or not bool(in_loss.any()):
@@ -68,6 +75,10 @@ class TreeLoss:
             piece = logp[lo:hi]
             self.logprobs[i][start: start + hi - lo] = torch.where(
                 in_loss, piece.detach(), torch.full_like(piece.detach(), float("nan"))).to("cpu", self.dtype)
+            if i in self.linear:
+                g = self.linear[i][start: start + hi - lo]
+                surrogates.append(torch.where(in_loss, g * (piece - piece.detach()), 0.0).sum())
+                continue
             rows.append(piece)
             masks.append(in_loss)
             olds.append(self._field(t.old_logprobs, start, hi - lo, piece, in_loss))
@@ -75,7 +86,7 @@ class TreeLoss:
             advantages.append(t.advantage)
             weights.append(self.weights[i])
         if not rows:
-            return None
+            return torch.stack(surrogates).sum() if surrogates else None
         width = max(r.numel() for r in rows)
 
         def stacked(values: list[torch.Tensor], fill: float | bool) -> torch.Tensor:
@@ -88,7 +99,7 @@ class TreeLoss:
         adv = torch.tensor(advantages, dtype=self.dtype, device=self.device)
         per_token = token_terms(logp_rows, mask, adv, self.cfg, old, ref)  # (M, width)
         w = torch.tensor(weights, dtype=self.dtype, device=self.device)
-        return (per_token.sum(-1) * w).sum()
+        return sum(surrogates, (per_token.sum(-1) * w).sum())
 
     def _field(self, values: torch.Tensor | None, start: int, count: int, logp: torch.Tensor,
                in_loss: torch.Tensor) -> torch.Tensor:
@@ -102,23 +113,32 @@ class TreeLoss:
         return torch.where(in_loss, piece, logp.detach().to(self.dtype))
 
 
-def check_sequence_losses(tree: Tree, cfg: LossConfig) -> None:
-    """The sequence-level losses need each trajectory's loss tokens in one replayed piece: its last node, a leaf."""
+def pieced_sequence_losses(tree: Tree, cfg: LossConfig) -> list[int]:
+    """The trajectories whose sequence-level loss the walk (exact, detach) scores in more than one piece: loss tokens
+    in a node other than a leaf replayed on its own (a shared node, a node with children, or the root, whose chunks
+    are scored one at a time). They need the first pass (engine/tree/sequence.py); empty for a token-level loss."""
     if is_token_level(cfg):
-        return
-    what = "vespo's sequence weight" if cfg.kind == "vespo" else "the sequence ratio"
+        return []
+    out: set[int] = set()
     for node in tree.nodes():
+        if node.is_leaf and node is not tree.root:
+            continue
         for i in node.through:
             t = tree.trajectories[i]
-            if i in node.ending and node.is_leaf:
-                continue
             mask = t.in_loss()  # positions loss_start … N−1
             if bool(mask[max(node.start - t.loss_start, 0): max(node.end - t.loss_start, 0)].any()):
-                raise ValueError(
-                    f"{cfg.kind} with {what} reads a trajectory's whole loss at once, and trajectory {i} has loss "
-                    f"tokens in a shared node (positions {node.start}–{node.end - 1}) or in a node with children: use "
-                    "a token-level loss (grpo, dr_grpo, dapo, cispo, sapo) for trees that share response tokens, or "
-                    "set loss_start past the shared tokens")
+                out.add(i)
+    return sorted(out)
+
+
+def check_sequence_losses(tree: Tree, cfg: LossConfig) -> None:
+    """Refuse a sequence-level loss scored in pieces (`pieced_sequence_losses`): the integrations then take their
+    per-group path. backward_tree itself runs such a loss in two passes."""
+    pieced = pieced_sequence_losses(tree, cfg)
+    if pieced:
+        what = "vespo's sequence weight" if cfg.kind == "vespo" else "the sequence ratio"
+        raise ValueError(f"{cfg.kind} with {what} reads a trajectory's whole loss at once, and trajectory {pieced[0]} "
+                         "has loss tokens in a shared node or a node with children")
 
 
 def node_first_target(node: Node) -> int:

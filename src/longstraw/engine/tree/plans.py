@@ -48,6 +48,7 @@ class Walk:
     replay_s: float = 0.0
     capture_s: float = 0.0
     backward_s: float = 0.0
+    grad: bool = True  # False: the forwards build no graph (the first pass of engine/tree/sequence.py)
 
     def hold(self, state: PromptState, first: int) -> int:
         """Count the bytes of `state`'s chunks first … (what a node's capture added) as held on the current path;
@@ -147,7 +148,7 @@ def _detach_node(walk: Walk, node: Node, parent: PromptState, above: torch.Tenso
     for j, (start, end) in enumerate(bounds):
         collect: Collected = {}
         wanted = scored.wants(start, end)
-        with torch.set_grad_enabled(wanted):
+        with torch.set_grad_enabled(wanted and walk.grad):
             hidden = run_segment(walk.model, ids[start - offset: end - offset].unsqueeze(0), start, state.fork(),
                                  collect, kv_only=not wanted)
             term = scored(start, end, hidden) if wanted and hidden is not None else None
@@ -201,7 +202,7 @@ def _replay_leaves(walk: Walk, leaves: list[Node], state: PromptState, above: to
     if not bool(keep.any()):
         return
     start = leaves[0].input_start
-    with torch.enable_grad():
+    with torch.set_grad_enabled(walk.grad):
         hidden = run_segment(walk.model, inputs, start, state.fork())  # (k, T, d)
         assert hidden is not None
         logp = _logprobs(walk, hidden, targets, keep)  # (k, T)
