@@ -8,7 +8,7 @@ from helpers import SAME_ORDER_F64, assert_close, gradient_tolerance, grads, ran
 
 from longstraw import backward_group
 from longstraw.engine import backprop
-from longstraw.engine.plans import exact as exact_plan
+from longstraw.engine.tree import plans as exact_plan
 
 _MODELS: dict[str, torch.nn.Module] = {}
 

@@ -105,7 +105,7 @@ def test_gemma2_replay_and_sampling_apply_the_final_softcap(monkeypatch):
     cap both would be far off."""
     from helpers import FP32_KERNELS_F64, grads, random_group
 
-    import longstraw.engine.plans.replay as replay
+    import longstraw.engine.tree.plans as replay
     import longstraw.engine.sampling as sampling
     from longstraw import backward_group
 

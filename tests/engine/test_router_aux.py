@@ -18,10 +18,10 @@ from helpers import EXACT_F64, assert_close, gradient_tolerance, grads, random_g
 from router_helpers import patch_routers
 
 from longstraw import backward_group
-from longstraw.api.group import RouterBatch, router_counts
+from longstraw.api.tree import backward_tree
 from longstraw.engine.options import BackwardOptions
 from longstraw.engine.pad import pad
-from longstraw.engine.router import aux_value
+from longstraw.engine.tree.build import Trajectory
 
 # the released configs' values (gpt-oss-20b: 0.9)
 COEF = {"qwen3_moe": 0.001, "mixtral": 0.02, "qwen2_moe": 0.001, "olmoe": 0.01, "gpt_oss": 0.9}
@@ -102,31 +102,46 @@ def test_router_term_other_families(family):
     print(f"{family}: gradient {assert_close('gradient', ref, grads(model), gradient_tolerance(family)):.2g}")
 
 
-def test_a_batch_of_two_groups_with_a_dropped_completion(faithful_routers):
-    """Two groups taken as one batch (`RouterBatch`: counts summed over both), the first holding its prompt in one
-    more sequence than it replays (a completion masked out of the loss and of the attention, as TRL's
-    mask_truncated_completions does: its prompt still runs); float64 routers, so 1e-12."""
+def _trajectories() -> list[Trajectory]:
+    """A two-level tree: two tasks after one shared system prompt (12 tokens), each with 2–3 responses; one response
+    is a prefix of another (it ends inside the tree, at a node with a child), and two trajectories share a first
+    response token; each trajectory its own group."""
+    g = torch.Generator().manual_seed(5)
+    system = torch.randint(0, 64, (12,), generator=g)
+    tasks = [torch.randint(0, 64, (n,), generator=g) for n in (7, 5)]
+    responses = [[torch.randint(0, 64, (n,), generator=g) for n in (4, 6, 3)],
+                 [torch.randint(0, 64, (n,), generator=g) for n in (5, 2)]]
+    responses[0][1][0] = responses[0][0][0]  # a shared first response token
+    responses[1].append(torch.cat([responses[1][0], torch.randint(0, 64, (3,), generator=g)]))  # continues row 0
+    out = []
+    for task, rows in zip(tasks, responses):
+        for r in rows:
+            prompt = torch.cat([system, task])
+            out.append(Trajectory(ids=torch.cat([prompt, r]), loss_start=prompt.numel(),
+                                  advantage=float(torch.randn((), generator=g)), group=len(out)))
+    return out
+
+
+@pytest.mark.parametrize("plan", ["standard", "exact"])
+def test_a_tree_of_two_tasks_equals_transformers_over_its_rows(faithful_routers, plan):
+    """backward_tree with the router term on a two-level tree (float64 routers): the gradient is the standard plan's
+    policy gradient plus autograd through transformers' aux loss over the tree's trajectories as right-padded rows
+    (every token counted once per row holding it), ≤ 1e-12; its value within float32 sums' reassociation."""
     family = "qwen3_moe"
     model, coef = _model(family), COEF[family]
-    a, b = random_group(19, [5, 3, 6], seed=3), random_group(19, [4, 7, 2, 5], seed=4)
-    dropped = torch.zeros(0, dtype=torch.long)  # a 4th sequence of a's prompt, its completion masked out
+    trajectories = _trajectories()
     model.zero_grad()
-    backward_group(model, a, plan="standard")
-    backward_group(model, b, plan="standard")
-    rows = [(a.prompt, r) for r in [*a.responses, dropped]] + [(b.prompt, r) for r in b.responses]
-    ids, mask = pad([torch.cat([p, r]) for p, r in rows])
+    backward_tree(model, trajectories, plan="standard")
+    ids, mask = pad([t.ids for t in trajectories])
     aux = model(input_ids=ids, attention_mask=mask.long(), output_router_logits=True, use_cache=False).aux_loss
     (coef * aux).backward()
     ref = grads(model)
-    options = BackwardOptions(plan="exact", chunk_size=8, router_aux_coef=coef)
-    counts = router_counts(model, a, options, prompt_copies=4) + router_counts(model, b, options)
     model.zero_grad()
-    ra = backward_group(model, a, options, router_batch=RouterBatch(counts, prompt_copies=4))
-    rb = backward_group(model, b, options, router_batch=RouterBatch(counts))
-    print(f"two groups: gradient {assert_close('gradient', ref, grads(model), EXACT_F64 / 100):.2g}")
-    assert ra.router_probs is not None and rb.router_probs is not None
-    value = aux_value(counts, ra.router_probs + rb.router_probs)
-    assert abs(value - float(aux)) <= 1e-6 * float(aux)
+    result = backward_tree(model, trajectories, plan=plan, chunk_size=4, micro_batch=2, router_aux_coef=coef)
+    print(f"{plan} tree: gradient {assert_close('gradient', ref, grads(model), EXACT_F64 / 100):.2g}; "
+          f"{result.stats['tree_depth']} levels")
+    assert result.stats["tree_depth"] >= 3
+    assert abs(result.stats["router_aux_loss"] - float(aux.detach())) <= 1e-6 * float(aux.detach())
 
 
 def test_detach_leaves_the_prompt_share_out():
@@ -146,7 +161,7 @@ def test_refusals():
     llama = tiny_model("llama")
     with pytest.raises(ValueError, match="llama has none: set router_aux_coef=0"):
         backward_group(llama, random_group(9, [3, 4]), router_aux_coef=0.01)
-    with pytest.raises(ValueError, match="router_batch is the batch of the router load-balancing loss, which is off"):
+    with pytest.raises(ValueError, match="all the same sequence"):
         model = _model("qwen3_moe")
-        group = random_group(9, [3, 4])
-        backward_group(model, group, router_batch=RouterBatch(router_counts(model, group)))
+        twice = [Trajectory(ids=torch.arange(9), loss_start=4, advantage=1.0, group=k) for k in range(2)]
+        backward_tree(model, twice, router_aux_coef=0.01)

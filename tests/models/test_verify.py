@@ -68,7 +68,7 @@ def test_a_model_computed_all_in_float64_is_exact():
 def test_a_wrong_logit_factor_is_refused_after_the_decoder(monkeypatch):
     """An engine that scaled the logits wrongly: refused with the measured log-prob difference, and no decoder layer
     differs (the difference comes after the decoder)."""
-    from longstraw.engine.plans import replay
+    from longstraw.engine.tree import plans as replay
 
     monkeypatch.setattr(replay, "logit_scale", lambda model: 2.0)
     verdict = verify.verify(_config("llama"))
@@ -134,7 +134,7 @@ def test_backward_group_admits_a_verified_type_and_refuses_a_wrong_one(monkeypat
     backward_group(model, random_group(20, [3, 2]), plan="exact", chunk_size=8)
     assert list((tmp_path / "verdicts").glob("opt-*.json"))
 
-    from longstraw.engine.plans import replay
+    from longstraw.engine.tree import plans as replay
 
     monkeypatch.setattr(replay, "logit_scale", lambda model: 2.0)
     monkeypatch.setattr(verify, "_VERDICTS", {})

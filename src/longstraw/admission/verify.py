@@ -233,28 +233,27 @@ def _state_facts(model: torch.nn.Module) -> tuple[int, bool]:
 
 def _plans(model: torch.nn.Module, prompt: torch.Tensor, responses: list[torch.Tensor],
            advantages: torch.Tensor) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
-    """(flat parameter gradient, per-response log-probs) of the `standard` and `exact` plans for the loss
-    -Σ_i A_i Σ_t log p(o_it) / Σ_i |o_i| (the policy gradient without ratios: any loss with a nonzero gradient serves
-    a parity check). The plans are run directly: this check is what admission calls."""
+    """(flat parameter gradient, per-response log-probs) of the `standard` and `exact` plans of the group's one-level
+    tree under dapo's loss (on-policy: the policy gradient -Σ_i A_i Σ_t ∇log p(o_it) / Σ_i |o_i|; any loss with a
+    nonzero gradient serves a parity check). The walks are run directly: this check is what admission calls."""
+    from longstraw.engine.group import Group
     from longstraw.engine.options import BackwardOptions
-    from longstraw.engine.plans.exact import exact
-    from longstraw.engine.plans.standard import standard
+    from longstraw.engine.precision import accumulation_dtype
+    from longstraw.engine.tree.build import group_tree
+    from longstraw.engine.tree.loss import TreeLoss
+    from longstraw.engine.tree.plans import Walk, exact, standard
+    from longstraw.models.architecture import hf
 
-    total = sum(r.numel() for r in responses)
-
-    def loss_fn(logp: torch.Tensor, mask: torch.Tensor, idx: list[int]) -> torch.Tensor:  # logp, mask (k, T)
-        weights = advantages[idx].to(logp.dtype)[:, None]  # (k, 1)
-        return -(weights * logp * mask).sum() / total
-
+    weight = hf(model).get_input_embeddings().weight
     out = []
     for plan in ("standard", "exact"):
         model.zero_grad(set_to_none=True)
-        if plan == "standard":
-            _, logprobs = standard(model, prompt, responses, loss_fn, batched=False)
-        else:
-            _, logprobs = exact(model, prompt, responses, loss_fn, BackwardOptions(plan="exact", chunk_size=CHUNK),
-                                None, {})
-        out.append((_grads(model), logprobs))
+        options = BackwardOptions(plan=plan, chunk_size=CHUNK, loss="dapo")
+        tree = group_tree(Group(prompt, responses, advantages))
+        loss = TreeLoss(tree, options.loss_config, weight.device, accumulation_dtype(weight.dtype))
+        walk = Walk(model=model, tree=tree, loss=loss, options=options)
+        standard(walk, batched=False) if plan == "standard" else exact(walk)
+        out.append((_grads(model), loss.logprobs))
     model.zero_grad(set_to_none=True)
     return out
 

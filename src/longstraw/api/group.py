@@ -1,76 +1,57 @@
 """`backward_group`: one GRPO group's gradient, accumulated into the model's parameters.
 
-Read top to bottom, one call is:
+A group is a one-level prefix tree: the prompt is the root, each response a leaf (`Trajectory(prompt + o_i,
+loss_start = P)`), and the tree walk (`api/tree.run_tree`, `engine/tree/`) is the one engine that runs it. Read top
+to bottom, one call is:
   1. the options (`options.BackwardOptions`, validated on construction), then everything that depends on the model,
      the group and a reused prompt state (`_check`), including value ranges that would overflow the loss's dtype
      (fp32 for a bf16/fp16 model): nothing is computed or touched before the inputs are known good;
-  2. skip the group when its loss gradient is identically zero (every advantage 0 and beta = 0);
-  3. fix the group constants the loss needs (G, Σ|o_i|, L_max) so replays in any grouping add up (`_loss_fn`);
-  4. run the plan (`plans/`; each micro-batch's log-probs and loss are checked finite before its backward):
-     standard / standard_batched — full prompt+response forwards through the unmodified model;
-     detach — capture prompt[:-1] once (no grad), replay each response from a fork of the state;
-     exact  — the same with the state as grad-requiring leaves, then the reverse chunked prompt backward;
-  5. on a refused micro-batch, drop the gradients this call created (`_restoring_gradients`).
+  2. skip the group when its loss gradient is identically zero (every advantage 0, beta = 0, no router term);
+  3. the group's tree (`tree.build.group_tree`) and the walk of the plan: standard / standard_batched — full
+     prompt+response forwards through the unmodified model; detach — the prompt's state captured once (no grad),
+     each response replayed from a fork of it; exact — the same with the state as grad-requiring leaves, then the
+     reverse chunked prompt backward (each piece's log-probs and loss are checked finite before its backward);
+  4. on a refused piece, drop the gradients this call created (`_restoring_gradients`).
 """
 
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from longstraw.admission.admission import check_architecture, is_recurrent
-from longstraw.engine.activation_checkpointing import checkpointed_layers
+from longstraw.admission.admission import check_architecture
+from longstraw.api.checks import check_model_options, options_with
+from longstraw.api.tree import run_tree
 from longstraw.engine.group import Group
 from longstraw.engine.hf.composite import text_config
-from longstraw.engine.loss.terms import GroupTotals, response_loss
 from longstraw.engine.options import BackwardOptions
-from longstraw.engine.plans.detach import detach
-from longstraw.engine.plans.exact import exact
-from longstraw.engine.plans.replay import LossFn
-from longstraw.engine.plans.routes import count_routes
-from longstraw.engine.plans.standard import standard
 from longstraw.engine.precision import accumulation_dtype
-from longstraw.engine.router import RouterAux, RouterCounts, aux_value
 from longstraw.engine.state.checks import check_materialised, check_prompt_state
 from longstraw.engine.state.prompt import PromptState
 from longstraw.engine.tp_check import check_tensor_parallel_model
+from longstraw.engine.tree.build import group_tree
 from longstraw.models.architecture import eval_mode_when_equal, hf
 
 
 @dataclass
 class GroupResult:
-    """loss: the group loss (float); logprobs: detached (R_i,) per response (NaN at the tokens a loss mask marks
-    False under the replay plans, exact and detach, which skip their output projection); stats: sizes and phase
-    times.
+    """loss: the group loss (float); logprobs: detached (R_i,) per response, NaN at the tokens a loss mask marks
+    False (their log-probs are not computed); stats: sizes and phase times.
 
     skipped: why no gradient pass ran ("zero_advantage": every advantage 0 and beta 0, so the loss and its
     gradient are exactly 0), or None. A skipped group has loss 0.0, no logprobs ([]) and zero phase times.
-
-    router_probs: with router_aux_coef > 0, the group's Σ weight · softmax(router logits) over its tokens and MoE
-    layers (E,) float32 (`router.aux_value` of a batch's counts and the sum over its groups is transformers' aux
-    loss); `stats["router_aux_loss"]` is that value when the batch is the group itself. `loss` leaves the term out."""
+    With router_aux_coef > 0, `stats["router_aux_loss"]` is transformers' aux loss over the group's G sequences;
+    `loss` leaves the term out."""
 
     loss: float
     logprobs: list[torch.Tensor]
     stats: dict[str, float | int | str] = field(default_factory=dict)
     skipped: str | None = None
-    router_probs: torch.Tensor | None = None
-
-
-@dataclass(frozen=True)
-class RouterBatch:
-    """The batch the router load-balancing loss is taken over when it holds more than this group (a trainer's
-    micro-batch of several groups): counts, the batch's `router_counts` summed over its groups; prompt_copies: how
-    many of its sequences hold this group's prompt (None: the group's size G)."""
-
-    counts: RouterCounts
-    prompt_copies: int | None = None
 
 
 def _check_model_and_group(model: torch.nn.Module, group: Group, beta: float) -> None:
@@ -148,7 +129,6 @@ def backward_group(
     options: BackwardOptions | None = None,
     *,
     prompt_state: PromptState | None = None,
-    router_batch: RouterBatch | None = None,
     **settings: Any,
 ) -> GroupResult:
     """Accumulate d(group loss)/d(params) into `.grad`, as `loss.backward()` would (never zeroes or steps).
@@ -158,74 +138,12 @@ def backward_group(
     on top of `options` (or of the defaults: plan "exact", loss "grpo"). Each is documented on `BackwardOptions`.
     prompt_state: a state already captured for this prompt (e.g. by the sampler, `sample_group(...).state`) to
     reuse instead of capturing again (detach/exact; prompt[:-1], with keep_boundaries=True for exact).
-    router_batch (router_aux_coef > 0): the batch the load-balancing loss is taken over, when larger than the group.
     """
-    options = _options(options, settings)
+    options = options_with(options, settings, "backward_group")
     training = options.allow_train_mode and any(m.training for m in model.modules())
     with eval_mode_when_equal(model) if training else nullcontext():
         _check(model, group, options, prompt_state)
-        _check_router_batch(group, options, router_batch)
-        return _backward(model, group, options, prompt_state, router_batch)
-
-
-def router_counts(model: torch.nn.Module, group: Group, options: BackwardOptions | None = None, *,
-                  prompt_copies: int | None = None, **settings: Any) -> RouterCounts:
-    """The group's top-k router counts (`engine/router.py`), each prompt token counted `prompt_copies` times (None:
-    G), through the passes `options`' plan runs, without grad: add those of a batch's groups for `RouterBatch`."""
-    options = _options(options, settings)
-    training = options.allow_train_mode and any(m.training for m in model.modules())
-    with eval_mode_when_equal(model) if training else nullcontext():
-        _check(model, group, options, None)
-        prompt, responses = _on_device(model, group)
-        counts, _ = count_routes(model, prompt, responses, options, None, prompt_copies or group.size)
-    return counts
-
-
-def _check_router_batch(group: Group, options: BackwardOptions, router_batch: RouterBatch | None) -> None:
-    if router_batch is None:
-        return
-    if not isinstance(router_batch, RouterBatch):
-        raise TypeError(f"router_batch must be a longstraw RouterBatch, got {type(router_batch).__name__}")
-    if not options.router_aux_coef:
-        raise ValueError("router_batch is the batch of the router load-balancing loss, which is off: set "
-                         "router_aux_coef > 0 or pass no router_batch")
-    copies = router_batch.prompt_copies
-    if copies is not None and (isinstance(copies, bool) or not isinstance(copies, int) or copies < group.size):
-        raise ValueError(f"router_batch.prompt_copies must be an integer >= the group's size ({group.size}): the "
-                         f"sequences of the batch that hold the prompt, got {copies!r}")
-
-
-def _on_device(model: torch.nn.Module, group: Group) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    device = hf(model).get_input_embeddings().weight.device
-    prompt = group.prompt.to(device=device, dtype=torch.long)
-    return prompt, [r.to(device=device, dtype=torch.long) for r in group.responses]
-
-
-def _options(options: BackwardOptions | None, settings: dict[str, Any]) -> BackwardOptions:
-    """`options` with `settings` applied; an unknown keyword names the valid ones."""
-    if options is not None and not isinstance(options, BackwardOptions):
-        raise TypeError(f"options must be a longstraw.BackwardOptions, got {type(options).__name__}")
-    unknown = sorted(set(settings) - set(BackwardOptions.names()))
-    if unknown:
-        raise TypeError(f"backward_group got an unexpected keyword argument {unknown[0]!r}; valid options: "
-                        f"{', '.join(BackwardOptions.names())}, prompt_state")
-    if options is None:
-        return BackwardOptions(**settings)
-    return replace(options, **settings) if settings else options
-
-
-def check_model_options(model: torch.nn.Module, options: BackwardOptions) -> None:
-    """The refusals that need the model and the options but no group, so a trainer can make them when it is built:
-    nothing to train, and the exact plan's one-token chunks on a recurrent model."""
-    if not any(p.requires_grad for p in model.parameters()):
-        raise ValueError("no parameter of the model requires grad, so there is nothing to train: unfreeze the "
-                         "parameters to train (param.requires_grad_(True)) or add an adapter")
-    model_type = hf(model).config.model_type
-    if options.plan == "exact" and options.chunk_size == 1 and is_recurrent(model):
-        raise ValueError(
-            f"chunk_size=1 with the exact plan on {model_type}: its recurrent layers update their "
-            "state in place for one-token chunks, which the prompt backward cannot differentiate; use chunk_size >= 2"
-        )
+        return _backward(model, group, options, prompt_state)
 
 
 def _check(model: torch.nn.Module, group: Group, options: BackwardOptions, prompt_state: PromptState | None) -> None:
@@ -254,96 +172,32 @@ def _check_prompt_state(model: torch.nn.Module, state: PromptState, group: Group
 
 
 def _backward(model: torch.nn.Module, group: Group, options: BackwardOptions,
-              prompt_state: PromptState | None, router_batch: RouterBatch | None = None) -> GroupResult:
-    device = hf(model).get_input_embeddings().weight.device
+              prompt_state: PromptState | None) -> GroupResult:
     # The loss runs in the accumulation dtype (fp32 for a bf16/fp16 model, precision.py), as do its inputs.
-    dtype = accumulation_dtype(hf(model).get_input_embeddings().weight.dtype)
-    _check_ranges(group, dtype)
+    _check_ranges(group, accumulation_dtype(hf(model).get_input_embeddings().weight.dtype))
     stats: dict[str, float | int | str] = {"plan": options.plan, "prompt_tokens": group.prompt.numel(),
                                            "group_size": group.size, "checkpoint": options.checkpoint,
                                            "offload_state": options.offload_state,
                                            "keep_prompt_graph": options.keep_prompt_graph}
-    if options.loss_config.beta == 0 and not options.router_aux_coef and options.loss_config.kind != "nll" and \
-            not bool((group.advantages != 0).any()):
-        # Every GRPO-family policy term is A times a function of the ratio and log-probs (cispo and vespo weigh logp
-        # by detached weights), plus the KL term only when beta > 0: with every A = 0 the gradient is exactly zero, so
-        # the passes would add zeros. (nll ignores the advantages.)
-        stats.update(prompt_state_bytes=prompt_state.nbytes() if prompt_state is not None else 0, capture_s=0.0,
-                     replay_s=0.0, prompt_backward_s=0.0)
-        return GroupResult(loss=0.0, logprobs=[], stats=stats, skipped="zero_advantage")
-    prompt, responses = _on_device(model, group)
-    loss_fn, backwards = _loss_fn(group, options, device, dtype)
-    router = None
-    if options.router_aux_coef:
-        copies = group.size if router_batch is None or router_batch.prompt_copies is None else \
-            router_batch.prompt_copies
-        t0 = time.perf_counter()
-        if router_batch is None:  # the group is the batch: count it (and keep the prompt state for the plan)
-            counts, state = count_routes(model, prompt, responses, options, prompt_state, copies)
-            prompt_state = state if options.plan in ("detach", "exact") else prompt_state
-        else:  # counted by the caller (`router_counts` over the batch's groups)
-            counts = router_batch.counts
-        router = RouterAux(model, counts, options.router_aux_coef, copies, group.size)
-        stats["router_count_s"] = time.perf_counter() - t0
-    with _restoring_gradients(model, backwards), checkpointed_layers(model, enabled=options.checkpoint == "layers"):
-        if router is None:
-            total, logprobs = _run_plan(model, prompt, responses, loss_fn, options, prompt_state, stats,
-                                        group.loss_masks)
-        else:
-            with router.tap.hooked():
-                total, logprobs = _run_plan(model, prompt, responses, loss_fn, options, prompt_state, stats,
-                                            group.loss_masks, router)
-    if router is None:
-        return GroupResult(loss=total, logprobs=logprobs, stats=stats)
-    if router_batch is None:
-        stats["router_aux_loss"] = aux_value(router.counts, router.prob_sums)
-    return GroupResult(loss=total, logprobs=logprobs, stats=stats, router_probs=router.prob_sums)
-
-
-def _loss_fn(group: Group, options: BackwardOptions, device: torch.device,
-             dtype: torch.dtype) -> tuple[LossFn, list[int]]:
-    """The loss of a micro-batch of this group, and a counter of the micro-batches whose loss was built (hence
-    backpropagated unless the finite check refused it)."""
-    totals = GroupTotals.of(group.loss_lengths, options.loss_config)  # normalisers count loss tokens only
-    advantages = group.advantages.to(device=device, dtype=dtype)
-    backwards = [0]
-
-    def padded(values: list[torch.Tensor] | None, idx: list[int], logp: torch.Tensor,
-               loss_mask: torch.Tensor | None) -> torch.Tensor | None:
-        """values[i] for i in idx, right-padded with zeros to logp's shape (k, T); with loss masks, the policy's own
-        (detached) log-probs off the loss tokens, so that whatever the caller holds there (an unlikely forced token's
-        log-prob, the NaN of `GroupResult.logprobs`) gives a ratio of 1 and a KL of 0 before the mask zeroes it (NaN
-        or an overflow times 0 would still be NaN)."""
-        if values is None:
-            return None
-        out = torch.zeros(logp.shape, dtype=dtype, device=device)
-        for row, i in enumerate(idx):
-            out[row, : values[i].numel()] = values[i].to(device=device, dtype=dtype)
-        if loss_mask is not None:
-            out = torch.where(loss_mask, out, logp.detach().to(dtype))
-        return out
-
-    def loss_fn(logp: torch.Tensor, mask: torch.Tensor, idx: list[int]) -> torch.Tensor:
-        """This micro-batch's share of the group loss; logp/mask (k, T), idx: which responses."""
-        backwards[0] += 1
-        in_loss = None
-        if group.loss_masks is not None:  # masked tokens: in the forward, not in the loss
-            loss_mask = torch.zeros(mask.shape, dtype=torch.bool, device=device)
-            for row, i in enumerate(idx):
-                loss_mask[row, : group.loss_masks[i].numel()] = group.loss_masks[i].to(device)
-            mask = in_loss = mask & loss_mask
-        return response_loss(
-            logp, mask, advantages[idx], totals, options.loss_config,
-            old_logp=padded(group.old_logprobs, idx, logp, in_loss),
-            ref_logp=padded(group.ref_logprobs, idx, logp, in_loss),
-        )
-
-    return loss_fn, backwards
+    root_state = None
+    if prompt_state is not None and options.plan in ("detach", "exact"):
+        device = hf(model).get_input_embeddings().weight.device
+        root_state = prompt_state.offload(device) if options.offload_state else prompt_state
+        root_state = root_state.as_leaves() if options.plan == "exact" else root_state
+    with _restoring_gradients(model):
+        result = run_tree(model, group_tree(group), options, root_state=root_state, names="responses")
+    stats.update(prompt_state_bytes=result.stats.get("peak_path_state_bytes", 0),
+                 capture_s=result.stats.get("capture_s", 0.0), replay_s=result.stats.get("replay_s", 0.0),
+                 prompt_backward_s=result.stats.get("backward_s", 0.0))
+    for key in ("router_aux_loss", "router_count_s"):
+        if key in result.stats:
+            stats[key] = result.stats[key]
+    return GroupResult(loss=result.loss, logprobs=result.logprobs, stats=stats, skipped=result.skipped)
 
 
 @contextmanager
-def _restoring_gradients(model: torch.nn.Module, backwards: list[int]) -> Iterator[None]:
-    """On a micro-batch refused before its backward (FloatingPointError), drop the gradients that did not exist
+def _restoring_gradients(model: torch.nn.Module) -> Iterator[None]:
+    """On a piece of the loss refused before its backward (FloatingPointError), drop the gradients that did not exist
     before the call; existing ones cannot be restored without a copy, so the error says what they hold."""
     params = list(model.parameters())
     had_grad = [p.grad is not None for p in params]
@@ -353,31 +207,9 @@ def _restoring_gradients(model: torch.nn.Module, backwards: list[int]) -> Iterat
         for p, had in zip(params, had_grad):
             if not had:
                 p.grad = None
-        done = backwards[0] - 1
+        done = getattr(err, "backwards", 0)
         if done > 0 and any(had_grad):
             raise FloatingPointError(f"{err}. The gradients that existed before this call hold the (finite) "
                                      f"contributions of this group's first {done} micro-batch(es): zero them before "
                                      "retrying") from None
         raise FloatingPointError(f"{err}. The gradients are as they were before this call") from None
-
-
-def _run_plan(model: torch.nn.Module, prompt: torch.Tensor, responses: list[torch.Tensor], loss_fn: LossFn,
-              options: BackwardOptions, prompt_state: PromptState | None,
-              stats: dict[str, float | int | str],
-              loss_masks: list[torch.Tensor] | None = None,
-              router: RouterAux | None = None) -> tuple[float, list[torch.Tensor]]:
-    """The plan itself; phase times and the state's size go into `stats`. The replay plans skip the output
-    projection of tokens that `loss_masks` marks False (the standard plans, the ground truth, score every token)."""
-    plan = options.plan
-    if plan in ("standard", "standard_batched"):
-        t0 = time.perf_counter()
-        total, logprobs = standard(model, prompt, responses, loss_fn, batched=plan == "standard_batched",
-                                   temperature=options.temperature, router=router)
-        stats.update(prompt_state_bytes=0, capture_s=0.0, replay_s=time.perf_counter() - t0, prompt_backward_s=0.0)
-        return total, logprobs
-    elif plan == "detach":
-        return detach(model, prompt, responses, loss_fn, options, prompt_state, stats, loss_masks, router)
-    elif plan == "exact":
-        return exact(model, prompt, responses, loss_fn, options, prompt_state, stats, loss_masks, router)
-    else:
-        raise ValueError(f"unknown plan {plan!r}")

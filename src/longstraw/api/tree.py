@@ -3,15 +3,19 @@
 Read top to bottom, one call is:
   1. the options (as `backward_group`'s) and the tree (`build_tree` from a list of trajectories, or a `Tree`);
   2. every refusal that needs the model, the tree or the options, before anything is computed;
-  3. skip when the loss's gradient is identically zero (every advantage 0 and beta = 0);
+  3. skip when the loss's gradient is identically zero (every advantage 0, beta = 0, no router term);
   4. the loss (`loss.TreeLoss`: each trajectory with its group's normalisers), the first pass of a sequence-level
-     loss whose loss tokens are shared (`sequence.first_pass`: a no-grad walk; none otherwise) and the plan
-     (`plans`): standard, exact or detach.
+     loss whose loss tokens are shared (`sequence.first_pass`: a no-grad walk; none otherwise), the router
+     load-balancing term's counting pass (`routes.count_routes`, with router_aux_coef > 0) and the plan (`plans`):
+     standard, exact or detach.
+
+`backward_group` runs its group as a one-level tree through `run_tree`.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,15 +23,19 @@ from typing import Any
 import torch
 
 from longstraw.admission.admission import check_architecture, is_recurrent
-from longstraw.api.group import _options, check_model_options
+from longstraw.api.checks import check_model_options, options_with
 from longstraw.engine.activation_checkpointing import checkpointed_layers
 from longstraw.engine.hf.composite import text_config
 from longstraw.engine.options import BackwardOptions
 from longstraw.engine.precision import accumulation_dtype
+from longstraw.engine.router import RouterAux, aux_value
 from longstraw.engine.state.checks import check_materialised
+from longstraw.engine.state.prompt import PromptState
+from longstraw.engine.tp_check import check_tensor_parallel_model
 from longstraw.engine.tree.build import Trajectory, Tree, build_tree
 from longstraw.engine.tree.loss import TreeLoss
-from longstraw.engine.tree.plans import Walk, detach, exact, standard
+from longstraw.engine.tree.plans import Walk, detach, empty_state, exact, standard
+from longstraw.engine.tree.routes import TreeRouter, check_routable, count_routes, router_weights
 from longstraw.engine.tree.sequence import first_pass
 from longstraw.models.architecture import eval_mode_when_equal, hf
 
@@ -51,7 +59,7 @@ def backward_tree(model: torch.nn.Module, trajectories: list[Trajectory] | Tree,
     `min_shared`) or a `Tree`. options/settings: as `backward_group`'s; plan "standard" (every trajectory a full
     sequence: the reference), "exact" (depth first, equal to standard) or "detach" (a node's state a constant for its
     descendants); micro_batch: sibling leaves replayed at once (standard: trajectories per forward)."""
-    options = _options(options, settings)
+    options = options_with(options, settings, "backward_tree")
     tree = trajectories if isinstance(trajectories, Tree) else build_tree(trajectories, min_shared)
     if options.plan in ("exact", "detach") and tree.min_shared < 2 and is_recurrent(model):
         # A recurrent layer's one-token step (Mamba-2's selective_state_update) writes its state in place, which
@@ -60,18 +68,18 @@ def backward_tree(model: torch.nn.Module, trajectories: list[Trajectory] | Tree,
     training = options.allow_train_mode and any(m.training for m in model.modules())
     with eval_mode_when_equal(model) if training else nullcontext():
         _check(model, tree, options)
-        return _backward(model, tree, options)
+        return run_tree(model, tree, options)
 
 
 def _check(model: torch.nn.Module, tree: Tree, options: BackwardOptions) -> None:
     """What the options alone cannot say: this model and this tree."""
     if options.plan not in ("standard", "standard_batched", "exact", "detach"):
         raise ValueError(f"unknown plan {options.plan!r}")
-    if options.router_aux_coef:
-        raise ValueError("router_aux_coef is not supported by backward_tree (the router load-balancing term over a "
-                         "tree's shared tokens is not implemented): unset it, or run each group with backward_group")
     check_model_options(model, options)
     check_materialised(model, "backward_tree")
+    check_tensor_parallel_model(model)
+    if options.router_aux_coef:
+        check_routable(tree)
     if options.context_shards is not None:
         options.context_shards.check_supported(model)
     longest = max(t.length for t in tree.trajectories)
@@ -98,13 +106,19 @@ def _check(model: torch.nn.Module, tree: Tree, options: BackwardOptions) -> None
                              "rewards or normalise the advantages")
 
 
-def _backward(model: torch.nn.Module, tree: Tree, options: BackwardOptions) -> TreeResult:
+def run_tree(model: torch.nn.Module, tree: Tree, options: BackwardOptions, root_state: PromptState | None = None,
+             names: str = "trajectories") -> TreeResult:
+    """Steps 3–4 of the module docstring for a checked tree; root_state: the root's state, captured already (a
+    group's reused prompt state: detach's as it is, exact's as leaves); names: what errors call the trajectories.
+    A piece of the loss refused before its backward raises FloatingPointError carrying `backwards`, the pieces
+    backpropagated before it."""
     device = hf(model).get_input_embeddings().weight.device
     dtype = accumulation_dtype(hf(model).get_input_embeddings().weight.dtype)
     stats: dict[str, float | int | str] = {"plan": options.plan, **tree.stats(), "checkpoint": options.checkpoint,
                                            "offload_state": options.offload_state}
     cfg = options.loss_config
-    if cfg.beta == 0 and cfg.kind != "nll" and all(t.advantage == 0 for t in tree.trajectories):
+    if cfg.beta == 0 and cfg.kind != "nll" and not options.router_aux_coef and \
+            all(t.advantage == 0 for t in tree.trajectories):
         stats.update(capture_s=0.0, replay_s=0.0, backward_s=0.0, peak_path_state_bytes=0, first_pass_s=0.0)
         return TreeResult(loss=0.0, logprobs=[], stats=stats, skipped="zero_advantage")
     for node in tree.nodes():
@@ -112,16 +126,38 @@ def _backward(model: torch.nn.Module, tree: Tree, options: BackwardOptions) -> T
     loss = TreeLoss(tree, cfg, device, dtype)
     first = first_pass(model, tree, loss, options)  # sequence-level losses over shared loss tokens (sequence.py)
     loss.linear = first.linear
-    walk = Walk(model=model, tree=tree, loss=loss, options=options)
-    with checkpointed_layers(model, enabled=options.checkpoint == "layers"):
-        if options.plan in ("standard", "standard_batched"):
-            standard(walk, batched=options.plan == "standard_batched")
-        elif options.plan == "exact":
-            exact(walk)
-        elif options.plan == "detach":
-            detach(walk)
-        else:
-            raise ValueError(f"unknown plan {options.plan!r}")
+    router = _router(model, tree, options, stats)
+    walk = Walk(model=model, tree=tree, loss=loss, options=options, router=router, root_state=root_state,
+                names=names)
+    with checkpointed_layers(model, enabled=options.checkpoint == "layers"), \
+            router.aux.tap.hooked() if router is not None else nullcontext():
+        try:
+            if options.plan in ("standard", "standard_batched"):
+                standard(walk, batched=options.plan == "standard_batched")
+            elif options.plan == "exact":
+                exact(walk)
+            elif options.plan == "detach":
+                detach(walk)
+            else:
+                raise ValueError(f"unknown plan {options.plan!r}")
+        except FloatingPointError as err:
+            err.backwards = walk.backwards  # type: ignore[attr-defined]
+            raise
     stats.update(capture_s=walk.capture_s, replay_s=walk.replay_s, backward_s=walk.backward_s,
                  peak_path_state_bytes=walk.peak_path_bytes, first_pass_s=first.seconds)
     return TreeResult(loss=walk.total + first.loss, logprobs=loss.logprobs, stats=stats)
+
+
+def _router(model: torch.nn.Module, tree: Tree, options: BackwardOptions,
+            stats: dict[str, float | int | str]) -> TreeRouter | None:
+    """With router_aux_coef > 0: the counting pass over the tree (tree/routes.py) and the term the walk adds; the
+    batch's aux loss value goes into `stats["router_aux_loss"]` (the reported loss leaves the term out)."""
+    if not options.router_aux_coef:
+        return None
+    t0 = time.perf_counter()
+    weights = router_weights(tree)
+    counts, prob_sums = count_routes(model, tree, empty_state(model, False, options), weights, options.chunk_size,
+                                     options.micro_batch)
+    stats["router_aux_loss"] = aux_value(counts, prob_sums)
+    stats["router_count_s"] = time.perf_counter() - t0
+    return TreeRouter(RouterAux(model, counts, options.router_aux_coef), weights)

@@ -13,6 +13,7 @@ through that graph instead of a recompute.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -34,10 +35,12 @@ class ChunkLoss(Protocol):
 
 
 def prompt_backward(model: torch.nn.Module, ids: torch.Tensor, leaves: PromptState,
-                    router: RouterAux | None = None, first: int = 0, chunk_loss: ChunkLoss | None = None) -> None:
+                    router: RouterAux | None = None, first: int = 0, chunk_loss: ChunkLoss | None = None,
+                    router_weights: Callable[[int, int], torch.Tensor] | None = None) -> None:
     """ids: the encoded tokens by position (the prompt's x[:-1], or a tree node's path); leaves: the state the replays
-    used, `.grad` filled. router: the router load-balancing term, whose prompt tokens' share joins each chunk's
-    backward (each chunk then runs to the last layer's MoE block, and none is skipped). first: backpropagate chunks
+    used, `.grad` filled. router: the router load-balancing term, whose share of the chunk's tokens (weighed by
+    `router_weights(start, end)`, (end − start,)) joins each chunk's backward (each chunk then runs to the last
+    layer's MoE block, and none is skipped). first: backpropagate chunks
     first … last only (a tree node's own chunks: the state before them, its parent's, receives their gradient).
     chunk_loss: a loss on the tokens the chunks predict, added to each chunk's backward."""
     if not leaves.keep_boundaries and leaves.num_chunks > 1:
@@ -63,11 +66,13 @@ def prompt_backward(model: torch.nn.Module, ids: torch.Tensor, leaves: PromptSta
             with torch.enable_grad():
                 hidden = run_segment(model, ids[start:end].unsqueeze(0), start, leaves.prefix(j), collect,
                                      kv_only=router is None and not scored)
-                if router is not None:
-                    term = router.term(torch.full((end - start,), float(router.prompt_copies)))
-                elif scored:
+                if scored:
                     assert chunk_loss is not None and hidden is not None
                     term = chunk_loss(start, end, hidden)
+                if router is not None:
+                    assert router_weights is not None
+                    routed = router.term(router_weights(start, end))
+                    term = routed if term is None else term + routed
                 del hidden
             recomputed = PromptState.outputs_of(collect, leaves.num_layers)
         if context_shards is not None:

@@ -9,10 +9,11 @@ transformers' MoE causal LMs (Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE, gpt-oss) com
 The counts c carry no gradient, so d aux / d p_row = mask · E · c / n²: the same weight vector for every row. Once
 c and n are known, each token's share of the gradient is added where that token's routers run with grad (a replay
 for response tokens, the exact plan's prompt recompute for prompt tokens), as `RouterAux.term`. The counts need
-every token's top-k before the first backward, so `count_routes` runs the group's tokens once without grad first.
+every token's top-k before the first backward, so `tree.routes.count_routes` runs the batch's tokens once without
+grad first.
 
-Weights per token: how many sequences of the batch hold it. A response token is in one sequence; a prompt token is
-in every sequence of its group (`prompt_copies`, G by default). transformers computes the weight vector in float32
+Weights per token: how many sequences of the batch hold it (a prefix tree's shared token: the trajectories through
+it, `tree/routes.py`). transformers computes the weight vector in float32
 (`.float()` on the probabilities); `aux_gradient` does the same arithmetic, so the added gradient is the one
 autograd gives through transformers' function.
 """
@@ -133,25 +134,14 @@ def aux_value(counts: RouterCounts, prob_sums: torch.Tensor) -> float:
 
 
 class RouterAux:
-    """One backward's load-balancing term: `coef` · aux over a batch whose counts are `counts`.
-
-    prompt_copies: sequences of the batch holding this group's prompt; responses: the group's G. A plan calls
+    """One backward's load-balancing term: `coef` · aux over a batch whose counts are `counts`. A walk calls
     `tap.clear()` before a forward with grad and `term(weights)` after it, and adds the term to what it
-    backpropagates; `prob_sums` accumulates the batch's Σ mask · p (E,) for the loss's value."""
+    backpropagates."""
 
-    def __init__(self, model: torch.nn.Module, counts: RouterCounts, coef: float, prompt_copies: int,
-                 responses: int) -> None:
+    def __init__(self, model: torch.nn.Module, counts: RouterCounts, coef: float) -> None:
         self.tap = RouterTap(model)
         self.grad = aux_gradient(counts, coef)  # (E,) float32
         self.counts = counts
-        self.prompt_copies = prompt_copies
-        self.responses = responses
-        self.prob_sums = torch.zeros(counts.counts.numel(), dtype=torch.float32)
-
-    @property
-    def first_token_weight(self) -> float:
-        """The weight of the prompt's last token in each of the G replays (it runs once per replay)."""
-        return self.prompt_copies / self.responses
 
     def term(self, weights: torch.Tensor) -> torch.Tensor:
         """A zero-valued scalar whose gradient is this forward's rows' share of d (coef · aux): weights (rows,)
@@ -163,17 +153,8 @@ class RouterAux:
         for z in logits:
             w = weights.reshape(-1).to(device=z.device, dtype=torch.float64)
             probs = torch.softmax(z, dim=-1)  # (rows, E)
-            self.prob_sums += (probs.detach().float() * w.float()[:, None]).sum(0).cpu()
             scale = (w[:, None] * self.grad.to(device=z.device, dtype=torch.float64)[None, :]).to(probs.dtype)
             part = (probs * scale).sum()
             total = part if total is None else total + part
         assert total is not None
         return total - total.detach()
-
-
-def responses_weights(mask: torch.Tensor, first: float) -> torch.Tensor:
-    """Per-token weights of replayed segments [x[-1]] + o_i (k, T): `mask` (k, T) True on real tokens, the first
-    position (the prompt's last token) weighing `first`."""
-    w = mask.to(torch.float64)
-    w[:, 0] = w[:, 0] * first
-    return w

@@ -42,8 +42,8 @@ import torch
 
 from longstraw.choices import MIN_TEMPERATURE
 from longstraw.engine.hf.segment import run_segment
-from longstraw.engine.logprobs import DEFAULT_TOKEN_CHUNK, accumulated_logits
-from longstraw.engine.plans.replay import replay_responses
+from longstraw.engine.logprobs import DEFAULT_TOKEN_CHUNK, accumulated_logits, chunked_logprobs
+from longstraw.engine.pad import pad
 from longstraw.engine.state.capture import capture_prompt
 from longstraw.engine.state.checks import check_materialised, check_prompt_state
 from longstraw.engine.state.prompt import PromptState
@@ -423,7 +423,17 @@ def score_responses(
     if state is None:
         state = capture_prompt(model, prompt[:-1], chunk_size, keep_boundaries=False, context_shards=context_shards)
     responses = [r.to(device=device, dtype=torch.long) for r in responses]
-    _, logprobs = replay_responses(model, prompt, state, responses, None, micro_batch, DEFAULT_TOKEN_CHUNK)
+    head = hf(model).get_output_embeddings()
+    logprobs: list[torch.Tensor] = []
+    for first in range(0, len(responses), micro_batch):
+        batch = responses[first:first + micro_batch]
+        inputs, _ = pad([torch.cat([prompt[-1:], r[:-1]]) for r in batch])  # (k, R_max): x[-1], then o_i but its last
+        targets, _ = pad(batch)  # (k, R_max)
+        hidden = run_segment(model, inputs, prompt.numel() - 1, state.fork())  # (k, R_max, d)
+        assert hidden is not None
+        logp = chunked_logprobs(hidden, head.weight, targets, DEFAULT_TOKEN_CHUNK, 1.0, logit_scale(model),
+                                softcap=logit_softcap(model), bias=getattr(head, "bias", None))  # (k, R_max)
+        logprobs.extend(logp[row, : r.numel()] for row, r in enumerate(batch))
     return logprobs
 
 

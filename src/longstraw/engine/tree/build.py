@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from longstraw.engine.group import _check_float, _check_ids
+from longstraw.engine.group import Group, _check_float, _check_ids
 
 
 @dataclass
@@ -190,6 +190,21 @@ def build_tree(trajectories: list[Trajectory], min_shared: int = 1) -> Tree:
     if min_shared > 1:
         root.children = [c for child in root.children for c in _merge_short(child, min_shared)]
     return Tree(trajectories=list(trajectories), root=root, min_shared=min_shared)
+
+
+def group_tree(group: Group) -> Tree:
+    """A group as a one-level tree: the prompt (P,) the root, response i (R_i,) the leaf of trajectory i (loss from
+    position P), whatever tokens the responses share."""
+    p, g = group.prompt.numel(), group.size
+    trajectories = [Trajectory(
+        ids=torch.cat([group.prompt, r.to(group.prompt.device)]), loss_start=p, advantage=float(group.advantages[i]),
+        loss_mask=None if group.loss_masks is None else group.loss_masks[i],
+        old_logprobs=None if group.old_logprobs is None else group.old_logprobs[i],
+        ref_logprobs=None if group.ref_logprobs is None else group.ref_logprobs[i])
+        for i, r in enumerate(group.responses)]
+    root = Node(start=0, tokens=group.prompt.clone(), through=list(range(g)))
+    root.children = [Node(start=p, tokens=r.clone(), through=[i], ending=[i]) for i, r in enumerate(group.responses)]
+    return Tree(trajectories=trajectories, root=root, min_shared=2)
 
 
 def _split(ids: list[torch.Tensor], members: list[int], start: int) -> Node:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -31,6 +32,7 @@ from longstraw.engine.state.prompt import Collected, PromptState
 from longstraw.engine.state.sharing import kv_shared_layers
 from longstraw.engine.tree.build import Node, Tree
 from longstraw.engine.tree.loss import TreeLoss, node_first_target
+from longstraw.engine.tree.routes import TreeRouter
 from longstraw.models.architecture import hf, logit_scale, logit_softcap, stateless_layers
 
 
@@ -49,6 +51,10 @@ class Walk:
     capture_s: float = 0.0
     backward_s: float = 0.0
     grad: bool = True  # False: the forwards build no graph (the first pass of engine/tree/sequence.py)
+    router: TreeRouter | None = None  # the router load-balancing term (tree/routes.py)
+    root_state: PromptState | None = None  # the root's state, captured already (a group's reused prompt state)
+    names: str = "trajectories"  # what errors call the trajectories (a group's: "responses")
+    backwards: int = 0  # pieces of the loss backpropagated so far
 
     def hold(self, state: PromptState, first: int) -> int:
         """Count the bytes of `state`'s chunks first … (what a node's capture added) as held on the current path;
@@ -98,53 +104,65 @@ class _NodeLoss:
         return term
 
 
+def _root_state(walk: Walk, keep_boundaries: bool) -> tuple[PromptState, bool]:
+    """The state the root continues, and whether it holds the root's own tokens already (`Walk.root_state`)."""
+    if walk.root_state is not None:
+        return walk.root_state, True
+    state = empty_state(walk.model, keep_boundaries, walk.options)
+    state.capacity = max(walk.tree.root.tokens.numel() - 1, 0)  # the root's K/V in one tensor per layer (`_slab`)
+    return state, False
+
+
 def exact(walk: Walk) -> None:
-    root = walk.tree.root
-    state = empty_state(walk.model, True, walk.options)
-    state.capacity = max(root.tokens.numel() - 1, 0)  # the root's K/V go into one tensor per layer (`_slab`)
-    _exact_node(walk, root, state, root.tokens.new_empty(0))
+    state, captured = _root_state(walk, True)
+    _exact_node(walk, walk.tree.root, state, walk.tree.root.tokens.new_empty(0), captured)
 
 
-def _exact_node(walk: Walk, node: Node, parent: PromptState, above: torch.Tensor) -> None:
-    """Visit `node` from its parent's state (positions [0, node.input_start)); `above`: the tokens before it."""
+def _exact_node(walk: Walk, node: Node, parent: PromptState, above: torch.Tensor, captured: bool = False) -> None:
+    """Visit `node` from its parent's state (positions [0, node.input_start)); `above`: the tokens before it.
+    captured: `parent` holds the node's own tokens already (a reused root state)."""
     path = path_ids(node, above)
     state = parent if node is walk.tree.root else parent.branch()
-    first = state.num_chunks
+    first = 0 if captured else state.num_chunks
     ids = node.input_ids(above[-1:] if above.numel() else None)
     own = _NodeLoss(walk, node, path)
     # keep_prompt_graph: the node's last chunks keep their capture graph, which its backward then uses instead of a
     # recompute; a node with loss tokens of its own recomputes them (the capture computes no log-probs).
     keep = 0 if own.wants(state.length, state.length + ids.numel()) else walk.options.keep_prompt_graph
     t0 = time.perf_counter()
-    extend_state(walk.model, state, ids, walk.options.chunk_size, leaves=True, keep_graph=keep)
+    if not captured:
+        extend_state(walk.model, state, ids, walk.options.chunk_size, leaves=True, keep_graph=keep)
     walk.capture_s += time.perf_counter() - t0
     held = walk.hold(state, first)
     _children(walk, node, state, path, _exact_node)
     t0 = time.perf_counter()
-    prompt_backward(walk.model, path, state, first=first, chunk_loss=own)
+    router = walk.router
+    prompt_backward(walk.model, path, state, first=first, chunk_loss=own,
+                    router=None if router is None else router.aux,
+                    router_weights=None if router is None else partial(router.weights.positions, node))
     walk.backward_s += time.perf_counter() - t0
     walk.path_bytes -= held
 
 
 # --- detach -------------------------------------------------------------------------------------------------------
 def detach(walk: Walk) -> None:
-    root = walk.tree.root
-    state = empty_state(walk.model, False, walk.options)
-    state.capacity = max(root.tokens.numel() - 1, 0)
-    _detach_node(walk, root, state, root.tokens.new_empty(0))
+    state, captured = _root_state(walk, False)
+    _detach_node(walk, walk.tree.root, state, walk.tree.root.tokens.new_empty(0), captured)
 
 
-def _detach_node(walk: Walk, node: Node, parent: PromptState, above: torch.Tensor) -> None:
+def _detach_node(walk: Walk, node: Node, parent: PromptState, above: torch.Tensor, captured: bool = False) -> None:
     """Capture `node` as a constant continuing its parent's state; its own loss tokens' terms are backpropagated
-    from their chunk's forward (into the parameters only)."""
+    from their chunk's forward (into the parameters only). The router term's share is the leaves' only: like every
+    path through a node's state, the node tokens' share is left out. captured: as `_exact_node`'s."""
     path = path_ids(node, above)
     state = parent if node is walk.tree.root else parent.branch()
-    first = state.num_chunks
+    first = 0 if captured else state.num_chunks
     ids = node.input_ids(above[-1:] if above.numel() else None)
     t0 = time.perf_counter()
     offset = state.length
     scored = _NodeLoss(walk, node, path)
-    bounds = [(offset + s, offset + e) for s, e in chunk_bounds(ids.numel(), walk.options.chunk_size)]
+    bounds = [] if captured else [(offset + s, offset + e)
+                                  for s, e in chunk_bounds(ids.numel(), walk.options.chunk_size)]
     for j, (start, end) in enumerate(bounds):
         collect: Collected = {}
         wanted = scored.wants(start, end)
@@ -186,10 +204,13 @@ def _children(walk: Walk, node: Node, state: PromptState, path: torch.Tensor, vi
 def _replay_leaves(walk: Walk, leaves: list[Node], state: PromptState, above: torch.Tensor) -> None:
     """Forward+backward sibling leaves (all starting at the same position) from their parent's state."""
     last = above[-1:] if above.numel() else None
-    inputs_list = [leaf.input_ids(last) for leaf in leaves]
+    router = walk.router if walk.grad else None
+    # with the router term each leaf runs all its tokens, its last one too (the batch's forward routes it)
+    inputs_list = [leaf.input_ids(last) if router is None else torch.cat([leaf.input_ids(last), leaf.tokens[-1:]])
+                   for leaf in leaves]
     starts = [node_first_target(leaf) for leaf in leaves]
     targets_list = [leaf.tokens[s - leaf.start:] for leaf, s in zip(leaves, starts)]
-    inputs, _ = pad(inputs_list)  # (k, T)
+    inputs, routed = pad(inputs_list)  # (k, T), or (k, T + 1) with the router term
     targets, mask = pad(targets_list)  # (k, T)
     if inputs.shape[1] == 1:
         # One-token segments: pad to two. transformers' SSM layers take an in-place single-token path that autograd
@@ -199,22 +220,26 @@ def _replay_leaves(walk: Walk, leaves: list[Node], state: PromptState, above: to
     keep = torch.zeros_like(mask)
     for row, (leaf, s) in enumerate(zip(leaves, starts)):
         keep[row, : targets_list[row].numel()] = walk.loss.keep(leaf.through, s, targets_list[row].numel())
-    if not bool(keep.any()):
+    if not bool(keep.any()) and router is None:
         return
     start = leaves[0].input_start
+    if router is not None:
+        router.aux.tap.clear()
     with torch.set_grad_enabled(walk.grad):
         hidden = run_segment(walk.model, inputs, start, state.fork())  # (k, T, d)
         assert hidden is not None
-        logp = _logprobs(walk, hidden, targets, keep)  # (k, T)
+        logp = _logprobs(walk, hidden[:, : targets.shape[1]], targets, keep)  # (k, T)
         terms = [walk.loss.term(leaf.through, s, logp[row, : targets_list[row].numel()])
                  for row, (leaf, s) in enumerate(zip(leaves, starts))]
         present = [t for t in terms if t is not None]
-        term = torch.stack(present).sum()
-    where = f"leaves at positions {leaves[0].start}…"
-    _check_finite(logp, keep, term, where)
+        term = torch.stack(present).sum() if present else logp.sum() * 0
+        if router is not None:
+            term = term + router.aux.term(router.weights.leaves(leaves, routed))
+    _check_finite(logp, keep, term, f"{walk.names} {[i for leaf in leaves for i in leaf.through]}")
     walk.total += float(term.detach())
     if term.requires_grad:
         term.backward()
+        walk.backwards += 1
 
 
 def _logprobs(walk: Walk, hidden: torch.Tensor, targets: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -226,13 +251,15 @@ def _logprobs(walk: Walk, hidden: torch.Tensor, targets: torch.Tensor, keep: tor
 
 def _check_finite(logp: torch.Tensor, keep: torch.Tensor, term: torch.Tensor, where: str) -> None:
     """Refuse a piece of the loss before its backward if its log-probs or its value are not finite."""
+    dtype = str(logp.dtype).removeprefix("torch.")
     if not torch.isfinite(logp.detach()[keep]).all():
-        raise FloatingPointError(f"{where}: the model's log-probs are not finite (its forward overflowed in "
-                                 f"{str(logp.dtype).removeprefix('torch.')}); use float32 or bfloat16, or check the "
-                                 "weights")
+        raise FloatingPointError(f"{where}: the model's log-probs are not finite (its forward overflowed in {dtype}); "
+                                 "this piece's backward was not run. Use float32 or bfloat16, or check the weights")
     if not torch.isfinite(term.detach()):
-        raise FloatingPointError(f"{where}: its share of the loss is {float(term.detach())}: check old_logprobs/"
-                                 "ref_logprobs and the advantages")
+        raise FloatingPointError(
+            f"{where}: their share of the loss is {float(term.detach())} (the ratio exp(logp - old) or the KL term "
+            f"exp(ref - logp) overflowed {dtype}); this piece's backward was not run. Check old_logprobs/ref_logprobs "
+            "(the policy's own log-probs, not logits) and the advantages, or use a wider dtype")
 
 
 def _device(walk: Walk) -> torch.device:
@@ -252,18 +279,26 @@ def standard(walk: Walk, batched: bool) -> None:
         ids, mask = pad([trajectories[i].ids.to(device=device, dtype=torch.long) for i in idx])  # (k, N_max)
         low = min(trajectories[i].loss_start for i in idx)  # the first position any row scores
         kept = ids.shape[1] - low  # logits of input positions low − 1 … N_max − 2
-        logits = walk.model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1].long(), logits_to_keep=kept,
-                            use_cache=False).logits
+        if walk.router is None:
+            logits = walk.model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1].long(), logits_to_keep=kept,
+                                use_cache=False).logits
+        else:  # every token routed, the last one too, as the batch's forward routes it
+            walk.router.aux.tap.clear()
+            logits = walk.model(input_ids=ids, attention_mask=mask.long(), logits_to_keep=kept + 1,
+                                use_cache=False).logits[:, :-1]
         logits = logits.to(accumulation_dtype(logits.dtype))
         if walk.options.temperature != 1.0:
             logits = logits / walk.options.temperature
         logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, low:].unsqueeze(-1)).squeeze(-1)  # (k, kept)
         terms = [walk.loss.term([i], low, logp[row, : trajectories[i].length - low]) for row, i in enumerate(idx)]
         term = torch.stack([t for t in terms if t is not None]).sum()
+        if walk.router is not None:
+            term = term + walk.router.aux.term(mask.to(torch.float64))
         keep = torch.zeros_like(logp, dtype=torch.bool)
         for row, i in enumerate(idx):
             keep[row, : trajectories[i].length - low] = walk.loss.keep([i], low, trajectories[i].length - low)
-        _check_finite(logp, keep, term, f"trajectories {idx}")
+        _check_finite(logp, keep, term, f"{walk.names} {idx}")
         walk.total += float(term.detach())
         term.backward()
+        walk.backwards += 1
     walk.replay_s += time.perf_counter() - t0

@@ -1,0 +1,42 @@
+"""What both entry points check before anything runs: the options with keyword settings applied
+(`options_with`), and the refusals that need the model and the options but no batch (`check_model_options`, which a
+trainer also makes when it is built)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from longstraw.admission.admission import is_recurrent
+from longstraw.engine.options import BackwardOptions
+from longstraw.models.architecture import hf
+
+
+def options_with(options: BackwardOptions | None, settings: dict[str, Any], caller: str) -> BackwardOptions:
+    """`options` with `settings` applied; an unknown keyword names the valid ones."""
+    if options is not None and not isinstance(options, BackwardOptions):
+        raise TypeError(f"options must be a longstraw.BackwardOptions, got {type(options).__name__}")
+    unknown = sorted(set(settings) - set(BackwardOptions.names()))
+    if unknown:
+        extra = ", prompt_state" if caller == "backward_group" else ", min_shared"
+        raise TypeError(f"{caller} got an unexpected keyword argument {unknown[0]!r}; valid options: "
+                        f"{', '.join(BackwardOptions.names())}{extra}")
+    if options is None:
+        return BackwardOptions(**settings)
+    return replace(options, **settings) if settings else options
+
+
+def check_model_options(model: torch.nn.Module, options: BackwardOptions) -> None:
+    """The refusals that need the model and the options but no batch, so a trainer can make them when it is built:
+    nothing to train, and the exact plan's one-token chunks on a recurrent model."""
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError("no parameter of the model requires grad, so there is nothing to train: unfreeze the "
+                         "parameters to train (param.requires_grad_(True)) or add an adapter")
+    model_type = hf(model).config.model_type
+    if options.plan == "exact" and options.chunk_size == 1 and is_recurrent(model):
+        raise ValueError(
+            f"chunk_size=1 with the exact plan on {model_type}: its recurrent layers update their "
+            "state in place for one-token chunks, which the prompt backward cannot differentiate; use chunk_size >= 2"
+        )

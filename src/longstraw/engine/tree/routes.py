@@ -1,0 +1,137 @@
+"""The router load-balancing term (`engine/router.py`) over a prefix tree: which weight each token's routers carry,
+and the counting pass.
+
+transformers' aux loss over a batch counts every token of every sequence (the attention mask weighing it 1): a token
+at a tree position that k trajectories hold counts k times. The walk runs each position once, so each run carries
+that multiplicity as its weight:
+
+* a node's input positions after its first (its own tokens but the last): |through(node)|;
+* a node's first input position, its parent's last token, which each child's forward runs again: |through(child)|,
+  and the first child also carries the parent's trajectories that end there (`parent.ending`: their last token is
+  run by no other forward; its routers see the same prefix and token in any child's forward, so their logits are the
+  same);
+* a leaf's replay runs all its tokens, its last one too (the batch's forward routes a sequence's last token):
+  |through(leaf)| each.
+
+The counts need every token's top-k before the first backward: `count_routes` walks the tree once without grad
+(each node's chunks to the last layer's MoE block, then its children; each leaf whole), and sums the weighted
+probabilities too, so the loss's value (`aux_value`) covers every token whatever the plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from longstraw.engine.hf.segment import run_segment
+from longstraw.engine.pad import pad
+from longstraw.engine.router import RouterAux, RouterCounts, RouterTap, count, top_k
+from longstraw.engine.state.capture import chunk_bounds, keep_owned
+from longstraw.engine.state.prompt import Collected, PromptState
+from longstraw.engine.tree.build import Node, Tree
+
+
+@dataclass
+class RouteWeights:
+    """Each node's (first position, other positions) weights, by id(node) (`router_weights`)."""
+
+    weights: dict[int, tuple[float, float]] = field(default_factory=dict)
+
+    def positions(self, node: Node, start: int, end: int) -> torch.Tensor:
+        """Weights (end − start,) of `node`'s forward over input positions [start, end)."""
+        first, rest = self.weights[id(node)]
+        w = torch.full((end - start,), rest, dtype=torch.float64)
+        if node.start > 0 and start == node.input_start:
+            w[0] = first
+        return w
+
+    def leaves(self, leaves: list[Node], mask: torch.Tensor) -> torch.Tensor:
+        """Weights (k, T) of sibling leaves' routed replays [parent's last token] + tokens; mask (k, T) real tokens."""
+        w = mask.to(torch.float64)
+        for row, leaf in enumerate(leaves):
+            first, rest = self.weights[id(leaf)]
+            w[row] *= rest
+            if leaf.start > 0:
+                w[row, 0] = first
+        return w
+
+
+@dataclass
+class TreeRouter:
+    """The term of one walk: `aux` (counts, gradient weights, tap) and the weights of each forward's tokens."""
+
+    aux: RouterAux
+    weights: RouteWeights
+
+
+def router_weights(tree: Tree) -> RouteWeights:
+    """(first, rest) per node, as the module docstring counts them."""
+    out: dict[int, tuple[float, float]] = {}
+    for node in tree.nodes():
+        rest = float(len(node.through))
+        out.setdefault(id(node), (rest, rest))
+        for k, child in enumerate(node.children):
+            extra = len(node.ending) if k == 0 else 0
+            out[id(child)] = (float(len(child.through) + extra), float(len(child.through)))
+    return RouteWeights(out)
+
+
+def check_routable(tree: Tree) -> None:
+    """A walk routes a leaf's last token only by replaying it: a root with no children (identical trajectories) is
+    visited as a node, whose last token no forward runs."""
+    if tree.root.is_leaf:
+        raise ValueError("router_aux_coef > 0 on a tree whose trajectories are all the same sequence: its last token "
+                         "runs in no forward; pass the trajectory once, or set router_aux_coef=0")
+
+
+def count_routes(model: torch.nn.Module, tree: Tree, state: PromptState, weights: RouteWeights, chunk_size: int,
+                 micro_batch: int) -> tuple[RouterCounts, torch.Tensor]:
+    """The tree's top-k router counts and Σ weight · softmax(router logits) (E,) float32, each token weighted as the
+    module docstring says, through the chunks (`chunk_size`) and sibling leaves (`micro_batch` at once) the walk
+    runs; `state`: an empty state to continue."""
+    tap, k = RouterTap(model), top_k(model)
+    parts: list[RouterCounts] = []
+    sums: list[torch.Tensor] = []
+
+    def take(w: torch.Tensor) -> None:
+        logits = tap.take()
+        parts.append(count(logits, w, k))
+        for z in logits:
+            probs = torch.softmax(z.detach().float(), dim=-1)
+            sums.append((probs * w.reshape(-1).to(device=z.device, dtype=torch.float32)[:, None]).sum(0).cpu())
+
+    def visit(node: Node, parent: PromptState, last: torch.Tensor | None) -> None:
+        st = parent if node is tree.root else parent.branch()
+        ids = node.input_ids(last)
+        offset = st.length
+        bounds = [(offset + s, offset + e) for s, e in chunk_bounds(ids.numel(), chunk_size)] if ids.numel() else []
+        for j, (start, end) in enumerate(bounds):
+            collect: Collected = {}
+            tap.clear()
+            run_segment(model, ids[start - offset:end - offset].unsqueeze(0), start, st.fork(), collect)
+            take(weights.positions(node, start, end))
+            for layer, collected in collect.items():
+                window = collected.pop("window", None)
+                if window is not None:
+                    st.windows[layer] = window  # type: ignore[call-overload]  # an int riding in the tensor dict
+            st.append_chunk(start, end, collect)
+            keep_owned(st, j, len(bounds))
+        tail = node.tokens[-1:]
+        leaves = [c for c in node.children if c.is_leaf]
+        for lo in range(0, len(leaves), micro_batch):
+            group = leaves[lo:lo + micro_batch]
+            inputs, mask = pad([torch.cat([tail, leaf.tokens]) if leaf.start > 0 else leaf.tokens for leaf in group])
+            tap.clear()
+            run_segment(model, inputs, group[0].input_start, st.fork())
+            take(weights.leaves(group, mask))
+        for child in node.children:
+            if not child.is_leaf:
+                visit(child, st, tail)
+
+    with torch.no_grad(), tap.hooked():
+        visit(tree.root, state, None)
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total.rounded(), torch.stack(sums).sum(0)
