@@ -159,8 +159,8 @@ def test_bad_masks_are_refused_when_the_group_is_built(masks, error, match):
 def _unskipped(hidden, weight, targets, keep, token_chunk, temperature, logit_scale, fill=0.0, softcap=None,
                bias=None):
     """The replay's log-probs with every row through the output projection (the path without the skip)."""
-    full = chunked_logprobs(hidden, weight, targets, token_chunk, temperature, logit_scale, softcap=softcap,
-                            bias=bias)
+    full = logprobs_module.chunked_logprobs(hidden, weight, targets, token_chunk, temperature, logit_scale,
+                                            softcap=softcap, bias=bias)
     return torch.where(keep, full, torch.full_like(full, fill))
 
 
