@@ -1,18 +1,16 @@
-"""`LongStrawGRPOTrainer`'s prefix tree over a micro-batch (`longstraw_tree`, on by default) against
-`trl.GRPOTrainer`, with test_trl.py's setup (trl_setup.py: fixed completions, the float64 log-prob kernel): rows of
-different prompts after one shared system prompt, and rows that are successive turns of one conversation (row k =
-row k−1 + more), each equal to TRL's own update; the tree's statistics in TRL's logged metrics; the per-group path
-(`longstraw_tree=False`, and where a tree cannot run, with the reason logged).
+"""`LongStrawGRPOTrainer`'s prefix tree over a micro-batch (its only path) against `trl.GRPOTrainer`, with
+test_trl.py's setup (trl_setup.py: fixed completions, the float64 log-prob kernel): rows of different prompts after one
+shared system prompt, and rows that are successive turns of one conversation (row k = row k−1 + more), each equal to
+TRL's own update, sequence-level losses and kept prompt graphs included; the tree's statistics in TRL's logged metrics.
 
 Successive turns have prompts of different lengths, which TRL left-pads: its forward then puts a padded prompt at
 shifted positions, exact for RoPE in real numbers but not in transformers' float32 rotary angles (test_trl.py's
-module docstring), so those cases agree with TRL to 1e-8 and with LongStraw's per-group path, which runs every row
-unpadded as the tree does, to 1e-12.
+module docstring), so those cases agree with TRL to 1e-8 and with the drop-in's standard plan (every row a full
+unpadded sequence through the model, no state), to 1e-12.
 """
 
 from __future__ import annotations
 
-import logging
 import re
 from types import SimpleNamespace
 
@@ -22,11 +20,9 @@ import torch
 pytest.importorskip("trl", reason="TRL is an optional extra: pip install 'longstraw[trl]'")
 
 import trl.trainer.utils  # noqa: E402
-from datasets import Dataset  # noqa: E402
 from helpers import assert_close, tiny_model  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
-from trl_setup import MAX_COMPLETION, PROMPTS, Float64LogProbs, G, completions, reward, train  # noqa: E402
+from trl_setup import PROMPTS, Float64LogProbs, G, completions, train  # noqa: E402
 
 from longstraw.integrations.trl import LongStrawGRPOConfig, LongStrawGRPOTrainer  # noqa: E402
 from longstraw.models.tokenizer import byte_tokenizer_hf  # noqa: E402
@@ -94,21 +90,10 @@ def test_shared_system_prompt_across_groups_equals_trl(tmp_path, model_dir, conf
     assert g_trl[0].norm() > 0
     err = assert_close("gradient", g_trl[0], g_ls[0], 1e-12)
     assert_close("parameters", p_trl, p_ls, 1e-12)
-    assert info["tree_fallbacks"] == []
     stats = _tree_stats(info)
     s = len(_ids(SYSTEM))
     print(f"gradient {err:.2g}; {stats}")
     assert stats["tokens_flattened"] - stats["tokens_encoded"] >= (2 * G - 1) * s
-
-
-def test_shared_system_prompt_per_group_switch(tmp_path, model_dir):
-    """longstraw_tree=False: backward_group per prompt's group, TRL's update too, and no tree in the metrics."""
-    info: dict = {}
-    g_trl, _ = train(GRPOTrainer, GRPOConfig, model_dir, tmp_path / "trl", prompts=SHARED, loss_type="grpo")
-    g_ls, _ = train(LongStrawGRPOTrainer, LongStrawGRPOConfig, model_dir, tmp_path / "ls", prompts=SHARED,
-                    info=info, loss_type="grpo", longstraw_tree=False)
-    print(f"gradient {assert_close('gradient', g_trl[0], g_ls[0], 1e-12):.2g}")
-    assert not any("longstraw/tokens_encoded" in entry for entry in info["log_history"])
 
 
 TURN_SETTINGS = dict(prompts=TURNS, rollout_func=successive_turns, per_device_train_batch_size=3 * G)
@@ -121,22 +106,21 @@ TURN_SETTINGS = dict(prompts=TURNS, rollout_func=successive_turns, per_device_tr
 def test_successive_turns_equal_trl(tmp_path, model_dir, config):
     """Three turns of one conversation, G = 4 completions each, in one micro-batch: turn k's rows continue turn
     k−1's first row, so that row's tokens (and the shared question) are encoded once. Equal to TRL (1e-8: its
-    padding, module docstring) and to the per-group path (1e-12); the off-policy case's second step reuses the
+    padding, module docstring) and to the standard plan (1e-12); the off-policy case's second step reuses the
     completions with old log-probs (clipping active)."""
     info: dict = {}
     settings = {**TURN_SETTINGS, **config}
     g_trl, p_trl = train(GRPOTrainer, GRPOConfig, model_dir, tmp_path / "trl", **settings)
     g_ls, p_ls = train(LongStrawGRPOTrainer, LongStrawGRPOConfig, model_dir, tmp_path / "ls", info=info, **settings)
-    g_group, p_group = train(LongStrawGRPOTrainer, LongStrawGRPOConfig, model_dir, tmp_path / "group",
-                             longstraw_tree=False, **settings)
+    g_group, _ = train(LongStrawGRPOTrainer, LongStrawGRPOConfig, model_dir, tmp_path / "standard",
+                       longstraw_plan="standard", **settings)
     assert len(g_ls) == len(g_trl) == settings.get("max_steps", 1)
     for step, (ours, theirs, group) in enumerate(zip(g_ls, g_trl, g_group)):
         assert theirs.norm() > 0
         err = assert_close(f"step {step + 1} gradient against TRL", theirs, ours, 1e-8)
-        err_group = assert_close(f"step {step + 1} gradient against the per-group path", group, ours, 1e-12)
-        print(f"step {step + 1}: against TRL {err:.2g}, against the per-group path {err_group:.2g}")
+        err_group = assert_close(f"step {step + 1} gradient against the standard plan", group, ours, 1e-12)
+        print(f"step {step + 1}: against TRL {err:.2g}, against the standard plan {err_group:.2g}")
     assert_close("parameters", p_trl, p_ls, 1e-8)
-    assert info["tree_fallbacks"] == []
     stats = [{k.removeprefix("longstraw/"): v for k, v in entry.items() if k.startswith("longstraw/")}
              for entry in info["log_history"] if "longstraw/tokens_encoded" in entry]
     first_row = len(turn_prompt(1)) - len(_ids(FOLLOW_UP))  # turn 0's first row: prompt + completion
@@ -146,48 +130,47 @@ def test_successive_turns_equal_trl(tmp_path, model_dir, config):
     assert all(s["tree_depth"] >= 3 for s in stats)
 
 
-def test_sequence_level_loss_on_shared_completions_falls_back_per_group(tmp_path, model_dir, caplog):
-    """GSPO's sequence ratio reads a row's whole completion at once, which a tree cannot when the completion lies in
-    a node other rows continue (turn 0's first row here): that batch runs backward_group per prompt's group, with the
-    reason logged once; still TRL's update."""
+def test_sequence_level_loss_on_shared_completions_runs_one_tree(tmp_path, model_dir):
+    """GSPO's sequence ratio reads a row's whole completion, which here lies in a node other rows continue (turn 0's
+    first row): the tree scores the batch first, then backpropagates each row's exact per-token share (docs/trees.md).
+    One tree per micro-batch (its statistics logged), TRL's update (1e-8, its padding) and the standard plan's
+    (1e-12)."""
     info: dict = {}
     settings = {**TURN_SETTINGS, "loss_type": "grpo", "importance_sampling_level": "sequence", "epsilon": 3e-4,
                 "epsilon_high": 4e-4}
-    with caplog.at_level(logging.WARNING, logger="longstraw.integrations.tree_batch"):
-        g_ls, _ = train(LongStrawGRPOTrainer, LongStrawGRPOConfig, model_dir, tmp_path / "ls", info=info, **settings)
+    g_ls, _ = train(LongStrawGRPOTrainer, LongStrawGRPOConfig, model_dir, tmp_path / "ls", info=info, **settings)
     g_trl, _ = train(GRPOTrainer, GRPOConfig, model_dir, tmp_path / "trl", **settings)
+    g_std, _ = train(LongStrawGRPOTrainer, LongStrawGRPOConfig, model_dir, tmp_path / "standard",
+                     longstraw_plan="standard", **settings)
+    assert g_trl[0].norm() > 0
     print(f"gradient {assert_close('gradient', g_trl[0], g_ls[0], 1e-8):.2g}")
-    (reason,) = info["tree_fallbacks"]
-    assert "the sequence ratio" in reason and "shared node" in reason
-    (record,) = [r for r in caplog.records if r.name == "longstraw.integrations.tree_batch"]  # logged once
-    assert "each prompt's group runs backward_group" in record.getMessage() and reason in record.getMessage()
-    assert not any("longstraw/tokens_encoded" in entry for entry in info["log_history"])
+    assert_close("gradient against the standard plan", g_std[0], g_ls[0], 1e-12)
+    assert _tree_stats(info)["tree_depth"] >= 3
 
 
-def _build(tmp_path, model_dir, **overrides):
-    settings = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2 * G, num_generations=G,
-                    bf16=False, report_to="none", max_completion_length=MAX_COMPLETION)
-    return LongStrawGRPOTrainer(AutoModelForCausalLM.from_pretrained(model_dir), reward_funcs=reward,
-                                args=LongStrawGRPOConfig(**settings | overrides),
-                                train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
-                                processing_class=byte_tokenizer_hf())
+def test_kept_prompt_graphs_run_in_the_tree(tmp_path, model_dir):
+    """longstraw_keep_prompt_graph: the tree keeps its nodes' last chunks' capture graphs; TRL's update to 1e-12, one
+    tree per micro-batch."""
+    info: dict = {}
+    g_trl, _ = train(GRPOTrainer, GRPOConfig, model_dir, tmp_path / "trl", prompts=SHARED, loss_type="grpo")
+    g_ls, _ = train(LongStrawGRPOTrainer, LongStrawGRPOConfig, model_dir, tmp_path / "ls", prompts=SHARED,
+                    info=info, loss_type="grpo", longstraw_keep_prompt_graph=1, longstraw_chunk_size=16)
+    print(f"gradient {assert_close('gradient', g_trl[0], g_ls[0], 1e-12):.2g}")
+    assert _tree_stats(info)["tree_nodes"] >= 3
 
 
-def test_options_a_tree_cannot_run_fall_back_when_the_trainer_is_built(tmp_path, model_dir, caplog):
-    """keep_prompt_graph: the reason is logged when the trainer is built, and every batch takes the per-group path;
-    with the tree switched off nothing is logged."""
-    with caplog.at_level(logging.WARNING, logger="longstraw.integrations.tree_batch"):
-        trainer = _build(tmp_path, model_dir, longstraw_keep_prompt_graph=1)
-        (reason,) = trainer.tree_fallbacks.reasons
-        assert "keep_prompt_graph" in reason and reason in caplog.text
-        caplog.clear()
-        off = _build(tmp_path, model_dir, longstraw_keep_prompt_graph=1, longstraw_tree=False)
-        assert off.tree_fallbacks.reasons == []
-        assert not [r for r in caplog.records if r.name == "longstraw.integrations.tree_batch"]
+def test_no_per_group_path_remains():
+    """The integrations run one tree per batch and nothing else: no module of them calls backward_group."""
+    from pathlib import Path
+
+    import longstraw.integrations
+
+    folder = Path(longstraw.integrations.__file__).parent
+    calls = [p.name for p in folder.glob("*.py") if "backward_group" in p.read_text()]
+    assert calls == []
 
 
 @pytest.mark.parametrize("overrides,reason", [
-    (dict(longstraw_tree="yes"), "longstraw_tree must be True or False, got 'yes'"),
     (dict(longstraw_tree_min_shared=0), "longstraw_tree_min_shared must be an integer >= 1, got 0"),
 ])
 def test_tree_options_are_checked_when_the_config_is_built(tmp_path, overrides, reason):

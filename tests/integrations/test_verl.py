@@ -70,8 +70,8 @@ EQUAL |= CLAMPED | {
                                                     ["old_log_probs", None, [1], -700.0]]}},
 }
 # Prefix trees over the mini-batch (LongStraw's default): different questions after one system prompt of 24 tokens,
-# and successive turns of one conversation (turn p's rows continue turn p−1's first row); LONGSTRAW_TREE=0 the
-# per-group path; gspo's sequence ratio over turns (a row's response in a node other rows continue) falls back to it.
+# and successive turns of one conversation (turn p's rows continue turn p−1's first row), with gspo's sequence ratio
+# over turns among them (a row's response in a node other rows continue: the tree's two-pass sequence losses).
 TREES = {
     "qwen3-system-prompt-token-mean": {"family": "qwen3", "actor": {"loss_agg_mode": "token-mean", **KL},
                                        "batch": {"system": 24}},
@@ -81,8 +81,6 @@ TREES = {
                                "batch": {"turns": True, "prompt_lengths": [12, 5, 5]}},
     "qwen3-turns-seq-mean-token-sum-norm": {"family": "qwen3", "actor": {"loss_agg_mode": "seq-mean-token-sum-norm"},
                                             "batch": {"turns": True, "prompt_lengths": [12, 5, 5]}},
-    "qwen3-turns-per-group": {"family": "qwen3", "actor": {"loss_agg_mode": "token-mean", **KL},
-                              "batch": {"turns": True, "prompt_lengths": [12, 5, 5]}, "env": {"LONGSTRAW_TREE": "0"}},
     "qwen3-turns-gspo": {"family": "qwen3", "actor": {"loss_agg_mode": "seq-mean-token-mean",
                                                       "policy_loss": {"loss_mode": "gspo"},
                                                       "clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4},
@@ -131,33 +129,20 @@ def test_gradients_equal_verls_own_update(updates, case):
     assert (verl_steps[0] - verl_steps[1]).norm() > 1e-3 * verl_steps[0].norm()  # the second epoch moved
 
 
-@pytest.mark.parametrize("case", [c for c in TREES if c not in ("qwen3-turns-per-group", "qwen3-turns-gspo")])
+@pytest.mark.parametrize("case", list(TREES))
 def test_the_tree_encodes_shared_tokens_once(updates, case):
-    """The tree cases ran one tree per training mini-batch (2 epochs: 2 calls), with nothing sent to the per-group
-    path. System prompt: its 24 tokens are in all 8 rows, encoded once. Turns: turn 0's first row (12 prompt tokens
-    and its response) is a prefix of itself and of the 8 rows of turns 1 and 2, encoded once."""
+    """The tree cases ran one tree per training mini-batch (2 epochs: 2 calls): LongStraw's engine in verl has no other
+    path (`LongStrawFSDPEngine` holds no per-group fallback; gspo over turns included). System prompt: its 24 tokens
+    are in all 8 rows, encoded once. Turns: turn 0's first row (12 prompt tokens and its response) is a prefix of
+    itself and of the 8 rows of turns 1 and 2, encoded once."""
     calls = updates[case]["calls"]
     assert len(calls) == 2
     for call in calls:
-        assert call["fallbacks"] == []
         (encoded,), (flattened,) = call["metrics"]["actor/longstraw_tokens_encoded"], \
             call["metrics"]["actor/longstraw_tokens_flattened"]
         print(f"{case}: {encoded:.0f} tokens encoded, {flattened:.0f} flattened")
         saved = 7 * 24 if "system" in case else 8 * (12 + 2 - 1)  # responses have 2 tokens at least
         assert flattened - encoded >= saved
-
-
-def test_the_switch_and_the_fallback_run_per_group(updates):
-    """LONGSTRAW_TREE=0: no tree, nothing to log. gspo over successive turns: the per-group path, with the reason (the
-    sequence ratio over a shared node) kept; both equal verl's update (test_gradients_equal_verls_own_update)."""
-    for call in updates["qwen3-turns-per-group"]["calls"]:
-        assert call["metrics"] == {} and call["fallbacks"] == []
-    calls = updates["qwen3-turns-gspo"]["calls"]
-    assert len(calls) == 2
-    for call in calls:
-        assert call["metrics"] == {}
-        (reason,) = call["fallbacks"]
-        assert "the sequence ratio" in reason and "shared node" in reason
 
 
 @pytest.mark.parametrize("case", list(CLAMPED))
@@ -215,11 +200,8 @@ def test_settings_from_the_environment():
         settings_from_environment({"LONGSTRAW_CHUNK_SIZE": "many"})
     with pytest.raises(ValueError, match="unknown plan 'fast'"):
         settings_from_environment({"LONGSTRAW_PLAN": "fast"})
-    assert settings_from_environment({}).tree and settings_from_environment({}).tree_min_shared == 1
-    settings = settings_from_environment({"LONGSTRAW_TREE": "0", "LONGSTRAW_TREE_MIN_SHARED": "16"})
-    assert (settings.tree, settings.tree_min_shared) == (False, 16)
-    with pytest.raises(ValueError, match=re.escape("LONGSTRAW_TREE='maybe' is not a valid flag (1 or 0)")):
-        settings_from_environment({"LONGSTRAW_TREE": "maybe"})
+    assert settings_from_environment({}).tree_min_shared == 1
+    assert settings_from_environment({"LONGSTRAW_TREE_MIN_SHARED": "16"}).tree_min_shared == 16
     with pytest.raises(ValueError, match="LONGSTRAW_TREE_MIN_SHARED=0 must be >= 1"):
         settings_from_environment({"LONGSTRAW_TREE_MIN_SHARED": "0"})
 
@@ -257,7 +239,6 @@ print("after", engines())
 def test_the_example_is_a_verl_config_longstraw_accepts():
     """examples/verl/grpo_long_prompts.sh: every override composes into verl's own ppo_trainer config (hydra refuses
     an unknown key), the switch is set, and LongStraw refuses nothing in its actor config."""
-    import re
 
     import verl
     from hydra import compose, initialize_config_dir

@@ -100,8 +100,7 @@ def train(trainer_cls, config_cls, model_dir, tmp_path, dtype=torch.float64, pro
     """One run from the saved model; returns (gradient per optimizer step, parameters after). sample: TRL's own
     generation (transformers' generate) instead of the fixed completions. info: a dict that gets how the run was
     distributed ("fsdp": accelerate's FSDP on, "sharded": the parameters are DTensors, "zero_stage": DeepSpeed's ZeRO
-    stage or None), the trainer's "log_history" and, for the drop-in, its "tree_fallbacks" (why batches took the
-    per-group path). Under ZeRO-3 the parameters returned are gathered whole."""
+    stage or None) and the trainer's "log_history". Under ZeRO-3 the parameters returned are gathered whole."""
     # accelerate sets ACCELERATE_USE_FSDP=true for good once it is given an FSDP plugin, which would make every later
     # run in this process FSDP (version 1); a run with fsdp=True passes its plugin itself.
     os.environ.pop("ACCELERATE_USE_FSDP", None)
@@ -120,7 +119,6 @@ def train(trainer_cls, config_cls, model_dir, tmp_path, dtype=torch.float64, pro
     trainer.train()
     if info is not None:
         info["log_history"] = list(trainer.state.log_history)
-        info["tree_fallbacks"] = list(trainer.tree_fallbacks.reasons) if hasattr(trainer, "tree_fallbacks") else None
         from torch.distributed.tensor import DTensor
 
         info["fsdp"] = bool(trainer.is_fsdp_enabled)

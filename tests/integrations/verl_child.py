@@ -8,8 +8,8 @@ response token), overwrites those entries of the batch's (B, R_max) field inside
 `reference_gap` {"scale": s, "gap": g} runs the case on the tiny model with its lm_head times s (log-probs spread
 over tens of nats), the first response token of every row the likeliest one whose log-prob is at most -(g + 0.5),
 old log-probs the policy's own (on-policy) and reference log-probs 0.1 below them, but g above on that token. The
-spec's `env` sets LONGSTRAW_* variables for LongStraw's run; its training calls' LongStraw metrics and per-group
-reasons are saved as `calls`."""
+spec's `env` sets LONGSTRAW_* variables for LongStraw's run; its training calls' LongStraw metrics are saved as
+`calls`."""
 
 from __future__ import annotations
 
@@ -155,8 +155,7 @@ def _environment(values: dict[str, str]):
 
 
 class _Recorded(LongStrawFSDPEngine):
-    """LongStraw's engine recording, for each training mini-batch, its LongStraw metrics (the tree's statistics)
-    and why it took the per-group path (`tree_fallbacks`), if it did."""
+    """LongStraw's engine recording, for each training mini-batch, its LongStraw metrics (the tree's statistics)."""
 
     calls: list[dict]
 
@@ -168,9 +167,7 @@ class _Recorded(LongStrawFSDPEngine):
         out = super().forward_backward_batch(data, loss_function, forward_only)
         metrics = out["metrics"] if isinstance(out, dict) else {}
         if "actor/pg_loss" in metrics:
-            fallbacks = getattr(self, "tree_fallbacks", None)
-            self.calls.append({"metrics": {k: v for k, v in metrics.items() if k.startswith("actor/longstraw_")},
-                               "fallbacks": [] if fallbacks is None else list(fallbacks.reasons)})
+            self.calls.append({"metrics": {k: v for k, v in metrics.items() if k.startswith("actor/longstraw_")}})
         return out
 
 

@@ -2,13 +2,13 @@
 
 DeepSpeed's engine owns the backward: ZeRO-2 and ZeRO-3 hang a hook on every parameter's gradient accumulation that
 reduces (and partitions) the gradient as it arrives, and ZeRO-3 gathers each module's partitioned parameters from
-hooks on its forward and backward. `backward_group` makes many backward calls per micro-batch (one per replay and
+hooks on its forward and backward. `backward_tree` makes many backward calls per micro-batch (one per replay and
 prompt chunk), a different number on each process, so those hooks would issue mismatched collectives. Instead:
 
 1. `gathered(engine)`: ZeRO-3's parameters all-gathered once, its module hooks removed for the block (as TRL does
    for generation); ZeRO-0/1/2 parameters are whole already.
 2. `plain_leaves(model)`: every parameter temporarily replaced in its module by a plain leaf tensor sharing its
-   storage, so `backward_group` accumulates the process's own gradient into the leaves, with no hook firing.
+   storage, so `backward_tree` accumulates the process's own gradient into the leaves, with no hook firing.
 3. `hand_over(total, params, grads)`: a scalar whose value is the micro-batch's loss and whose backward gives each
    parameter exactly its gradient. Trainer backpropagates it through `engine.backward` (accelerate's DeepSpeed
    path), so DeepSpeed reduces, averages over the processes, partitions and steps as it does for TRL's own loss.

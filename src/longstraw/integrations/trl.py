@@ -11,11 +11,10 @@ rewards and advantages, the reference model (or the PEFT adapter switched off), 
   them into `steps_per_generation` micro-batches, so a group may be spread over several; here whole groups are
   dealt to the micro-batches instead (each optimizer step gets whole groups; see `_deal_groups`).
 * `compute_loss` runs `backward_tree` once over its micro-batch: every row a trajectory of one prefix tree, so a
-  token several rows share (each prompt's, a system prompt across prompts, earlier turns) is encoded once; or, with
-  `longstraw_tree=False` and where a tree cannot run, `backward_group` once per group. Either way with the options
-  that make LongStraw's loss TRL's (`_loss_options`; docs/trl.md has the table), so the gradient accumulated over an
-  optimizer step is the one TRL's `compute_loss` would give. It returns the loss value as a tensor without a graph:
-  the backward Trainer then runs on it reaches no parameter.
+  token several rows share (each prompt's, a system prompt across prompts, earlier turns) is encoded once, with the
+  options that make LongStraw's loss TRL's (`_loss_options`; docs/trl.md has the table), so the gradient accumulated
+  over an optimizer step is the one TRL's `compute_loss` would give. It returns the loss value as a tensor without a
+  graph: the backward Trainer then runs on it reaches no parameter.
 
 What the loss cannot reproduce is refused with the reason when the trainer is built, before any parameter is
 touched (`trl_config.config_refusals`, `_model_refusals`). Evaluation (`prediction_step`) keeps TRL's own loss code.
@@ -36,18 +35,15 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
     raise ImportError(f"longstraw.integrations.trl needs TRL: pip install 'longstraw[trl]' ({err})") from err
 
 from longstraw.admission.admission import check_architecture
-from longstraw.api.group import RouterBatch, backward_group, check_model_options, router_counts
+from longstraw.api.group import check_model_options
 from longstraw.api.tree import backward_tree
 from longstraw.distributed.context import check_supported as check_context_supported
 from longstraw.distributed.context import context_blocks
 from longstraw.distributed.fsdp import check_same_work, sharded_compute
-from longstraw.engine.group import Group
 from longstraw.engine.options import BackwardOptions
-from longstraw.engine.router import aux_value
-from longstraw.engine.tree.build import Trajectory, Tree
+from longstraw.engine.tree.build import Trajectory, Tree, build_tree
 from longstraw.integrations.deepspeed import gathered as deepspeed_gathered
 from longstraw.integrations.deepspeed import hand_over, plain_leaves
-from longstraw.integrations.tree_batch import Fallbacks, tree_of, tree_refusals
 from longstraw.integrations.trl_config import (
     LongStrawGRPOConfig,
     backward_options,
@@ -67,16 +63,13 @@ from longstraw.models.architecture import eval_mode_when_equal, hf
 
 __all__ = ["LongStrawGRPOConfig", "LongStrawGRPOTrainer"]
 
-# TRL's loss types, each mapped onto a LongStraw loss by `_loss_kind` (docs/trl.md, "What it maps").
-
 class LongStrawGRPOTrainer(GRPOTrainer):
-    """`trl.GRPOTrainer` whose loss and backward are `longstraw.backward_tree` over each micro-batch's prefix tree (or
-    `backward_group` over each prompt's group).
+    """`trl.GRPOTrainer` whose loss and backward are `longstraw.backward_tree` over each micro-batch's prefix tree.
 
-    Takes GRPOTrainer's arguments; `args` may be a `LongStrawGRPOConfig` (plan, chunk size, micro-batch, checkpointing,
-    offloading, the tree) or a plain `GRPOConfig` (the exact plan, a tree). `tree_fallbacks.reasons`: why batches
-    took the per-group path (each logged once). Raises ValueError, listing every reason, for what it cannot
-    train (unmapped loss types, entropy terms, FSDP version 1, Megatron-LM, ...)."""
+    Takes GRPOTrainer's arguments; `args` may be a `LongStrawGRPOConfig` (plan, chunk size, micro-batch,
+    checkpointing, offloading, the tree's shortest node) or a plain `GRPOConfig` (the exact plan). Raises
+    ValueError, listing every reason, for what it cannot train (unmapped loss types, entropy terms, FSDP version 1,
+    Megatron-LM, ...)."""
 
     # What mypy should know about Trainer's attributes here: `args` is a GRPOConfig (Trainer types it as
     # TrainingArguments), `model` is set, so is num_generations (GRPOConfig requires it); TRL initialises
@@ -99,16 +92,9 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         self._longstraw = backward_options(self.args)
         cp = context_size(self.args)
         self._context = context_blocks(cp) if cp > 1 else None
-        self.tree_fallbacks = Fallbacks("LongStrawGRPOTrainer")
-        self._tree = bool(getattr(self.args, "longstraw_tree", True))
-        if self._tree:
-            reasons = tree_refusals(self._longstraw, router_aux=self.aux_loss_enabled)
-            for reason in reasons:
-                self.tree_fallbacks.note(reason)
-            self._tree = not reasons
 
     def _policy(self) -> torch.nn.Module:
-        """The causal LM backward_group runs: unwrapped from accelerate, and the PEFT model's LoRA-injected base."""
+        """The causal LM backward_tree runs: unwrapped from accelerate, and the PEFT model's LoRA-injected base."""
         model = self.accelerator.unwrap_model(self.model)
         return model.get_base_model() if is_peft_model(model) else model
 
@@ -118,7 +104,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         if kind == "FSDP":
             out.extend(fsdp_refusals(self.accelerator.state.fsdp_plugin))
         elif kind in ("MEGATRON_LM", "XLA"):
-            out.append(f"accelerate's {kind}: backward_group runs the model's layers itself, outside the wrapper that "
+            out.append(f"accelerate's {kind}: LongStraw runs the model's layers itself, outside the wrapper that "
                        "distributes them; use DDP (accelerate's MULTI_GPU / MULTI_CPU) or FSDP2")
         if self._is_vlm:
             out.append("a multimodal processor: LongStraw replays text-only completions")
@@ -144,7 +130,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 check_architecture(policy, 1)
         except ValueError as err:
             out.append(str(err))
-        try:  # what backward_group would refuse on its first group: nothing to train, a recurrent exact chunk of 1
+        try:  # what backward_tree would refuse on its first batch: nothing to train, a recurrent exact chunk of 1
             check_model_options(policy, backward_options(self.args))
         except ValueError as err:
             out.append(str(err))
@@ -218,33 +204,51 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         if gather == "layer":
             check_same_work(work_of(batches))
         with sharded_compute(self.accelerator.unwrap_model(self.model), gather=gather):
-            total = self._backward_groups(batches)
+            total = self._backward_batches(batches)
         if self.accelerator.num_processes > 1 and self.accelerator.sync_gradients and not self.is_fsdp_enabled:
             self._average_gradients()  # the last micro-batch of an optimizer step: what DDP's reducer would do
         # Trainer.training_step backpropagates what this returns: a leaf without a graph, so it reaches no parameter.
         return torch.tensor(total, device=self.accelerator.device, requires_grad=True)
 
-    def _backward_groups(self, batches: list[dict[str, Any]]) -> float:
-        """Every row of `batches` backpropagated: one prefix tree per batch (`_backward_tree`), or backward_group over
-        each of its groups where the tree cannot run (`longstraw_tree`). Returns the sum of their losses."""
+    def _backward_batches(self, batches: list[dict[str, Any]]) -> float:
+        """Every row of `batches` backpropagated, one prefix tree per batch; returns the sum of their losses (with the
+        MoE load-balancing term, TRL's: its value times the coefficient, and TRL's `aux_loss` metric, gathered on
+        every process, a batch without a row to train included)."""
         total = 0.0
         for batch in batches:
-            built = self._tree_of(batch) if self._tree else None
-            total += self._backward_tree(*built) if built is not None else self._backward_batch_groups(batch)
+            built = self._tree_of(batch)
+            aux = float("nan")
+            if built is not None:
+                tree, options = built
+                with self._autocast():
+                    result = backward_tree(self._policy(), tree, options)
+                total += result.loss
+                for key in ("tokens_encoded", "tokens_flattened", "tree_nodes", "tree_depth"):
+                    self._metrics["train"][f"longstraw/{key}"].append(float(result.stats[key]))
+                if options.router_aux_coef:
+                    aux = float(result.stats["router_aux_loss"])
+                    total += aux * options.router_aux_coef
+            if self.aux_loss_enabled:
+                gathered = self.accelerator.gather_for_metrics(torch.tensor([aux], device=self.accelerator.device))
+                self._metrics["train"]["aux_loss"].append(gathered.nanmean().item())
         return total
 
     def _tree_of(self, inputs: dict[str, Any]) -> tuple[Tree, BackwardOptions] | None:
         """The micro-batch's kept rows (`_kept_rows`) as one prefix tree, each row a trajectory of its own group
-        (integrations/tree_batch.py), with backward_tree's options: TRL's normalisers over the micro-batch as
-        `_loss_options` sets them for a group of one row. None: no row to train, or the tree cannot take this batch
-        (the reason logged; the per-group path then runs it)."""
+        (TRL's normalisers are the micro-batch's, as `_loss_options` sets them for a group of one row), with
+        backward_tree's options; the MoE load-balancing term over the tree's tokens, each counted once per row that
+        holds it, as TRL's forward over the micro-batch counts it. None: no row to train."""
         g, rows = self.num_generations, inputs["completion_ids"].size(0)
         kept = [i for first in range(0, rows, g) for i in self._kept_rows(inputs, range(first, first + g))]
-        options = self._options(1, inputs)
-        if self._context is not None:  # every process of a context-parallel block runs the tree, as `_group_of`
-            options = replace(options, context_shards=self._context, loss_scale=options.loss_scale / self._context.size)
         if not kept:
             return None
+        options = self._options(1, inputs)
+        if self.aux_loss_enabled:
+            # TRL adds router_aux_loss_coef * aux_loss / gradient_accumulation_steps to each micro-batch's loss
+            options = replace(options,
+                              router_aux_coef=self.router_aux_loss_coef / self.current_gradient_accumulation_steps)
+        if self._context is not None:  # every process of a context-parallel block runs the tree; scaled by 1/C
+            options = replace(options, context_shards=self._context, loss_scale=options.loss_scale / self._context.size)
         prompt_ids, prompt_mask, tool_mask = inputs["prompt_ids"], inputs["prompt_mask"], inputs.get("tool_mask")
         lengths = inputs["completion_mask"].sum(1)
         old, ref = inputs.get("old_per_token_logps"), inputs.get("ref_per_token_logps") if self.beta != 0.0 else None
@@ -257,59 +261,11 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 loss_mask=None if tool_mask is None else tool_mask[i, :n].bool(),
                 old_logprobs=None if old is None else old[i, :n], ref_logprobs=None if ref is None else ref[i, :n],
                 group=i))
-        tree, reason = tree_of(trajectories, options, tree_min_shared(self.args))
-        if tree is None:
-            self.tree_fallbacks.note(reason)
-            return None
-        return tree, options
-
-    def _backward_tree(self, tree: Tree, options: BackwardOptions) -> float:
-        """backward_tree over one micro-batch's tree; its statistics go to TRL's metrics (averaged per logging step)."""
-        with self._autocast():
-            result = backward_tree(self._policy(), tree, options)
-        for key in ("tokens_encoded", "tokens_flattened", "tree_nodes", "tree_depth"):
-            self._metrics["train"][f"longstraw/{key}"].append(float(result.stats[key]))
-        return result.loss
-
-    def _backward_batch_groups(self, batch: dict[str, Any]) -> float:
-        """backward_group over every group of `batch`; returns the sum of their losses. With the MoE load-balancing
-        loss (TRL's `aux_loss_enabled`), the batch (TRL's micro-batch: its forward's aux_loss covers all its rows)
-        is counted first, then every group's backward adds its share of the term over those counts."""
-        g, total = self.num_generations, 0.0
-        built = [self._group_of(batch, range(first, first + g))
-                 for first in range(0, batch["completion_ids"].size(0), g)]
-        groups = [(group, options) for group, options in built if group is not None]
-        router_batch = self._router_batch(groups) if self.aux_loss_enabled and groups else None
-        probs = []
-        for group, options in groups:
-            with self._autocast():
-                result = backward_group(self._policy(), group, options, router_batch=router_batch)
-            total += result.loss
-            if result.router_probs is not None:
-                probs.append(result.router_probs)
-        if self.aux_loss_enabled:  # TRL's metric; every process gathers, with a group or not
-            value = float("nan") if router_batch is None else aux_value(router_batch.counts,
-                                                                        torch.stack(probs).sum(0))
-            if router_batch is not None:  # TRL's loss value holds the term too
-                total += value * groups[0][1].router_aux_coef
-            gathered = self.accelerator.gather_for_metrics(torch.tensor([value], device=self.accelerator.device))
-            self._metrics["train"]["aux_loss"].append(gathered.nanmean().item())
-        return total
-
-    def _router_batch(self, groups: list[tuple[Group, BackwardOptions]]) -> RouterBatch:
-        """The counts of TRL's aux_loss over the micro-batch: its groups' top-k counts, each prompt counted in all
-        num_generations rows that hold it (completions left out of the loss included)."""
-        counts = None
-        for group, options in groups:
-            with self._autocast():
-                part = router_counts(self._policy(), group, options, prompt_copies=self.num_generations)
-            counts = part if counts is None else counts + part
-        assert counts is not None
-        return RouterBatch(counts, prompt_copies=self.num_generations)
+        return build_tree(trajectories, tree_min_shared(self.args)), options
 
     def _autocast(self) -> Any:
         """bf16=True over float32 parameters is autocast mixed precision, which accelerate applies around the prepared
-        model's forward; LongStraw runs the layers itself, so it enters the same autocast around the whole group
+        model's forward; LongStraw runs the layers itself, so it enters the same autocast around the whole tree
         (forwards, recomputes and their backward). Over bfloat16 parameters it computes in their dtype."""
         policy = self._policy()
         enabled = bool(self.args.bf16) and hf(policy).get_input_embeddings().weight.dtype == torch.float32
@@ -325,8 +281,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         with deepspeed_gathered(engine):
             params = [p for p in policy.parameters() if p.requires_grad]
             with plain_leaves(policy) as leaves:
-                total = self._backward_groups(batches)
-            # a parameter without a gradient (or a process without a group) hands over zeros: every process then
+                total = self._backward_batches(batches)
+            # a parameter without a gradient (or a process without a row) hands over zeros: every process then
             # takes part in each of DeepSpeed's reductions
             mine = [leaves[id(p)] for p in params]
             grads = [torch.zeros_like(leaf) if leaf.grad is None else leaf.grad for leaf in mine]
@@ -334,8 +290,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
 
     def _context_batches(self, inputs: dict[str, Any]) -> list[dict[str, Any]]:
         """Context parallelism: the micro-batches of every process of this block, in rank order. Every process of
-        the block then backpropagates every group of them, each holding 1/C of each prompt's state; each group's loss
-        is scaled by 1/C (`_backward_one_group`), so that the C copies of the block's gradient that the data-parallel
+        the block then backpropagates every tree of them, each holding 1/C of each node's state; each tree's loss
+        is scaled by 1/C (`_tree_of`), so that the C copies of the block's gradient that the data-parallel
         reduction averages add up to TRL's."""
         assert self._context is not None
         mine = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
@@ -346,7 +302,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
 
     def _average_gradients(self) -> None:
         """Data parallelism: the mean of every trainable parameter's gradient over the processes, in one all-reduce
-        per optimizer step, as DDP averages them. backward_group runs the unwrapped model, so DDP's reducer (armed
+        per optimizer step, as DDP averages them. backward_tree runs the unwrapped model, so DDP's reducer (armed
         only by a forward through its wrapper) never fires; a parameter without a gradient counts as zeros."""
         params = [p for p in self._policy().parameters() if p.requires_grad]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
@@ -389,40 +345,6 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         """The backward options of a group of `kept` rows of `inputs` (`_loss_options`)."""
         return replace(self._longstraw, loss=loss_kind(self.args), temperature=self.temperature,
                        **self._loss_options(kept, inputs))
-
-    def _group_of(self, inputs: dict[str, Any], rows: range) -> tuple[Group | None, BackwardOptions]:
-        """One prompt's completions (`_kept_rows`) as a Group, and its backward_group options (group None: nothing to
-        train)."""
-        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
-        tool_mask = inputs.get("tool_mask")
-        lengths = {i: int(completion_mask[i].sum()) for i in rows}
-        keep = self._kept_rows(inputs, rows)
-        options = self._options(max(len(keep), 1), inputs)
-        if self.aux_loss_enabled:
-            # TRL adds router_aux_loss_coef * aux_loss / gradient_accumulation_steps to each micro-batch's loss
-            coef = self.router_aux_loss_coef / self.current_gradient_accumulation_steps
-            options = replace(options, router_aux_coef=coef)
-        if self._context is not None:
-            options = replace(options, context_shards=self._context,
-                              loss_scale=options.loss_scale / self._context.size)
-        if not keep:
-            return None, options
-        advantages = inputs["advantages"]
-
-        def per_completion(name: str) -> list[torch.Tensor] | None:
-            values = inputs.get(name)
-            return None if values is None else [values[i, :lengths[i]] for i in keep]
-
-        first = rows[0]
-        group = Group(
-            prompt=inputs["prompt_ids"][first][inputs["prompt_mask"][first].bool()],
-            responses=[completion_ids[i, :lengths[i]] for i in keep],
-            advantages=advantages[keep],
-            old_logprobs=per_completion("old_per_token_logps"),
-            ref_logprobs=per_completion("ref_per_token_logps") if self.beta != 0.0 else None,
-            loss_masks=None if tool_mask is None else [tool_mask[i, :lengths[i]].bool() for i in keep],
-        )
-        return group, options
 
     def _loss_options(self, kept: int, inputs: dict[str, Any]) -> dict[str, Any]:
         """The loss options that make one group's share of LongStraw's loss equal to its share of TRL's loss over

@@ -57,17 +57,10 @@ class LongStrawGRPOConfig(GRPOConfig):
                           "(needs longstraw_cp equal to the number of processes, so that every process runs the "
                           "same forwards and backwards)."})
 
-    longstraw_tree: bool = field(
-        default=True,
-        metadata={"help": "One prefix tree over each micro-batch's rows (backward_tree): a token several rows share "
-                          "(a system prompt across prompts, earlier turns of a conversation) is encoded once, with "
-                          "TRL's gradient. False: backward_group per prompt's group. What a tree cannot run "
-                          "(longstraw_keep_prompt_graph, longstraw_cp > 1, the MoE load-balancing "
-                          "loss; a sequence-level loss over rows sharing completion tokens) takes the per-group path, "
-                          "with the reason logged."})
     longstraw_tree_min_shared: int = field(
-        default=1, metadata={"help": "The shortest run of tokens the tree splits off as a node of its own (shorter "
-                                     "shared runs are encoded once per branch)."})
+        default=1, metadata={"help": "Each micro-batch's rows run as one prefix tree (backward_tree), a token several "
+                                     "rows share encoded once: the shortest run of tokens the tree splits off as a "
+                                     "node of its own (shorter shared runs are encoded once per branch)."})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -75,8 +68,8 @@ class LongStrawGRPOConfig(GRPOConfig):
 
 
 def backward_options(args: GRPOConfig) -> BackwardOptions:
-    """backward_group's options from the config (a plain GRPOConfig gets LongStrawGRPOConfig's defaults), validated
-    by the engine; the loss and its parameters are set per group (`_loss_options`)."""
+    """backward_tree's options from the config (a plain GRPOConfig gets LongStrawGRPOConfig's defaults), validated
+    by the engine; the loss and its parameters are set per micro-batch (`_loss_options`)."""
     checkpoint = getattr(args, "longstraw_checkpoint", None)
     if checkpoint is None:
         checkpoint = "layers" if args.gradient_checkpointing else "none"
@@ -96,9 +89,6 @@ def backward_options(args: GRPOConfig) -> BackwardOptions:
     if cp > 1 and options.keep_prompt_graph:
         raise ValueError("LongStrawGRPOConfig's longstraw_keep_prompt_graph is not supported with longstraw_cp > 1: "
                          "set it to 0")
-    tree = getattr(args, "longstraw_tree", True)
-    if not isinstance(tree, bool):
-        raise ValueError(f"LongStrawGRPOConfig's longstraw_tree must be True or False, got {tree!r}")
     tree_min_shared(args)
     gather = getattr(args, "longstraw_fsdp_gather", "all")
     if gather not in ("all", "layer"):

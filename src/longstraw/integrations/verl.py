@@ -10,18 +10,16 @@ actor's `TrainingWorker` builds it instead of `FSDPEngineWithLMHead`. verl's dat
 advantages, old and reference log-probs (forward-only passes stay verl's), mini-batches and PPO epochs, FSDP
 sharding, the optimizer, gradient clipping, checkpoints and logging. One method changes: `forward_backward_batch`
 of a training mini-batch runs `backward_tree` once over all its rows, one prefix tree in which a token several rows
-share (each prompt's, a system prompt across prompts, earlier turns of a conversation) is encoded once — or, with
-LONGSTRAW_TREE=0 and where a tree cannot run, regroups its rows by prompt and runs `backward_group` once per
-group — inside one all-gather / reduce-scatter of the FSDP parameters, instead of verl's full-sequence forward and
-backward per micro-batch. The options that make the loss verl's `ppo_loss` are `loss_options` (docs/verl.md has
+share (each prompt's, a system prompt across prompts, earlier turns of a conversation) is encoded once, inside one
+all-gather / reduce-scatter of the FSDP parameters, instead of verl's full-sequence forward and backward per
+micro-batch. The options that make the loss verl's `ppo_loss` are `loss_options` (docs/verl.md has
 the table); what it cannot reproduce is refused with the reason before any parameter or gradient is touched.
 
 LongStraw's own settings come from the environment of the worker processes (verl passes
 `ray_kwargs.ray_init.runtime_env.env_vars` to them): LONGSTRAW_PLAN (exact | detach | standard |
 standard_batched; default exact, verl's gradient), LONGSTRAW_CHUNK_SIZE (prompt tokens per capture chunk, 2048),
-LONGSTRAW_MICRO_BATCH (responses replayed at once, 1), LONGSTRAW_CHECKPOINT (none | layers), LONGSTRAW_TREE (1: one
-prefix tree per mini-batch, the default; 0: backward_group per prompt), LONGSTRAW_TREE_MIN_SHARED (the shortest
-shared run of tokens the tree splits off as a node, 1).
+LONGSTRAW_MICRO_BATCH (sibling responses replayed at once, 1), LONGSTRAW_CHECKPOINT (none | layers),
+LONGSTRAW_TREE_MIN_SHARED (the shortest shared run of tokens the tree splits off as a node, 1).
 """
 
 from __future__ import annotations
@@ -29,7 +27,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -43,13 +41,10 @@ try:
 except ImportError as err:  # pragma: no cover - exercised only without the extra
     raise ImportError(f"longstraw.integrations.verl needs verl: pip install 'longstraw[verl]' ({err})") from err
 
-from longstraw.api.group import backward_group
 from longstraw.api.tree import backward_tree
 from longstraw.distributed.fsdp import sharded_compute
-from longstraw.engine.group import Group
 from longstraw.engine.options import BackwardOptions
-from longstraw.engine.tree.build import Trajectory, Tree
-from longstraw.integrations.tree_batch import Fallbacks, tree_of, tree_refusals
+from longstraw.engine.tree.build import Trajectory, Tree, build_tree
 from longstraw.models.architecture import hf
 
 __all__ = ["LongStrawFSDPEngine", "install", "loss_options", "settings_from_environment"]
@@ -79,18 +74,7 @@ class Settings:
     chunk_size: int = 2048
     micro_batch: int = 1
     checkpoint: str = "none"
-    tree: bool = True
     tree_min_shared: int = 1
-
-
-def _flag(text: str) -> bool:
-    value = text.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    elif value in ("0", "false", "no", "off"):
-        return False
-    else:
-        raise ValueError(f"{text!r} is not 1 or 0")
 
 
 def settings_from_environment(environ: dict[str, str] | None = None) -> Settings:
@@ -100,7 +84,6 @@ def settings_from_environment(environ: dict[str, str] | None = None) -> Settings
     parsers: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
         ("plan", "LONGSTRAW_PLAN", str, "str"), ("chunk_size", "LONGSTRAW_CHUNK_SIZE", int, "int"),
         ("micro_batch", "LONGSTRAW_MICRO_BATCH", int, "int"), ("checkpoint", "LONGSTRAW_CHECKPOINT", str, "str"),
-        ("tree", "LONGSTRAW_TREE", _flag, "flag (1 or 0)"),
         ("tree_min_shared", "LONGSTRAW_TREE_MIN_SHARED", int, "int"))
     for name, key, kind, what in parsers:
         if key in env:
@@ -160,7 +143,7 @@ def config_refusals(config: Any) -> list[str]:
 
 def loss_options(config: Any, group_size: int, *, dp_size: int, batch_num_tokens: float, global_batch_size: int,
                  horizon: int) -> dict[str, Any]:
-    """backward_group's loss options that make one group's share of LongStraw's loss equal to its share of verl's
+    """The loss options that make one group's share of LongStraw's loss equal to its share of verl's
     `ppo_loss` summed over the micro-batches of a mini-batch on this rank, before the data-parallel mean that FSDP
     takes (verl's agg_loss multiplies each rank's loss by dp_size for that mean):
 
@@ -224,7 +207,7 @@ class _Row:
 def _rows(data: Any, with_ref: bool) -> list[_Row]:
     """The mini-batch's rows from verl's no-padding layout: `input_ids` nested (B, j1) of prompt + response without
     padding; `attention_mask` (B, P_max + R_max) left-padded prompt, right-padded response; `response_mask`,
-    `old_log_probs`, `advantages`, `ref_log_prob` (B, R_max). Refuses what LongStraw's Group cannot hold."""
+    `old_log_probs`, `advantages`, `ref_log_prob` (B, R_max). Refuses what a LongStraw trajectory cannot hold."""
     if "rollout_is_weights" in data.keys():
         raise ValueError("rollout importance-sampling weights (rollout_is_weights) are not mapped: LongStraw's loss "
                          "has no per-token weight; turn off algorithm.rollout_correction")
@@ -259,16 +242,6 @@ def _rows(data: Any, with_ref: bool) -> list[_Row]:
     return rows
 
 
-def _groups(rows: list[_Row]) -> list[list[_Row]]:
-    """Rows sharing a prompt (its exact token ids), in first-appearance order. Rows without a token in the loss are
-    left out: they add nothing to verl's loss either, whose normalisers count them as LongStraw's options do."""
-    by_prompt: dict[tuple[int, ...], list[_Row]] = {}
-    for row in rows:
-        if row.loss_mask.any():
-            by_prompt.setdefault(tuple(row.prompt.tolist()), []).append(row)
-    return list(by_prompt.values())
-
-
 def _temperature(data: Any) -> float:
     t = data["temperature"] if "temperature" in data.keys() else 1.0
     if isinstance(t, torch.Tensor):
@@ -281,9 +254,8 @@ def _temperature(data: Any) -> float:
 
 class LongStrawFSDPEngine(FSDPEngineWithLMHead):
     """verl's FSDP engine for the language model, whose training mini-batch runs `backward_tree` over one prefix tree
-    of its rows (or `backward_group` per prompt: LONGSTRAW_TREE=0, and where a tree cannot run; `tree_fallbacks`
-    holds the reasons, each logged once). Forward-only passes (old and reference log-probs), other loss functions and
-    everything else stay verl's."""
+    of its rows. Forward-only passes (old and reference log-probs), other loss functions and everything else stay
+    verl's."""
 
     def forward_backward_batch(self, data: Any, loss_function: Callable[..., Any], forward_only: bool = False) -> Any:
         config = _actor_config(loss_function)
@@ -300,15 +272,15 @@ class LongStrawFSDPEngine(FSDPEngineWithLMHead):
         device = next(self.module.parameters()).device
         batch_num_tokens = data["loss_mask"].sum().to(device)
         torch.distributed.all_reduce(batch_num_tokens, op=torch.distributed.ReduceOp.SUM, group=dp_group)
-        global_batch_size = int(data["global_batch_size"])
         rows = _rows(data, with_ref=bool(config.use_kl_loss))
-        temperature = _temperature(data)
-        common = BackwardOptions(plan=settings.plan, chunk_size=settings.chunk_size, micro_batch=settings.micro_batch,
-                                 checkpoint=settings.checkpoint, temperature=temperature, allow_train_mode=True)
-        normalisers = dict(dp_size=dp_size, batch_num_tokens=float(batch_num_tokens),
-                           global_batch_size=global_batch_size, horizon=data["response_mask"].shape[-1])
-        tree_options = replace(common, **loss_options(config, 1, **normalisers))
-        tree = self._tree(rows, settings, tree_options)
+        # every row its own group: verl's normalisers are the mini-batch's (`loss_options` of a group of one row)
+        options = BackwardOptions(plan=settings.plan, chunk_size=settings.chunk_size, micro_batch=settings.micro_batch,
+                                  checkpoint=settings.checkpoint, temperature=_temperature(data),
+                                  allow_train_mode=True,
+                                  **loss_options(config, 1, dp_size=dp_size, batch_num_tokens=float(batch_num_tokens),
+                                                 global_batch_size=int(data["global_batch_size"]),
+                                                 horizon=data["response_mask"].shape[-1]))
+        tree = _tree(rows, settings, device)
         autocast_dtype = getattr(self, "_autocast_dtype", torch.float32)
         autocast = (nullcontext() if autocast_dtype == torch.float32
                     else torch.autocast(device_type=device.type, dtype=autocast_dtype))
@@ -317,46 +289,23 @@ class LongStrawFSDPEngine(FSDPEngineWithLMHead):
         # data-parallel ranks) at the end, as verl's no_sync accumulation does over its micro-batches.
         with sharded_compute(self.module), autocast:
             if tree is not None:
-                result = backward_tree(hf(self.module), tree, tree_options)
+                result = backward_tree(hf(self.module), tree, options)
                 total = result.loss
                 metrics = {f"actor/longstraw_{key}": float(result.stats[key])
                            for key in ("tokens_encoded", "tokens_flattened", "tree_nodes", "tree_depth")}
-            else:
-                for members in _groups(rows):
-                    group = Group(
-                        prompt=members[0].prompt.to(device), responses=[m.response.to(device) for m in members],
-                        advantages=torch.stack([m.advantage for m in members]).to(device),
-                        old_logprobs=[m.old.to(device) for m in members],
-                        ref_logprobs=[m.ref.to(device) for m in members if m.ref is not None] or None,
-                        loss_masks=[m.loss_mask.to(device) for m in members],
-                    )
-                    options = loss_options(config, len(members), **normalisers)
-                    total += backward_group(hf(self.module), group, common, **options).loss
         output = {"loss": total, "metrics": {"actor/pg_loss": total, **metrics}}
         return postprocess_batch_func(output_lst=[output], indices=None, data=data)
 
-    def _tree(self, rows: list[_Row], settings: Settings, options: BackwardOptions) -> Tree | None:
-        """The mini-batch's rows with a token in the loss as one prefix tree, each row its own group (verl's
-        normalisers are the mini-batch's: `loss_options` of a group of one row), or None where the per-group path
-        runs instead: LONGSTRAW_TREE=0, or what a tree cannot run (the reason logged once)."""
-        if not settings.tree:
-            return None
-        if not hasattr(self, "tree_fallbacks"):
-            self.tree_fallbacks = Fallbacks("LongStrawFSDPEngine")
-        device = next(self.module.parameters()).device
-        reasons = tree_refusals(options)
-        trajectories = [Trajectory(ids=torch.cat([row.prompt, row.response]).to(device), loss_start=row.prompt.numel(),
-                                   advantage=float(row.advantage), loss_mask=row.loss_mask.to(device),
-                                   old_logprobs=row.old.to(device),
-                                   ref_logprobs=None if row.ref is None else row.ref.to(device), group=k)
-                        for k, row in enumerate(rows) if row.loss_mask.any()]
-        tree = None
-        if not reasons and trajectories:
-            tree, reason = tree_of(trajectories, options, settings.tree_min_shared)
-            reasons = [reason] if tree is None else []
-        for reason in reasons:
-            self.tree_fallbacks.note(reason)
-        return tree
+
+def _tree(rows: list[_Row], settings: Settings, device: torch.device) -> Tree | None:
+    """The mini-batch's rows with a token in the loss as one prefix tree, each row its own group (None: no row has a
+    token in the loss; such rows add nothing to verl's loss either, whose normalisers count them as the options do)."""
+    trajectories = [Trajectory(ids=torch.cat([row.prompt, row.response]).to(device), loss_start=row.prompt.numel(),
+                               advantage=float(row.advantage), loss_mask=row.loss_mask.to(device),
+                               old_logprobs=row.old.to(device),
+                               ref_logprobs=None if row.ref is None else row.ref.to(device), group=k)
+                    for k, row in enumerate(rows) if row.loss_mask.any()]
+    return build_tree(trajectories, settings.tree_min_shared) if trajectories else None
 
 
 def install() -> None:
