@@ -105,8 +105,8 @@ def test_gemma2_replay_and_sampling_apply_the_final_softcap(monkeypatch):
     cap both would be far off."""
     from helpers import FP32_KERNELS_F64, grads, random_group
 
-    import longstraw.engine.tree.plans as replay
     import longstraw.engine.sampling as sampling
+    import longstraw.engine.tree.plans as replay
     from longstraw import backward_group
 
     model = _capped_gemma2()

@@ -13,9 +13,9 @@ from helpers import EXACT_F64, assert_close, gradient_tolerance, grads, random_g
 from longstraw import Group, backward_group
 from longstraw.engine import logprobs as logprobs_module
 from longstraw.engine.logprobs import chunked_logprobs
+from longstraw.engine.sampling import SamplingConfig, sample_group
 from longstraw.engine.tree import plans as exact_plan
 from longstraw.engine.tree import plans as replay
-from longstraw.engine.sampling import SamplingConfig, sample_group
 
 LENGTHS = [6, 9, 4]
 
@@ -167,10 +167,10 @@ def _unskipped(hidden, weight, targets, keep, token_chunk, temperature, logit_sc
 @pytest.mark.parametrize("plan", ["exact", "detach"])
 @pytest.mark.parametrize("family", ["llama", "qwen3_next-A"])
 def test_skipping_masked_tokens_output_projection_changes_nothing(plan, family, monkeypatch):
-    """The replay plans run the output projection on loss tokens only: gradients and loss equal those of the same
-    plan projecting every token, and exact's those of the standard plan (which does); the log-probs returned are
-    the same plan's on loss tokens and NaN on masked ones (standard's too: the loss reads loss tokens only). The projection sees exactly
-    the loss tokens' rows (float64)."""
+    """The replay plans run the output projection on loss tokens only: gradients and loss equal those of the same plan
+    projecting every token, and exact's those of the standard plan (which does); the log-probs returned are the same
+    plan's on loss tokens and NaN on masked ones (standard's too: the loss reads loss tokens only). The projection
+    sees exactly the loss tokens' rows (float64)."""
     group = _group(beta=True)
     out = {}
     for path in ("standard", "skipped", "unskipped"):

@@ -35,7 +35,7 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
     raise ImportError(f"longstraw.integrations.trl needs TRL: pip install 'longstraw[trl]' ({err})") from err
 
 from longstraw.admission.admission import check_architecture
-from longstraw.api.group import check_model_options
+from longstraw.api.checks import check_model_options
 from longstraw.api.tree import backward_tree
 from longstraw.distributed.context import check_supported as check_context_supported
 from longstraw.distributed.context import context_blocks

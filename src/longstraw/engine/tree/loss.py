@@ -131,16 +131,6 @@ def pieced_sequence_losses(tree: Tree, cfg: LossConfig) -> list[int]:
     return sorted(out)
 
 
-def check_sequence_losses(tree: Tree, cfg: LossConfig) -> None:
-    """Refuse a sequence-level loss scored in pieces (`pieced_sequence_losses`): the integrations then take their
-    per-group path. backward_tree itself runs such a loss in two passes."""
-    pieced = pieced_sequence_losses(tree, cfg)
-    if pieced:
-        what = "vespo's sequence weight" if cfg.kind == "vespo" else "the sequence ratio"
-        raise ValueError(f"{cfg.kind} with {what} reads a trajectory's whole loss at once, and trajectory {pieced[0]} "
-                         "has loss tokens in a shared node or a node with children")
-
-
 def node_first_target(node: Node) -> int:
     """The first position whose token the node's forward predicts: its start, or 1 for a node at position 0."""
     return max(node.start, 1)
