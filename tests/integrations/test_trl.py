@@ -571,7 +571,7 @@ def moe_dirs(tmp_path_factory):
                                             ("gpt_oss", "transformers")])
 def test_moe_load_balancing_loss_equals_trl(tmp_path, moe_dirs, float64_trl_kernel, monkeypatch, family, routers):
     """TRL adds router_aux_loss_coef * aux_loss (transformers' load-balancing loss over the micro-batch's prompt and
-    completion tokens) to its loss; the drop-in maps it onto backward_group's router term over the same counts. With
+    completion tokens) to its loss; the drop-in maps it onto backward_tree's router term over the same counts. With
     the routers' softmax in float64 (`router_helpers`) the update is TRL's to 1e-12; with transformers' float32
     softmax inside, to that softmax's rounding of the gradient's sum (measured 1.3e-10; 1e-9). Without the term (a zero
     coefficient on our side only) the gradient is off by far more than either. gpt-oss's router computes in the

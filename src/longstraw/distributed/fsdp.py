@@ -17,7 +17,7 @@ sharded (accelerate's FSDP2 for TRL, with its own units and settings) gets the b
   backward reaches it, resharded after, its gradient reduce-scattered after each backward. The other units (the
   root; the embeddings, final norm and output projection wherever they are) stay gathered for the block, because
   the replay enters at the inner decoder and the log-prob reads the output projection's weight directly
-  (`engine/plans/replay.py`, `logprobs.py`), outside any module forward; their gradient is reduced once at the end.
+  (`engine/tree/plans.py`, `logprobs.py`), outside any module forward; their gradient is reduced once at the end.
   Per rank during the block: those units plus at most two layers, gathered, and no full gradient. The layers'
   collectives fire from module hooks, so **every rank must run the same forwards and backwards in the same
   order**, or layer k on one rank would pair with layer j on another (the shards have the same size: garbage, or a

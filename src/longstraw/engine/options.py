@@ -49,9 +49,10 @@ class BackwardOptions:
     context_shards: a context-parallel group (`state.sharding.ContextShards`, made by
     `distributed.context.ContextParallel`) (detach/exact): each rank keeps 1/C of the prompt's attention state.
     router_aux_coef: a Mixture-of-Experts model's load-balancing loss (transformers' `load_balancing_loss_func`
-    over the group's G sequences, or over a larger batch: `backward_group(router_batch=...)`) times this, added to
-    the loss (`engine/router.py`); 0: none. Costs one forward of the group without grad first (the top-k counts).
-    Under detach its prompt tokens' share of the gradient is left out, like every path through the prompt.
+    over the batch's sequences: a group's G, a tree's trajectories) times this, added to the loss
+    (`engine/router.py`, `engine/tree/routes.py`); 0: none. Costs one forward of the batch without grad first (the
+    top-k counts). Under detach its shared tokens' share of the gradient is left out, like every path through a
+    state.
     """
 
     plan: str = "exact"

@@ -41,7 +41,7 @@ class RouterCounts:
         return RouterCounts(self.counts + other.counts.to(self.counts.device), self.rows + other.rows)
 
     def rounded(self) -> RouterCounts:
-        """Counts and rows are whole numbers; fractional per-token weights (`prompt_copies` / G) only reassociate."""
+        """Counts and rows are whole numbers (each token's weight is a count of rows); sums only reassociate."""
         return RouterCounts(self.counts.round(), float(round(self.rows)))
 
 

@@ -325,12 +325,12 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         lengths = {i: int(completion_mask[i].sum()) for i in rows}
         keep = [i for i in rows if lengths[i] > 0 and (tool_mask is None or bool(tool_mask[i, :lengths[i]].any()))]
         if self.aux_loss_enabled:
-            unrouted = [i for i in rows if i not in keep and lengths[i] > 0]
-            if unrouted or not keep:
-                raise ValueError(f"completions {unrouted or list(rows)} have no token in the loss (all tool-masked, "
-                                 "or a group all masked out) but their tokens run in TRL's forward, so they count in "
-                                 "the MoE load-balancing loss, which LongStraw's replays of the loss's completions "
-                                 "would leave out; set router_aux_loss_coef=0.0")
+            unrouted = [i for i in rows if i not in keep]
+            if unrouted:
+                raise ValueError(f"completions {unrouted} have no token in the loss (all tool-masked, truncated by "
+                                 "mask_truncated_completions, or empty) but their prompt and tokens run in TRL's "
+                                 "forward, so they count in the MoE load-balancing loss, which LongStraw's tree of the "
+                                 "loss's rows would leave out; set router_aux_loss_coef=0.0")
         for i in keep:
             if not bool(completion_mask[i, :lengths[i]].all()):
                 raise ValueError(f"completion {i}'s attention mask is not a prefix of ones: LongStraw runs each "

@@ -27,7 +27,7 @@ class LongStrawGRPOConfig(GRPOConfig):
 
     longstraw_plan: str = field(
         default="exact",
-        metadata={"help": "backward_group's plan: 'exact' (TRL's gradient, prompt encoded once), 'detach' (the "
+        metadata={"help": "backward_tree's plan: 'exact' (TRL's gradient, prompt encoded once), 'detach' (the "
                           "paper's cheaper plan: the prompt state is a constant, a biased gradient), 'standard' / "
                           "'standard_batched' (full sequences, the reference)."},
     )
@@ -127,7 +127,7 @@ def loss_kind(args: GRPOConfig) -> str:
 
 
 def loss_parameters(args: GRPOConfig) -> dict[str, Any]:
-    """backward_group's loss options that TRL's config fixes (the per-micro-batch normalisers are `_loss_options`'s):
+    """backward_tree's loss options that TRL's config fixes (the per-micro-batch normalisers are `_loss_options`'s):
     the KL term, the ratio's level, and the clip widths (with delta) or the loss's own shape. TRL applies delta to its
     clipped losses only (grpo, dr_grpo, dapo, bnpo, luspo), and its epsilon_high is cispo's cap ε_max itself, as
     LongStraw's."""
@@ -152,7 +152,7 @@ def fsdp_gather(args: GRPOConfig) -> str:
 
 
 def work_of(batches: list[dict[str, Any]]) -> tuple[int, ...]:
-    """What fixes the forwards and backwards `_backward_groups` runs on `batches`: rows, prompt and completion lengths,
+    """What fixes the forwards and backwards `_backward_batches` runs on `batches`: rows, prompt and completion lengths,
     and which completion tokens the tool mask keeps."""
     out: list[int] = []
     for batch in batches:
@@ -205,9 +205,9 @@ def config_refusals(args: GRPOConfig, named: dict[str, Any]) -> list[str]:
                    "backward; load the model in bfloat16 (or float32) and set fp16=False")
     if args.cast_lm_head_to_fp32:
         out.append("cast_lm_head_to_fp32=True: over bfloat16/float16 parameters it makes the LM head's weights float32 "
-                   "and the rest not, a mixed-dtype model, which backward_group refuses (it computes in the "
+                   "and the rest not, a mixed-dtype model, which backward_tree refuses (it computes in the "
                    "parameters' one dtype, the log-probs accumulated in float32); over float32 parameters under bf16 "
-                   "autocast TRL runs the head outside the autocast, which backward_group's autocast region does not; "
+                   "autocast TRL runs the head outside the autocast, which backward_tree's autocast region does not; "
                    "over float32 without autocast it changes nothing: set cast_lm_head_to_fp32=False")
     if args.fsdp:
         out.extend(fsdp_refusals(args.fsdp_plugin_args or {}))
@@ -242,7 +242,7 @@ def fsdp_refusals(plugin: Any) -> list[str]:
         out.append("FSDP cpu_offload: not supported by LongStraw's gathered compute; keep the prompt state in host "
                    "memory instead (longstraw_offload_state=True)")
     if get("activation_checkpointing", False):
-        out.append("FSDP activation_checkpointing wraps the decoder layers, which backward_group runs itself; use "
+        out.append("FSDP activation_checkpointing wraps the decoder layers, which backward_tree runs itself; use "
                    "gradient_checkpointing=True (or longstraw_checkpoint='layers'): LongStraw's per-layer "
                    "checkpointing")
     return out
