@@ -28,7 +28,8 @@ Measured (glibc's mmap threshold fixed by the parent so that peaks repeat):
   `forward_backward_peak_bytes`: the same mark read when the engine's `forward_backward_batch` returns.
 * `absolute_hwm_bytes`: the process's VmHWM at the end of the update (interpreter, libraries, model included).
 * `prompt_state_bytes` (LongStraw's rows): the largest `result.stats["prompt_state_bytes"]` of the row's
-  `backward_group` calls, recorded through a wrapper of `longstraw.integrations.verl.backward_group`.
+  `backward_tree` calls (`peak_path_state_bytes`: the one-prompt tree's root state), recorded through a wrapper of
+  `longstraw.integrations.verl.backward_tree`.
 * `time_s` (the update, wall clock), `forward_backward_s`, `cpu_time_s`, `cpu_pressure` (the share of the update
   during which runnable tasks waited for a CPU, system-wide: other load inflates times, not peaks).
 * `packed_attention_mask_bytes` (verl's packed rows of more than one sequence): 5 N^2, the N x N boolean mask
@@ -115,10 +116,8 @@ def build_worker(row: dict[str, Any], model_dir: str, shape: dict[str, Any]) -> 
         from longstraw.integrations.verl import LongStrawFSDPEngine
 
         engine_cls = LongStrawFSDPEngine
-        # The per-group path: one prompt's group, whose backward_group calls the row records (a tree of one prompt
-        # computes the same).
-        os.environ.update(LONGSTRAW_PLAN=str(row["plan"]), LONGSTRAW_CHUNK_SIZE=str(shape["chunk_size"]),
-                          LONGSTRAW_TREE="0")
+        # one prompt's rows: a one-level tree, whose backward_tree call the row records
+        os.environ.update(LONGSTRAW_PLAN=str(row["plan"]), LONGSTRAW_CHUNK_SIZE=str(shape["chunk_size"]))
     else:
         engine_cls = _module("verl.workers.engine.fsdp.transformer_impl").FSDPEngineWithLMHead
     registry = _module("verl.workers.engine.base").EngineRegistry
@@ -191,14 +190,14 @@ def run_row(shape: dict[str, Any], row: dict[str, Any]) -> dict[str, Any]:
         if row["engine"] == "longstraw":
             import longstraw.integrations.verl as integration
 
-            backward_group = integration.backward_group
+            backward_tree = integration.backward_tree
 
             def recorded(*args: Any, **kwargs: Any) -> Any:
-                result = backward_group(*args, **kwargs)
-                states.append(int(result.stats.get("prompt_state_bytes", 0)))
+                result = backward_tree(*args, **kwargs)
+                states.append(int(result.stats.get("peak_path_state_bytes", 0)))
                 return result
 
-            integration.backward_group = recorded
+            integration.backward_tree = recorded
         meter = PeakMemory("cpu")
         forward_backward = engine.forward_backward_batch
         clock: dict[str, float] = {}
@@ -223,7 +222,7 @@ def run_row(shape: dict[str, Any], row: dict[str, Any]) -> dict[str, Any]:
             absolute_hwm_bytes=meter.peak_absolute_bytes(), hwm_reset=meter.reset_ok,
             rss_after_bytes=proc_status_bytes("VmRSS"), time_s=step_s, cpu_time_s=cpu_s,
             cpu_pressure=cpu_pressure(stall0, stall1, step_s),
-            prompt_state_bytes=max(states) if states else None, backward_group_calls=len(states),
+            prompt_state_bytes=max(states) if states else None, backward_tree_calls=len(states),
             packed_attention_mask_bytes=packed_mask_bytes(row, shape),
             longstraw_plan=os.environ.get("LONGSTRAW_PLAN") if row["engine"] == "longstraw" else None,
             longstraw_chunk_size=os.environ.get("LONGSTRAW_CHUNK_SIZE") if row["engine"] == "longstraw" else None,
@@ -232,7 +231,7 @@ def run_row(shape: dict[str, Any], row: dict[str, Any]) -> dict[str, Any]:
         )
         del worker, engine, module, params, data
         if row["engine"] == "longstraw":
-            integration.backward_group = backward_group
+            integration.backward_tree = backward_tree
     return record
 
 

@@ -37,7 +37,7 @@ def test_smoke_run_has_every_row_and_exact_below_verls_micro_batch_g(tmp_path, c
         assert r["engine_class"] == ("LongStrawFSDPEngine" if row.engine == "longstraw" else "FSDPEngineWithLMHead")
         assert (r["prompt_state_bytes"] is None) is (row.engine == "verl")
         assert r["longstraw_plan"] == row.plan
-    assert rows["longstraw-exact"]["backward_group_calls"] == 1  # one prompt: one group
+    assert rows["longstraw-exact"]["backward_tree_calls"] == 1  # one mini-batch: one tree
     # LongStraw's rows ran first in the shared smoke process, so reused heap can only have lowered verl's peak.
     assert rows["longstraw-exact"]["update_peak_bytes"] < rows["verl-mbG"]["update_peak_bytes"]
     assert doc["checks"]["longstraw-exact_below_verl-mbG"]

@@ -125,7 +125,8 @@ def test_gradients_equal_verls_own_update(updates, case):
     assert len(verl_steps) == len(ours) == 2
     for step, (theirs, mine) in enumerate(zip(verl_steps, ours)):
         assert theirs.dtype == torch.float64 and theirs.norm() > 0
-        assert_close(f"{case} step {step + 1}", theirs, mine, gradient_tolerance(EQUAL[case]["family"]))
+        err = assert_close(f"{case} step {step + 1}", theirs, mine, gradient_tolerance(EQUAL[case]["family"]))
+        print(f"{case} step {step + 1}: {err:.2g}")
     assert (verl_steps[0] - verl_steps[1]).norm() > 1e-3 * verl_steps[0].norm()  # the second epoch moved
 
 

@@ -79,7 +79,6 @@ def test_a_tree_step_forks_at_tool_calls_and_trains(monkeypatch, tmp_path, advan
     ({"rollout": "tree", "tree_every": 3}, "applies to --tree-trigger tokens"),
     ({"rollout": "tree", "task": "passkey"}, "task 'passkey' has none of"),
     ({"rollout": "tree", "plan": "standard_batched"}, "plans are exact, detach and standard"),
-    ({"rollout": "tree", "loss": "gspo"}, "takes a ratio per sequence"),
     ({"rollout": "tree", "tree_trigger": "tool_calls"}, "did you mean tool_call"),
     ({"rollout": "tree", "tree_advantage": "sibling"}, "did you mean siblings"),
 ])

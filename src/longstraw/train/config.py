@@ -33,7 +33,6 @@ if TYPE_CHECKING:
 ROLLOUTS = ("group", "tree")
 TREE_TRIGGERS = ("tool_call", "tokens")  # engine.tree.rollout.TRIGGERS, named here without importing torch
 TREE_ADVANTAGES = ("grpo", "siblings")  # engine.tree.rollout.TREE_ADVANTAGES
-SEQUENCE_LOSSES = ("gspo", "luspo", "vespo")  # a ratio per sequence: refused on trees that share response tokens
 
 if TYPE_CHECKING:
     from longstraw.engine.options import BackwardOptions
@@ -277,10 +276,6 @@ class TrainConfig:
         need(self.cp == 1, "--rollout tree does not run under context parallelism (backward_tree refuses it): drop "
                            "--cp")
         need(self.bias_every == 0, "--bias-every measures groups (backward_group); --rollout tree has none: drop it")
-        need(self.loss not in SEQUENCE_LOSSES or self.tree_depth == 1,
-             f"loss {self.loss!r} takes a ratio per sequence, which a tree refuses when trajectories share response "
-             f"tokens (a branched rollout's do): use a token-level loss "
-             f"({', '.join(loss for loss in LOSSES if loss not in SEQUENCE_LOSSES)}) or --tree-depth 1")
 
     def loss_options(self) -> dict[str, float]:
         """The loss parameters this config sets; a clip value of -1 means "the loss's own default"."""
