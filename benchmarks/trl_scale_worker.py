@@ -29,8 +29,8 @@ Measured per rank (all from one step, glibc's mmap threshold fixed by the parent
 * `param_bytes`, `grad_bytes`, `optimizer_state_bytes`: bytes of the rank's local shards (a DTensor's `to_local()`)
   of the parameters, of their gradients before the optimizer step, and of the optimizer state after it;
   `at_rest_bytes`: what stays between steps (parameters, optimizer state, gradients `zero_grad` left).
-* `prompt_state_bytes`: the largest `result.stats["prompt_state_bytes"]` of the rank's `backward_group` calls
-  (LongStraw rows; the calls are recorded through a wrapper of `longstraw.integrations.trl.backward_group`).
+* `prompt_state_bytes`: the largest `result.stats["peak_path_state_bytes"]` of the rank's `backward_tree` calls
+  (LongStraw rows; the calls are recorded through a wrapper of `longstraw.integrations.trl.backward_tree`).
 * `time_s` (the step, wall clock), `loss_backward_s`, `cpu_time_s`, `cpu_pressure` (the share of the step during
   which runnable tasks waited for a CPU, system-wide: other load on the host inflates times, not peaks).
 """
@@ -166,11 +166,9 @@ def trainer_settings(shape: dict[str, Any], row: dict[str, Any], ours: bool) -> 
     if row["fsdp"]:
         settings.update(fsdp=True, fsdp_config={"version": 2})
     if ours:
-        # The per-group path (longstraw_tree=False), whose backward_group calls the row records; each rank's batch
-        # is one prompt's group, which a tree would compute the same way.
+        # each rank's batch is one prompt's group: a one-level tree, whose backward_tree calls the row records
         settings.update(longstraw_plan="exact", longstraw_chunk_size=int(shape["chunk_size"]),
-                        longstraw_cp=int(row["cp"]), longstraw_fsdp_gather=str(row.get("gather", "all")),
-                        longstraw_tree=False)
+                        longstraw_cp=int(row["cp"]), longstraw_fsdp_gather=str(row.get("gather", "all")))
     return settings
 
 
@@ -197,11 +195,11 @@ def run_row(shape: dict[str, Any], row: dict[str, Any]) -> dict[str, Any]:
                                else (GRPOTrainer, GRPOConfig))
     model = load_bench_model(str(shape["model"]), str(shape["dtype"]))
     states: list[int] = []
-    backward_group = drop_in.backward_group
+    backward_tree = drop_in.backward_tree
 
     def recorded(*args: Any, **kwargs: Any) -> Any:
-        result = backward_group(*args, **kwargs)
-        states.append(int(result.stats.get("prompt_state_bytes", 0)))
+        result = backward_tree(*args, **kwargs)
+        states.append(int(result.stats.get("peak_path_state_bytes", 0)))
         return result
 
     meter = StepMeter()
@@ -231,18 +229,18 @@ def run_row(shape: dict[str, Any], row: dict[str, Any]) -> dict[str, Any]:
         trainer.compute_loss = seen_loss  # type: ignore[method-assign]
         assert trainer.model is not None
         trainer.add_callback(meter.callback(trainer.model))
-        drop_in.backward_group = recorded
+        drop_in.backward_tree = recorded
         try:
             trainer.train()
         finally:
-            drop_in.backward_group = backward_group
+            drop_in.backward_tree = backward_tree
         if "time_s" not in meter.record:
             raise RuntimeError("the train loop ended without completing an optimizer step")
         record = {
             "id": row["id"], "status": "ok", "rank": dist.get_rank(), "world": dist.get_world_size(),
             "distributed_type": str(trainer.accelerator.distributed_type.value),
             "fsdp_enabled": bool(trainer.is_fsdp_enabled), **seen, **meter.record,
-            "prompt_state_bytes": max(states) if states else None, "backward_group_calls": len(states),
+            "prompt_state_bytes": max(states) if states else None, "backward_tree_calls": len(states),
             "gradient_checkpointing": bool(trainer.args.gradient_checkpointing),
             "torch_threads": torch.get_num_threads(),
             "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
