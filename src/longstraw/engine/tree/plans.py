@@ -290,6 +290,7 @@ def standard(walk: Walk, batched: bool) -> None:
         if walk.options.temperature != 1.0:
             logits = logits / walk.options.temperature
         logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, low:].unsqueeze(-1)).squeeze(-1)  # (k, kept)
+        del logits  # (k, kept, V): log_softmax keeps its own output for the backward, not its input
         terms = [walk.loss.term([i], low, logp[row, : trajectories[i].length - low]) for row, i in enumerate(idx)]
         term = torch.stack([t for t in terms if t is not None]).sum()
         if walk.router is not None:
