@@ -294,7 +294,7 @@ def prepare_prefix_grouper(model: Any) -> None:
 
 def run_prefix_grouper(config: dict[str, Any]) -> dict[str, Any]:
     """One group's GRPO loss forward and backward through Prefix Grouper (module docstring)."""
-    from longstraw.engine.loss.config import make_loss_config
+    from longstraw.engine.loss.config import LossConfig
     from longstraw.engine.loss.terms import GroupTotals, response_loss
 
     device = str(config["device"])
@@ -311,7 +311,7 @@ def run_prefix_grouper(config: dict[str, Any]) -> dict[str, Any]:
     group = make_group(model.config.vocab_size, p, r, g, int(config["seed"]))
     prompt, responses = group.prompt.to(device), torch.stack(group.responses).to(device)
     advantages = group.advantages.to(device)
-    cfg = make_loss_config("grpo")
+    cfg = LossConfig("grpo")
     meter = _Meter(device)
     meter.start()
     logp = prefix_grouper_logprobs(model, prompt, responses)

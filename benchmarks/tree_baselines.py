@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from longstraw.engine.logprobs import DEFAULT_TOKEN_CHUNK, chunked_logprobs
-from longstraw.engine.loss.config import LossConfig, make_loss_config
+from longstraw.engine.loss.config import LossConfig
 from longstraw.engine.loss.terms import GroupTotals, response_loss
 from longstraw.engine.precision import accumulation_dtype
 from longstraw.engine.tree import Trajectory, build_tree
@@ -61,7 +61,7 @@ def flattened_logprobs(model: torch.nn.Module, t: Trajectory) -> torch.Tensor:
 
 def flattened_step(model: torch.nn.Module, trajectories: list[Trajectory], loss: str = "grpo") -> float:
     """Accumulate the tree loss's gradient trajectory by trajectory (one forward and backward each); the loss."""
-    cfg = make_loss_config(loss)
+    cfg = LossConfig(loss)
     totals = group_totals(trajectories, cfg)
     total = 0.0
     for t in trajectories:
@@ -162,7 +162,7 @@ def packed_logprobs(model: torch.nn.Module, trajectories: list[Trajectory], pack
 def packed_step(model: torch.nn.Module, trajectories: list[Trajectory], loss: str = "grpo",
                 packed: PackedTree | None = None) -> float:
     """Accumulate the tree loss's gradient from one packed forward and one backward; the loss."""
-    cfg = make_loss_config(loss)
+    cfg = LossConfig(loss)
     totals = group_totals(trajectories, cfg)
     logps = packed_logprobs(model, trajectories, packed)
     value = sum((trajectory_loss(lp, t, totals[t.group], cfg) for lp, t in zip(logps, trajectories)),

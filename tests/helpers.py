@@ -485,6 +485,20 @@ def masked(group: Group) -> Group:
                  old_logprobs=group.old_logprobs, ref_logprobs=group.ref_logprobs, loss_masks=masks)
 
 
+def with_loss(settings: dict) -> dict:
+    """Backward settings with their loss parameters (beta, epsilon_low ...) packed into `loss=LossConfig(...)`, so
+    a test parametrised by flat options can pass them to backward_group / backward_tree."""
+    from longstraw.engine.loss.config import LossConfig
+
+    names = set(LossConfig.names()) - {"kind"}
+    params = {k: v for k, v in settings.items() if k in names}
+    if not params:
+        return settings
+    rest = {k: v for k, v in settings.items() if k not in names}
+    loss = rest.pop("loss", "grpo")
+    return {**rest, "loss": LossConfig(loss, **params)}
+
+
 def grads(model: torch.nn.Module) -> torch.Tensor:
     """All parameter gradients flattened into one vector (zeros where a parameter got none)."""
     return torch.cat([

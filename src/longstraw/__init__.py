@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ADVANTAGES", "LOSSES", "PLANS", "SUPPORTED_MODEL_TYPES",
-    "BackwardOptions", "Group", "GroupResult", "backward_group", "compute_advantages", "load_model",
+    "BackwardOptions", "LossConfig", "Plan", "Group", "GroupResult", "backward_group", "compute_advantages", "load_model",
     "Trajectory", "Tree", "TreeResult", "backward_tree", "build_tree",
 ]
 
@@ -24,9 +24,11 @@ if TYPE_CHECKING:
     from longstraw.api.tree import TreeResult, backward_tree
     from longstraw.engine.group import Group
     from longstraw.engine.loss.advantages import compute_advantages
+    from longstraw.engine.loss.config import LossConfig
     from longstraw.engine.options import BackwardOptions
     from longstraw.engine.tree import Trajectory, Tree, build_tree
     from longstraw.models.architecture import SUPPORTED_MODEL_TYPES
+    from longstraw.plan import Plan
 
 
 def __getattr__(name: str) -> Any:
@@ -46,6 +48,14 @@ def __getattr__(name: str) -> Any:
         from longstraw.engine.options import BackwardOptions
 
         return BackwardOptions
+    elif name == "LossConfig":
+        from longstraw.engine.loss.config import LossConfig
+
+        return LossConfig
+    elif name == "Plan":
+        from longstraw.plan import Plan
+
+        return Plan
     elif name == "Group":
         from longstraw.engine.group import Group
 

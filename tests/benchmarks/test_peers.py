@@ -140,7 +140,7 @@ def test_prefix_grouper_path_gives_backward_groups_gradient():
     from benchmarks.peers_worker import prefix_grouper_logprobs, prepare_prefix_grouper
     from benchmarks.worker import make_group
     from longstraw import backward_group, load_model
-    from longstraw.engine.loss.config import make_loss_config
+    from longstraw.engine.loss.config import LossConfig
     from longstraw.engine.loss.terms import GroupTotals, response_loss
 
     p, r, g = 40, 6, 3
@@ -150,7 +150,7 @@ def test_prefix_grouper_path_gives_backward_groups_gradient():
     model = faithful_float64(load_model("tiny-llama", dtype="float64"))
     prepare_prefix_grouper(model)
     logp = prefix_grouper_logprobs(model, group.prompt, torch.stack(group.responses), token_chunk=7)
-    cfg = make_loss_config("grpo")
+    cfg = LossConfig("grpo")
     response_loss(logp, torch.ones_like(logp, dtype=torch.bool), group.advantages, GroupTotals.of([r] * g, cfg),
                   cfg).backward()
     for (name, a), b in zip(model.named_parameters(), reference.parameters()):

@@ -3,7 +3,18 @@ detach plan's bias, per supported family, in float64 (and one float32 case)."""
 
 import pytest
 import torch
-from helpers import BF16, EXACT_F64, FP32, SAME_ORDER_F64, assert_close, grads, random_group, rel_err, tiny_model
+from helpers import (
+    BF16,
+    EXACT_F64,
+    FP32,
+    SAME_ORDER_F64,
+    assert_close,
+    grads,
+    random_group,
+    rel_err,
+    tiny_model,
+    with_loss,
+)
 
 import longstraw.engine.tree.plans as exact_plan
 from longstraw import BackwardOptions, Group, backward_group
@@ -13,7 +24,7 @@ LENGTHS = [5, 9, 1, 7]  # ragged, one single-token response
 
 def _run(model, group, plan, **kw):
     model.zero_grad(set_to_none=True)
-    result = backward_group(model, group, plan=plan, **kw)
+    result = backward_group(model, group, plan=plan, **with_loss(kw))
     return result, grads(model)
 
 

@@ -5,6 +5,7 @@ import torch
 from helpers import random_group, tiny_model
 
 from longstraw import Group, backward_group
+from longstraw.engine.loss.config import LossConfig
 
 ADV = torch.zeros(2, dtype=torch.float64)
 
@@ -59,7 +60,8 @@ def _good():
     (_good, dict(micro_batch=1.5), ValueError, "micro_batch"),
     (_good, dict(chunk_size=0), ValueError, "chunk_size"),
     (_good, dict(gamma=0.9), TypeError, "unexpected keyword argument .gamma.; valid options: plan, loss"),
-    (_good, dict(beta=0.1), ValueError, "ref_logprobs"),
+    (_good, dict(loss=LossConfig("grpo", beta=0.1)), ValueError, "ref_logprobs"),
+    (_good, dict(beta=0.1), TypeError, r"beta is a parameter of the loss: pass loss=LossConfig"),
     (lambda: "not a group", {}, TypeError, "longstraw.Group"),
 ])
 def test_backward_group_rejects_and_leaves_model_untouched(model, group_fn, kwargs, error, match):
@@ -153,7 +155,7 @@ def test_overflowing_finite_inputs_are_refused_before_any_gradient(plan, change,
     group = Group(**{"prompt": base.prompt, "responses": base.responses, "advantages": base.advantages, **change})
     before = _snapshot(model)
     with pytest.raises(ValueError, match=match):
-        backward_group(model, group, plan=plan, beta=0.1 if "ref_logprobs" in change else 0.0)
+        backward_group(model, group, plan=plan, loss=LossConfig("grpo", beta=0.1 if "ref_logprobs" in change else 0.0))
     for (w, g), p in zip(before, model.parameters()):
         assert torch.equal(w, p.detach()) and torch.equal(g, p.grad)
 
@@ -180,7 +182,7 @@ def test_overflow_in_a_micro_batch_is_caught_before_its_backward(plan):
     group = _overflowing_kl_group(model, bad_first=True)
     before = _snapshot(model)
     with pytest.raises(FloatingPointError, match=r"responses \[0\]: their share of the loss is inf.*as they were"):
-        backward_group(model, group, plan=plan, beta=0.1, micro_batch=1)
+        backward_group(model, group, plan=plan, loss=LossConfig("grpo", beta=0.1), micro_batch=1)
     for (w, g), p in zip(before, model.parameters()):
         assert torch.equal(w, p.detach()) and torch.equal(g, p.grad)
 
@@ -188,13 +190,13 @@ def test_overflow_in_a_micro_batch_is_caught_before_its_backward(plan):
     model = tiny_model("llama", dtype=torch.float32)
     group = _overflowing_kl_group(model, bad_first=False)
     with pytest.raises(FloatingPointError, match=r"responses \[1\]: their share.*as they were before this call"):
-        backward_group(model, group, plan=plan, beta=0.1, micro_batch=1)
+        backward_group(model, group, plan=plan, loss=LossConfig("grpo", beta=0.1), micro_batch=1)
     assert all(p.grad is None for p in model.parameters())
     # ... and with gradients before, the message says what they now hold.
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     with pytest.raises(FloatingPointError, match=r"hold the \(finite\) contributions of this group's first 1"):
-        backward_group(model, group, plan=plan, beta=0.1, micro_batch=1)
+        backward_group(model, group, plan=plan, loss=LossConfig("grpo", beta=0.1), micro_batch=1)
     assert all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())
 
 
@@ -229,7 +231,7 @@ def test_options_are_validated_once_and_keywords_apply_on_top():
     with pytest.raises(ValueError, match="keep_prompt_graph keeps capture graphs for the exact plan"):
         BackwardOptions(plan="detach", keep_prompt_graph=1)
     with pytest.raises(ValueError, match="epsilon_low must be < 1"):
-        BackwardOptions(epsilon_low=1.5)
+        BackwardOptions(loss=LossConfig("grpo", epsilon_low=1.5))
     base = BackwardOptions(plan="detach", chunk_size=8)
     with pytest.raises(ValueError, match="keep_prompt_graph keeps capture graphs"):  # replaced, then validated
         backward_group(tiny_model("llama"), random_group(10, [3, 2]), base, keep_prompt_graph=2)

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from longstraw.engine.loss.advantages import compute_advantages
-from longstraw.engine.loss.config import make_loss_config
+from longstraw.engine.loss.config import LossConfig
+from longstraw.engine.loss.kinds import LOSS_KINDS
 from longstraw.engine.loss.terms import GroupTotals, k3_kl, response_loss
 
 LENGTHS = [3, 5, 2, 4]
@@ -53,7 +54,7 @@ def _manual(kind, logp, old, ref, adv, beta, low, high):
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 def test_loss_matches_formula_and_is_batching_invariant(kind, beta):
     logp, mask, old, ref, adv = _data()
-    cfg = make_loss_config(kind, beta=beta, epsilon_low=0.1, epsilon_high=0.15)
+    cfg = LossConfig(kind, beta=beta, epsilon_low=0.1, epsilon_high=0.15)
     totals = GroupTotals.of(LENGTHS, cfg)
     whole = response_loss(logp, mask, adv, totals, cfg, old, ref)
     expected = _manual(kind, logp, old, ref, adv, beta, 0.1, 0.15)
@@ -69,7 +70,7 @@ def test_loss_matches_formula_and_is_batching_invariant(kind, beta):
 def test_on_policy_ratio_has_logp_gradient():
     logp, mask, _, _, adv = _data()
     logp.requires_grad_(True)
-    cfg = make_loss_config("grpo")
+    cfg = LossConfig("grpo")
     loss = response_loss(logp, mask, adv, GroupTotals.of(LENGTHS, cfg), cfg)
     (grad,) = torch.autograd.grad(loss, logp)
     expected = -(adv[:, None] / torch.tensor(LENGTHS, dtype=torch.float64)[:, None] / 4) * mask
@@ -81,7 +82,7 @@ def test_clipping_zeroes_gradient_outside_the_trust_region():
     logp = torch.zeros(1, 2, dtype=torch.float64, requires_grad=True)
     old = torch.tensor([[-1.0, 0.0]], dtype=torch.float64)  # ratio e^1 (clipped for A > 0) and 1
     mask = torch.ones(1, 2, dtype=torch.bool)
-    cfg = make_loss_config("dapo")
+    cfg = LossConfig("dapo")
     loss = response_loss(logp, mask, torch.tensor([1.0], dtype=torch.float64), GroupTotals.of([2], cfg), cfg, old)
     (grad,) = torch.autograd.grad(loss, logp)
     assert grad[0, 0] == 0 and grad[0, 1] < 0
@@ -90,24 +91,24 @@ def test_clipping_zeroes_gradient_outside_the_trust_region():
 @pytest.mark.parametrize("kind", ["grpo", "gspo"])
 def test_kl_term_without_reference_logprobs_is_refused(kind):
     logp, mask, _, _, adv = _data()
-    cfg = make_loss_config(kind, beta=0.04)
+    cfg = LossConfig(kind, beta=0.04)
     with pytest.raises(ValueError, match="ref_logp"):
         response_loss(logp, mask, adv, GroupTotals.of(LENGTHS, cfg), cfg)
 
 
 def test_defaults_and_bad_options():
-    assert (make_loss_config("dapo").epsilon_low, make_loss_config("dapo").epsilon_high) == (0.2, 0.28)
-    assert make_loss_config("grpo", epsilon=0.1).epsilon_high == 0.1
+    assert (LossConfig("dapo").epsilon_low, LossConfig("dapo").epsilon_high) == (0.2, 0.28)
+    assert LossConfig("grpo", epsilon=0.1).epsilon_high == 0.1
     with pytest.raises(ValueError, match="unknown loss"):
-        make_loss_config("ppo2")
+        LossConfig("ppo2")
     with pytest.raises(ValueError, match="epsilon_low"):
-        make_loss_config("grpo", epsilon_low=1.5)
+        LossConfig("grpo", epsilon_low=1.5)
     with pytest.raises(ValueError, match="beta"):
-        make_loss_config("grpo", beta=float("nan"))
+        LossConfig("grpo", beta=float("nan"))
     with pytest.raises(TypeError):
-        make_loss_config("grpo", gamma=1.0)
+        LossConfig("grpo", gamma=1.0)
     with pytest.raises(ValueError, match="max_tokens"):
-        GroupTotals.of([3, 9], make_loss_config("dr_grpo", max_tokens=4))
+        GroupTotals.of([3, 9], LossConfig("dr_grpo", max_tokens=4))
 
 
 def test_advantages():
@@ -133,14 +134,14 @@ def test_zero_advantages_give_exactly_zero_gradient_unless_beta(kind):
     logp, mask, old, ref, _ = _data(seed=3)
     old = old - 0.5  # ratios well above 1 + epsilon_high for some tokens: clipping active too
     zero = torch.zeros(len(LENGTHS), dtype=torch.float64)
-    totals = GroupTotals.of(LENGTHS, make_loss_config(kind))
+    totals = GroupTotals.of(LENGTHS, LossConfig(kind))
     for old_logp in (None, old):
         x = logp.clone().requires_grad_(True)
-        loss = response_loss(x, mask, zero, totals, make_loss_config(kind), old_logp=old_logp, ref_logp=ref)
+        loss = response_loss(x, mask, zero, totals, LossConfig(kind), old_logp=old_logp, ref_logp=ref)
         loss.backward()
         assert float(loss.detach()) == 0.0 and torch.count_nonzero(x.grad) == 0
     x = logp.clone().requires_grad_(True)
-    response_loss(x, mask, zero, totals, make_loss_config(kind, beta=0.04), old_logp=old, ref_logp=ref).backward()
+    response_loss(x, mask, zero, totals, LossConfig(kind, beta=0.04), old_logp=old, ref_logp=ref).backward()
     assert torch.count_nonzero(x.grad[mask]) == int(mask.sum())
 
 
@@ -151,10 +152,10 @@ def test_kl_ratio_multiplies_the_k3_term_by_the_ratio(kind):
     logp, mask, old, ref, adv = _data(3)
     logp.requires_grad_(True)
     beta = 0.1
-    with_ratio = make_loss_config(kind, beta=beta, kl_ratio=True)
+    with_ratio = LossConfig(kind, beta=beta, kl_ratio=True)
     totals = GroupTotals.of(LENGTHS, with_ratio)
     got = response_loss(logp, mask, adv, totals, with_ratio, old, ref)
-    policy = response_loss(logp, mask, adv, totals, make_loss_config(kind), old, ref)
+    policy = response_loss(logp, mask, adv, totals, LossConfig(kind), old, ref)
     kl_terms = []
     for i, n in enumerate(LENGTHS):
         k3 = k3_kl(logp[i, :n], ref[i, :n])
@@ -167,7 +168,7 @@ def test_kl_ratio_multiplies_the_k3_term_by_the_ratio(kind):
     assert abs(float((got - expected).detach())) < 1e-12
     # On-policy (old = None): same value as without kl_ratio, different gradient.
     on = response_loss(logp, mask, adv, totals, with_ratio, None, ref)
-    plain = make_loss_config(kind, beta=beta)
+    plain = LossConfig(kind, beta=beta)
     off = response_loss(logp, mask, adv, GroupTotals.of(LENGTHS, plain), plain, None, ref)
     assert abs(float((on - off).detach())) < 1e-12
     g_on, = torch.autograd.grad(on, logp)
@@ -178,26 +179,26 @@ def test_kl_ratio_multiplies_the_k3_term_by_the_ratio(kind):
 def test_token_normalizer_and_loss_scale():
     """dapo's denominator can be set (TRL: the whole generation batch's tokens); loss_scale multiplies any loss."""
     logp, mask, old, ref, adv = _data(4)
-    base = make_loss_config("dapo")
+    base = LossConfig("dapo")
     plain = response_loss(logp, mask, adv, GroupTotals.of(LENGTHS, base), base, old, ref)
-    cfg = make_loss_config("dapo", token_normalizer=40.0)
+    cfg = LossConfig("dapo", token_normalizer=40.0)
     assert GroupTotals.of(LENGTHS, cfg).total_tokens == 40.0
     got = response_loss(logp, mask, adv, GroupTotals.of(LENGTHS, cfg), cfg, old, ref)
     assert abs(float(got - plain * sum(LENGTHS) / 40.0)) < 1e-14
     for kind in ("grpo", "dr_grpo", "gspo"):
-        one, scaled = make_loss_config(kind), make_loss_config(kind, loss_scale=0.25)
+        one, scaled = LossConfig(kind), LossConfig(kind, loss_scale=0.25)
         a = response_loss(logp, mask, adv, GroupTotals.of(LENGTHS, one), one, old, ref)
         b = response_loss(logp, mask, adv, GroupTotals.of(LENGTHS, scaled), scaled, old, ref)
         assert abs(float(b - 0.25 * a)) < 1e-15
     with pytest.raises(ValueError, match="token_normalizer is the denominator of dapo"):
-        make_loss_config("grpo", token_normalizer=10)
+        LossConfig("grpo", token_normalizer=10)
     for bad in (0, -1.0, float("nan"), True):
         with pytest.raises(ValueError, match="token_normalizer"):
-            make_loss_config("dapo", token_normalizer=bad)
+            LossConfig("dapo", token_normalizer=bad)
         with pytest.raises(ValueError, match="loss_scale"):
-            make_loss_config("grpo", loss_scale=bad)
+            LossConfig("grpo", loss_scale=bad)
     with pytest.raises(TypeError, match="kl_ratio"):
-        make_loss_config("grpo", kl_ratio=1)
+        LossConfig("grpo", kl_ratio=1)
 
 
 # The losses and options that reproduce TRL's loss types (luspo, cispo, sapo, vespo, the sequence-level ratio with
@@ -250,22 +251,22 @@ def _restated(cfg, logp, old, ref, adv, lengths=LENGTHS):
 
 
 OPTION_CASES = {
-    "luspo": dict(loss="luspo", epsilon_low=0.1, epsilon_high=0.15),
-    "luspo-token": dict(loss="luspo", sequence_ratio=False, epsilon_low=0.1, epsilon_high=0.15),
-    "cispo": dict(loss="cispo"),
-    "cispo-cap-1.1": dict(loss="cispo", epsilon_high=1.1),
-    "cispo-sequence": dict(loss="cispo", epsilon_high=1.05, sequence_ratio=True, token_normalizer=30.0),
-    "sapo": dict(loss="sapo"),
-    "sapo-sequence": dict(loss="sapo", sequence_ratio=True, sapo_temperature_pos=2.0, sapo_temperature_neg=0.5),
-    "vespo": dict(loss="vespo"),
-    "vespo-shape": dict(loss="vespo", vespo_k_pos=1.5, vespo_lambda_pos=0.5, vespo_k_neg=-1.0, vespo_lambda_neg=0.0,
+    "luspo": dict(kind="luspo", epsilon_low=0.1, epsilon_high=0.15),
+    "luspo-token": dict(kind="luspo", sequence_ratio=False, epsilon_low=0.1, epsilon_high=0.15),
+    "cispo": dict(kind="cispo"),
+    "cispo-cap-1.1": dict(kind="cispo", epsilon_high=1.1),
+    "cispo-sequence": dict(kind="cispo", epsilon_high=1.05, sequence_ratio=True, token_normalizer=30.0),
+    "sapo": dict(kind="sapo"),
+    "sapo-sequence": dict(kind="sapo", sequence_ratio=True, sapo_temperature_pos=2.0, sapo_temperature_neg=0.5),
+    "vespo": dict(kind="vespo"),
+    "vespo-shape": dict(kind="vespo", vespo_k_pos=1.5, vespo_lambda_pos=0.5, vespo_k_neg=-1.0, vespo_lambda_neg=0.0,
                         token_normalizer=17.0),
-    "dapo-sequence": dict(loss="dapo", sequence_ratio=True, epsilon_low=0.1, epsilon_high=0.15),
-    "dr_grpo-sequence": dict(loss="dr_grpo", sequence_ratio=True, epsilon_low=0.1, max_tokens=9),
-    "grpo-delta": dict(loss="grpo", delta=1.1, epsilon_low=0.1, epsilon_high=0.05),
-    "dapo-delta-sequence": dict(loss="dapo", delta=1.05, sequence_ratio=True, epsilon_low=0.01, epsilon_high=0.01),
-    "gspo-delta": dict(loss="gspo", delta=1.02, epsilon_low=0.01, epsilon_high=0.01, loss_scale=0.5),
-    "luspo-delta": dict(loss="luspo", delta=1.02, epsilon_low=0.01, epsilon_high=0.01),
+    "dapo-sequence": dict(kind="dapo", sequence_ratio=True, epsilon_low=0.1, epsilon_high=0.15),
+    "dr_grpo-sequence": dict(kind="dr_grpo", sequence_ratio=True, epsilon_low=0.1, max_tokens=9),
+    "grpo-delta": dict(kind="grpo", delta=1.1, epsilon_low=0.1, epsilon_high=0.05),
+    "dapo-delta-sequence": dict(kind="dapo", delta=1.05, sequence_ratio=True, epsilon_low=0.01, epsilon_high=0.01),
+    "gspo-delta": dict(kind="gspo", delta=1.02, epsilon_low=0.01, epsilon_high=0.01, loss_scale=0.5),
+    "luspo-delta": dict(kind="luspo", delta=1.02, epsilon_low=0.01, epsilon_high=0.01),
 }
 
 
@@ -275,7 +276,7 @@ def test_trl_losses_match_restatement_and_split_into_batches(case, beta, kl_rati
     """Value and gradient against the token-by-token restatement (off-policy ratios e^{±0.3}, clipping, caps and
     gates active), and the group loss split into response batches sums to the whole."""
     logp, mask, old, ref, adv = _data(5)
-    cfg = make_loss_config(beta=beta, kl_ratio=kl_ratio, **OPTION_CASES[case])
+    cfg = LossConfig(beta=beta, kl_ratio=kl_ratio, **OPTION_CASES[case])
     totals = GroupTotals.of(LENGTHS, cfg)
     x = logp.clone().requires_grad_(True)
     whole = response_loss(x, mask, adv, totals, cfg, old, ref)
@@ -307,7 +308,7 @@ def test_each_option_changes_the_gradient_on_this_data(case, dropped):
     options = OPTION_CASES[case]
     grads = []
     for opts in (options, {k: v for k, v in options.items() if k not in dropped}):
-        cfg = make_loss_config(**opts)
+        cfg = LossConfig(**opts)
         x = logp.clone().requires_grad_(True)
         (g,) = torch.autograd.grad(response_loss(x, mask, adv, GroupTotals.of(LENGTHS, cfg), cfg, old, ref), x)
         grads.append(g)
@@ -323,7 +324,7 @@ def test_vespo_clamps_of_the_log_ratio():
     old = logp.clone()
     old[0, :3] = logp[0, :3] - torch.tensor([25.0, -12.0, -12.0], dtype=torch.float64)
     old[1, :5] = logp[1, :5] + 6.0
-    cfg = make_loss_config("vespo", vespo_k_pos=-1.0, vespo_lambda_pos=0.5)
+    cfg = LossConfig("vespo", vespo_k_pos=-1.0, vespo_lambda_pos=0.5)
     x = logp.clone().requires_grad_(True)
     (grad,) = torch.autograd.grad(response_loss(x, mask, adv, GroupTotals.of(LENGTHS, cfg), cfg, old), x)
     y = logp.clone().requires_grad_(True)
@@ -342,7 +343,7 @@ def test_on_policy_cispo_vespo_sapo_give_the_plain_policy_gradient():
     n = torch.tensor(LENGTHS, dtype=torch.float64)[:, None]
 
     def grad(kind, **options):
-        cfg = make_loss_config(kind, **options)
+        cfg = LossConfig(kind, **options)
         x = logp.clone().requires_grad_(True)
         return torch.autograd.grad(response_loss(x, mask, adv, GroupTotals.of(LENGTHS, cfg), cfg), x)[0]
 
@@ -355,36 +356,36 @@ def test_on_policy_cispo_vespo_sapo_give_the_plain_policy_gradient():
 
 
 def test_new_options_are_refused_where_they_do_not_apply():
-    assert make_loss_config("luspo").sequence_ratio and make_loss_config("gspo").sequence_ratio
-    assert not make_loss_config("dapo").sequence_ratio
-    assert make_loss_config("cispo").epsilon_high == 5.0
+    assert LossConfig("luspo").sequence_ratio and LossConfig("gspo").sequence_ratio
+    assert not LossConfig("dapo").sequence_ratio
+    assert LossConfig("cispo").epsilon_high == 5.0
     with pytest.raises(ValueError, match="gspo is grpo with the sequence ratio"):
-        make_loss_config("gspo", sequence_ratio=False)
+        LossConfig("gspo", sequence_ratio=False)
     with pytest.raises(TypeError, match="sequence_ratio"):
-        make_loss_config("grpo", sequence_ratio=1)
+        LossConfig("grpo", sequence_ratio=1)
     with pytest.raises(ValueError, match="delta bounds the unclipped ratio"):
-        make_loss_config("sapo", delta=1.5)
+        LossConfig("sapo", delta=1.5)
     for bad in (0.0, -1.0, float("inf"), True):
         with pytest.raises(ValueError, match="delta must be"):
-            make_loss_config("grpo", delta=bad)
+            LossConfig("grpo", delta=bad)
     with pytest.raises(ValueError, match="caps its importance weight from above only"):
-        make_loss_config("cispo", epsilon_low=0.2)
+        LossConfig("cispo", epsilon_low=0.1)
     with pytest.raises(ValueError, match="weight cap"):
-        make_loss_config("cispo", epsilon_high=0.0)
+        LossConfig("cispo", epsilon_high=0.0)
     for kind in ("sapo", "vespo"):
         with pytest.raises(ValueError, match="has no clip widths"):
-            make_loss_config(kind, epsilon=0.2)
+            LossConfig(kind, epsilon=0.2)
     with pytest.raises(ValueError, match="sapo_temperature_pos is a parameter of the sapo loss"):
-        make_loss_config("grpo", sapo_temperature_pos=1.0)
+        LossConfig("grpo", sapo_temperature_pos=2.0)
     with pytest.raises(ValueError, match="vespo_lambda_neg is a parameter of the vespo loss"):
-        make_loss_config("dapo", vespo_lambda_neg=1.0)
+        LossConfig("dapo", vespo_lambda_neg=1.0)
     with pytest.raises(ValueError, match="sapo_temperature_neg must be a finite number > 0"):
-        make_loss_config("sapo", sapo_temperature_neg=0.0)
+        LossConfig("sapo", sapo_temperature_neg=0.0)
     with pytest.raises(ValueError, match="vespo_k_pos must be a finite number"):
-        make_loss_config("vespo", vespo_k_pos=float("nan"))
+        LossConfig("vespo", vespo_k_pos=float("nan"))
     with pytest.raises(ValueError, match="token_normalizer is the denominator"):
-        make_loss_config("luspo", token_normalizer=10.0)
-    assert make_loss_config("cispo", token_normalizer=10.0).token_normalizer == 10.0
+        LossConfig("luspo", token_normalizer=10.0)
+    assert LossConfig("cispo", token_normalizer=10.0).token_normalizer == 10.0
 
 
 # verl's clamps (log_ratio_clamp, kl_clamp), against plain per-token formulas written with Python floats.
@@ -410,7 +411,7 @@ def test_kl_clamp_value_and_gradient_are_verls_low_var_kl():
     mask = torch.ones(1, n, dtype=torch.bool)
     zero = torch.zeros(1, dtype=torch.float64)  # no policy term: the loss is the KL term alone
     beta = 0.5
-    cfg = make_loss_config("dapo", beta=beta, kl_clamp=(20.0, 10.0))
+    cfg = LossConfig("dapo", beta=beta, kl_clamp=(20.0, 10.0))
     x = logp.clone().requires_grad_(True)
     loss = response_loss(x, mask, zero, GroupTotals.of([n], cfg), cfg, None, ref)
     (grad,) = torch.autograd.grad(loss, x)
@@ -421,7 +422,7 @@ def test_kl_clamp_value_and_gradient_are_verls_low_var_kl():
     assert (grad[0, gaps.index(2.55)] != 0) and grad[0, gaps.index(2.7)] == 0 and grad[0, gaps.index(-11.5)] == 0
     k3 = k3_kl(logp, ref, (20.0, 10.0))
     assert float(k3.max()) == 10.0 and bool(torch.isfinite(k3).all())
-    plain = make_loss_config("dapo", beta=beta)
+    plain = LossConfig("dapo", beta=beta)
     y = logp.clone().requires_grad_(True)
     (unclamped,) = torch.autograd.grad(response_loss(y, mask, zero, GroupTotals.of([n], plain), plain, None, ref), y)
     at = gaps.index(3.3)
@@ -450,7 +451,7 @@ def test_log_ratio_clamp_value_and_gradient(clamp):
     adv = torch.tensor([0.7, -1.3], dtype=torch.float64)
     logp = -torch.rand(2, 5, generator=torch.Generator().manual_seed(0), dtype=torch.float64) - 1.0
     old, mask = logp - r, torch.ones(2, 5, dtype=torch.bool)
-    cfg = make_loss_config("grpo", epsilon_low=0.2, epsilon_high=0.28, log_ratio_clamp=clamp)
+    cfg = LossConfig("grpo", epsilon_low=0.2, epsilon_high=0.28, log_ratio_clamp=clamp)
     x = logp.clone().requires_grad_(True)
     loss = response_loss(x, mask, adv, GroupTotals.of([5, 5], cfg), cfg, old)
     (grad,) = torch.autograd.grad(loss, x)
@@ -459,7 +460,7 @@ def test_log_ratio_clamp_value_and_gradient(clamp):
     assert abs(float(loss.detach()) - value) < 1e-12 * max(1.0, abs(value))
     expected = torch.tensor([[s for _, s in row] for row in by_hand], dtype=torch.float64) / 5 / 2
     assert torch.allclose(grad, expected, rtol=1e-12, atol=1e-15)
-    plain = make_loss_config("grpo", epsilon_low=0.2, epsilon_high=0.28)
+    plain = LossConfig("grpo", epsilon_low=0.2, epsilon_high=0.28)
     y = logp.clone().requires_grad_(True)
     (unclamped,) = torch.autograd.grad(response_loss(y, mask, adv, GroupTotals.of([5, 5], plain), plain, old), y)
     assert torch.isnan(unclamped[0, 3]) and bool(torch.isfinite(grad).all())
@@ -477,7 +478,7 @@ def test_log_ratio_clamp_of_the_sequence_ratio():
     adv, mask = torch.tensor([-0.8, 0.6], dtype=torch.float64), torch.ones(2, 4, dtype=torch.bool)
     out = {}
     for name, clamp in (("clamped", (-math.inf, 10.0)), ("plain", None)):
-        cfg = make_loss_config("gspo", log_ratio_clamp=clamp)
+        cfg = LossConfig("gspo", log_ratio_clamp=clamp)
         x = logp.clone().requires_grad_(True)
         loss = response_loss(x, mask, adv, GroupTotals.of([4, 4], cfg), cfg, old)
         out[name] = (loss.detach(), torch.autograd.grad(loss, x)[0])
@@ -501,7 +502,7 @@ def test_every_plan_applies_the_clamps():
 
     def run(group, plan, **options):
         model.zero_grad(set_to_none=True)
-        result = backward_group(model, group, plan=plan, loss="dapo", beta=0.1, chunk_size=5, **options)
+        result = backward_group(model, group, plan=plan, loss=LossConfig("dapo", beta=0.1, **options), chunk_size=5)
         return result.loss, grads(model)
 
     clamps = dict(log_ratio_clamp=(-0.1, 0.1), kl_clamp=(20.0, 10.0))
@@ -525,12 +526,12 @@ def test_every_plan_applies_the_clamps():
 def test_bad_clamps_are_refused():
     for bad in ((0.0, 20.0), (-20.0, 0.0), (5.0, 20.0), (float("nan"), 1.0), (1.0,), "20", (True, 2.0)):
         with pytest.raises(ValueError, match="log_ratio_clamp"):
-            make_loss_config("grpo", log_ratio_clamp=bad)
+            LossConfig("grpo", log_ratio_clamp=bad)
     for bad in ((0.0, 10.0), (20.0, -1.0), (20.0,), 10.0, (float("nan"), 10.0)):
         with pytest.raises(ValueError, match="kl_clamp"):
-            make_loss_config("grpo", beta=0.1, kl_clamp=bad)
-    assert make_loss_config("gspo", log_ratio_clamp=[-math.inf, 10]).log_ratio_clamp == (-math.inf, 10.0)
-    assert make_loss_config("grpo").log_ratio_clamp is None and make_loss_config("grpo").kl_clamp is None
+            LossConfig("grpo", beta=0.1, kl_clamp=bad)
+    assert LossConfig("gspo", log_ratio_clamp=[-math.inf, 10]).log_ratio_clamp == (-math.inf, 10.0)
+    assert LossConfig("grpo").log_ratio_clamp is None and LossConfig("grpo").kl_clamp is None
 
 
 @pytest.mark.parametrize("kind, rewards, why", [
@@ -562,3 +563,16 @@ def test_every_loss_has_one_entry():
 
     assert tuple(name for name, entry in LOSS_KINDS.items() if not entry.supervised) == LOSSES
     assert [name for name, entry in LOSS_KINDS.items() if entry.supervised] == ["nll"]
+
+
+@pytest.mark.parametrize("kind", list(LOSS_KINDS))
+def test_a_built_loss_config_is_replaced_like_any_dataclass(kind):
+    """The fields hold the values the loss computes with, so `dataclasses.replace` of a built config rebuilds it:
+    the unused fields' own values pass the checks, and the changed one is checked again."""
+    import dataclasses
+
+    cfg = LossConfig(kind)
+    scaled = dataclasses.replace(cfg, loss_scale=0.5)
+    assert scaled.loss_scale == 0.5 and dataclasses.replace(scaled, loss_scale=1.0) == cfg
+    with pytest.raises(ValueError, match="loss_scale must be"):
+        dataclasses.replace(cfg, loss_scale=-1.0)

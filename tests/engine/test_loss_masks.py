@@ -13,6 +13,7 @@ from helpers import EXACT_F64, assert_close, gradient_tolerance, grads, random_g
 from longstraw import Group, backward_group
 from longstraw.engine import logprobs as logprobs_module
 from longstraw.engine.logprobs import chunked_logprobs
+from longstraw.engine.loss.config import LossConfig
 from longstraw.engine.sampling import SamplingConfig, sample_group
 from longstraw.engine.tree import plans as exact_plan
 from longstraw.engine.tree import plans as replay
@@ -80,7 +81,7 @@ def test_masked_loss_equals_the_plain_restatement(loss, beta):
     _reference_loss(reference, group, loss, beta, eps).backward()
     for plan in ("standard", "standard_batched", "exact"):
         model = tiny_model("llama")
-        backward_group(model, group, plan=plan, loss=loss, beta=beta, chunk_size=8)
+        backward_group(model, group, plan=plan, loss=LossConfig(loss, beta=beta), chunk_size=8)
         assert_close(f"{loss} {plan}", grads(reference), grads(model), 1e-10)
 
 
@@ -113,7 +114,7 @@ def test_a_masked_tokens_log_probs_have_no_effect():
     out = []
     for g in (group, perturbed):
         model = tiny_model("llama")
-        backward_group(model, g, plan="exact", beta=0.05, chunk_size=8)
+        backward_group(model, g, plan="exact", loss=LossConfig("grpo", beta=0.05), chunk_size=8)
         out.append(grads(model))
     assert torch.equal(out[0], out[1])
 
@@ -124,7 +125,7 @@ def test_exact_equals_standard_with_masks(family):
     out = {}
     for plan in ("standard", "exact", "detach"):
         model = tiny_model(family)
-        backward_group(model, group, plan=plan, beta=0.05, chunk_size=8)
+        backward_group(model, group, plan=plan, loss=LossConfig("grpo", beta=0.05), chunk_size=8)
         out[plan] = grads(model)
     # deepseek_v3's float32 kernel (its router) works token by token, so chunking rounds it alike in both plans:
     # 9e-16 measured, hence float64's tolerance rather than its family's (FP32_INSIDE, 1e-6).
@@ -185,8 +186,8 @@ def test_skipping_masked_tokens_output_projection_changes_nothing(plan, family, 
             if path == "unskipped":
                 m.setattr(replay, "selected_logprobs", _unskipped)
             m.setattr(logprobs_module, "chunked_logprobs", counted)  # selected_logprobs calls it there
-            result = backward_group(model, group, plan="standard" if path == "standard" else plan, beta=0.05,
-                                    chunk_size=8, micro_batch=2)
+            result = backward_group(model, group, plan="standard" if path == "standard" else plan,
+                                    loss=LossConfig("grpo", beta=0.05), chunk_size=8, micro_batch=2)
         out[path] = (grads(model), result.loss, result.logprobs, sum(rows))
     loss_tokens = sum(int(m.sum()) for m in group.loss_masks)
     padded = 2 * max(LENGTHS[:2]) + LENGTHS[2]  # two micro-batches: responses 0-1 padded to 9, response 2
@@ -208,7 +209,7 @@ def test_detach_with_masks_equals_standard_at_one_prompt_token(family):
     out = {}
     for plan in ("standard", "detach"):
         model = tiny_model(family)
-        backward_group(model, group, plan=plan, beta=0.05, chunk_size=8, micro_batch=2)
+        backward_group(model, group, plan=plan, loss=LossConfig("grpo", beta=0.05), chunk_size=8, micro_batch=2)
         out[plan] = grads(model)
     assert_close(f"{family} detach P=1", out["standard"], out["detach"], gradient_tolerance(family))
 
@@ -225,7 +226,7 @@ def test_detach_with_masks_equals_exact_before_its_prompt_backward(monkeypatch):
         with monkeypatch.context() as m:
             if name == "replay":
                 m.setattr(exact_plan, "prompt_backward", lambda *args, **kwargs: None)
-            backward_group(model, g, plan=plan, beta=0.05, chunk_size=8, micro_batch=2)
+            backward_group(model, g, plan=plan, loss=LossConfig("grpo", beta=0.05), chunk_size=8, micro_batch=2)
         out[name] = grads(model)
     assert_close("masked detach vs exact's replay", out["detach"], out["replay"], 1e-13)
     assert (out["detach"] - out["unmasked"]).norm() > 1e-3 * out["detach"].norm()
@@ -246,7 +247,7 @@ def test_group_results_log_probs_are_accepted_as_old_and_ref_log_probs(plan):
         g = Group(prompt=group.prompt, responses=group.responses, advantages=group.advantages, old_logprobs=values,
                   ref_logprobs=values, loss_masks=group.loss_masks)
         model = tiny_model("llama")
-        result = backward_group(model, g, plan=plan, beta=0.05, chunk_size=8)
+        result = backward_group(model, g, plan=plan, loss=LossConfig("grpo", beta=0.05), chunk_size=8)
         assert math.isfinite(result.loss)
         out.append(grads(model))
     assert bool(out[0].isfinite().all()) and float(out[0].norm()) > 0

@@ -9,6 +9,7 @@ import torch
 from helpers import EXACT_F64, assert_close, gradient_tolerance, grads, random_group, tiny_model
 
 from longstraw import Group, backward_group
+from longstraw.engine.loss.config import LossConfig
 
 LENGTHS = [6, 9, 4]
 
@@ -106,4 +107,4 @@ def test_nll_ignores_advantages_and_masks_matter():
 ])
 def test_nll_refuses_the_policy_losses_options(options, match):
     with pytest.raises(ValueError, match=match):
-        backward_group(tiny_model("llama"), _group(), plan="exact", loss="nll", **options)
+        backward_group(tiny_model("llama"), _group(), plan="exact", loss=LossConfig("nll", **options))

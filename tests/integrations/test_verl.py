@@ -25,6 +25,7 @@ import torch  # noqa: E402
 from helpers import assert_close, free_port, gradient_tolerance, rel_err, run_ranks  # noqa: E402
 
 from longstraw.integrations.verl import config_refusals, settings_from_environment  # noqa: E402
+from longstraw.plan import DETACH, EXACT  # noqa: E402
 
 KL = {"use_kl_loss": True, "kl_loss_coef": 0.1, "kl_loss_type": "low_var_kl"}
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
@@ -192,11 +193,11 @@ def test_config_refusals_name_the_option_and_the_fix():
 
 
 def test_settings_from_the_environment():
-    assert settings_from_environment({}).plan == "exact"
+    assert settings_from_environment({}).plan is EXACT
     settings = settings_from_environment({"LONGSTRAW_PLAN": "detach", "LONGSTRAW_CHUNK_SIZE": "512",
                                           "LONGSTRAW_MICRO_BATCH": "2", "LONGSTRAW_CHECKPOINT": "layers"})
     assert (settings.plan, settings.chunk_size, settings.micro_batch, settings.checkpoint) == (
-        "detach", 512, 2, "layers")
+        DETACH, 512, 2, "layers")
     with pytest.raises(ValueError, match="LONGSTRAW_CHUNK_SIZE='many'"):
         settings_from_environment({"LONGSTRAW_CHUNK_SIZE": "many"})
     with pytest.raises(ValueError, match="unknown plan 'fast'"):

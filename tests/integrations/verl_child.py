@@ -14,6 +14,7 @@ spec's `env` sets LONGSTRAW_* variables for LongStraw's run; its training calls'
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -115,17 +116,17 @@ def _reference_gap(batch, folder: str, gap: float) -> None:
 
 @contextlib.contextmanager
 def _unclamped():
-    """`loss_options` without the clamps, inside the block."""
-    original = verl_integration.loss_options
+    """`loss_config` without the clamps, inside the block."""
+    original = verl_integration.loss_config
 
     def without(*args, **kwargs):
-        return original(*args, **kwargs) | {"log_ratio_clamp": None, "kl_clamp": None}
+        return dataclasses.replace(original(*args, **kwargs), log_ratio_clamp=None, kl_clamp=None)
 
-    verl_integration.loss_options = without
+    verl_integration.loss_config = without
     try:
         yield
     finally:
-        verl_integration.loss_options = original
+        verl_integration.loss_config = original
 
 
 def _set(batch, edits: list) -> None:

@@ -56,8 +56,8 @@ def test_meter_equals_an_independent_computation_and_leaves_the_run_bit_identica
         grads = {}
         for plan in ("detach", "exact"):
             c.model.zero_grad(set_to_none=True)
-            backward_group(c.model, r.group, plan=plan, loss=cfg.loss, chunk_size=cfg.chunk_size,
-                           micro_batch=cfg.micro_batch, **cfg.loss_options())
+            backward_group(c.model, r.group, plan=plan, chunk_size=cfg.chunk_size,
+                           micro_batch=cfg.micro_batch, loss=cfg.loss_config())
             grads[plan] = _flat(c.model)
         gd, ge = grads["detach"], grads["exact"]
         cosine = float(gd @ ge / (gd.norm() * ge.norm()))

@@ -4,6 +4,7 @@ import argparse
 
 import pytest
 
+from longstraw.engine.loss.config import LossConfig
 from longstraw.train.config import TrainConfig, add_arguments, from_args
 
 
@@ -113,9 +114,9 @@ def test_float16_help_and_error_agree():
     assert TrainConfig(dtype="bfloat16").dtype == "bfloat16"
 
 
-def test_loss_options_use_defaults_unless_set():
-    assert TrainConfig().loss_options() == {"beta": 0.0}
-    assert TrainConfig(epsilon_high=0.28, beta=0.1).loss_options() == {"beta": 0.1, "epsilon_high": 0.28}
+def test_the_loss_uses_its_defaults_unless_set():
+    assert TrainConfig().loss_config() == LossConfig("grpo")
+    assert TrainConfig(epsilon_high=0.28, beta=0.1).loss_config() == LossConfig("grpo", epsilon_high=0.28, beta=0.1)
 
 
 def test_shipped_examples_are_valid_configs():

@@ -237,22 +237,24 @@ def _plans(model: torch.nn.Module, prompt: torch.Tensor, responses: list[torch.T
     tree under dapo's loss (on-policy: the policy gradient -Σ_i A_i Σ_t ∇log p(o_it) / Σ_i |o_i|; any loss with a
     nonzero gradient serves a parity check). The walks are run directly: this check is what admission calls."""
     from longstraw.engine.group import Group
+    from longstraw.engine.loss.config import LossConfig
     from longstraw.engine.options import BackwardOptions
     from longstraw.engine.precision import accumulation_dtype
     from longstraw.engine.tree.build import group_tree
     from longstraw.engine.tree.loss import TreeLoss
     from longstraw.engine.tree.plans import Walk, exact, standard
     from longstraw.models.architecture import hf
+    from longstraw.plan import EXACT, STANDARD
 
     weight = hf(model).get_input_embeddings().weight
     out = []
-    for plan in ("standard", "exact"):
+    for plan in (STANDARD, EXACT):
         model.zero_grad(set_to_none=True)
-        options = BackwardOptions(plan=plan, chunk_size=CHUNK, loss="dapo")
+        options = BackwardOptions(plan=plan, chunk_size=CHUNK, loss=LossConfig("dapo"))
         tree = group_tree(Group(prompt, responses, advantages))
-        loss = TreeLoss(tree, options.loss_config, weight.device, accumulation_dtype(weight.dtype))
+        loss = TreeLoss(tree, options.loss, weight.device, accumulation_dtype(weight.dtype))
         walk = Walk(model=model, tree=tree, loss=loss, options=options)
-        standard(walk, batched=False) if plan == "standard" else exact(walk)
+        standard(walk, batched=False) if plan is STANDARD else exact(walk)
         out.append((_grads(model), loss.logprobs))
     model.zero_grad(set_to_none=True)
     return out

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from longstraw.admission.admission import is_recurrent
+from longstraw.engine.loss.config import LossConfig
 from longstraw.engine.options import BackwardOptions
 from longstraw.models.architecture import hf
 
@@ -19,6 +20,11 @@ def options_with(options: BackwardOptions | None, settings: dict[str, Any], call
     if options is not None and not isinstance(options, BackwardOptions):
         raise TypeError(f"options must be a longstraw.BackwardOptions, got {type(options).__name__}")
     unknown = sorted(set(settings) - set(BackwardOptions.names()))
+    loss_keys = [name for name in unknown if name in LossConfig.names()]
+    if loss_keys:
+        what = "is a parameter" if len(loss_keys) == 1 else "are parameters"
+        raise TypeError(f"{caller}: {', '.join(loss_keys)} {what} of the loss: pass loss=LossConfig(kind, "
+                        f"{loss_keys[0]}=...) (longstraw.engine.loss.config.LossConfig)")
     if unknown:
         extra = ", prompt_state" if caller == "backward_group" else ", min_shared"
         raise TypeError(f"{caller} got an unexpected keyword argument {unknown[0]!r}; valid options: "
@@ -35,7 +41,7 @@ def check_model_options(model: torch.nn.Module, options: BackwardOptions) -> Non
         raise ValueError("no parameter of the model requires grad, so there is nothing to train: unfreeze the "
                          "parameters to train (param.requires_grad_(True)) or add an adapter")
     model_type = hf(model).config.model_type
-    if options.plan == "exact" and options.chunk_size == 1 and is_recurrent(model):
+    if options.plan.needs_chunk_boundaries and options.chunk_size == 1 and is_recurrent(model):
         raise ValueError(
             f"chunk_size=1 with the exact plan on {model_type}: its recurrent layers update their "
             "state in place for one-token chunks, which the prompt backward cannot differentiate; use chunk_size >= 2"

@@ -153,7 +153,7 @@ def _check(model: torch.nn.Module, group: Group, options: BackwardOptions, promp
     check_model_options(model, options)
     check_materialised(model, "backward_group")
     check_tensor_parallel_model(model)
-    _check_model_and_group(model, group, options.loss_config.beta)
+    _check_model_and_group(model, group, options.loss.beta)
     if options.context_shards is not None:
         options.context_shards.check_supported(model)
     if prompt_state is not None:
@@ -166,7 +166,7 @@ def _check_prompt_state(model: torch.nn.Module, state: PromptState, group: Group
         raise ValueError("keep_prompt_graph keeps the graph of a capture backward_group runs itself, and a "
                          "prompt_state was passed (captured without one; its capture is already paid for): pass one or "
                          "the other")
-    if options.plan == "exact" and not state.keep_boundaries:
+    if options.plan.needs_chunk_boundaries and not state.keep_boundaries:
         raise ValueError("the exact plan needs a prompt_state captured with keep_boundaries=True (the recurrent "
                          "state at every chunk boundary); pass one, or none")
 
@@ -175,15 +175,15 @@ def _backward(model: torch.nn.Module, group: Group, options: BackwardOptions,
               prompt_state: PromptState | None) -> GroupResult:
     # The loss runs in the accumulation dtype (fp32 for a bf16/fp16 model, precision.py), as do its inputs.
     _check_ranges(group, accumulation_dtype(hf(model).get_input_embeddings().weight.dtype))
-    stats: dict[str, float | int | str] = {"plan": options.plan, "prompt_tokens": group.prompt.numel(),
+    stats: dict[str, float | int | str] = {"plan": options.plan.name, "prompt_tokens": group.prompt.numel(),
                                            "group_size": group.size, "checkpoint": options.checkpoint,
                                            "offload_state": options.offload_state,
                                            "keep_prompt_graph": options.keep_prompt_graph}
     root_state = None
-    if prompt_state is not None and options.plan in ("detach", "exact"):
+    if prompt_state is not None and options.plan.captures_state:
         device = hf(model).get_input_embeddings().weight.device
         root_state = prompt_state.offload(device) if options.offload_state else prompt_state
-        root_state = root_state.as_leaves() if options.plan == "exact" else root_state
+        root_state = root_state.as_leaves() if options.plan.exact_gradient else root_state
     with _restoring_gradients(model):
         result = run_tree(model, group_tree(group), options, root_state=root_state, names="responses")
     stats.update(prompt_state_bytes=result.stats.get("peak_path_state_bytes", 0),

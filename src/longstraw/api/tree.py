@@ -61,7 +61,7 @@ def backward_tree(model: torch.nn.Module, trajectories: list[Trajectory] | Tree,
     descendants); micro_batch: sibling leaves replayed at once (standard: trajectories per forward)."""
     options = options_with(options, settings, "backward_tree")
     tree = trajectories if isinstance(trajectories, Tree) else build_tree(trajectories, min_shared)
-    if options.plan in ("exact", "detach") and tree.min_shared < 2 and is_recurrent(model):
+    if options.plan.captures_state and tree.min_shared < 2 and is_recurrent(model):
         # A recurrent layer's one-token step (Mamba-2's selective_state_update) writes its state in place, which
         # autograd cannot differentiate: a one-token inner node's token goes into each of its branches instead.
         tree = build_tree(tree.trajectories, 2)
@@ -73,8 +73,6 @@ def backward_tree(model: torch.nn.Module, trajectories: list[Trajectory] | Tree,
 
 def _check(model: torch.nn.Module, tree: Tree, options: BackwardOptions) -> None:
     """What the options alone cannot say: this model and this tree."""
-    if options.plan not in ("standard", "standard_batched", "exact", "detach"):
-        raise ValueError(f"unknown plan {options.plan!r}")
     check_model_options(model, options)
     check_materialised(model, "backward_tree")
     check_tensor_parallel_model(model)
@@ -92,8 +90,7 @@ def _check(model: torch.nn.Module, tree: Tree, options: BackwardOptions) -> None
     if max_pos is not None and longest > max_pos:
         raise ValueError(f"the longest trajectory has {longest} tokens, more than the model's max_position_embeddings "
                          f"({max_pos}): shorten it or use a longer-context model")
-    cfg = options.loss_config
-    if cfg.beta:
+    if options.loss.beta:
         missing = [i for i, t in enumerate(tree.trajectories) if t.ref_logprobs is None]
         if missing:
             raise ValueError(f"beta > 0 needs ref_logprobs on every trajectory (missing on {missing[:5]})")
@@ -114,9 +111,9 @@ def run_tree(model: torch.nn.Module, tree: Tree, options: BackwardOptions, root_
     backpropagated before it."""
     device = hf(model).get_input_embeddings().weight.device
     dtype = accumulation_dtype(hf(model).get_input_embeddings().weight.dtype)
-    stats: dict[str, float | int | str] = {"plan": options.plan, **tree.stats(), "checkpoint": options.checkpoint,
+    stats: dict[str, float | int | str] = {"plan": options.plan.name, **tree.stats(), "checkpoint": options.checkpoint,
                                            "offload_state": options.offload_state}
-    cfg = options.loss_config
+    cfg = options.loss
     if cfg.beta == 0 and cfg.kind != "nll" and not options.router_aux_coef and \
             all(t.advantage == 0 for t in tree.trajectories):
         stats.update(capture_s=0.0, replay_s=0.0, backward_s=0.0, peak_path_state_bytes=0, first_pass_s=0.0)
@@ -132,14 +129,12 @@ def run_tree(model: torch.nn.Module, tree: Tree, options: BackwardOptions, root_
     with checkpointed_layers(model, enabled=options.checkpoint == "layers"), \
             router.aux.tap.hooked() if router is not None else nullcontext():
         try:
-            if options.plan in ("standard", "standard_batched"):
-                standard(walk, batched=options.plan == "standard_batched")
-            elif options.plan == "exact":
+            if not options.plan.captures_state:
+                standard(walk, batched=options.plan.batched)
+            elif options.plan.exact_gradient:
                 exact(walk)
-            elif options.plan == "detach":
-                detach(walk)
             else:
-                raise ValueError(f"unknown plan {options.plan!r}")
+                detach(walk)
         except FloatingPointError as err:
             err.backwards = walk.backwards  # type: ignore[attr-defined]
             raise

@@ -11,13 +11,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 
-from longstraw.choices import MIN_TEMPERATURE, PLANS
+from longstraw.choices import MIN_TEMPERATURE
 from longstraw.engine.activation_checkpointing import check_checkpoint
 from longstraw.engine.logprobs import DEFAULT_TOKEN_CHUNK
-from longstraw.engine.loss.config import LossConfig, make_loss_config
+from longstraw.engine.loss.config import LossConfig
 from longstraw.engine.state.sharding import ContextShards
-
-PROMPT_STATE_PLANS = ("detach", "exact")  # the plans that capture a prompt state (the others run full sequences)
+from longstraw.plan import EXACT, Plan, plan_named
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -30,13 +29,9 @@ def _positive_int(name: str, value: object) -> int:
 class BackwardOptions:
     """Every option of one group's backward.
 
-    plan: standard | standard_batched | detach | exact.
-    loss and its parameters (`longstraw.engine.loss`): epsilon (both clip sides), epsilon_low, epsilon_high (None:
-    the loss's default; cispo's epsilon_high is its weight cap), beta (KL coefficient), max_tokens (dr_grpo's L_max),
-    token_normalizer (dapo/cispo/vespo's denominator), kl_ratio (k3 times the ratio), loss_scale (the group loss times
-    this), sequence_ratio (the ratio per sequence or per token; None: the loss's own), delta (two-sided clipping),
-    sapo_temperature_pos/_neg and vespo_k_pos/_lambda_pos/_k_neg/_lambda_neg (those losses' shapes; None: default),
-    log_ratio_clamp and kl_clamp (verl's clamps of the ratio's exponent and of the k3 term; None: unclamped).
+    plan: a `longstraw.plan.Plan` (standard, standard_batched, detach, exact) or its name.
+    loss: a `LossConfig` (`longstraw.engine.loss.config`: the loss and its parameters, e.g.
+    `LossConfig("dapo", epsilon_high=0.3, beta=0.04)`) or a loss's name (its defaults).
     chunk_size: prompt tokens per capture chunk (and per prompt-backward chunk of the exact plan).
     micro_batch: responses replayed at once (detach/exact). token_chunk: rows per block of the chunked log-prob.
     checkpoint: "none" or "layers" (per-layer activation checkpointing of every forward with grad).
@@ -55,26 +50,8 @@ class BackwardOptions:
     state.
     """
 
-    plan: str = "exact"
-    loss: str = "grpo"
-    epsilon: float | None = None
-    epsilon_low: float | None = None
-    epsilon_high: float | None = None
-    beta: float = 0.0
-    max_tokens: int | None = None
-    token_normalizer: float | None = None
-    kl_ratio: bool = False
-    loss_scale: float = 1.0
-    sequence_ratio: bool | None = None
-    delta: float | None = None
-    sapo_temperature_pos: float | None = None
-    sapo_temperature_neg: float | None = None
-    vespo_k_pos: float | None = None
-    vespo_lambda_pos: float | None = None
-    vespo_k_neg: float | None = None
-    vespo_lambda_neg: float | None = None
-    log_ratio_clamp: tuple[float, float] | None = None
-    kl_clamp: tuple[float, float] | None = None
+    plan: Plan = EXACT
+    loss: LossConfig = LossConfig()
     chunk_size: int = 2048
     micro_batch: int = 1
     token_chunk: int = DEFAULT_TOKEN_CHUNK
@@ -85,20 +62,16 @@ class BackwardOptions:
     allow_train_mode: bool = False
     router_aux_coef: float = 0.0
     context_shards: ContextShards | None = field(default=None, compare=False)
-    loss_config: LossConfig = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.plan not in PLANS:
-            raise ValueError(f"unknown plan {self.plan!r}: choose one of {', '.join(PLANS)}")
-        object.__setattr__(self, "loss_config", make_loss_config(
-            self.loss, epsilon=self.epsilon, epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high,
-            beta=self.beta, max_tokens=self.max_tokens, token_normalizer=self.token_normalizer,
-            kl_ratio=self.kl_ratio, loss_scale=self.loss_scale, sequence_ratio=self.sequence_ratio, delta=self.delta,
-            sapo_temperature_pos=self.sapo_temperature_pos, sapo_temperature_neg=self.sapo_temperature_neg,
-            vespo_k_pos=self.vespo_k_pos, vespo_lambda_pos=self.vespo_lambda_pos, vespo_k_neg=self.vespo_k_neg,
-            vespo_lambda_neg=self.vespo_lambda_neg, log_ratio_clamp=self.log_ratio_clamp, kl_clamp=self.kl_clamp))
-        for name in ("log_ratio_clamp", "kl_clamp"):  # the validated pair (a tuple of floats)
-            object.__setattr__(self, name, getattr(self.loss_config, name))
+        object.__setattr__(self, "plan", plan_named(self.plan))
+        loss = self.loss
+        if isinstance(loss, str):
+            loss = LossConfig(loss)
+        elif not isinstance(loss, LossConfig):
+            raise TypeError(f"loss must be a LossConfig (e.g. LossConfig('dapo', beta=0.04)) or a loss's name, got "
+                            f"{type(loss).__name__}")
+        object.__setattr__(self, "loss", loss)
         for name in ("chunk_size", "micro_batch", "token_chunk"):
             _positive_int(name, getattr(self, name))
         object.__setattr__(self, "checkpoint", check_checkpoint(self.checkpoint))
@@ -112,15 +85,15 @@ class BackwardOptions:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         plan, keep = self.plan, self.keep_prompt_graph
-        if self.context_shards is not None and plan not in PROMPT_STATE_PLANS:
+        if self.context_shards is not None and not plan.supports_context_parallel:
             raise ValueError(f"context parallelism shards the prompt state: use plan detach or exact, not {plan}")
-        if self.offload_state and plan not in PROMPT_STATE_PLANS:
+        if self.offload_state and not plan.supports_offload:
             raise ValueError(f"offload_state moves the prompt state to host memory: the {plan} plan has none; use "
                              "plan detach or exact")
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
             raise ValueError(f"keep_prompt_graph must be an integer >= 0 (capture chunks whose graph is kept), got "
                              f"{keep!r}")
-        if keep and plan != "exact":
+        if keep and not plan.supports_kept_graphs:
             raise ValueError(f"keep_prompt_graph keeps capture graphs for the exact plan's prompt backward; the {plan} "
                              "plan has none: pass keep_prompt_graph=0 or plan='exact'")
         aux = self.router_aux_coef
@@ -138,5 +111,5 @@ class BackwardOptions:
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
-        """The options a caller sets (every field but the derived `loss_config`)."""
-        return tuple(f.name for f in fields(cls) if f.init)
+        """The options a caller sets."""
+        return tuple(f.name for f in fields(cls))

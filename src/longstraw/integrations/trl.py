@@ -40,6 +40,7 @@ from longstraw.api.tree import backward_tree
 from longstraw.distributed.context import check_supported as check_context_supported
 from longstraw.distributed.context import context_blocks
 from longstraw.distributed.fsdp import check_same_work, sharded_compute
+from longstraw.engine.loss.config import LossConfig
 from longstraw.engine.options import BackwardOptions
 from longstraw.engine.tree.build import Trajectory, Tree, build_tree
 from longstraw.integrations.deepspeed import gathered as deepspeed_gathered
@@ -248,7 +249,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             options = replace(options,
                               router_aux_coef=self.router_aux_loss_coef / self.current_gradient_accumulation_steps)
         if self._context is not None:  # every process of a context-parallel block runs the tree; scaled by 1/C
-            options = replace(options, context_shards=self._context, loss_scale=options.loss_scale / self._context.size)
+            options = replace(options, context_shards=self._context,
+                              loss=replace(options.loss, loss_scale=options.loss.loss_scale / self._context.size))
         prompt_ids, prompt_mask, tool_mask = inputs["prompt_ids"], inputs["prompt_mask"], inputs.get("tool_mask")
         lengths = inputs["completion_mask"].sum(1)
         old, ref = inputs.get("old_per_token_logps"), inputs.get("ref_per_token_logps") if self.beta != 0.0 else None
@@ -343,8 +345,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
 
     def _options(self, kept: int, inputs: dict[str, Any]) -> BackwardOptions:
         """The backward options of a group of `kept` rows of `inputs` (`_loss_options`)."""
-        return replace(self._longstraw, loss=loss_kind(self.args), temperature=self.temperature,
-                       **self._loss_options(kept, inputs))
+        return replace(self._longstraw, temperature=self.temperature,
+                       loss=LossConfig(loss_kind(self.args), **self._loss_options(kept, inputs)))
 
     def _loss_options(self, kept: int, inputs: dict[str, Any]) -> dict[str, Any]:
         """The loss options that make one group's share of LongStraw's loss equal to its share of TRL's loss over

@@ -15,8 +15,9 @@ try:
 except ImportError as err:  # pragma: no cover - exercised only without the extra
     raise ImportError(f"longstraw.integrations.trl needs TRL: pip install 'longstraw[trl]' ({err})") from err
 
-from longstraw.engine.loss.config import make_loss_config
+from longstraw.engine.loss.config import LossConfig
 from longstraw.engine.options import BackwardOptions
+from longstraw.plan import plan_named
 
 _TRL_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
 
@@ -74,7 +75,7 @@ def backward_options(args: GRPOConfig) -> BackwardOptions:
     if checkpoint is None:
         checkpoint = "layers" if args.gradient_checkpointing else "none"
     try:
-        options = BackwardOptions(plan=getattr(args, "longstraw_plan", "exact"),
+        options = BackwardOptions(plan=plan_named(getattr(args, "longstraw_plan", "exact")),
                                chunk_size=getattr(args, "longstraw_chunk_size", 2048),
                                micro_batch=getattr(args, "longstraw_micro_batch", 1), checkpoint=checkpoint,
                                offload_state=getattr(args, "longstraw_offload_state", False),
@@ -83,9 +84,9 @@ def backward_options(args: GRPOConfig) -> BackwardOptions:
     except (TypeError, ValueError) as err:
         raise ValueError(f"LongStrawGRPOConfig's longstraw_* options: {err}") from None
     cp = context_size(args)
-    if cp > 1 and options.plan not in ("detach", "exact"):
+    if cp > 1 and not options.plan.supports_context_parallel:
         raise ValueError(f"LongStrawGRPOConfig's longstraw_cp={cp} shards the prompt state: use longstraw_plan "
-                         f"'exact' or 'detach', not {options.plan!r}")
+                         f"'exact' or 'detach', not {options.plan.name!r}")
     if cp > 1 and options.keep_prompt_graph:
         raise ValueError("LongStrawGRPOConfig's longstraw_keep_prompt_graph is not supported with longstraw_cp > 1: "
                          "set it to 0")
@@ -181,7 +182,7 @@ def config_refusals(args: GRPOConfig, named: dict[str, Any]) -> list[str]:
         out.append(f"loss_type={loss!r} is not one LongStraw maps onto its losses ({', '.join(_TRL_LOSS_TYPES)})")
     else:
         try:  # the engine's checks of the loss options, here rather than at the first step
-            make_loss_config(loss_kind(args), **loss_parameters(args))
+            LossConfig(loss_kind(args), **loss_parameters(args))
         except (TypeError, ValueError) as err:
             out.append(f"loss_type={loss!r} with these options: {err}")
     if loss == "bnpo" and args.num_generations and args.per_device_train_batch_size % args.num_generations:

@@ -12,7 +12,7 @@ sharding, the optimizer, gradient clipping, checkpoints and logging. One method 
 of a training mini-batch runs `backward_tree` once over all its rows, one prefix tree in which a token several rows
 share (each prompt's, a system prompt across prompts, earlier turns of a conversation) is encoded once, inside one
 all-gather / reduce-scatter of the FSDP parameters, instead of verl's full-sequence forward and backward per
-micro-batch. The options that make the loss verl's `ppo_loss` are `loss_options` (docs/verl.md has
+micro-batch. The loss that is verl's `ppo_loss` is `loss_config` (docs/verl.md has
 the table); what it cannot reproduce is refused with the reason before any parameter or gradient is touched.
 
 LongStraw's own settings come from the environment of the worker processes (verl passes
@@ -43,13 +43,15 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
 
 from longstraw.api.tree import backward_tree
 from longstraw.distributed.fsdp import sharded_compute
+from longstraw.engine.loss.config import LossConfig
 from longstraw.engine.options import BackwardOptions
 from longstraw.engine.tree.build import Trajectory, Tree, build_tree
 from longstraw.models.architecture import hf
+from longstraw.plan import EXACT, Plan, plan_named
 
-__all__ = ["LongStrawFSDPEngine", "install", "loss_options", "settings_from_environment"]
+__all__ = ["LongStrawFSDPEngine", "install", "loss_config", "settings_from_environment"]
 
-# verl's loss_agg_mode -> the LongStraw loss whose normaliser it is (`loss_options` scales it to verl's).
+# verl's loss_agg_mode -> the LongStraw loss whose normaliser it is (`loss_config` scales it to verl's).
 _AGG_LOSS = {
     "token-mean": "dapo",  # Σ tokens / tokens of the mini-batch (over the data-parallel ranks)
     "token-sum": "dapo",  # Σ tokens (a token normaliser of 1)
@@ -70,11 +72,14 @@ _LOG_RATIO_CLAMP = {
 class Settings:
     """LongStraw's own options inside verl (the loss's come from verl's actor config)."""
 
-    plan: str = "exact"
+    plan: Plan = EXACT  # or its name
     chunk_size: int = 2048
     micro_batch: int = 1
     checkpoint: str = "none"
     tree_min_shared: int = 1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "plan", plan_named(self.plan))
 
 
 def settings_from_environment(environ: dict[str, str] | None = None) -> Settings:
@@ -91,10 +96,10 @@ def settings_from_environment(environ: dict[str, str] | None = None) -> Settings
                 values[name] = kind(env[key])
             except ValueError:
                 raise ValueError(f"{key}={env[key]!r} is not a valid {what}") from None
-    settings = Settings(**values)
-    if settings.tree_min_shared < 1:
-        raise ValueError(f"LONGSTRAW_TREE_MIN_SHARED={settings.tree_min_shared} must be >= 1")
+    if values.get("tree_min_shared", 1) < 1:
+        raise ValueError(f"LONGSTRAW_TREE_MIN_SHARED={values['tree_min_shared']} must be >= 1")
     try:
+        settings = Settings(**values)
         BackwardOptions(plan=settings.plan, chunk_size=settings.chunk_size, micro_batch=settings.micro_batch,
                         checkpoint=settings.checkpoint)
     except (TypeError, ValueError) as err:
@@ -141,9 +146,9 @@ def config_refusals(config: Any) -> list[str]:
     return out
 
 
-def loss_options(config: Any, group_size: int, *, dp_size: int, batch_num_tokens: float, global_batch_size: int,
-                 horizon: int) -> dict[str, Any]:
-    """The loss options that make one group's share of LongStraw's loss equal to its share of verl's
+def loss_config(config: Any, group_size: int, *, dp_size: int, batch_num_tokens: float, global_batch_size: int,
+                horizon: int) -> LossConfig:
+    """The loss (its options) that makes one group's share of LongStraw's loss equal to its share of verl's
     `ppo_loss` summed over the micro-batches of a mini-batch on this rank, before the data-parallel mean that FSDP
     takes (verl's agg_loss multiplies each rank's loss by dp_size for that mean):
 
@@ -170,7 +175,7 @@ def loss_options(config: Any, group_size: int, *, dp_size: int, batch_num_tokens
     low = config.clip_ratio_low if config.clip_ratio_low is not None else config.clip_ratio
     high = config.clip_ratio_high if config.clip_ratio_high is not None else config.clip_ratio
     options: dict[str, Any] = {
-        "loss": _AGG_LOSS[agg], "epsilon_low": float(low), "epsilon_high": float(high),
+        "epsilon_low": float(low), "epsilon_high": float(high),
         "sequence_ratio": mode == "gspo",
         "delta": float(config.get("clip_ratio_c", 3.0)) if mode == "vanilla" else None,
         "beta": float(config.kl_loss_coef) if config.use_kl_loss else 0.0,
@@ -188,7 +193,7 @@ def loss_options(config: Any, group_size: int, *, dp_size: int, batch_num_tokens
         options |= {"loss_scale": group_size * dp_size / global_batch_size / factor}
     else:
         raise ValueError(f"loss_agg_mode {agg!r} is not mapped: choose one of {', '.join(_AGG_LOSS)}")
-    return options
+    return LossConfig(_AGG_LOSS[agg], **options)
 
 
 @dataclass
@@ -273,13 +278,13 @@ class LongStrawFSDPEngine(FSDPEngineWithLMHead):
         batch_num_tokens = data["loss_mask"].sum().to(device)
         torch.distributed.all_reduce(batch_num_tokens, op=torch.distributed.ReduceOp.SUM, group=dp_group)
         rows = _rows(data, with_ref=bool(config.use_kl_loss))
-        # every row its own group: verl's normalisers are the mini-batch's (`loss_options` of a group of one row)
+        # every row its own group: verl's normalisers are the mini-batch's (`loss_config` of a group of one row)
         options = BackwardOptions(plan=settings.plan, chunk_size=settings.chunk_size, micro_batch=settings.micro_batch,
                                   checkpoint=settings.checkpoint, temperature=_temperature(data),
                                   allow_train_mode=True,
-                                  **loss_options(config, 1, dp_size=dp_size, batch_num_tokens=float(batch_num_tokens),
-                                                 global_batch_size=int(data["global_batch_size"]),
-                                                 horizon=data["response_mask"].shape[-1]))
+                                  loss=loss_config(config, 1, dp_size=dp_size, batch_num_tokens=float(batch_num_tokens),
+                                                   global_batch_size=int(data["global_batch_size"]),
+                                                   horizon=data["response_mask"].shape[-1]))
         tree = _tree(rows, settings, device)
         autocast_dtype = getattr(self, "_autocast_dtype", torch.float32)
         autocast = (nullcontext() if autocast_dtype == torch.float32

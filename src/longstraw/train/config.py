@@ -35,6 +35,7 @@ TREE_TRIGGERS = ("tool_call", "tokens")  # engine.tree.rollout.TRIGGERS, named h
 TREE_ADVANTAGES = ("grpo", "siblings")  # engine.tree.rollout.TREE_ADVANTAGES
 
 if TYPE_CHECKING:
+    from longstraw.engine.loss.config import LossConfig
     from longstraw.engine.options import BackwardOptions
     from longstraw.engine.state.sharding import ContextShards
 
@@ -277,24 +278,21 @@ class TrainConfig:
                            "--cp")
         need(self.bias_every == 0, "--bias-every measures groups (backward_group); --rollout tree has none: drop it")
 
-    def loss_options(self) -> dict[str, float]:
-        """The loss parameters this config sets; a clip value of -1 means "the loss's own default"."""
-        opts = {"beta": self.beta}
-        if self.epsilon_low >= 0:
-            opts["epsilon_low"] = self.epsilon_low
-        if self.epsilon_high >= 0:
-            opts["epsilon_high"] = self.epsilon_high
-        return opts
+    def loss_config(self) -> LossConfig:
+        """The loss this config sets; a clip value of -1 means "the loss's own default"."""
+        from longstraw.engine.loss.config import LossConfig
+
+        return LossConfig(self.loss, beta=self.beta, epsilon_low=self.epsilon_low if self.epsilon_low >= 0 else None,
+                          epsilon_high=self.epsilon_high if self.epsilon_high >= 0 else None)
 
     def backward_options(self, plan: str | None = None,
                          context_shards: ContextShards | None = None) -> BackwardOptions:
         """The `backward_group` options of this config (validated there), with another plan if given (the bias
         meter's exact) and the run's context-parallel group."""
         from longstraw.engine.options import BackwardOptions
+        from longstraw.plan import plan_named
 
-        return BackwardOptions(plan=self.plan if plan is None else plan, loss=self.loss, beta=self.beta,
-                               epsilon_low=self.epsilon_low if self.epsilon_low >= 0 else None,
-                               epsilon_high=self.epsilon_high if self.epsilon_high >= 0 else None,
+        return BackwardOptions(plan=plan_named(self.plan if plan is None else plan), loss=self.loss_config(),
                                chunk_size=self.chunk_size, micro_batch=self.micro_batch,
                                checkpoint="layers" if self.checkpoint_layers else "none",
                                offload_state=self.offload_state, context_shards=context_shards)

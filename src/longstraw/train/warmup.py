@@ -25,6 +25,7 @@ import torch
 
 from longstraw.api.group import backward_group
 from longstraw.engine.group import Group
+from longstraw.engine.loss.config import LossConfig
 from longstraw.train.data import derive_seed
 
 if TYPE_CHECKING:
@@ -65,7 +66,7 @@ def check_gold(cfg: TrainConfig, data: TaskData, stop_ids: tuple[int, ...]) -> N
 
 def nll_options(options: BackwardOptions) -> BackwardOptions:
     """The run's backward options with the nll loss (no KL term, no clip)."""
-    return replace(options, loss=NLL_LOSS, beta=0.0, epsilon_low=None, epsilon_high=None, epsilon=None)
+    return replace(options, loss=LossConfig(NLL_LOSS))
 
 
 def warm_start(model: torch.nn.Module, cfg: TrainConfig, data: TaskData, options: BackwardOptions,

@@ -7,10 +7,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import EXACT_F64, SAME_ORDER_F64, agent_tree, assert_close, gradient_tolerance, grads, tiny_model
+from helpers import (
+    EXACT_F64,
+    SAME_ORDER_F64,
+    agent_tree,
+    assert_close,
+    gradient_tolerance,
+    grads,
+    tiny_model,
+    with_loss,
+)
 
 from longstraw import Trajectory, backward_tree, build_tree
-from longstraw.engine.loss.config import LossConfig, make_loss_config
+from longstraw.engine.loss.config import LossConfig
 from longstraw.engine.loss.terms import GroupTotals, response_loss
 from longstraw.engine.options import BackwardOptions
 from longstraw.engine.tree.loss import pieced_sequence_losses
@@ -84,7 +93,7 @@ def _reference(model: torch.nn.Module, trajectories: list[Trajectory], cfg: Loss
 def _tree(model: torch.nn.Module, trajectories: list[Trajectory], **settings):
     for p in model.parameters():
         p.grad = None
-    result = backward_tree(model, trajectories, **settings)
+    result = backward_tree(model, trajectories, **with_loss(settings))
     return result, grads(model).clone()
 
 
@@ -92,9 +101,9 @@ def test_the_agent_tree_needs_the_first_pass():
     """The shared turn's loss tokens are in four trajectories' losses, the prefix trajectory's in an inner node; the
     second group's lie in leaves of their own. Token-level losses never need it."""
     tree = build_tree(agent_tree())
-    assert pieced_sequence_losses(tree, make_loss_config("gspo")) == [0, 1, 2, 3, 4, 5]
-    assert pieced_sequence_losses(tree, make_loss_config("vespo")) == [0, 1, 2, 3, 4, 5]
-    assert pieced_sequence_losses(tree, make_loss_config("grpo")) == []
+    assert pieced_sequence_losses(tree, LossConfig("gspo")) == [0, 1, 2, 3, 4, 5]
+    assert pieced_sequence_losses(tree, LossConfig("vespo")) == [0, 1, 2, 3, 4, 5]
+    assert pieced_sequence_losses(tree, LossConfig("grpo")) == []
 
 
 @pytest.mark.parametrize("case", tuple(CASES))
@@ -104,7 +113,7 @@ def test_sequence_losses_on_shared_loss_tokens(case):
     model = _model("llama")
     settings, old, ref = CASES[case]
     trajectories = _trajectories(model, old, ref)
-    cfg = BackwardOptions(**settings).loss_config
+    cfg = BackwardOptions(**with_loss(settings)).loss
     want_loss, want = _reference(model, trajectories, cfg)
     results = {}
     for plan in ("exact", "standard", "detach"):
@@ -129,7 +138,7 @@ def test_other_families(family, case):
     model = _model(family)
     settings, old, ref = CASES[case]
     trajectories = _trajectories(model, old, ref)
-    want_loss, want = _reference(model, trajectories, BackwardOptions(**settings).loss_config)
+    want_loss, want = _reference(model, trajectories, BackwardOptions(**with_loss(settings)).loss)
     tol = max(gradient_tolerance(family), SAME_ORDER_F64)
     got, g_got = _tree(model, trajectories, plan="exact", chunk_size=8, **settings)
     assert got.loss == pytest.approx(want_loss, rel=tol)
@@ -149,10 +158,10 @@ def test_detach_without_prompt_state_paths_equals_exact():
         mask = torch.zeros(ids.numel() - 4, dtype=torch.bool)
         mask[:14] = True  # positions 4 … 17: the shared root only
         trajectories.append(Trajectory(ids, 4, adv, loss_mask=mask, group=g))
-    assert pieced_sequence_losses(build_tree(trajectories), make_loss_config("gspo")) == [0, 1, 2, 3]
+    assert pieced_sequence_losses(build_tree(trajectories), LossConfig("gspo")) == [0, 1, 2, 3]
     exact, g_exact = _tree(model, trajectories, plan="exact", chunk_size=32, loss="gspo")
     detach, g_detach = _tree(model, trajectories, plan="detach", chunk_size=32, loss="gspo")
-    want_loss, want = _reference(model, trajectories, BackwardOptions(loss="gspo").loss_config)
+    want_loss, want = _reference(model, trajectories, LossConfig("gspo"))
     assert exact.loss == pytest.approx(want_loss, rel=SAME_ORDER_F64)
     assert_close("exact gradient", want, g_exact, SAME_ORDER_F64)
     assert detach.loss == pytest.approx(exact.loss, rel=SAME_ORDER_F64)
@@ -164,8 +173,8 @@ def test_one_trajectory_scored_in_chunks():
     model = _model("llama")
     gen = torch.Generator().manual_seed(2)
     t = Trajectory(torch.randint(0, 512, (30,), generator=gen), 10, 0.7)
-    assert pieced_sequence_losses(build_tree([t]), make_loss_config("gspo")) == [0]
+    assert pieced_sequence_losses(build_tree([t]), LossConfig("gspo")) == [0]
     got, g_got = _tree(model, [t], plan="exact", chunk_size=4, loss="gspo")
-    want_loss, want = _reference(model, [t], BackwardOptions(loss="gspo").loss_config)
+    want_loss, want = _reference(model, [t], LossConfig("gspo"))
     assert got.loss == pytest.approx(want_loss, rel=SAME_ORDER_F64, abs=1e-15)
     assert_close("gradient", want, g_got, SAME_ORDER_F64)

@@ -18,6 +18,7 @@ from helpers import (
 )
 
 from longstraw import Trajectory, backward_group, backward_tree, build_tree
+from longstraw.engine.loss.config import LossConfig
 
 _MODELS: dict[str, torch.nn.Module] = {}
 
@@ -130,7 +131,7 @@ def test_losses_on_shared_response_tokens(loss):
         ref = -torch.rand(n, generator=gen, dtype=torch.float64) * 3
         trajectories.append(Trajectory(t.ids, t.loss_start, t.advantage, loss_mask=t.loss_mask, old_logprobs=old,
                                        ref_logprobs=ref, group=t.group))
-    settings = {"loss": loss} if loss != "grpo-kl-clipped" else {"loss": "grpo", "beta": 0.1, "epsilon": 0.1}
+    settings = {"loss": loss} if loss != "grpo-kl-clipped" else {"loss": LossConfig("grpo", beta=0.1, epsilon=0.1)}
     ref_result, g_ref = _run(model, backward_tree, model, trajectories, plan="standard", **settings)
     got, g_got = _run(model, backward_tree, model, trajectories, plan="exact", **settings)
     assert got.loss == pytest.approx(ref_result.loss, rel=1e-10)
@@ -153,7 +154,7 @@ def test_sequence_losses_run_on_shared_loss_tokens():
 def test_refusals_come_first():
     model = _model("llama")
     for settings, match in (({"router_aux_coef": 0.01}, "router_aux_coef"),
-                            ({"beta": 0.1}, "ref_logprobs")):
+                            ({"loss": LossConfig("grpo", beta=0.1)}, "ref_logprobs")):
         with pytest.raises(ValueError, match=match):
             backward_tree(model, two_task_tree(), **settings)
     big = [Trajectory(torch.tensor([1, 2, 600]), 1, 1.0)]

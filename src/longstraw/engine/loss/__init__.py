@@ -1,5 +1,5 @@
 """GRPO-family losses and advantage estimators, as pure tensor functions: `kinds` (one entry per loss and its
-properties), `config` (`make_loss_config`, the validated `LossConfig`), `terms` (`response_loss`, the per-token
+properties), `config` (`LossConfig`, one loss and its options, validated when built), `terms` (`response_loss`, the per-token
 terms and their normalisation), `advantages` (`compute_advantages`).
 
 Every loss here is a sum over responses of a per-response term once the group's constants are fixed

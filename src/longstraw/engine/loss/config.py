@@ -1,43 +1,98 @@
-"""`LossConfig`, one loss's validated options, and `make_loss_config`, which checks the options against the loss's
-entry (`kinds.LOSS_KINDS`) and fills its defaults. The options' meanings: the package docstring."""
+"""`LossConfig`: one loss and its options, checked against the loss's entry (`kinds.LOSS_KINDS`) and completed with
+its defaults when it is built. The options' meanings: the package docstring."""
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 
 from longstraw.engine.loss.kinds import LOSS_KINDS, OWN_PARAMETERS, LossKind
 
-_OWN_DEFAULTS = {name: parameter.default for name, (_, parameter) in OWN_PARAMETERS.items()}
+_DEFAULT_CLIP = (0.2, 0.2)  # the clip fields' values for a loss without a lower clip (unused by its terms)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class LossConfig:
-    """Which loss and its coefficients. Build it with `make_loss_config`, which fills per-loss defaults."""
+    """Which loss and its coefficients, validated when built: `LossConfig("dapo", epsilon_high=0.3, beta=0.04)`.
 
-    kind: str = "grpo"  # the loss's name (its entry: `entry`)
-    epsilon_low: float = 0.2  # lower clip: ratio >= 1 - epsilon_low (unused by cispo, sapo, vespo)
-    epsilon_high: float = 0.2  # upper clip: ratio <= 1 + epsilon_high; cispo: the weight's cap ε_max itself
-    beta: float = 0.0  # KL coefficient (k3 estimator against ref_logprobs)
-    max_tokens: int | None = None  # dr_grpo's L_max; None = longest response in the group
-    token_normalizer: float | None = None  # dapo/cispo/vespo's denominator; None = the group's Σ|o_i|
-    kl_ratio: bool = False  # k3 times the ratio (TRL's use_bias_correction_kl)
-    loss_scale: float = 1.0  # the group loss times this
-    sequence_ratio: bool = False  # the ratio is the sequence's s_i (gspo, luspo) rather than per token
-    delta: float | None = None  # two-sided clipping of the clipped losses: min(ratio, delta) in the unclipped term
-    sapo_temperature_pos: float = _OWN_DEFAULTS["sapo_temperature_pos"]  # sapo's gate temperature where A > 0
-    sapo_temperature_neg: float = _OWN_DEFAULTS["sapo_temperature_neg"]  # ... and where A <= 0
-    vespo_k_pos: float = _OWN_DEFAULTS["vespo_k_pos"]  # vespo's power k where A >= 0
-    vespo_lambda_pos: float = _OWN_DEFAULTS["vespo_lambda_pos"]  # vespo's decay λ where A >= 0
-    vespo_k_neg: float = _OWN_DEFAULTS["vespo_k_neg"]  # ... where A < 0
-    vespo_lambda_neg: float = _OWN_DEFAULTS["vespo_lambda_neg"]
-    log_ratio_clamp: tuple[float, float] | None = None  # (low, high) on the ratio's exponent; None: unclamped
-    kl_clamp: tuple[float, float] | None = None  # (d, c): ref − logp to ±d before the exp, k3 to ±c; None: unclamped
+    An option left None takes the loss's own default (dapo's clip-higher widths, gspo's sequence ratio, sapo's
+    temperatures ...), so the fields always hold the values the loss computes with. `epsilon` sets both clip sides;
+    `epsilon_low`/`epsilon_high` override one (cispo takes `epsilon_high` only, its weight cap; sapo and vespo have
+    no clip). An option another loss owns, or one this loss has no use for, is refused unless it equals the value
+    the loss would use anyway (so `dataclasses.replace` of a built config works)."""
+
+    kind: str  # the loss's name (its entry: `entry`)
+    epsilon_low: float  # lower clip: ratio >= 1 - epsilon_low (unused by cispo, sapo, vespo)
+    epsilon_high: float  # upper clip: ratio <= 1 + epsilon_high; cispo: the weight's cap ε_max itself
+    beta: float  # KL coefficient (k3 estimator against ref_logprobs)
+    max_tokens: int | None  # dr_grpo's L_max; None = longest response in the group
+    token_normalizer: float | None  # dapo/cispo/vespo's denominator; None = the group's Σ|o_i|
+    kl_ratio: bool  # k3 times the ratio (TRL's use_bias_correction_kl)
+    loss_scale: float  # the group loss times this
+    sequence_ratio: bool  # the ratio is the sequence's s_i (gspo, luspo) rather than per token
+    delta: float | None  # two-sided clipping of the clipped losses: min(ratio, delta) in the unclipped term
+    sapo_temperature_pos: float  # sapo's gate temperature where A > 0
+    sapo_temperature_neg: float  # ... and where A <= 0
+    vespo_k_pos: float  # vespo's power k where A >= 0
+    vespo_lambda_pos: float  # vespo's decay λ where A >= 0
+    vespo_k_neg: float  # ... where A < 0
+    vespo_lambda_neg: float
+    log_ratio_clamp: tuple[float, float] | None  # (low, high) on the ratio's exponent; None: unclamped
+    kl_clamp: tuple[float, float] | None  # (d, c): ref − logp to ±d before the exp, k3 to ±c; None: unclamped
+
+    def __init__(
+        self,
+        kind: str = "grpo",
+        *,
+        epsilon: float | None = None,
+        epsilon_low: float | None = None,
+        epsilon_high: float | None = None,
+        beta: float = 0.0,
+        max_tokens: int | None = None,
+        token_normalizer: float | None = None,
+        kl_ratio: bool = False,
+        loss_scale: float = 1.0,
+        sequence_ratio: bool | None = None,
+        delta: float | None = None,
+        sapo_temperature_pos: float | None = None,
+        sapo_temperature_neg: float | None = None,
+        vespo_k_pos: float | None = None,
+        vespo_lambda_pos: float | None = None,
+        vespo_k_neg: float | None = None,
+        vespo_lambda_neg: float | None = None,
+        log_ratio_clamp: tuple[float, float] | None = None,
+        kl_clamp: tuple[float, float] | None = None,
+    ) -> None:
+        entry = loss_kind(kind)
+        if entry.supervised:
+            _refuse_policy_options(entry, epsilon=epsilon, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
+                                   log_ratio_clamp=log_ratio_clamp, kl_clamp=kl_clamp, beta=beta, kl_ratio=kl_ratio,
+                                   sequence_ratio=sequence_ratio)
+        low, high = _clip_widths(entry, epsilon, epsilon_low, epsilon_high)
+        _check_widths(low, high, float(beta), max_tokens)
+        _check_kl_ratio_and_scale(kl_ratio, loss_scale)
+        values = dict(
+            kind=kind, epsilon_low=low, epsilon_high=high, beta=float(beta), max_tokens=max_tokens,
+            token_normalizer=_token_normalizer(entry, token_normalizer), kl_ratio=kl_ratio,
+            loss_scale=float(loss_scale), sequence_ratio=_sequence_ratio(entry, sequence_ratio),
+            delta=_delta(entry, delta), log_ratio_clamp=_log_ratio_clamp(log_ratio_clamp),
+            kl_clamp=_kl_clamp(kl_clamp), **_own_parameters(entry, {
+                "sapo_temperature_pos": sapo_temperature_pos, "sapo_temperature_neg": sapo_temperature_neg,
+                "vespo_k_pos": vespo_k_pos, "vespo_lambda_pos": vespo_lambda_pos, "vespo_k_neg": vespo_k_neg,
+                "vespo_lambda_neg": vespo_lambda_neg}))
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
 
     @property
     def entry(self) -> LossKind:
         """The loss's properties (`kinds.LOSS_KINDS`)."""
         return loss_kind(self.kind)
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """The options a caller sets (the constructor's keywords)."""
+        return tuple(inspect.signature(cls.__init__).parameters)[1:]
 
 
 def loss_kind(loss: str) -> LossKind:
@@ -61,9 +116,12 @@ def _finite(name: str, value: object, positive: bool) -> float:
 
 
 def _refuse_policy_options(entry: LossKind, **options: object) -> None:
-    """A supervised loss has no ratio, clip or KL term: every option of those must be left unset."""
-    given = [name for name in ("epsilon", "epsilon_low", "epsilon_high", "log_ratio_clamp", "kl_clamp")
-             if options[name] is not None]
+    """A supervised loss has no ratio, clip or KL term: every option of those must be left unset (the unused clip
+    fields' own values pass)."""
+    given = [name for name in ("epsilon", "log_ratio_clamp", "kl_clamp") if options[name] is not None]
+    given += [name for name, value in (("epsilon_low", options["epsilon_low"]),
+                                       ("epsilon_high", options["epsilon_high"]))
+              if value is not None and value != _DEFAULT_CLIP[0]]
     given += [name for name, on in (("beta", options["beta"] != 0), ("kl_ratio", options["kl_ratio"] is True),
                                     ("sequence_ratio", options["sequence_ratio"] is True)) if on]
     if given:
@@ -74,7 +132,7 @@ def _refuse_policy_options(entry: LossKind, **options: object) -> None:
 def _clip_widths(entry: LossKind, epsilon: float | None, epsilon_low: float | None,
                  epsilon_high: float | None) -> tuple[float, float]:
     """(ε_low, ε_high) from the options and the entry's defaults; a loss without a lower clip refuses epsilon and
-    epsilon_low, one without any clip all three."""
+    epsilon_low, one without any clip all three (the unused fields' own values, `_DEFAULT_CLIP`, pass)."""
     if entry.clip is not None:
         low, high = entry.clip
         if epsilon is not None:
@@ -82,28 +140,30 @@ def _clip_widths(entry: LossKind, epsilon: float | None, epsilon_low: float | No
         low = float(epsilon_low) if epsilon_low is not None else low
         high = float(epsilon_high) if epsilon_high is not None else high
         return low, high
+    unused_low = epsilon_low is not None and epsilon_low != _DEFAULT_CLIP[0]
     if entry.cap is not None:
-        if epsilon is not None or epsilon_low is not None:
+        if epsilon is not None or unused_low:
             raise ValueError(f"{entry.name} caps its importance weight from above only: set epsilon_high (the cap "
                              "ε_max itself), not epsilon or epsilon_low")
         if epsilon_high is None:
-            return LossConfig.epsilon_low, entry.cap
-        return LossConfig.epsilon_low, _finite(f"{entry.name}'s epsilon_high (the weight cap)", epsilon_high, True)
-    if epsilon is not None or epsilon_low is not None or epsilon_high is not None:
+            return _DEFAULT_CLIP[0], entry.cap
+        return _DEFAULT_CLIP[0], _finite(f"{entry.name}'s epsilon_high (the weight cap)", epsilon_high, True)
+    if epsilon is not None or unused_low or (epsilon_high is not None and epsilon_high != _DEFAULT_CLIP[1]):
         raise ValueError(f"the {entry.name} loss has no clip widths (its weight is smooth): leave epsilon, epsilon_low "
                          "and epsilon_high unset")
-    return LossConfig.epsilon_low, LossConfig.epsilon_high
+    return _DEFAULT_CLIP
 
 
 def _own_parameters(entry: LossKind, given: dict[str, float | None]) -> dict[str, float]:
-    """Every loss-owned parameter (`given`, None: its default), refused when set for a loss that does not own it."""
+    """Every loss-owned parameter (`given`, None: its default), refused when set, to another value than its default,
+    for a loss that does not own it."""
     out = {}
     for name, value in given.items():
         owner, parameter = OWN_PARAMETERS[name]
-        if value is None:
-            out[name] = parameter.default
-        elif owner != entry.name:
+        if owner != entry.name and value is not None and value != parameter.default:
             raise ValueError(f"{name} is a parameter of the {owner} loss, not of {entry.name} (use loss={owner!r})")
+        if value is None or owner != entry.name:
+            out[name] = parameter.default
         else:
             out[name] = _finite(name, value, parameter.positive)
     return out
@@ -157,53 +217,6 @@ def _delta(entry: LossKind, value: object) -> float | None:
         raise ValueError(f"delta bounds the unclipped ratio of the clipped losses ({_names('clipped')}); the "
                          f"{entry.name} loss has none")
     return _finite("delta", value, positive=True)
-
-
-def make_loss_config(
-    loss: str = "grpo",
-    *,
-    epsilon: float | None = None,
-    epsilon_low: float | None = None,
-    epsilon_high: float | None = None,
-    beta: float = 0.0,
-    max_tokens: int | None = None,
-    token_normalizer: float | None = None,
-    kl_ratio: bool = False,
-    loss_scale: float = 1.0,
-    sequence_ratio: bool | None = None,
-    delta: float | None = None,
-    sapo_temperature_pos: float | None = None,
-    sapo_temperature_neg: float | None = None,
-    vespo_k_pos: float | None = None,
-    vespo_lambda_pos: float | None = None,
-    vespo_k_neg: float | None = None,
-    vespo_lambda_neg: float | None = None,
-    log_ratio_clamp: tuple[float, float] | None = None,
-    kl_clamp: tuple[float, float] | None = None,
-) -> LossConfig:
-    """Validate loss options. `epsilon` sets both clip sides; `epsilon_low`/`epsilon_high` override one side (cispo
-    takes `epsilon_high` only, its weight cap; sapo and vespo have no clip). The sapo_* and vespo_* options belong to
-    their loss (None: its default). `max_tokens`, `token_normalizer`, `kl_ratio`, `loss_scale`, `sequence_ratio`,
-    `delta`, `log_ratio_clamp`, `kl_clamp`: see the package docstring."""
-    entry = loss_kind(loss)
-    if entry.supervised:
-        _refuse_policy_options(entry, epsilon=epsilon, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
-                               log_ratio_clamp=log_ratio_clamp, kl_clamp=kl_clamp, beta=beta, kl_ratio=kl_ratio,
-                               sequence_ratio=sequence_ratio)
-    low, high = _clip_widths(entry, epsilon, epsilon_low, epsilon_high)
-    _check_widths(low, high, float(beta), max_tokens)
-    normalizer = _token_normalizer(entry, token_normalizer)
-    _check_kl_ratio_and_scale(kl_ratio, loss_scale)
-    sequence = _sequence_ratio(entry, sequence_ratio)
-    delta = _delta(entry, delta)
-    own = _own_parameters(entry, {
-        "sapo_temperature_pos": sapo_temperature_pos, "sapo_temperature_neg": sapo_temperature_neg,
-        "vespo_k_pos": vespo_k_pos, "vespo_lambda_pos": vespo_lambda_pos, "vespo_k_neg": vespo_k_neg,
-        "vespo_lambda_neg": vespo_lambda_neg})
-    return LossConfig(kind=loss, epsilon_low=low, epsilon_high=high, beta=float(beta), max_tokens=max_tokens,
-                      token_normalizer=normalizer, kl_ratio=kl_ratio, loss_scale=float(loss_scale),
-                      sequence_ratio=sequence, delta=delta, **own, log_ratio_clamp=_log_ratio_clamp(log_ratio_clamp),
-                      kl_clamp=_kl_clamp(kl_clamp))
 
 
 def _pair(name: str, value: object, what: str) -> tuple[float, float]:

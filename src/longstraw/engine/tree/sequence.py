@@ -68,7 +68,7 @@ class _Recorder(TreeLoss):
 def first_pass(model: torch.nn.Module, tree: Tree, loss: TreeLoss, options: BackwardOptions) -> FirstPass:
     """Steps 1–2 of the module docstring for `tree` under `loss` (a `TreeLoss` without `linear`) and the plan of
     `options`; an empty `FirstPass` when no trajectory needs it."""
-    pieced = [] if options.plan not in ("exact", "detach") else pieced_sequence_losses(tree, loss.cfg)
+    pieced = [] if not options.plan.captures_state else pieced_sequence_losses(tree, loss.cfg)
     if not pieced:
         return FirstPass()
     t0 = time.perf_counter()
