@@ -105,7 +105,7 @@ demo-agent: $(DEMO_STAMP)
 # and seed (3), held-out reward table, weight divergence and plot in runs/compare-demo (resumable).
 .PHONY: compare-demo
 compare-demo: $(DEMO_STAMP)
-	$(BIN)/longstraw compare examples/demo.toml --plans standard,exact,detach --seeds 3
+	$(BIN)/python -m benchmarks compare examples/demo.toml --plans standard,exact,detach --seeds 3
 
 # Bench B1 (docs/design.md §5): peak memory and time of every plan across group sizes; --demo is the G in {2, 8} subset.
 bench: install
