@@ -98,7 +98,7 @@ demo-agent: $(DEMO_STAMP)
 		$(BIN)/longstraw train examples/agent-demo.toml --seed $$s --run-dir runs/agent-demo/seed$$s --overwrite \
 			|| exit 1; \
 	done; \
-	$(BIN)/python -m longstraw.train.agent_results runs/agent-demo $(addprefix runs/agent-demo/seed,$(AGENT_SEEDS)) \
+	$(BIN)/python -m benchmarks agent-results runs/agent-demo $(addprefix runs/agent-demo/seed,$(AGENT_SEEDS)) \
 		--wall-s $$(( $$(date +%s) - start ))
 
 # The paper's check of the detach plan at demo size: examples/demo.toml once per plan (standard, exact, detach)

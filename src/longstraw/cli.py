@@ -64,7 +64,7 @@ class Parser(argparse.ArgumentParser):
         return [h for h in hints if h]
 
     def short_usage(self) -> str:
-        """argparse's usage when it fits two lines; else the command, its positionals, and where the options are."""
+        """argparse's usage when it fits one line; else the command, its positionals, and where the options are."""
         usage = self.format_usage().strip()
         words = ["[options]"]
         for action in self._actions:
@@ -74,7 +74,7 @@ class Parser(argparse.ArgumentParser):
             words.append(f"[{name}]" if action.nargs in ("?", "*") else name)
             if isinstance(action, argparse._SubParsersAction):  # the commands by name, on the same line
                 usage = " ".join(usage.split()) + f"  ({name}: {', '.join(action.choices)})"
-        if usage.count("\n") < 2:
+        if "\n" not in usage:
             return usage
         return f"usage: {self.prog} {' '.join(words)}  ({self.prog} --help lists the options)"
 
