@@ -98,14 +98,14 @@ demo-agent: $(DEMO_STAMP)
 		$(BIN)/longstraw train examples/agent-demo.toml --seed $$s --run-dir runs/agent-demo/seed$$s --overwrite \
 			|| exit 1; \
 	done; \
-	$(BIN)/python -m longstraw.train.agent_results runs/agent-demo $(addprefix runs/agent-demo/seed,$(AGENT_SEEDS)) \
+	$(BIN)/python -m benchmarks agent-results runs/agent-demo $(addprefix runs/agent-demo/seed,$(AGENT_SEEDS)) \
 		--wall-s $$(( $$(date +%s) - start ))
 
 # The paper's check of the detach plan at demo size: examples/demo.toml once per plan (standard, exact, detach)
 # and seed (3), held-out reward table, weight divergence and plot in runs/compare-demo (resumable).
 .PHONY: compare-demo
 compare-demo: $(DEMO_STAMP)
-	$(BIN)/longstraw compare examples/demo.toml --plans standard,exact,detach --seeds 3
+	$(BIN)/python -m benchmarks compare examples/demo.toml --plans standard,exact,detach --seeds 3
 
 # Bench B1 (docs/design.md §5): peak memory and time of every plan across group sizes; --demo is the G in {2, 8} subset.
 bench: install

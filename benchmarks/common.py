@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from benchmarks.launch import describe_exit, worker_command, worker_env
 from benchmarks.machine import machine_info
-from longstraw.choices import PLANS_BASELINE_FIRST
+from longstraw.choices import PLANS_BASELINE_FIRST, PRESET_NAMES
 from longstraw.planner import GIB as GIB  # byte units, re-exported to the benches with MIB
 from longstraw.planner import MIB
 from longstraw.planner import non_negative_int as non_negative_int  # argparse type, re-exported to the benches
@@ -85,6 +85,9 @@ class MemoryBenchConfig:
 
 
 B1 = MemoryBenchConfig()
+# Architecture families with a Bench B1 preset `b1-<arch>` (`bench arch --archs`, `bench memory --arch`), read from the
+# preset names, which import no torch (for --help).
+B1_ARCHS = tuple(sorted(name[len("b1-"):] for name in PRESET_NAMES if name.startswith("b1-")))
 
 
 def job_config(cfg, model: str, prompt_tokens: int, chunk_size: int, micro_batch: int) -> MemoryBenchConfig:

@@ -26,6 +26,7 @@ from typing import Any, NoReturn
 
 from benchmarks.common import (
     B1,
+    B1_ARCHS,
     MIB,
     PEAK_RESOLUTION,
     MemoryBenchConfig,
@@ -46,7 +47,7 @@ from benchmarks.common import (
 from benchmarks.common import run_one as run_one  # where the tests and older callers import it from
 from benchmarks.machine import machine_info
 from benchmarks.registry import Benchmark
-from longstraw.choices import B1_ARCHS, CHECKPOINT_CHOICES, DTYPES, PLANS, PRESET_NAMES
+from longstraw.choices import CHECKPOINT_CHOICES, DTYPES, PLANS, PRESET_NAMES
 from longstraw.planner import positive_int
 
 # --demo: B1 at two group sizes, so its G=8 ratios are B1's: about 100 s on 2 idle CPU cores, about 3 min

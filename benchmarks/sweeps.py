@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Any, NoReturn
 
 from benchmarks.common import (
+    B1_ARCHS,
     GIB,
     MIB,
     PLANNER_SLACK,
@@ -47,7 +48,7 @@ from benchmarks.common import (
 from benchmarks.memory import compute_ratios, format_ratios, format_table
 from benchmarks.pareto import OFFLOAD_CHOICES, PARETO_SMOKE, ParetoBenchConfig, run_pareto_bench
 from benchmarks.registry import Benchmark
-from longstraw.choices import B1_ARCHS, CHECKPOINT_CHOICES, DTYPES, PLANS, PLANS_BASELINE_FIRST, PRESET_NAMES
+from longstraw.choices import CHECKPOINT_CHOICES, DTYPES, PLANS, PLANS_BASELINE_FIRST, PRESET_NAMES
 from longstraw.planner import non_negative_int, positive_int
 
 # ---------------------------------------------------------------- configs

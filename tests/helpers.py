@@ -9,7 +9,8 @@ import socket
 import subprocess
 import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -540,6 +541,27 @@ def jsonl_dataset(folder, words: int = 4):
     path.write_text("".join(json.dumps({"prompt": f"Say something about {w}.", "answer": w}) + "\n"
                             for w in TRAIN_WORDS[:words]))
     return path
+
+
+# Another process holding a run lock: what `train` and `python -m benchmarks compare` must refuse.
+_HOLD = ("import sys; from pathlib import Path; from longstraw.train.rundir import RunLock; "
+         "lock = RunLock.acquire(Path(sys.argv[1])); print('held', flush=True); sys.stdin.read()")
+
+
+@contextmanager
+def held_run_lock(path: Path) -> Iterator[subprocess.Popen]:
+    """Another process holding `path`'s run lock until the block ends (its stdin closed: the kernel releases it)."""
+    import longstraw
+
+    src = Path(longstraw.__file__).resolve().parents[1]
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True, env=dict(os.environ, PYTHONPATH=str(src)))
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        yield holder
+    finally:
+        holder.communicate("")
+    assert holder.returncode == 0
 
 
 # Attention kernels: random inputs with a prefix in chunks, and the bf16 check the kernels' tests share.

@@ -1,6 +1,6 @@
 """`make demo-agent`'s pipeline on a tiny preset: examples/agent-demo.toml (warm start, then GRPO) with a random-init
-model and the byte tokenizer, then `longstraw.train.agent_results` (the results file and the plot). The real run is
-`make demo-agent` (docs/agents.md)."""
+model and the byte tokenizer, then `python -m benchmarks agent-results` (the results file and the plot). The real run
+is `make demo-agent` (docs/agents.md)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import json
 import os
 import subprocess
 
+from benchmarks import agent_results
+from benchmarks.__main__ import main as bench
 from longstraw.cli import main
-from longstraw.train import agent_results
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--model", "tiny-llama", "--prompt-tokens", "600", "--max-new-tokens", "128", "--chunk-size", "256",
@@ -22,7 +23,7 @@ def test_the_agent_demo_runs_on_a_tiny_preset(tmp_path, capsys):
     assert main(["train", os.path.join(ROOT, "examples", "agent-demo.toml"), *TINY, "--run-dir", str(run)]) == 0
     err = capsys.readouterr().err
     assert "warm start 2/2: nll" in err and "held-out greedy reward after the warm start" in err
-    assert agent_results.main([str(tmp_path / "out"), str(run), "--wall-s", "12"]) == 0
+    assert bench(["agent-results", str(tmp_path / "out"), str(run), "--wall-s", "12"]) == 0
     record = json.loads((tmp_path / "out" / "agent-results.json").read_text())
     (r,) = record["runs"]
     assert set(r["held_out_reward"]) == set(r["held_out_tool_call_rate"]) == set(agent_results.POINTS)
@@ -35,9 +36,9 @@ def test_agent_results_refuses_a_run_without_a_warm_start(tmp_path, capsys):
     run.mkdir()
     (run / "summary.json").write_text(json.dumps({"eval_before": 0.0, "eval_after": 0.0, "tool_call_rate_before": 0.0,
                                                   "tool_call_rate_after": 0.0, "steps": 1}))
-    assert agent_results.main([str(tmp_path / "out"), str(run)]) == 2
+    assert bench(["agent-results", str(tmp_path / "out"), str(run)]) == 2
     assert "lacks eval_after_warm_start, tool_call_rate_after_warm_start" in capsys.readouterr().err
-    assert agent_results.main([str(tmp_path / "out"), str(tmp_path / "none")]) == 2
+    assert bench(["agent-results", str(tmp_path / "out"), str(tmp_path / "none")]) == 2
     assert "holds no summary.json" in capsys.readouterr().err
     assert not (tmp_path / "out" / "agent-results.json").exists()
 
@@ -45,4 +46,4 @@ def test_agent_results_refuses_a_run_without_a_warm_start(tmp_path, capsys):
 def test_make_demo_agent_runs_the_example_and_the_results():
     dry = subprocess.run(["make", "-n", "demo-agent"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert dry.returncode == 0, dry.stderr
-    assert "examples/agent-demo.toml" in dry.stdout and "longstraw.train.agent_results runs/agent-demo" in dry.stdout
+    assert "examples/agent-demo.toml" in dry.stdout and "benchmarks agent-results runs/agent-demo" in dry.stdout

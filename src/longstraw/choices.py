@@ -40,8 +40,6 @@ DTYPES = tuple(name for name in DTYPE_BYTES if name not in DTYPE_ALIASES)  # tor
 PRESET_NAMES = ("tiny-llama", "tiny-qwen3", "tiny-mamba2", "b1-llama", "b1-qwen3", "b1-qwen3-next", "b1-deepseek-v3",
                 "b1-mamba2", "gpu-llama-1b", "tiny-llama-long", "deep-smollm2")
 PACKAGED_MODELS = ("smollm2-135m",)
-# Architecture families with a Bench B1 preset `b1-<arch>` (`bench arch --archs`, `bench memory --arch`).
-B1_ARCHS = tuple(sorted(name[len("b1-"):] for name in PRESET_NAMES if name.startswith("b1-")))
 LR_SCHEDULES = ("constant", "cosine")
 
 

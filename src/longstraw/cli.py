@@ -1,5 +1,5 @@
-"""The `longstraw` command line: `longstraw train ...`, `longstraw compare ...`, `longstraw plan ...`,
-`longstraw check ...`, `longstraw --version`. (The benchmarks are a separate package: `python -m benchmarks NAME`.)
+"""The `longstraw` command line: `longstraw train ...`, `longstraw plan ...`, `longstraw check ...`,
+`longstraw --version`. (The benchmarks are a separate package: `python -m benchmarks NAME`.)
 
 Each command is an explicit argparse subparser, dispatched by name in `main`; a new command (`train`, `plan`) is one
 more `add_parser` call and one more branch. Commands import their heavy modules only
@@ -64,7 +64,7 @@ class Parser(argparse.ArgumentParser):
         return [h for h in hints if h]
 
     def short_usage(self) -> str:
-        """argparse's usage when it fits two lines; else the command, its positionals, and where the options are."""
+        """argparse's usage when it fits one line; else the command, its positionals, and where the options are."""
         usage = self.format_usage().strip()
         words = ["[options]"]
         for action in self._actions:
@@ -74,7 +74,7 @@ class Parser(argparse.ArgumentParser):
             words.append(f"[{name}]" if action.nargs in ("?", "*") else name)
             if isinstance(action, argparse._SubParsersAction):  # the commands by name, on the same line
                 usage = " ".join(usage.split()) + f"  ({name}: {', '.join(action.choices)})"
-        if usage.count("\n") < 2:
+        if "\n" not in usage:
             return usage
         return f"usage: {self.prog} {' '.join(words)}  ({self.prog} --help lists the options)"
 
@@ -141,18 +141,6 @@ def build_parser() -> Parser:
         help="on an expected error (bad input, a failing reward function, Ctrl-C) also print the traceback",
     )
     train_parser.set_defaults(fail=train_parser.error)
-
-    from longstraw.train import compare
-
-    compare_parser = commands.add_parser(
-        "compare", help="the same training run per plan and seed: held-out reward, weight divergence, plot",
-        description="Train one config once per plan (--plans) and seed (--seeds), each run in OUT/<plan>-seed<k>/; "
-                    "write OUT/compare.{md,json,png}: held-out reward per plan (mean, std, min-max over seeds), "
-                    "the difference from standard and the paper's 5% criterion, weight divergence from "
-                    "standard. Finished runs are not rerun. Options from an optional TOML file, overridden by flags.",
-    )
-    compare.add_arguments(compare_parser)
-    compare_parser.set_defaults(fail=compare_parser.error)
     return parser
 
 
@@ -210,10 +198,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.nproc != 1:
             return _launch_train(args, cfg, sys.argv[1:] if argv is None else argv)
         return _train(trainer, cfg, args.debug)
-    if args.command == "compare":
-        from longstraw.train import compare
-
-        return compare.run_from_args(args)
     parser.error(f"unknown command {args.command!r}")
     return 2
 

@@ -17,10 +17,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from longstraw import backward_group
-from longstraw.distributed.tp import adopt, full_gradients, tensor_parallel, tensor_parallel_layout
+from longstraw.distributed.tp import adopt, tensor_parallel, tensor_parallel_layout
 from longstraw.engine.sampling import SamplingConfig, sample_group
 
 _spec = importlib.util.spec_from_file_location("tests_helpers", Path(__file__).parent.parent / "helpers.py")
@@ -43,6 +44,16 @@ SAMPLING = dict(max_new_tokens=6, temperature=1.0, top_k=0, top_p=1.0, stop_ids=
 # (temperature, logit_scale, softcap, bias)
 LOGPROB_SHAPE = (37, 16, 51)
 LOGPROB_SETTINGS = [(1.0, 1.0, None, False), (0.7, 0.5, 3.0, True), (1.3, 2.0, None, True)]
+
+
+def full_gradients(model: torch.nn.Module) -> torch.Tensor:
+    """Every parameter's gradient, gathered to its full shape and flattened in `model.parameters()` order (zeros
+    where none): the single-process layout, for comparisons. A collective: every rank calls it."""
+    parts = []
+    for p in model.parameters():
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        parts.append((g.full_tensor() if isinstance(g, DTensor) else g).flatten())
+    return torch.cat(parts)
 
 
 def logprob_inputs(seed: int = 0) -> tuple[torch.Tensor, ...]:

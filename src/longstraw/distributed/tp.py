@@ -149,16 +149,6 @@ def _sum_gradients_over(module: torch.nn.Module, group: dist.ProcessGroup) -> No
     module.register_forward_pre_hook(pre_forward)
 
 
-def full_gradients(model: torch.nn.Module) -> torch.Tensor:
-    """Every parameter's gradient, gathered to its full shape and flattened in `model.parameters()` order (zeros
-    where none): the single-process layout, for comparisons. A collective: every rank calls it."""
-    parts = []
-    for p in model.parameters():
-        g = p.grad if p.grad is not None else torch.zeros_like(p)
-        parts.append((g.full_tensor() if isinstance(g, DTensor) else g).flatten())
-    return torch.cat(parts)
-
-
 def tensor_parallel_layout(device_type: str, tp: int, cp: int = 1) -> tuple[DeviceMesh, DeviceMesh | None,
                                                                                ContextParallel | None]:
     """This rank's tensor-parallel mesh, FSDP2's mesh and context-parallel group on the world's ranks laid out as

@@ -35,8 +35,6 @@ from longstraw.train.checkpoints import rng_state, set_rng_state
 if TYPE_CHECKING:
     from longstraw.train.config import TrainConfig
 
-KEYS = ("bias_cosine", "bias_rel_error", "bias_norm_ratio")
-
 
 def due(cfg: TrainConfig, step: int) -> bool:
     """Whether 0-based `step` is a metered one (steps N, 2N, ... counted from 1)."""

@@ -8,7 +8,7 @@
   progress.png.
 - `read_metrics`, `plot_metrics`: metrics.jsonl back, and its plot.
 - `pyplot`, `save_figure`: matplotlib (Agg backend) or None with a note when it is missing, and the one way every
-  LongStraw plot is written (the benchmark plots and `longstraw compare` use them too).
+  LongStraw plot is written (the benchmarks, `python -m benchmarks compare` among them, use them too).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`longstraw compare`: the same training run once per plan and seed, and what differs at the end.
+"""`python -m benchmarks compare`: the same training run once per plan and seed, and what differs at the end.
 
 The source paper's own check of its detached plan: train it and the standard plan on a small model and accept a
 held-out reward difference under 5%. For every (seed, plan) this runs the unmodified trainer (`trainer.train`)
@@ -37,11 +37,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from longstraw.choices import PLANS
-from longstraw.train.compare_summary import (
+from benchmarks.compare_summary import (
     BASELINE,
     FREE_FIELDS,
     RUN_FILE,
+    checks,
     comparable,
     markdown,
     plot,
@@ -49,6 +49,8 @@ from longstraw.train.compare_summary import (
     redo_hint,
     summarize,
 )
+from benchmarks.registry import Benchmark
+from longstraw.choices import PLANS
 from longstraw.train.config import TrainConfig, load_toml, values_from_args
 from longstraw.train.config import add_arguments as add_train_arguments
 
@@ -386,7 +388,8 @@ def _run_locked(values: dict[str, Any], plans: list[str], seeds: list[int], conf
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    """`longstraw compare ...`: check the flags, then `compare`; an expected error is one line and status 1."""
+    """`python -m benchmarks compare ...`: check the flags, then `compare`; an expected error is one line and
+    status 1."""
     import signal
 
     for name, why in REFUSED_FLAGS.items():
@@ -419,13 +422,25 @@ def run_from_args(args: argparse.Namespace) -> int:
         run_checked(values, plans, seeds, configs, out, overwrite)
     except KeyboardInterrupt as err:
         signum = getattr(err, "signum", signal.SIGINT)
-        print(f"longstraw compare: stopped by {signal.Signals(signum).name}; run the same command again to "
+        print(f"python -m benchmarks compare: stopped by {signal.Signals(signum).name}; run the same command again to "
               "continue (finished runs are kept, the interrupted one resumes)", file=sys.stderr)
         return 128 + int(signum)
     except (ValueError, FileNotFoundError, FloatingPointError) as err:
         if args.debug:
             raise
-        print(f"longstraw compare: error: {err}", file=sys.stderr)
+        print(f"python -m benchmarks compare: error: {err}", file=sys.stderr)
         return 1
     return 0
 
+
+
+BENCHMARKS = (
+    Benchmark(
+        name="compare", help="the same training run per plan and seed: held-out reward, weight divergence, plot",
+        description="Train one config once per plan (--plans) and seed (--seeds), each run in OUT/<plan>-seed<k>/; "
+                    "write OUT/compare.{md,json,png}: held-out reward per plan (mean, std, min-max over seeds), "
+                    "the difference from standard and the paper's 5% criterion, weight divergence from "
+                    "standard. Finished runs are not rerun. Options from an optional TOML file, overridden by flags.",
+        add_arguments=add_arguments, run=run_from_args, table=markdown, checks=checks,
+    ),
+)

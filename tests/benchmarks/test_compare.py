@@ -1,4 +1,5 @@
-"""`longstraw compare`: one run per plan and seed, the table, the plot, resuming, and exact == standard in float64."""
+"""`python -m benchmarks compare`: one run per plan and seed, the table, the plot, resuming, the lock on --out, and
+exact == standard in float64."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import faithful_float64, jsonl_dataset
+from helpers import faithful_float64, held_run_lock, jsonl_dataset
 
 import longstraw.train.trainer
+from benchmarks.__main__ import main as bench
 from longstraw import cli
 from longstraw.admission.loading import load_model
 from longstraw.train.checkpoints import load_checkpoint, save_checkpoint
@@ -36,7 +38,7 @@ def test_compare_writes_table_and_plot_and_does_not_redo_finished_runs(tmp_path,
     out = tmp_path / "cmp"
     argv = ["compare", *_common(tmp_path), "--plans", "standard,detach", "--seeds", "2", "--bias-every", "1",
             "--out", str(out)]
-    assert cli.main(argv) == 0
+    assert bench(argv) == 0
     err = capsys.readouterr().err
     for f in ("compare.png", "compare.md", "compare.json"):
         assert (out / f).is_file(), f
@@ -77,14 +79,14 @@ def test_compare_writes_table_and_plot_and_does_not_redo_finished_runs(tmp_path,
 
     monkeypatch.setattr(longstraw.train.trainer, "train", no_training)
     (out / "compare.md").unlink()
-    assert cli.main(argv) == 0
+    assert bench(argv) == 0
     err = capsys.readouterr().err
     assert err.count("already finished") == 4 and "not rerun" in err
     assert (out / "compare.md").read_text() == md
     assert mtimes == {p: p.stat().st_mtime_ns for p in out.glob("*/checkpoint.pt")}
 
     # Other settings in the same directory would mix two experiments: refused before anything runs.
-    assert cli.main([*argv[:-2], "--lr", "2e-3", "--out", str(out)]) == 1
+    assert bench([*argv[:-2], "--lr", "2e-3", "--out", str(out)]) == 1
     assert "holds a comparison of other settings (lr: 0.001 -> 0.002)" in capsys.readouterr().err
 
 
@@ -95,11 +97,26 @@ def test_compare_resumes_an_interrupted_run(tmp_path, capsys):
     assert cli.main(["train", *common, "--plan", "detach", "--seed", "0", "--stop-after", "1",
                      "--run-dir", str(out / "detach-seed0")]) == 0
     capsys.readouterr()
-    assert cli.main(["compare", *common, "--plans", "standard,detach", "--seeds", "1", "--out", str(out)]) == 0
+    assert bench(["compare", *common, "--plans", "standard,detach", "--seeds", "1", "--out", str(out)]) == 0
     err = capsys.readouterr().err
     assert "detach seed 0: resuming from its checkpoint" in err and "resumed from" in err
     rows = [json.loads(x) for x in (out / "detach-seed0" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
+
+
+def test_a_second_compare_on_the_same_out_is_refused_with_the_first_ones_pid(tmp_path, capsys):
+    """compare locks its --out like `train` locks its --run-dir: a second comparison writing the same directory is
+    refused at once, naming the first's PID, before anything in it is touched."""
+    out = tmp_path / "cmp"
+    out.mkdir()
+    with held_run_lock(out) as holder:
+        argv = ["compare", "--model", "tiny-llama", "--task", "jsonl", "--data", str(jsonl_dataset(tmp_path)),
+                "--group-size", "2", "--max-new-tokens", "2", "--eval-prompts", "1", "--steps", "1", "--plans",
+                "standard,detach", "--out", str(out)]
+        assert bench(argv) == 1
+        err = capsys.readouterr().err
+        assert f"--out {out} is in use by another longstraw process (PID {holder.pid} on host" in err, err
+        assert sorted(p.name for p in out.iterdir()) == [".longstraw.lock"]  # nothing written or trained
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -116,7 +133,7 @@ def test_compare_resumes_an_interrupted_run(tmp_path, capsys):
 ])
 def test_compare_bad_options_are_usage_errors(tmp_path, capsys, flags, message):
     with pytest.raises(SystemExit) as exit_info:
-        cli.main(["compare", *_common(tmp_path), *flags, "--out", str(tmp_path / "o")])
+        bench(["compare", *_common(tmp_path), *flags, "--out", str(tmp_path / "o")])
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "o").exists()  # refused before any run
 
@@ -125,7 +142,7 @@ def test_a_prompt_beyond_the_models_positions_is_refused_before_anything_is_writ
     """--prompt-tokens + --max-new-tokens beyond the positions tiny-llama's config declares (2048): a usage error,
     not a refusal after "started" with a compare-config.json and a run folder left behind."""
     with pytest.raises(SystemExit) as exit_info:
-        cli.main(["compare", "--model", "tiny-llama", "--task", "passkey", "--prompt-tokens", "999999", "--seeds", "1",
+        bench(["compare", "--model", "tiny-llama", "--task", "passkey", "--prompt-tokens", "999999", "--seeds", "1",
                   "--out", str(tmp_path / "o")])
     assert exit_info.value.code == 2
     assert ("--prompt-tokens 999999 + --max-new-tokens 16 exceed the 2048 positions of model 'tiny-llama': lower "
@@ -144,7 +161,7 @@ def test_exact_and_standard_end_with_the_same_weights_in_float64(tmp_path, monke
     """
     monkeypatch.setattr(longstraw.train.trainer, "load_model", lambda *a, **k: faithful_float64(load_model(*a, **k)))
     out = tmp_path / "cmp"
-    assert cli.main(["compare", *_common(tmp_path), "--dtype", "float64", "--steps", "3", "--plans",
+    assert bench(["compare", *_common(tmp_path), "--dtype", "float64", "--steps", "3", "--plans",
                      "standard,exact", "--seeds", "1", "--no-plot", "--out", str(out)]) == 0
     capsys.readouterr()
     result = json.loads((out / "compare.json").read_text())
@@ -163,7 +180,7 @@ def test_exact_and_standard_end_with_the_same_weights_in_float64(tmp_path, monke
 def test_out_that_is_a_file_is_a_usage_error(tmp_path, capsys):
     (tmp_path / "f").write_text("")
     with pytest.raises(SystemExit) as exit_info:
-        cli.main(["compare", *_common(tmp_path), "--out", str(tmp_path / "f")])
+        bench(["compare", *_common(tmp_path), "--out", str(tmp_path / "f")])
     assert exit_info.value.code == 2 and f"--out {tmp_path / 'f'} is a file, not a directory" in capsys.readouterr().err
 
 
@@ -178,7 +195,7 @@ def test_toml_keys_compare_does_not_use_are_refused(tmp_path, capsys, lines, mes
     toml = tmp_path / "c.toml"
     toml.write_text(lines)
     with pytest.raises(SystemExit) as exit_info:
-        cli.main(["compare", str(toml), *_common(tmp_path), "--out", str(tmp_path / "o")])
+        bench(["compare", str(toml), *_common(tmp_path), "--out", str(tmp_path / "o")])
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
 
@@ -201,7 +218,7 @@ def finished(tmp_path_factory):
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-            code = cli.main([*argv, "--out", str(out)])
+            code = bench([*argv, "--out", str(out)])
     finally:
         torch.set_num_threads(threads)
     return {"argv": argv, "out": out, "code": code, "err": err.getvalue(), "root": root, "toml": toml}
@@ -240,6 +257,16 @@ def test_a_train_toml_no_plot_and_a_zero_baseline(finished):
     assert "| not measurable |" in (out / "compare.md").read_text()
 
 
+def test_table_of_and_checks_of_read_compare_json(finished, capsys):
+    """`--table-of` prints compare.md's table from compare.json; `--checks-of` the 5% verdict per plan, reported
+    without a verdict against a baseline of 0 (not measurable), so the status is 0."""
+    path = str(finished["out"] / "compare.json")
+    assert bench(["compare", "--table-of", path]) == 0
+    assert capsys.readouterr().out == (finished["out"] / "compare.md").read_text() + "\n"
+    assert bench(["compare", "--checks-of", path]) == 0
+    assert capsys.readouterr().out == "detach_within_criterion: reported (no verdict)\n"
+
+
 def test_a_reused_run_trained_further_is_refused_and_rerun_only_with_overwrite(finished, tmp_path, capsys,
                                                                                monkeypatch):
     argv, out = _copy(finished, tmp_path)
@@ -249,13 +276,13 @@ def test_a_reused_run_trained_further_is_refused_and_rerun_only_with_overwrite(f
     capsys.readouterr()
     before = {p: p.read_bytes() for p in out.glob("compare*")}
     calls = _no_training(monkeypatch)
-    assert cli.main(argv) == 1
+    assert bench(argv) == 1
     err = capsys.readouterr().err
     assert (f"{run} was trained further than this comparison: its checkpoint is at step 2, the comparison trains "
             f"--steps 1; delete {run} to train that run again") in err
     assert calls == [] and before == {p: p.read_bytes() for p in out.glob("compare*")}  # nothing written
 
-    assert cli.main([*argv, "--overwrite"]) == 1 and "stopped by the test" in capsys.readouterr().err
+    assert bench([*argv, "--overwrite"]) == 1 and "stopped by the test" in capsys.readouterr().err
     assert (calls[0].plan, calls[0].seed, calls[0].overwrite) == ("standard", 0, True)
 
 
@@ -266,7 +293,7 @@ def test_a_reused_run_of_other_settings_is_refused_naming_them(finished, tmp_pat
     ckpt["config"]["lr"] = 0.5
     save_checkpoint(run, ckpt)
     calls = _no_training(monkeypatch)
-    assert cli.main(argv) == 1
+    assert bench(argv) == 1
     assert (f"{run} holds a run of other settings than this comparison's detach seed 1 (lr: 0.5 -> 1e-05)"
             in capsys.readouterr().err)
     assert calls == []
@@ -276,10 +303,10 @@ def test_fewer_seeds_or_plans_never_drop_them_from_the_summary(finished, tmp_pat
     argv, out = _copy(finished, tmp_path)
     summary = (out / "compare.json").read_bytes()
     calls = _no_training(monkeypatch)
-    assert cli.main([*argv, "--seeds", "1"]) == 1
+    assert bench([*argv, "--seeds", "1"]) == 1
     assert ("summarises seed(s) 1 that this invocation leaves out, and rewriting it would drop them: pass --plans "
             "standard,detach --seeds 2") in capsys.readouterr().err
-    assert cli.main([*argv, "--plans", "standard,exact"]) == 1
+    assert bench([*argv, "--plans", "standard,exact"]) == 1
     assert "summarises plan(s) detach that this invocation leaves out" in capsys.readouterr().err
     assert calls == [] and (out / "compare.json").read_bytes() == summary
 
@@ -296,10 +323,10 @@ def test_damaged_files_of_a_reused_run_are_one_line_errors(finished, tmp_path, c
     argv, out = _copy(finished, tmp_path)
     damage(out / "standard-seed1")
     calls = _no_training(monkeypatch)
-    assert cli.main(argv) == 1
+    assert bench(argv) == 1
     err = capsys.readouterr().err
     last = err.strip().splitlines()[-1]  # after the note on the TOML's plan and run_dir
-    assert last.startswith("longstraw compare: error: ") and message in last
+    assert last.startswith("python -m benchmarks compare: error: ") and message in last
     assert f"delete {out / 'standard-seed1'} to train that run again" in last
     assert "Traceback" not in err and calls == []
 
@@ -310,10 +337,10 @@ def test_a_value_refused_after_a_run_started_leaves_nothing_that_refuses_the_cor
     refused as "other settings" by the record of the attempt, which trained nothing."""
     out = tmp_path / "o"
     argv = ["compare", *_common(tmp_path), "--plans", "standard,exact", "--seeds", "1", "--out", str(out)]
-    assert cli.main([*argv, "--max-new-tokens", "4000"]) == 1
+    assert bench([*argv, "--max-new-tokens", "4000"]) == 1
     assert "exceeds the 2048 positions" in capsys.readouterr().err
     calls = _no_training(monkeypatch)
-    assert cli.main(argv) == 1
+    assert bench(argv) == 1
     err = capsys.readouterr().err
     assert "records other settings (max_new_tokens: 4000 -> 6), but no run has saved a step under them" in err
     assert "holds a comparison of other settings" not in err

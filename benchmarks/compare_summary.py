@@ -1,4 +1,4 @@
-"""`longstraw compare`'s summary of finished runs: held-out reward per plan, weight divergence, bias meter.
+"""`python -m benchmarks compare`'s summary of finished runs: held-out reward per plan, weight divergence, bias meter.
 
 `summarize` reads each run's summary.json, metrics.jsonl and checkpoint under OUT/<plan>-seed<k>/; `markdown` and
 `plot` render its result as compare.md and compare.png.
@@ -155,6 +155,14 @@ def summarize(configs: list[TrainConfig], plans: list[str], seeds: list[int]) ->
         "weight_divergence": weight_divergence(first.model, first.dtype, seeds, plans, run_dir_of),
         "runs": runs,
     }
+
+
+def checks(result: dict[str, Any]) -> dict[str, Any]:
+    """The paper's claim on a compare.json, per plan other than the baseline: `within_criterion`, its held-out reward
+    within CRITERION (relative) of the baseline's, with `ok` None where that is not measurable (baseline mean 0)."""
+    return {f"{plan}_within_criterion": {"ok": v["within_criterion"], "rel_diff": v["rel_diff"],
+                                         "criterion": result["criterion"]}
+            for plan, v in result["vs_standard"].items()}
 
 
 def _num(x: float | None, fmt: str = ".3f") -> str:

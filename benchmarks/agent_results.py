@@ -1,6 +1,6 @@
 """The agent demo's results (`make demo-agent`): one file and one plot from the runs of a warm start + GRPO.
 
-    python -m longstraw.train.agent_results OUT RUN_DIR [RUN_DIR ...] [--wall-s S]
+    python -m benchmarks agent-results OUT RUN_DIR [RUN_DIR ...] [--wall-s S]
 
 reads each run's summary.json and metrics.jsonl (`longstraw train` with --warm-start-steps on an agent task) and
 writes OUT/agent-results.json (per run: the held-out greedy reward and tool-call rate before, after the warm start and
@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from longstraw.train.reporting import read_metrics
+from benchmarks.registry import Benchmark
 
 POINTS = ("before", "after_warm_start", "after")
 _REWARD = {"before": "eval_before", "after_warm_start": "eval_after_warm_start", "after": "eval_after"}
@@ -26,6 +26,8 @@ _REWARD = {"before": "eval_before", "after_warm_start": "eval_after_warm_start",
 
 def run_results(run_dir: Path) -> dict[str, Any]:
     """One run's record; ValueError naming the run when it lacks the three held-out evaluations."""
+    from longstraw.train.reporting import read_metrics  # here: --help imports no torch
+
     summary_path = run_dir / "summary.json"
     if not summary_path.is_file():
         raise ValueError(f"{run_dir} holds no summary.json: run `longstraw train` with --warm-start-steps to the end "
@@ -80,17 +82,18 @@ def plot(results: list[dict[str, Any]], path: Path) -> bool:
     return True
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m longstraw.train.agent_results", description=__doc__.split(
-        "\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out", help="directory for agent-results.json and agent-results.png")
     parser.add_argument("runs", nargs="+", help="run directories (longstraw train --warm-start-steps ...)")
     parser.add_argument("--wall-s", type=float, default=None, help="the whole demo's wall time, recorded as given")
-    args = parser.parse_args(argv)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Entry point of `python -m benchmarks agent-results`: status 2 (nothing written) when a run is refused."""
     try:
         results = [run_results(Path(r)) for r in args.runs]
     except ValueError as err:
-        print(f"agent_results: {err}", file=sys.stderr)
+        print(f"agent-results: {err}", file=sys.stderr)
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -107,5 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+BENCHMARKS = (
+    Benchmark(
+        name="agent-results", help="the agent demo's results file and plot from its runs (make demo-agent)",
+        description=__doc__.split("\n\n")[0],
+        add_arguments=add_arguments, run=run_from_args,
+    ),
+)
