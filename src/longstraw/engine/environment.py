@@ -1,11 +1,10 @@
-"""The environment of a multi-turn rollout (an agent calling tools) and what is checked of it (`sampling.py` decodes).
+"""The environment of a multi-turn rollout (an agent calling tools; `sampling.py` feeds its observations in) and what
+is checked of it.
 
-A sequence whose generated tokens end a tool call hands its response so far to the environment, which returns the
-observation's token ids (or None: the episode ends). What ends a call (`SamplingConfig.call_end`): the closing
-tokens' ids (the response's last ids equal them, all the model's own), or a callable `call_end(response_so_far) ->
-bool` that the task builds from its tokenizer, which can look at the decoded text (a BPE tokenizer splits a closing
-tag such as `</lookup>` differently after a space, a digit or before a punctuation mark, so one tuple of ids misses
-most of the calls a model writes).
+What ends a tool call (`SamplingConfig.call_end`): the closing tokens' ids (the response's last ids equal them, all
+the model's own), or a callable `call_end(response_so_far) -> bool` that the task builds from its tokenizer, which can
+look at the decoded text (a BPE tokenizer splits a closing tag such as `</lookup>` differently after a space, a digit
+or before a punctuation mark, so one tuple of ids misses most of the calls a model writes).
 
 What is checked, and when. When the rollout starts (`check_environment`): the environment is callable, every
 `call_end` id is a token the model can sample (in its vocabulary), and no `call_end` id is also a stop id (a response
@@ -30,10 +29,11 @@ import torch
 from longstraw.engine.state.sharding import ContextShards
 
 # environment(i, response_so_far) -> the observation's token ids (a 1-D integer tensor or a list of ints), or None
-# to end sequence i's episode.
+# to end sequence i's episode. The response so far: 1-D long ids on the CPU, as is call_end's.
 Environment = Callable[[int, torch.Tensor], "torch.Tensor | Sequence[int] | None"]
 # call_end(response_so_far) -> True when the response's last token ends a tool call (1-D ids, its model and
-# observation tokens so far); built by a task from its tokenizer, so the engine needs none.
+# observation tokens so far; asked at the model's own tokens but stop ids); built by a task from its tokenizer, so the
+# engine needs none.
 CallEnd = Callable[[torch.Tensor], bool]
 
 

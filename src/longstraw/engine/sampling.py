@@ -81,22 +81,17 @@ class SamplingConfig:
                 raise ValueError(f"call_end must hold non-negative int token ids, got {self.call_end!r}")
 
 
-def _check_inputs(model: torch.nn.Module, prompt: torch.Tensor, state: PromptState | None, caller: str) -> None:
-    """Before any forward: a non-empty 1-D prompt, a model with weights, and a reused state captured for this prompt
-    by this model with its current weights (`state.checks`)."""
+def check_inputs(model: torch.nn.Module, prompt: torch.Tensor, state: PromptState | None, caller: str,
+                 sampling: SamplingConfig | None = None, environment: Environment | None = None) -> torch.Tensor:
+    """Before any forward: a non-empty 1-D prompt, a model with weights, a reused state captured for this prompt by
+    this model with its current weights (`state.checks`), and an environment and call_end a rollout can use
+    (`environment.check_environment`). Returns the prompt (P,) as long ids on the model's device."""
     if not isinstance(prompt, torch.Tensor) or prompt.dim() != 1 or prompt.numel() == 0:
         raise ValueError("prompt must be a non-empty 1-D tensor of token ids")
     check_materialised(model, caller)
     if state is not None:
         check_prompt_state(model, state, prompt)
-
-
-def check_sampling(model: torch.nn.Module, prompt: torch.Tensor, state: PromptState | None, caller: str,
-                   sampling: SamplingConfig, environment: Environment | None) -> torch.Tensor:
-    """A sampler's checks before any compute (`_check_inputs`; the environment and call_end: `environment.py`);
-    the prompt (P,) as long ids on the model's device."""
-    _check_inputs(model, prompt, state, caller)
-    if environment is not None:
+    if environment is not None and sampling is not None:
         check_environment(environment, sampling.call_end, sampling.stop_ids, _vocab(model))
     return prompt.to(device=hf(model).get_input_embeddings().weight.device, dtype=torch.long)
 
@@ -158,7 +153,7 @@ def sample_group(
     context-parallel group to stay in step (the ranks compare its observations: `environment.agree`)."""
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
-    prompt = check_sampling(model, prompt, state, "sample_group", sampling, environment)
+    prompt = check_inputs(model, prompt, state, "sample_group", sampling, environment)
     if state is None:
         state = capture_prompt(model, prompt[:-1], chunk_size, keep_boundaries=keep_boundaries,
                                context_shards=context_shards)
@@ -395,12 +390,10 @@ def score_responses(
 ) -> list[torch.Tensor]:
     """Per-token log-probs (R_i,) of each response under `model`, from one prompt capture (e.g. the frozen
     reference model's log-probs for the KL term). Same replay path as training, without backward."""
-    _check_inputs(model, prompt, state, "score_responses")
-    device = hf(model).get_input_embeddings().weight.device
-    prompt = prompt.to(device=device, dtype=torch.long)
+    prompt = check_inputs(model, prompt, state, "score_responses")
     if state is None:
         state = capture_prompt(model, prompt[:-1], chunk_size, keep_boundaries=False, context_shards=context_shards)
-    responses = [r.to(device=device, dtype=torch.long) for r in responses]
+    responses = [r.to(device=prompt.device, dtype=torch.long) for r in responses]
     head = hf(model).get_output_embeddings()
     logprobs: list[torch.Tensor] = []
     for first in range(0, len(responses), micro_batch):

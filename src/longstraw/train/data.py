@@ -197,7 +197,7 @@ class TaskData:
         return torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.bool)
 
     def environment(self, example: Example) -> Environment | None:
-        """The agent task's environment for one prompt (`engine.environment.Environment`): sequence i's response so far ->
+        """The agent task's environment for one prompt (`environment.Environment`): sequence i's response so far ->
         the observation's token ids, or None when its episode is over; None for single-turn tasks."""
         task = self.task
         if not isinstance(task, LookupTask):

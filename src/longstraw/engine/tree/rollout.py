@@ -1,6 +1,7 @@
 """Tree rollouts: sampling that branches, every fork continuing its parent's state in place (docs/trees.md).
 
-From one capture of the prompt, `trunks` sequences decode as one batch (as `sampling.sample_group` does). A live
+From one capture of the prompt, `trunks` sequences decode as one batch in `sampling.Decoder`, the loop
+`sample_group` runs (a group is a tree of depth 1); this module gives it the fork rule (`TreeConfig.forks`). A live
 sequence forks into `branching` continuations at a trigger: the end of a tool call's observation (`trigger=
 "tool_call"`: the environment's answer is fed into the parent, and the children start with the model's next action,
 as Tree-GRPO's nodes are whole agent steps), or every `every` tokens of a segment (`trigger="tokens"`). A path holds
@@ -9,7 +10,8 @@ at most `depth` segments (the trunk is the first), and a fork is granted only wh
 
 Sharing. The B children of a node decode as one batch over one `PromptState` (batch 1, read by every child, never
 expanded or copied): the prompt's chunks (the very tensors of the capture: the state is a new list over them) plus one
-chunk per ancestor segment. A segment's chunk is a view of the row of its group's `ResponseState` that decoded it —
+chunk per ancestor segment. A segment's chunk is a view of the row of its group's `ResponseState` that decoded it
+(`ResponseState.continued`) —
 K/V (or MLA latents) and DSA indexer keys of its positions, its conv window and recurrent state at its end — so a
 fork copies nothing: the kernels read the parent's generated K/V where the parent wrote them. The cost is that a
 group's response buffers stay allocated while a descendant decodes; groups run depth first, so those are the groups
@@ -37,7 +39,7 @@ import torch
 
 from longstraw.engine.environment import Environment
 from longstraw.engine.loss.advantages import compute_advantages
-from longstraw.engine.sampling import Decoder, RolloutNode, SamplingConfig, check_sampling
+from longstraw.engine.sampling import Decoder, RolloutNode, SamplingConfig, check_inputs
 from longstraw.engine.state.capture import capture_prompt
 from longstraw.engine.state.prompt import PromptState
 from longstraw.engine.state.response import ResponseState
@@ -196,7 +198,7 @@ def sample_tree(
     if tree.trigger == "tool_call" and tree.depth > 1 and environment is None:
         raise ValueError("trigger 'tool_call' forks at tool calls, which need an environment (and "
                          "SamplingConfig.call_end); without one use trigger='tokens' with every=k")
-    prompt = check_sampling(model, prompt, state, "sample_tree", sampling, environment)
+    prompt = check_inputs(model, prompt, state, "sample_tree", sampling, environment)
     if state is None:
         state = capture_prompt(model, prompt[:-1], chunk_size, keep_boundaries=False)
     run = Decoder(model, sampling, environment, seed, tree.forks, keep_states)
