@@ -33,7 +33,7 @@ import torch
 from longstraw.choices import MIN_TEMPERATURE
 from longstraw.engine.environment import CallEnd, Environment, agree, check_environment, ends_call, observation_ids
 from longstraw.engine.hf.segment import run_segment
-from longstraw.engine.logprobs import DEFAULT_TOKEN_CHUNK, accumulated_logits, chunked_logprobs
+from longstraw.engine.logprobs import DEFAULT_TOKEN_CHUNK, accumulated_logits, chunked_logprobs, scaled_logits
 from longstraw.engine.pad import pad
 from longstraw.engine.precision import accumulation_dtype
 from longstraw.engine.state.capture import capture_prompt
@@ -186,17 +186,16 @@ class RolloutNode:
 
 @dataclass
 class _Sequence:
-    """A sequence a group decodes: its node, what its path already holds (response ids, turns, calls) and what it
-    has produced in this group."""
+    """A sequence a group decodes: its node, its path's response so far (ids[:start] its ancestors' segments, then
+    this segment's), the turns and calls along the path, and what it has produced in this group."""
 
     node: int
-    before: list[int]  # the path's response ids before this segment
-    before_observed: list[bool]  # and which of them were observation tokens
-    turns: int
-    calls: int
-    tokens: list[int] = field(default_factory=list)
+    ids: list[int]
+    observed: list[bool]  # which of `ids` were observation tokens
+    turns: int = 1
+    calls: int = 0
+    start: int = 0
     logps: list[float] = field(default_factory=list)
-    observed: list[bool] = field(default_factory=list)
     pending: list[int] = field(default_factory=list)  # observation ids still to feed
     ended: str = ""
 
@@ -232,14 +231,14 @@ class Decoder:
         self.buffers: dict[int, ResponseState] = {}
         head = hf(model).get_output_embeddings()
         self.weight, self.bias = head.weight, getattr(head, "bias", None)  # (V, d), (V,) or None
-        self.scale = logit_scale(model)  # the factor the model's own forward applies to the projection (Cohere)
-        self.softcap = logit_softcap(model)  # and its final-logit soft-cap after that factor (Gemma-2)
+        # the factor the model's own forward applies to the projection (Cohere, Granite), then its final-logit
+        # soft-cap (Gemma-2); the temperature divides after both
+        self.scale, self.softcap = logit_scale(model), logit_softcap(model)
 
     def run(self, state: PromptState, prompt: torch.Tensor, trunks: int) -> list[RolloutNode]:
         """Decode `trunks` sequences from `state` (prompt[:-1]) and every fork they make; the nodes."""
         self.leaves = trunks
-        seqs = [_Sequence(node=self.new_node(None, 1), before=[], before_observed=[], turns=1, calls=0)
-                for _ in range(trunks)]
+        seqs = [_Sequence(self.new_node(None, 1), [], []) for _ in range(trunks)]
         pending = [_Group(state, prompt.numel() - 1, int(prompt[-1]), 1, seqs)]
         while pending:  # depth first: the last group made (a fork's children) runs next
             pending.extend(reversed(self.decode(pending.pop())))
@@ -253,19 +252,10 @@ class Decoder:
             self.nodes[parent].children.append(len(self.nodes) - 1)
         return len(self.nodes) - 1
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(B, V) logits of the last position as the model's forward computes them, in >= fp32 (precision.py)."""
-        logits = accumulated_logits(hidden[:, -1], self.weight, self.bias)
-        if self.scale != 1.0:
-            logits = logits * self.scale
-        if self.softcap is not None:  # as transformers' forward: / cap, tanh, * cap; the temperature divides after
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
-
     def decode(self, group: _Group) -> list[_Group]:
         """Decode one group to its end; returns the groups of the forks it made, in order."""
         cfg, b, env = self.sampling, len(group.seqs), self.environment
-        used = len(group.seqs[0].before)  # siblings share their path
+        used = group.seqs[0].start  # siblings share their path
         buffer = ResponseState(b, cfg.max_new_tokens - used)
         node = group.seqs[0].node
         gen = torch.Generator(device=self.weight.device).manual_seed(
@@ -277,7 +267,8 @@ class Decoder:
             hidden = run_segment(self.model, token, group.start + step, group.state, generated=buffer)  # (B, 1, d)
             assert hidden is not None  # None only with kv_only
             self.positions += b  # every row runs, a finished one too (its result unused)
-            logits = self._logits(hidden)
+            logits = scaled_logits(accumulated_logits(hidden[:, -1], self.weight, self.bias), self.scale, 1.0,
+                                   self.softcap)  # (B, V) as the model's forward computes them, >= fp32 (precision.py)
             policy = torch.log_softmax(logits, dim=-1)
             probs = torch.softmax(_filter_logits(logits / cfg.temperature, cfg.top_k, cfg.top_p), dim=-1)
             nxt = torch.multinomial(probs, 1, generator=gen).squeeze(1)  # (B,)
@@ -290,15 +281,14 @@ class Decoder:
             for i, seq in enumerate(group.seqs):
                 if seq.ended:
                     continue
-                seq.tokens.append(ids[i])
+                seq.ids.append(ids[i])
                 seq.logps.append(logps[i])
                 seq.observed.append(forced[i])
                 if forced[i]:
                     continue
                 if ids[i] in cfg.stop_ids:
                     seq.ended = "stop"
-                elif env is not None and ends_call(cfg.call_end, seq.before + seq.tokens,
-                                                   seq.before_observed + seq.observed, seq.node):
+                elif env is not None and ends_call(cfg.call_end, seq.ids, seq.observed, seq.node):
                     calls.append(i)
             if env is not None:
                 self._answer(group, calls, length)
@@ -306,7 +296,7 @@ class Decoder:
                 if seq.ended:
                     continue
                 n = 0 if self.fork_rule is None or seq.pending or length >= cfg.max_new_tokens else \
-                    self.fork_rule(group.depth, len(seq.tokens), forced[i], self.leaves)
+                    self.fork_rule(group.depth, length - used, forced[i], self.leaves)
                 if n:
                     children.append(self._fork(group, buffer, i, n))
                 elif length >= cfg.max_new_tokens:
@@ -331,7 +321,7 @@ class Decoder:
                 seq.ended = "turns"
                 continue
             try:
-                answers[i] = observation_ids(env(seq.node, torch.tensor(seq.before + seq.tokens, dtype=torch.long)),
+                answers[i] = observation_ids(env(seq.node, torch.tensor(seq.ids, dtype=torch.long)),
                                              env, seq.node, seq.turns, self.vocab)
             except Exception as err:  # under context parallelism, raised once the other ranks know
                 if shards is None:
@@ -359,19 +349,18 @@ class Decoder:
         state = buffer.continued(group.state, i, group.start)
         if self.keep_states:
             self.states[seq.node] = state
-        kids = [_Sequence(node=self.new_node(seq.node, group.depth + 1), before=seq.before + seq.tokens,
-                          before_observed=seq.before_observed + seq.observed, turns=seq.turns, calls=seq.calls)
-                for _ in range(n)]
-        return _Group(state, group.start + buffer.length, seq.tokens[-1], group.depth + 1, kids)
+        kids = [_Sequence(self.new_node(seq.node, group.depth + 1), list(seq.ids), list(seq.observed), seq.turns,
+                          seq.calls, len(seq.ids)) for _ in range(n)]
+        return _Group(state, group.start + buffer.length, seq.ids[-1], group.depth + 1, kids)
 
     def _finish(self, group: _Group, buffer: ResponseState) -> None:
         """Write what the group's sequences produced into their nodes."""
         dtype = accumulation_dtype(self.weight.dtype)  # fp32 for bf16: old log-probs rounded to bf16 add noise
         for seq in group.seqs:
             node = self.nodes[seq.node]
-            node.tokens = torch.tensor(seq.tokens, dtype=torch.long)
+            node.tokens = torch.tensor(seq.ids[seq.start :], dtype=torch.long)
             node.logprobs = torch.tensor(seq.logps, dtype=dtype)
-            node.observed = torch.tensor(seq.observed, dtype=torch.bool)
+            node.observed = torch.tensor(seq.observed[seq.start :], dtype=torch.bool)
             node.ended = seq.ended or "budget"
             node.turns, node.tool_calls = seq.turns, seq.calls
             if self.keep_states:

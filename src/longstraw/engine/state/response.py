@@ -75,8 +75,6 @@ class ResponseState:
         """`state` (positions [0, start)) continued by row `row` over [start, start + length): a new list of the same
         chunks plus one whose parts are views of this buffer (K/V, latents, indexer keys of those positions; the conv
         window and recurrent state the row holds now, after its last position). Nothing is copied."""
-        if state.context_shards is not None:
-            raise ValueError("tree rollouts do not run under context parallelism")
         n = self.length
         out = state.branch()  # new lists over the same tensors, read chunk by chunk past the prompt's slab
         for layer in range(state.num_layers):
