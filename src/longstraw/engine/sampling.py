@@ -5,10 +5,10 @@ one batch, each step attending to the shared prompt state (never copied or expan
 (`ResponseState`). Like the training replay, decoding starts from the last prompt token, so the state holds
 prompt[:-1] and can be handed straight to `backward_group`.
 
-`Decoder` is that loop. `sample_group` runs it on G trunks that never fork (a tree of depth 1); `tree.rollout.
-sample_tree` gives it a fork rule, and a sequence that forks hands its children a state that continues it in place
-(`ResponseState.continued`, docs/trees.md). Each batch of siblings draws from its own generator: the trunks' from the
-seed itself, a fork's children's from the seed and their first node.
+`Decoder` is that loop. `sample_group` runs it on G trunks that never fork (a tree of depth 1); `sample_tree`
+(`tree/rollout.py`) gives it a fork rule, and a sequence that forks hands its children a state that continues it in
+place (`ResponseState.continued`, docs/trees.md). Each batch of siblings draws from its own generator: the trunks'
+from the seed itself, a fork's children's from the seed and their first node.
 
 Recorded log-probs are the policy's own (temperature 1, no top-k/top-p truncation), whatever the sampling
 temperature: they are what the training step recomputes, so they serve as `old_logprobs`.
@@ -170,7 +170,7 @@ def sample_group(
 class RolloutNode:
     """One segment a `Decoder` sampled. parent: the node it continues (None: a trunk, continuing the prompt).
     tokens / logprobs / observed (n,): its ids, their policy log-probs and whether each was an observation token.
-    children: the nodes that continue it (empty: a leaf). ended: why it ended ("fork", "stop", "call", "budget":
+    children: the nodes that continue it (empty: a leaf). ended: why it ended ("fork", "stop", "budget":
     the token budget, "turns": a call past max_turns, "episode": the environment ended it)."""
 
     parent: int | None
