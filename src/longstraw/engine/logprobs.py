@@ -45,10 +45,10 @@ def accumulated_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return accumulated_product(h, weight, bias)
 
 
-def _scaled(logits: torch.Tensor, logit_scale: float, temperature: float,
-            softcap: float | None = None) -> torch.Tensor:
+def scaled_logits(logits: torch.Tensor, logit_scale: float, temperature: float,
+                  softcap: float | None = None) -> torch.Tensor:
     """softcap * tanh(logits * logit_scale / softcap) / temperature, in place (the order transformers' forward and
-    the samplers use; no cap when softcap is None). logits (c, V) -> (c, V)."""
+    the sampler use; no cap when softcap is None). logits (c, V) -> (c, V)."""
     if logit_scale != 1.0:
         logits.mul_(logit_scale)
     if softcap is not None:
@@ -76,7 +76,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         out = torch.empty(hidden.shape[0], dtype=accumulation_dtype(hidden.dtype), device=hidden.device)
         lse = torch.empty_like(out)
         for s in range(0, hidden.shape[0], token_chunk):
-            logits = _scaled(accumulated_logits(hidden[s : s + token_chunk], weight, bias), logit_scale,
+            logits = scaled_logits(accumulated_logits(hidden[s : s + token_chunk], weight, bias), logit_scale,
                              temperature, softcap)  # (c, V)
             tgt = targets[s : s + token_chunk]
             lse[s : s + token_chunk] = torch.logsumexp(logits, dim=-1)
@@ -98,7 +98,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         c, temperature, logit_scale, softcap = ctx.token_chunk, ctx.temperature, ctx.logit_scale, ctx.softcap
         for s in range(0, hidden.shape[0], c):
             h = hidden[s : s + c]
-            logits = _scaled(accumulated_logits(h, weight, bias), logit_scale, 1.0)  # (c, V), recomputed
+            logits = scaled_logits(accumulated_logits(h, weight, bias), logit_scale, 1.0)  # (c, V), recomputed
             slope = None
             if softcap is not None:  # d(cap * tanh(x / cap)) / dx = 1 - tanh(x / cap)^2, kept before the softmax
                 logits.div_(softcap).tanh_()

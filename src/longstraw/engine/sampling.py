@@ -1,59 +1,47 @@
-"""Sampling G responses from ONE prefill of the shared prompt.
+"""Sampling from ONE prefill of the shared prompt: the one decode loop, for a group and for a tree.
 
-The prompt is captured once (`capture_prompt`, the same state the training step consumes); the G samples
-then decode as one batch, each step attending to the shared prompt state (never copied or expanded) and
-to its own generated tokens (`ResponseState`). Like the training replay, decoding starts from the last
-prompt token, so the state holds prompt[:-1] and can be handed straight to `backward_group`.
+The prompt is captured once (`capture_prompt`, the same state the training step consumes); sequences then decode as
+one batch, each step attending to the shared prompt state (never copied or expanded) and to its own generated tokens
+(`ResponseState`). Like the training replay, decoding starts from the last prompt token, so the state holds
+prompt[:-1] and can be handed straight to `backward_group`.
+
+`Decoder` is that loop. `sample_group` runs it on G trunks that never fork (a tree of depth 1); `sample_tree`
+(`tree/rollout.py`) gives it a fork rule, and a sequence that forks hands its children a state that continues it in
+place (`ResponseState.continued`, docs/trees.md). Each batch of siblings draws from its own generator: the trunks'
+from the seed itself, a fork's children's from the seed and their first node.
 
 Recorded log-probs are the policy's own (temperature 1, no top-k/top-p truncation), whatever the sampling
 temperature: they are what the training step recomputes, so they serve as `old_logprobs`.
 
-Multi-turn rollouts (an agent calling tools): with an `environment`, a sequence whose generated tokens end a tool call
-hands its response so far to the environment, which returns the observation's token ids (or None: the episode ends).
-`SamplingConfig.call_end` says what ends a call: the closing tokens' ids (the response's last ids equal them), or a
-callable `call_end(response_so_far) -> bool` that the task builds from its tokenizer, which can look at the decoded
-text (a BPE tokenizer splits a closing tag such as `</lookup>` differently after a space, a digit or before a
-punctuation mark, so one tuple of ids misses most of the calls a model writes). The observation is fed into that
-sequence's own state, one token per decode step in lockstep with the other sequences' decoding (a forced token instead
-of a sampled one), so the shared prompt state is never re-encoded or copied; its tokens are in the response with
-`loss_masks` False. Up to `max_turns` model turns; the response budget (`max_new_tokens`) counts generated and
-observation tokens.
-
-What is checked, and when. When the rollout starts: the environment is callable, every `call_end` id is a token the
-model can sample (in its vocabulary), and no `call_end` id is also a stop id (a response stops at a stop id, so a
-call ending in one, or passing through one, would never reach the environment: refused rather than ignored). A
-`call_end` callable must answer True or False (anything else is one ValueError naming it and the sequence). At each
-call: the observation is None (the episode ends; an empty observation ends it too) or 1-D integer token ids within
-the vocabulary, as a torch integer tensor or a list/tuple of Python ints; anything else (text, floats, bools, a 2-D
-tensor, a NumPy array, an id outside the vocabulary) is one ValueError naming the environment, the sequence and the
-turn. Under context parallelism the ranks of the group compare, at every decode step, a 64-bit hash of what their
-environments returned (`ContextShards.all_gather`): observations that differ between ranks, or an environment that
-raised on some ranks only, are one error on every rank instead of rollouts that silently diverge or a collective that
-waits out its timeout.
+Multi-turn rollouts (an agent calling tools; `environment.py` says what ends a call and what is checked): with an
+`environment`, a sequence whose generated tokens end a tool call hands its response so far to the environment, which
+returns the observation's token ids (or None: the episode ends). The observation is fed into that sequence's own
+state, one token per decode step in lockstep with the other sequences' decoding (a forced token instead of a sampled
+one), so the shared prompt state is never re-encoded or copied; its tokens are in the response with `loss_masks`
+False. Up to `max_turns` model turns; the response budget (`max_new_tokens`) counts generated and observation tokens.
+Under context parallelism (the prompt state sharded over a group's ranks, which all decode the same tokens) the ranks
+compare their environments' observations at every step (`environment.agree`).
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from longstraw.choices import MIN_TEMPERATURE
+from longstraw.engine.environment import CallEnd, Environment, agree, check_environment, ends_call, observation_ids
 from longstraw.engine.hf.segment import run_segment
-from longstraw.engine.logprobs import DEFAULT_TOKEN_CHUNK, accumulated_logits, chunked_logprobs
+from longstraw.engine.logprobs import DEFAULT_TOKEN_CHUNK, accumulated_logits, chunked_logprobs, scaled_logits
 from longstraw.engine.pad import pad
+from longstraw.engine.precision import accumulation_dtype
 from longstraw.engine.state.capture import capture_prompt
 from longstraw.engine.state.checks import check_materialised, check_prompt_state
 from longstraw.engine.state.prompt import PromptState
 from longstraw.engine.state.response import ResponseState
 from longstraw.engine.state.sharding import ContextShards
 from longstraw.models.architecture import hf, logit_scale, logit_softcap
-
-# call_end(response_so_far) -> True when the response's last token ends a tool call (1-D ids, its model and
-# observation tokens so far); built by a task from its tokenizer, so the engine needs none.
-CallEnd = Callable[[torch.Tensor], bool]
 
 
 @dataclass(frozen=True)
@@ -93,83 +81,24 @@ class SamplingConfig:
                 raise ValueError(f"call_end must hold non-negative int token ids, got {self.call_end!r}")
 
 
-def _check_inputs(model: torch.nn.Module, prompt: torch.Tensor, state: PromptState | None, caller: str) -> None:
-    """Before any forward: a non-empty 1-D prompt, a model with weights, and a reused state captured for this prompt
-    by this model with its current weights (`state.checks`)."""
+def check_inputs(model: torch.nn.Module, prompt: torch.Tensor, state: PromptState | None, caller: str,
+                 sampling: SamplingConfig | None = None, environment: Environment | None = None) -> torch.Tensor:
+    """Before any forward: a non-empty 1-D prompt, a model with weights, a reused state captured for this prompt by
+    this model with its current weights (`state.checks`), and an environment and call_end a rollout can use
+    (`environment.check_environment`). Returns the prompt (P,) as long ids on the model's device."""
     if not isinstance(prompt, torch.Tensor) or prompt.dim() != 1 or prompt.numel() == 0:
         raise ValueError("prompt must be a non-empty 1-D tensor of token ids")
     check_materialised(model, caller)
     if state is not None:
         check_prompt_state(model, state, prompt)
+    if environment is not None and sampling is not None:
+        check_environment(environment, sampling.call_end, sampling.stop_ids, _vocab(model))
+    return prompt.to(device=hf(model).get_input_embeddings().weight.device, dtype=torch.long)
 
 
-# environment(i, response_so_far) -> the observation's token ids (a 1-D integer tensor or a list of ints), or None
-# to end sequence i's episode.
-Environment = Callable[[int, torch.Tensor], "torch.Tensor | Sequence[int] | None"]
-
-
-def _name(environment: object) -> str:
-    """The environment as error messages name it: its repr, shortened."""
-    text = repr(environment)
-    return text if len(text) <= 160 else text[:157] + "..."
-
-
-def _check_environment(environment: object, sampling: SamplingConfig, vocab: int) -> None:
-    """At the start of a rollout: a callable environment and call_end ids the model can sample that no stop id
-    pre-empts."""
-    if not callable(environment):
-        raise TypeError(f"environment must be callable as environment(i, response_so_far) -> the observation's token "
-                        f"ids or None, got {_name(environment)} ({type(environment).__name__})")
-    if callable(sampling.call_end):
-        return
-    if not sampling.call_end:
-        raise ValueError("an environment needs SamplingConfig.call_end: the token ids that end a tool call, or a "
-                         "callable (the response so far) -> bool")
-    outside = [t for t in sampling.call_end if t >= vocab]
-    if outside:
-        raise ValueError(f"call_end id {outside[0]} is outside the model's vocabulary [0, {vocab}): the model can "
-                         f"never sample it, so the environment {_name(environment)} would never be called; pass the "
-                         "tokenizer's ids of the tool call's closing text")
-    stops = [t for t in sampling.call_end if t in sampling.stop_ids]
-    if stops:
-        raise ValueError(f"call_end id {stops[0]} is also a stop id (SamplingConfig.stop_ids {sampling.stop_ids}): a "
-                         "response ends at a stop id, so a tool call holding it would end the response instead of "
-                         "reaching the environment; remove it from stop_ids or end tool calls with other tokens")
-
-
-def _observation_ids(observation: object, environment: object, i: int, turn: int, vocab: int) -> list[int] | None:
-    """The environment's answer to sequence i's call ending model turn `turn` as a list of ids (None: the episode
-    ends); ValueError saying what to return instead for anything but None or 1-D integer ids within the vocabulary."""
-    if observation is None:
-        return None
-    ids: list[int] | None = None
-    if isinstance(observation, torch.Tensor):
-        if observation.dtype == torch.bool or observation.is_floating_point() or observation.is_complex():
-            bad = f"a {observation.dtype} tensor (token ids are integers; floats are not rounded)"
-        elif observation.dim() != 1:
-            bad = f"a tensor of shape {tuple(observation.shape)} (one sequence of ids is 1-D)"
-        else:
-            ids = [int(t) for t in observation.tolist()]
-    elif isinstance(observation, (list, tuple)):
-        odd = [t for t in observation if isinstance(t, bool) or not isinstance(t, int)]
-        if odd:
-            bad = f"a {type(observation).__name__} holding {type(odd[0]).__name__} {odd[0]!r}"
-        else:
-            ids = list(observation)
-    elif isinstance(observation, str):
-        bad = f"text ({observation[:40]!r}): encode it with the tokenizer"
-    else:
-        bad = f"a {type(observation).__module__}.{type(observation).__name__}"
-    if ids is not None:
-        outside = [t for t in ids if not 0 <= t < vocab]
-        if not outside:
-            return ids
-        bad = f"token id {outside[0]}, outside the model's vocabulary [0, {vocab})"
-    raise ValueError(
-        f"environment {_name(environment)} returned {bad} for sequence {i} at the tool call ending its turn {turn}: "
-        "return the observation's token ids as a 1-D integer torch.Tensor (e.g. torch.tensor(tokenizer.encode(text), "
-        f"dtype=torch.long)) or a list of ints, each in [0, {vocab}), or None to end the episode"
-    )
+def _vocab(model: torch.nn.Module) -> int:
+    """The ids the model can both read and sample."""
+    return min(hf(model).get_input_embeddings().num_embeddings, hf(model).get_output_embeddings().weight.shape[0])
 
 
 @dataclass
@@ -214,195 +143,228 @@ def sample_group(
     context_shards: ContextShards | None = None,
     environment: Environment | None = None,
 ) -> Rollout:
-    """Draw `group_size` responses to `prompt` (P,) with one prompt prefill. Deterministic for a given seed.
+    """Draw `group_size` responses to `prompt` (P,) with one prompt prefill: `Decoder` on that many trunks that never
+    fork. Deterministic for a given seed.
 
     keep_boundaries: capture the recurrent state at every chunk boundary, so the exact plan can reuse the
     rollout's state (detach-only training can save that memory with False). context_shards: the prompt
     state is sharded over that group's ranks, which all call this with the same arguments and get the same
     samples. environment: multi-turn rollouts (module docstring); it must be deterministic for the ranks of a
-    context-parallel group to stay in step (the ranks compare its observations: module docstring)."""
+    context-parallel group to stay in step (the ranks compare its observations: `environment.agree`)."""
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
-    _check_inputs(model, prompt, state, "sample_group")
-    embeddings = hf(model).get_input_embeddings()
-    if environment is not None:
-        _check_environment(environment, sampling, min(embeddings.num_embeddings,
-                                                      hf(model).get_output_embeddings().weight.shape[0]))
-    device = embeddings.weight.device
-    prompt = prompt.to(device=device, dtype=torch.long)
+    prompt = check_inputs(model, prompt, state, "sample_group", sampling, environment)
     if state is None:
         state = capture_prompt(model, prompt[:-1], chunk_size, keep_boundaries=keep_boundaries,
                                context_shards=context_shards)
-    head = hf(model).get_output_embeddings()
-    weight, bias = head.weight, getattr(head, "bias", None)  # (V, d), (V,) or None
-    scale = logit_scale(model)  # the factor the model's own forward applies to the projection (Cohere, Granite)
-    softcap = logit_softcap(model)  # and its final-logit soft-cap after that factor (Gemma-2)
-    generated = ResponseState(group_size, sampling.max_new_tokens)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    stop = torch.tensor(sampling.stop_ids, dtype=torch.long, device=device)
-
-    p = prompt.numel()
-    token = prompt[-1:].expand(group_size).unsqueeze(1)  # (G, 1): every sample starts from the last prompt token
-    tokens, logps = [], []
-    done = torch.zeros(group_size, dtype=torch.bool, device=device)
-    lengths = torch.full((group_size,), sampling.max_new_tokens, dtype=torch.long, device=device)
-    turns = _Turns(group_size, sampling, environment, embeddings.num_embeddings, state.context_shards)
-    for step in range(sampling.max_new_tokens):
-        hidden = run_segment(model, token, p - 1 + step, state, generated=generated)  # (G, 1, d)
-        assert hidden is not None  # None only with kv_only
-        logits = accumulated_logits(hidden[:, -1], weight, bias)  # (G, V): sample and score in >= fp32 (precision.py)
-        if scale != 1.0:
-            logits = logits * scale
-        if softcap is not None:  # as transformers' forward: / cap, tanh, * cap; the temperature divides after
-            logits = torch.tanh(logits / softcap) * softcap
-        policy_logp = torch.log_softmax(logits, dim=-1)
-        filtered = _filter_logits(logits / sampling.temperature, sampling.top_k, sampling.top_p)
-        probs = torch.softmax(filtered, dim=-1)
-        nxt = torch.multinomial(probs, 1, generator=gen).squeeze(1)  # (G,)
-        forced = turns.forced(nxt)  # observation tokens replace the samples of sequences in an observation
-        tokens.append(nxt)
-        logps.append(policy_logp.gather(1, nxt[:, None]).squeeze(1))
-        is_stop = (torch.isin(nxt, stop) & ~forced) | turns.after(step, nxt, forced, tokens, done)
-        is_stop &= ~done
-        lengths = torch.where(is_stop, torch.full_like(lengths, step + 1), lengths)
-        done |= is_stop
-        if bool(done.all()):
-            break
-        token = nxt[:, None]
-    ids = torch.stack(tokens, dim=1)  # (G, steps)
-    lp = torch.stack(logps, dim=1)  # (G, steps), in the accumulation dtype: fp32 for bf16 (precision.py)
-    responses = [ids[i, : int(lengths[i])].clone() for i in range(group_size)]
-    logprobs = [lp[i, : int(lengths[i])].clone() for i in range(group_size)]
+    nodes = Decoder(model, sampling, environment, seed).run(state, prompt, group_size)
+    responses = [n.tokens.to(prompt.device) for n in nodes]
+    logprobs = [n.logprobs.to(prompt.device) for n in nodes]  # in the accumulation dtype: fp32 for bf16
     if environment is None:
         return Rollout(responses=responses, logprobs=logprobs, state=state)
-    masks = turns.loss_masks([int(n) for n in lengths])
-    return Rollout(responses=responses, logprobs=logprobs, state=state, loss_masks=masks, turns=turns.turns,
-                   tool_calls=turns.calls)
+    return Rollout(responses=responses, logprobs=logprobs, state=state, loss_masks=[~n.observed for n in nodes],
+                   turns=[n.turns for n in nodes], tool_calls=[n.tool_calls for n in nodes])
 
 
-class _Turns:
-    """The multi-turn bookkeeping of `sample_group`: each sequence's pending observation tokens, which steps were
-    observation tokens (the loss masks), and how many model turns it has had. Without an environment it forces
-    nothing and ends nothing."""
+@dataclass
+class RolloutNode:
+    """One segment a `Decoder` sampled. parent: the node it continues (None: a trunk, continuing the prompt).
+    tokens / logprobs / observed (n,): its ids, their policy log-probs and whether each was an observation token.
+    children: the nodes that continue it (empty: a leaf). ended: why it ended ("fork", "stop", "budget":
+    the token budget, "turns": a call past max_turns, "episode": the environment ended it)."""
 
-    def __init__(self, group_size: int, sampling: SamplingConfig, environment: Environment | None, vocab: int,
-                 context_shards: ContextShards | None) -> None:
-        self.sampling, self.environment, self.vocab = sampling, environment, vocab
-        self.context_shards = context_shards if environment is not None else None
-        self.pending: list[list[int]] = [[] for _ in range(group_size)]
-        self.observed: list[list[bool]] = [[] for _ in range(group_size)]  # per step: an observation token
-        self.turns = [1] * group_size
-        self.calls = [0] * group_size  # the environment's calls
+    parent: int | None
+    depth: int
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+    observed: torch.Tensor
+    ended: str
+    children: list[int] = field(default_factory=list)
+    turns: int = 1  # model turns along the path up to and including this node
+    tool_calls: int = 0  # the environment's calls along the path
 
-    def forced(self, nxt: torch.Tensor) -> torch.Tensor:
-        """Put each observing sequence's next observation token into `nxt` (G,) in place; which were forced."""
-        forced = torch.zeros(nxt.shape, dtype=torch.bool, device=nxt.device)
-        for i, queue in enumerate(self.pending):
-            if queue:
-                nxt[i] = queue.pop(0)
-                forced[i] = True
-            self.observed[i].append(bool(forced[i]))
-        return forced
 
-    def after(self, step: int, nxt: torch.Tensor, forced: torch.Tensor, tokens: list[torch.Tensor],
-              done: torch.Tensor) -> torch.Tensor:
-        """Sequences whose episode ends at this step: a tool call past `max_turns`, an environment that returns None
-        or an observation that does not fit the budget. Calls the environment for the others' tool calls."""
-        ends = torch.zeros(nxt.shape, dtype=torch.bool, device=nxt.device)
-        if self.environment is None:
-            return ends
-        answers: dict[int, list[int] | None] = {}  # this step's observations, by sequence
+@dataclass
+class _Sequence:
+    """A sequence a group decodes: its node, its path's response so far (ids[:start] its ancestors' segments, then
+    this segment's), the turns and calls along the path, and what it has produced in this group."""
+
+    node: int
+    ids: list[int]
+    observed: list[bool]  # which of `ids` were observation tokens
+    turns: int = 1
+    calls: int = 0
+    start: int = 0
+    logps: list[float] = field(default_factory=list)
+    pending: list[int] = field(default_factory=list)  # observation ids still to feed
+    ended: str = ""
+
+
+@dataclass
+class _Group:
+    """Siblings decoding as one batch: over `state` (positions [0, start)), first feeding `first` at `start`."""
+
+    state: PromptState
+    start: int
+    first: int
+    depth: int
+    seqs: list[_Sequence]
+
+
+# fork_rule(depth, segment, observed, leaves) -> how many children a live sequence at `depth` forks into now (0: it
+# continues); segment: its tokens in this segment, observed: its last token ended an observation, leaves: the tree's.
+ForkRule = Callable[[int, int, bool, int], int]
+
+
+class Decoder:
+    """The decode loop: trunks from the prompt's state, and (with a fork rule) the groups of their forks, depth
+    first. nodes: every segment made (parents before children); forks, groups, positions: the counters; with
+    keep_states, states[n] / buffers[n]: the state node n's children decode over and the buffer n decoded into."""
+
+    def __init__(self, model: torch.nn.Module, sampling: SamplingConfig, environment: Environment | None, seed: int,
+                 fork_rule: ForkRule | None = None, keep_states: bool = False) -> None:
+        self.model, self.sampling, self.environment, self.seed = model, sampling, environment, seed
+        self.fork_rule, self.keep_states, self.vocab = fork_rule, keep_states, _vocab(model)
+        self.nodes: list[RolloutNode] = []
+        self.leaves = self.forks = self.groups = self.positions = 0
+        self.states: dict[int, PromptState] = {}
+        self.buffers: dict[int, ResponseState] = {}
+        head = hf(model).get_output_embeddings()
+        self.weight, self.bias = head.weight, getattr(head, "bias", None)  # (V, d), (V,) or None
+        # the factor the model's own forward applies to the projection (Cohere, Granite), then its final-logit
+        # soft-cap (Gemma-2); the temperature divides after both
+        self.scale, self.softcap = logit_scale(model), logit_softcap(model)
+
+    def run(self, state: PromptState, prompt: torch.Tensor, trunks: int) -> list[RolloutNode]:
+        """Decode `trunks` sequences from `state` (prompt[:-1]) and every fork they make; the nodes."""
+        self.leaves = trunks
+        seqs = [_Sequence(self.new_node(None, 1), [], []) for _ in range(trunks)]
+        pending = [_Group(state, prompt.numel() - 1, int(prompt[-1]), 1, seqs)]
+        while pending:  # depth first: the last group made (a fork's children) runs next
+            pending.extend(reversed(self.decode(pending.pop())))
+        return self.nodes
+
+    def new_node(self, parent: int | None, depth: int) -> int:
+        empty = torch.empty(0)
+        self.nodes.append(RolloutNode(parent=parent, depth=depth, tokens=empty.long(), logprobs=empty,
+                                      observed=empty.bool(), ended=""))
+        if parent is not None:
+            self.nodes[parent].children.append(len(self.nodes) - 1)
+        return len(self.nodes) - 1
+
+    def decode(self, group: _Group) -> list[_Group]:
+        """Decode one group to its end; returns the groups of the forks it made, in order."""
+        cfg, b, env = self.sampling, len(group.seqs), self.environment
+        used = group.seqs[0].start  # siblings share their path
+        buffer = ResponseState(b, cfg.max_new_tokens - used)
+        node = group.seqs[0].node
+        gen = torch.Generator(device=self.weight.device).manual_seed(
+            self.seed if node == 0 else (self.seed * 1_000_003 + node) % 2**63)
+        self.groups += 1
+        token = torch.full((b, 1), group.first, dtype=torch.long, device=self.weight.device)
+        children: list[_Group] = []
+        for step in range(buffer.max_len):
+            hidden = run_segment(self.model, token, group.start + step, group.state, generated=buffer)  # (B, 1, d)
+            assert hidden is not None  # None only with kv_only
+            self.positions += b  # every row runs, a finished one too (its result unused)
+            logits = scaled_logits(accumulated_logits(hidden[:, -1], self.weight, self.bias), self.scale, 1.0,
+                                   self.softcap)  # (B, V) as the model's forward computes them, >= fp32 (precision.py)
+            policy = torch.log_softmax(logits, dim=-1)
+            probs = torch.softmax(_filter_logits(logits / cfg.temperature, cfg.top_k, cfg.top_p), dim=-1)
+            nxt = torch.multinomial(probs, 1, generator=gen).squeeze(1)  # (B,)
+            forced = [bool(seq.pending) for seq in group.seqs]
+            for i, seq in enumerate(group.seqs):
+                if forced[i]:
+                    nxt[i] = seq.pending.pop(0)  # an observation token replaces the sample
+            ids, logps = nxt.tolist(), policy.gather(1, nxt[:, None]).squeeze(1).tolist()  # one copy per step
+            length, calls = used + step + 1, []  # every live sequence's response length so far
+            for i, seq in enumerate(group.seqs):
+                if seq.ended:
+                    continue
+                seq.ids.append(ids[i])
+                seq.logps.append(logps[i])
+                seq.observed.append(forced[i])
+                if forced[i]:
+                    continue
+                if ids[i] in cfg.stop_ids:
+                    seq.ended = "stop"
+                elif env is not None and ends_call(cfg.call_end, seq.ids, seq.observed, seq.node):
+                    calls.append(i)
+            if env is not None:
+                self._answer(group, calls, length)
+            for i, seq in enumerate(group.seqs):
+                if seq.ended:
+                    continue
+                n = 0 if self.fork_rule is None or seq.pending or length >= cfg.max_new_tokens else \
+                    self.fork_rule(group.depth, length - used, forced[i], self.leaves)
+                if n:
+                    children.append(self._fork(group, buffer, i, n))
+                elif length >= cfg.max_new_tokens:
+                    seq.ended = "budget"
+            if all(s.ended for s in group.seqs):
+                break
+            token = nxt[:, None]
+        self._finish(group, buffer)
+        return children
+
+    def _answer(self, group: _Group, calls: list[int], length: int) -> None:
+        """The environment's answers to this step's calls (rows `calls` of the group, each response `length` ids):
+        an observation becomes its sequence's pending ids, or the episode ends (a call past max_turns, None or empty,
+        or no room for the observation and a reply). Under context parallelism the ranks agree on them first."""
+        env, shards = self.environment, group.state.context_shards
+        assert env is not None  # only called with one
+        answers: dict[int, list[int] | None] = {}  # this step's observations, by row
         failure: Exception | None = None
-        ids = torch.stack(tokens, dim=1)  # (G, step + 1): each response so far
-        for i in self._calls(ids, forced, done):
-            if self.turns[i] >= self.sampling.max_turns:
-                ends[i] = True
+        for i in calls:
+            seq = group.seqs[i]
+            if seq.turns >= self.sampling.max_turns:
+                seq.ended = "turns"
                 continue
             try:
-                answers[i] = _observation_ids(self.environment(i, ids[i].clone()), self.environment, i,
-                                              self.turns[i], self.vocab)
+                answers[i] = observation_ids(env(seq.node, torch.tensor(seq.ids, dtype=torch.long)),
+                                             env, seq.node, seq.turns, self.vocab)
             except Exception as err:  # under context parallelism, raised once the other ranks know
-                if self.context_shards is None:
+                if shards is None:
                     raise
                 failure = err
                 break
-            self.calls[i] += 1
-        if self.context_shards is not None:
-            self._agree(nxt, answers, failure)
-        room = self.sampling.max_new_tokens - (step + 1)
+            seq.calls += 1
+        if shards is not None:
+            agree(shards, env, [(s.node, s.turns) for s in group.seqs], answers, failure, self.weight.device)
         for i, observation in answers.items():
-            if observation is None or len(observation) == 0 or len(observation) >= room:
-                ends[i] = True  # the episode is over, or its observation (and a reply) would not fit
+            seq = group.seqs[i]
+            if not observation or len(observation) >= self.sampling.max_new_tokens - length:
+                seq.ended = "episode" if not observation else "budget"
                 continue
-            self.pending[i] = observation
-            self.turns[i] += 1
-        return ends
+            seq.pending = list(observation)
+            seq.turns += 1
 
-    def _calls(self, ids: torch.Tensor, forced: torch.Tensor, done: torch.Tensor) -> list[int]:
-        """The sequences whose last token (the model's own, not an observation's) ends a tool call: their last ids
-        equal `call_end`'s, all the model's own, or the `call_end` callable says True of the response so far."""
-        call = self.sampling.call_end
-        live = (~forced & ~done).nonzero().flatten().tolist()
-        if callable(call):
-            found = []
-            for i in live:
-                said = call(ids[i])
-                if not isinstance(said, bool):
-                    raise ValueError(f"call_end {_name(call)} returned {said!r} ({type(said).__name__}) for sequence "
-                                     f"{i}: it must return True (the response's last token ends a tool call) or "
-                                     "False")
-                if said:
-                    found.append(i)
-            return found
-        n = len(call)
-        if ids.shape[1] < n:
-            return []
-        ends = (ids[:, -n:] == torch.tensor(call, device=ids.device)).all(1)
-        return [i for i in live if bool(ends[i]) and not any(self.observed[i][-n:])]  # the call's tokens: the model's
+    def _fork(self, group: _Group, buffer: ResponseState, i: int, n: int) -> _Group:
+        """Sequence i ends its segment at this step's token and forks into n: their group continues a state holding
+        its positions but the last token, which they feed first."""
+        seq = group.seqs[i]
+        seq.ended = "fork"
+        self.forks += 1
+        self.leaves += n - 1
+        state = buffer.continued(group.state, i, group.start)
+        if self.keep_states:
+            self.states[seq.node] = state
+        kids = [_Sequence(self.new_node(seq.node, group.depth + 1), list(seq.ids), list(seq.observed), seq.turns,
+                          seq.calls, len(seq.ids)) for _ in range(n)]
+        return _Group(state, group.start + buffer.length, seq.ids[-1], group.depth + 1, kids)
 
-    def _agree(self, nxt: torch.Tensor, answers: dict[int, list[int] | None], failure: Exception | None) -> None:
-        """Context parallelism: every rank of the group gathers each rank's (hash, length) of this step's
-        observation per sequence and a failure flag, so that observations differing between ranks, or an environment
-        that raised on some ranks only, raise on every rank (the ranks would otherwise decode different tokens, or
-        wait in the next collective for a rank that has left)."""
-        assert self.context_shards is not None
-        g = len(self.pending)
-        mine = torch.zeros((g + 1, 2), dtype=torch.long, device=nxt.device)
-        mine[:g, 1] = -2  # no call this step
-        for i, observation in answers.items():
-            data = b"none" if observation is None else b"ids:" + b",".join(str(t).encode() for t in observation)
-            mine[i, 0] = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
-            mine[i, 1] = -1 if observation is None else len(observation)
-        mine[g, 0] = int(failure is not None)
-        every = self.context_shards.all_gather(mine).cpu()  # (C, G + 1, 2)
-        failed = every[:, g, 0].nonzero().flatten().tolist()
-        if failed:
-            if failure is not None:
-                raise failure
-            raise RuntimeError(f"the environment {_name(self.environment)} raised on rank(s) {failed} of the "
-                               "context-parallel group (their error is in their own output); this rank stops with "
-                               "them")
-        differ = (every[:, :g] != every[:1, :g]).any(2).any(0).nonzero().flatten().tolist()
-        if differ:
-            i = differ[0]
-
-            def what(r: int) -> str:
-                n, digest = int(every[r, i, 1]), int(every[r, i, 0]) & (2**64 - 1)
-                return "None (the episode ends)" if n == -1 else "no call" if n == -2 else \
-                    f"{n} token ids, hash {digest:016x}"
-
-            per_rank = "; ".join(f"rank {r}: {what(r)}" for r in range(every.shape[0]))
-            raise RuntimeError(
-                f"the environment {_name(self.environment)} returned different observations on the ranks of the "
-                f"context-parallel group for sequence {i} at the tool call ending its turn {self.turns[i]} "
-                f"({per_rank}): "
-                "ranks that share a prompt must get the same observations, or their rollouts diverge; make the "
-                "environment a deterministic function of (i, response) (no per-rank state, clock or unseeded "
-                "randomness)"
-            )
-
-    def loss_masks(self, lengths: list[int]) -> list[torch.Tensor]:
-        return [~torch.tensor(self.observed[i][:n], dtype=torch.bool) for i, n in enumerate(lengths)]
+    def _finish(self, group: _Group, buffer: ResponseState) -> None:
+        """Write what the group's sequences produced into their nodes."""
+        dtype = accumulation_dtype(self.weight.dtype)  # fp32 for bf16: old log-probs rounded to bf16 add noise
+        for seq in group.seqs:
+            node = self.nodes[seq.node]
+            node.tokens = torch.tensor(seq.ids[seq.start :], dtype=torch.long)
+            node.logprobs = torch.tensor(seq.logps, dtype=dtype)
+            node.observed = torch.tensor(seq.observed[seq.start :], dtype=torch.bool)
+            node.ended = seq.ended or "budget"
+            node.turns, node.tool_calls = seq.turns, seq.calls
+            if self.keep_states:
+                self.buffers[seq.node] = buffer
 
 
 @torch.no_grad()
@@ -417,12 +379,10 @@ def score_responses(
 ) -> list[torch.Tensor]:
     """Per-token log-probs (R_i,) of each response under `model`, from one prompt capture (e.g. the frozen
     reference model's log-probs for the KL term). Same replay path as training, without backward."""
-    _check_inputs(model, prompt, state, "score_responses")
-    device = hf(model).get_input_embeddings().weight.device
-    prompt = prompt.to(device=device, dtype=torch.long)
+    prompt = check_inputs(model, prompt, state, "score_responses")
     if state is None:
         state = capture_prompt(model, prompt[:-1], chunk_size, keep_boundaries=False, context_shards=context_shards)
-    responses = [r.to(device=device, dtype=torch.long) for r in responses]
+    responses = [r.to(device=prompt.device, dtype=torch.long) for r in responses]
     head = hf(model).get_output_embeddings()
     logprobs: list[torch.Tensor] = []
     for first in range(0, len(responses), micro_batch):

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from longstraw.engine.sampling import Environment
+from longstraw.engine.environment import Environment
 from longstraw.tasks import Example, JsonlTask, Task, format_prompt, make_task
 from longstraw.tasks.base import encode
 from longstraw.tasks.lookup import CallEnd, LookupTask
@@ -197,7 +197,7 @@ class TaskData:
         return torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.bool)
 
     def environment(self, example: Example) -> Environment | None:
-        """The agent task's environment for one prompt (`sampling.Environment`): sequence i's response so far ->
+        """The agent task's environment for one prompt (`environment.Environment`): sequence i's response so far ->
         the observation's token ids, or None when its episode is over; None for single-turn tasks."""
         task = self.task
         if not isinstance(task, LookupTask):

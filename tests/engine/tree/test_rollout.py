@@ -64,7 +64,7 @@ def test_tool_call_forks_after_the_observation_and_masks_it():
     model = _model("llama")
     call = _frequent(model)
     sampling = SamplingConfig(max_new_tokens=30, top_k=3, call_end=(call,), max_turns=4)
-    rollout = sample_tree(model, PROMPT, TreeConfig(trunks=2, branching=2, depth=3, leaves=8), sampling, seed=1,
+    rollout = sample_tree(model, PROMPT, TreeConfig(trunks=2, branching=2, depth=3, leaves=8), sampling, seed=0,
                           environment=_env)
     forked = [n for n in rollout.nodes if n.ended == "fork"]
     assert forked, "the test needs a fork"

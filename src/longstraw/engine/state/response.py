@@ -6,13 +6,16 @@ replaced freely:
 * attention layers: K/V (or MLA latents) of every generated token, (B, Hkv, max_len, D), preallocated on
   the first write (its shape comes from the layer) and filled in place, plus DSA indexer keys;
 * recurrent layers: the current conv window and recurrent state of each sequence, replaced every step.
+
+A row of it continues a prompt state in place (`continued`): a tree rollout's fork reads its parent's generated
+K/V where the parent wrote them.
 """
 
 from __future__ import annotations
 
 import torch
 
-from longstraw.engine.state.prompt import Collected
+from longstraw.engine.state.prompt import PARTS, Collected, PromptState
 
 
 class ResponseState:
@@ -67,3 +70,24 @@ class ResponseState:
             for part in ("conv", "recurrent"):
                 if part in parts:
                     self.recurrent[(part, layer)] = parts[part]
+
+    def continued(self, state: PromptState, row: int, start: int) -> PromptState:
+        """`state` (positions [0, start)) continued by row `row` over [start, start + length): a new list of the same
+        chunks plus one whose parts are views of this buffer (K/V, latents, indexer keys of those positions; the conv
+        window and recurrent state the row holds now, after its last position). Nothing is copied."""
+        n = self.length
+        out = state.branch()  # new lists over the same tensors, read chunk by chunk past the prompt's slab
+        for layer in range(state.num_layers):
+            parts: dict[str, torch.Tensor | None] = dict.fromkeys(PARTS)
+            if layer in self.kv:
+                keys, values = self.kv[layer]
+                parts["key"], parts["value"] = keys[row : row + 1, :, :n], values[row : row + 1, :, :n]
+            if layer in self.index:
+                parts["index"] = self.index[layer][row : row + 1, :n]
+            for part in ("conv", "recurrent"):
+                if self.has(part, layer):
+                    parts[part] = self.get(part, layer)[row : row + 1]
+            for name in PARTS:
+                out.parts[name][layer].append(parts[name])
+        out.bounds.append((start, start + n))
+        return out
