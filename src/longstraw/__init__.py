@@ -14,7 +14,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ADVANTAGES", "LOSSES", "PLANS", "SUPPORTED_MODEL_TYPES",
-    "BackwardOptions", "LossConfig", "Plan", "Group", "GroupResult", "backward_group", "compute_advantages", "load_model",
+    "BackwardOptions", "LossConfig", "Plan", "Group", "GroupResult", "backward_group", "compute_advantages",
+    "load_model",
     "Trajectory", "Tree", "TreeResult", "backward_tree", "build_tree",
 ]
 
