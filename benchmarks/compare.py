@@ -124,7 +124,7 @@ def run_configs(values: dict[str, Any], plans: list[str], seeds: list[int], out:
         for plan in plans:
             run_dir = out / f"{plan}-seed{seed}"
             has_checkpoint = (run_dir / "checkpoint.pt").is_file()
-            configs.append(TrainConfig(**{
+            configs.append(TrainConfig.from_flat({
                 **values, "plan": plan, "seed": seed, "run_dir": str(run_dir),
                 "bias_every": values.get("bias_every", 0) if plan == "detach" else 0,
                 "resume": has_checkpoint and not overwrite,
@@ -147,7 +147,7 @@ def plan_runs(values: dict[str, Any], plans: list[str], n_seeds: int, out: Path,
         raise ValueError(f"--seeds {n_seeds} from seed {seed0} passes the largest seed (2**63 - 1): lower --seed")
     seeds = [seed0 + k for k in range(n_seeds)]
     configs = run_configs(values, plans, seeds, out, overwrite)
-    if configs[0].eval_prompts < 1:
+    if configs[0].run.eval_prompts < 1:
         raise ValueError("compare reads the held-out greedy reward of every run: eval_prompts must be >= 1")
     return seeds, configs
 
@@ -248,9 +248,9 @@ def _checkpoint_step_and_config(run_dir: Path) -> tuple[int, dict[str, Any]]:
 
 
 def check_existing_run(cfg: TrainConfig) -> None:
-    """Refuse a run already in `cfg.run_dir` that this comparison cannot reuse or resume as it is: trained with
-    another config (the differences listed), past `cfg.steps`, or finished with files that do not read back."""
-    run_dir = Path(cfg.run_dir)
+    """Refuse a run already in its run_dir that this comparison cannot reuse or resume as it is: trained with
+    another config (the differences listed), past its steps, or finished with files that do not read back."""
+    run_dir = Path(cfg.run.run_dir)
     has_checkpoint = (run_dir / CHECKPOINT_FILE).is_file()
     summary_path = run_dir / "summary.json"
     if not has_checkpoint:
@@ -259,15 +259,15 @@ def check_existing_run(cfg: TrainConfig) -> None:
                              f"from it): {redo_hint(run_dir)}")
         return  # nothing saved: the run starts over
     step, saved = _checkpoint_step_and_config(run_dir)
-    if step > cfg.steps:
+    if step > cfg.optimizer.steps:
         raise ValueError(f"{run_dir} was trained further than this comparison: its checkpoint is at step {step}, the "
-                         f"comparison trains --steps {cfg.steps}; {redo_hint(run_dir)}")
-    mine = cfg.to_dict()
+                         f"comparison trains --steps {cfg.optimizer.steps}; {redo_hint(run_dir)}")
+    mine = cfg.to_flat()
     skip = RUN_INVOCATION_FIELDS + FREE_FIELDS
     differ = [f"{k}: {saved[k]!r} -> {v!r}" for k, v in mine.items() if k not in skip and k in saved and saved[k] != v]
     if differ:
-        raise ValueError(f"{run_dir} holds a run of other settings than this comparison's {cfg.plan} seed {cfg.seed} "
-                         f"({'; '.join(differ)}): {redo_hint(run_dir)}")
+        raise ValueError(f"{run_dir} holds a run of other settings than this comparison's {cfg.plan.plan} seed "
+                         f"{cfg.run.seed} ({'; '.join(differ)}): {redo_hint(run_dir)}")
     if not summary_path.is_file():
         return  # unfinished: resumed from its checkpoint
     summary = read_json(summary_path, redo_hint(run_dir))
@@ -275,7 +275,7 @@ def check_existing_run(cfg: TrainConfig) -> None:
                 and isinstance(summary.get("eval_before"), (int, float)))
     if not finished:
         raise ValueError(f"{summary_path} lacks the held-out rewards (eval_before, eval_after): {redo_hint(run_dir)}")
-    if summary.get("steps", step) != step or step != cfg.steps:
+    if summary.get("steps", step) != step or step != cfg.optimizer.steps:
         raise ValueError(f"{summary_path} describes step {summary.get('steps')} but {CHECKPOINT_FILE} is at step "
                          f"{step} (the run changed after it finished): {redo_hint(run_dir)}")
     from longstraw.train.reporting import read_metrics
@@ -300,22 +300,22 @@ def run_all(configs: list[TrainConfig], overwrite: bool = False) -> None:
     from longstraw.train import trainer
 
     for i, cfg in enumerate(configs, 1):
-        run_dir = Path(cfg.run_dir)
-        name = f"[{i}/{len(configs)}] {cfg.plan} seed {cfg.seed}"
+        run_dir = Path(cfg.run.run_dir)
+        name = f"[{i}/{len(configs)}] {cfg.plan.plan} seed {cfg.run.seed}"
         summary_path = run_dir / "summary.json"
         if summary_path.is_file() and not overwrite:  # checked by check_existing_run before anything ran
             after = read_json(summary_path, redo_hint(run_dir)).get("eval_after", float("nan"))
             print(f"compare: {name}: already finished ({summary_path} exists), not rerun; held-out greedy "
                   f"reward {after:.3f}", file=sys.stderr, flush=True)
             continue
-        how = "resuming from its checkpoint" if cfg.resume else "started"
+        how = "resuming from its checkpoint" if cfg.run.resume else "started"
         print(f"compare: {name}: {how} ({run_dir})", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         summary = trainer.train(cfg)
         wall = time.perf_counter() - t0
         gc.collect()  # the finished run's model and optimizer, before the next run allocates its own
-        (run_dir / RUN_FILE).write_text(json.dumps({"plan": cfg.plan, "seed": cfg.seed, "wall_s": wall,
-                                                    "resumed": cfg.resume}) + "\n")
+        (run_dir / RUN_FILE).write_text(json.dumps({"plan": cfg.plan.plan.name, "seed": cfg.run.seed, "wall_s": wall,
+                                                    "resumed": cfg.run.resume}) + "\n")
         print(f"compare: {name}: finished in {wall:.0f} s; held-out greedy reward "
               f"{summary.get('eval_before', float('nan')):.3f} -> {summary['eval_after']:.3f}",
               file=sys.stderr, flush=True)

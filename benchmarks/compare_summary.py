@@ -26,7 +26,7 @@ RUN_FILE = "compare-run.json"  # per run: wall time of the invocation that finis
 
 def comparable(cfg: TrainConfig) -> dict[str, Any]:
     """The config fields every run of one comparison shares."""
-    return {k: v for k, v in cfg.to_dict().items() if k not in PER_RUN_FIELDS and k not in FREE_FIELDS}
+    return {k: v for k, v in cfg.to_flat().items() if k not in PER_RUN_FIELDS and k not in FREE_FIELDS}
 
 
 def redo_hint(run_dir: Path) -> str:
@@ -101,10 +101,10 @@ def summarize(configs: list[TrainConfig], plans: list[str], seeds: list[int]) ->
     """Everything compare.json holds (see the module docstring), from the finished runs' files."""
     from longstraw.train.reporting import read_metrics
 
-    run_dir_of = {(c.plan, c.seed): Path(c.run_dir) for c in configs}
+    run_dir_of = {(c.plan.plan.name, c.run.seed): Path(c.run.run_dir) for c in configs}
     runs = []
     for c in configs:
-        rd = Path(c.run_dir)
+        rd = Path(c.run.run_dir)
         summary = read_json(rd / "summary.json", redo_hint(rd))
         rows = read_metrics(rd / "metrics.jsonl")
         if not rows:
@@ -112,7 +112,7 @@ def summarize(configs: list[TrainConfig], plans: list[str], seeds: list[int]) ->
         last = rows[-min(10, len(rows)):]
         timing = read_json(rd / RUN_FILE, "delete it (it only holds the run's wall time)") if (
             rd / RUN_FILE).is_file() else {}
-        run = {"plan": c.plan, "seed": c.seed, "run_dir": str(rd), "eval_before": summary["eval_before"],
+        run = {"plan": c.plan.plan.name, "seed": c.run.seed, "run_dir": str(rd), "eval_before": summary["eval_before"],
                "eval_after": summary["eval_after"], "sampled_reward_last": statistics.fmean(
                    r["reward_mean"] for r in last), "sampled_reward_last_steps": len(last),
                "wall_s": timing.get("wall_s")}
@@ -146,13 +146,13 @@ def summarize(configs: list[TrainConfig], plans: list[str], seeds: list[int]) ->
         }
     first = configs[0]
     return {
-        "config": comparable(first), "plans": plans, "seeds": seeds, "steps": first.steps,
-        "eval_prompts": first.eval_prompts, "baseline": BASELINE, "criterion": CRITERION,
+        "config": comparable(first), "plans": plans, "seeds": seeds, "steps": first.optimizer.steps,
+        "eval_prompts": first.run.eval_prompts, "baseline": BASELINE, "criterion": CRITERION,
         "held_out": held_out, "vs_standard": vs,
         "standard_spread": {"std": base["std"], "min": base["min"], "max": base["max"],
                             "range": base["max"] - base["min"],
                             "rel_std": base["std"] / abs(base["mean"]) if base["mean"] else None},
-        "weight_divergence": weight_divergence(first.model, first.dtype, seeds, plans, run_dir_of),
+        "weight_divergence": weight_divergence(first.model.model, first.model.dtype, seeds, plans, run_dir_of),
         "runs": runs,
     }
 
@@ -233,7 +233,7 @@ def plot(configs: list[TrainConfig], result: dict[str, Any], out: Path) -> Path 
     if plt is None:
         return None
 
-    rows = {(c.plan, c.seed): read_metrics(Path(c.run_dir) / "metrics.jsonl") for c in configs}
+    rows = {(c.plan.plan.name, c.run.seed): read_metrics(Path(c.run.run_dir) / "metrics.jsonl") for c in configs}
     plans, seeds = result["plans"], result["seeds"]
     metered = any("bias_cosine_mean" in r for r in result["runs"])
     fig, axes = plt.subplots(1, 3 if metered else 2, figsize=(16 if metered else 11, 4))

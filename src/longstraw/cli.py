@@ -235,11 +235,12 @@ def _launch_train(args: argparse.Namespace, cfg: TrainConfig, argv: list[str]) -
     if "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1:
         args.fail("this process was already started by torchrun: drop --nproc (torchrun's --nproc-per-node sets it)")
     try:
-        launch.check_nproc(args.nproc, cfg.device, cfg.prompts_per_step, cfg.cp, cfg.tp)
+        launch.check_nproc(args.nproc, cfg.model.device, cfg.rollout.prompts_per_step, cfg.parallelism.cp,
+                           cfg.parallelism.tp)
     except ValueError as err:
         args.fail(str(err))
     try:
-        check_not_in_use(cfg.run_dir)  # another process writing it: refused here, before any rank starts
+        check_not_in_use(cfg.run.run_dir)  # another process writing it: refused here, before any rank starts
     except ValueError as err:
         print(f"longstraw train: error: {err}", file=sys.stderr)
         return 1

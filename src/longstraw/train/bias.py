@@ -30,6 +30,7 @@ import torch
 
 from longstraw.api.group import backward_group
 from longstraw.engine.group import Group
+from longstraw.plan import DETACH, EXACT
 from longstraw.train.checkpoints import rng_state, set_rng_state
 
 if TYPE_CHECKING:
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
 
 def due(cfg: TrainConfig, step: int) -> bool:
     """Whether 0-based `step` is a metered one (steps N, 2N, ... counted from 1)."""
-    return cfg.bias_every > 0 and (step + 1) % cfg.bias_every == 0
+    return cfg.run.bias_every > 0 and (step + 1) % cfg.run.bias_every == 0
 
 
 def compare_gradients(detach: list[torch.Tensor | None], exact: list[torch.Tensor | None]) -> dict[str, float]:
@@ -76,7 +77,7 @@ def exact_gradient(model: torch.nn.Module, groups: list[Group], cfg: TrainConfig
         for p in params:
             p.grad = None
         for group in groups:
-            backward_group(model, group, cfg.backward_options(plan="exact"))
+            backward_group(model, group, cfg.plan.backward_options(plan=EXACT))
         # The trainer averages its groups' gradients the same way (sum, then divide by the number of groups).
         exact = [p.grad.div_(len(groups)) if p.grad is not None else None for p in params]
     finally:
@@ -89,8 +90,9 @@ def exact_gradient(model: torch.nn.Module, groups: list[Group], cfg: TrainConfig
 def measure(model: torch.nn.Module, groups: list[Group], cfg: TrainConfig) -> dict[str, float]:
     """The bias metrics of this step: the model's `.grad` (the detach step's mean gradient) against the exact
     gradient of the same `groups` at the same weights. See the module docstring."""
-    if cfg.plan != "detach":  # TrainConfig refuses it; this guards direct callers
-        raise ValueError(f"the bias meter compares the detach plan with the exact one; this run's plan is {cfg.plan}")
+    if cfg.plan.plan is not DETACH:  # TrainConfig refuses it; this guards direct callers
+        raise ValueError(f"the bias meter compares the detach plan with the exact one; this run's plan is "
+                         f"{cfg.plan.plan}")
     t0 = time.perf_counter()
     detach = [p.grad for p in model.parameters()]
     out = compare_gradients(detach, exact_gradient(model, groups, cfg))

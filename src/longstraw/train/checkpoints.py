@@ -166,9 +166,9 @@ def save_run(par: Parallel, run_dir: Path, model: torch.nn.Module, optimizer: to
         save_checkpoint(run_dir, {
             "step": step,
             "model": state[0],
-            "optimizer": None if cfg.save_weights_only else state[1],
+            "optimizer": None if cfg.run.save_weights_only else state[1],
             "scheduler": scheduler.state_dict(),
-            "config": cfg.to_dict(),
+            "config": cfg.to_flat(),
             "summary": summary,
             "rng": rng if rng is not None else rng_state(),
         })

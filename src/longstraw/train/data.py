@@ -43,23 +43,24 @@ def derive_seed(*parts: int) -> int:
 
 def build_task(cfg: TrainConfig, tokenizer: Any) -> Task:
     """The configured task; options that do not apply to it are not passed."""
-    if cfg.task == "passkey":
-        return make_task("passkey", tokenizer=tokenizer, prompt_tokens=cfg.prompt_tokens, digits=cfg.digits)
-    elif cfg.task == "multikey":
-        return make_task("multikey", tokenizer=tokenizer, prompt_tokens=cfg.prompt_tokens, digits=cfg.digits,
-                         n_keys=cfg.num_keys)
-    elif cfg.task == "kv":
-        return make_task("kv", tokenizer=tokenizer, prompt_tokens=cfg.prompt_tokens)
-    elif cfg.task == "lookup":
-        return make_task("lookup", tokenizer=tokenizer, prompt_tokens=cfg.prompt_tokens, hops=cfg.hops,
-                         format_reward=cfg.format_reward)
-    elif cfg.task == "jsonl":
-        options: dict[str, Any] = {"path": cfg.data}
-        if cfg.reward_fn:
-            options["reward_fn"] = cfg.reward_fn
+    t = cfg.task
+    if t.task == "passkey":
+        return make_task("passkey", tokenizer=tokenizer, prompt_tokens=t.prompt_tokens, digits=t.digits)
+    elif t.task == "multikey":
+        return make_task("multikey", tokenizer=tokenizer, prompt_tokens=t.prompt_tokens, digits=t.digits,
+                         n_keys=t.num_keys)
+    elif t.task == "kv":
+        return make_task("kv", tokenizer=tokenizer, prompt_tokens=t.prompt_tokens)
+    elif t.task == "lookup":
+        return make_task("lookup", tokenizer=tokenizer, prompt_tokens=t.prompt_tokens, hops=t.hops,
+                         format_reward=t.format_reward)
+    elif t.task == "jsonl":
+        options: dict[str, Any] = {"path": t.data}
+        if t.reward_fn:
+            options["reward_fn"] = t.reward_fn
         return make_task("jsonl", **options)
     else:
-        raise ValueError(f"unknown task {cfg.task!r}")
+        raise ValueError(f"unknown task {t.task!r}")
 
 
 def split_rows(n_rows: int, held_out: int, where: str) -> tuple[list[int], list[int]]:
@@ -82,10 +83,10 @@ def split_rows(n_rows: int, held_out: int, where: str) -> tuple[list[int], list[
 def check_data(cfg: TrainConfig) -> None:
     """What can be checked of the data without the model, before anything is written: a jsonl file's rows (every
     line parsed and decoded), its reward function (imported) and its held-out split (ValueError naming the file)."""
-    if cfg.task == "jsonl":
+    if cfg.task.task == "jsonl":
         task = build_task(cfg, tokenizer=None)
         assert isinstance(task, JsonlTask)
-        split_rows(len(task.rows), cfg.eval_prompts, str(task.path))
+        split_rows(len(task.rows), cfg.run.eval_prompts, str(task.path))
 
 
 # The tasks whose prompts `prompt_tokens` sizes (up to a chat template's few tokens): jsonl rows are checked one by
@@ -100,12 +101,13 @@ def check_model(cfg: TrainConfig) -> None:
     from longstraw.admission.loading import declared_max_positions
 
     try:
-        positions = declared_max_positions(cfg.model)
+        positions = declared_max_positions(cfg.model.model)
     except ValueError as err:
         raise ValueError(f"--model: {err}") from None
-    if positions is not None and cfg.task in SIZED_TASKS and cfg.prompt_tokens + cfg.max_new_tokens > positions:
-        raise ValueError(f"--prompt-tokens {cfg.prompt_tokens} + --max-new-tokens {cfg.max_new_tokens} exceed the "
-                         f"{positions} positions of model {cfg.model!r}: lower --prompt-tokens or --max-new-tokens")
+    prompt, new = cfg.task.prompt_tokens, cfg.rollout.max_new_tokens
+    if positions is not None and cfg.task.task in SIZED_TASKS and prompt + new > positions:
+        raise ValueError(f"--prompt-tokens {prompt} + --max-new-tokens {new} exceed the {positions} positions of model "
+                         f"{cfg.model.model!r}: lower --prompt-tokens or --max-new-tokens")
 
 
 class TaskData:
@@ -118,7 +120,7 @@ class TaskData:
         self.train_rows: list[Example] | None = None
         self.held_out_rows: list[Example] | None = None
         if isinstance(self.task, JsonlTask):
-            train, held = split_rows(len(self.task.rows), cfg.eval_prompts, str(self.task.path))
+            train, held = split_rows(len(self.task.rows), cfg.run.eval_prompts, str(self.task.path))
             self.train_rows = [self.task.rows[i] for i in train]
             self.held_out_rows = [self.task.rows[i] for i in held]
         self.validate()
@@ -127,12 +129,12 @@ class TaskData:
         ids = torch.tensor(format_prompt(self.tokenizer, example.prompt), dtype=torch.long)
         if ids.numel() == 0:
             raise ValueError(f"{where or 'the task'}: empty prompt")
-        if self.max_positions is not None and ids.numel() + self.cfg.max_new_tokens > self.max_positions:
+        if self.max_positions is not None and ids.numel() + self.cfg.rollout.max_new_tokens > self.max_positions:
             fix = "shorten it" if where else "lower --prompt-tokens"
             raise ValueError(
-                f"{where + ': ' if where else ''}prompt of {ids.numel()} tokens + {self.cfg.max_new_tokens} new "
-                f"tokens exceeds the {self.max_positions} positions of model {self.cfg.model!r}: {fix} or lower "
-                "--max-new-tokens"
+                f"{where + ': ' if where else ''}prompt of {ids.numel()} tokens + {self.cfg.rollout.max_new_tokens} "
+                f"new tokens exceeds the {self.max_positions} positions of model {self.cfg.model.model!r}: {fix} or "
+                "lower --max-new-tokens"
             )
         return ids
 
@@ -149,8 +151,8 @@ class TaskData:
         """The prompts of 0-based `step`, each from its own seed (seed, step, index); a jsonl file's rows uniformly
         (with replacement) from its training rows."""
         out = []
-        for j in range(self.cfg.prompts_per_step):
-            rng = random.Random(derive_seed(self.cfg.seed, step, j))
+        for j in range(self.cfg.rollout.prompts_per_step):
+            rng = random.Random(derive_seed(self.cfg.run.seed, step, j))
             if self.train_rows is not None:
                 out.append(self.train_rows[rng.randrange(len(self.train_rows))])
             else:
@@ -162,7 +164,7 @@ class TaskData:
         training never draws from."""
         if self.held_out_rows is not None:
             return list(self.held_out_rows)
-        return self.task.examples(self.cfg.eval_prompts, seed=self.cfg.seed + EVAL_SEED_OFFSET)
+        return self.task.examples(self.cfg.run.eval_prompts, seed=self.cfg.run.seed + EVAL_SEED_OFFSET)
 
     def decode(self, ids: torch.Tensor) -> str:
         return self.decode_ids(ids.tolist())
@@ -211,7 +213,7 @@ class TaskData:
 
     def reward(self, completion: str, example: Example, where: str) -> float:
         """The task's reward of one completion; RewardError naming the function and `where` if it fails."""
-        name = repr(self.cfg.reward_fn) if self.cfg.reward_fn else f"of task {self.cfg.task!r}"
+        name = repr(self.cfg.task.reward_fn) if self.cfg.task.reward_fn else f"of task {self.cfg.task.task!r}"
         try:
             value = float(self.task.reward(completion, example))
         except Exception as err:

@@ -25,16 +25,16 @@ if TYPE_CHECKING:
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> tuple[torch.optim.AdamW, LambdaLR]:
     """AdamW over the trainable parameters, and its schedule (warmup, then constant or cosine)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    optimizer = torch.optim.AdamW(params, lr=cfg.optimizer.lr, weight_decay=cfg.optimizer.weight_decay)
     return optimizer, LambdaLR(optimizer, _lr_lambda(cfg))
 
 
 def _lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
     def factor(step: int) -> float:
-        if cfg.warmup_steps and step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        if cfg.lr_schedule == "cosine":
-            done = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+        if cfg.optimizer.warmup_steps and step < cfg.optimizer.warmup_steps:
+            return (step + 1) / cfg.optimizer.warmup_steps
+        if cfg.optimizer.lr_schedule == "cosine":
+            done = (step - cfg.optimizer.warmup_steps) / max(1, cfg.optimizer.steps - cfg.optimizer.warmup_steps)
             return 0.5 * (1.0 + math.cos(math.pi * min(1.0, done)))
         return 1.0
 

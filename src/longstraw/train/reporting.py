@@ -162,14 +162,14 @@ class Progress:
 
 class Report:
     """Rank 0's outputs of a run; with `enabled` False (the other ranks) it writes and prints nothing.
-    With cfg.tensorboard it needs the tensorboard package (a ValueError saying so, before training)."""
+    With cfg.run.tensorboard it needs the tensorboard package (a ValueError saying so, before training)."""
 
     def __init__(self, cfg: TrainConfig, run_dir: Path, enabled: bool) -> None:
         self.cfg, self.run_dir, self.enabled = cfg, run_dir, enabled
         self.metrics_path = run_dir / "metrics.jsonl"
-        self.progress = Progress(cfg.steps, enabled=enabled)
+        self.progress = Progress(cfg.optimizer.steps, enabled=enabled)
         self.writer = None
-        if cfg.tensorboard and enabled:
+        if cfg.run.tensorboard and enabled:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
@@ -189,8 +189,8 @@ class Report:
             self.note(f"resumed from {self.run_dir / FILENAME} at step {step}{extra}")
 
     def eval_before(self, reward: float) -> None:
-        if self.cfg.eval_prompts:
-            self.note(f"held-out greedy reward before training: {reward:.3f} ({self.cfg.eval_prompts} prompts)")
+        if self.cfg.run.eval_prompts:
+            self.note(f"held-out greedy reward before training: {reward:.3f} ({self.cfg.run.eval_prompts} prompts)")
 
     def write(self, m: dict[str, Any]) -> None:
         """Append the step's row to metrics.jsonl."""
@@ -210,7 +210,7 @@ class Report:
         """The end of a complete run: the evaluation line, summary.json, progress.png, the list of outputs."""
         if not self.enabled:
             return
-        if self.cfg.eval_prompts:
+        if self.cfg.run.eval_prompts:
             self.note(f"held-out greedy reward: before {summary.get('eval_before', float('nan')):.3f} -> "
                       f"after {summary['eval_after']:.3f}")
         # summary.json and metrics.jsonl describe the same run: rows past its last step (only another writer could
@@ -224,14 +224,14 @@ class Report:
         checkpoint = self.run_dir / FILENAME
         if checkpoint.exists():
             summary["checkpoint_bytes"] = checkpoint.stat().st_size
-            summary["checkpoint_holds"] = ("weights only (save_weights_only)" if self.cfg.save_weights_only else
+            summary["checkpoint_holds"] = ("weights only (save_weights_only)" if self.cfg.run.save_weights_only else
                                            "weights + AdamW's two moments, about 3x the weights")
         self.note(totals_line(summary))
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         written = [self.metrics_path.name, "summary.json", FILENAME]
         if "checkpoint_bytes" in summary:
             written[-1] += f" ({size_text(summary['checkpoint_bytes'])}: {summary['checkpoint_holds']})"
-        if self.cfg.plot and plot_metrics(self.metrics_path, self.run_dir / "progress.png"):
+        if self.cfg.run.plot and plot_metrics(self.metrics_path, self.run_dir / "progress.png"):
             written.append("progress.png")
         if self.writer is not None:
             self.writer.close()

@@ -135,15 +135,15 @@ def check_not_in_use(run_dir: str | Path) -> None:
 
 
 def open_run_dir(run_dir: Path, cfg: TrainConfig) -> tuple[RunLock, dict[str, Any] | None]:
-    """Check, create and lock the run directory; with cfg.resume, read and check its checkpoint (before any model is
+    """Check, create and lock the run directory; with cfg.run.resume, read and check its checkpoint (before any model is
     loaded) and return it, after printing the notes on changed settings. The caller releases the lock."""
-    lock = prepare_run_dir(run_dir, cfg.resume, cfg.overwrite)
-    if not cfg.resume:
+    lock = prepare_run_dir(run_dir, cfg.run.resume, cfg.run.overwrite)
+    if not cfg.run.resume:
         return lock, None
     try:
         ckpt = load_checkpoint(run_dir)
         metrics_lines(run_dir / "metrics.jsonl")  # an undecodable file refused here, before any model is loaded
-        print_notes(check_resume_config(ckpt["config"], cfg.to_dict(), cfg.force, str(run_dir / FILENAME)))
+        print_notes(check_resume_config(ckpt["config"], cfg.to_flat(), cfg.run.force, str(run_dir / FILENAME)))
     except BaseException:
         lock.release()
         raise

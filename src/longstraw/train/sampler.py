@@ -89,9 +89,10 @@ class Sampler:
         self.cfg, self.data, self.reference, self.par = cfg, data, reference, par
         # An agent task's responses are turns: a tool call's closing tokens hand the response to the environment.
         self.call_end = data.call_end
-        self.max_turns = cfg.max_turns if self.call_end else 1
-        self.sampling = SamplingConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                                       top_p=cfg.top_p, top_k=cfg.top_k, stop_ids=stop_ids, call_end=self.call_end,
+        self.max_turns = cfg.task.max_turns if self.call_end else 1
+        r = cfg.rollout
+        self.sampling = SamplingConfig(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                                       top_k=r.top_k, stop_ids=stop_ids, call_end=self.call_end,
                                        max_turns=self.max_turns)
         # An agent task's last held-out evaluation: the share of prompts whose greedy response made a tool call.
         self.eval_tool_call_rate = float("nan")
@@ -109,13 +110,13 @@ class Sampler:
                 progress.update(step, "rollout", j - mine.start, len(mine))
                 r: ScoredGroup | ScoredTree
                 masks: list[torch.Tensor] | None
-                if self.cfg.rollout == "tree":
+                if self.cfg.rollout.rollout == "tree":
                     r = self.rollout_tree(model, step, j, examples[j])
                     lengths, masks = r.lengths, r.loss_masks
                 else:
                     r = self.rollout(model, step, j, examples[j])
                     lengths, masks = r.group.lengths, r.group.loss_masks
-                drop = self.cfg.dynamic_sampling and bool((r.rewards == r.rewards[0]).all())  # no signal in it
+                drop = self.cfg.rollout.dynamic_sampling and bool((r.rewards == r.rewards[0]).all())  # no signal in it
                 log.rollout(r.rewards, lengths, int(r.prompt.numel()), dropped=drop, turns=r.turns,
                             tool_calls=r.tool_calls,
                             observation_tokens=0 if masks is None else sum(int((~m).sum()) for m in masks))
@@ -132,16 +133,17 @@ class Sampler:
         prompt = data.encode(example)
         cp = self.par.context_shards  # None unless ranks share prompts (--cp)
         # The exact plan reuses this state and needs the recurrent state at every chunk boundary; detach does not.
-        out = sample_group(model, prompt, cfg.group_size, self.sampling, seed=derive_seed(cfg.seed, step, j, 1),
-                           chunk_size=cfg.chunk_size, keep_boundaries=cfg.plan == "exact", context_shards=cp,
+        out = sample_group(model, prompt, cfg.rollout.group_size, self.sampling,
+                           seed=derive_seed(cfg.run.seed, step, j, 1), chunk_size=cfg.plan.chunk_size,
+                           keep_boundaries=cfg.plan.plan.needs_chunk_boundaries, context_shards=cp,
                            environment=data.environment(example))
         rewards = torch.tensor([data.reward(data.decode(r), example, f"step {step + 1}") for r in out.responses],
                                dtype=torch.float64)
-        advantages = group_advantages(rewards, cfg.advantage, accumulation_dtype(getattr(torch, cfg.dtype)),
+        advantages = group_advantages(rewards, cfg.plan.advantage, accumulation_dtype(getattr(torch, cfg.model.dtype)),
                                       f"step {step + 1}: rewards of group {j + 1}")
         ref = None
         if self.reference is not None:
-            ref = score_responses(self.reference, prompt, out.responses, cfg.chunk_size, cfg.micro_batch,
+            ref = score_responses(self.reference, prompt, out.responses, cfg.plan.chunk_size, cfg.plan.micro_batch,
                                   context_shards=cp)
         # loss_masks: an agent task's observation tokens are context, not the policy's actions
         group = Group(prompt, out.responses, advantages, old_logprobs=out.logprobs, ref_logprobs=ref,
@@ -154,21 +156,22 @@ class Sampler:
         """Prompt j of 0-based `step` as a tree (its own seed), every leaf rewarded, with the leaves' advantages."""
         cfg, data = self.cfg, self.data
         prompt = data.encode(example)
-        shape = TreeConfig(trunks=cfg.tree_trunks, branching=cfg.tree_branching, depth=cfg.tree_depth,
-                           leaves=cfg.tree_leaves, trigger=cfg.tree_trigger, every=cfg.tree_every)
-        out = sample_tree(model, prompt, shape, self.sampling, seed=derive_seed(cfg.seed, step, j, 1),
-                          chunk_size=cfg.chunk_size, environment=data.environment(example))
+        r = cfg.rollout
+        shape = TreeConfig(trunks=r.tree_trunks, branching=r.tree_branching, depth=r.tree_depth, leaves=r.tree_leaves,
+                           trigger=r.tree_trigger, every=r.tree_every)
+        out = sample_tree(model, prompt, shape, self.sampling, seed=derive_seed(cfg.run.seed, step, j, 1),
+                          chunk_size=cfg.plan.chunk_size, environment=data.environment(example))
         rewards = torch.tensor([data.reward(data.decode(r), example, f"step {step + 1}") for r in out.responses],
                                dtype=torch.float64)
         where = f"step {step + 1}: rewards of tree {j + 1}"
         try:
-            advantages = tree_advantages(rewards, out, cfg.tree_advantage, cfg.advantage,
-                                         loss_dtype=accumulation_dtype(getattr(torch, cfg.dtype)))
+            advantages = tree_advantages(rewards, out, cfg.rollout.tree_advantage, cfg.plan.advantage,
+                                         loss_dtype=accumulation_dtype(getattr(torch, cfg.model.dtype)))
         except UnnormalisableRewards as err:
             raise RewardError(err.describe(where)) from None
         ref = None
         if self.reference is not None:  # each leaf scored on its own (the reference's log-probs, no gradient)
-            ref = score_responses(self.reference, prompt, out.responses, cfg.chunk_size, cfg.micro_batch)
+            ref = score_responses(self.reference, prompt, out.responses, cfg.plan.chunk_size, cfg.plan.micro_batch)
         return ScoredTree(prompt=prompt, tree=out.tree(advantages, ref_logprobs=ref), rewards=rewards,
                           rollout_stats=out.stats, turns=sum(out.turns), tool_calls=sum(out.tool_calls))
 
@@ -177,9 +180,9 @@ class Sampler:
         """Mean greedy reward on held-out prompts (NaN with eval_prompts 0). It can take minutes on a CPU, so rank 0
         says what it is doing and counts the prompts (in place on a terminal)."""
         cfg, data, par = self.cfg, self.data, self.par
-        if cfg.eval_prompts == 0:
+        if cfg.run.eval_prompts == 0:
             return float("nan")
-        greedy = SamplingConfig(max_new_tokens=cfg.max_new_tokens, top_k=1, stop_ids=self.sampling.stop_ids,
+        greedy = SamplingConfig(max_new_tokens=cfg.rollout.max_new_tokens, top_k=1, stop_ids=self.sampling.stop_ids,
                                 call_end=self.call_end, max_turns=self.max_turns)
         examples = data.held_out()
         mine = examples[par.dp_rank :: par.dp_size]  # blocks of ranks split the prompts
@@ -190,7 +193,7 @@ class Sampler:
         total, calling = 0.0, 0
         with par.compute(model, reduce=False):
             for i, example in enumerate(mine):
-                out = sample_group(model, data.encode(example), 1, greedy, chunk_size=cfg.chunk_size,
+                out = sample_group(model, data.encode(example), 1, greedy, chunk_size=cfg.plan.chunk_size,
                                    context_shards=par.context_shards, environment=data.environment(example))
                 total += data.reward(data.decode(out.responses[0]), example, "held-out evaluation")
                 calling += int(bool(out.tool_calls and out.tool_calls[0]))

@@ -76,14 +76,14 @@ class StoppedTogether(TrainingInterrupted):
 class Trainer:
     def __init__(self, cfg: TrainConfig, parallel: Parallel | None = None) -> None:
         self.cfg = cfg
-        self.par = parallel if parallel is not None else Parallel(device=cfg.device)  # one process by default
-        self.options = cfg.backward_options(context_shards=self.par.context_shards)  # every group's backward
-        self.par.share(cfg.prompts_per_step)  # refuse a count the ranks cannot split before loading anything
-        if cfg.bias_every and self.par.distributed:
+        self.par = parallel if parallel is not None else Parallel(device=cfg.model.device)  # one process by default
+        self.options = cfg.plan.backward_options(context_shards=self.par.context_shards)  # every group's backward
+        self.par.share(cfg.rollout.prompts_per_step)  # refuse a count the ranks cannot split before loading anything
+        if cfg.run.bias_every and self.par.distributed:
             raise ValueError("--bias-every runs in one process only (sharded gradients): drop it or --nproc")
-        if cfg.warm_start_steps and self.par.distributed:
+        if cfg.optimizer.warm_start_steps and self.par.distributed:
             raise ValueError("--warm-start-steps runs in one process only: drop it or --nproc")
-        self.run_dir = Path(cfg.run_dir)
+        self.run_dir = Path(cfg.run.run_dir)
         # Rank 0 checks and locks the run directory and, on resume, reads and checks the checkpoint, before the model
         # loads. The lock is held until `run` ends (released here if the setup fails).
         self._lock: RunLock | None = None
@@ -98,16 +98,16 @@ class Trainer:
 
     def _setup(self, cfg: TrainConfig) -> None:
         """Everything after the run directory: the model, data, optimizer, sampler and reporting."""
-        self.model = load_model(cfg.model, dtype=cfg.dtype, device=self.par.device, seed=cfg.seed)
+        self.model = load_model(cfg.model.model, dtype=cfg.model.dtype, device=self.par.device, seed=cfg.run.seed)
         if self._ckpt is not None:
             check_same_shapes(self.model, self._ckpt["model"], self.run_dir / FILENAME)
-        tokenizer = load_tokenizer(cfg.model)  # the data checks every prompt against the model's positions
+        tokenizer = load_tokenizer(cfg.model.model)  # the data checks every prompt against the model's positions
         self.data = TaskData(cfg, tokenizer, getattr(self.model.config, "max_position_embeddings", None))
-        self.reference = copy.deepcopy(self.model).requires_grad_(False) if cfg.beta > 0 else None  # for the KL
+        self.reference = copy.deepcopy(self.model).requires_grad_(False) if cfg.plan.beta > 0 else None  # for the KL
         self.model = self.par.shard(self.model)  # FSDP2 across ranks; unchanged in one process
         self.optimizer, self.scheduler = make_optimizer(self.model, cfg)
         self.sampler = Sampler(cfg, self.data, stop_ids_of(self.model, tokenizer), self.reference, self.par)
-        if cfg.warm_start_steps:
+        if cfg.optimizer.warm_start_steps:
             check_gold(cfg, self.data, self.sampler.sampling.stop_ids)
         self.step = 0
         self.summary: dict[str, Any] = {}
@@ -121,11 +121,11 @@ class Trainer:
 
     def train_step(self, step: int, progress: Progress) -> dict[str, Any]:
         cfg = self.cfg
-        log = StepLog(cfg.device)  # this rank's time, peak memory, rewards and tokens; starts the clock
+        log = StepLog(cfg.model.device)  # this rank's time, peak memory, rewards and tokens; starts the clock
         kept = self.sampler.step_groups(self.model, step, progress, log)  # rollout, rewards, advantages, reference
         loss_total, grad_norm, skipped, bias_metrics = 0.0, 0.0, 0, {}
         n_kept = int(self.par.sum(len(kept)))  # over all ranks: every rank takes the same branches below
-        for it in range(cfg.num_iterations if n_kept else 0):
+        for it in range(cfg.plan.num_iterations if n_kept else 0):
             self.optimizer.zero_grad(set_to_none=True)
             loss_total, skipped = 0.0, 0  # skipped: this rank's groups of zero gradient (advantages all 0, beta 0)
             with self.par.compute(self.model):  # sharded: gradients reduced (averaged over ranks) once, at exit
@@ -138,7 +138,7 @@ class Trainer:
                         continue
                     state = r.state if it == 0 else None  # the rollout's prompt state serves the first pass
                     result = backward_group(self.model, r.group, self.options, prompt_state=state)
-                    if cfg.offload_state:
+                    if cfg.plan.offload_state:
                         r.state = None  # its host copy served this pass: free the device copy the sampler made
                     loss_total += result.loss / n_kept
                     skipped += result.skipped == "zero_advantage"
@@ -148,7 +148,7 @@ class Trainer:
             if it == 0 and bias.due(cfg, step):  # the step's own unclipped gradient vs the exact one; changes nothing
                 bias_metrics = bias.measure(self.model, [r.group for r in kept if not isinstance(r, ScoredTree)], cfg)
             # Clip; refuse a non-finite norm, or an update that would make a weight non-finite, before AdamW runs.
-            grad_norm = clip_and_check(self.par, self.optimizer, self.model, params, cfg.max_grad_norm, step)
+            grad_norm = clip_and_check(self.par, self.optimizer, self.model, params, cfg.optimizer.max_grad_norm, step)
             self._dirty = True  # from here until the step is complete, the state is not a step boundary
             self.optimizer.step()
             check_weights_finite(self.par, self.model, step)  # in case the step did what the check did not foresee
@@ -160,7 +160,7 @@ class Trainer:
 
     def _agent_eval(self, when: str) -> None:
         """An agent task's held-out tool-call rate of the evaluation just run, in the summary."""
-        if self.data.call_end and self.cfg.eval_prompts:
+        if self.data.call_end and self.cfg.run.eval_prompts:
             self.summary[f"tool_call_rate_{when}"] = self.sampler.eval_tool_call_rate
 
     def _warm_start(self) -> None:
@@ -187,7 +187,7 @@ class Trainer:
             self._saving = False
 
     def run(self) -> dict[str, Any]:
-        """Train to cfg.steps (or cfg.stop_after more steps). On an exception or Ctrl-C/SIGTERM after a
+        """Train to cfg.optimizer.steps (or cfg.run.stop_after more steps). On an exception or Ctrl-C/SIGTERM after a
         completed step, the last completed step is checkpointed before the error propagates (several ranks: a
         signal stops them together at the end of the step, saved; an exception is not saved, see `stopping`)."""
         # Several ranks: a signal is always held until the next step boundary, where every rank learns whether any
@@ -233,7 +233,7 @@ class Trainer:
 
     def _run(self, signals: StopSignals) -> dict[str, Any]:
         cfg, report = self.cfg, self.report
-        if cfg.resume:
+        if cfg.run.resume:
             ckpt, self._ckpt = self._ckpt, None  # read and checked in __init__ (rank 0); dropped once loaded
             self.step, self.summary = restore_run(self.par, ckpt, self.model, self.optimizer, self.scheduler,
                                                   self.run_dir)
@@ -243,10 +243,10 @@ class Trainer:
             self.summary["eval_before"] = self.sampler.evaluate(self.model, "before training")
             report.eval_before(self.summary["eval_before"])
             self._agent_eval("before")
-            if cfg.warm_start_steps:
+            if cfg.optimizer.warm_start_steps:
                 self._warm_start()
         self._boundary_rng = rng_state()
-        last = min(cfg.steps, self.step + cfg.stop_after) if cfg.stop_after else cfg.steps
+        last = min(cfg.optimizer.steps, self.step + cfg.run.stop_after) if cfg.run.stop_after else cfg.optimizer.steps
         while self.step < last:
             m = self.train_step(self.step, report.progress)  # sets _dirty once it changes the weights
             self.step += 1
@@ -255,10 +255,10 @@ class Trainer:
             self._boundary_rng = rng_state()
             self._dirty = False  # a step boundary again
             report.show(m)  # TensorBoard, the progress line
-            if cfg.save_every and self.step % cfg.save_every == 0 and self.step < last:
+            if cfg.run.save_every and self.step % cfg.run.save_every == 0 and self.step < last:
                 self.save()
             self._stop_requested(signals)  # a Ctrl-C held during the update stops here, at the boundary
-        if self.step < cfg.steps:  # stopped early on purpose: checkpoint, no final evaluation
+        if self.step < cfg.optimizer.steps:  # stopped early on purpose: checkpoint, no final evaluation
             self.save()
             self._stop_requested(signals)
             report.note(f"stopped after step {self.step}; continue with --resume")
@@ -273,7 +273,7 @@ class Trainer:
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Train in this process, or as one rank of a distributed job when launched by torchrun (WORLD_SIZE > 1)."""
-    parallel = Parallel.start(cfg.device, cp=cfg.cp, tp=cfg.tp)
+    parallel = Parallel.start(cfg.model.device, cp=cfg.parallelism.cp, tp=cfg.parallelism.tp)
     stopped = 0
     try:
         summary = Trainer(cfg, parallel).run()

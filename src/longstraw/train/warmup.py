@@ -39,8 +39,8 @@ NLL_LOSS = "nll"
 
 def warm_start_examples(cfg: TrainConfig, data: TaskData, step: int) -> list[Any]:
     """The prompts of 0-based warm-start `step`, each from its own seed."""
-    return [data.task.sample(random.Random(derive_seed(cfg.seed, WARM_START_STREAM, step, j)))
-            for j in range(cfg.warm_start_batch)]
+    return [data.task.sample(random.Random(derive_seed(cfg.run.seed, WARM_START_STREAM, step, j)))
+            for j in range(cfg.optimizer.warm_start_batch)]
 
 
 def gold_group(data: TaskData, example: Any, stop_ids: tuple[int, ...]) -> Group:
@@ -48,8 +48,8 @@ def gold_group(data: TaskData, example: Any, stop_ids: tuple[int, ...]) -> Group
     it)."""
     gold = data.gold(example, stop_ids)
     if gold is None:
-        raise ValueError(f"task {data.cfg.task!r} writes no gold responses: the warm start (warm_start_steps) needs "
-                         "an agent task that does (lookup)")
+        raise ValueError(f"task {data.cfg.task.task!r} writes no gold responses: the warm start (warm_start_steps) "
+                         "needs an agent task that does (lookup)")
     ids, mask = gold
     return Group(data.encode(example), [ids], torch.ones(1, dtype=torch.float64), loss_masks=[mask])
 
@@ -59,9 +59,9 @@ def check_gold(cfg: TrainConfig, data: TaskData, stop_ids: tuple[int, ...]) -> N
     would teach responses the rollouts cut short)."""
     group = gold_group(data, warm_start_examples(cfg, data, 0)[0], stop_ids)
     n = group.responses[0].numel()
-    if n > cfg.max_new_tokens:
+    if n > cfg.rollout.max_new_tokens:
         raise ValueError(f"the warm start's gold response has {n} tokens (calls, results and the answer), more than "
-                         f"--max-new-tokens {cfg.max_new_tokens}: raise --max-new-tokens to at least {n}")
+                         f"--max-new-tokens {cfg.rollout.max_new_tokens}: raise --max-new-tokens to at least {n}")
 
 
 def nll_options(options: BackwardOptions) -> BackwardOptions:
@@ -74,29 +74,30 @@ def warm_start(model: torch.nn.Module, cfg: TrainConfig, data: TaskData, options
     """Run the warm start on `model` in place; returns its record for summary.json (losses per step, seconds).
     `note(text)`: the progress lines."""
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.warm_start_lr, weight_decay=cfg.weight_decay)
+    optimizer = torch.optim.AdamW(params, lr=cfg.optimizer.warm_start_lr, weight_decay=cfg.optimizer.weight_decay)
     sft = nll_options(options)
     losses: list[float] = []
     t0 = time.perf_counter()
-    for step in range(cfg.warm_start_steps):
+    for step in range(cfg.optimizer.warm_start_steps):
         optimizer.zero_grad(set_to_none=True)
         total = 0.0
         for example in warm_start_examples(cfg, data, step):
             result = backward_group(model, gold_group(data, example, stop_ids), sft)
-            total += result.loss / cfg.warm_start_batch
+            total += result.loss / cfg.optimizer.warm_start_batch
         grads = [p for p in params if p.grad is not None]
         for p in grads:
             assert p.grad is not None
-            p.grad.div_(cfg.warm_start_batch)  # the mean over the step's gold responses
-        max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
+            p.grad.div_(cfg.optimizer.warm_start_batch)  # the mean over the step's gold responses
+        max_norm = cfg.optimizer.max_grad_norm if cfg.optimizer.max_grad_norm > 0 else float("inf")
         norm = float(torch.nn.utils.clip_grad_norm_(grads, max_norm))
         if not math.isfinite(norm) or not math.isfinite(total):
             raise FloatingPointError(f"warm-start step {step + 1}: the nll loss is {total} and its gradient norm "
                                      f"{norm}; the weights are unchanged by it. Lower --warm-start-lr or use float32")
         optimizer.step()
         losses.append(total)
-        note(f"warm start {step + 1}/{cfg.warm_start_steps}: nll {total:.4f} | grad norm {norm:.3f} | "
+        note(f"warm start {step + 1}/{cfg.optimizer.warm_start_steps}: nll {total:.4f} | grad norm {norm:.3f} | "
              f"{time.perf_counter() - t0:.0f} s")
     optimizer.zero_grad(set_to_none=True)
-    return {"steps": cfg.warm_start_steps, "batch": cfg.warm_start_batch, "lr": cfg.warm_start_lr,
-            "nll": losses, "seconds": round(time.perf_counter() - t0, 1)}
+    opt = cfg.optimizer
+    return {"steps": opt.warm_start_steps, "batch": opt.warm_start_batch, "lr": opt.warm_start_lr, "nll": losses,
+            "seconds": round(time.perf_counter() - t0, 1)}
