@@ -75,7 +75,7 @@ def test_compare_writes_table_and_plot_and_does_not_redo_finished_runs(tmp_path,
     mtimes = {p: p.stat().st_mtime_ns for p in out.glob("*/checkpoint.pt")}
 
     def no_training(cfg):
-        raise AssertionError(f"{cfg.run_dir} was trained again")
+        raise AssertionError(f"{cfg.run.run_dir} was trained again")
 
     monkeypatch.setattr(longstraw.train.trainer, "train", no_training)
     (out / "compare.md").unlink()
@@ -283,7 +283,8 @@ def test_a_reused_run_trained_further_is_refused_and_rerun_only_with_overwrite(f
     assert calls == [] and before == {p: p.read_bytes() for p in out.glob("compare*")}  # nothing written
 
     assert bench([*argv, "--overwrite"]) == 1 and "stopped by the test" in capsys.readouterr().err
-    assert (calls[0].plan, calls[0].seed, calls[0].overwrite) == ("standard", 0, True)
+    first = calls[0]
+    assert (first.plan.plan.name, first.run.seed, first.run.overwrite) == ("standard", 0, True)
 
 
 def test_a_reused_run_of_other_settings_is_refused_naming_them(finished, tmp_path, capsys, monkeypatch):
@@ -344,4 +345,4 @@ def test_a_value_refused_after_a_run_started_leaves_nothing_that_refuses_the_cor
     err = capsys.readouterr().err
     assert "records other settings (max_new_tokens: 4000 -> 6), but no run has saved a step under them" in err
     assert "holds a comparison of other settings" not in err
-    assert [(c.plan, c.max_new_tokens) for c in calls] == [("standard", 6)]
+    assert [(c.plan.plan.name, c.rollout.max_new_tokens) for c in calls] == [("standard", 6)]

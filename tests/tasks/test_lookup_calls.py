@@ -103,8 +103,8 @@ def test_the_gold_response_is_what_a_rollout_of_it_would_be(hops, real, request,
     """TaskData.gold: the calls and the answer are the policy's tokens, each result the environment's own ids at the
     token where CallEnd fires, masked; it earns the full reward."""
     tok = request.getfixturevalue("smollm2") if real else byte_tokenizer_hf()
-    cfg = TrainConfig(model="tiny-llama", task="lookup", prompt_tokens=600, hops=hops, format_reward=0.1,
-                      run_dir=str(tmp_path / "run"))
+    cfg = TrainConfig.from_flat(model="tiny-llama", task="lookup", prompt_tokens=600, hops=hops, format_reward=0.1,
+                                run_dir=str(tmp_path / "run"))
     data = TaskData(cfg, tok, max_positions=None)
     example = data.examples(0)[0]
     ids, mask = data.gold(example, stop_ids=(7,))

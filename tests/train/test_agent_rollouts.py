@@ -19,8 +19,8 @@ def test_the_trainers_sampler_runs_multi_turn_rollouts(monkeypatch, tmp_path):
     """A random-init tiny model never writes "</lookup>", so the call's closing token is set to the byte it writes
     most often and the environment answers every call with a fixed result, the reward by length: this exercises
     the trainer's plumbing (calls, masks, turns, the gradient), not what the model learns."""
-    cfg = TrainConfig(model="tiny-llama", task="lookup", prompt_tokens=500, group_size=4, max_new_tokens=48,
-                      top_k=4, max_turns=3, run_dir=str(tmp_path / "run"))
+    cfg = TrainConfig.from_flat(model="tiny-llama", task="lookup", prompt_tokens=500, group_size=4, max_new_tokens=48,
+                                top_k=4, max_turns=3, run_dir=str(tmp_path / "run"))
     tokenizer = load_tokenizer("tiny-llama")
     model = load_model("tiny-llama").eval()
     data = TaskData(cfg, tokenizer, max_positions=2048)
@@ -31,7 +31,7 @@ def test_the_trainers_sampler_runs_multi_turn_rollouts(monkeypatch, tmp_path):
     monkeypatch.setattr(LookupTask, "reward", lambda self, completion, example: float(len(completion) % 3))
     sampler = Sampler(cfg, data, (), None, Parallel())
     log = StepLog("cpu")
-    groups = sampler.step_groups(model, 0, Progress(cfg.steps, enabled=False), log)
+    groups = sampler.step_groups(model, 0, Progress(cfg.optimizer.steps, enabled=False), log)
     (scored,) = groups
     masks = scored.group.loss_masks
     observation = tokenizer.encode("<result>phone: 1234</result>", add_special_tokens=False)
@@ -40,22 +40,22 @@ def test_the_trainers_sampler_runs_multi_turn_rollouts(monkeypatch, tmp_path):
         assert bool(mask[0])
         observed = response[~mask].tolist()
         assert len(observed) % len(observation) == 0 and observed == observation * (len(observed) // len(observation))
-    assert scored.turns > cfg.group_size and log.observation_tokens == sum(int((~m).sum()) for m in masks)
-    assert scored.tool_calls >= scored.turns - cfg.group_size and log.tool_calls == scored.tool_calls
+    assert scored.turns > cfg.rollout.group_size and log.observation_tokens == sum(int((~m).sum()) for m in masks)
+    assert scored.tool_calls >= scored.turns - cfg.rollout.group_size and log.tool_calls == scored.tool_calls
     row = log.row(Parallel(), 0, n_kept=1, skipped=0, loss=0.0, grad_norm=0.0, lr=0.0, bias_metrics={})
     assert (row["turns"], row["tool_calls"], row["observation_tokens"]) == (scored.turns, scored.tool_calls,
                                                                            log.observation_tokens)
-    assert row["turns_mean"] == scored.turns / cfg.group_size
-    assert row["tool_calls_mean"] == scored.tool_calls / cfg.group_size
-    backward_group(model, scored.group, plan="exact", chunk_size=cfg.chunk_size, prompt_state=scored.state)
+    assert row["turns_mean"] == scored.turns / cfg.rollout.group_size
+    assert row["tool_calls_mean"] == scored.tool_calls / cfg.rollout.group_size
+    backward_group(model, scored.group, plan="exact", chunk_size=cfg.plan.chunk_size, prompt_state=scored.state)
     assert any(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in model.parameters())
 
 
 def test_the_trainers_environment_answers_an_id_of_any_length(tmp_path):
     """A policy that writes a 5,000-digit id (past Python's int(str) limit) gets "no person" as token ids the model
     can read, and a reward of 0: the run goes on."""
-    cfg = TrainConfig(model="tiny-llama", task="lookup", prompt_tokens=500, group_size=2, max_new_tokens=48,
-                      max_turns=3, run_dir=str(tmp_path / "run"))
+    cfg = TrainConfig.from_flat(model="tiny-llama", task="lookup", prompt_tokens=500, group_size=2, max_new_tokens=48,
+                                max_turns=3, run_dir=str(tmp_path / "run"))
     tokenizer = load_tokenizer("tiny-llama")
     data = TaskData(cfg, tokenizer, max_positions=2048)
     example = data.examples(0)[0]

@@ -29,10 +29,10 @@ def _cfg(tmp_path: Path, name: str, **extra) -> TrainConfig:
     if not data.exists():
         data.write_text("".join(json.dumps({"prompt": f"Tell me about {w}, briefly.", "answer": w}) + "\n"
                                 for w in ("cats", "rain", "maps", "tea")))
-    return TrainConfig(model="tiny-llama", dtype="float64", task="jsonl", data=str(data),
-                       reward_fn="rewards_for_tests:even_byte_fraction", group_size=4, max_new_tokens=6,
-                       chunk_size=8, lr=1e-3, plan="detach", steps=3, eval_prompts=0, plot=False,
-                       run_dir=str(tmp_path / name), **extra)
+    return TrainConfig.from_flat(model="tiny-llama", dtype="float64", task="jsonl", data=str(data),
+                                 reward_fn="rewards_for_tests:even_byte_fraction", group_size=4, max_new_tokens=6,
+                                 chunk_size=8, lr=1e-3, plan="detach", steps=3, eval_prompts=0, plot=False,
+                                 run_dir=str(tmp_path / name), **extra)
 
 
 def _flat(model: torch.nn.Module) -> torch.Tensor:
@@ -56,8 +56,8 @@ def test_meter_equals_an_independent_computation_and_leaves_the_run_bit_identica
         grads = {}
         for plan in ("detach", "exact"):
             c.model.zero_grad(set_to_none=True)
-            backward_group(c.model, r.group, plan=plan, chunk_size=cfg.chunk_size,
-                           micro_batch=cfg.micro_batch, loss=cfg.loss_config())
+            backward_group(c.model, r.group, plan=plan, chunk_size=cfg.plan.chunk_size,
+                           micro_batch=cfg.plan.micro_batch, loss=cfg.plan.loss_config())
             grads[plan] = _flat(c.model)
         gd, ge = grads["detach"], grads["exact"]
         cosine = float(gd @ ge / (gd.norm() * ge.norm()))
@@ -89,7 +89,7 @@ def test_exact_gradient_restores_grads_and_rng(tiny_llama64):
 
     model = tiny_llama64
     groups = [random_group(12, [3, 5], seed=1), random_group(9, [4, 2, 6], seed=2)]
-    cfg = TrainConfig(plan="detach", bias_every=1, chunk_size=4)
+    cfg = TrainConfig.from_flat(plan="detach", bias_every=1, chunk_size=4)
     model.zero_grad(set_to_none=True)
     backward_group(model, groups[0], plan="detach", chunk_size=4)
     before = [p.grad for p in model.parameters()]
@@ -121,12 +121,12 @@ def test_compare_gradients_known_values():
 
 def test_bias_every_config_errors_and_plot(tmp_path):
     with pytest.raises(ValueError, match="the exact plan computes the exact gradient itself"):
-        TrainConfig(plan="exact", bias_every=2)
+        TrainConfig.from_flat(plan="exact", bias_every=2)
     with pytest.raises(ValueError, match="bias_every must be >= 0"):
-        TrainConfig(plan="detach", bias_every=-1)
-    assert TrainConfig(plan="standard", bias_every=0).bias_every == 0
-    assert not bias.due(TrainConfig(plan="detach", bias_every=3), 1)
-    assert bias.due(TrainConfig(plan="detach", bias_every=3), 2)  # the 3rd step (0-based 2)
+        TrainConfig.from_flat(plan="detach", bias_every=-1)
+    assert TrainConfig.from_flat(plan="standard", bias_every=0).run.bias_every == 0
+    assert not bias.due(TrainConfig.from_flat(plan="detach", bias_every=3), 1)
+    assert bias.due(TrainConfig.from_flat(plan="detach", bias_every=3), 2)  # the 3rd step (0-based 2)
     rows = [{"step": s, "reward_mean": 0.5, "reward_max": 1.0, "peak_memory_bytes": 2**20,
              **({"bias_cosine": 0.9, "bias_rel_error": 0.4} if s % 2 == 0 else {})} for s in (1, 2, 3, 4)]
     metrics = tmp_path / "metrics.jsonl"

@@ -5,6 +5,7 @@ import argparse
 import pytest
 
 from longstraw.engine.loss.config import LossConfig
+from longstraw.plan import DETACH, EXACT
 from longstraw.train.config import TrainConfig, add_arguments, from_args
 
 
@@ -19,8 +20,9 @@ def test_toml_then_flags(tmp_path):
     path.write_text('[rollout]\ngroup_size = 16\ndynamic_sampling = true\n[plan]\nloss = "dapo"\n'
                     '[optimizer]\nlr = 3e-6\n')
     cfg = _parse(str(path), "--group-size", "4", "--no-dynamic-sampling")
-    assert (cfg.group_size, cfg.loss, cfg.lr, cfg.dynamic_sampling) == (4, "dapo", 3e-6, False)
-    assert TrainConfig().plan == "exact"
+    assert (cfg.rollout.group_size, cfg.plan.loss, cfg.optimizer.lr, cfg.rollout.dynamic_sampling) == (
+        4, "dapo", 3e-6, False)
+    assert TrainConfig().plan.plan is EXACT and TrainConfig.from_flat(plan="detach").plan.plan is DETACH
 
 
 @pytest.mark.parametrize("text,match", [
@@ -52,7 +54,7 @@ def test_bad_toml(tmp_path, text, match):
 ])
 def test_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        TrainConfig(**kwargs)
+        TrainConfig.from_flat(**kwargs)
 
 
 @pytest.mark.parametrize("flags,match", [
@@ -90,9 +92,9 @@ def test_nan_and_inf_in_toml_are_refused(tmp_path):
 
 def test_python_construction_checks_types():
     with pytest.raises(ValueError, match="group_size must be an integer, got 2.5"):
-        TrainConfig(group_size=2.5)
+        TrainConfig.from_flat(group_size=2.5)
     with pytest.raises(ValueError, match="plot must be true or false"):
-        TrainConfig(plot="no")
+        TrainConfig.from_flat(plot="no")
 
 
 def test_cuda_without_a_gpu_is_refused_at_parse_time():
@@ -111,12 +113,13 @@ def test_float16_help_and_error_agree():
     add_arguments(parser)
     help_text = parser.format_help()
     assert "float16 is refused" in " ".join(help_text.split())
-    assert TrainConfig(dtype="bfloat16").dtype == "bfloat16"
+    assert TrainConfig.from_flat(dtype="bfloat16").model.dtype == "bfloat16"
 
 
 def test_the_loss_uses_its_defaults_unless_set():
-    assert TrainConfig().loss_config() == LossConfig("grpo")
-    assert TrainConfig(epsilon_high=0.28, beta=0.1).loss_config() == LossConfig("grpo", epsilon_high=0.28, beta=0.1)
+    assert TrainConfig().plan.loss_config() == LossConfig("grpo")
+    assert TrainConfig.from_flat(epsilon_high=0.28, beta=0.1).plan.loss_config() == LossConfig(
+        "grpo", epsilon_high=0.28, beta=0.1)
 
 
 def test_shipped_examples_are_valid_configs():
@@ -127,7 +130,7 @@ def test_shipped_examples_are_valid_configs():
     examples = sorted((Path(__file__).parents[2] / "examples").glob("*.toml"))
     assert examples
     for path in examples:
-        TrainConfig(**load_toml(path))
+        TrainConfig.from_flat(**load_toml(path))
 
 
 def test_toml_that_is_not_utf8_names_file_and_line(tmp_path):
@@ -147,4 +150,4 @@ def test_overwrite_is_taken_from_the_command_line_only(tmp_path):
     with pytest.raises(ValueError, match="pass --overwrite on the command line"):
         _parse(str(path))
     path.write_text("[run]\noverwrite = false\n")
-    assert _parse(str(path), "--overwrite").overwrite is True
+    assert _parse(str(path), "--overwrite").run.overwrite is True

@@ -28,8 +28,9 @@ def test_jsonl_held_out_rows_are_never_training_rows(tmp_path):
     tokenizer = load_tokenizer("tiny-llama")
     held_by_seed = []
     for seed in (0, 1):
-        cfg = TrainConfig(model="tiny-llama", task="jsonl", data=str(data), eval_prompts=4, prompts_per_step=2,
-                          seed=seed, run_dir=str(tmp_path / "r"))
+        cfg = TrainConfig.from_flat(
+            model="tiny-llama", task="jsonl", data=str(data), eval_prompts=4, prompts_per_step=2, seed=seed,
+            run_dir=str(tmp_path / "r"))
         task_data = TaskData(cfg, tokenizer, max_positions=2048)
         held = [ex.meta["line"] for ex in task_data.held_out()]
         trained = {ex.meta["line"] for step in range(300) for ex in task_data.examples(step)}
@@ -57,8 +58,8 @@ def test_a_jsonl_file_too_small_for_its_held_out_rows_is_refused_before_the_run_
 def test_resuming_a_jsonl_run_with_other_eval_prompts_is_refused():
     """For a jsonl file eval_prompts sets which rows are trained on; for a generated task it only sets the
     evaluation."""
-    saved = TrainConfig(task="jsonl", data="d.jsonl", eval_prompts=2).to_dict()
+    saved = TrainConfig.from_flat(task="jsonl", data="d.jsonl", eval_prompts=2).to_flat()
     with pytest.raises(ValueError, match=r"settings that change what is trained: eval_prompts: 2 -> 3"):
         check_resume_config(saved, dict(saved, eval_prompts=3), False, "ck")
-    generated = TrainConfig(eval_prompts=2).to_dict()
+    generated = TrainConfig.from_flat(eval_prompts=2).to_flat()
     assert check_resume_config(generated, dict(generated, eval_prompts=3), False, "ck") == []

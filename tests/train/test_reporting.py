@@ -31,8 +31,9 @@ def test_summary_counts_skipped_steps_and_states_the_checkpoint_size(tmp_path, c
     and are skipped. The summary counts those steps as metrics.jsonl records them, and gives the checkpoint's size on
     disk: with AdamW's two moments at least 3x the weights, without them (save_weights_only) under 1.5x."""
     run = tmp_path / "run"
-    cfg = TrainConfig(model="tiny-llama", task="passkey", prompt_tokens=256, group_size=2, max_new_tokens=2, steps=3,
-                      eval_prompts=1, plot=False, run_dir=str(run), save_weights_only=weights_only)
+    cfg = TrainConfig.from_flat(
+        model="tiny-llama", task="passkey", prompt_tokens=256, group_size=2, max_new_tokens=2, steps=3, eval_prompts=1,
+        plot=False, run_dir=str(run), save_weights_only=weights_only)
     trainer = Trainer(cfg)
     weights = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
     trainer.run()

@@ -25,7 +25,7 @@ def no_model(monkeypatch):
 
 
 def _cfg(run: Path, **kw) -> TrainConfig:
-    return TrainConfig(run_dir=str(run), steps=1, eval_prompts=0, plot=False, **kw)
+    return TrainConfig.from_flat(run_dir=str(run), steps=1, eval_prompts=0, plot=False, **kw)
 
 
 def test_a_run_dir_holding_a_run_is_refused_without_resume_or_overwrite(tmp_path, no_model):
@@ -96,7 +96,7 @@ def test_a_bad_model_is_refused_before_the_run_dir_exists(tmp_path, capsys, argv
 
 
 def test_config_changes_on_resume():
-    saved = TrainConfig().to_dict()
+    saved = TrainConfig().to_flat()
     assert check_resume_config(saved, dict(saved, run_dir="elsewhere", eval_prompts=0), False, "ck") == []
     notes = check_resume_config(saved, dict(saved, chunk_size=64, steps=40), False, "ck")
     assert notes == ["note: resuming with changed settings: chunk_size: 2048 -> 64; steps: 20 -> 40"]

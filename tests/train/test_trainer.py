@@ -70,21 +70,22 @@ def test_resume_in_a_fresh_process_equals_a_straight_run(tmp_path):
 
 
 def test_resume_errors(tmp_path):
-    cfg = TrainConfig(run_dir=str(tmp_path / "none"), resume=True, steps=1, eval_prompts=0, plot=False)
+    cfg = TrainConfig.from_flat(run_dir=str(tmp_path / "none"), resume=True, steps=1, eval_prompts=0, plot=False)
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         Trainer(cfg).run()
     run = tmp_path / "bad"
     run.mkdir()
     (run / "checkpoint.pt").write_bytes(b"PK\x03\x04 truncated")
-    cfg = TrainConfig(run_dir=str(run), resume=True, steps=1, eval_prompts=0, plot=False)
+    cfg = TrainConfig.from_flat(run_dir=str(run), resume=True, steps=1, eval_prompts=0, plot=False)
     with pytest.raises(ValueError, match="damaged or truncated"):
         Trainer(cfg).run()
 
 
 def test_non_finite_gradient_stops_before_the_optimizer(tmp_path):
-    cfg = TrainConfig(model="tiny-llama", prompt_tokens=64, group_size=3, max_new_tokens=4, steps=1,
-                      eval_prompts=0, plot=False, run_dir=str(tmp_path), task="jsonl", data=str(_jsonl(tmp_path)),
-                      reward_fn="rewards_for_tests:even_byte_fraction")
+    cfg = TrainConfig.from_flat(
+        model="tiny-llama", prompt_tokens=64, group_size=3, max_new_tokens=4, steps=1, eval_prompts=0, plot=False,
+        run_dir=str(tmp_path), task="jsonl", data=str(_jsonl(tmp_path)),
+        reward_fn="rewards_for_tests:even_byte_fraction")
     trainer = Trainer(cfg)
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     # A NaN gradient (as from an fp16 overflow) on one weight must stop the step before AdamW runs.
@@ -98,9 +99,9 @@ def test_non_finite_gradient_stops_before_the_optimizer(tmp_path):
 def test_an_update_that_would_make_weights_non_finite_is_not_applied(tmp_path):
     """Finite gradients, but an AdamW update that overflows float32 (lr 1e39): refused before it is applied,
     with the weights and the optimizer state (moments, step counts) those of the previous step."""
-    cfg = TrainConfig(model="tiny-llama", group_size=3, max_new_tokens=4, steps=2, eval_prompts=0, plot=False,
-                      run_dir=str(tmp_path), task="jsonl", data=str(_jsonl(tmp_path)),
-                      reward_fn="rewards_for_tests:even_byte_fraction", lr=1e-3)
+    cfg = TrainConfig.from_flat(model="tiny-llama", group_size=3, max_new_tokens=4, steps=2, eval_prompts=0, plot=False,
+                                run_dir=str(tmp_path), task="jsonl", data=str(_jsonl(tmp_path)),
+                                reward_fn="rewards_for_tests:even_byte_fraction", lr=1e-3)
     trainer = Trainer(cfg)
     first = trainer.train_step(0, Progress(2))
     assert first["grad_norm"] > 0
@@ -127,9 +128,9 @@ def test_an_update_that_would_make_weights_non_finite_is_not_applied(tmp_path):
 def test_zero_advantage_groups_are_skipped_and_logged(tmp_path):
     """Rewards all equal (exact-match reward, random model: all 0): advantages 0, beta 0, so the gradient pass
     is skipped and counted; AdamW still takes its (zero-gradient) step, as it did before skipping existed."""
-    cfg = TrainConfig(model="tiny-llama", group_size=3, prompts_per_step=2, max_new_tokens=4, steps=1,
-                      eval_prompts=0, plot=False, run_dir=str(tmp_path / "r"), task="jsonl",
-                      data=str(_jsonl(tmp_path)))
+    cfg = TrainConfig.from_flat(model="tiny-llama", group_size=3, prompts_per_step=2, max_new_tokens=4, steps=1,
+                                eval_prompts=0, plot=False, run_dir=str(tmp_path / "r"), task="jsonl",
+                                data=str(_jsonl(tmp_path)))
     trainer = Trainer(cfg)
     m = trainer.train_step(0, Progress(1))
     assert m["reward_max"] == 0.0 and m["kept_groups"] == 2
@@ -147,10 +148,10 @@ def test_kl_reuse_and_dynamic_sampling_run_and_report(tmp_path):
     """beta > 0 (frozen reference scored from its own capture), two updates per rollout, and DAPO-style
     dropping of equal-reward groups, in one short run."""
     data = _jsonl(tmp_path)
-    cfg = TrainConfig(model="tiny-llama", task="jsonl", data=str(data),
-                      reward_fn="rewards_for_tests:even_byte_fraction", group_size=3, prompts_per_step=2,
-                      max_new_tokens=4, steps=2, beta=0.1, num_iterations=2, dynamic_sampling=True, loss="dapo",
-                      lr=1e-3, eval_prompts=0, plot=False, run_dir=str(tmp_path / "r"))
+    cfg = TrainConfig.from_flat(
+        model="tiny-llama", task="jsonl", data=str(data), reward_fn="rewards_for_tests:even_byte_fraction",
+        group_size=3, prompts_per_step=2, max_new_tokens=4, steps=2, beta=0.1, num_iterations=2, dynamic_sampling=True,
+        loss="dapo", lr=1e-3, eval_prompts=0, plot=False, run_dir=str(tmp_path / "r"))
     trainer = Trainer(cfg)
     before = [p.detach().clone() for p in trainer.model.parameters()]
     m = trainer.train_step(0, Progress(2))
@@ -161,7 +162,7 @@ def test_kl_reuse_and_dynamic_sampling_run_and_report(tmp_path):
     assert any(not torch.equal(a, p) for a, p in zip(before, trainer.model.parameters()))
 
     # A reward that is the same for every response: every group is dropped and nothing is updated.
-    cfg2 = TrainConfig(**{**cfg.to_dict(), "reward_fn": "", "beta": 0.0, "run_dir": str(tmp_path / "r2")})
+    cfg2 = TrainConfig.from_flat({**cfg.to_flat(), "reward_fn": "", "beta": 0.0, "run_dir": str(tmp_path / "r2")})
     trainer2 = Trainer(cfg2)
     m2 = trainer2.train_step(0, Progress(1))
     assert m2["dropped_groups"] == 2 and m2["kept_groups"] == 0 and m2["grad_norm"] == 0.0

@@ -40,20 +40,20 @@ def _steps(run: Path) -> list[int]:
 def test_every_jsonl_row_is_checked_before_step_1(tmp_path):
     """Row 4 does not fit tiny-llama's 2048 positions: refused when the trainer is built, naming file and line."""
     data = _data(tmp_path, [json.dumps({"prompt": "word " * 500, "answer": "x"})])
-    cfg = TrainConfig(model="tiny-llama", task="jsonl", data=str(data), max_new_tokens=8, eval_prompts=0,
-                      plot=False, run_dir=str(tmp_path / "run"))
+    cfg = TrainConfig.from_flat(model="tiny-llama", task="jsonl", data=str(data), max_new_tokens=8, eval_prompts=0,
+                                plot=False, run_dir=str(tmp_path / "run"))
     with pytest.raises(ValueError, match=rf"{data}:4: prompt of 2500 tokens \+ 8 new tokens exceeds the 2048 "
                                          "positions of model 'tiny-llama'"):
         Trainer(cfg)
     empty = tmp_path / "empty.jsonl"
     empty.write_text(json.dumps({"prompt": "hi", "answer": "x"}) + "\n" + json.dumps({"prompt": " ", "answer": "x"}))
     with pytest.raises(ValueError, match=rf"{empty}:2: empty prompt"):
-        Trainer(TrainConfig(**{**cfg.to_dict(), "data": str(empty)}))
+        Trainer(TrainConfig.from_flat({**cfg.to_flat(), "data": str(empty)}))
 
 
 def test_a_generated_prompt_too_long_for_the_model_is_refused_before_step_1(tmp_path):
-    cfg = TrainConfig(model="tiny-llama", task="passkey", prompt_tokens=4096, eval_prompts=0, plot=False,
-                      run_dir=str(tmp_path / "run"))
+    cfg = TrainConfig.from_flat(model="tiny-llama", task="passkey", prompt_tokens=4096, eval_prompts=0, plot=False,
+                                run_dir=str(tmp_path / "run"))
     with pytest.raises(ValueError, match="exceeds the 2048 positions of model 'tiny-llama': lower --prompt-tokens"):
         Trainer(cfg)
 
@@ -120,9 +120,10 @@ def test_a_signal_saves_the_last_completed_step(tmp_path, sig):
 def test_a_failure_after_the_weights_changed_is_not_saved(tmp_path, capsys):
     """num_iterations = 2: a failure after step 2's first optimizer step leaves a half-done state; the
     checkpoint of step 1 stays, and the message says why nothing newer was saved."""
-    cfg = TrainConfig(model="tiny-llama", task="jsonl", data=str(_data(tmp_path)),
-                      reward_fn="rewards_for_tests:even_byte_fraction", group_size=3, max_new_tokens=4, steps=3,
-                      num_iterations=2, save_every=1, lr=1e-3, eval_prompts=0, plot=False, run_dir=str(tmp_path / "r"))
+    cfg = TrainConfig.from_flat(
+        model="tiny-llama", task="jsonl", data=str(_data(tmp_path)), reward_fn="rewards_for_tests:even_byte_fraction",
+        group_size=3, max_new_tokens=4, steps=3, num_iterations=2, save_every=1, lr=1e-3, eval_prompts=0, plot=False,
+        run_dir=str(tmp_path / "r"))
     trainer = Trainer(cfg)
     real_step, calls = trainer.optimizer.step, []
 

@@ -48,10 +48,11 @@ def test_the_train_command_runs_a_tree_rollout_on_the_lookup_task(tmp_path):
 def _agent_task(monkeypatch, cfg: TrainConfig) -> None:
     """A random-init model never writes "</lookup>": the call's closing token is the one it writes most often, the
     environment answers every call, and the reward is the response's length mod 3 (the plumbing, not learning)."""
-    tokenizer = load_tokenizer(cfg.model)
+    tokenizer = load_tokenizer(cfg.model.model)
     data = TaskData(cfg, tokenizer, max_positions=2048)
-    plain = TrainConfig(**{**cfg.to_dict(), "rollout": "group", "group_size": 4})
-    free = Sampler(plain, data, (), None, Parallel()).rollout(load_model(cfg.model).eval(), 0, 0, data.examples(0)[0])
+    plain = TrainConfig.from_flat({**cfg.to_flat(), "rollout": "group", "group_size": 4})
+    model = load_model(cfg.model.model).eval()
+    free = Sampler(plain, data, (), None, Parallel()).rollout(model, 0, 0, data.examples(0)[0])
     frequent = int(torch.cat(free.group.responses).bincount().argmax())
     monkeypatch.setattr(TaskData, "call_end", property(lambda self: (frequent,)))
     monkeypatch.setattr(LookupTask, "observe", lambda self, response, example: "<result>phone: 1234</result>")
@@ -60,9 +61,10 @@ def _agent_task(monkeypatch, cfg: TrainConfig) -> None:
 
 @pytest.mark.parametrize("advantage", ["grpo", "siblings"])
 def test_a_tree_step_forks_at_tool_calls_and_trains(monkeypatch, tmp_path, advantage):
-    cfg = TrainConfig(model="tiny-llama", task="lookup", prompt_tokens=500, max_new_tokens=40, top_k=4, max_turns=3,
-                      rollout="tree", tree_trunks=2, tree_depth=3, tree_leaves=6, tree_advantage=advantage, steps=1,
-                      eval_prompts=0, plot=False, lr=1e-3, run_dir=str(tmp_path / "run"))
+    cfg = TrainConfig.from_flat(
+        model="tiny-llama", task="lookup", prompt_tokens=500, max_new_tokens=40, top_k=4, max_turns=3, rollout="tree",
+        tree_trunks=2, tree_depth=3, tree_leaves=6, tree_advantage=advantage, steps=1, eval_prompts=0, plot=False,
+        lr=1e-3, run_dir=str(tmp_path / "run"))
     _agent_task(monkeypatch, cfg)
     Trainer(cfg).run()
     (row,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -84,7 +86,7 @@ def test_a_tree_step_forks_at_tool_calls_and_trains(monkeypatch, tmp_path, advan
 ])
 def test_bad_tree_options_are_clear_errors(options, match):
     with pytest.raises(ValueError, match=match):
-        TrainConfig(task=options.pop("task", "lookup"), **options)
+        TrainConfig.from_flat(task=options.pop("task", "lookup"), **options)
 
 
 def test_help_lists_the_rollout_values():

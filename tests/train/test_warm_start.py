@@ -31,13 +31,13 @@ def _nll(model, group) -> float:
 def test_the_warm_start_lowers_the_gold_nll(tmp_path):
     """Four warm-start steps lower the nll of a gold response of a prompt it never trained on (the protocol's
     tokens are shared by every prompt), and the recorded per-step losses are the nll of what it trained on."""
-    cfg = TrainConfig(**TINY, warm_start_steps=4, warm_start_batch=2, warm_start_lr=3e-3, run_dir=str(tmp_path))
+    cfg = TrainConfig.from_flat(TINY, warm_start_steps=4, warm_start_batch=2, warm_start_lr=3e-3, run_dir=str(tmp_path))
     model = load_model("tiny-llama").eval()
     data = TaskData(cfg, load_tokenizer("tiny-llama"), max_positions=2048)
     held = gold_group(data, data.held_out()[0], (256,))
     first = gold_group(data, warm_start_examples(cfg, data, 0)[0], (256,))
     before, first_before = _nll(model, held), _nll(model, first)
-    record = warm_start(model, cfg, data, cfg.backward_options(), (256,), note=lambda text: None)
+    record = warm_start(model, cfg, data, cfg.plan.backward_options(), (256,), note=lambda text: None)
     after = _nll(model, held)
     assert record["steps"] == 4 and len(record["nll"]) == 4
     assert record["nll"][0] == pytest.approx((first_before + _nll(load_model("tiny-llama").eval(), gold_group(
@@ -46,8 +46,9 @@ def test_the_warm_start_lowers_the_gold_nll(tmp_path):
 
 
 def test_a_run_with_a_warm_start_reports_the_three_evaluations(tmp_path):
-    cfg = TrainConfig(**TINY, warm_start_steps=2, warm_start_batch=1, warm_start_lr=1e-3, steps=1, eval_prompts=1,
-                      max_turns=2, plot=False, run_dir=str(tmp_path / "run"))
+    cfg = TrainConfig.from_flat(
+        TINY, warm_start_steps=2, warm_start_batch=1, warm_start_lr=1e-3, steps=1, eval_prompts=1, max_turns=2,
+        plot=False, run_dir=str(tmp_path / "run"))
     summary = Trainer(cfg).run()
     for key in ("eval_before", "eval_after_warm_start", "eval_after", "tool_call_rate_before",
                 "tool_call_rate_after_warm_start", "tool_call_rate_after"):
@@ -64,12 +65,12 @@ def test_a_run_with_a_warm_start_reports_the_three_evaluations(tmp_path):
 ])
 def test_bad_warm_start_options_are_refused(options, match, tmp_path):
     with pytest.raises(ValueError, match=match):
-        TrainConfig(**{**TINY, "task": "lookup", **options}, run_dir=str(tmp_path))
+        TrainConfig.from_flat({**TINY, "task": "lookup", **options}, run_dir=str(tmp_path))
 
 
 def test_a_gold_response_longer_than_max_new_tokens_is_refused_before_training(tmp_path):
-    cfg = TrainConfig(**{**TINY, "max_new_tokens": 40}, warm_start_steps=1, eval_prompts=1,
-                      run_dir=str(tmp_path / "run"))
+    cfg = TrainConfig.from_flat({**TINY, "max_new_tokens": 40}, warm_start_steps=1, eval_prompts=1,
+                                run_dir=str(tmp_path / "run"))
     with pytest.raises(ValueError, match=r"gold response has \d+ tokens .* raise --max-new-tokens to at least \d+"):
         Trainer(cfg)
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
