@@ -11,36 +11,27 @@ from __future__ import annotations
 import argparse
 import tomllib
 from collections.abc import Mapping
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
 
 from longstraw.choices import did_you_mean
 from longstraw.plan import DETACH, Plan
-from longstraw.train.sections import (
-    ModelSection,
-    OptimizerSection,
-    ParallelismSection,
-    PlanSection,
-    RolloutSection,
-    RunSection,
-    TaskSection,
-    field_kind,
-    need,
-)
+from longstraw.train import sections
+from longstraw.train.sections import field_kind, need
 
 
 @dataclass
 class TrainConfig:
     """The seven sections; `cfg.<section>.<option>` (cfg.rollout.group_size, cfg.plan.plan: a `Plan`)."""
 
-    model: ModelSection = field(default_factory=ModelSection)
-    task: TaskSection = field(default_factory=TaskSection)
-    rollout: RolloutSection = field(default_factory=RolloutSection)
-    plan: PlanSection = field(default_factory=PlanSection)
-    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
-    run: RunSection = field(default_factory=RunSection)
-    parallelism: ParallelismSection = field(default_factory=ParallelismSection)
+    model: sections.ModelSection = field(default_factory=sections.ModelSection)
+    task: sections.TaskSection = field(default_factory=sections.TaskSection)
+    rollout: sections.RolloutSection = field(default_factory=sections.RolloutSection)
+    plan: sections.PlanSection = field(default_factory=sections.PlanSection)
+    optimizer: sections.OptimizerSection = field(default_factory=sections.OptimizerSection)
+    run: sections.RunSection = field(default_factory=sections.RunSection)
+    parallelism: sections.ParallelismSection = field(default_factory=sections.ParallelismSection)
 
     def __post_init__(self) -> None:
         """The rules across sections (each section checked its own fields when it was built)."""
@@ -157,8 +148,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", nargs="?", help="TOML file of options; command-line flags override it")
     for f in OPTION_FIELDS:
         flag = "--" + f.name.replace("_", "-")
-        default = f.default if f.default is not MISSING else None
-        help_text = f"{f.metadata.get('help', '')} (default: {default!r})"
+        help_text = f"{f.metadata.get('help', '')} (default: {f.default!r})"
         if field_kind(f) == "bool":
             parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         else:

@@ -1,10 +1,6 @@
-"""The seven sections of `TrainConfig`, one dataclass per `[section]` table of a train TOML file.
-
-Each section holds its options as typed fields with help text and checks, on construction, every rule that
-concerns its own fields only; the rules across sections are `TrainConfig.__post_init__`'s. A field's name is its
-TOML key and its `--field-name` flag; names are unique across sections, so flags and flat dicts of options
-(`TrainConfig.from_flat`) need no section.
-"""
+"""The seven sections of `TrainConfig`, one dataclass per `[section]` of a train TOML file: typed fields with help
+text, each field a TOML key and a `--field-name` flag (names unique across sections, so flags and flat options need no
+section). Each section checks the rules about its own fields when built; `TrainConfig` checks those across sections."""
 
 from __future__ import annotations
 
@@ -96,7 +92,18 @@ class ModelSection:
 
     def __post_init__(self) -> None:
         _check_types(self)
-        _check_device(self.device)
+        import torch  # the device must parse and exist here, before any run directory or model is touched
+
+        try:
+            dev = torch.device(self.device)
+        except (RuntimeError, ValueError, TypeError):
+            raise ValueError(f"device {self.device!r} is not a torch device: use cpu, cuda or cuda:N") from None
+        if dev.type == "cuda":
+            need(torch.cuda.is_available(), f"device {self.device!r}: no CUDA GPU is available to this torch "
+                                            f"({torch.__version__}); use --device cpu")
+            need(dev.index is None or dev.index < torch.cuda.device_count(),
+                 f"device {self.device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+        need(dev.type in ("cpu", "cuda"), f"device {self.device!r}: training runs on cpu or cuda devices")
         need(self.dtype != "float16",
              "dtype float16 is not supported for training: AdamW's eps (1e-8) rounds to 0 in float16 and, without "
              "loss scaling and float32 master weights, the weights become NaN; use --dtype bfloat16 (same memory, "
@@ -323,21 +330,3 @@ class ParallelismSection:
     def __post_init__(self) -> None:
         _check_types(self)
         _at_least(self, 1, "cp", "tp")
-
-
-def _check_device(device: str) -> None:
-    """A parseable torch device that exists here, checked before any run directory or model is touched."""
-    import torch
-
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, ValueError, TypeError):
-        raise ValueError(f"device {device!r} is not a torch device: use cpu, cuda or cuda:N") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device {device!r}: no CUDA GPU is available to this torch "
-                             f"({torch.__version__}); use --device cpu")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ValueError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    elif dev.type != "cpu":
-        raise ValueError(f"device {device!r}: training runs on cpu or cuda devices")
