@@ -18,7 +18,7 @@ from typing import Any, get_type_hints
 from longstraw.choices import did_you_mean
 from longstraw.plan import DETACH, Plan
 from longstraw.train import sections
-from longstraw.train.sections import field_kind, need
+from longstraw.train.sections import field_kind, need, of_kind
 
 
 @dataclass
@@ -134,12 +134,9 @@ def load_toml(path: str | Path) -> dict[str, Any]:
     if data.get("overwrite") is True:
         raise ValueError(f"{path}: overwrite = true deletes the run already in run_dir; a file cannot ask for that: "
                          "remove it from the file and pass --overwrite on the command line")
-    types = {f.name: field_kind(f) for f in OPTION_FIELDS}
-    accepts = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
-    for key, value in data.items():
-        kind = types[key]
-        if not isinstance(value, accepts[kind]) or (kind != "bool" and isinstance(value, bool)):
-            raise ValueError(f"{path}: {key} must be a {kind}, got {value!r}")
+    for f in OPTION_FIELDS:
+        need(f.name not in data or of_kind(field_kind(f), data[f.name]),
+             f"{path}: {f.name} must be a {field_kind(f)}, got {data.get(f.name)!r}")
     return data
 
 

@@ -48,20 +48,21 @@ def field_kind(f: Field[Any]) -> str:
     return "str" if kind == "Plan" else kind
 
 
+def of_kind(kind: str, value: Any) -> bool:
+    """Whether `value` is of `field_kind` `kind` (an int is a float too; a bool is no number)."""
+    accepts = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
+    return isinstance(value, accepts[kind]) and (kind == "bool" or not isinstance(value, bool))
+
+
 def _check_types(section: Any) -> None:
     """Each field's Python type, before any range check: a section built in Python skips argparse's and
     load_toml's conversions, and NaN must not slip through a comparison that is simply False."""
+    words = {"int": "an integer", "float": "a finite number", "bool": "true or false", "str": "a string"}
     for f in fields(section):
         kind, value = field_kind(f), getattr(section, f.name)
-        if kind == "int":
-            need(isinstance(value, int) and not isinstance(value, bool), f"{f.name} must be an integer, got {value!r}")
-        elif kind == "float":
-            need(isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value),
-                 f"{f.name} must be a finite number, got {value!r}")
-        elif kind == "bool":
-            need(isinstance(value, bool), f"{f.name} must be true or false, got {value!r}")
-        elif kind == "str" and not isinstance(value, Plan):
-            need(isinstance(value, str), f"{f.name} must be a string, got {value!r}")
+        if not isinstance(value, Plan):
+            need(of_kind(kind, value) and not (kind == "float" and math.isnan(value)),
+                 f"{f.name} must be {words[kind]}, got {value!r}")
 
 
 def _at_least(section: Any, low: int, *names: str) -> None:
