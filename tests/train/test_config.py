@@ -151,3 +151,18 @@ def test_overwrite_is_taken_from_the_command_line_only(tmp_path):
         _parse(str(path))
     path.write_text("[run]\noverwrite = false\n")
     assert _parse(str(path), "--overwrite").run.overwrite is True
+
+
+def test_sections_hold_unique_options_and_flat_values_round_trip():
+    """SECTIONS is derived from the section dataclasses; flags and flat dicts need each option in one section."""
+    from longstraw.train.config import SECTION_OF, SECTIONS
+    from longstraw.train.sections import RolloutSection
+
+    assert len(SECTION_OF) == sum(len(names) for names in SECTIONS.values())
+    assert SECTIONS["parallelism"] == ("cp", "tp") and SECTION_OF["lr"] == "optimizer"
+    cfg = TrainConfig.from_flat({"plan": "detach", "bias_every": 2}, group_size=4)
+    assert TrainConfig.from_flat(cfg.to_flat()) == cfg and cfg.to_flat()["plan"] == "detach"
+    with pytest.raises(ValueError, match="unknown option.* group_szie .*did you mean group_size"):
+        TrainConfig.from_flat(group_szie=4)
+    with pytest.raises(ValueError, match="group_size must be >= 1"):  # a section checks its own fields alone
+        RolloutSection(group_size=0)
