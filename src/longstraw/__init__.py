@@ -6,6 +6,7 @@ The public names are imported on first use (PEP 562 `__getattr__`): `import long
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 from longstraw.choices import ADVANTAGES, LOSSES, PLANS
@@ -32,45 +33,19 @@ if TYPE_CHECKING:
     from longstraw.plan import Plan
 
 
+# Where each public name lives, imported on first use.
+_HOMES = {
+    "GroupResult": "longstraw.api.group", "backward_group": "longstraw.api.group",
+    "TreeResult": "longstraw.api.tree", "backward_tree": "longstraw.api.tree",
+    "Trajectory": "longstraw.engine.tree", "Tree": "longstraw.engine.tree", "build_tree": "longstraw.engine.tree",
+    "BackwardOptions": "longstraw.engine.options", "LossConfig": "longstraw.engine.loss.config",
+    "Plan": "longstraw.plan", "Group": "longstraw.engine.group",
+    "compute_advantages": "longstraw.engine.loss.advantages",
+    "SUPPORTED_MODEL_TYPES": "longstraw.models.architecture", "load_model": "longstraw.admission.loading",
+}
+
+
 def __getattr__(name: str) -> Any:
-    if name in ("GroupResult", "backward_group"):
-        from longstraw.api import group
-
-        return getattr(group, name)
-    elif name in ("TreeResult", "backward_tree"):
-        from longstraw.api import tree as tree_api
-
-        return getattr(tree_api, name)
-    elif name in ("Trajectory", "Tree", "build_tree"):
-        from longstraw.engine import tree
-
-        return getattr(tree, name)
-    elif name == "BackwardOptions":
-        from longstraw.engine.options import BackwardOptions
-
-        return BackwardOptions
-    elif name == "LossConfig":
-        from longstraw.engine.loss.config import LossConfig
-
-        return LossConfig
-    elif name == "Plan":
-        from longstraw.plan import Plan
-
-        return Plan
-    elif name == "Group":
-        from longstraw.engine.group import Group
-
-        return Group
-    elif name == "compute_advantages":
-        from longstraw.engine.loss.advantages import compute_advantages
-
-        return compute_advantages
-    elif name == "SUPPORTED_MODEL_TYPES":
-        from longstraw.models.architecture import SUPPORTED_MODEL_TYPES
-
-        return SUPPORTED_MODEL_TYPES
-    elif name == "load_model":
-        from longstraw.admission.loading import load_model
-
-        return load_model
-    raise AttributeError(f"module 'longstraw' has no attribute {name!r}")
+    if name not in _HOMES:
+        raise AttributeError(f"module 'longstraw' has no attribute {name!r}")
+    return getattr(importlib.import_module(_HOMES[name]), name)

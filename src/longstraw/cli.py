@@ -149,16 +149,10 @@ def passive_openmp_wait(environ: MutableMapping[str, str] | None = None,
     """Set OMP_WAIT_POLICY=PASSIVE in `environ` (default os.environ) unless it is set already or torch is in
     `modules` (default sys.modules); return whether it was set.
 
-    Why: GNU OpenMP (torch's CPU thread pool) spin-waits by default at the end of each parallel region until every
-    thread arrives. When a core is taken by another process, a descheduled thread keeps the others spinning for a
-    whole scheduler slice. LongStraw runs many more, smaller parallel regions per step than a trainer that runs
-    each sequence whole, so it pays this far more often: on a 2-core host with one busy-loop neighbour process,
-    the exact plan at b1-llama P=4096 R=256 G=8 slowed from 3.8 s to 10.3 s (2.7x) while Prefix Grouper slowed
-    from 3.8 s to 7.1 s (1.9x). With PASSIVE (threads sleep instead of spinning): exact 6.7 s and Prefix Grouper
-    5.8 s on the busy host. `python -m benchmarks peers --neighbours 1` (docs/benchmarks.md): exact 2.47x slower with
-    the default wait, 1.71x with PASSIVE (Prefix Grouper 1.84x / 1.65x). Not free on an idle host: waking sleeping
-    threads at every region costs LongStraw +3-15% there (ACTIVE or GOMP_SPINCOUNT=10000 is faster on a dedicated
-    host); this project's machines are shared, so PASSIVE is the command's default.
+    Why: GNU OpenMP (torch's CPU thread pool) spin-waits at the end of each parallel region; on a shared host a
+    descheduled thread keeps the others spinning for a scheduler slice, and replay runs many small regions per step.
+    PASSIVE lets them sleep: slower by 3-15% on an idle host, much faster on a busy one (measured in
+    docs/benchmarks.md, "Busy hosts"); this project's machines are shared, so it is the command's default.
 
     libgomp reads the variable once, when torch loads it: set later, it has no effect, so nothing is done once
     torch is imported. A value the user set (ACTIVE included) is kept. Bench workers inherit the environment, so

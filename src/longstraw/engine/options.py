@@ -1,7 +1,7 @@
 """`BackwardOptions`: how `backward_group` computes one group's gradient, validated once on construction.
 
 The same object serves the Python API (`backward_group(model, group, options)` or its keywords), the trainer
-(`TrainConfig.backward_options()`) and the TRL integration, so every rule about a combination of options lives
+(`TrainConfig.plan.backward_options()`) and the TRL integration, so every rule about a combination of options lives
 here, in one place. What can only be checked against a model, a group or a prompt state (the architecture, the
 prompt's length, a recurrent model's chunk size) is checked by `backward_group` before anything runs.
 """
