@@ -277,3 +277,66 @@ def test_two_data_parallel_ranks_equal_verls_two_ranks(tmp_path):
         assert len(updates[case]["verl"]) == 2
         for step, (theirs, mine) in enumerate(zip(updates[case]["verl"], updates[case]["longstraw"])):
             assert_close(f"{case} step {step + 1}", theirs, mine, 1e-10)
+
+
+def test_ulysses_group_shards_the_prompt_state_and_equals_verls_update(tmp_path):
+    """verl's Ulysses group (ulysses_sequence_parallel_size 2 over 2 processes: dp 1) as LongStraw's context-parallel
+    group: both ranks run the tree on the same rows, each keeping the attention state of its own half of the capture
+    chunks (LONGSTRAW_CHUNK_SIZE 4 splits every prompt over both), and the update equals verl's on the same batch
+    (run without Ulysses: verl's Ulysses patches only FlashAttention-2, which a CPU run has not). A hybrid (gated
+    DeltaNet + attention) keeps its recurrent state on both ranks. detach equals its own update without Ulysses. A plan
+with no prompt state is refused by name."""
+    env = {"LONGSTRAW_CHUNK_SIZE": "4"}
+    cases = {
+        "sp2-system-prompt-token-mean": {"family": "qwen3", "ulysses": 2, "env": env,
+                                         "actor": {"loss_agg_mode": "token-mean", **KL}, "batch": {"system": 24}},
+        "sp2-turns-gspo": {"family": "qwen3", "ulysses": 2, "env": env,
+                           "actor": {"loss_agg_mode": "seq-mean-token-mean", "policy_loss": {"loss_mode": "gspo"},
+                                     "clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4},
+                           "batch": {"turns": True, "prompt_lengths": [12, 5, 5]}},
+        "sp2-hybrid": {"family": "qwen3_next", "ulysses": 2, "env": env, "actor": {"loss_agg_mode": "token-mean"},
+                       "update": {"remove_padding": False}},  # verl's reference: see the note above EQUAL's hybrids
+        "sp2-detach": {"family": "qwen3", "ulysses": 2, "env": env | {"LONGSTRAW_PLAN": "detach"},
+                       "actor": {"loss_agg_mode": "token-mean"}, "batch": {"system": 24}},
+        "sp2-refused-standard": {"family": "qwen3", "ulysses": 2, "env": {"LONGSTRAW_PLAN": "standard"},
+                                 "actor": {"loss_agg_mode": "token-mean"}, "refused": True},
+    }
+    here = Path(__file__).resolve().parent
+    out = tmp_path / "sp2.pt"
+    ranks = run_ranks([str(here / "verl_child.py"), str(out), json.dumps(cases)], 2, timeout=900,
+                      paths=[here, here.parent, here.parents[1], here.parents[1] / "src"])
+    for code, output in ranks:
+        assert code == 0, output[-4000:]
+    updates = torch.load(out, weights_only=False)
+    for case, spec in cases.items():
+        if spec.get("refused"):
+            assert "ulysses_sequence_parallel_size=2 with LONGSTRAW_PLAN=standard" in updates[case]["error"]
+            assert not updates[case]["gradients_left"]
+            continue
+        # the exact plan equals verl's update; detach (the paper's biased gradient) its own unsharded update
+        reference = updates[case]["unsharded" if "detach" in case else "verl"]
+        assert len(reference) == 2
+        for step, (theirs, mine) in enumerate(zip(reference, updates[case]["longstraw"])):
+            err = assert_close(f"{case} step {step + 1}", theirs, mine, gradient_tolerance(spec["family"]))
+            print(f"{case} step {step + 1}: {err:.2g}")
+        sharded = [c["metrics"]["actor/longstraw_peak_path_state_bytes"][0] for c in updates[case]["calls"]]
+        whole = [c["metrics"]["actor/longstraw_peak_path_state_bytes"][0] for c in updates[case]["unsharded_calls"]]
+        print(f"{case}: prompt state on rank 0 {sharded} bytes, {whole} unsharded")
+        assert len(sharded) == len(whole) == 2 and all(0 < s < w for s, w in zip(sharded, whole)), (sharded, whole)
+
+
+def test_ulysses_under_two_data_parallel_ranks(tmp_path):
+    """4 processes: verl's mesh (dp 2, sp 2), each Ulysses pair with its own rows. verl's normalisers count the two
+    data-parallel ranks' rows and FSDP averages over all four ranks; the update equals verl's on the same rows."""
+    cases = {"dp2-sp2": {"family": "qwen3", "ulysses": 2, "env": {"LONGSTRAW_CHUNK_SIZE": "4"},
+                         "actor": {"loss_agg_mode": "seq-mean-token-mean", **KL}, "batch": {"system": 24}}}
+    here = Path(__file__).resolve().parent
+    out = tmp_path / "dp2-sp2.pt"
+    ranks = run_ranks([str(here / "verl_child.py"), str(out), json.dumps(cases)], 4, timeout=900,
+                      paths=[here, here.parent, here.parents[1], here.parents[1] / "src"])
+    for code, output in ranks:
+        assert code == 0, output[-4000:]
+    updates = torch.load(out, weights_only=False)["dp2-sp2"]
+    assert len(updates["verl"]) == 2
+    for step, (theirs, mine) in enumerate(zip(updates["verl"], updates["longstraw"])):
+        assert_close(f"dp2-sp2 step {step + 1}", theirs, mine, 1e-10)

@@ -9,7 +9,9 @@ response token), overwrites those entries of the batch's (B, R_max) field inside
 over tens of nats), the first response token of every row the likeliest one whose log-prob is at most -(g + 0.5),
 old log-probs the policy's own (on-policy) and reference log-probs 0.1 below them, but g above on that token. The
 spec's `env` sets LONGSTRAW_* variables for LongStraw's run; its training calls' LongStraw metrics are saved as
-`calls`."""
+`calls`. The spec's `ulysses` u runs LongStraw's update with verl's ulysses_sequence_parallel_size u: the u ranks of a
+group share one batch, and verl's reference update runs without Ulysses on the same batches (u data-parallel copies
+of each, which leave verl's gradient unchanged: its normalisers count every copy and FSDP averages them)."""
 
 from __future__ import annotations
 
@@ -51,14 +53,16 @@ def main() -> None:
                 _scale_lm_head(models[key], gap["scale"])
         options = dict(spec.get("batch", {}))
         edits = options.pop("set", [])
-        batch = make_batch(**options | {"seed": options.get("seed", 0) + 1000 * rank})  # this rank's share
+        ulysses = spec.get("ulysses", 1)
+        batch = make_batch(**options | {"seed": options.get("seed", 0) + 1000 * (rank // ulysses)})  # this rank's share
         _set(batch, edits)
         if gap is not None:
             _reference_gap(batch, models[key], gap["gap"])
         if spec.get("refused"):
             left: list[bool] = []
             try:
-                run_update(_Watched.of(left), models[key], batch, spec["actor"])
+                with _environment(spec.get("env", {})):
+                    run_update(_Watched.of(left), models[key], batch, spec["actor"], ulysses=ulysses)
                 results[name] = {"error": None}
             except ValueError as err:
                 results[name] = {"error": str(err), "gradients_left": any(left)}
@@ -68,8 +72,13 @@ def main() -> None:
                                             **spec.get("update", {}))}
         with _environment(spec.get("env", {})):
             results[name]["longstraw"] = run_update(_Recorded.of(calls), models[key], batch, spec["actor"],
-                                                    **spec.get("update", {}))
+                                                    **spec.get("update", {}) | _ulysses(ulysses))
         results[name]["calls"] = calls
+        if ulysses > 1:  # LongStraw's update without Ulysses: the state each rank keeps when it is not sharded
+            results[name]["unsharded_calls"] = unsharded = []
+            with _environment(spec.get("env", {})):
+                results[name]["unsharded"] = run_update(_Recorded.of(unsharded), models[key], batch, spec["actor"],
+                                                        **spec.get("update", {}))
         if spec.get("unclamped"):  # LongStraw's update without verl's clamps: shows the case reaches them
             with _unclamped():
                 results[name]["unclamped"] = run_update(LongStrawFSDPEngine, models[key], batch, spec["actor"],
@@ -78,6 +87,12 @@ def main() -> None:
     if rank == 0:
         torch.save(results, out)
     dist.destroy_process_group()
+
+
+def _ulysses(size: int) -> dict:
+    """run_update's options for LongStraw's run with a Ulysses group of `size` (verl refuses Ulysses without its
+    packed layout, use_remove_padding, which LongStraw's tree does not read)."""
+    return {"ulysses": size} | ({"remove_padding": True} if size > 1 else {})
 
 
 def _scale_lm_head(folder: str, scale: float) -> None:

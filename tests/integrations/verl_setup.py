@@ -113,12 +113,13 @@ def make_batch(prompt_lengths: tuple[int, ...] = (12, 9), g: int = 4, r_max: int
 
 def run_update(engine_cls: type, model_dir: str, batch: TensorDict, actor: dict[str, Any], epochs: int = 2,
                micro_batch: int = 4, dtype: str = "fp64", lr: float = 1.0, remove_padding: bool = True,
-               compute_dtype: str | None = None) -> list[torch.Tensor]:
+               compute_dtype: str | None = None, ulysses: int = 1) -> list[torch.Tensor]:
     """One `train_mini_batch` (epochs × one mini-batch of every row of every rank, micro-batches of `micro_batch` rows)
     through verl's TrainingWorker built with `engine_cls`; the gradient (flat, whole) at each optimizer step. `batch`
     is this rank's share of the data-parallel batch. remove_padding: verl's `use_remove_padding` (its default packs a
     micro-batch's rows into one sequence; False pads them). compute_dtype: FSDP's mixed-precision param_dtype (verl's
-    autocast dtype too), default `dtype`."""
+    autocast dtype too), default `dtype`. ulysses: verl's ulysses_sequence_parallel_size (the ranks of one group hold
+the same `batch`)."""
     import torch.distributed as dist
     from helpers import faithful_float64
     from verl.workers.engine_workers import TrainingWorker
@@ -132,7 +133,7 @@ def run_update(engine_cls: type, model_dir: str, batch: TensorDict, actor: dict[
                                    override_config={"attn_implementation": "sdpa"}),
         engine_config=FSDPEngineConfig(strategy="fsdp2", model_dtype=dtype, mixed_precision=precision,
                                        use_dynamic_bsz=False, micro_batch_size_per_gpu=micro_batch,
-                                       use_torch_compile=False),
+                                       use_torch_compile=False, ulysses_sequence_parallel_size=ulysses),
         optimizer_config=FSDPOptimizerConfig(lr=lr), checkpoint_config=CheckpointConfig())
     worker = TrainingWorker(config=config)
     worker.reset()
@@ -157,9 +158,9 @@ def run_update(engine_cls: type, model_dir: str, batch: TensorDict, actor: dict[
 
     worker.engine.optimizer_step = recorded
     data = left_right_2_no_padding(batch.clone())
-    world = dist.get_world_size()
-    tu.assign_non_tensor(data, temperature=temperature, calculate_entropy=False, global_batch_size=rows * world,
-                         mini_batch_size=rows * world, epochs=epochs,
+    dp = dist.get_world_size() // ulysses
+    tu.assign_non_tensor(data, temperature=temperature, calculate_entropy=False, global_batch_size=rows * dp,
+                         mini_batch_size=rows * dp, epochs=epochs,
                          seed=42, dataloader_kwargs={"shuffle": False}, compute_loss=True)
     worker.train_mini_batch(data)
     return grads

@@ -13,7 +13,9 @@ of a training mini-batch runs `backward_tree` once over all its rows, one prefix
 share (each prompt's, a system prompt across prompts, earlier turns of a conversation) is encoded once, inside one
 all-gather / reduce-scatter of the FSDP parameters, instead of verl's full-sequence forward and backward per
 micro-batch. The loss that is verl's `ppo_loss` is `loss_config` (docs/verl.md has
-the table); what it cannot reproduce is refused with the reason before any parameter or gradient is touched.
+the table); what it cannot reproduce is refused with the reason before any parameter or gradient is touched. Under
+Ulysses sequence parallelism, verl's sequence-parallel group shards the tree's prompt state as LongStraw's
+context-parallel group (`distributed.context`).
 
 LongStraw's own settings come from the environment of the worker processes (verl passes
 `ray_kwargs.ray_init.runtime_env.env_vars` to them): LONGSTRAW_PLAN (exact | detach | standard |
@@ -42,6 +44,8 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
     raise ImportError(f"longstraw.integrations.verl needs verl: pip install 'longstraw[verl]' ({err})") from err
 
 from longstraw.api.tree import backward_tree
+from longstraw.distributed.context import ContextParallel
+from longstraw.distributed.context import check_supported as check_context_supported
 from longstraw.distributed.fsdp import sharded_compute
 from longstraw.engine.loss.config import LossConfig
 from longstraw.engine.options import BackwardOptions
@@ -139,10 +143,6 @@ def config_refusals(config: Any) -> list[str]:
                        "(delta) equals verl's from there up; raise clip_ratio_c")
         if low >= 1:
             out.append(f"clip_ratio_low={low}: must be < 1")
-    ulysses = getattr(config, "ulysses_sequence_parallel_size", 1) or 1
-    if ulysses > 1:
-        out.append(f"ulysses_sequence_parallel_size={ulysses}: LongStraw shards the prompt state its own way; "
-                   "set it to 1")
     return out
 
 
@@ -266,12 +266,10 @@ class LongStrawFSDPEngine(FSDPEngineWithLMHead):
         config = _actor_config(loss_function)
         if forward_only or config is None:
             return super().forward_backward_batch(data, loss_function, forward_only)
-        refusals = config_refusals(config)
-        if self.ulysses_sequence_parallel_size > 1:
-            refusals.append("ulysses sequence parallelism: set ulysses_sequence_parallel_size=1")
+        settings = settings_from_environment()
+        refusals = config_refusals(config) + self._context_refusals(settings)
         if refusals:
             raise ValueError("LongStraw cannot compute verl's loss with: " + "; ".join(refusals))
-        settings = settings_from_environment()
         dp_group, dp_size = self.get_data_parallel_group(), self.get_data_parallel_size()
         # The normalisers verl's ppo_loss reads, computed as forward_backward_batch computes them.
         device = next(self.module.parameters()).device
@@ -284,7 +282,8 @@ class LongStrawFSDPEngine(FSDPEngineWithLMHead):
                                   allow_train_mode=True,
                                   loss=loss_config(config, 1, dp_size=dp_size, batch_num_tokens=float(batch_num_tokens),
                                                    global_batch_size=int(data["global_batch_size"]),
-                                                   horizon=data["response_mask"].shape[-1]))
+                                                   horizon=data["response_mask"].shape[-1]),
+                                  context_shards=self._context_shards())
         tree = _tree(rows, settings, device)
         autocast_dtype = getattr(self, "_autocast_dtype", torch.float32)
         autocast = (nullcontext() if autocast_dtype == torch.float32
@@ -297,9 +296,36 @@ class LongStrawFSDPEngine(FSDPEngineWithLMHead):
                 result = backward_tree(hf(self.module), tree, options)
                 total = result.loss
                 metrics = {f"actor/longstraw_{key}": float(result.stats[key])
-                           for key in ("tokens_encoded", "tokens_flattened", "tree_nodes", "tree_depth")}
+                           for key in ("tokens_encoded", "tokens_flattened", "tree_nodes", "tree_depth",
+                                       "peak_path_state_bytes")}
         output = {"loss": total, "metrics": {"actor/pg_loss": total, **metrics}}
         return postprocess_batch_func(output_lst=[output], indices=None, data=data)
+
+    def _context_refusals(self, settings: Settings) -> list[str]:
+        """What keeps verl's Ulysses group from sharding LongStraw's prompt state: a plan without a prompt state, a
+        layer kind context parallelism does not cover."""
+        size = self.ulysses_sequence_parallel_size
+        if size <= 1:
+            return []
+        if not settings.plan.supports_context_parallel:
+            return [f"ulysses_sequence_parallel_size={size} with LONGSTRAW_PLAN={settings.plan.name}: that plan keeps "
+                    "no prompt state to shard; use exact or detach, or set ulysses_sequence_parallel_size=1"]
+        try:
+            check_context_supported(hf(self.module))
+        except ValueError as err:
+            return [f"ulysses_sequence_parallel_size={size}: {err}"]
+        return []
+
+    def _context_shards(self) -> ContextParallel | None:
+        """verl's Ulysses group as LongStraw's context-parallel group (None without Ulysses). Its ranks hold the same
+        rows: each runs the whole tree and keeps the attention state of its own slice of every prompt's capture
+        chunks, and each ends with the complete gradient, so FSDP's mean over all ranks (dp × sp) is verl's mean over
+        the data-parallel ranks, with verl's normalisers (`get_data_parallel_size` is already world / sp)."""
+        if self.ulysses_sequence_parallel_size <= 1:
+            return None
+        if getattr(self, "_longstraw_context", None) is None:
+            self._longstraw_context = ContextParallel(self.ulysses_parallel_group)
+        return self._longstraw_context
 
 
 def _tree(rows: list[_Row], settings: Settings, device: torch.device) -> Tree | None:
