@@ -306,10 +306,10 @@ def run_all(configs: list[TrainConfig], overwrite: bool = False) -> None:
         if summary_path.is_file() and not overwrite:  # checked by check_existing_run before anything ran
             after = read_json(summary_path, redo_hint(run_dir)).get("eval_after", float("nan"))
             print(f"compare: {name}: already finished ({summary_path} exists), not rerun; held-out greedy "
-                  f"reward {after:.3f}", file=sys.stderr, flush=True)
+                  f"reward {after:.3f}", flush=True)
             continue
         how = "resuming from its checkpoint" if cfg.run.resume else "started"
-        print(f"compare: {name}: {how} ({run_dir})", file=sys.stderr, flush=True)
+        print(f"compare: {name}: {how} ({run_dir})", flush=True)
         t0 = time.perf_counter()
         summary = trainer.train(cfg)
         wall = time.perf_counter() - t0
@@ -318,7 +318,7 @@ def run_all(configs: list[TrainConfig], overwrite: bool = False) -> None:
                                                     "resumed": cfg.run.resume}) + "\n")
         print(f"compare: {name}: finished in {wall:.0f} s; held-out greedy reward "
               f"{summary.get('eval_before', float('nan')):.3f} -> {summary['eval_after']:.3f}",
-              file=sys.stderr, flush=True)
+              flush=True)
 
 
 # ---------------------------------------------------------------------------------------------------- command
@@ -383,7 +383,7 @@ def _run_locked(values: dict[str, Any], plans: list[str], seeds: list[int], conf
     if values.get("plot", True) and plot(configs, result, out):  # --no-plot: no compare.png either
         written.append("compare.png")
     print(markdown(result))
-    print(f"compare: outputs in {out}: {', '.join(written)}", file=sys.stderr)
+    print(f"compare: outputs in {out}: {', '.join(written)}")
     return result
 
 

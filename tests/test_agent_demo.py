@@ -21,8 +21,8 @@ TINY = ["--model", "tiny-llama", "--prompt-tokens", "600", "--max-new-tokens", "
 def test_the_agent_demo_runs_on_a_tiny_preset(tmp_path, capsys):
     run = tmp_path / "seed0"
     assert main(["train", os.path.join(ROOT, "examples", "agent-demo.toml"), *TINY, "--run-dir", str(run)]) == 0
-    err = capsys.readouterr().err
-    assert "warm start 2/2: nll" in err and "held-out greedy reward after the warm start" in err
+    out = capsys.readouterr().out  # the run's progress is on stdout
+    assert "warm start 2/2: nll" in out and "held-out greedy reward after the warm start" in out
     assert bench(["agent-results", str(tmp_path / "out"), str(run), "--wall-s", "12"]) == 0
     record = json.loads((tmp_path / "out" / "agent-results.json").read_text())
     (r,) = record["runs"]

@@ -47,9 +47,9 @@ def test_example_runs_one_step_as_written(name, tmp_path, capsys):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "step" in r][-1:] == [1], rows
     # No silent phase: the held-out evaluations announce themselves, and the run says where its outputs are.
-    err = capsys.readouterr().err
-    assert "held-out evaluation before training: 1 prompts" in err and "held-out evaluation after training" in err
-    assert f"outputs in {run_dir}: metrics.jsonl, summary.json, checkpoint.pt" in err
+    out = capsys.readouterr().out
+    assert "held-out evaluation before training: 1 prompts" in out and "held-out evaluation after training" in out
+    assert f"outputs in {run_dir}: metrics.jsonl, summary.json, checkpoint.pt" in out
 
 
 def test_agent_example_trains_multi_turn_on_a_tiny_preset(tmp_path, capsys):

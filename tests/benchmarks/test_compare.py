@@ -39,10 +39,10 @@ def test_compare_writes_table_and_plot_and_does_not_redo_finished_runs(tmp_path,
     argv = ["compare", *_common(tmp_path), "--plans", "standard,detach", "--seeds", "2", "--bias-every", "1",
             "--out", str(out)]
     assert bench(argv) == 0
-    err = capsys.readouterr().err
+    progress = capsys.readouterr().out
     for f in ("compare.png", "compare.md", "compare.json"):
         assert (out / f).is_file(), f
-    assert err.count(": started (") == 4 and err.count(": finished in ") == 4
+    assert progress.count(": started (") == 4 and progress.count(": finished in ") == 4
 
     result = json.loads((out / "compare.json").read_text())
     assert result["plans"] == ["standard", "detach"] and result["seeds"] == [0, 1] and result["steps"] == 2
@@ -80,8 +80,8 @@ def test_compare_writes_table_and_plot_and_does_not_redo_finished_runs(tmp_path,
     monkeypatch.setattr(longstraw.train.trainer, "train", no_training)
     (out / "compare.md").unlink()
     assert bench(argv) == 0
-    err = capsys.readouterr().err
-    assert err.count("already finished") == 4 and "not rerun" in err
+    out_text = capsys.readouterr().out
+    assert out_text.count("already finished") == 4 and "not rerun" in out_text
     assert (out / "compare.md").read_text() == md
     assert mtimes == {p: p.stat().st_mtime_ns for p in out.glob("*/checkpoint.pt")}
 
@@ -98,8 +98,8 @@ def test_compare_resumes_an_interrupted_run(tmp_path, capsys):
                      "--run-dir", str(out / "detach-seed0")]) == 0
     capsys.readouterr()
     assert bench(["compare", *common, "--plans", "standard,detach", "--seeds", "1", "--out", str(out)]) == 0
-    err = capsys.readouterr().err
-    assert "detach seed 0: resuming from its checkpoint" in err and "resumed from" in err
+    captured = capsys.readouterr()
+    assert "detach seed 0: resuming from its checkpoint" in captured.out and "resumed from" in captured.out
     rows = [json.loads(x) for x in (out / "detach-seed0" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
 

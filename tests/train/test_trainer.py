@@ -39,7 +39,7 @@ def test_smoke_command_writes_metrics_and_checkpoint(tmp_path):
     assert (run / "checkpoint.pt").is_file() and (run / "progress.png").is_file()
     summary = json.loads((run / "summary.json").read_text())
     assert "eval_before" in summary and "eval_after" in summary
-    assert "step 2/2" in out.stderr and "held-out greedy reward" in out.stderr
+    assert "step 2/2" in out.stdout and "held-out greedy reward" in out.stdout
 
 
 def _jsonl(tmp_path: Path) -> Path:
@@ -59,7 +59,7 @@ def test_resume_in_a_fresh_process_equals_a_straight_run(tmp_path):
     assert second.returncode == 0, second.stderr
     a = [json.loads(x) for x in (straight / "metrics.jsonl").read_text().splitlines()]
     b = [json.loads(x) for x in (split / "metrics.jsonl").read_text().splitlines()]
-    assert "stopped after step 3" in first.stderr and "resumed from" in second.stderr
+    assert "stopped after step 3" in first.stdout and "resumed from" in second.stdout
     assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]
     assert any(r["grad_norm"] > 0 for r in a)  # the run really trained
     for x, y in zip(a, b):

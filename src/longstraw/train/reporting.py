@@ -128,11 +128,11 @@ class StepLog:
 
 
 class Progress:
-    """One line per step on stderr; on a terminal, an in-place bar while the step runs."""
+    """One line per step on stdout; on a terminal, an in-place bar while the step runs."""
 
     def __init__(self, total_steps: int, enabled: bool = True) -> None:
         self.total = total_steps
-        self.tty = sys.stderr.isatty()
+        self.tty = sys.stdout.isatty()
         self.enabled = enabled  # only rank 0 prints
 
     def update(self, step: int, phase: str, done: int, of: int) -> None:
@@ -140,7 +140,7 @@ class Progress:
             width = 20
             filled = int(width * done / max(1, of))
             bar = "#" * filled + "-" * (width - filled)
-            print(f"\rstep {step + 1}/{self.total} [{bar}] {phase} {done}/{of}   ", end="", file=sys.stderr, flush=True)
+            print(f"\rstep {step + 1}/{self.total} [{bar}] {phase} {done}/{of}   ", end="", flush=True)
 
     def step_done(self, m: dict[str, Any]) -> None:
         if not self.enabled:
@@ -157,7 +157,7 @@ class Progress:
             line += f" | dropped {m['dropped_groups']} equal-reward group(s)"
         if m.get("skipped_zero_advantage"):
             line += f" | skipped {m['skipped_zero_advantage']} zero-advantage group(s) (no gradient)"
-        print(("\r" if self.tty else "") + line + " " * 4, file=sys.stderr, flush=True)
+        print(("\r" if self.tty else "") + line + " " * 4, flush=True)
 
 
 class Report:
@@ -178,8 +178,14 @@ class Report:
             self.writer = SummaryWriter(str(run_dir / "tb"))
 
     def note(self, text: str) -> None:
+        """A line of the run's progress or results (stdout)."""
         if self.enabled:
-            print(text, file=sys.stderr)
+            print(text, flush=True)
+
+    def warn(self, text: str) -> None:
+        """A warning (stderr)."""
+        if self.enabled:
+            print(text, file=sys.stderr, flush=True)
 
     def resumed(self, step: int) -> None:
         """Resumed at `step`: metrics rows past it are removed (those steps are redone)."""
@@ -218,7 +224,7 @@ class Report:
         truncate_metrics(self.metrics_path, int(summary["steps"]))
         last = last_metrics_step(self.metrics_path)
         if last != summary["steps"]:
-            self.note(f"note: {self.metrics_path} ends at step {last}, the run at step {summary['steps']}: rows are "
+            self.warn(f"note: {self.metrics_path} ends at step {last}, the run at step {summary['steps']}: rows are "
                       "missing")
         summary.update(run_totals(read_metrics(self.metrics_path)))
         checkpoint = self.run_dir / FILENAME
@@ -253,15 +259,13 @@ def run_totals(rows: list[dict[str, Any]]) -> dict[str, int]:
 
 
 def totals_line(summary: dict[str, Any]) -> str:
-    """The end-of-run line on those counts (`run_totals`) and the checkpoint's size."""
+    """The end-of-run sentence on those counts (`run_totals`)."""
     steps = summary.get("steps", 0)
-    text = (f"{summary['steps_with_skipped_groups']} of {steps} steps skipped a zero-advantage group (all its rewards "
-            f"equal: no gradient from it); {summary['steps_without_gradient']} of {steps} steps had no gradient at all")
+    text = (f"Of {steps} steps, {summary['steps_with_skipped_groups']} skipped a group whose rewards were all equal "
+            f"and {summary['steps_without_gradient']} had no gradient at all")
     if summary["dropped_groups"]:
-        text += f"; {summary['dropped_groups']} equal-reward group(s) dropped (dynamic sampling)"
-    if "checkpoint_bytes" in summary:
-        text += f"; checkpoint {size_text(summary['checkpoint_bytes'])} ({summary['checkpoint_holds']})"
-    return text
+        text += f"; dynamic sampling dropped {summary['dropped_groups']} such group(s)"
+    return text + "."
 
 
 def size_text(n: int) -> str:

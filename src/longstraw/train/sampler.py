@@ -188,8 +188,8 @@ class Sampler:
         mine = examples[par.dp_rank :: par.dp_size]  # blocks of ranks split the prompts
         talk = par.is_main
         if talk:
-            print(f"held-out evaluation {when}: {len(examples)} prompts, greedy ...", file=sys.stderr, flush=True)
-        tty = sys.stderr.isatty()
+            print(f"held-out evaluation {when}: {len(examples)} prompts, greedy ...", flush=True)
+        tty = sys.stdout.isatty()
         total, calling = 0.0, 0
         with par.compute(model, reduce=False):
             for i, example in enumerate(mine):
@@ -198,9 +198,9 @@ class Sampler:
                 total += data.reward(data.decode(out.responses[0]), example, "held-out evaluation")
                 calling += int(bool(out.tool_calls and out.tool_calls[0]))
                 if talk and tty:
-                    print(f"\r  prompt {i + 1}/{len(mine)}   ", end="", file=sys.stderr, flush=True)
+                    print(f"\r  prompt {i + 1}/{len(mine)}   ", end="", flush=True)
         if talk and tty:
-            print("\r", end="", file=sys.stderr, flush=True)
+            print("\r", end="", flush=True)
         if self.call_end:
             self.eval_tool_call_rate = par.sum(calling) / par.block_size / len(examples)
         return par.sum(total) / par.block_size / len(examples)  # a block's ranks all add the same
