@@ -1,12 +1,11 @@
-"""`python -m benchmarks work`: the compute one `backward_group` step does, counted, from a baseline source tree and
-from this one.
+"""`python -m benchmarks work`: the compute one step does, counted, from a baseline source tree and from this one.
 
 Step times on a shared 2-core host move by ±10–40% from run to run (`versus`); the work a step does does not. This
-bench runs one step per (plan, G) at Bench B1's shape under torch.profiler with shapes recorded, from each tree in
-its own process, and counts what sets the step's time: the matrix products (their number and FLOPs, 2·m·k·n each)
-and the attention kernel calls. Equal counts mean the two trees run the same computation; what then differs in time
-is the host, or Python-side overhead between the kernels (reported as the profiler's total self CPU time, which is
-as noisy as any timing).
+bench runs one `backward_group` step per (plan, G) at Bench B1's shape, and one `backward_tree` step per plan over a
+τ²-shaped tree, under torch.profiler with shapes recorded, from each tree in its own process, and counts what sets
+the step's time: the matrix products (their number and FLOPs, 2·m·k·n each) and the attention kernel calls. Equal
+counts mean the two trees run the same computation; what then differs in time is the host, or Python-side overhead
+between the kernels (reported as the profiler's total self CPU time, which is as noisy as any timing).
 """
 
 from __future__ import annotations
@@ -26,23 +25,20 @@ from benchmarks.registry import Benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = (("standard", 2), ("detach", 2), ("exact", 2), ("detach", 16), ("exact", 16))
+TREE = "2048,512,128,2,4"  # system prompt, task, response tokens; K tasks; G responses each
 MATMULS = ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm")
 
 # One side's measurement, run as `python -c` with PYTHONPATH naming that tree's sources: prints one JSON row per case.
+# argv: model, the group cases (JSON), P, R, the tree's "system,task,response,K,G".
 _SIDE = """
 import json, sys, torch
 from torch.profiler import ProfilerActivity, profile
-from longstraw import Group, backward_group, load_model
+from longstraw import Group, Trajectory, backward_group, backward_tree, load_model
 
-model = load_model(sys.argv[1])
-vocab = model.config.vocab_size
-for plan, g in json.loads(sys.argv[2]):
-    torch.manual_seed(0)
-    group = Group(prompt=torch.randint(0, vocab, (int(sys.argv[3]),)),
-                  responses=[torch.randint(0, vocab, (int(sys.argv[4]),)) for _ in range(g)], advantages=torch.randn(g))
-    model.zero_grad()
+
+def measure(step, plan, g):
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        backward_group(model, group, plan=plan)
+        step()
     row = {"plan": plan, "group_size": g, "matmuls": 0, "matmul_flops": 0, "attention_calls": 0,
            "self_cpu_s": sum(e.self_cpu_time_total for e in prof.key_averages()) / 1e6}
     for e in prof.events():
@@ -57,14 +53,38 @@ for plan, g in json.loads(sys.argv[2]):
         elif "scaled_dot_product" in e.name or e.name in ("ChunkAttention", "ChunkAttentionBackward"):
             row["attention_calls"] += 1
     print(json.dumps(row), flush=True)
+
+
+model = load_model(sys.argv[1])
+vocab = model.config.vocab_size
+for plan, g in json.loads(sys.argv[2]):
+    torch.manual_seed(0)
+    group = Group(prompt=torch.randint(0, vocab, (int(sys.argv[3]),)),
+                  responses=[torch.randint(0, vocab, (int(sys.argv[4]),)) for _ in range(g)], advantages=torch.randn(g))
+    model.zero_grad()
+    measure(lambda: backward_group(model, group, plan=plan), plan, g)
+
+# a τ²-shaped tree: one system prompt, K tasks after it, G responses to each
+system, task, response, k, g = (int(x) for x in sys.argv[5].split(","))
+torch.manual_seed(0)
+head = torch.randint(0, vocab, (system,))
+prompts = [torch.cat([head, torch.randint(0, vocab, (task,))]) for _ in range(k)]
+trajectories = [Trajectory(ids=torch.cat([p, torch.randint(0, vocab, (response,))]), loss_start=p.numel(),
+                           advantage=float(torch.randn(())), group=i)
+                for i, p in enumerate(prompts) for _ in range(g)]
+for plan in ("exact", "detach"):
+    model.zero_grad()
+    measure(lambda: backward_tree(model, trajectories, plan=plan), f"tree_{plan}", k * g)
 """
 
 
-def count(tree: Path, model: str, prompt: int, response: int) -> list[dict[str, Any]]:
-    """Every case's counts from the source tree `tree` (its own process)."""
+def count(tree: Path, model: str, prompt: int, response: int, shape: str = TREE) -> list[dict[str, Any]]:
+    """Every case's counts from the source tree `tree` (its own process); `shape`: the tree's
+    "system,task,response,K,G" tokens and counts."""
     env = dict(os.environ, PYTHONPATH=str(tree / "src"))
     code = f"MATMULS = {MATMULS!r}\n{_SIDE}"
-    done = subprocess.run([sys.executable, "-c", code, model, json.dumps(CASES), str(prompt), str(response)],
+    done = subprocess.run([sys.executable, "-c", code, model, json.dumps(CASES), str(prompt), str(response),
+                           shape],
                           env=env, cwd=tree, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"counting from {tree} failed ({done.returncode}):\n{done.stderr[-2000:]}")
@@ -90,10 +110,10 @@ def run(args: argparse.Namespace) -> int:
                          "`git worktree add DIR COMMIT`")
     document: dict[str, Any] = {"bench": "work", "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
                                 "config": {"baseline": str(baseline), "this": str(ROOT), "model": args.model,
-                                           "prompt_tokens": args.prompt_tokens,
+                                           "prompt_tokens": args.prompt_tokens, "tree": args.tree,
                                            "response_tokens": args.response_tokens},
                                 "machine": machine_info("cpu")}
-    sides = {side: count(tree, args.model, args.prompt_tokens, args.response_tokens)
+    sides = {side: count(tree, args.model, args.prompt_tokens, args.response_tokens, args.tree)
              for side, tree in (("baseline", baseline), ("this", ROOT))}
     document["results"] = [
         {"plan": b["plan"], "group_size": b["group_size"], "status": "ok", "baseline": b, "this": t,
@@ -111,6 +131,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="b1-llama", help="a preset (default b1-llama, Bench B1's model)")
     parser.add_argument("--prompt-tokens", type=int, default=4096, help="P (default 4096, B1's)")
     parser.add_argument("--response-tokens", type=int, default=256, help="R (default 256, B1's)")
+    parser.add_argument("--tree", default=TREE, help=f"the tree's system,task,response tokens,K,G (default {TREE})")
     parser.add_argument("--out", help="result JSON (default bench/results/work-<YYYYmmdd-HHMMSS>.json)")
 
 

@@ -6,8 +6,9 @@ from benchmarks.work import ROOT, count, table
 
 
 def test_counts_of_this_tree_on_a_tiny_preset():
-    rows = {(r["plan"], r["group_size"]): r for r in count(ROOT, "tiny-llama", 64, 8)}
-    assert set(rows) == {("standard", 2), ("detach", 2), ("exact", 2), ("detach", 16), ("exact", 16)}
+    rows = {(r["plan"], r["group_size"]): r for r in count(ROOT, "tiny-llama", 64, 8, "32,16,8,2,2")}
+    assert set(rows) == {("standard", 2), ("detach", 2), ("exact", 2), ("detach", 16), ("exact", 16),
+                         ("tree_exact", 4), ("tree_detach", 4)}
     for r in rows.values():
         assert r["matmuls"] > 0 and r["matmul_flops"] > 0 and r["attention_calls"] > 0
     # exact adds the prompt's reverse backward to detach's replays: more products, at every G
