@@ -22,6 +22,7 @@ from typing import Any
 from benchmarks.common import default_out, write_results
 from benchmarks.machine import machine_info
 from benchmarks.registry import Benchmark
+from longstraw.choices import PRESET_NAMES
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = (("standard", 2), ("detach", 2), ("exact", 2), ("detach", 16), ("exact", 16))
@@ -128,7 +129,8 @@ def run(args: argparse.Namespace) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--baseline", required=True, metavar="DIR", help="a source tree of an earlier commit")
-    parser.add_argument("--model", default="b1-llama", help="a preset (default b1-llama, Bench B1's model)")
+    parser.add_argument("--model", default="b1-llama",
+                        help=f"a preset ({', '.join(PRESET_NAMES)}); default b1-llama, Bench B1's model")
     parser.add_argument("--prompt-tokens", type=int, default=4096, help="P (default 4096, B1's)")
     parser.add_argument("--response-tokens", type=int, default=256, help="R (default 256, B1's)")
     parser.add_argument("--tree", default=TREE, help=f"the tree's system,task,response tokens,K,G (default {TREE})")
