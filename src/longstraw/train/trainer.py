@@ -61,6 +61,7 @@ from longstraw.train.optimizer import (
     mean_gradient,
     scheduler_step,
 )
+from longstraw.train.preflight import distributed_rules
 from longstraw.train.reporting import Progress, Report, StepLog
 from longstraw.train.rundir import RunLock, open_run_dir
 from longstraw.train.sampler import Sampler, ScoredTree
@@ -79,10 +80,7 @@ class Trainer:
         self.par = parallel if parallel is not None else Parallel(device=cfg.model.device)  # one process by default
         self.options = cfg.plan.backward_options(context_shards=self.par.context_shards)  # every group's backward
         self.par.share(cfg.rollout.prompts_per_step)  # refuse a count the ranks cannot split before loading anything
-        if cfg.run.bias_every and self.par.distributed:
-            raise ValueError("--bias-every runs in one process only (sharded gradients): drop it or --nproc")
-        if cfg.optimizer.warm_start_steps and self.par.distributed:
-            raise ValueError("--warm-start-steps runs in one process only: drop it or --nproc")
+        distributed_rules(cfg, self.par.world_size)  # the launcher of --nproc checked them too, before any rank
         self.run_dir = Path(cfg.run.run_dir)
         # Rank 0 checks and locks the run directory and, on resume, reads and checks the checkpoint, before the model
         # loads. The lock is held until `run` ends (released here if the setup fails).
