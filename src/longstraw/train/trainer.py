@@ -51,7 +51,14 @@ from longstraw.distributed.runtime import Parallel
 from longstraw.engine.sampling import stop_ids_of
 from longstraw.models.tokenizer import load_tokenizer
 from longstraw.train import bias
-from longstraw.train.checkpoints import FILENAME, check_same_shapes, restore_run, rng_state, save_run
+from longstraw.train.checkpoints import (
+    FILENAME,
+    CheckpointWriteError,
+    check_same_shapes,
+    restore_run,
+    rng_state,
+    save_run,
+)
 from longstraw.train.config import TrainConfig
 from longstraw.train.data import TaskData
 from longstraw.train.optimizer import (
@@ -196,10 +203,11 @@ class Trainer:
             with signals:
                 try:
                     return self._run(signals)
-                except BaseException:
-                    save_after_failure(self.save, self.run_dir / FILENAME, step=self.step,
-                                       saved_step=self._saved_step, steps_done=self._steps_done, dirty=self._dirty,
-                                       par=self.par)
+                except BaseException as err:
+                    if not isinstance(err, CheckpointWriteError):  # its message says what is on disk
+                        save_after_failure(self.save, self.run_dir / FILENAME, step=self.step,
+                                           saved_step=self._saved_step, steps_done=self._steps_done,
+                                           dirty=self._dirty, par=self.par)
                     raise
         finally:
             self.release()
