@@ -72,7 +72,7 @@ from longstraw.train.preflight import distributed_rules
 from longstraw.train.reporting import Progress, Report, StepLog
 from longstraw.train.rundir import RunLock, open_run_dir
 from longstraw.train.sampler import Sampler, ScoredTree
-from longstraw.train.stopping import StopSignals, TrainingInterrupted, save_after_failure
+from longstraw.train.stopping import StopSignals, TrainingInterrupted, save_after_failure, warm_start_stopped
 from longstraw.train.warmup import check_gold, warm_start
 
 
@@ -118,7 +118,7 @@ class Trainer:
         self.summary: dict[str, Any] = {}
         # Error-path bookkeeping: `_dirty` is True from the first optimizer/scheduler step of a step until the
         # step is complete (its in-memory state is then neither the last step nor the next one).
-        self._dirty = self._saving = False
+        self._dirty = self._saving = self._warming = False  # _warming: in the warm start (`_warm_start`)
         self._saved_step: int | None = None
         self._steps_done = 0  # completed in this invocation
         self._boundary_rng: dict[str, Any] | None = None  # the RNG states at the last step boundary
@@ -168,13 +168,14 @@ class Trainer:
         if self.data.call_end and self.cfg.run.eval_prompts:
             self.summary[f"tool_call_rate_{when}"] = self.sampler.eval_tool_call_rate
 
-    def _warm_start(self) -> None:
+    def _warm_start(self, signals: StopSignals) -> None:
         """The supervised warm start (`warmup.py`) on a fresh run, then the held-out evaluation after it. Its weights
-        are no step boundary: a failure during it saves nothing (the run starts over)."""
-        self._dirty = True
+        are no step boundary: a failure during it saves nothing (the run starts over). A Ctrl-C/SIGTERM is held only
+        until the current gold response's backward ends, then stops the run."""
+        self._dirty = self._warming = True
         self.summary["warm_start"] = warm_start(self.model, self.cfg, self.data, self.options,
-                                                self.sampler.sampling.stop_ids, self.report.note)
-        self._dirty = False
+                                                self.sampler.sampling.stop_ids, self.report.note, stop=signals.check)
+        self._dirty = self._warming = False
         self.summary["eval_after_warm_start"] = self.sampler.evaluate(self.model, "after the warm start")
         self._agent_eval("after_warm_start")
         rate = self.summary.get("tool_call_rate_after_warm_start", float("nan"))
@@ -204,7 +205,9 @@ class Trainer:
                 try:
                     return self._run(signals)
                 except BaseException as err:
-                    if not isinstance(err, CheckpointWriteError):  # its message says what is on disk
+                    if self._warming:  # a fresh run's warm start: nothing to save, and nothing was
+                        self.report.note(warm_start_stopped(err, self.run_dir))
+                    elif not isinstance(err, CheckpointWriteError):  # its message says what is on disk
                         save_after_failure(self.save, self.run_dir / FILENAME, step=self.step,
                                            saved_step=self._saved_step, steps_done=self._steps_done,
                                            dirty=self._dirty, par=self.par)
@@ -219,6 +222,8 @@ class Trainer:
             self._lock = None
 
     def _describe_stop(self) -> str:
+        if self._warming:
+            return "stopping after the warm start's current gold response; nothing of the warm start is saved"
         if self.par.distributed:  # rank 0 speaks for all
             return f"every rank finishes step {self.step + 1}, then they save and stop" if self.par.is_main else ""
         return f"finishing step {self.step + 1}'s update, then saving and stopping"
@@ -250,7 +255,7 @@ class Trainer:
             report.eval_before(self.summary["eval_before"])
             self._agent_eval("before")
             if cfg.optimizer.warm_start_steps:
-                self._warm_start()
+                self._warm_start(signals)
         self._boundary_rng = rng_state()
         last = min(cfg.optimizer.steps, self.step + cfg.run.stop_after) if cfg.run.stop_after else cfg.optimizer.steps
         while self.step < last:
