@@ -206,7 +206,7 @@ class Trainer:
                     return self._run(signals)
                 except BaseException as err:
                     if self._warming:  # a fresh run's warm start: nothing to save, and nothing was
-                        self.report.note(warm_start_stopped(err, self.run_dir))
+                        self.report.warn(warm_start_stopped(err, self.run_dir))
                     elif not isinstance(err, CheckpointWriteError):  # its message says what is on disk
                         save_after_failure(self.save, self.run_dir / FILENAME, step=self.step,
                                            saved_step=self._saved_step, steps_done=self._steps_done,
