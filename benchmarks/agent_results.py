@@ -27,12 +27,13 @@ _REWARD = {"before": "eval_before", "after_warm_start": "eval_after_warm_start",
 def run_results(run_dir: Path) -> dict[str, Any]:
     """One run's record; ValueError naming the run when it lacks the three held-out evaluations."""
     from longstraw.train.reporting import read_metrics  # here: --help imports no torch
+    from longstraw.train.rundir import read_summary
 
     summary_path = run_dir / "summary.json"
     if not summary_path.is_file():
         raise ValueError(f"{run_dir} holds no summary.json: run `longstraw train` with --warm-start-steps to the end "
                          "first")
-    summary = json.loads(summary_path.read_text())
+    summary = read_summary(summary_path)
     missing = [key for p in POINTS for key in (_REWARD[p], f"tool_call_rate_{p}") if key not in summary]
     if missing:
         raise ValueError(f"{summary_path} lacks {', '.join(missing)}: it is not a finished run of an agent task with "

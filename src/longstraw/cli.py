@@ -224,6 +224,7 @@ def _launch_train(args: argparse.Namespace, cfg: TrainConfig, argv: list[str]) -
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from longstraw.distributed import launch
+    from longstraw.train import preflight
     from longstraw.train.rundir import check_not_in_use
 
     if "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -231,11 +232,15 @@ def _launch_train(args: argparse.Namespace, cfg: TrainConfig, argv: list[str]) -
     try:
         launch.check_nproc(args.nproc, cfg.model.device, cfg.rollout.prompts_per_step, cfg.parallelism.cp,
                            cfg.parallelism.tp)
+        preflight.distributed_rules(cfg, args.nproc)
     except ValueError as err:
         args.fail(str(err))
     try:
         check_not_in_use(cfg.run.run_dir)  # another process writing it: refused here, before any rank starts
-    except ValueError as err:
+        # what each rank would refuse once it has loaded the model: here once, without the weights, before any rank
+        # starts and before the run directory exists
+        preflight.check_before_ranks(cfg, args.nproc)
+    except (ValueError, FileNotFoundError) as err:
         print(f"longstraw train: error: {err}", file=sys.stderr)
         return 1
     try:

@@ -78,7 +78,7 @@ def test_process_counts_that_tensor_parallelism_cannot_split_are_refused():
 
 @pytest.mark.slow
 def test_train_refuses_a_model_it_cannot_split_by_heads(tmp_path):
-    """tiny-qwen3 has one key/value head: --tp 2 is refused with the reason (after the launch, before training)."""
+    """tiny-qwen3 has one key/value head: --tp 2 is refused with the reason, by the launcher before any rank starts."""
     run = _cli([*_common(tmp_path), "--model", "tiny-qwen3", "--run-dir", str(tmp_path / "r"), "--nproc", "2",
                 "--tp", "2", "--steps", "1"], tmp_path, timeout=300)
     assert run.returncode != 0 and "1 key/value heads" in run.stderr + run.stdout

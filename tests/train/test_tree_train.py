@@ -50,7 +50,8 @@ def _agent_task(monkeypatch, cfg: TrainConfig) -> None:
     environment answers every call, and the reward is the response's length mod 3 (the plumbing, not learning)."""
     tokenizer = load_tokenizer(cfg.model.model)
     data = TaskData(cfg, tokenizer, max_positions=2048)
-    plain = TrainConfig.from_flat({**cfg.to_flat(), "rollout": "group", "group_size": 4})
+    group_options = {k: v for k, v in cfg.to_flat().items() if not k.startswith("tree_")}  # refused with groups
+    plain = TrainConfig.from_flat({**group_options, "rollout": "group", "group_size": 4})
     model = load_model(cfg.model.model).eval()
     free = Sampler(plain, data, (), None, Parallel()).rollout(model, 0, 0, data.examples(0)[0])
     frequent = int(torch.cat(free.group.responses).bincount().argmax())

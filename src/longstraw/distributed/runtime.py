@@ -19,6 +19,7 @@ finish the step, save it together and exit.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import ctypes.util
 import gc
@@ -126,8 +127,11 @@ class FailureWatch:
     def report(self, message: str, wait_s: float = 10.0) -> None:
         """Publish this rank's failure (the first report wins) and give the others a moment to read it."""
         self.failed_here = True
+        mine = f"rank {self.rank} failed: {message}"
         try:
-            self.store.compare_set(FAILURE_KEY, "", f"rank {self.rank} failed: {message}")
+            if self.store.compare_set(FAILURE_KEY, "", mine).decode() != mine:  # another rank's failure came first:
+                self.store.add(ACK_KEY, 1)  # this rank has seen it (its watch, stopped by `failed_here`, will not say)
+                return
             deadline = time.monotonic() + wait_s
             while self.store.add(ACK_KEY, 0) < self.world_size - 1 and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -189,6 +193,9 @@ class Parallel:
             device = f"cuda:{local_rank}"
             torch.cuda.set_device(device)
         store, _, _ = next(dist.rendezvous("env://", timeout=timedelta(seconds=timeout_s)))
+        if not _exit_hook.is_set():  # a rank that ends by an error, not `close`, leaves the group too
+            _exit_hook.set()
+            atexit.register(end_at_exit)
         dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=timeout_s))
         watch = FailureWatch(dist.PrefixStore("longstraw_watch", store), rank, world_size)
@@ -335,9 +342,11 @@ class Parallel:
     # ------------------------------------------------------------------ lifecycle
 
     def fail(self, error: BaseException) -> None:
-        """Tell every other rank that this one failed (they print `error` and exit 1)."""
+        """Tell every other rank that this one failed (they print `error` and exit 1), then stop watching for theirs.
+        The process group itself is destroyed at this process's exit (`end_at_exit`)."""
         if self.watch is not None:
             self.watch.report(f"{type(error).__name__}: {error}")
+            self.watch.stop()
 
     def close(self) -> None:
         """Leave the process group after a successful run (all ranks)."""
@@ -359,6 +368,22 @@ def end_process_group() -> None:
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+_exit_hook = threading.Event()  # set once `end_at_exit` is registered
+EXIT_TEARDOWN_S = 10.0  # how long the exit waits for the process group's end before leaving without it
+
+
+def end_at_exit() -> None:
+    """At interpreter exit (atexit: Python still whole, the failed trainer and its traceback gone), `end_process_group`
+    if `close` did not: a rank that refused or failed exits with its gloo threads joined rather than aborting with
+    "terminate called without an active exception" (SIGABRT) while C++ tears them down. In a daemon thread, waited
+    for `EXIT_TEARDOWN_S` at most, so that a peer that never answers cannot hold the exit."""
+    if not dist.is_initialized():
+        return
+    ender = threading.Thread(target=end_process_group, name="longstraw-end-group", daemon=True)
+    ender.start()
+    ender.join(EXIT_TEARDOWN_S)
 
 
 def _param_names(model: torch.nn.Module) -> list[str]:

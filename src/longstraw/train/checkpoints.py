@@ -18,6 +18,7 @@ rank's shards. `check_same_shapes` refuses a checkpoint of another architecture 
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import random
@@ -48,14 +49,37 @@ def tmp_path_of(run_dir: str | Path) -> Path:
     return Path(run_dir) / (FILENAME + TMP_SUFFIX)
 
 
-class _SlowWriter:
-    """File wrapper for the fault hook: after the first 64 KiB, flush what was written and sleep once."""
+class WriteError(ValueError):
+    """A run file could not be written (a full disk, a lost mount): the message names the file, the OS error by its
+    code (ENOSPC) and what the run directory still holds."""
+
+
+class CheckpointWriteError(WriteError):
+    """The checkpoint could not be written; the previous one, if any, is intact (the message says which)."""
+
+
+def write_error(path: Path, err: OSError, after: str = "", kind: type[WriteError] = WriteError) -> WriteError:
+    """The one-line error for an OSError met writing `path`: its errno's name (ENOSPC), its text, then `after`."""
+    code = errno.errorcode.get(err.errno, "") if err.errno is not None else ""
+    what = f"{code} ({err.strerror})" if code and err.strerror else code or str(err) or type(err).__name__
+    hint = "; free some space" if err.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+    return kind(f"cannot write {path}: {what}{hint}{'; ' + after if after else ''}")
+
+
+class _Writer:
+    """File wrapper for torch.save: keeps the first OSError a write raised (torch reports it as a RuntimeError that
+    loses it: "unexpected pos"), and, for the fault hook, after the first 64 KiB flushes and sleeps once."""
 
     def __init__(self, f: BinaryIO, sleep_s: float) -> None:
         self.f, self.sleep_s, self.written = f, sleep_s, 0
+        self.error: OSError | None = None
 
     def write(self, data: Any) -> int:
-        n = self.f.write(data)
+        try:
+            n = self.f.write(data)
+        except OSError as err:
+            self.error = self.error or err
+            raise
         self.written += n
         if self.sleep_s and self.written >= 65536:
             self.f.flush()
@@ -64,7 +88,11 @@ class _SlowWriter:
         return n
 
     def flush(self) -> None:
-        self.f.flush()
+        try:
+            self.f.flush()
+        except OSError as err:
+            self.error = self.error or err
+            raise
 
 
 def save_checkpoint(run_dir: str | Path, payload: dict[str, Any]) -> Path:
@@ -81,12 +109,22 @@ def save_checkpoint(run_dir: str | Path, payload: dict[str, Any]) -> Path:
     data.setdefault("rng", rng_state())
     data["integrity"] = {"sha256": digest(data)}
     sleep_s = float(os.environ.get(FAULT_SLEEP_ENV, "0") or 0)
-    with open(tmp, "wb") as f:
-        # cast: torch.save only calls write and flush, which is all _SlowWriter has of a binary file.
-        torch.save(data, cast(BinaryIO, _SlowWriter(f, sleep_s)) if sleep_s > 0 else f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
+    writer: _Writer | None = None
+    try:
+        with open(tmp, "wb") as f:
+            writer = _Writer(f, sleep_s)
+            torch.save(data, cast(BinaryIO, writer))  # cast: torch.save only calls write and flush
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except (OSError, RuntimeError) as err:
+        oserror = writer.error if writer is not None and writer.error is not None else err
+        if not isinstance(oserror, OSError):
+            raise
+        tmp.unlink(missing_ok=True)  # a partial file would only take the space a retry needs
+        kept = (f"the previous checkpoint {final} is intact" if final.is_file() else
+                "no checkpoint was written before this one")
+        raise write_error(final, oserror, kept, CheckpointWriteError) from None
     _fsync_dir(run_dir)  # the rename itself survives a power loss
     return final
 

@@ -6,6 +6,8 @@
 - `Report`: rank 0's outputs (nothing on the other ranks): metrics.jsonl (one row per step, truncated to the
   checkpoint's step on resume), TensorBoard scalars, the run's messages, and at the end summary.json and
   progress.png.
+- `write_summary`: summary.json, strict JSON (null for a non-finite number), written whole or not at all;
+  `read_summary` (rundir.py) reads it back.
 - `read_metrics`, `plot_metrics`: metrics.jsonl back, and its plot.
 - `pyplot`, `save_figure`: matplotlib (Agg backend) or None with a note when it is missing, and the one way every
   LongStraw plot is written (the benchmarks, `python -m benchmarks compare` among them, use them too).
@@ -14,6 +16,8 @@
 from __future__ import annotations
 
 import json
+import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -23,7 +27,7 @@ import torch
 
 from longstraw.peak import PeakMemory
 from longstraw.planner import GIB
-from longstraw.train.checkpoints import FILENAME
+from longstraw.train.checkpoints import FILENAME, write_error
 from longstraw.train.rundir import last_metrics_step, truncate_metrics
 
 if TYPE_CHECKING:
@@ -201,8 +205,11 @@ class Report:
     def write(self, m: dict[str, Any]) -> None:
         """Append the step's row to metrics.jsonl."""
         if self.enabled:
-            with self.metrics_path.open("a") as f:
-                f.write(json.dumps(m) + "\n")
+            try:
+                with self.metrics_path.open("a") as f:
+                    f.write(json.dumps(m) + "\n")
+            except OSError as err:
+                raise write_error(self.metrics_path, err, f"step {m['step']} is not recorded") from None
 
     def show(self, m: dict[str, Any]) -> None:
         """The step's TensorBoard scalars and its progress line."""
@@ -233,7 +240,7 @@ class Report:
             summary["checkpoint_holds"] = ("weights only (save_weights_only)" if self.cfg.run.save_weights_only else
                                            "weights + AdamW's two moments, about 3x the weights")
         self.note(totals_line(summary))
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        write_summary(self.run_dir / "summary.json", summary)
         written = [self.metrics_path.name, "summary.json", FILENAME]
         if "checkpoint_bytes" in summary:
             written[-1] += f" ({size_text(summary['checkpoint_bytes'])}: {summary['checkpoint_holds']})"
@@ -271,6 +278,32 @@ def totals_line(summary: dict[str, Any]) -> str:
 def size_text(n: int) -> str:
     """A file size for a person: GB (10^9) from 1 GB, else MB."""
     return f"{n / 1e9:.2f} GB" if n >= 10**9 else f"{n / 1e6:.1f} MB"
+
+
+def strict_json(value: Any) -> Any:
+    """`value` with every non-finite float (NaN, inf) replaced by None, in nested dicts, lists and tuples: what
+    `json.dumps(allow_nan=False)` accepts, so that every JSON reader reads summary.json (NaN is no JSON)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: strict_json(v) for key, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return value
+
+
+def write_summary(path: Path, summary: dict[str, Any]) -> None:
+    """summary.json, strict JSON (a missing or non-finite number is null), written whole or not at all (temporary
+    file, then rename); `WriteError` naming the file and the OS error (ENOSPC) if it cannot be written."""
+    text = json.dumps(strict_json(summary), indent=2, allow_nan=False) + "\n"
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise write_error(path, err, f"the run's checkpoint {path.parent / FILENAME} and metrics.jsonl are "
+                                     "complete") from None
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

@@ -37,8 +37,8 @@ if TYPE_CHECKING:
     from longstraw.train.config import TrainConfig
 
 # Files and folders a run writes; `--overwrite` deletes exactly these.
-RUN_OUTPUTS = (FILENAME, FILENAME + ".tmp", "metrics.jsonl", "metrics.jsonl.tmp", "summary.json", "progress.png",
-               "tb")
+RUN_OUTPUTS = (FILENAME, FILENAME + ".tmp", "metrics.jsonl", "metrics.jsonl.tmp", "summary.json", "summary.json.tmp",
+               "progress.png", "tb")
 LOCK_FILE = ".longstraw.lock"  # not a run output: --overwrite keeps it, its presence is not "a run"
 # Fields that do not change the trained model: never compared.
 IGNORED_FIELDS = ("run_dir", "resume", "overwrite", "force", "stop_after", "save_every", "eval_prompts",
@@ -143,6 +143,7 @@ def open_run_dir(run_dir: Path, cfg: TrainConfig) -> tuple[RunLock, dict[str, An
     try:
         ckpt = load_checkpoint(run_dir)
         metrics_lines(run_dir / "metrics.jsonl")  # an undecodable file refused here, before any model is loaded
+        note_damaged_summary(run_dir / "summary.json")
         print_notes(check_resume_config(ckpt["config"], cfg.to_flat(), cfg.run.force, str(run_dir / FILENAME)))
     except BaseException:
         lock.release()
@@ -280,6 +281,33 @@ def last_metrics_step(path: Path) -> int | None:
         except (ValueError, KeyError, TypeError):
             continue
     return None
+
+
+SUMMARY_FIX = ("`longstraw train --resume` with the run's options writes it again from its checkpoint (after a last "
+               "held-out evaluation)")
+
+
+def read_summary(path: Path, fix: str = SUMMARY_FIX) -> dict[str, Any]:
+    """A run's summary.json; ValueError naming the file, in one line ending with `fix`, when it is cut short, damaged
+    or not a JSON object."""
+    raw = path.read_bytes()
+    try:
+        summary = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        why = str(err).splitlines()[0] if raw.strip() else "it is empty"
+        raise ValueError(f"{path} is cut short or damaged, not a whole summary ({why}): {fix}") from None
+    if not isinstance(summary, dict):
+        raise ValueError(f"{path} is not a run's summary (a JSON {type(summary).__name__}, not an object): {fix}")
+    return summary
+
+
+def note_damaged_summary(path: Path) -> None:
+    """On resume: one line naming a summary.json that does not read back (this run writes it again at its end)."""
+    if path.is_file():
+        try:
+            read_summary(path, "this run writes it again when it ends")
+        except ValueError as err:
+            print(f"note: {err}", file=sys.stderr)
 
 
 def print_notes(notes: list[str]) -> None:

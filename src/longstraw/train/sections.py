@@ -136,6 +136,11 @@ class TaskSection:
         need(self.hops in (1, 2), f"hops must be 1 or 2, got {self.hops}")
         need(math.isfinite(self.format_reward) and 0 <= self.format_reward <= 1,
              f"format_reward must be in [0, 1], got {self.format_reward}")
+        if self.task == "lookup":  # each hop's call is a turn, and the answer one more
+            need(self.max_turns > self.hops,
+                 f"--max-turns {self.max_turns} leaves no turn for the answer: lookup with --hops {self.hops} takes "
+                 f"{self.hops} tool-call turn(s) and an answer turn, so no rollout could reach the reward; use "
+                 f"--max-turns {self.hops + 1} or more")
         if self.task == "jsonl":
             need(bool(self.data), "task jsonl needs --data FILE.jsonl")
         else:
@@ -184,7 +189,11 @@ class RolloutSection:
         _choice("rollout", self.rollout, ROLLOUTS)
         _choice("tree_trigger", self.tree_trigger, TREE_TRIGGERS)
         _choice("tree_advantage", self.tree_advantage, TREE_ADVANTAGES)
-        if self.rollout != "tree":
+        if self.rollout != "tree":  # a tree option on a group rollout would be ignored: say so instead
+            given = [f"--{f.name.replace('_', '-')} {getattr(self, f.name)}" for f in fields(self)
+                     if f.name.startswith("tree_") and getattr(self, f.name) != f.default]
+            need(not given, f"{', '.join(given)}: tree options apply to --rollout tree only, and this run samples "
+                            f"{self.rollout}s; add --rollout tree or drop {'them' if len(given) > 1 else 'it'}")
             return
         for name, low in (("tree_trunks", 1), ("tree_branching", 2), ("tree_depth", 1), ("tree_every", 0)):
             _at_least(self, low, name)

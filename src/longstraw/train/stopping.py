@@ -101,3 +101,11 @@ def save_after_failure(save: Callable[[], None], path: Path, *, step: int, saved
         return
     print(f"longstraw train: saved the last completed step ({step}) to {path}; continue with --resume",
           file=sys.stderr)
+
+
+def warm_start_stopped(err: BaseException, run_dir: Path) -> str:
+    """The line saying what a warm start that ended with `err` (a signal or an error) left: nothing, since its weights
+    are no step boundary and a fresh run has no checkpoint before its first step."""
+    how = f"stopped by {signal.Signals(err.signum).name}" if isinstance(err, TrainingInterrupted) else "failed"
+    return (f"longstraw train: the warm start {how} before its end; nothing is saved (its weights are no step "
+            f"boundary, and {run_dir} holds no checkpoint yet): start the run again with --overwrite")

@@ -51,7 +51,14 @@ from longstraw.distributed.runtime import Parallel
 from longstraw.engine.sampling import stop_ids_of
 from longstraw.models.tokenizer import load_tokenizer
 from longstraw.train import bias
-from longstraw.train.checkpoints import FILENAME, check_same_shapes, restore_run, rng_state, save_run
+from longstraw.train.checkpoints import (
+    FILENAME,
+    CheckpointWriteError,
+    check_same_shapes,
+    restore_run,
+    rng_state,
+    save_run,
+)
 from longstraw.train.config import TrainConfig
 from longstraw.train.data import TaskData
 from longstraw.train.optimizer import (
@@ -61,10 +68,11 @@ from longstraw.train.optimizer import (
     mean_gradient,
     scheduler_step,
 )
+from longstraw.train.preflight import distributed_rules
 from longstraw.train.reporting import Progress, Report, StepLog
 from longstraw.train.rundir import RunLock, open_run_dir
 from longstraw.train.sampler import Sampler, ScoredTree
-from longstraw.train.stopping import StopSignals, TrainingInterrupted, save_after_failure
+from longstraw.train.stopping import StopSignals, TrainingInterrupted, save_after_failure, warm_start_stopped
 from longstraw.train.warmup import check_gold, warm_start
 
 
@@ -79,10 +87,7 @@ class Trainer:
         self.par = parallel if parallel is not None else Parallel(device=cfg.model.device)  # one process by default
         self.options = cfg.plan.backward_options(context_shards=self.par.context_shards)  # every group's backward
         self.par.share(cfg.rollout.prompts_per_step)  # refuse a count the ranks cannot split before loading anything
-        if cfg.run.bias_every and self.par.distributed:
-            raise ValueError("--bias-every runs in one process only (sharded gradients): drop it or --nproc")
-        if cfg.optimizer.warm_start_steps and self.par.distributed:
-            raise ValueError("--warm-start-steps runs in one process only: drop it or --nproc")
+        distributed_rules(cfg, self.par.world_size)  # the launcher of --nproc checked them too, before any rank
         self.run_dir = Path(cfg.run.run_dir)
         # Rank 0 checks and locks the run directory and, on resume, reads and checks the checkpoint, before the model
         # loads. The lock is held until `run` ends (released here if the setup fails).
@@ -113,7 +118,7 @@ class Trainer:
         self.summary: dict[str, Any] = {}
         # Error-path bookkeeping: `_dirty` is True from the first optimizer/scheduler step of a step until the
         # step is complete (its in-memory state is then neither the last step nor the next one).
-        self._dirty = self._saving = False
+        self._dirty = self._saving = self._warming = False  # _warming: in the warm start (`_warm_start`)
         self._saved_step: int | None = None
         self._steps_done = 0  # completed in this invocation
         self._boundary_rng: dict[str, Any] | None = None  # the RNG states at the last step boundary
@@ -163,13 +168,14 @@ class Trainer:
         if self.data.call_end and self.cfg.run.eval_prompts:
             self.summary[f"tool_call_rate_{when}"] = self.sampler.eval_tool_call_rate
 
-    def _warm_start(self) -> None:
+    def _warm_start(self, signals: StopSignals) -> None:
         """The supervised warm start (`warmup.py`) on a fresh run, then the held-out evaluation after it. Its weights
-        are no step boundary: a failure during it saves nothing (the run starts over)."""
-        self._dirty = True
+        are no step boundary: a failure during it saves nothing (the run starts over). A Ctrl-C/SIGTERM is held only
+        until the current gold response's backward ends, then stops the run."""
+        self._dirty = self._warming = True
         self.summary["warm_start"] = warm_start(self.model, self.cfg, self.data, self.options,
-                                                self.sampler.sampling.stop_ids, self.report.note)
-        self._dirty = False
+                                                self.sampler.sampling.stop_ids, self.report.note, stop=signals.check)
+        self._dirty = self._warming = False
         self.summary["eval_after_warm_start"] = self.sampler.evaluate(self.model, "after the warm start")
         self._agent_eval("after_warm_start")
         rate = self.summary.get("tool_call_rate_after_warm_start", float("nan"))
@@ -198,10 +204,13 @@ class Trainer:
             with signals:
                 try:
                     return self._run(signals)
-                except BaseException:
-                    save_after_failure(self.save, self.run_dir / FILENAME, step=self.step,
-                                       saved_step=self._saved_step, steps_done=self._steps_done, dirty=self._dirty,
-                                       par=self.par)
+                except BaseException as err:
+                    if self._warming:  # a fresh run's warm start: nothing to save, and nothing was
+                        self.report.warn(warm_start_stopped(err, self.run_dir))
+                    elif not isinstance(err, CheckpointWriteError):  # its message says what is on disk
+                        save_after_failure(self.save, self.run_dir / FILENAME, step=self.step,
+                                           saved_step=self._saved_step, steps_done=self._steps_done,
+                                           dirty=self._dirty, par=self.par)
                     raise
         finally:
             self.release()
@@ -213,6 +222,8 @@ class Trainer:
             self._lock = None
 
     def _describe_stop(self) -> str:
+        if self._warming:
+            return "stopping after the warm start's current gold response; nothing of the warm start is saved"
         if self.par.distributed:  # rank 0 speaks for all
             return f"every rank finishes step {self.step + 1}, then they save and stop" if self.par.is_main else ""
         return f"finishing step {self.step + 1}'s update, then saving and stopping"
@@ -244,7 +255,7 @@ class Trainer:
             report.eval_before(self.summary["eval_before"])
             self._agent_eval("before")
             if cfg.optimizer.warm_start_steps:
-                self._warm_start()
+                self._warm_start(signals)
         self._boundary_rng = rng_state()
         last = min(cfg.optimizer.steps, self.step + cfg.run.stop_after) if cfg.run.stop_after else cfg.optimizer.steps
         while self.step < last:

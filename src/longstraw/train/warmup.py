@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -70,9 +71,10 @@ def nll_options(options: BackwardOptions) -> BackwardOptions:
 
 
 def warm_start(model: torch.nn.Module, cfg: TrainConfig, data: TaskData, options: BackwardOptions,
-               stop_ids: tuple[int, ...], note: Any) -> dict[str, Any]:
+               stop_ids: tuple[int, ...], note: Any, stop: Callable[[], None] = lambda: None) -> dict[str, Any]:
     """Run the warm start on `model` in place; returns its record for summary.json (losses per step, seconds).
-    `note(text)`: the progress lines."""
+    `note(text)`: the progress lines. `stop()`: called after each gold response's backward, raises to stop there (a
+    held Ctrl-C/SIGTERM: nothing of a warm start is saved, so it need not reach the end of its step)."""
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.optimizer.warm_start_lr, weight_decay=cfg.optimizer.weight_decay)
     sft = nll_options(options)
@@ -84,6 +86,7 @@ def warm_start(model: torch.nn.Module, cfg: TrainConfig, data: TaskData, options
         for example in warm_start_examples(cfg, data, step):
             result = backward_group(model, gold_group(data, example, stop_ids), sft)
             total += result.loss / cfg.optimizer.warm_start_batch
+            stop()
         grads = [p for p in params if p.grad is not None]
         for p in grads:
             assert p.grad is not None

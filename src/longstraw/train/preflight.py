@@ -1,0 +1,85 @@
+"""What `longstraw train --nproc N` checks once, in the launcher, before any rank starts.
+
+Each rank checks its model and task again (`Trainer`), but a refusal found there is printed once per rank, after every
+rank has loaded the model and after rank 0 has created the run directory. Here the same checks run first, in the
+launcher, without reading any weights:
+
+- `distributed_rules`: the options that run in one process only (--bias-every, --warm-start-steps);
+- the model: its config read (`model_config`: a preset's, a local directory's, a cached hub id's, a GGUF file's
+  converted copy, which the ranks would make anyway), the model built from it on the meta device (no memory, no
+  initialisation), then the very checks the ranks run on the loaded one: `admission.admit` (the family admitted)
+  and, with --tp, `tp.check_tensor_parallel` (the family has a verified plan and its heads divide by --tp);
+- the task: its tokenizer loaded and `TaskData` built, which builds the task and checks a prompt against the model's
+  positions, as each rank does before its first step.
+
+A hub id that is not in the local cache is not fetched here: the ranks load it and check it as before.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from longstraw.train.sections import need
+
+if TYPE_CHECKING:
+    import torch
+
+    from longstraw.train.config import TrainConfig
+
+
+def distributed_rules(cfg: TrainConfig, world_size: int) -> None:
+    """Refuse the options that run in one process only, when `world_size` processes would run."""
+    if world_size <= 1:
+        return
+    need(not cfg.run.bias_every, "--bias-every runs in one process only (sharded gradients): drop it or --nproc")
+    need(not cfg.optimizer.warm_start_steps, "--warm-start-steps runs in one process only: drop it or --nproc")
+
+
+def model_config(name: str) -> Any:
+    """The transformers config `load_model(name)` builds its model from, read without any weights; None for a hub id
+    that is not in the local cache (not fetched here). ValueError for a name that is no model or a config that does not
+    load."""
+    from transformers import AutoConfig
+
+    from longstraw.admission.loading import check_model_name
+    from longstraw.models.gguf_files import converted_gguf, resolve_model_path
+    from longstraw.models.presets import PRESETS
+
+    source = check_model_name(name)
+    if source == "preset":
+        return PRESETS[name]()
+    path: Any = converted_gguf(resolve_model_path(name)) if source in ("packaged", "gguf") else name
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=False, local_files_only=source == "hub")
+    except OSError as err:
+        if source == "hub":
+            return None  # not cached: each rank loads it (and its checks run there)
+        raise ValueError(f"--model {name}: its config does not load ({str(err).splitlines()[0]})") from None
+
+
+def meta_model(config: Any) -> torch.nn.Module:
+    """The causal LM of `config` on the meta device: its modules and parameter shapes, no storage."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def check_before_ranks(cfg: TrainConfig, world_size: int) -> None:
+    """The model and task checks of every rank (module docstring), run once; ValueError or FileNotFoundError saying
+    what to change. Loads the config and the tokenizer, never the weights; creates no run directory."""
+    from longstraw.admission.admission import admit
+    from longstraw.models.tokenizer import load_tokenizer
+    from longstraw.train.data import TaskData
+
+    config = model_config(cfg.model.model)
+    if config is None:
+        return
+    model = meta_model(config)
+    admit(model)
+    if cfg.parallelism.tp > 1:
+        from longstraw.distributed.tp import check_tensor_parallel
+
+        check_tensor_parallel(model, cfg.parallelism.tp)
+    TaskData(cfg, load_tokenizer(cfg.model.model), getattr(model.config, "max_position_embeddings", None))
