@@ -16,9 +16,12 @@ token before it: its input is its tokens but the last, and its first token is no
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 from functools import cmp_to_key
 
+import numpy as np
 import torch
 
 from longstraw.engine.group import Group, _check_float, _check_ids
@@ -52,13 +55,11 @@ class Trajectory:
             raise ValueError(f"loss_start must be an integer in [1, {n - 1}] for a trajectory of {n} tokens (the "
                              f"first token is never predicted, and at least one token is in the loss), got "
                              f"{self.loss_start!r}")
-        if isinstance(self.advantage, torch.Tensor):
-            self.advantage = float(self.advantage)
-        if isinstance(self.advantage, bool) or not isinstance(self.advantage, (int, float)) or \
-                not torch.isfinite(torch.tensor(float(self.advantage))):
+        self.advantage = _real(self.advantage)
+        if not math.isfinite(self.advantage):
             raise ValueError(f"advantage must be a finite number, got {self.advantage!r}")
-        self.advantage = float(self.advantage)
-        if isinstance(self.group, bool) or not isinstance(self.group, int) or self.group < 0:
+        self.group = _index(self.group)
+        if self.group < 0:
             raise ValueError(f"group must be an integer >= 0, got {self.group!r}")
         r = n - self.loss_start
         if self.loss_mask is not None:
@@ -92,7 +93,31 @@ class Trajectory:
         return int(self.in_loss().sum())
 
 
-@dataclass
+def _real(value: object) -> float:
+    """A Python, NumPy or 0-d tensor real number as a float; TypeError for anything else."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0 or value.dtype == torch.bool or value.is_complex():
+            raise TypeError(f"advantage must be a real number (a float, or a 0-d tensor), got a {value.dtype} tensor "
+                            f"of shape {tuple(value.shape)}: pass one value per trajectory, e.g. advantage.item()")
+        return float(value)
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Real, np.floating, np.integer)):
+        raise TypeError(f"advantage must be a real number, got {type(value).__name__} {value!r}")
+    return float(value)
+
+
+def _index(value: object) -> int:
+    """A Python, NumPy or 0-d tensor integer as an int; TypeError for anything else (a float, a bool)."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0 or value.dtype.is_floating_point or value.is_complex() or value.dtype == torch.bool:
+            raise TypeError(f"group must be an integer (an int, or a 0-d integer tensor), got a {value.dtype} tensor "
+                            f"of shape {tuple(value.shape)}")
+        return int(value)
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"group must be an integer, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
+@dataclass(repr=False)
 class Node:
     """Tokens at positions [start, start + len(tokens)), shared by every trajectory in `through`.
 
@@ -109,6 +134,10 @@ class Node:
     @property
     def end(self) -> int:
         return self.start + self.tokens.numel()
+
+    def __repr__(self) -> str:  # not the nested dataclass repr, which recurses through the children
+        return (f"Node(start={self.start}, end={self.end}, through={len(self.through)} trajectories, "
+                f"children={len(self.children)}, ending={self.ending})")
 
     @property
     def is_leaf(self) -> bool:
