@@ -253,14 +253,21 @@ def _trie(ids: list[torch.Tensor]) -> Node:
     that l falls inside, and opens its own node from l. A tensor comparison per pair of neighbours (and per
     comparison of the sort); a node's `through` and `ending` are in index order, its children ordered by their first
     trajectory, as a top-down split by each trajectory's next token orders them."""
-    order = sorted(range(len(ids)), key=cmp_to_key(lambda a, b: _compare(ids[a], ids[b])))
+    def by_ids(a: int, b: int) -> int:
+        return _compare(ids[a], ids[b])
+
+    order = sorted(range(len(ids)), key=cmp_to_key(by_ids))
     # node k: starts[k], ends[k], the run order[los[k]:his[k]], children[k]; node 0 is a virtual root [0, 0)
     starts, ends, los, his = [0], [0], [0], [len(ids)]
     children: list[list[int]] = [[]]
     path = [0]
 
     def open_node(start: int, end: int, lo: int, parent: int) -> int:
-        starts.append(start), ends.append(end), los.append(lo), his.append(len(ids)), children.append([])
+        starts.append(start)
+        ends.append(end)
+        los.append(lo)
+        his.append(len(ids))
+        children.append([])
         children[parent].append(len(starts) - 1)
         path.append(len(starts) - 1)
         return len(starts) - 1
