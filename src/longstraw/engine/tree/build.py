@@ -16,8 +16,12 @@ token before it: its input is its tokens but the last, and its first token is no
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
+from functools import cmp_to_key
 
+import numpy as np
 import torch
 
 from longstraw.engine.group import Group, _check_float, _check_ids
@@ -51,13 +55,11 @@ class Trajectory:
             raise ValueError(f"loss_start must be an integer in [1, {n - 1}] for a trajectory of {n} tokens (the "
                              f"first token is never predicted, and at least one token is in the loss), got "
                              f"{self.loss_start!r}")
-        if isinstance(self.advantage, torch.Tensor):
-            self.advantage = float(self.advantage)
-        if isinstance(self.advantage, bool) or not isinstance(self.advantage, (int, float)) or \
-                not torch.isfinite(torch.tensor(float(self.advantage))):
+        self.advantage = _real(self.advantage)
+        if not math.isfinite(self.advantage):
             raise ValueError(f"advantage must be a finite number, got {self.advantage!r}")
-        self.advantage = float(self.advantage)
-        if isinstance(self.group, bool) or not isinstance(self.group, int) or self.group < 0:
+        self.group = _index(self.group)
+        if self.group < 0:
             raise ValueError(f"group must be an integer >= 0, got {self.group!r}")
         r = n - self.loss_start
         if self.loss_mask is not None:
@@ -91,7 +93,31 @@ class Trajectory:
         return int(self.in_loss().sum())
 
 
-@dataclass
+def _real(value: object) -> float:
+    """A Python, NumPy or 0-d tensor real number as a float; TypeError for anything else."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0 or value.dtype == torch.bool or value.is_complex():
+            raise TypeError(f"advantage must be a real number (a float, or a 0-d tensor), got a {value.dtype} tensor "
+                            f"of shape {tuple(value.shape)}: pass one value per trajectory, e.g. advantage.item()")
+        return float(value)
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Real, np.floating, np.integer)):
+        raise TypeError(f"advantage must be a real number, got {type(value).__name__} {value!r}")
+    return float(value)
+
+
+def _index(value: object) -> int:
+    """A Python, NumPy or 0-d tensor integer as an int; TypeError for anything else (a float, a bool)."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0 or value.dtype.is_floating_point or value.is_complex() or value.dtype == torch.bool:
+            raise TypeError(f"group must be an integer (an int, or a 0-d integer tensor), got a {value.dtype} tensor "
+                            f"of shape {tuple(value.shape)}")
+        return int(value)
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"group must be an integer, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
+@dataclass(repr=False)
 class Node:
     """Tokens at positions [start, start + len(tokens)), shared by every trajectory in `through`.
 
@@ -109,6 +135,10 @@ class Node:
     def end(self) -> int:
         return self.start + self.tokens.numel()
 
+    def __repr__(self) -> str:  # not the nested dataclass repr, which recurses through the children
+        return (f"Node(start={self.start}, end={self.end}, through={len(self.through)} trajectories, "
+                f"children={len(self.children)}, ending={self.ending})")
+
     @property
     def is_leaf(self) -> bool:
         return not self.children
@@ -125,10 +155,14 @@ class Node:
         return max(self.start - 1, 0)
 
     def walk(self) -> list[Node]:
-        """This node and its descendants, depth first (parents before children)."""
-        out = [self]
-        for child in self.children:
-            out.extend(child.walk())
+        """This node and its descendants, depth first (parents before children, siblings in order); an explicit
+        stack, so a tree of any depth is walked."""
+        out: list[Node] = []
+        stack = [self]
+        while stack:
+            node = stack.pop()
+            out.append(node)
+            stack.extend(reversed(node.children))
         return out
 
 
@@ -152,9 +186,13 @@ class Tree:
     @property
     def depth(self) -> int:
         """Nodes on the longest root-to-leaf path, the root counted when it holds tokens."""
-        def depth_of(node: Node) -> int:
-            return (1 if node.tokens.numel() else 0) + max((depth_of(c) for c in node.children), default=0)
-        return depth_of(self.root)
+        deepest = 0
+        stack = [(self.root, 1 if self.root.tokens.numel() else 0)]
+        while stack:
+            node, depth = stack.pop()
+            deepest = max(deepest, depth)
+            stack.extend((c, depth + (1 if c.tokens.numel() else 0)) for c in node.children)
+        return deepest
 
     @property
     def tokens_encoded(self) -> int:
@@ -186,7 +224,7 @@ def build_tree(trajectories: list[Trajectory], min_shared: int = 1) -> Tree:
     if isinstance(min_shared, bool) or not isinstance(min_shared, int) or min_shared < 1:
         raise ValueError(f"min_shared must be an integer >= 1, got {min_shared!r}")
     ids = [t.ids.detach().to("cpu", torch.long) for t in trajectories]
-    root = _split(ids, list(range(len(ids))), 0)
+    root = _trie(ids)
     if min_shared > 1:
         root.children = [c for child in root.children for c in _merge_short(child, min_shared)]
     return Tree(trajectories=list(trajectories), root=root, min_shared=min_shared)
@@ -207,42 +245,103 @@ def group_tree(group: Group) -> Tree:
     return Tree(trajectories=trajectories, root=root, min_shared=2)
 
 
-def _split(ids: list[torch.Tensor], members: list[int], start: int) -> Node:
-    """The node at `start` that `members` (trajectory indices, all equal on [0, start)) share, and its subtree."""
-    lengths = [ids[i].numel() for i in members]
-    shortest = min(lengths)
-    first = ids[members[0]]
-    end = start
-    # the longest run from `start` on which every member agrees (a member that ends stops the run)
-    if len(members) > 1:
-        stack = torch.stack([ids[i][start:shortest] for i in members])  # (M, shortest − start)
-        agree = (stack == stack[:1]).all(0)
-        differs = (~agree).nonzero()
-        end = shortest if differs.numel() == 0 else start + int(differs[0])
-    else:
-        end = shortest
-    node = Node(start=start, tokens=first[start:end].clone(), through=list(members))
-    node.ending = [i for i in members if ids[i].numel() == end]
-    rest = [i for i in members if ids[i].numel() > end]
-    by_token: dict[int, list[int]] = {}
-    for i in rest:
-        by_token.setdefault(int(ids[i][end]), []).append(i)
-    node.children = [_split(ids, group, end) for group in by_token.values()]
-    return node
+def _trie(ids: list[torch.Tensor]) -> Node:
+    """The radix trie of `ids` without recursion, from their lexicographic order: trajectories that share a prefix
+    are adjacent in it, so each node holds a contiguous run of that order (its `through`), and the common prefix of
+    two neighbours (their LCP) says where the second leaves the first's path. One pass over the order keeps the path
+    of open nodes (a stack): a neighbour sharing l tokens closes the nodes starting at or after l, splits the one
+    that l falls inside, and opens its own node from l. A tensor comparison per pair of neighbours (and per
+    comparison of the sort); a node's `through` and `ending` are in index order, its children ordered by their first
+    trajectory, as a top-down split by each trajectory's next token orders them."""
+    def by_ids(a: int, b: int) -> int:
+        return _compare(ids[a], ids[b])
+
+    order = sorted(range(len(ids)), key=cmp_to_key(by_ids))
+    # node k: starts[k], ends[k], the run order[los[k]:his[k]], children[k]; node 0 is a virtual root [0, 0)
+    starts, ends, los, his = [0], [0], [0], [len(ids)]
+    children: list[list[int]] = [[]]
+    path = [0]
+
+    def open_node(start: int, end: int, lo: int, parent: int) -> int:
+        starts.append(start)
+        ends.append(end)
+        los.append(lo)
+        his.append(len(ids))
+        children.append([])
+        children[parent].append(len(starts) - 1)
+        path.append(len(starts) - 1)
+        return len(starts) - 1
+
+    previous: torch.Tensor | None = None
+    for j, i in enumerate(order):
+        current = ids[i]
+        shared = 0 if previous is None else _common(previous, current)
+        while len(path) > 1 and starts[path[-1]] >= shared:
+            his[path.pop()] = j
+        top = path[-1]
+        if shared < ends[top]:  # the new trajectory leaves `top` inside it: split it at `shared`
+            parent = path[-2]
+            path.pop()
+            upper = open_node(starts[top], shared, los[top], parent)
+            children[parent].remove(top)
+            children[upper].append(top)
+            starts[top], his[top] = shared, j
+            top = upper
+        if current.numel() > shared:
+            open_node(shared, current.numel(), j, top)
+        previous = current
+    nodes = [Node(start=starts[k], tokens=ids[order[los[k]]][starts[k]:ends[k]].clone(),
+                  through=sorted(order[los[k]:his[k]])) for k in range(len(starts))]
+    for k, node in enumerate(nodes):
+        node.ending = [i for i in node.through if ids[i].numel() == ends[k]] if k else []
+        node.children = sorted((nodes[c] for c in children[k]), key=lambda c: c.through[0])
+    root = nodes[0]
+    return root.children[0] if len(root.children) == 1 else root
+
+
+def _compare(a: torch.Tensor, b: torch.Tensor) -> int:
+    """-1, 0 or 1: `a` before, equal to or after `b` in lexicographic order (a prefix first)."""
+    n = _common(a, b)
+    if n < min(a.numel(), b.numel()):
+        return -1 if int(a[n]) < int(b[n]) else 1
+    return (a.numel() > b.numel()) - (a.numel() < b.numel())
+
+
+def _common(a: torch.Tensor, b: torch.Tensor) -> int:
+    """The length of the common prefix of `a` and `b`."""
+    n = min(a.numel(), b.numel())
+    differs = (a[:n] != b[:n]).nonzero()
+    return n if differs.numel() == 0 else int(differs[0])
 
 
 def _merge_short(node: Node, min_shared: int) -> list[Node]:
-    """`node`'s subtree with every node shorter than `min_shared` pushed into its branches."""
-    if node.tokens.numel() >= min_shared or (not node.children and not node.ending):
-        node.children = [c for child in node.children for c in _merge_short(child, min_shared)]
-        return [node]
-    if node.is_leaf:  # a leaf is never split off: it has nothing below to share with
-        return [node]
-    out: list[Node] = []
-    for child in node.children:
-        child.tokens = torch.cat([node.tokens, child.tokens])
-        child.start = node.start
-        out.extend(_merge_short(child, min_shared))
-    if node.ending:
-        out.append(Node(start=node.start, tokens=node.tokens, through=list(node.ending), ending=list(node.ending)))
-    return out
+    """`node`'s subtree with every node shorter than `min_shared` pushed into its branches: the nodes that replace
+    `node`. A node is kept when it is long enough or has no children, and its children are replaced in turn; a
+    shorter one is dissolved: its tokens go in front of each child's, whose replacements take its place, followed by
+    a node of its own tokens for the trajectories that end there. An explicit stack of frames [node, its children,
+    the next child's index, the replacements so far, kept], so a tree of any depth is merged."""
+    def enter(n: Node) -> list:
+        return [n, list(n.children), 0, [], n.tokens.numel() >= min_shared or n.is_leaf]
+
+    stack = [enter(node)]
+    while True:
+        frame = stack[-1]
+        current, children, k, out, kept = frame
+        if k < len(children):
+            child = children[k]
+            frame[2] = k + 1
+            if not kept:
+                child.tokens = torch.cat([current.tokens, child.tokens])
+                child.start = current.start
+            stack.append(enter(child))
+            continue
+        stack.pop()
+        if kept:
+            current.children = out
+            value = [current]
+        else:
+            value = out + ([Node(start=current.start, tokens=current.tokens, through=list(current.ending),
+                                 ending=list(current.ending))] if current.ending else [])
+        if not stack:
+            return value
+        stack[-1][3].extend(value)

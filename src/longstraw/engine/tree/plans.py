@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 
@@ -78,9 +79,34 @@ def empty_state(model: torch.nn.Module, keep_boundaries: bool, options: Backward
                        stateless=stateless_layers(model) | kv_shared_layers(text_config(model)))
 
 
-def path_ids(node: Node, above: torch.Tensor) -> torch.Tensor:
-    """The tokens at positions 0 … node.end − 1 (`above`: those before node.start)."""
-    return torch.cat([above, node.tokens])
+Enter = Callable[[Walk, Node, PromptState, torch.Tensor, bool], tuple[PromptState, Callable[[], None]]]
+
+
+def depth_first(walk: Walk, keep_boundaries: bool, enter: Enter) -> None:
+    """Visit every node of `walk.tree`, parents before children, siblings in order, with an explicit stack (a tree of
+    any depth). enter(walk, node, parent's state, path, captured) captures the node (path (node.end,): the tokens at
+    positions 0 … node.end − 1; captured: the parent's state holds the node's tokens already, a reused root state),
+    replays its leaf children, and returns its state and what to run once its inner children are visited. Every
+    path is a view of one buffer: a node's children write their tokens after its end, a sibling after the node's
+    visit ended."""
+    state, captured = _root_state(walk, keep_boundaries)
+    root = walk.tree.root
+    buffer = root.tokens.new_empty(max(t.length for t in walk.tree.trajectories))
+    buffer[: root.end] = root.tokens
+    stack = [(enter(walk, root, state, buffer[: root.end], captured), _inner(root))]
+    while stack:
+        (state, leave), inner = stack[-1]
+        child = next(inner, None)
+        if child is None:
+            stack.pop()
+            leave()
+            continue
+        buffer[child.start: child.end] = child.tokens
+        stack.append((enter(walk, child, state, buffer[: child.end], False), _inner(child)))
+
+
+def _inner(node: Node) -> Iterator[Node]:
+    return (c for c in node.children if not c.is_leaf)
 
 
 # --- exact --------------------------------------------------------------------------------------------------------
@@ -114,14 +140,14 @@ def _root_state(walk: Walk, keep_boundaries: bool) -> tuple[PromptState, bool]:
 
 
 def exact(walk: Walk) -> None:
-    state, captured = _root_state(walk, True)
-    _exact_node(walk, walk.tree.root, state, walk.tree.root.tokens.new_empty(0), captured)
+    depth_first(walk, True, _exact_node)
 
 
-def _exact_node(walk: Walk, node: Node, parent: PromptState, above: torch.Tensor, captured: bool = False) -> None:
-    """Visit `node` from its parent's state (positions [0, node.input_start)); `above`: the tokens before it.
-    captured: `parent` holds the node's own tokens already (a reused root state)."""
-    path = path_ids(node, above)
+def _exact_node(walk: Walk, node: Node, parent: PromptState, path: torch.Tensor,
+                captured: bool) -> tuple[PromptState, Callable[[], None]]:
+    """Capture `node` from its parent's state (positions [0, node.input_start)) and replay its leaf children; then,
+    once its inner children are visited, recompute and backpropagate its chunks (`depth_first`'s enter)."""
+    above = path[: node.start]
     state = parent if node is walk.tree.root else parent.branch()
     first = 0 if captured else state.num_chunks
     ids = node.input_ids(above[-1:] if above.numel() else None)
@@ -134,27 +160,31 @@ def _exact_node(walk: Walk, node: Node, parent: PromptState, above: torch.Tensor
         extend_state(walk.model, state, ids, walk.options.chunk_size, leaves=True, keep_graph=keep)
     walk.capture_s += time.perf_counter() - t0
     held = walk.hold(state, first)
-    _children(walk, node, state, path, _exact_node)
-    t0 = time.perf_counter()
-    router = walk.router
-    prompt_backward(walk.model, path, state, first=first, chunk_loss=own,
-                    router=None if router is None else router.aux,
-                    router_weights=None if router is None else partial(router.weights.positions, node))
-    walk.backward_s += time.perf_counter() - t0
-    walk.path_bytes -= held
+    _replay_children(walk, node, state, path)
+
+    def leave() -> None:
+        t0 = time.perf_counter()
+        router = walk.router
+        prompt_backward(walk.model, path, state, first=first, chunk_loss=own,
+                        router=None if router is None else router.aux,
+                        router_weights=None if router is None else partial(router.weights.positions, node))
+        walk.backward_s += time.perf_counter() - t0
+        walk.path_bytes -= held
+
+    return state, leave
 
 
 # --- detach -------------------------------------------------------------------------------------------------------
 def detach(walk: Walk) -> None:
-    state, captured = _root_state(walk, False)
-    _detach_node(walk, walk.tree.root, state, walk.tree.root.tokens.new_empty(0), captured)
+    depth_first(walk, False, _detach_node)
 
 
-def _detach_node(walk: Walk, node: Node, parent: PromptState, above: torch.Tensor, captured: bool = False) -> None:
+def _detach_node(walk: Walk, node: Node, parent: PromptState, path: torch.Tensor,
+                 captured: bool) -> tuple[PromptState, Callable[[], None]]:
     """Capture `node` as a constant continuing its parent's state; its own loss tokens' terms are backpropagated
     from their chunk's forward (into the parameters only). The router term's share is the leaves' only: like every
-    path through a node's state, the node tokens' share is left out. captured: as `_exact_node`'s."""
-    path = path_ids(node, above)
+    path through a node's state, the node tokens' share is left out (`depth_first`'s enter)."""
+    above = path[: node.start]
     state = parent if node is walk.tree.root else parent.branch()
     first = 0 if captured else state.num_chunks
     ids = node.input_ids(above[-1:] if above.numel() else None)
@@ -183,22 +213,24 @@ def _detach_node(walk: Walk, node: Node, parent: PromptState, above: torch.Tenso
         keep_owned(state, j, len(bounds))
     walk.capture_s += time.perf_counter() - t0
     held = walk.hold(state, first)
-    _children(walk, node, state, path, _detach_node)
-    walk.path_bytes -= held
+    _replay_children(walk, node, state, path)
+
+    def leave() -> None:
+        walk.path_bytes -= held
+
+    return state, leave
 
 
-# --- both: the children of a node -----------------------------------------------------------------------------------
-def _children(walk: Walk, node: Node, state: PromptState, path: torch.Tensor, visit) -> None:
-    """Replay `node`'s leaf children from `state`, `micro_batch` siblings at a time, then visit its inner children."""
+# --- both: the leaf children of a node ------------------------------------------------------------------------------
+def _replay_children(walk: Walk, node: Node, state: PromptState, path: torch.Tensor) -> None:
+    """Replay `node`'s leaf children from `state`, `micro_batch` siblings at a time (its inner children are
+    `depth_first`'s)."""
     leaves = [c for c in node.children if c.is_leaf]
     k = walk.options.micro_batch
     t0 = time.perf_counter()
     for first in range(0, len(leaves), k):
         _replay_leaves(walk, leaves[first: first + k], state, path)
     walk.replay_s += time.perf_counter() - t0
-    for child in node.children:
-        if not child.is_leaf:
-            visit(walk, child, state, path)
 
 
 def _replay_leaves(walk: Walk, leaves: list[Node], state: PromptState, above: torch.Tensor) -> None:

@@ -125,12 +125,13 @@ def count_routes(model: torch.nn.Module, tree: Tree, state: PromptState, weights
             tap.clear()
             run_segment(model, inputs, group[0].input_start, st.fork())
             take(weights.leaves(group, mask))
-        for child in node.children:
-            if not child.is_leaf:
-                visit(child, st, tail)
+        # inner children next, the first on top: the walk's order, without recursion (a tree of any depth)
+        pending.extend((child, st, tail) for child in reversed(node.children) if not child.is_leaf)
 
+    pending: list[tuple[Node, PromptState, torch.Tensor | None]] = [(tree.root, state, None)]
     with torch.no_grad(), tap.hooked():
-        visit(tree.root, state, None)
+        while pending:
+            visit(*pending.pop())
     total = parts[0]
     for part in parts[1:]:
         total = total + part
