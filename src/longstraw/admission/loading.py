@@ -18,6 +18,7 @@ from transformers import (
 
 from longstraw.admission.admission import admit
 from longstraw.choices import DTYPE_ALIASES, DTYPE_BYTES, did_you_mean
+from longstraw.models.config_file import custom_code_refusal, read_config_json, remote_code_error
 from longstraw.models.gguf_files import PACKAGED_GGUF, converted_gguf, resolve_model_path
 from longstraw.models.presets import PRESETS
 
@@ -35,7 +36,7 @@ HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
 HUB_TIMEOUT_S = 2.0  # how long the hub may take to say whether a model exists, before we give up and say so
 
 
-def _hub_offline() -> bool:
+def hub_offline() -> bool:
     return any(os.environ.get(var, "").strip().upper() in ("1", "ON", "YES", "TRUE")
                for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
 
@@ -70,18 +71,15 @@ def declared_max_positions(name: str) -> int | None:
     """The `max_position_embeddings` a preset's or a local directory's config declares, read without building the
     model (a nested `text_config`'s too); None for a hub id or GGUF file (known once loaded) or a config without it.
     ValueError (`check_model_name`) for a name that is no model."""
-    import json
-
     source = check_model_name(name)
     if source == "preset":
         config: dict[str, Any] = PRESETS[name]().to_dict()
-    elif source == "local" and os.path.isfile(os.path.join(name, "config.json")):
+    elif source == "local" and os.path.exists(os.path.join(name, "config.json")):
         path = os.path.join(name, "config.json")
-        try:
-            with open(path, encoding="utf-8") as f:
-                config = json.load(f)
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise ValueError(f"{path}: not a UTF-8 JSON config ({err}): fix or replace it") from None
+        config = read_config_json(path)
+        why = custom_code_refusal(config, path)
+        if why is not None:
+            raise ValueError(why)
     else:
         return None
     text = config.get("text_config") if isinstance(config, dict) else None
@@ -92,7 +90,7 @@ def declared_max_positions(name: str) -> int | None:
     return None
 
 
-def _check_hub(name: str) -> None:
+def check_hub(name: str) -> None:
     """Ask the hub whether `name` exists, with a short timeout, so an unknown id or an unreachable hub fails in
     seconds with a message (transformers alone retries for ~30 s, then raises a traceback)."""
     from huggingface_hub import HfApi
@@ -121,15 +119,20 @@ def _from_hub(name: str, dtype: torch.dtype) -> torch.nn.Module:
     try:
         # adapter_kwargs: with PEFT installed, transformers first looks for an adapter_config.json and does not pass
         # local_files_only on to that lookup, which then retries the hub for ~20 s when it is unreachable.
-        return AutoModelForCausalLM.from_pretrained(name, dtype=dtype, local_files_only=True,
+        return AutoModelForCausalLM.from_pretrained(name, dtype=dtype, local_files_only=True, trust_remote_code=False,
                                                     adapter_kwargs={"local_files_only": True})
     except OSError:
         pass  # not (completely) in the local cache
-    if _hub_offline():
+    except ValueError as err:
+        raise remote_code_error(err, name) or err from None
+    if hub_offline():
         raise ValueError(f"model {name!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set: download "
                          f"it first (hf download {name}) or use {_choices()}")
-    _check_hub(name)
-    return AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
+    check_hub(name)
+    try:
+        return AutoModelForCausalLM.from_pretrained(name, dtype=dtype, trust_remote_code=False)
+    except ValueError as err:
+        raise remote_code_error(err, name) or err from None
 
 
 def load_model(
@@ -162,9 +165,11 @@ def load_model(
                                                      attn_implementation=attn)
         model = model.to(dtype)
     elif source in ("packaged", "gguf"):
-        model = AutoModelForCausalLM.from_pretrained(converted_gguf(name_or_path), dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(converted_gguf(name_or_path), dtype=dtype,
+                                                     trust_remote_code=False)
     elif source == "local":
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
+        declared_max_positions(name_or_path)  # refuses a config.json that needs custom code, or is unreadable
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, trust_remote_code=False)
     elif source == "hub":
         model = _from_hub(name_or_path, dtype)
     else:

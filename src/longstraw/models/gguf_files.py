@@ -37,9 +37,14 @@ def resolve_model_path(name_or_path: str) -> str:
     return packaged_gguf(name_or_path) if name_or_path in PACKAGED_GGUF else name_or_path
 
 
+def cache_root() -> Path:
+    """LongStraw's cache folder: $LONGSTRAW_CACHE, or ~/.cache/longstraw where it is unset or empty."""
+    return Path(os.environ.get("LONGSTRAW_CACHE") or Path.home() / ".cache" / "longstraw")
+
+
 def gguf_cache_dir(path: str) -> Path:
     """Where the de-quantised copy of a .gguf file is cached (keyed by name and size)."""
-    root = Path(os.environ.get("LONGSTRAW_CACHE", Path.home() / ".cache" / "longstraw"))
+    root = cache_root()
     p = Path(path)
     return root / "gguf" / f"{p.stem}-{p.stat().st_size}"
 
@@ -65,8 +70,9 @@ def converted_gguf(path: str) -> Path:
 
     folder, file = os.path.split(os.path.abspath(path))
     print(f"converting {file} to a cached transformers checkpoint in {target} (once)", file=sys.stderr)
-    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32,
+                                                  trust_remote_code=False)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file, trust_remote_code=False)
     # transformers refuses save_pretrained on a GGUF-loaded model; its weights are already de-quantised fp32,
     # so move them into a plain model built from the same config and save that.
     config = loaded.config

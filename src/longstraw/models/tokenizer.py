@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from longstraw.models.config_file import remote_code_error
 from longstraw.models.gguf_files import converted_gguf, resolve_model_path
 from longstraw.models.presets import PRESETS
 
@@ -35,11 +36,14 @@ def load_tokenizer(name_or_path: str) -> Any:
     from transformers import AutoTokenizer
 
     if name_or_path.endswith(".gguf"):
-        return AutoTokenizer.from_pretrained(converted_gguf(name_or_path))
-    try:  # the local cache first: a cached model must not wait on (or retry against) an unreachable hub
-        return AutoTokenizer.from_pretrained(name_or_path, local_files_only=True)
-    except OSError:
-        return AutoTokenizer.from_pretrained(name_or_path)
+        return AutoTokenizer.from_pretrained(converted_gguf(name_or_path), trust_remote_code=False)
+    try:
+        try:  # the local cache first: a cached model must not wait on (or retry against) an unreachable hub
+            return AutoTokenizer.from_pretrained(name_or_path, local_files_only=True, trust_remote_code=False)
+        except OSError:
+            return AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=False)
+    except ValueError as err:  # a tokenizer that needs its own code: refused in one line, never run
+        raise remote_code_error(err, name_or_path) or err from None
 
 
 def byte_tokenizer_hf() -> Any:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from longstraw.models.config_file import check_head_counts
 from longstraw.planner.config_fields import (
     ATTENTION_MODEL_TYPES,
     CCA_TYPES,
@@ -31,7 +32,6 @@ from longstraw.planner.spec import (
     ModelSpec,
     _meta_model,
     _MetaModel,
-    check_head_counts,
 )
 
 PLANNER_TYPES = (PLANNER_MODEL_TYPES + ATTENTION_MODEL_TYPES + MLA_MODEL_TYPES + DSA_MODEL_TYPES + MAMBA2_HYBRID_TYPES

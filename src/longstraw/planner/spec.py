@@ -4,13 +4,11 @@ instantiation: no weights are allocated), which `families.spec_from_config` read
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
 
 # Chunk length of the chunked gated-delta-rule / Mamba2 scan, whose per-chunk states autograd keeps.
 LINEAR_SCAN_CHUNK = 64
@@ -50,28 +48,18 @@ def glm5_class():
 BUILTIN_NAMES = ("hybrid-27b", "glm5-class")
 
 
-def read_config_json(path: str) -> dict[str, Any]:
-    """A config.json's object; ValueError naming the file and line when it is not UTF-8 JSON or not an object."""
-    with open(path, "rb") as f:
-        raw = f.read()
-    try:
-        data = json.loads(raw)
-    except UnicodeDecodeError as err:
-        line = raw[: err.start].count(b"\n") + 1
-        raise ValueError(f"{path}:{line}: not UTF-8 (byte 0x{raw[err.start]:02x}): save it as UTF-8") from None
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}:{err.lineno}: not valid JSON: {err.msg} (column {err.colno})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} holds a JSON {type(data).__name__}, not an object: not a transformers config.json")
-    return data
-
-
 def load_config(name: str):
-    """A transformers config from a built-in name, a LongStraw preset, a directory or config.json, or a hub id.
+    """A transformers config from a built-in name, a LongStraw preset, a directory or config.json, a .gguf file or a
+    hub id. A local config.json is checked first (`config_file.check_local_config`: custom code, unknown model type,
+    head counts, non-finite numbers); a hub id that is not in the local cache fails in seconds when the hub cannot be
+    reached. Never runs a model's own code.
 
-    Raises ValueError (with what is accepted) when nothing matches.
+    Raises ValueError, one line saying what to change, when nothing matches or the config is refused.
     """
+    from transformers import AutoConfig
+
     from longstraw.choices import did_you_mean
+    from longstraw.models.config_file import check_local_config, read_config_json, validation_error
     from longstraw.models.gguf_files import PACKAGED_GGUF, converted_gguf, resolve_model_path
     from longstraw.models.presets import PRESETS
 
@@ -82,41 +70,61 @@ def load_config(name: str):
     elif name in PRESETS:
         return PRESETS[name]()
     elif name in PACKAGED_GGUF or name.endswith(".gguf"):  # a packaged real model: the config of its converted copy
-        from transformers import AutoConfig
-
-        return AutoConfig.from_pretrained(converted_gguf(resolve_model_path(name)))
-    elif name.endswith(".json") and os.path.isfile(name):
-        from transformers import AutoConfig
-
-        data = read_config_json(name)
-        if "model_type" not in data:
-            raise ValueError(f"{name} has no model_type: not a transformers config.json")
-        check_head_counts(data, name)
-        model_type = data.pop("model_type")
-        return AutoConfig.for_model(model_type, **data)
-    elif os.path.isdir(name):
-        from transformers import AutoConfig
-
-        path = os.path.join(name, "config.json")
+        path = resolve_model_path(name)
         if not os.path.isfile(path):
-            raise ValueError(f"directory {name!r} has no config.json")
-        check_head_counts(read_config_json(path), path)
-        return AutoConfig.from_pretrained(name)
-    else:
-        from transformers import AutoConfig
-
-        close = did_you_mean(name, [*BUILTIN_NAMES, *PRESETS, *PACKAGED_GGUF])
-        accepted = (f"give a built-in description ({', '.join(BUILTIN_NAMES)}), a preset ({', '.join(PRESETS)}), a "
-                    "directory holding config.json, a config.json path, or a hub id reachable from here")
-        if close and "/" not in name:  # a mistyped built-in name: refused without asking the hub
-            raise ValueError(f"unknown model {name!r}{close}: {accepted}")
+            raise ValueError(f"GGUF file {name!r} does not exist: give the path of a .gguf file")
+        return AutoConfig.from_pretrained(converted_gguf(path), trust_remote_code=False)
+    elif name.endswith(".json") and os.path.isfile(name):
+        data = read_config_json(name)
+        check_local_config(data, name)
+        model_type = data.pop("model_type")
+        data.pop("auto_map", None)
         try:
-            return AutoConfig.from_pretrained(name)
+            return AutoConfig.for_model(model_type, **data)
+        except Exception as err:  # transformers' validation of the fields' types and of their agreement
+            raise validation_error(err, name) from None
+    elif os.path.isdir(name):
+        path = os.path.join(name, "config.json")
+        if not os.path.exists(path):
+            raise ValueError(f"directory {name!r} has no config.json")
+        check_local_config(read_config_json(path), path)
+        try:
+            return AutoConfig.from_pretrained(name, trust_remote_code=False)
+        except Exception as err:
+            raise validation_error(err, path) from None
+    return _hub_config(name, did_you_mean(name, [*BUILTIN_NAMES, *PRESETS, *PACKAGED_GGUF]))
+
+
+def _hub_config(name: str, close: str):
+    """A hub id's config: from the local cache, else from the hub after a quick check that it answers."""
+    from transformers import AutoConfig
+
+    from longstraw.admission.loading import check_hub, hub_offline
+    from longstraw.models.config_file import remote_code_error
+    from longstraw.models.presets import PRESETS
+
+    accepted = (f"give a built-in description ({', '.join(BUILTIN_NAMES)}), a preset ({', '.join(PRESETS)}), a "
+                "directory holding config.json, a config.json path, or a hub id reachable from here")
+    if close and "/" not in name:  # a mistyped built-in name: refused without asking the hub
+        raise ValueError(f"unknown model {name!r}{close}: {accepted}")
+    for local_only in (True, False):
+        try:
+            return AutoConfig.from_pretrained(name, trust_remote_code=False, local_files_only=local_only)
         except Exception as err:  # transformers raises OSError, ValueError, HTTP errors ... for a bad id
-            raise ValueError(
-                f"unknown model {name!r}{close}: {accepted} "
-                f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
-            ) from None
+            custom = remote_code_error(err, name)
+            if custom is not None:
+                raise custom from None
+            if not local_only:
+                raise ValueError(f"unknown model {name!r}{close}: {accepted} "
+                                 f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from None
+        if hub_offline():
+            raise ValueError(f"unknown model {name!r}{close}: not in the local Hugging Face cache and HF_HUB_OFFLINE "
+                             f"is set: {accepted}")
+        try:
+            check_hub(name)  # fails within seconds when the hub cannot be reached or has no such model
+        except ValueError as err:
+            raise ValueError(f"unknown model {name!r}{close}: {str(err).removeprefix(f'model {name!r} ')}") from None
+    raise AssertionError("unreachable")
 
 
 # ---------------------------------------------------------------- model description
@@ -271,24 +279,3 @@ def _kv_widths(model) -> dict[int, tuple[int, int]]:
         widths[int(m.group(1))] = (module.out_features,
                                    value.out_features if isinstance(value, torch.nn.Linear) else module.out_features)
     return widths
-
-
-_POSITIVE_SIZES = ("head_dim", "hidden_size", "num_hidden_layers")
-
-
-def check_head_counts(values: dict[str, Any], where: str) -> None:
-    """Refuse a head count below 1 (`num_attention_heads`, `num_key_value_heads`, `linear_num_value_heads`, ..., in
-    a nested text config too), or a `head_dim`, `hidden_size` or `num_hidden_layers` below 1, before transformers'
-    config or model or the planner divides by it, which is a ZeroDivisionError or ValueError traceback; None stays
-    allowed (transformers' "same as the heads", or a size derived from the others)."""
-    for key, value in sorted(values.items()):
-        if isinstance(value, dict):
-            check_head_counts(value, where)
-        elif not isinstance(key, str) or not isinstance(value, int) or isinstance(value, bool) or value >= 1:
-            continue
-        elif key.endswith("heads"):
-            raise ValueError(f"{where}: {key} = {value}; a model needs at least one head (the head size and the "
-                             "grouping of query heads per key/value head divide by it): fix the config")
-        elif key in _POSITIVE_SIZES:
-            raise ValueError(f"{where}: {key} = {value}; a model needs {key} >= 1 (its layers and their sizes are "
-                             "built from it): fix the config")
