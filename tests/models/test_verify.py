@@ -4,6 +4,7 @@ and the verdict is cached per config and version."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -120,7 +121,7 @@ def test_verdicts_are_cached_on_disk_per_config_and_version(monkeypatch, tmp_pat
     assert json.loads(files[0].read_text())["kind"] == first.kind
     monkeypatch.setattr(verify, "_VERDICTS", {})
     monkeypatch.setattr(verify, "verify", lambda config: pytest.fail("measured again"))
-    assert verify.verdict_for(config) == first  # from the disk
+    assert verify.verdict_for(config) == dataclasses.replace(first, from_cache=True)  # from the disk
     other = _config("gpt2", n_layer=3)
     assert verify.verdict_key(other) != verify.verdict_key(config)
 

@@ -3,10 +3,12 @@
 Building the parser imports neither torch nor transformers (`longstraw --help` stays fast): the check imports them
 when it runs.
 
-`longstraw check MODEL` (a hub id, a directory, a config.json, a .gguf file or a preset) prints `verify`'s numbers
-and the verdict; exit status 0 when admitted, 1 when refused. `longstraw check --all --out FILE.json --markdown
-FILE.md` runs every type of transformers' causal-LM mapping from its class defaults (with a released checkpoint's
-multipliers where `RELEASED` has them) and writes the results and the table docs/architectures.md includes.
+`longstraw check MODEL` (a hub id, a directory, a config.json, a .gguf file or a preset) prints `verify`'s numbers,
+the verdict and whether it was read from the verdict cache (`verify.verdict_for`; --no-cache measures again); exit
+status 0 when admitted, 1 when refused, 2 for a config refused before the check (one line naming the field).
+`longstraw check --all --out FILE.json --markdown FILE.md` runs every type of transformers' causal-LM mapping from
+its class defaults (with a released checkpoint's multipliers where `RELEASED` has them) and writes the results and
+the table docs/architectures.md includes.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import platform
 import sys
 import time
@@ -122,11 +125,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--only", default=None, help="with --all: comma-separated model types to check")
     parser.add_argument("--out", default=None, help="write the verdicts as JSON to this file")
     parser.add_argument("--markdown", default=None, help="with --all: write the table of verdicts to this file")
+    parser.add_argument("--no-cache", action="store_true",
+                        help="measure MODEL again even where its verdict is cached (the cache is then rewritten)")
+
+
+def writable_file(option: str, path: str) -> str | None:
+    """Why `path` cannot be written (a missing or read-only folder, a directory of that name), or None."""
+    target = Path(path)
+    folder = target.parent if str(target.parent) else Path(".")
+    if target.is_dir():
+        return f"{option} {path}: is a directory; give a file path"
+    if not folder.is_dir():
+        return f"{option} {path}: folder {folder} does not exist; create it or give another path"
+    if not os.access(folder, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        return f"{option} {path}: not writable; give a path you can write"
+    return None
+
+
+def _check_options(args: argparse.Namespace) -> None:
+    """The options' agreement and the output files' folders, before any check runs."""
+    if args.all == (args.model is not None):
+        args.fail("give one MODEL or --all")
+    if not args.all:
+        for option, value in (("--markdown", args.markdown), ("--only", args.only)):
+            if value is not None:
+                args.fail(f"{option} goes with --all (the table of every type); for one MODEL use --out")
+    elif args.no_cache:
+        args.fail("--no-cache goes with one MODEL (--all measures every type without the cache)")
+    for option, value in (("--out", args.out), ("--markdown", args.markdown)):
+        why = writable_file(option, value) if value else None
+        if why:
+            args.fail(why)
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    if args.all == (args.model is not None):
-        args.fail("give one MODEL or --all")
+    _check_options(args)
     if args.all:
         return _run_all(args)
     from longstraw.admission import verify
@@ -136,11 +169,23 @@ def run_from_args(args: argparse.Namespace) -> int:
         config = load_config(args.model)
     except ValueError as err:
         args.fail(str(err))
-    verdict = with_planner(verify.verify(config), config)
+    verdict = with_planner(verify.verdict_for(config, refresh=args.no_cache), config)
     print(verdict.summary())
+    print(cache_line(verdict))
     if args.out:
-        Path(args.out).write_text(json.dumps(dataclasses.asdict(verdict), indent=1) + "\n")
+        saved = {k: v for k, v in dataclasses.asdict(verdict).items() if k not in ("cache_file", "from_cache")}
+        Path(args.out).write_text(json.dumps(saved, indent=1) + "\n")
     return 0 if verdict.admitted else 1
+
+
+def cache_line(verdict: Any) -> str:
+    """Whether the verdict was read from the cache or measured now, and its file."""
+    if verdict.from_cache:
+        return (f"  verdict read from the cache: {verdict.cache_file} (measured {verdict.seconds:.1f} s then; "
+                "--no-cache measures again)")
+    if verdict.cache_file:
+        return f"  verdict measured now; cached in {verdict.cache_file}"
+    return "  verdict measured now; not cached (the cache folder cannot be written; LONGSTRAW_CACHE moves it)"
 
 
 def _run_all(args: argparse.Namespace) -> int:

@@ -17,6 +17,9 @@ from longstraw.engine.hf.composite import language_config
 VOCAB = 512
 # Layers of the tiny copy at most: a layer-kind pattern longer than this is cut (said in the verdict).
 MAX_LAYERS = 12
+# Layers of the meta-device model the layer kinds are read from at most (building all of a 100,000-layer config's
+# layers takes minutes, and a tiny copy keeps at most MAX_LAYERS of them).
+PROBE_LAYERS = 48
 
 # Config fields that are sizes, and the size each takes in the tiny copy (only where the config has the field and
 # its value is larger). Everything else (multipliers, scales, flags, rope parameters, router settings) is kept.
@@ -184,32 +187,49 @@ def _layer_kinds(config: Any) -> list[str]:
     return [_layer_signature(layer) for layer in decoder_layers(model)]
 
 
-def tiny_config(config: Any) -> tuple[Any, str]:
-    """The tiny copy of `config` (see the module's docstring) and a note on what depth was kept."""
-    wide = _shrink_widths(config)
-    count_key = next((k for k in _LAYER_COUNTS if isinstance(getattr(wide, k, None), int)), None)
-    if count_key is None:
-        raise ValueError(f"{type(wide).__name__} has no layer count ({', '.join(_LAYER_COUNTS)})")
-    n = int(getattr(wide, count_key))
-    kinds = _layer_kinds(wide)
-    first_of: dict[str, int] = {}
-    for i, kind in enumerate(kinds):
-        first_of.setdefault(kind, i)
-    keep = max(2, max(first_of.values()) + 1) if kinds else min(n, 2)
-    keep = min(keep, n)
-    note = f"{keep} of {n} layers ({len(first_of)} layer kinds)"
-    if keep > MAX_LAYERS:
-        keep, note = MAX_LAYERS, f"{MAX_LAYERS} of {n} layers: the layer-kind pattern ({len(first_of)} kinds) is cut"
-    if keep == n:
-        return wide, note
-    data = wide.to_dict()
+def _cut_depth(wide: Any, data: dict[str, Any], n: int, keep: int, count_key: str) -> Any:
+    """`wide` with its first `keep` of `n` layers: the layer count, per-layer fields and layer-index lists cut."""
     tiny = copy.deepcopy(wide)
     for key in _per_layer_fields(data, n):
         setattr(tiny, key, data[key][:keep])
     for key in _layer_index_fields(data, n):
         setattr(tiny, key, [i for i in data[key] if i < keep])
     setattr(tiny, count_key, keep)
-    return tiny, note
+    return tiny
+
+
+def _kinds_after(data: dict[str, Any], n: int, probe: int) -> bool:
+    """Whether the config says of some layer past the first `probe` something none of those says: a per-layer value
+    not among the first `probe` layers' values, or a layer-index list naming a layer past them."""
+    for key in _per_layer_fields(data, n):
+        if {str(v) for v in data[key][probe:]} - {str(v) for v in data[key][:probe]}:
+            return True
+    return any(i >= probe for key in _layer_index_fields(data, n) for i in data[key])
+
+
+def tiny_config(config: Any) -> tuple[Any, str]:
+    """The tiny copy of `config` (see the module's docstring) and a note on what depth was kept. The layer kinds are
+    read from a meta-device model of at most `PROBE_LAYERS` layers (a deeper config's per-layer fields are compared
+    beyond them without building anything), so a config of any depth is shrunk in about a second."""
+    wide = _shrink_widths(config)
+    count_key = next((k for k in _LAYER_COUNTS if isinstance(getattr(wide, k, None), int)), None)
+    if count_key is None:
+        raise ValueError(f"{type(wide).__name__} has no layer count ({', '.join(_LAYER_COUNTS)})")
+    n = int(getattr(wide, count_key))
+    data = wide.to_dict()
+    probe = min(n, PROBE_LAYERS)
+    kinds = _layer_kinds(wide if probe == n else _cut_depth(wide, data, n, probe, count_key))
+    first_of: dict[str, int] = {}
+    for i, kind in enumerate(kinds):
+        first_of.setdefault(kind, i)
+    keep = max(2, max(first_of.values()) + 1) if kinds else min(n, 2)
+    keep = min(keep, n)
+    note = f"{keep} of {n} layers ({len(first_of)} layer kinds)"
+    if keep > MAX_LAYERS or (probe < n and _kinds_after(data, n, probe)):
+        keep, note = MAX_LAYERS, f"{MAX_LAYERS} of {n} layers: the layer-kind pattern ({len(first_of)} kinds) is cut"
+    if keep == n:
+        return wide, note
+    return _cut_depth(wide, data, n, keep, count_key), note
 
 
 def build_tiny_model(config: Any, seed: int = 0) -> torch.nn.Module:

@@ -18,13 +18,16 @@ a lower precision inside a float64 model (RMSNorms and routers in float32, scans
 every op of the full forward. A refused model's verdict names the measured difference and the first decoder layer
 whose output differs from the full forward's.
 
-`verdict_for(model)` runs it once per (model type, config hash, transformers version, LongStraw version) and keeps
-the verdict in memory and on disk (`$LONGSTRAW_CACHE/verdicts/`, default ~/.cache/longstraw).
+`verdict_for(model)` runs it once per (model type, config hash, transformers version, hash of the source of the
+code that decides: admission, engine, models) and keeps the verdict in memory and on disk
+(`$LONGSTRAW_CACHE/verdicts/`; unset or empty: ~/.cache/longstraw). A cache file that cannot be read or holds no
+verdict of that config is named in a warning and measured again.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import importlib.metadata
 import json
@@ -32,6 +35,7 @@ import math
 import os
 import time
 import traceback
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -98,6 +102,8 @@ class Verdict:
     seconds: float = 0.0
     transformers_version: str = transformers.__version__
     longstraw_version: str = ""
+    cache_file: str | None = None  # the cache file it was read from or written to (`verdict_for`); not saved in it
+    from_cache: bool = False  # read from `cache_file` rather than measured in this process; not saved either
 
     @property
     def admitted(self) -> bool:
@@ -135,10 +141,12 @@ class Verdict:
             if value is not None and not value <= self.tolerance:
                 measured.append(f"{name} off by {value:.3g}")
         where = f"; first layer that differs: {self.first_difference}" if self.first_difference else ""
+        cached = (f" (verdict {'read from' if self.from_cache else 'cached in'} {self.cache_file}: delete it to "
+                  "measure again)" if self.cache_file else "")
         what = ", ".join(measured) if measured else (self.reason or "the check failed")
         return (f"architecture {self.model_type!r} is refused: a tiny float64 copy of this config does not match "
                 f"transformers' own forward ({what}, tolerance {self.tolerance:g}){where}. "
-                f"`longstraw check` on the model prints the full check")
+                f"`longstraw check` on the model prints the full check{cached}")
 
 
 class _LowPrecisionOps(TorchDispatchMode):
@@ -336,39 +344,82 @@ def verify(config: Any, seed: int = 0) -> Verdict:
 # ------------------------------------------------------------------------------------------------ the cache
 
 _VERDICTS: dict[str, Verdict] = {}
+# The code a verdict depends on: the check itself, the engine it measures and the model handling (a change to any of
+# them re-checks every cached config).
+_DECIDING_CODE = ("admission", "engine", "models")
+KINDS = ("exact", "exact within float32 kernels", "refused")
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("LONGSTRAW_CACHE", Path.home() / ".cache" / "longstraw")) / "verdicts"
+    from longstraw.models.gguf_files import cache_root
+
+    return cache_root() / "verdicts"
+
+
+def source_hash(root: Path, folders: tuple[str, ...]) -> str:
+    """sha256 (12 hex digits) of the names and contents of the .py files under `root`/`folders`."""
+    digest = hashlib.sha256()
+    for folder in folders:
+        for path in sorted((root / folder).rglob("*.py")):
+            digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:12]
+
+
+@functools.cache
+def code_hash() -> str:
+    """`source_hash` of the code that decides a verdict (`_DECIDING_CODE` of this package)."""
+    return source_hash(Path(__file__).resolve().parent.parent, _DECIDING_CODE)
 
 
 def verdict_key(config: Any) -> str:
     model_type = str(language_config(config).model_type)
-    return f"{model_type}-{config_hash(config)}-tf{transformers.__version__}-ls{_longstraw_version()}"
+    return f"{model_type}-{config_hash(config)}-tf{transformers.__version__}-code{code_hash()}"
 
 
-def verdict_for(config: Any) -> Verdict:
-    """The verdict for `config`, from memory, from the disk cache, or measured now (and then cached)."""
+def _read_verdict(path: Path, config: Any) -> Verdict | None:
+    """The verdict a cache file holds, or None (with a warning naming the file) when it is unreadable or holds
+    something else (a verdict of another config included)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(data, dict):
+            raise ValueError(f"a JSON {type(data).__name__}, not a verdict object")
+        data["float32_ops"] = tuple(data.get("float32_ops", ()))
+        data.pop("cache_file", None)
+        verdict = Verdict(**data)
+        expected = (str(language_config(config).model_type), config_hash(config))
+        if verdict.kind not in KINDS or (verdict.model_type, verdict.config_hash) != expected:
+            raise ValueError(f"kind {verdict.kind!r} of {verdict.model_type} {verdict.config_hash}, not a verdict of "
+                             f"{expected[0]} {expected[1]}")
+    except (OSError, ValueError, TypeError) as err:  # a cut, hand-edited, unreadable or foreign file
+        warnings.warn(f"verdict cache {path}: not a readable verdict ({type(err).__name__}: {err}); measuring again",
+                      stacklevel=3)
+        return None
+    return dataclasses.replace(verdict, cache_file=str(path))
+
+
+def verdict_for(config: Any, refresh: bool = False) -> Verdict:
+    """The verdict for `config`, from memory, from the disk cache, or measured now (and then cached); `refresh`:
+    measured now whatever is cached. `Verdict.cache_file` is the file it was read from or written to, `from_cache`
+    whether it was read."""
     key = verdict_key(config)
-    if key in _VERDICTS:
+    if key in _VERDICTS and not refresh:
         return _VERDICTS[key]
     path = cache_dir() / f"{key}.json"
     verdict = None
-    if path.is_file():
-        try:
-            data = json.loads(path.read_text())
-            data["float32_ops"] = tuple(data.get("float32_ops", ()))
-            verdict = Verdict(**data)
-        except (ValueError, TypeError):
-            verdict = None  # an unreadable or older file: measure again
-    if verdict is None:
+    if path.exists() and not refresh:
+        verdict = _read_verdict(path, config)
+    if verdict is not None:
+        verdict = dataclasses.replace(verdict, from_cache=True)
+    else:
         verdict = verify(config)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(dataclasses.asdict(verdict), indent=1))
+            saved = {k: v for k, v in dataclasses.asdict(verdict).items() if k not in ("cache_file", "from_cache")}
+            tmp.write_text(json.dumps(saved, indent=1))
             tmp.replace(path)
+            verdict = dataclasses.replace(verdict, cache_file=str(path))
         except OSError:
-            pass  # a read-only home: the verdict stays in memory
+            pass  # a read-only cache: the verdict stays in memory
     _VERDICTS[key] = verdict
     return verdict
