@@ -65,7 +65,7 @@ def test_uncached_hub_id_offline_fails_fast(monkeypatch):
 def test_uncached_hub_id_online_fails_fast(monkeypatch):
     """Without network (this machine) the hub is unreachable; with network the id does not exist. Either way a
     ValueError within seconds, not transformers' ~30 s of retries and a traceback."""
-    import longstraw.admission.loading as models
+    import longstraw.models.sources as models
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)

@@ -18,9 +18,16 @@ from transformers import (
 
 from longstraw.admission.admission import admit
 from longstraw.choices import DTYPE_ALIASES, DTYPE_BYTES, did_you_mean
-from longstraw.models.config_file import custom_code_refusal, read_config_json, remote_code_error
 from longstraw.models.gguf_files import PACKAGED_GGUF, converted_gguf, resolve_model_path
 from longstraw.models.presets import PRESETS
+from longstraw.models.sources import (
+    check_hub,
+    choices,
+    custom_code_refusal,
+    hub_offline,
+    read_config_json,
+    remote_code_error,
+)
 
 
 def _parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
@@ -33,19 +40,6 @@ def _parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 # A Hugging Face model id as the hub spells them: owner/name, letters, digits, '-', '_' and '.'.
 HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
-HUB_TIMEOUT_S = 2.0  # how long the hub may take to say whether a model exists, before we give up and say so
-
-
-def hub_offline() -> bool:
-    return any(os.environ.get(var, "").strip().upper() in ("1", "ON", "YES", "TRUE")
-               for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
-
-
-def _choices() -> str:
-    return (f"a preset ({', '.join(PRESETS)}), a packaged model ({', '.join(PACKAGED_GGUF)}), a local directory "
-            "or .gguf file, or a Hugging Face id (owner/name)")
-
-
 def check_model_name(name: str) -> str:
     """Where `load_model(name)` will read from: "preset", "packaged", "gguf", "local" or "hub".
 
@@ -64,7 +58,7 @@ def check_model_name(name: str) -> str:
     elif HUB_ID.fullmatch(name):
         return "hub"
     close = did_you_mean(name, [*PRESETS, *PACKAGED_GGUF])
-    raise ValueError(f"model {name!r}{close} is not {_choices()}; no such directory exists either")
+    raise ValueError(f"model {name!r}{close} is not {choices()}; no such directory exists either")
 
 
 def declared_max_positions(name: str) -> int | None:
@@ -90,30 +84,6 @@ def declared_max_positions(name: str) -> int | None:
     return None
 
 
-def check_hub(name: str) -> None:
-    """Ask the hub whether `name` exists, with a short timeout, so an unknown id or an unreachable hub fails in
-    seconds with a message (transformers alone retries for ~30 s, then raises a traceback)."""
-    from huggingface_hub import HfApi
-    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
-
-    try:
-        HfApi().model_info(name, timeout=HUB_TIMEOUT_S)
-    except GatedRepoError:
-        raise ValueError(f"model {name!r} is gated on the Hugging Face Hub: accept its terms on its page and log in "
-                         "(hf auth login), or pass a local directory") from None
-    except RepositoryNotFoundError:
-        raise ValueError(f"model {name!r} was not found on the Hugging Face Hub (or is private: log in with hf auth "
-                         f"login). Use {_choices()}") from None
-    except HfHubHTTPError as err:
-        raise ValueError(f"model {name!r}: the Hugging Face Hub refused the request ({err})") from None
-    except Exception as err:  # network errors: DNS, refused connection, timeout, proxy
-        raise ValueError(
-            f"model {name!r} is not in the local cache and the Hugging Face Hub could not be reached within "
-            f"{HUB_TIMEOUT_S:g} s ({type(err).__name__}: {err}). Download it where the hub is reachable "
-            f"(hf download {name}) and pass its directory, or use {_choices()}"
-        ) from None
-
-
 def _from_hub(name: str, dtype: torch.dtype) -> torch.nn.Module:
     """A hub model: from the local cache if it is there (no network), else after a quick check that the hub has it."""
     try:
@@ -127,7 +97,7 @@ def _from_hub(name: str, dtype: torch.dtype) -> torch.nn.Module:
         raise remote_code_error(err, name) or err from None
     if hub_offline():
         raise ValueError(f"model {name!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set: download "
-                         f"it first (hf download {name}) or use {_choices()}")
+                         f"it first (hf download {name}) or use {choices()}")
     check_hub(name)
     try:
         return AutoModelForCausalLM.from_pretrained(name, dtype=dtype, trust_remote_code=False)

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from longstraw.models.config_file import remote_code_error
 from longstraw.models.gguf_files import converted_gguf, resolve_model_path
 from longstraw.models.presets import PRESETS
+from longstraw.models.sources import remote_code_error
 
 
 class ByteTokenizer:

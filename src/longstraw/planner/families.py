@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from longstraw.models.config_file import check_head_counts
+from longstraw.models.sources import check_head_counts
 from longstraw.planner.config_fields import (
     ATTENTION_MODEL_TYPES,
     CCA_TYPES,

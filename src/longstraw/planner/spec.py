@@ -50,7 +50,7 @@ BUILTIN_NAMES = ("hybrid-27b", "glm5-class")
 
 def load_config(name: str):
     """A transformers config from a built-in name, a LongStraw preset, a directory or config.json, a .gguf file or a
-    hub id. A local config.json is checked first (`config_file.check_local_config`: custom code, unknown model type,
+    hub id. A local config.json is checked first (`sources.check_local_config`: custom code, unknown model type,
     head counts, non-finite numbers); a hub id that is not in the local cache fails in seconds when the hub cannot be
     reached. Never runs a model's own code.
 
@@ -59,9 +59,9 @@ def load_config(name: str):
     from transformers import AutoConfig
 
     from longstraw.choices import did_you_mean
-    from longstraw.models.config_file import check_local_config, read_config_json, validation_error
     from longstraw.models.gguf_files import PACKAGED_GGUF, converted_gguf, resolve_model_path
     from longstraw.models.presets import PRESETS
+    from longstraw.models.sources import check_local_config, read_config_json, validation_error
 
     if name == "hybrid-27b":
         return hybrid_27b()
@@ -99,9 +99,8 @@ def _hub_config(name: str, close: str):
     """A hub id's config: from the local cache, else from the hub after a quick check that it answers."""
     from transformers import AutoConfig
 
-    from longstraw.admission.loading import check_hub, hub_offline
-    from longstraw.models.config_file import remote_code_error
     from longstraw.models.presets import PRESETS
+    from longstraw.models.sources import check_hub, hub_offline, remote_code_error
 
     accepted = (f"give a built-in description ({', '.join(BUILTIN_NAMES)}), a preset ({', '.join(PRESETS)}), a "
                 "directory holding config.json, a config.json path, or a hub id reachable from here")

@@ -1,6 +1,7 @@
-"""A model's config.json checked before transformers reads it: one line naming the file and the field for what would
-otherwise be a traceback (transformers' validation, a ZeroDivisionError, a tensor-size crash, a NaN in float64), and
-the refusal of a config that needs custom code.
+"""A model's source checked before transformers loads it: whether the hub has a model, answered within seconds
+(`check_hub`), and a config.json's values, refused in one line naming the file and the field where they would
+otherwise end in a traceback (transformers' validation, a ZeroDivisionError, a tensor-size crash, a NaN in float64)
+or need the model's own code.
 
 LongStraw never runs a model's own Python code: every `from_pretrained` passes `trust_remote_code=False` (no prompt,
 no import), and a config whose `auto_map` names classes for a model type transformers does not implement is refused
@@ -17,6 +18,8 @@ import os
 from typing import Any
 
 from longstraw.choices import did_you_mean
+
+HUB_TIMEOUT_S = 2.0  # how long the hub may take to say whether a model exists, before we give up and say so
 
 # Refusal of a model that needs its own code (said by `load_config`, `load_model`, `longstraw check` and `train`).
 CUSTOM_CODE = ("needs custom code (config.json's auto_map: {classes}) that LongStraw does not run (it has no "
@@ -165,3 +168,42 @@ def remote_code_error(err: Exception, name: str) -> ValueError | None:
     if "trust_remote_code" not in str(err):
         return None
     return ValueError(f"model {name!r} " + CUSTOM_CODE.format(classes="see its config.json"))
+
+
+def hub_offline() -> bool:
+    """Whether HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE is set."""
+    return any(os.environ.get(var, "").strip().upper() in ("1", "ON", "YES", "TRUE")
+               for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def choices() -> str:
+    """What a model name may be, for error messages."""
+    from longstraw.models.gguf_files import PACKAGED_GGUF
+    from longstraw.models.presets import PRESETS
+
+    return (f"a preset ({', '.join(PRESETS)}), a packaged model ({', '.join(PACKAGED_GGUF)}), a local directory "
+            "or .gguf file, or a Hugging Face id (owner/name)")
+
+
+def check_hub(name: str) -> None:
+    """Ask the hub whether `name` exists, with a short timeout, so an unknown id or an unreachable hub fails in
+    seconds with a message (transformers alone retries for ~30 s, then raises a traceback)."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
+
+    try:
+        HfApi().model_info(name, timeout=HUB_TIMEOUT_S)
+    except GatedRepoError:
+        raise ValueError(f"model {name!r} is gated on the Hugging Face Hub: accept its terms on its page and log in "
+                         "(hf auth login), or pass a local directory") from None
+    except RepositoryNotFoundError:
+        raise ValueError(f"model {name!r} was not found on the Hugging Face Hub (or is private: log in with hf auth "
+                         f"login). Use {choices()}") from None
+    except HfHubHTTPError as err:
+        raise ValueError(f"model {name!r}: the Hugging Face Hub refused the request ({err})") from None
+    except Exception as err:  # network errors: DNS, refused connection, timeout, proxy
+        raise ValueError(
+            f"model {name!r} is not in the local cache and the Hugging Face Hub could not be reached within "
+            f"{HUB_TIMEOUT_S:g} s ({type(err).__name__}: {err}). Download it where the hub is reachable "
+            f"(hf download {name}) and pass its directory, or use {choices()}"
+        ) from None
