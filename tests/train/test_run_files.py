@@ -47,11 +47,11 @@ def full_disk_after(monkeypatch, saves: int, room: int = 4096) -> None:
     """The checkpoint writes after the first `saves` find the disk full."""
     count = [0]
 
-    def opened(path, mode="r", *args, **kwargs):
+    def opened(path, *args, **kwargs):
         count[0] += 1
-        if count[0] > saves and "w" in mode:
+        if count[0] > saves and "w" in (args[0] if args else kwargs.get("mode", "r")):
             return FullDisk(Path(path), room)
-        return open(path, mode, *args, **kwargs)
+        return open(path, *args, **kwargs)
 
     monkeypatch.setattr(checkpoints, "open", opened, raising=False)
 
