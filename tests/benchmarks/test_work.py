@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from benchmarks.work import ROOT, count, table
 
 
+@pytest.mark.slow  # ~22 s: seven profiled steps in a fresh process
 def test_counts_of_this_tree_on_a_tiny_preset():
     rows = {(r["plan"], r["group_size"]): r for r in count(ROOT, "tiny-llama", 64, 8, "32,16,8,2,2")}
     assert set(rows) == {("standard", 2), ("detach", 2), ("exact", 2), ("detach", 16), ("exact", 16),
