@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("verl", reason="the verl extra is not installed here: `make test-oldest` runs these tests in "
+pytest.importorskip("verl", reason="the verl extra is not installed here: `make test-verl` runs these tests in "
                                    "its own venv (verl 0.9 pins transformers < 5.11)")
 
 import torch  # noqa: E402
