@@ -91,11 +91,17 @@ def table(document: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run(args: argparse.Namespace) -> int:
-    baseline = Path(args.baseline).resolve()
+def baseline_tree(path: str) -> Path:
+    """--baseline's source tree, resolved; SystemExit saying how to make one when it is not a LongStraw tree."""
+    baseline = Path(path).resolve()
     if not (baseline / "src" / "longstraw").is_dir():
         raise SystemExit(f"--baseline {baseline}: not a LongStraw source tree (no src/longstraw); make one with "
                          "`git worktree add DIR COMMIT`")
+    return baseline
+
+
+def run(args: argparse.Namespace) -> int:
+    baseline = baseline_tree(args.baseline)
     bench_args = args.bench_args[1:] if args.bench_args[:1] == ["--"] else args.bench_args
     document: dict[str, Any] = {"bench": "versus", "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
                                 "config": {"bench": args.bench, "baseline": str(baseline), "this": str(ROOT),

@@ -22,6 +22,7 @@ from typing import Any
 from benchmarks.common import default_out, write_results
 from benchmarks.machine import machine_info
 from benchmarks.registry import Benchmark
+from benchmarks.versus import baseline_tree
 from longstraw.choices import PRESET_NAMES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,10 +106,7 @@ def table(document: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    baseline = Path(args.baseline).resolve()
-    if not (baseline / "src" / "longstraw").is_dir():
-        raise SystemExit(f"--baseline {baseline}: not a LongStraw source tree (no src/longstraw); make one with "
-                         "`git worktree add DIR COMMIT`")
+    baseline = baseline_tree(args.baseline)
     document: dict[str, Any] = {"bench": "work", "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
                                 "config": {"baseline": str(baseline), "this": str(ROOT), "model": args.model,
                                            "prompt_tokens": args.prompt_tokens, "tree": args.tree,

@@ -266,13 +266,7 @@ def test_two_data_parallel_ranks_equal_verls_two_ranks(tmp_path):
     same under its gather-once / reduce-scatter-once block. Every step's whole gradient equal within 1e-10."""
     cases = {"dp2-token-mean": {"family": "qwen3", "actor": {"loss_agg_mode": "token-mean", **KL}},
              "dp2-seq-mean-token-sum-norm": {"family": "qwen3", "actor": {"loss_agg_mode": "seq-mean-token-sum-norm"}}}
-    here = Path(__file__).resolve().parent
-    out = tmp_path / "dp2.pt"
-    ranks = run_ranks([str(here / "verl_child.py"), str(out), json.dumps(cases)], 2, timeout=900,
-                      paths=[here, here.parent, here.parents[1], here.parents[1] / "src"])
-    for code, output in ranks:
-        assert code == 0, output[-4000:]
-    updates = torch.load(out, weights_only=False)
+    updates = _ranks_updates(tmp_path, cases, 2)
     for case in cases:
         assert len(updates[case]["verl"]) == 2
         for step, (theirs, mine) in enumerate(zip(updates[case]["verl"], updates[case]["longstraw"])):
@@ -301,13 +295,7 @@ with no prompt state is refused by name."""
         "sp2-refused-standard": {"family": "qwen3", "ulysses": 2, "env": {"LONGSTRAW_PLAN": "standard"},
                                  "actor": {"loss_agg_mode": "token-mean"}, "refused": True},
     }
-    here = Path(__file__).resolve().parent
-    out = tmp_path / "sp2.pt"
-    ranks = run_ranks([str(here / "verl_child.py"), str(out), json.dumps(cases)], 2, timeout=900,
-                      paths=[here, here.parent, here.parents[1], here.parents[1] / "src"])
-    for code, output in ranks:
-        assert code == 0, output[-4000:]
-    updates = torch.load(out, weights_only=False)
+    updates = _ranks_updates(tmp_path, cases, 2)
     for case, spec in cases.items():
         if spec.get("refused"):
             assert "ulysses_sequence_parallel_size=2 with LONGSTRAW_PLAN=standard" in updates[case]["error"]
@@ -330,13 +318,18 @@ def test_ulysses_under_two_data_parallel_ranks(tmp_path):
     data-parallel ranks' rows and FSDP averages over all four ranks; the update equals verl's on the same rows."""
     cases = {"dp2-sp2": {"family": "qwen3", "ulysses": 2, "env": {"LONGSTRAW_CHUNK_SIZE": "4"},
                          "actor": {"loss_agg_mode": "seq-mean-token-mean", **KL}, "batch": {"system": 24}}}
-    here = Path(__file__).resolve().parent
-    out = tmp_path / "dp2-sp2.pt"
-    ranks = run_ranks([str(here / "verl_child.py"), str(out), json.dumps(cases)], 4, timeout=900,
-                      paths=[here, here.parent, here.parents[1], here.parents[1] / "src"])
-    for code, output in ranks:
-        assert code == 0, output[-4000:]
-    updates = torch.load(out, weights_only=False)["dp2-sp2"]
+    updates = _ranks_updates(tmp_path, cases, 4)["dp2-sp2"]
     assert len(updates["verl"]) == 2
     for step, (theirs, mine) in enumerate(zip(updates["verl"], updates["longstraw"])):
         assert_close(f"dp2-sp2 step {step + 1}", theirs, mine, 1e-10)
+
+
+def _ranks_updates(tmp_path: Path, cases: dict, processes: int) -> dict:
+    """verl_child.py's results of `cases` on `processes` gloo ranks (each rank's exit checked)."""
+    here = Path(__file__).resolve().parent
+    out = tmp_path / "updates.pt"
+    ranks = run_ranks([str(here / "verl_child.py"), str(out), json.dumps(cases)], processes, timeout=900,
+                      paths=[here, here.parent, here.parents[1], here.parents[1] / "src"])
+    for code, output in ranks:
+        assert code == 0, output[-4000:]
+    return torch.load(out, weights_only=False)
