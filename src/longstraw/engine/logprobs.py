@@ -58,6 +58,45 @@ def scaled_logits(logits: torch.Tensor, logit_scale: float, temperature: float,
     return logits
 
 
+def scored_block(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, logit_scale: float,
+                 temperature: float, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The scored logits (c, V) of h (c, d) and, with a soft-cap, its slope 1 - tanh^2 (c, V), which the logits'
+    gradient needs (d(cap * tanh(x / cap)) / dx). weight (V, d) is a plain tensor (one rank's rows under tensor
+    parallelism)."""
+    logits = scaled_logits(accumulated_product(h, weight, bias), logit_scale, 1.0)
+    slope = None
+    if softcap is not None:
+        logits.div_(softcap).tanh_()
+        slope = 1.0 - logits * logits
+        logits.mul_(softcap)
+    if temperature != 1.0:
+        logits.div_(temperature)
+    return logits, slope
+
+
+def logits_gradient(logits: torch.Tensor, slope: torch.Tensor | None, lse: torch.Tensor, targets: torch.Tensor,
+                    g: torch.Tensor, temperature: float, logit_scale: float, start: int = 0) -> torch.Tensor:
+    """d(Σ_n g_n logp_n) / d(projection) (c, V), in place of `logits` (c, V) from `scored_block`: g (c,) the
+    gradient on each row's log-prob, lse (c,) the rows' log-sum-exp over the whole vocabulary. d logp / d logits =
+    onehot(target) - softmax; then through the temperature, the soft-cap's slope and the logit scale. The logits
+    hold vocabulary ids start … start + V − 1 (one rank's rows under tensor parallelism): a target outside them
+    adds no one-hot."""
+    g = g[:, None].to(logits.dtype)
+    d_logits = logits.sub_(lse[:, None]).exp_().mul_(-g)  # softmax = exp(logits - lse), in place
+    width = d_logits.shape[1]
+    if width:
+        local = targets - start
+        owned = (local >= 0) & (local < width)
+        d_logits.scatter_add_(1, local.clamp(0, width - 1)[:, None], torch.where(owned[:, None], g, 0.0))
+    if temperature != 1.0:
+        d_logits.div_(temperature)  # d(logits / T) / d(logits)
+    if slope is not None:
+        d_logits.mul_(slope)  # d(capped) / d(scaled projection)
+    if logit_scale != 1.0:
+        d_logits.mul_(logit_scale)  # d(projection * s) / d(projection)
+    return d_logits
+
+
 def check_softcap(softcap: float | None) -> None:
     """A soft-cap must be a positive number (or None: none)."""
     if softcap is not None and not softcap > 0:
@@ -95,36 +134,26 @@ class _ChunkedLogprobs(torch.autograd.Function):
         d_hidden = torch.empty_like(hidden) if need_h else None
         d_weight = torch.zeros_like(weight) if need_w else None
         d_bias = torch.zeros_like(bias) if need_b and bias is not None else None
-        c, temperature, logit_scale, softcap = ctx.token_chunk, ctx.temperature, ctx.logit_scale, ctx.softcap
+        c = ctx.token_chunk
         for s in range(0, hidden.shape[0], c):
             h = hidden[s : s + c]
-            logits = scaled_logits(accumulated_logits(h, weight, bias), logit_scale, 1.0)  # (c, V), recomputed
-            slope = None
-            if softcap is not None:  # d(cap * tanh(x / cap)) / dx = 1 - tanh(x / cap)^2, kept before the softmax
-                logits.div_(softcap).tanh_()
-                slope = 1.0 - logits * logits  # (c, V)
-                logits.mul_(softcap)
-            if temperature != 1.0:
-                logits.div_(temperature)
-            # d logp / d logits = onehot(target) - softmax(logits), scaled by the incoming gradient;
-            # softmax = exp(logits - lse) in place, with the forward's lse.
-            g = grad_out[s : s + c, None].to(logits.dtype)
-            d_logits = logits.sub_(lse[s : s + c, None]).exp_().mul_(-g)
-            d_logits.scatter_add_(1, targets[s : s + c, None], g)
-            if temperature != 1.0:
-                d_logits.div_(temperature)  # d(logits / T) / d(logits)
-            if slope is not None:
-                d_logits.mul_(slope)  # d(capped) / d(scaled projection)
-            if logit_scale != 1.0:
-                d_logits.mul_(logit_scale)  # d(projection * s) / d(projection)
-            d_logits = d_logits.to(weight.dtype)  # the two products run in the model's dtype
-            if d_hidden is not None:  # need_h
-                d_hidden[s : s + c] = d_logits @ weight
-            if d_weight is not None:  # need_w
-                d_weight.addmm_(d_logits.t(), h)
-            if d_bias is not None:  # d(projection) / d(bias): one per row
-                d_bias.add_(d_logits.sum(0))
+            logits, slope = scored_block(h, weight, bias, ctx.logit_scale, ctx.temperature, ctx.softcap)  # recomputed
+            d_logits = logits_gradient(logits, slope, lse[s : s + c], targets[s : s + c], grad_out[s : s + c],
+                                       ctx.temperature, ctx.logit_scale)
+            accumulate_block(d_logits.to(weight.dtype), h, weight, s, d_hidden, d_weight, d_bias)
         return d_hidden, d_weight, d_bias, None, None, None, None, None
+
+
+def accumulate_block(d_logits: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, s: int,
+                     d_hidden: torch.Tensor | None, d_weight: torch.Tensor | None, d_bias: torch.Tensor | None) -> None:
+    """Add a block's share of the gradients from d_logits (c, V), in the weight's dtype (the two products run in the
+    model's dtype): rows s … s + c − 1 of d_hidden (N, d), and d_weight (V, d), d_bias (V,) where they are wanted."""
+    if d_hidden is not None:
+        d_hidden[s : s + h.shape[0]] = d_logits @ weight
+    if d_weight is not None:
+        d_weight.addmm_(d_logits.t(), h)
+    if d_bias is not None:  # d(projection) / d(bias): one per row
+        d_bias.add_(d_logits.sum(0))
 
 
 def chunked_logprobs(

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
+from longstraw.engine.logprobs import accumulate_block, logits_gradient, scored_block
 from longstraw.engine.precision import accumulated_product, accumulation_dtype
 
 
@@ -49,23 +50,18 @@ def vocab_shard(weight: DTensor) -> tuple[torch.Tensor, dist.ProcessGroup, int]:
     return local, group, start
 
 
-def _local_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, logit_scale: float,
-                  temperature: float, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """This rank's block of scored logits (c, V_t) and, with a soft-cap, its slope 1 - tanh^2 (c, V_t)."""
-    logits = accumulated_product(h, weight, bias)
-    if logit_scale != 1.0:
-        logits.mul_(logit_scale)
-    slope = None
-    if softcap is not None:
-        logits.div_(softcap).tanh_()
-        slope = 1.0 - logits * logits
-        logits.mul_(softcap)
-    if temperature != 1.0:
-        logits.div_(temperature)
-    return logits, slope
+def local_head(weight: DTensor, bias: torch.Tensor | None
+               ) -> tuple[torch.Tensor, torch.Tensor | None, dist.ProcessGroup, int]:
+    """This rank's rows of an output projection split by vocabulary (`vocab_shard`) and of its bias (a DTensor
+    split alike, or a full (V,) tensor), the group, and the first vocabulary id of those rows."""
+    local, group, start = vocab_shard(weight)
+    local_bias = None
+    if bias is not None:
+        local_bias = vocab_shard(bias)[0] if isinstance(bias, DTensor) else bias[start : start + local.shape[0]]
+    return local, local_bias, group, start
 
 
-def _reduced_lse_and_target(logits: torch.Tensor, targets: torch.Tensor, start: int,
+def reduced_lse_and_target(logits: torch.Tensor, targets: torch.Tensor, start: int,
                             group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
     """logits (c, V_t) of this rank, targets (c,) global ids -> (lse (c,), target logit (c,)) over the whole
     vocabulary: a MAX then a SUM all-reduce of c numbers each (the SUM carries the exp-sums and the target logits)."""
@@ -96,8 +92,8 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         out = torch.empty(hidden.shape[0], dtype=accumulation_dtype(hidden.dtype), device=hidden.device)
         lse = torch.empty_like(out)
         for s in range(0, hidden.shape[0], token_chunk):
-            logits, _ = _local_logits(hidden[s : s + token_chunk], weight, bias, logit_scale, temperature, softcap)
-            chunk_lse, picked = _reduced_lse_and_target(logits, targets[s : s + token_chunk], start, group)
+            logits, _ = scored_block(hidden[s : s + token_chunk], weight, bias, logit_scale, temperature, softcap)
+            chunk_lse, picked = reduced_lse_and_target(logits, targets[s : s + token_chunk], start, group)
             lse[s : s + token_chunk] = chunk_lse
             out[s : s + token_chunk] = picked - chunk_lse
         ctx.token_chunk, ctx.temperature, ctx.logit_scale, ctx.softcap = token_chunk, temperature, logit_scale, softcap
@@ -110,34 +106,17 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         hidden, weight, bias, targets, lse = ctx.saved_tensors
         bias = bias if ctx.has_bias else None
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        d_hidden = torch.zeros_like(hidden) if need_h else None
+        d_hidden = torch.empty_like(hidden) if need_h else None
         d_weight = torch.zeros_like(weight) if need_w else None
         d_bias = torch.zeros_like(bias) if need_b and bias is not None else None
-        c, width, start = ctx.token_chunk, weight.shape[0], ctx.start
+        c = ctx.token_chunk
         for s in range(0, hidden.shape[0], c):
             h = hidden[s : s + c]
-            logits, slope = _local_logits(h, weight, bias, ctx.logit_scale, ctx.temperature, ctx.softcap)
-            g = grad_out[s : s + c, None].to(logits.dtype)
-            # d logp / d logits = onehot(target) - softmax, the softmax from the forward's global lse
-            d_logits = logits.sub_(lse[s : s + c, None]).exp_().mul_(-g)  # (c, V_t)
-            tgt = targets[s : s + c]
-            owned = (tgt >= start) & (tgt < start + width)
-            if width and bool(owned.any()):
-                rows = owned.nonzero().squeeze(1)
-                d_logits.index_put_((rows, tgt[rows] - start), g[rows, 0], accumulate=True)
-            if ctx.temperature != 1.0:
-                d_logits.div_(ctx.temperature)
-            if slope is not None:
-                d_logits.mul_(slope)
-            if ctx.logit_scale != 1.0:
-                d_logits.mul_(ctx.logit_scale)
-            d_logits = d_logits.to(weight.dtype)
-            if d_hidden is not None:
-                d_hidden[s : s + c] = d_logits @ weight  # this rank's share of the vocabulary's sum
-            if d_weight is not None:
-                d_weight.addmm_(d_logits.t(), h)
-            if d_bias is not None:
-                d_bias.add_(d_logits.sum(0))
+            logits, slope = scored_block(h, weight, bias, ctx.logit_scale, ctx.temperature, ctx.softcap)
+            # the softmax from the forward's global lse; the one-hot on the rank that holds the target
+            d_logits = logits_gradient(logits, slope, lse[s : s + c], targets[s : s + c], grad_out[s : s + c],
+                                       ctx.temperature, ctx.logit_scale, ctx.start)  # (c, V_t)
+            accumulate_block(d_logits.to(weight.dtype), h, weight, s, d_hidden, d_weight, d_bias)
         if d_hidden is not None:
             dist.all_reduce(d_hidden, group=ctx.group)
         return d_hidden, d_weight, d_bias, None, None, None, None, None, None, None
@@ -150,10 +129,7 @@ def vocab_parallel_logprobs(hidden: torch.Tensor, weight: DTensor, targets: torc
     tensor-parallel mesh, targets (N,), bias (V,) sharded alike or None -> log-probs (N,), equal on every rank, of
     the scoring `logprobs.chunked_logprobs` defines. Differentiable in hidden (full gradient on every rank), the
     weight and the bias (their local shards). Every rank of the group must call it with the same N and chunking."""
-    local, group, start = vocab_shard(weight)
-    local_bias = None
-    if bias is not None:
-        local_bias = vocab_shard(bias)[0] if isinstance(bias, DTensor) else bias[start : start + local.shape[0]]
+    local, local_bias, group, start = local_head(weight, bias)
     return _VocabParallelLogprobs.apply(hidden, local, local_bias, targets, token_chunk, temperature, logit_scale,
                                         softcap, group, start)
 
@@ -161,10 +137,7 @@ def vocab_parallel_logprobs(hidden: torch.Tensor, weight: DTensor, targets: torc
 def gathered_logits(h: torch.Tensor, weight: DTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """h (c, d) @ weight (V, d)^T (+ bias) with the weight sharded by vocabulary -> the full (c, V) logits on every
     rank, in the accumulation dtype (all-gather of each rank's (c, V_t) block; no gradient: the sampler's path)."""
-    local, group, start = vocab_shard(weight)
-    local_bias = None
-    if bias is not None:
-        local_bias = vocab_shard(bias)[0] if isinstance(bias, DTensor) else bias[start : start + local.shape[0]]
+    local, local_bias, group, start = local_head(weight, bias)
     with torch.no_grad():
         block = accumulated_product(h.detach(), local.detach(), None if local_bias is None else local_bias.detach())
         size = dist.get_world_size(group)
