@@ -12,7 +12,7 @@ from helpers import EXACT_F64, assert_close, gradient_tolerance, grads, random_g
 
 from longstraw import Group, backward_group
 from longstraw.engine import logprobs as logprobs_module
-from longstraw.engine.logprobs import chunked_logprobs
+from longstraw.engine.linear_loss import linear_loss
 from longstraw.engine.loss.config import LossConfig
 from longstraw.engine.sampling import SamplingConfig, sample_group
 from longstraw.engine.tree import plans as exact_plan
@@ -157,12 +157,9 @@ def test_bad_masks_are_refused_when_the_group_is_built(masks, error, match):
         Group(prompt=g.prompt, responses=g.responses, advantages=g.advantages, loss_masks=masks())
 
 
-def _unskipped(hidden, weight, targets, keep, token_chunk, temperature, logit_scale, fill=0.0, softcap=None,
-               bias=None):
-    """The replay's log-probs with every row through the output projection (the path without the skip)."""
-    full = logprobs_module.chunked_logprobs(hidden, weight, targets, token_chunk, temperature, logit_scale,
-                                            softcap=softcap, bias=bias)
-    return torch.where(keep, full, torch.full_like(full, fill))
+def _unskipped(hidden, weight, targets, keep, loss_of, token_level, *args, **kwargs):
+    """The replay's fused pass with every row through the output projection (the path without the skip)."""
+    return linear_loss(hidden, weight, targets, torch.ones_like(keep), loss_of, token_level, *args, **kwargs)
 
 
 @pytest.mark.parametrize("plan", ["exact", "detach"])
@@ -174,18 +171,19 @@ def test_skipping_masked_tokens_output_projection_changes_nothing(plan, family, 
     sees exactly the loss tokens' rows (float64)."""
     group = _group(beta=True)
     out = {}
+    product = logprobs_module.accumulated_product
     for path in ("standard", "skipped", "unskipped"):
         model = tiny_model(family)
         rows: list[int] = []  # the output projection's rows, per call
 
         def counted(h, *args, rows=rows, **kwargs):
-            rows.append(h.shape[:-1].numel())
-            return chunked_logprobs(h, *args, **kwargs)
+            rows.append(h.shape[0])
+            return product(h, *args, **kwargs)
 
         with monkeypatch.context() as m:
             if path == "unskipped":
-                m.setattr(replay, "selected_logprobs", _unskipped)
-            m.setattr(logprobs_module, "chunked_logprobs", counted)  # selected_logprobs calls it there
+                m.setattr(replay, "linear_loss", _unskipped)
+            m.setattr(logprobs_module, "accumulated_product", counted)  # where the fused pass forms its logits
             result = backward_group(model, group, plan="standard" if path == "standard" else plan,
                                     loss=LossConfig("grpo", beta=0.05), chunk_size=8, micro_batch=2)
         out[path] = (grads(model), result.loss, result.logprobs, sum(rows))

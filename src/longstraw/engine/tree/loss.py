@@ -40,6 +40,11 @@ class TreeLoss:
         self.logprobs = [torch.full((t.length - t.loss_start,), float("nan"), dtype=dtype)
                          for t in tree.trajectories]
 
+    def token_level(self, through: list[int]) -> bool:
+        """Whether each token's term for the trajectories `through` reads its own log-prob only (a token-level loss,
+        or every one of them scored by its linear surrogate)."""
+        return is_token_level(self.cfg) or all(i in self.linear for i in through)
+
     def keep(self, through: list[int], first: int, count: int) -> torch.Tensor:
         """(count,) bool: positions first … first+count−1 in the loss of any trajectory of `through`."""
         keep = torch.zeros(count, dtype=torch.bool, device=self.device)

@@ -20,11 +20,12 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from longstraw.engine.backprop import prompt_backward
 from longstraw.engine.hf.composite import text_config
 from longstraw.engine.hf.segment import run_segment
-from longstraw.engine.logprobs import selected_logprobs
+from longstraw.engine.linear_loss import LossOf, linear_loss
 from longstraw.engine.options import BackwardOptions
 from longstraw.engine.pad import pad
 from longstraw.engine.precision import accumulation_dtype
@@ -56,6 +57,9 @@ class Walk:
     root_state: PromptState | None = None  # the root's state, captured already (a group's reused prompt state)
     names: str = "trajectories"  # what errors call the trajectories (a group's: "responses")
     backwards: int = 0  # pieces of the loss backpropagated so far
+    # the output projection's weight gradient of a node's leaf replays, formed in one (V, d) buffer
+    # (`linear_loss`'s buffer) instead of a new one per replay; dropped once the node's leaves are done
+    head_grad: torch.Tensor | None = None
 
     def hold(self, state: PromptState, first: int) -> int:
         """Count the bytes of `state`'s chunks first … (what a node's capture added) as held on the current path;
@@ -121,9 +125,10 @@ class _NodeLoss:
 
     def __call__(self, start: int, end: int, hidden: torch.Tensor) -> torch.Tensor | None:
         targets = self.path[start + 1: end + 1].unsqueeze(0)  # (1, T)
-        keep = self.walk.loss.keep(self.node.through, start + 1, end - start).unsqueeze(0)
-        logp = _logprobs(self.walk, hidden, targets, keep)  # (1, T)
-        term = self.walk.loss.term(self.node.through, start + 1, logp[0])
+        through = self.node.through
+        keep = self.walk.loss.keep(through, start + 1, end - start).unsqueeze(0)
+        term, logp = _scored(self.walk, hidden, targets, keep, through,
+                             lambda lp: self.walk.loss.term(through, start + 1, lp[0]))  # logp (1, T)
         if term is not None:
             _check_finite(logp, keep, term, f"positions {start + 1}–{end}")
             self.walk.total += float(term.detach())
@@ -228,8 +233,11 @@ def _replay_children(walk: Walk, node: Node, state: PromptState, path: torch.Ten
     leaves = [c for c in node.children if c.is_leaf]
     k = walk.options.micro_batch
     t0 = time.perf_counter()
-    for first in range(0, len(leaves), k):
-        _replay_leaves(walk, leaves[first: first + k], state, path)
+    try:
+        for first in range(0, len(leaves), k):
+            _replay_leaves(walk, leaves[first: first + k], state, path)
+    finally:
+        walk.head_grad = None  # not held through the node's own backward, whose peak is the state's gradient
     walk.replay_s += time.perf_counter() - t0
 
 
@@ -257,28 +265,45 @@ def _replay_leaves(walk: Walk, leaves: list[Node], state: PromptState, above: to
     start = leaves[0].input_start
     if router is not None:
         router.aux.tap.clear()
-    with torch.set_grad_enabled(walk.grad):
-        hidden = run_segment(walk.model, inputs, start, state.fork())  # (k, T, d)
-        assert hidden is not None
-        logp = _logprobs(walk, hidden[:, : targets.shape[1]], targets, keep)  # (k, T)
+
+    def loss_of(logp: torch.Tensor) -> torch.Tensor | None:
+        """The leaves' share of the loss from their log-probs (k, T)."""
         terms = [walk.loss.term(leaf.through, s, logp[row, : targets_list[row].numel()])
                  for row, (leaf, s) in enumerate(zip(leaves, starts))]
         present = [t for t in terms if t is not None]
-        term = torch.stack(present).sum() if present else logp.sum() * 0
+        return torch.stack(present).sum() if present else None
+
+    with torch.set_grad_enabled(walk.grad):
+        hidden = run_segment(walk.model, inputs, start, state.fork())  # (k, T, d)
+        assert hidden is not None
+        through = [i for leaf in leaves for i in leaf.through]
+        term, logp = _scored(walk, hidden[:, : targets.shape[1]], targets, keep, through, loss_of,
+                             buffered=True)  # logp (k, T)
         if router is not None:
-            term = term + router.aux.term(router.weights.leaves(leaves, routed))
-    _check_finite(logp, keep, term, f"{walk.names} {[i for leaf in leaves for i in leaf.through]}")
+            routed_term = router.aux.term(router.weights.leaves(leaves, routed))
+            term = routed_term if term is None else term + routed_term
+    if term is None:
+        term = torch.zeros((), dtype=logp.dtype, device=logp.device)
+    _check_finite(logp, keep, term, f"{walk.names} {through}")
     walk.total += float(term.detach())
     if term.requires_grad:
         term.backward()
         walk.backwards += 1
 
 
-def _logprobs(walk: Walk, hidden: torch.Tensor, targets: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """Log-probs (k, T) of `targets` at the `keep` positions (0 elsewhere) from the final hidden states (k, T, d)."""
+def _scored(walk: Walk, hidden: torch.Tensor, targets: torch.Tensor, keep: torch.Tensor, through: list[int],
+            loss_of: LossOf, buffered: bool = False) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The loss `loss_of` gives the log-probs (k, T) of `targets` at the `keep` positions (0 elsewhere), from the
+    final hidden states (k, T, d) of the trajectories `through`, and those log-probs (detached): the fused
+    linear-and-loss pass (`engine/linear_loss.py`). buffered: the weight's gradient in `walk.head_grad`."""
     weight, bias, scale, softcap = walk.head()
-    return selected_logprobs(hidden, weight, targets, keep, walk.options.token_chunk, walk.options.temperature,
-                             scale, softcap=softcap, bias=bias)
+    buffer = None
+    if buffered and walk.grad and weight.requires_grad and not isinstance(weight, DTensor):
+        if walk.head_grad is None:
+            walk.head_grad = torch.empty_like(weight)
+        buffer = walk.head_grad
+    return linear_loss(hidden, weight, targets, keep, loss_of, walk.loss.token_level(through),
+                       walk.options.token_chunk, walk.options.temperature, scale, softcap, bias, buffer)
 
 
 def _check_finite(logp: torch.Tensor, keep: torch.Tensor, term: torch.Tensor, where: str) -> None:
