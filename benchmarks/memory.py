@@ -45,6 +45,7 @@ from benchmarks.common import (
     write_results,
 )
 from benchmarks.common import run_one as run_one  # where the tests and older callers import it from
+from benchmarks.flops import group_floor, preset_costs
 from benchmarks.machine import machine_info
 from benchmarks.registry import Benchmark
 from longstraw.choices import CHECKPOINT_CHOICES, DTYPES, PLANS, PRESET_NAMES
@@ -90,8 +91,25 @@ def _document(config: MemoryBenchConfig, machine: dict[str, Any], results: list[
         "config": asdict(config),
         "machine": machine,
         "results": results,
-        "ratios": compute_ratios(results),
+        "ratios": {**compute_ratios(results), **flop_floors(config, results)},
     }
+
+
+def flop_floors(config: MemoryBenchConfig, results: list[dict[str, Any]]) -> dict[str, Any]:
+    """At the reference G, per replay plan: standard's FLOP count over the plan's (`benchmarks/flops.py`), and the
+    share of it the measured wall and CPU time ratios reach (None where a run is missing or the model has no count)."""
+    g_ref = reference_group_size(sorted({int(r["group_size"]) for r in results}))
+    c = preset_costs(config.model)
+    prompt, response = config.prompt_tokens, config.turns * (config.response_tokens + config.observation_tokens)
+    out: dict[str, Any] = {"flop_floor": {}, "share_of_flop_floor": {}, "cpu_share_of_flop_floor": {}}
+    for plan in ("detach", "exact"):
+        floor = None if g_ref is None else group_floor(c, plan, prompt, response, g_ref,
+                                                       config.turns * config.response_tokens)
+        out["flop_floor"][plan] = floor
+        for name, key in (("share_of_flop_floor", "time_s"), ("cpu_share_of_flop_floor", "cpu_time_s")):
+            ratio = None if g_ref is None else _ratio(results, key, "standard", plan, g_ref)
+            out[name][plan] = None if ratio is None or floor is None else ratio / floor
+    return out
 
 
 def run_memory_bench(config: MemoryBenchConfig, out: str) -> dict[str, Any]:
@@ -337,6 +355,11 @@ def format_ratios(ratios: dict[str, Any]) -> str:
         if key.startswith("peak_") and key.endswith("_ckpt_over_plain"):
             plan = key[len("peak_"):-len("_ckpt_over_plain")]
             lines.append(f"  {f'peak {plan}+ckpt / {plan}':<32} {num(value)}")
+    for plan, floor in (ratios.get("flop_floor") or {}).items():
+        if floor is not None:
+            wall, cpu = ratios["share_of_flop_floor"][plan], ratios["cpu_share_of_flop_floor"][plan]
+            lines.append(f"  {f'FLOP floor standard / {plan}':<32} {floor:.2f}x: time reaches "
+                         f"{num(wall, '')}, CPU time {num(cpu, '')} of it")
     lines.append("peak growth, smallest to largest G:")
     for plan, g in (ratios.get("peak_growth") or {}).items():
         text = ("n/a (under two ok configurations, or a peak under 1 MiB)" if g is None

@@ -72,6 +72,8 @@ from benchmarks.common import (
     write_json,
     write_results,
 )
+from benchmarks.flops import NOTE as FLOP_NOTE
+from benchmarks.flops import checkpointed, group_flops, preset_costs
 from benchmarks.launch import busy_neighbours, describe_exit, worker_command, worker_env
 from benchmarks.machine import machine_info
 from benchmarks.registry import Benchmark
@@ -241,6 +243,26 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
     return summary
 
 
+def flops_over_exact(shape: PeersShape, rows: list[Configuration]) -> dict[str, float]:
+    """Per configuration, its FLOP count over LongStraw exact's (`benchmarks/flops.py`: TRL runs every sequence
+    whole, Prefix Grouper and exact with every prompt graph kept the prompt once with grad; checkpointing adds its
+    forward again); empty for a model the
+    count does not cover. The floor its time / exact is read against."""
+    c = preset_costs(shape.model)
+    if c is None:
+        return {}
+    dims = (shape.prompt_tokens, shape.response_tokens, shape.group_size)
+    exact = group_flops(c, "exact", *dims)
+    out = {}
+    for row in rows:
+        method = {"trl": "standard", "prefix_grouper": "shared"}.get(row.peer, row.plan or "exact")
+        if row.keep_prompt_graph >= KEEP_ALL:  # every capture chunk's graph kept: no recompute of the prompt
+            method = "shared"
+        count = group_flops(c, method, *dims) + (checkpointed(c, method, *dims) if row.checkpoint else 0)
+        out[row.id] = count / exact
+    return out
+
+
 TABLE_NOTE = (
     "peak: one group's loss forward and backward (no optimizer step), VmHWM above the loaded model, with glibc's "
     "mmap threshold fixed at {threshold} KiB (repeatable peaks); time s: the same step's wall time in a second fresh "
@@ -261,24 +283,30 @@ def _seconds(value: Any) -> str:
     return f"{'-':>9}" if value is None else f"{float(value):9.2f}"
 
 
+def _flops(flops: dict[str, float], r: dict[str, Any]) -> str:
+    value = flops.get(str(r["id"]))
+    return "-" if value is None else f"{value:.2f}"
+
+
 def format_table(document: dict[str, Any]) -> str:
     """The table: a header line (`header`) when the document has its shape, a row per configuration (time / exact
     and fixed-thr s: '-' where not measured), the strongest peer configurations, and what the columns measure."""
     results: list[dict[str, Any]] = document["results"]
     summary: dict[str, Any] = document["summary"]
     over: dict[str, float] = summary.get("time_over_exact", {})
+    flops: dict[str, float] = summary.get("flops_over_exact", {})
     width = max(len(str(r["label"])) for r in results)
     lines = [header(document)] if "shape" in document else []
     lines.append(f"{'configuration':<{width}}  {'status':<13} {'peak MiB':>9} {'time s':>9} {'time / exact':>12} "
-                 f"{'fixed-thr s':>11}")
+                 f"{'fixed-thr s':>11} {'FLOPs / exact':>13}")
     for r in results:
         if r.get("status") == "ok":
             ratio = over.get(str(r["id"]))
             cells = (f"{peak_text(float(r['peak_bytes']))} {_seconds(r.get('time_s'))} "
                      f"{'-' if ratio is None else f'{ratio:.2f}':>12} {_seconds(r.get('time_fixed_threshold_s')):>11}"
-                     f"{'  (host busy)' if busy(r) else ''}")
+                     f" {_flops(flops, r):>13}{'  (host busy)' if busy(r) else ''}")
         else:
-            cells = f"{'-':>9} {'-':>9} {'-':>12} {'-':>11}"
+            cells = f"{'-':>9} {'-':>9} {'-':>12} {'-':>11} {_flops(flops, r):>13}"
         lines.append(f"{str(r['label']):<{width}}  {str(r.get('status')):<13} {cells}")
     for what, unit, head, verb in (("memory", "peak_bytes", "lowest-memory", "peak"),
                                    ("time", "time_s", "fastest", "time")):
@@ -290,6 +318,9 @@ def format_table(document: dict[str, Any]) -> str:
         lines.append(f"{head} peer configuration: {best['label']} ({value}); its {verb} / LongStraw's: {ratios} "
                      f"(> 1: LongStraw ahead)")
     lines.append(textwrap.fill(TABLE_NOTE.format(threshold=PEAK_THRESHOLD // 1024), width=118))
+    if flops:
+        lines.append(textwrap.fill(f"FLOPs / exact: the configuration's FLOP count over exact's, the floor of its time "
+                                   f"/ exact ({FLOP_NOTE}; checkpointing counts its forward again)", width=118))
     return "\n".join(lines)
 
 
@@ -387,7 +418,7 @@ def run_peers_bench(shape: PeersShape, out: str, timeout_s: float | None, smoke:
             print(f"[{index}/{len(rows)}] {row.label:<50} {_progress(entry)}", file=sys.stderr, flush=True)
             write_json(out + ".tmp", document)
     document["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
-    document["summary"] = {} if smoke else summarize(results)
+    document["summary"] = {} if smoke else {**summarize(results), "flops_over_exact": flops_over_exact(shape, rows)}
     contended = [r for r in results if r.get("status") == "ok" and busy(r)]
     if neighbours and not smoke:
         document["notes"] = [f"{neighbours} busy-loop neighbour processes ran throughout (--neighbours): every time "

@@ -55,6 +55,8 @@ from benchmarks.common import (
     sweep_document,
     write_json,
 )
+from benchmarks.flops import NOTE as FLOP_NOTE
+from benchmarks.flops import preset_costs, tree_floors
 from benchmarks.launch import describe_exit, worker_command, worker_env
 from benchmarks.registry import Benchmark
 from longstraw.choices import DTYPES, PRESET_NAMES
@@ -132,13 +134,27 @@ def run_row(config: TreeBenchConfig, row: str, tasks: int, group_size: int) -> d
     shape = shape_of(config, tasks, group_size)
     entry: dict[str, Any] = {"row": row, "plan": row, "tasks": tasks, "group_size": group_size,
                              "counts": asdict(counts(shape)), "token_passes": token_passes(shape, row),
-                             "floor_ratio": token_passes(shape, "flattened") / token_passes(shape, row)}
+                             "floor_ratio": token_passes(shape, "flattened") / token_passes(shape, row),
+                             "flop_floor_ratio": flop_floor(config, shape, row)}
     payload = {"row": row, "model": config.model, "dtype": config.dtype, "device": config.device,
                "shape": asdict(shape), "chunk_size": config.chunk_size, "micro_batch": config.micro_batch,
                "seed": config.seed, "warm_steps": config.warm_steps}
     peak = {**entry, **_run_worker(config, payload, config.malloc_mmap_threshold)}
     timed = config.timing_run and peak["status"] == "ok"
     return combine_runs(peak, _run_worker(config, payload, TIMING_THRESHOLD) if timed else None)
+
+
+def flop_floor(config: TreeBenchConfig, shape: TreeShape, row: str) -> float | None:
+    """Flattened's FLOP count over the row's on the bench's own trajectories (`benchmarks/flops.py`); None for a
+    model the count does not cover."""
+    from benchmarks.tree_batch import make_trajectories
+    from longstraw.models.presets import PRESETS
+
+    c = preset_costs(config.model)
+    if c is None:
+        return None
+    trajectories = make_trajectories(shape, PRESETS[config.model]().vocab_size, config.seed)
+    return tree_floors(c, trajectories, (row,))[row]
 
 
 def _run_worker(config: TreeBenchConfig, payload: dict[str, Any], mmap_threshold: int) -> dict[str, Any]:
@@ -182,8 +198,9 @@ def add_ratios(results: list[dict[str, Any]]) -> None:
         if r.get("status") != "ok":
             continue
         flat = _find(results, "flattened", r["tasks"], r["group_size"])
-        for key, ratio in (("time_s", "time_ratio"), ("cpu_time_s", "cpu_time_ratio")):
-            r[ratio] = float(flat[key]) / float(r[key]) if flat is not None and r[key] else None
+        for key, ratio in (("time_s", "time_ratio"), ("cpu_time_s", "cpu_time_ratio"),
+                           ("time_fixed_threshold_s", "time_ratio_fixed_threshold")):
+            r[ratio] = float(flat[key]) / float(r[key]) if flat is not None and r.get(key) and flat.get(key) else None
 
 
 def add_forecasts(results: list[dict[str, Any]], config: TreeBenchConfig) -> None:
@@ -268,6 +285,7 @@ def checks(results: list[dict[str, Any]], config: TreeBenchConfig) -> dict[str, 
                        "cpu_share_of_floor": None if cpu is None else cpu / floor})
     out["exact_time_vs_floor"] = {"ok": all(x["ok"] for x in timing) if timing else None, "share": FLOOR_SHARE,
                                   "at": timing}
+    out["exact_time_vs_flop_floor"] = _flop_share(results, measured)
 
     grows = {}
     for axis, fixed, key in (("group_size", k0, "tasks"), ("tasks", g0, "group_size")):
@@ -278,6 +296,24 @@ def checks(results: list[dict[str, Any]], config: TreeBenchConfig) -> dict[str, 
     verdicts = [v["ok"] for v in grows.values() if v["ok"] is not None]
     out["packed_peak_grows"] = {"ok": all(verdicts) if verdicts else None, **grows}
     return out
+
+
+def _flop_share(results: list[dict[str, Any]], measured: list[tuple[int, int]]) -> dict[str, Any]:
+    """At every (K, G): tree_exact's time ratio over flattened, under glibc's default allocator (the timing run) and
+    under the fixed mmap threshold (the peak run), against its FLOP floor ratio; ok where both reach it."""
+    at = []
+    for k, g in measured:
+        exact = _find(results, "tree_exact", k, g)
+        if exact is None or exact.get("flop_floor_ratio") is None or exact.get("time_ratio") is None:
+            continue
+        floor = exact["flop_floor_ratio"]
+        shares = {name: None if exact.get(key) is None else exact[key] / floor
+                  for name, key in (("default_allocator", "time_ratio"), ("cpu", "cpu_time_ratio"),
+                                    ("fixed_threshold", "time_ratio_fixed_threshold"))}
+        timed = [shares["default_allocator"], shares["fixed_threshold"]]
+        at.append({"tasks": k, "group_size": g, "flop_floor_ratio": floor, **shares,
+                   "ok": all(x is not None and x >= 1.0 for x in timed)})
+    return {"ok": all(x["ok"] for x in at) if at else None, "share": 1.0, "at": at}
 
 
 def document_checks(document: dict[str, Any]) -> dict[str, Any]:
@@ -307,7 +343,7 @@ def format_table(document: dict[str, Any]) -> str:
              f"B={cfg['branching']}, chunk {cfg['chunk_size']}, micro-batch {cfg['micro_batch']}, threads "
              f"{cfg['threads'] or 'default'}; host load {document.get('load_average')}"]
     head = (f"  {'row':<22}{'peak MiB':>9}{'time s':>9}{'cpu s':>8}{'press':>6}{'passes':>9}{'floor x':>8}"
-            f"{'time x':>8}{'cpu x':>7}{'plan MiB':>9}{'err':>8}")
+            f"{'flop x':>8}{'time x':>8}{'cpu x':>7}{'plan MiB':>9}{'err':>8}")
     for k, g in dict.fromkeys((r["tasks"], r["group_size"]) for r in results):
         c = next(r["counts"] for r in results if (r["tasks"], r["group_size"]) == (k, g))
         lines.append(f"K={k} G={g}: {c['trajectories']} trajectories, {c['nodes']} nodes, depth {c['depth']}, "
@@ -323,6 +359,7 @@ def format_table(document: dict[str, Any]) -> str:
             lines.append(
                 f"  {label:<22}{peak_text(float(r['peak_bytes']), 9)}{r['time_s']:9.2f}{r['cpu_time_s']:8.2f}"
                 f"{_num(r.get('cpu_pressure'), '.2f', 6)}{r['token_passes']:9d}{_num(r.get('floor_ratio'), '.2f', 8)}"
+                f"{_num(r.get('flop_floor_ratio'), '.2f', 8)}"
                 f"{_num(r.get('time_ratio'), '.2f', 8)}{_num(r.get('cpu_time_ratio'), '.2f', 7)}"
                 f"{_num(None if plan is None else plan / MIB, '.1f', 9)}"
                 f"{_num(None if err is None else 100 * err, '+.1f', 7)}{'%' if err is not None else ''}")
@@ -332,6 +369,7 @@ def format_table(document: dict[str, Any]) -> str:
         lines.append(f"  {name:<22}{verdict}  {_check_detail(name, check)}")
     lines.append("token passes (floor): " + "; ".join(f"{row} = {f}" for row, f in FLOOR_FORMULAS.items()))
     lines.append(f"  ({FLOOR_NOTE})")
+    lines.append(f"flop x: flattened's FLOP count / the row's ({FLOP_NOTE})")
     lines.append("floor x: flattened's passes / the row's; time x, cpu x: flattened's wall / CPU time over the row's "
                  "(same K, G); peak: the cold first step's; times: the fastest warm step's; plan MiB: `longstraw plan "
                  "--tree`'s forecast of the step peak")
@@ -355,6 +393,11 @@ def _check_detail(name: str, check: dict[str, Any]) -> str:
         return ", ".join(f"K={x['tasks']} G={x['group_size']}: {x['time_ratio']:.2f}x of floor "
                          f"{x['floor_ratio']:.2f}x ({x['share_of_floor']:.2f}; CPU time "
                          f"{_num(x['cpu_share_of_floor'], '.2f', 0)})" for x in check["at"])
+    if name == "exact_time_vs_flop_floor":
+        return ", ".join(f"K={x['tasks']} G={x['group_size']}: floor {x['flop_floor_ratio']:.2f}x, reached "
+                         f"{_num(x['default_allocator'], '.2f', 0)} (fixed threshold "
+                         f"{_num(x['fixed_threshold'], '.2f', 0)}, CPU time {_num(x['cpu'], '.2f', 0)})"
+                         for x in check["at"])
     if name == "packed_peak_grows":
         return "; ".join(f"over {axis}: " + ", ".join(f"{x}: {p:.0f}" for x, p in check[axis]["peaks_mib"])
                          for axis in ("group_size", "tasks"))

@@ -120,7 +120,7 @@ def test_a_token_sees_only_its_ancestors():
 
 def _row(row: str, k: int, g: int, peak_mib: float, time_s: float, floor: float = 1.0) -> dict:
     return {"row": row, "tasks": k, "group_size": g, "status": "ok", "peak_bytes": peak_mib * MIB, "time_s": time_s,
-            "floor_ratio": floor, "time_ratio": None}
+            "floor_ratio": floor, "flop_floor_ratio": floor, "time_ratio": None}
 
 
 def test_checks_pass_and_fail_on_synthetic_rows():
@@ -130,10 +130,14 @@ def test_checks_pass_and_fail_on_synthetic_rows():
             _row("tree_detach", 2, 4, 140, 5)]
     for r in good:
         r["time_ratio"] = {2: 10, 4: 20}[r["group_size"]] / r["time_s"]
+        r["time_ratio_fixed_threshold"] = r["time_ratio"] * 0.9  # 2.25x of 2.0, 3.0x of 3.0: both reach the floor
     result = checks(good, config)
     assert {name: c["ok"] for name, c in result.items()} == {
         "exact_lowest_peak": True, "detach_below_exact": None, "exact_flat_in_g": True, "exact_time_vs_floor": True,
-        "packed_peak_grows": True}
+        "exact_time_vs_flop_floor": True, "packed_peak_grows": True}
+    slow = [dict(r, time_ratio_fixed_threshold=r["time_ratio"] * 0.8) if r["row"] == "tree_exact" else r for r in good]
+    flop = checks(slow, config)["exact_time_vs_flop_floor"]  # G=4: 2.67x of a 3.0x floor under the fixed threshold
+    assert flop["ok"] is False and [x["ok"] for x in flop["at"]] == [True, False]
     assert result["detach_below_exact"]["at"] == [
         {"tasks": 2, "group_size": 4, "tree_detach_mib": 140, "tree_exact_mib": 155, "below": True}]
     bad = [dict(r) for r in good if r["row"] != "tree_detach"]
