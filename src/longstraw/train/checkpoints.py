@@ -18,6 +18,7 @@ rank's shards. `check_same_shapes` refuses a checkpoint of another architecture 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
@@ -36,7 +37,6 @@ if TYPE_CHECKING:
     from longstraw.train.config import TrainConfig
 
 FILENAME = "checkpoint.pt"
-TMP_SUFFIX = ".tmp"
 FORMAT = 2
 # Entries every checkpoint has; `optimizer` is None in a weights-only checkpoint (--save-weights-only).
 REQUIRED = ("step", "model", "optimizer", "scheduler", "config", "rng", "summary")
@@ -46,7 +46,7 @@ FAULT_SLEEP_ENV = "LONGSTRAW_FAULT_CHECKPOINT_SLEEP_S"
 
 
 def tmp_path_of(run_dir: str | Path) -> Path:
-    return Path(run_dir) / (FILENAME + TMP_SUFFIX)
+    return Path(run_dir) / (FILENAME + ".tmp")
 
 
 class WriteError(ValueError):
@@ -96,11 +96,8 @@ class _Writer:
 
 
 def save_checkpoint(run_dir: str | Path, payload: dict[str, Any]) -> Path:
-    """Write run_dir/checkpoint.pt atomically; a crash mid-write leaves the previous checkpoint intact.
-
-    `payload` should carry `rng` (the RNG states at the step boundary it describes); without it, the current
-    states are stored.
-    """
+    """Write run_dir/checkpoint.pt atomically; a crash mid-write leaves the previous checkpoint intact. `payload`
+    should carry `rng` (the RNG states at the step boundary it describes); without it, the current states are stored."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     final = run_dir / FILENAME
@@ -130,24 +127,18 @@ def save_checkpoint(run_dir: str | Path, payload: dict[str, Any]) -> Path:
 
 
 def _fsync_dir(path: Path) -> None:
-    try:
+    with contextlib.suppress(OSError):  # some filesystems do not support fsync on directories
         fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some filesystems do not support fsync on directories
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def load_checkpoint(run_dir: str | Path) -> dict[str, Any]:
-    """Read and verify run_dir/checkpoint.pt (no side effects: restore RNG states with `set_rng_state`).
-
-    Clear errors, each naming the file, for: a missing file (FileNotFoundError), a damaged or truncated file,
-    a file that is not a LongStraw checkpoint, a missing entry, and contents that fail the checksum (ValueError).
-    """
+    """Read and verify run_dir/checkpoint.pt (no side effects: restore RNG states with `set_rng_state`). Clear errors,
+    each naming the file, for: a missing file (FileNotFoundError), a damaged or truncated file, a file that is not a
+    LongStraw checkpoint, a missing entry, and contents that fail the checksum (ValueError)."""
     path = Path(run_dir) / FILENAME
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint to resume from: {path} does not exist (run without --resume)")
@@ -180,15 +171,6 @@ def load_checkpoint(run_dir: str | Path) -> dict[str, Any]:
             "(flipped bytes on disk or in transfer); delete it to start over, or restore a good copy"
         )
     return data
-
-
-def remove_stale_tmp(run_dir: str | Path) -> bool:
-    """Delete a temporary checkpoint left by a process killed while writing; True if there was one."""
-    tmp = tmp_path_of(run_dir)
-    if tmp.exists():
-        tmp.unlink()
-        return True
-    return False
 
 
 # ---------------------------------------------------------------------------------------------------- a run's state
