@@ -44,23 +44,11 @@ def derive_seed(*parts: int) -> int:
 def build_task(cfg: TrainConfig, tokenizer: Any) -> Task:
     """The configured task; options that do not apply to it are not passed."""
     t = cfg.task
-    if t.task == "passkey":
-        return make_task("passkey", tokenizer=tokenizer, prompt_tokens=t.prompt_tokens, digits=t.digits)
-    elif t.task == "multikey":
-        return make_task("multikey", tokenizer=tokenizer, prompt_tokens=t.prompt_tokens, digits=t.digits,
-                         n_keys=t.num_keys)
-    elif t.task == "kv":
-        return make_task("kv", tokenizer=tokenizer, prompt_tokens=t.prompt_tokens)
-    elif t.task == "lookup":
-        return make_task("lookup", tokenizer=tokenizer, prompt_tokens=t.prompt_tokens, hops=t.hops,
-                         format_reward=t.format_reward)
-    elif t.task == "jsonl":
-        options: dict[str, Any] = {"path": t.data}
-        if t.reward_fn:
-            options["reward_fn"] = t.reward_fn
-        return make_task("jsonl", **options)
-    else:
-        raise ValueError(f"unknown task {t.task!r}")
+    if t.task == "jsonl":
+        return make_task("jsonl", path=t.data, **({"reward_fn": t.reward_fn} if t.reward_fn else {}))
+    options: dict[str, Any] = {"passkey": {"digits": t.digits}, "multikey": {"digits": t.digits, "n_keys": t.num_keys},
+                               "lookup": {"hops": t.hops, "format_reward": t.format_reward}}.get(t.task, {})
+    return make_task(t.task, tokenizer=tokenizer, prompt_tokens=t.prompt_tokens, **options)
 
 
 def split_rows(n_rows: int, held_out: int, where: str) -> tuple[list[int], list[int]]:
