@@ -24,11 +24,9 @@ from typing import Any
 
 import torch
 
-from longstraw.admission.admission import check_architecture
-from longstraw.api.checks import check_model_options, options_with
+from longstraw.api.checks import check_model_options, check_tokens, options_with
 from longstraw.api.tree import run_tree
 from longstraw.engine.group import Group
-from longstraw.engine.hf.composite import text_config
 from longstraw.engine.options import BackwardOptions
 from longstraw.engine.precision import accumulation_dtype
 from longstraw.engine.state.checks import check_materialised, check_prompt_state
@@ -56,16 +54,9 @@ class GroupResult:
 
 def _check_model_and_group(model: torch.nn.Module, group: Group, beta: float) -> None:
     total = group.prompt.numel() + max(group.lengths)
-    check_architecture(model, total)
-    vocab = hf(model).get_input_embeddings().num_embeddings
-    if group.max_token_id() >= vocab:
-        raise ValueError(f"token id {group.max_token_id()} is out of the model's vocabulary (size {vocab})")
-    max_pos = getattr(text_config(model), "max_position_embeddings", None)  # a composite's text tower's
-    if max_pos is not None and total > max_pos:
-        raise ValueError(
-            f"prompt ({group.prompt.numel()}) + longest response ({max(group.lengths)}) = {total} tokens exceeds "
-            f"the model's max_position_embeddings ({max_pos}): shorten the prompt or use a longer-context model"
-        )
+    check_tokens(model, total, group.max_token_id(),
+                 f"prompt ({group.prompt.numel()}) + longest response ({max(group.lengths)}) = {total} tokens exceeds "
+                 "the model's max_position_embeddings ({max_pos}): shorten the prompt or use a longer-context model")
     if beta and group.ref_logprobs is None:
         raise ValueError("beta > 0 needs ref_logprobs in the Group (the reference model's log-probs)")
 
