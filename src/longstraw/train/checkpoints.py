@@ -1,19 +1,13 @@
 """Training checkpoints: one file, written atomically (temporary file, fsync, rename), read without running code.
 
-It holds the model and optimizer/scheduler states, every RNG state, the data position and the config, so
-`--resume` continues exactly where the run stopped (tests check 6 steps == 3 + resume + 3).
+It holds the model and optimizer/scheduler states, every RNG state, the data position and the config, so `--resume`
+continues exactly where the run stopped (tests check 6 steps == 3 + resume + 3). Read with `torch.load(...,
+weights_only=True)`: only tensors and plain values are unpickled, so a checkpoint cannot execute code. `integrity`
+holds a SHA-256 over every value (each tensor's dtype, shape and bytes; every other value's type and repr),
+recomputed on read, so flipped bytes inside tensor data (which torch.load does not notice) are refused by name.
 
-Safety and integrity (format 2):
-- read with `torch.load(..., weights_only=True)`: only tensors and plain containers/numbers/strings are
-  unpickled, so a checkpoint file cannot execute code. Everything stored is made of those types.
-- `integrity` holds a SHA-256 over every value of the payload (each tensor's dtype, shape and bytes; every
-  other value's type and repr), recomputed on read: flipped bytes inside tensor data (which torch.load itself
-  does not notice) are refused with a message naming the file.
-- a missing entry is reported by name, not as a KeyError.
-
-A run's state in and out of that file (`save_run`, `restore_run`): in a distributed run the sharded model and
-optimizer are gathered to rank 0, which writes, and rank 0's checkpoint is broadcast and loaded into every
-rank's shards. `check_same_shapes` refuses a checkpoint of another architecture before it is loaded.
+`save_run`, `restore_run`: a run's state in and out of that file; in a distributed run the sharded state is gathered
+to rank 0, which writes, and rank 0's checkpoint is broadcast and loaded into every rank's shards.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
 """The trainer's AdamW: its learning-rate schedule, the step's mean gradient, and the guards that keep a
-non-finite update from ever reaching the weights.
-
-A step's update, in the trainer's order: `mean_gradient` (the mean over all kept groups), `clip_and_check`
-(clip the norm, refuse a non-finite norm, refuse an AdamW update that would make a weight or moment non-finite:
-nothing is applied then), `optimizer.step()`, `check_weights_finite` (in case the step did what the check did
-not foresee), and once per step, `scheduler_step`.
+non-finite update from ever reaching the weights (`clip_and_check` before `optimizer.step()`, `check_weights_finite`
+after it, in case the step did what the check did not foresee).
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """Ctrl-C and SIGTERM during training: stop between steps, never in the middle of an update.
 
 While the trainer's state is between two consistent points (an optimizer step has begun but the step is not
-finished, or a checkpoint is being written), a signal is held: the update and the bookkeeping of that step
-finish, then `TrainingInterrupted` is raised and the trainer saves the completed step. Outside those regions it
-is raised at once (nothing has changed the weights yet, so the last completed step is still in memory). A
-second signal while one is held stops at once.
-
-`save_after_failure`: what the trainer saves when an exception or a signal ends the run (the last completed step,
-unless it is already saved or cannot be), with one line saying where the last checkpoint is.
+finished, or a checkpoint is being written), a signal is held: the step finishes, then `TrainingInterrupted` is
+raised and the trainer saves the completed step. Outside those regions it is raised at once (nothing has changed the
+weights yet). A second signal while one is held stops at once. `save_after_failure`: what the trainer then saves.
 """
 
 from __future__ import annotations
