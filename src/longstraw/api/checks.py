@@ -43,10 +43,9 @@ def check_model_options(model: torch.nn.Module, options: BackwardOptions) -> Non
                          "parameters to train (param.requires_grad_(True)) or add an adapter")
     model_type = hf(model).config.model_type
     if options.plan.needs_chunk_boundaries and options.chunk_size == 1 and is_recurrent(model):
-        raise ValueError(
-            f"chunk_size=1 with the exact plan on {model_type}: its recurrent layers update their "
-            "state in place for one-token chunks, which the prompt backward cannot differentiate; use chunk_size >= 2"
-        )
+        raise ValueError(f"chunk_size=1 with the exact plan on {model_type}: its recurrent layers update their state "
+                         "in place for one-token chunks, which the prompt backward cannot differentiate; use "
+                         "chunk_size >= 2")
 
 
 def check_tokens(model: torch.nn.Module, longest: int, top_id: int, too_long: str) -> None:

@@ -78,11 +78,10 @@ def _check_ranges(group: Group, dtype: torch.dtype) -> None:
     largest = float(group.advantages.abs().max())
     if not largest < math.sqrt(finfo.max):
         i = int(group.advantages.abs().argmax())
-        raise ValueError(
-            f"advantages[{i}] = {float(group.advantages[i]):.3g} is too large for the loss's dtype "
-            f"{_dtype_name(dtype)}: |advantage| must be < {math.sqrt(finfo.max):.3g} (the square root of its largest "
-            "value, leaving room for the gradient's products); rescale the rewards or normalise the advantages"
-        )
+        raise ValueError(f"advantages[{i}] = {float(group.advantages[i]):.3g} is too large for the loss's dtype "
+                         f"{_dtype_name(dtype)}: |advantage| must be < {math.sqrt(finfo.max):.3g} (the square root of "
+                         "its largest value, leaving room for the gradient's products); rescale the rewards or "
+                         "normalise the advantages")
     for name in ("old_logprobs", "ref_logprobs"):
         for i, lp in enumerate(getattr(group, name) or []):
             values = _loss_tokens(group, i, lp)
@@ -97,12 +96,11 @@ def _check_ranges(group: Group, dtype: torch.dtype) -> None:
         lowest = float(_loss_tokens(group, i, lp).min())
         worst = -lowest + math.log(max(abs(float(group.advantages[i])), 1.0))
         if worst >= log_max:
-            raise ValueError(
-                f"old_logprobs[{i}] reaches {lowest:.4g} at a token in the loss: the ratio exp(logp - old) can then "
-                f"reach exp({-lowest:.4g}), which (times advantage {float(group.advantages[i]):.3g}) overflows "
-                f"{_dtype_name(dtype)} (largest {finfo.max:.3g}). A sampled token is never that unlikely: pass the "
-                "sampling policy's log-probs (not logits or a fill value), or use float64"
-            )
+            raise ValueError(f"old_logprobs[{i}] reaches {lowest:.4g} at a token in the loss: the ratio "
+                             f"exp(logp - old) can then reach exp({-lowest:.4g}), which (times advantage "
+                             f"{float(group.advantages[i]):.3g}) overflows {_dtype_name(dtype)} (largest "
+                             f"{finfo.max:.3g}). A sampled token is never that unlikely: pass the sampling policy's "
+                             "log-probs (not logits or a fill value), or use float64")
 
 
 def _loss_tokens(group: Group, i: int, values: torch.Tensor) -> torch.Tensor:

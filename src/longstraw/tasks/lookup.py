@@ -133,11 +133,9 @@ class LookupTask(Task):
             base, per_line = self._sizes()
             if (self.prompt_tokens - base) // per_line + 2 > MAX_PEOPLE:
                 largest = base + (MAX_PEOPLE - 2) * per_line
-                raise ValueError(
-                    f"--prompt-tokens {self.prompt_tokens} asks the lookup task for a directory of about "
-                    f"{(self.prompt_tokens - base) // per_line + 2:,} people, more than its {MAX_PEOPLE:,}: use "
-                    f"--prompt-tokens {largest} or less with this tokenizer"
-                )
+                raise ValueError(f"--prompt-tokens {self.prompt_tokens} asks the lookup task for a directory of about "
+                                 f"{(self.prompt_tokens - base) // per_line + 2:,} people, more than its "
+                                 f"{MAX_PEOPLE:,}: use --prompt-tokens {largest} or less with this tokenizer")
 
     def _sizes(self) -> tuple[int, int]:
         """(tokens of a two-person prompt, tokens per directory line rounded up)."""

@@ -139,19 +139,15 @@ def load_checkpoint(run_dir: str | Path) -> dict[str, Any]:
     try:
         data = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # torch raises several types for truncated/corrupt/unsafe files
-        raise ValueError(
-            f"checkpoint {path} is damaged or truncated, or holds objects other than tensors and plain values "
-            f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); delete it to start over, "
-            "or restore a good copy"
-        ) from None
+        raise ValueError(f"checkpoint {path} is damaged or truncated, or holds objects other than tensors and plain "
+                         f"values ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); delete it to "
+                         "start over, or restore a good copy") from None
     if not isinstance(data, dict) or data.get("format") not in (1, FORMAT):
         raise ValueError(f"checkpoint {path} is not a LongStraw checkpoint of format {FORMAT}")
     missing = [k for k in REQUIRED if k not in data and not (k == "summary" and data["format"] == 1)]
     if missing:
-        raise ValueError(
-            f"checkpoint {path} lacks {', '.join(repr(k) for k in missing)}: it is incomplete or was written by "
-            "another program; delete it to start over, or restore a good copy"
-        )
+        raise ValueError(f"checkpoint {path} lacks {', '.join(repr(k) for k in missing)}: it is incomplete or was "
+                         "written by another program; delete it to start over, or restore a good copy")
     if data["format"] == 1:  # written before checksums existed (still read without running code)
         warnings.warn(f"checkpoint {path} predates checksums (format 1): its contents cannot be verified",
                       stacklevel=2)
@@ -160,10 +156,9 @@ def load_checkpoint(run_dir: str | Path) -> dict[str, Any]:
     if not isinstance(stored, Mapping) or "sha256" not in stored:
         raise ValueError(f"checkpoint {path} lacks its checksum ('integrity'): it is incomplete or was altered")
     if digest(data) != stored["sha256"]:
-        raise ValueError(
-            f"checkpoint {path} is corrupted: its contents do not match the SHA-256 recorded when it was written "
-            "(flipped bytes on disk or in transfer); delete it to start over, or restore a good copy"
-        )
+        raise ValueError(f"checkpoint {path} is corrupted: its contents do not match the SHA-256 recorded when it was "
+                         "written (flipped bytes on disk or in transfer); delete it to start over, or restore a good "
+                         "copy")
     return data
 
 

@@ -58,11 +58,9 @@ def split_rows(n_rows: int, held_out: int, where: str) -> tuple[list[int], list[
     if held_out == 0:
         return list(range(n_rows)), []
     if held_out >= n_rows:
-        raise ValueError(
-            f"{where} has {n_rows} row(s), too few to hold out eval_prompts = {held_out} for the held-out evaluation "
-            f"(rows never trained on) and keep at least one to train on: lower --eval-prompts to at most "
-            f"{n_rows - 1}, or add rows to the file"
-        )
+        raise ValueError(f"{where} has {n_rows} row(s), too few to hold out eval_prompts = {held_out} for the held-out "
+                         "evaluation (rows never trained on) and keep at least one to train on: lower --eval-prompts "
+                         f"to at most {n_rows - 1}, or add rows to the file")
     order = list(range(n_rows))
     random.Random(HELD_OUT_SPLIT_SEED).shuffle(order)
     return sorted(order[held_out:]), sorted(order[:held_out])
@@ -119,11 +117,9 @@ class TaskData:
             raise ValueError(f"{where or 'the task'}: empty prompt")
         if self.max_positions is not None and ids.numel() + self.cfg.rollout.max_new_tokens > self.max_positions:
             fix = "shorten it" if where else "lower --prompt-tokens"
-            raise ValueError(
-                f"{where + ': ' if where else ''}prompt of {ids.numel()} tokens + {self.cfg.rollout.max_new_tokens} "
-                f"new tokens exceeds the {self.max_positions} positions of model {self.cfg.model.model!r}: {fix} or "
-                "lower --max-new-tokens"
-            )
+            raise ValueError(f"{where + ': ' if where else ''}prompt of {ids.numel()} tokens + "
+                             f"{self.cfg.rollout.max_new_tokens} new tokens exceeds the {self.max_positions} positions "
+                             f"of model {self.cfg.model.model!r}: {fix} or lower --max-new-tokens")
         return ids
 
     def validate(self) -> None:

@@ -68,19 +68,16 @@ def clip_and_check(par: Parallel, optimizer: torch.optim.Optimizer, model: torch
     max_norm = max_grad_norm if max_grad_norm > 0 else float("inf")
     grad_norm = par.clip_grad_norm(params, max_norm)
     if not math.isfinite(grad_norm):
-        raise FloatingPointError(
-            f"step {step + 1}: gradient norm is {grad_norm}; the optimizer step was skipped and the weights "
-            "are unchanged. Lower the learning rate, use float32, or check the rewards"
-        )
+        raise FloatingPointError(f"step {step + 1}: gradient norm is {grad_norm}; the optimizer step was skipped and "
+                                 "the weights are unchanged. Lower the learning rate, use float32, or check the "
+                                 "rewards")
     names = {id(p): n for n, p in model.named_parameters()}
     grad_bound = min(grad_norm, max_norm)  # a bound on every gradient element
     bad = [b for b in par.gather(_adamw_update_is_finite(optimizer, names, grad_bound)) if b]
     if bad:
-        raise FloatingPointError(
-            f"step {step + 1}: the AdamW update would make {bad[0]} (its weight or second moment) non-finite; "
-            "it was not applied: the weights and optimizer state are as they were before it. Lower the learning "
-            "rate, check the rewards, or use float32"
-        )
+        raise FloatingPointError(f"step {step + 1}: the AdamW update would make {bad[0]} (its weight or second moment) "
+                                 "non-finite; it was not applied: the weights and optimizer state are as they were "
+                                 "before it. Lower the learning rate, check the rewards, or use float32")
     return grad_norm
 
 
@@ -88,10 +85,9 @@ def check_weights_finite(par: Parallel, model: torch.nn.Module, step: int) -> No
     """After the AdamW step: FloatingPointError if a weight is not finite on any rank."""
     bad = [b for b in par.gather(_first_non_finite(model)) if b]
     if bad:
-        raise FloatingPointError(
-            f"step {step + 1}: after the AdamW step, {bad[0]} holds non-finite values (the update check passed, "
-            "so this is unexpected); this process's weights are unusable: resume from the last checkpoint"
-        )
+        raise FloatingPointError(f"step {step + 1}: after the AdamW step, {bad[0]} holds non-finite values (the update "
+                                 "check passed, so this is unexpected); this process's weights are unusable: resume "
+                                 "from the last checkpoint")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -162,9 +162,8 @@ def prepare_run_dir(run_dir: str | Path, resume: bool, overwrite: bool) -> RunLo
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as err:
-        raise ValueError(
-            f"run_dir {path} is not writable ({err.strerror or err}): fix its permissions or choose another --run-dir"
-        ) from None
+        raise ValueError(f"run_dir {path} is not writable ({err.strerror or err}): fix its permissions or choose "
+                         "another --run-dir") from None
     lock = RunLock.acquire(path)  # before anything in the directory is read, deleted or repaired
     try:
         ours = [name for name in RUN_OUTPUTS if (path / name).exists()]
@@ -174,10 +173,8 @@ def prepare_run_dir(run_dir: str | Path, resume: bool, overwrite: bool) -> RunLo
             raise FileNotFoundError(f"no checkpoint to resume from: {path / FILENAME} does not exist ({fix})")
         if not resume and ours:
             if not overwrite:
-                raise ValueError(
-                    f"run_dir {path} already holds a run ({', '.join(ours)}): add --resume to continue it, "
-                    "--overwrite to delete it and start over, or choose another --run-dir"
-                )
+                raise ValueError(f"run_dir {path} already holds a run ({', '.join(ours)}): add --resume to continue "
+                                 "it, --overwrite to delete it and start over, or choose another --run-dir")
             for name in ours:
                 target = path / name
                 if target.is_dir():
@@ -206,15 +203,12 @@ def check_resume_config(saved: dict[str, Any], current: dict[str, Any], force: b
     refused = [k for k in common if k not in NOTED_FIELDS]
     notes = []
     if "model" in refused and not force:
-        raise ValueError(
-            f"checkpoint {where} was trained from model {saved['model']!r}, not {current['model']!r}: resume with "
-            "the same --model (add --force only if it is the same model under another name or path)"
-        )
+        raise ValueError(f"checkpoint {where} was trained from model {saved['model']!r}, not {current['model']!r}: "
+                         "resume with the same --model (add --force only if it is the same model under another name "
+                         "or path)")
     if refused and not force:
-        raise ValueError(
-            f"resuming {where} with settings that change what is trained: {'; '.join(changed(refused))}. Use the "
-            "checkpoint's values, or add --force to continue with the new ones"
-        )
+        raise ValueError(f"resuming {where} with settings that change what is trained: {'; '.join(changed(refused))}. "
+                         "Use the checkpoint's values, or add --force to continue with the new ones")
     if refused:
         notes.append(f"--force: continuing with changed settings: {'; '.join(changed(refused))}")
     if noted:
