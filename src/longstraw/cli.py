@@ -94,10 +94,8 @@ class Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> Parser:
-    parser = Parser(
-        prog="longstraw",
-        description="GRPO on very long shared prompts: training, the memory planner, admission checks.",
-    )
+    parser = Parser(prog="longstraw",
+                    description="GRPO on very long shared prompts: training, the memory planner, admission checks.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
@@ -108,8 +106,7 @@ def build_parser() -> Parser:
         description="Build a tiny float64 copy of MODEL's config (its model type, multipliers, flags and layer-kind "
                     "pattern; sizes shrunk) and measure LongStraw's replayed and sampled log-probs and its exact "
                     "gradient against transformers' own forward. Prints the numbers and the verdict; exit status 1 "
-                    "when refused. --all checks every causal-LM type of this transformers.",
-    )
+                    "when refused. --all checks every causal-LM type of this transformers.")
     check.add_arguments(check_parser)
     check_parser.set_defaults(run=check.run_from_args)
 
@@ -117,8 +114,7 @@ def build_parser() -> Parser:
 
     plan_parser = commands.add_parser(
         "plan", help="memory planner: per-GPU memory of every plan, whether it fits, the largest prompt",
-        description="Predict per-GPU memory by component for standard_batched, standard, detach and exact.",
-    )
+        description="Predict per-GPU memory by component for standard_batched, standard, detach and exact.")
     planner.add_arguments(plan_parser)
     plan_parser.set_defaults(run=planner.run_from_args)
 
@@ -126,18 +122,15 @@ def build_parser() -> Parser:
 
     train_parser = commands.add_parser(
         "train", help="GRPO training on a long-context task",
-        description="Train with GRPO: options from an optional TOML file, overridden by flags.",
-    )
+        description="Train with GRPO: options from an optional TOML file, overridden by flags.")
     config.add_arguments(train_parser)
     train_parser.add_argument(
         "--nproc", type=int, default=1,
         help="processes (ranks) on this machine, one per GPU with --device cuda; launched through torchrun, "
-             "the model sharded with FSDP2 and each step's prompts split across ranks (default: 1)",
-    )
+             "the model sharded with FSDP2 and each step's prompts split across ranks (default: 1)")
     train_parser.add_argument(
         "--debug", action="store_true",
-        help="on an expected error (bad input, a failing reward function, Ctrl-C) also print the traceback",
-    )
+        help="on an expected error (bad input, a failing reward function, Ctrl-C) also print the traceback")
     for command in (check_parser, plan_parser, train_parser):
         command.set_defaults(fail=command.error)
     return parser

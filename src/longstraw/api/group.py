@@ -112,14 +112,8 @@ def _loss_tokens(group: Group, i: int, values: torch.Tensor) -> torch.Tensor:
     return values[group.loss_masks[i].to(values.device)]
 
 
-def backward_group(
-    model: torch.nn.Module,
-    group: Group,
-    options: BackwardOptions | None = None,
-    *,
-    prompt_state: PromptState | None = None,
-    **settings: Any,
-) -> GroupResult:
+def backward_group(model: torch.nn.Module, group: Group, options: BackwardOptions | None = None, *,
+                   prompt_state: PromptState | None = None, **settings: Any) -> GroupResult:
     """Accumulate d(group loss)/d(params) into `.grad`, as `loss.backward()` would (never zeroes or steps).
 
     options: a `BackwardOptions` (plan, loss and its parameters, chunk size, micro-batch, checkpointing, offload,

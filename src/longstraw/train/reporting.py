@@ -136,12 +136,9 @@ class Progress:
     def step_done(self, m: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        line = (
-            f"step {m['step']}/{self.total} | reward {m['reward_mean']:.3f} (max {m['reward_max']:.3f}) | "
-            f"loss {m['loss']:+.2e} | gnorm {m['grad_norm']:.2f} | peak {m['peak_memory_bytes'] / GIB:.2f} GiB | "
-            f"{m['tokens_per_s']:.0f} tok/s | "
-            f"rollout {m['time_rollout_s']:.1f}s train {m['time_train_s']:.1f}s"
-        )
+        line = (f"step {m['step']}/{self.total} | reward {m['reward_mean']:.3f} (max {m['reward_max']:.3f}) | "
+                f"loss {m['loss']:+.2e} | gnorm {m['grad_norm']:.2f} | peak {m['peak_memory_bytes'] / GIB:.2f} GiB | "
+                f"{m['tokens_per_s']:.0f} tok/s | rollout {m['time_rollout_s']:.1f}s train {m['time_train_s']:.1f}s")
         if "bias_cosine" in m:
             line += f" | bias: cos {m['bias_cosine']:.4f} rel err {m['bias_rel_error']:.3f}"
         if m["dropped_groups"]:
