@@ -278,8 +278,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     except BaseException as err:
         parallel.fail(err)  # the other ranks print this error and exit instead of waiting forever
         raise
-    if stopped:  # outside the except block, so the traceback no longer holds the trainer when the group ends
-        parallel.close()
+    parallel.close()  # outside the except blocks, so no traceback holds the trainer when the group ends
+    if stopped:
         raise StoppedTogether(stopped)
-    parallel.close()
     return summary
