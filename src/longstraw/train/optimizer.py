@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,19 +21,17 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> tuple[torch.opti
     """AdamW over the trainable parameters, and its schedule (warmup, then constant or cosine)."""
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.optimizer.lr, weight_decay=cfg.optimizer.weight_decay)
-    return optimizer, LambdaLR(optimizer, _lr_lambda(cfg))
+    opt = cfg.optimizer
 
-
-def _lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
     def factor(step: int) -> float:
-        if cfg.optimizer.warmup_steps and step < cfg.optimizer.warmup_steps:
-            return (step + 1) / cfg.optimizer.warmup_steps
-        if cfg.optimizer.lr_schedule == "cosine":
-            done = (step - cfg.optimizer.warmup_steps) / max(1, cfg.optimizer.steps - cfg.optimizer.warmup_steps)
+        if opt.warmup_steps and step < opt.warmup_steps:
+            return (step + 1) / opt.warmup_steps
+        if opt.lr_schedule == "cosine":
+            done = (step - opt.warmup_steps) / max(1, opt.steps - opt.warmup_steps)
             return 0.5 * (1.0 + math.cos(math.pi * min(1.0, done)))
         return 1.0
 
-    return factor
+    return optimizer, LambdaLR(optimizer, factor)
 
 
 def scheduler_step(scheduler: LRScheduler) -> None:
