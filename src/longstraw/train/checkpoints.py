@@ -20,7 +20,7 @@ import random
 import sys
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
@@ -69,11 +69,7 @@ class _Writer:
         self.error: OSError | None = None
 
     def write(self, data: Any) -> int:
-        try:
-            n = self.f.write(data)
-        except OSError as err:
-            self.error = self.error or err
-            raise
+        n = self._keeping_error(lambda: self.f.write(data))
         self.written += n
         if self.sleep_s and self.written >= 65536:
             self.f.flush()
@@ -82,8 +78,11 @@ class _Writer:
         return n
 
     def flush(self) -> None:
+        self._keeping_error(self.f.flush)
+
+    def _keeping_error(self, call: Callable[[], Any]) -> Any:
         try:
-            self.f.flush()
+            return call()
         except OSError as err:
             self.error = self.error or err
             raise
