@@ -46,10 +46,14 @@ def compare_gradients(detach: list[torch.Tensor | None], exact: list[torch.Tenso
     """Cosine, relative error and norm ratio of two gradients given per parameter (None = zero), in float64."""
     dot = nd = ne = diff = 0.0
     for a, b in zip(detach, exact, strict=True):
-        if a is None and b is None:
-            continue
-        a64, b64 = (torch.zeros_like((b if a is None else a).detach(), dtype=torch.float64) if t is None else
-                    t.detach().double() for t in (a, b))
+        if a is None:
+            if b is None:
+                continue
+            b64 = b.detach().double()
+            a64 = torch.zeros_like(b64)
+        else:
+            a64 = a.detach().double()
+            b64 = b.detach().double() if b is not None else torch.zeros_like(a64)
         dot += float((a64 * b64).sum())
         nd += float(a64.square().sum())
         ne += float(b64.square().sum())
