@@ -33,8 +33,8 @@ from longstraw.tasks.lookup import LookupTask
 
 def make_task(name: str, **options: Any) -> Task:
     """Build task ``name`` with ``options`` as its dataclass fields, e.g. ``make_task("passkey", tokenizer=tok)``."""
-    classes: dict[str, type[Task]] = {"passkey": PasskeyTask, "multikey": MultikeyTask, "kv": KVTask,
-                                      "jsonl": JsonlTask, "lookup": LookupTask}
+    classes: dict[str, type[PasskeyTask | MultikeyTask | KVTask | JsonlTask | LookupTask]] = {  # dataclasses
+        "passkey": PasskeyTask, "multikey": MultikeyTask, "kv": KVTask, "jsonl": JsonlTask, "lookup": LookupTask}
     if name not in classes:
         raise ValueError(f"unknown task {name!r}; valid names: {', '.join(TASKS)}")
     cls = classes[name]

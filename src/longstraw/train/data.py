@@ -46,9 +46,10 @@ def build_task(cfg: TrainConfig, tokenizer: Any) -> Task:
     t = cfg.task
     if t.task == "jsonl":
         return make_task("jsonl", path=t.data, **({"reward_fn": t.reward_fn} if t.reward_fn else {}))
-    options: dict[str, Any] = {"passkey": {"digits": t.digits}, "multikey": {"digits": t.digits, "n_keys": t.num_keys},
-                               "lookup": {"hops": t.hops, "format_reward": t.format_reward}}.get(t.task, {})
-    return make_task(t.task, tokenizer=tokenizer, prompt_tokens=t.prompt_tokens, **options)
+    options: dict[str, dict[str, Any]] = {
+        "passkey": {"digits": t.digits}, "multikey": {"digits": t.digits, "n_keys": t.num_keys},
+        "lookup": {"hops": t.hops, "format_reward": t.format_reward}}
+    return make_task(t.task, tokenizer=tokenizer, prompt_tokens=t.prompt_tokens, **options.get(t.task, {}))
 
 
 def split_rows(n_rows: int, held_out: int, where: str) -> tuple[list[int], list[int]]:
