@@ -1,10 +1,9 @@
 """The `longstraw` command line: `longstraw train ...`, `longstraw plan ...`, `longstraw check ...`,
 `longstraw --version`. (The benchmarks are a separate package: `python -m benchmarks NAME`.)
 
-Each command is an explicit argparse subparser, dispatched by name in `main`; a new command (`train`, `plan`) is one
-more `add_parser` call and one more branch. Commands import their heavy modules only
-when they run: building the parser imports no torch or transformers (`--version` and `--help` answer in well
-under a second; tests/test_cli.py checks that torch stays unimported). Before anything imports torch, `main` sets
+Each command is an argparse subparser, dispatched by name in `main`. Commands import their heavy modules only when they
+run: building the parser imports no torch or transformers (`--version` and `--help` answer in well under a second;
+tests/test_cli.py checks that torch stays unimported). Before anything imports torch, `main` sets
 OMP_WAIT_POLICY=PASSIVE unless the user set it (`passive_openmp_wait`).
 """
 
@@ -95,13 +94,10 @@ class Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> Parser:
-    parser = Parser(
-        prog="longstraw",
-        description="GRPO on very long shared prompts: training, the memory planner, admission checks.",
-    )
+    parser = Parser(prog="longstraw",
+                    description="GRPO on very long shared prompts: training, the memory planner, admission checks.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-
 
     from longstraw.admission import check
 
@@ -110,53 +106,45 @@ def build_parser() -> Parser:
         description="Build a tiny float64 copy of MODEL's config (its model type, multipliers, flags and layer-kind "
                     "pattern; sizes shrunk) and measure LongStraw's replayed and sampled log-probs and its exact "
                     "gradient against transformers' own forward. Prints the numbers and the verdict; exit status 1 "
-                    "when refused. --all checks every causal-LM type of this transformers.",
-    )
+                    "when refused. --all checks every causal-LM type of this transformers.")
     check.add_arguments(check_parser)
-    check_parser.set_defaults(fail=check_parser.error)
+    check_parser.set_defaults(run=check.run_from_args)
 
     from longstraw import planner
 
     plan_parser = commands.add_parser(
         "plan", help="memory planner: per-GPU memory of every plan, whether it fits, the largest prompt",
-        description="Predict per-GPU memory by component for standard_batched, standard, detach and exact.",
-    )
+        description="Predict per-GPU memory by component for standard_batched, standard, detach and exact.")
     planner.add_arguments(plan_parser)
-    plan_parser.set_defaults(fail=plan_parser.error)
+    plan_parser.set_defaults(run=planner.run_from_args)
 
     from longstraw.train import config
 
     train_parser = commands.add_parser(
         "train", help="GRPO training on a long-context task",
-        description="Train with GRPO: options from an optional TOML file, overridden by flags.",
-    )
+        description="Train with GRPO: options from an optional TOML file, overridden by flags.")
     config.add_arguments(train_parser)
     train_parser.add_argument(
         "--nproc", type=int, default=1,
         help="processes (ranks) on this machine, one per GPU with --device cuda; launched through torchrun, "
-             "the model sharded with FSDP2 and each step's prompts split across ranks (default: 1)",
-    )
+             "the model sharded with FSDP2 and each step's prompts split across ranks (default: 1)")
     train_parser.add_argument(
         "--debug", action="store_true",
-        help="on an expected error (bad input, a failing reward function, Ctrl-C) also print the traceback",
-    )
-    train_parser.set_defaults(fail=train_parser.error)
+        help="on an expected error (bad input, a failing reward function, Ctrl-C) also print the traceback")
+    for command in (check_parser, plan_parser, train_parser):
+        command.set_defaults(fail=command.error)
     return parser
 
 
 def passive_openmp_wait(environ: MutableMapping[str, str] | None = None,
                         modules: Mapping[str, object] | None = None) -> bool:
     """Set OMP_WAIT_POLICY=PASSIVE in `environ` (default os.environ) unless it is set already or torch is in
-    `modules` (default sys.modules); return whether it was set.
+    `modules` (default sys.modules, since libgomp reads it once, when torch loads); return whether it was set.
 
     Why: GNU OpenMP (torch's CPU thread pool) spin-waits at the end of each parallel region; on a shared host a
     descheduled thread keeps the others spinning for a scheduler slice, and replay runs many small regions per step.
-    PASSIVE lets them sleep: slower by 3-15% on an idle host, much faster on a busy one (measured in
-    docs/benchmarks.md, "Busy hosts"); this project's machines are shared, so it is the command's default.
-
-    libgomp reads the variable once, when torch loads it: set later, it has no effect, so nothing is done once
-    torch is imported. A value the user set (ACTIVE included) is kept. Bench workers inherit the environment, so
-    LongStraw and its peers (TRL, Prefix Grouper) run under the same policy."""
+    PASSIVE lets them sleep: slower by 3-15% on an idle host, much faster on a busy one (docs/benchmarks.md, "Busy
+    hosts"). Bench workers inherit the environment, so LongStraw and its peers run under the same policy."""
     environ = os.environ if environ is None else environ
     modules = sys.modules if modules is None else modules
     if "torch" in modules or "OMP_WAIT_POLICY" in environ:
@@ -172,14 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     if extra:  # reported through the subcommand's parser: its usage, its options' names
         fail = getattr(args, "fail", None)
         getattr(fail, "__self__", parser).unknown_options(extra)
-    if args.command == "check":
-        from longstraw.admission import check
-
-        return check.run_from_args(args)
-    if args.command == "plan":
-        from longstraw import planner
-
-        return planner.run_from_args(args)
+    if args.command in ("check", "plan"):
+        return int(args.run(args))
     if args.command == "train":
         from longstraw.train import config, data, trainer
 
@@ -204,18 +186,17 @@ def _train(trainer: ModuleType, cfg: TrainConfig, debug: bool) -> int:
 
     try:
         trainer.train(cfg)
-    except KeyboardInterrupt as err:  # Ctrl-C, or SIGINT/SIGTERM turned into TrainingInterrupted
+    except (KeyboardInterrupt, ValueError, FileNotFoundError, FloatingPointError) as err:
         if debug:
             traceback.print_exc()
+        if not isinstance(err, KeyboardInterrupt):
+            print(f"longstraw train: error: {err}", file=sys.stderr)
+            return 1
+        # Ctrl-C, or SIGINT/SIGTERM turned into TrainingInterrupted
         signum = getattr(err, "signum", signal.SIGINT)
         if int(os.environ.get("WORLD_SIZE", "1")) <= 1:  # a rank of --nproc: its launcher prints this line
             print(f"longstraw train: stopped by {signal.Signals(signum).name}", file=sys.stderr)
         return 128 + int(signum)
-    except (ValueError, FileNotFoundError, FloatingPointError) as err:
-        if debug:
-            traceback.print_exc()
-        print(f"longstraw train: error: {err}", file=sys.stderr)
-        return 1
     return 0
 
 

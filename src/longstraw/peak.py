@@ -62,7 +62,4 @@ class PeakMemory:
         return proc_status_bytes("VmHWM") or 0
 
     def peak_bytes(self) -> int:
-        if self.cuda:
-            torch.cuda.synchronize()
-            return torch.cuda.max_memory_allocated() - self.base
-        return (proc_status_bytes("VmHWM") or 0) - self.base
+        return self.peak_absolute_bytes() - self.base

@@ -1,6 +1,6 @@
 """What both entry points check before anything runs: the options with keyword settings applied
-(`options_with`), and the refusals that need the model and the options but no batch (`check_model_options`, which a
-trainer also makes when it is built)."""
+(`options_with`), the refusals that need the model and the options but no batch (`check_model_options`, which a
+trainer also makes when it is built), and the batch's lengths and token ids against the model (`check_tokens`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from longstraw.admission.admission import is_recurrent
+from longstraw.admission.admission import check_architecture, is_recurrent
+from longstraw.engine.hf.composite import text_config
 from longstraw.engine.loss.config import LossConfig
 from longstraw.engine.options import BackwardOptions
 from longstraw.models.architecture import hf
@@ -42,7 +43,18 @@ def check_model_options(model: torch.nn.Module, options: BackwardOptions) -> Non
                          "parameters to train (param.requires_grad_(True)) or add an adapter")
     model_type = hf(model).config.model_type
     if options.plan.needs_chunk_boundaries and options.chunk_size == 1 and is_recurrent(model):
-        raise ValueError(
-            f"chunk_size=1 with the exact plan on {model_type}: its recurrent layers update their "
-            "state in place for one-token chunks, which the prompt backward cannot differentiate; use chunk_size >= 2"
-        )
+        raise ValueError(f"chunk_size=1 with the exact plan on {model_type}: its recurrent layers update their state "
+                         "in place for one-token chunks, which the prompt backward cannot differentiate; use "
+                         "chunk_size >= 2")
+
+
+def check_tokens(model: torch.nn.Module, longest: int, top_id: int, too_long: str) -> None:
+    """The architecture for sequences of `longest` tokens, the largest token id `top_id` within the vocabulary, and
+    `longest` within the model's positions (`too_long`: the refusal, with `{max_pos}` for the model's count)."""
+    check_architecture(model, longest)
+    vocab = hf(model).get_input_embeddings().num_embeddings
+    if top_id >= vocab:
+        raise ValueError(f"token id {top_id} is out of the model's vocabulary (size {vocab})")
+    max_pos = getattr(text_config(model), "max_position_embeddings", None)  # a composite's text tower's
+    if max_pos is not None and longest > max_pos:
+        raise ValueError(too_long.format(max_pos=max_pos))

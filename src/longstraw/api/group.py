@@ -24,11 +24,9 @@ from typing import Any
 
 import torch
 
-from longstraw.admission.admission import check_architecture
-from longstraw.api.checks import check_model_options, options_with
+from longstraw.api.checks import check_model_options, check_tokens, options_with
 from longstraw.api.tree import run_tree
 from longstraw.engine.group import Group
-from longstraw.engine.hf.composite import text_config
 from longstraw.engine.options import BackwardOptions
 from longstraw.engine.precision import accumulation_dtype
 from longstraw.engine.state.checks import check_materialised, check_prompt_state
@@ -56,16 +54,9 @@ class GroupResult:
 
 def _check_model_and_group(model: torch.nn.Module, group: Group, beta: float) -> None:
     total = group.prompt.numel() + max(group.lengths)
-    check_architecture(model, total)
-    vocab = hf(model).get_input_embeddings().num_embeddings
-    if group.max_token_id() >= vocab:
-        raise ValueError(f"token id {group.max_token_id()} is out of the model's vocabulary (size {vocab})")
-    max_pos = getattr(text_config(model), "max_position_embeddings", None)  # a composite's text tower's
-    if max_pos is not None and total > max_pos:
-        raise ValueError(
-            f"prompt ({group.prompt.numel()}) + longest response ({max(group.lengths)}) = {total} tokens exceeds "
-            f"the model's max_position_embeddings ({max_pos}): shorten the prompt or use a longer-context model"
-        )
+    check_tokens(model, total, group.max_token_id(),
+                 f"prompt ({group.prompt.numel()}) + longest response ({max(group.lengths)}) = {total} tokens exceeds "
+                 "the model's max_position_embeddings ({max_pos}): shorten the prompt or use a longer-context model")
     if beta and group.ref_logprobs is None:
         raise ValueError("beta > 0 needs ref_logprobs in the Group (the reference model's log-probs)")
 
@@ -87,11 +78,10 @@ def _check_ranges(group: Group, dtype: torch.dtype) -> None:
     largest = float(group.advantages.abs().max())
     if not largest < math.sqrt(finfo.max):
         i = int(group.advantages.abs().argmax())
-        raise ValueError(
-            f"advantages[{i}] = {float(group.advantages[i]):.3g} is too large for the loss's dtype "
-            f"{_dtype_name(dtype)}: |advantage| must be < {math.sqrt(finfo.max):.3g} (the square root of its largest "
-            "value, leaving room for the gradient's products); rescale the rewards or normalise the advantages"
-        )
+        raise ValueError(f"advantages[{i}] = {float(group.advantages[i]):.3g} is too large for the loss's dtype "
+                         f"{_dtype_name(dtype)}: |advantage| must be < {math.sqrt(finfo.max):.3g} (the square root of "
+                         "its largest value, leaving room for the gradient's products); rescale the rewards or "
+                         "normalise the advantages")
     for name in ("old_logprobs", "ref_logprobs"):
         for i, lp in enumerate(getattr(group, name) or []):
             values = _loss_tokens(group, i, lp)
@@ -106,12 +96,11 @@ def _check_ranges(group: Group, dtype: torch.dtype) -> None:
         lowest = float(_loss_tokens(group, i, lp).min())
         worst = -lowest + math.log(max(abs(float(group.advantages[i])), 1.0))
         if worst >= log_max:
-            raise ValueError(
-                f"old_logprobs[{i}] reaches {lowest:.4g} at a token in the loss: the ratio exp(logp - old) can then "
-                f"reach exp({-lowest:.4g}), which (times advantage {float(group.advantages[i]):.3g}) overflows "
-                f"{_dtype_name(dtype)} (largest {finfo.max:.3g}). A sampled token is never that unlikely: pass the "
-                "sampling policy's log-probs (not logits or a fill value), or use float64"
-            )
+            raise ValueError(f"old_logprobs[{i}] reaches {lowest:.4g} at a token in the loss: the ratio "
+                             f"exp(logp - old) can then reach exp({-lowest:.4g}), which (times advantage "
+                             f"{float(group.advantages[i]):.3g}) overflows {_dtype_name(dtype)} (largest "
+                             f"{finfo.max:.3g}). A sampled token is never that unlikely: pass the sampling policy's "
+                             "log-probs (not logits or a fill value), or use float64")
 
 
 def _loss_tokens(group: Group, i: int, values: torch.Tensor) -> torch.Tensor:
@@ -123,14 +112,8 @@ def _loss_tokens(group: Group, i: int, values: torch.Tensor) -> torch.Tensor:
     return values[group.loss_masks[i].to(values.device)]
 
 
-def backward_group(
-    model: torch.nn.Module,
-    group: Group,
-    options: BackwardOptions | None = None,
-    *,
-    prompt_state: PromptState | None = None,
-    **settings: Any,
-) -> GroupResult:
+def backward_group(model: torch.nn.Module, group: Group, options: BackwardOptions | None = None, *,
+                   prompt_state: PromptState | None = None, **settings: Any) -> GroupResult:
     """Accumulate d(group loss)/d(params) into `.grad`, as `loss.backward()` would (never zeroes or steps).
 
     options: a `BackwardOptions` (plan, loss and its parameters, chunk size, micro-batch, checkpointing, offload,

@@ -22,10 +22,9 @@ from typing import Any
 
 import torch
 
-from longstraw.admission.admission import check_architecture, is_recurrent
-from longstraw.api.checks import check_model_options, options_with
+from longstraw.admission.admission import is_recurrent
+from longstraw.api.checks import check_model_options, check_tokens, options_with
 from longstraw.engine.activation_checkpointing import checkpointed_layers
-from longstraw.engine.hf.composite import text_config
 from longstraw.engine.options import BackwardOptions
 from longstraw.engine.precision import accumulation_dtype
 from longstraw.engine.router import RouterAux, aux_value
@@ -81,15 +80,9 @@ def _check(model: torch.nn.Module, tree: Tree, options: BackwardOptions) -> None
     if options.context_shards is not None:
         options.context_shards.check_supported(model)
     longest = max(t.length for t in tree.trajectories)
-    check_architecture(model, longest)
-    vocab = hf(model).get_input_embeddings().num_embeddings
-    top = max(int(t.ids.max()) for t in tree.trajectories)
-    if top >= vocab:
-        raise ValueError(f"token id {top} is out of the model's vocabulary (size {vocab})")
-    max_pos = getattr(text_config(model), "max_position_embeddings", None)
-    if max_pos is not None and longest > max_pos:
-        raise ValueError(f"the longest trajectory has {longest} tokens, more than the model's max_position_embeddings "
-                         f"({max_pos}): shorten it or use a longer-context model")
+    check_tokens(model, longest, max(int(t.ids.max()) for t in tree.trajectories),
+                 f"the longest trajectory has {longest} tokens, more than the model's max_position_embeddings "
+                 "({max_pos}): shorten it or use a longer-context model")
     if options.loss.beta:
         missing = [i for i, t in enumerate(tree.trajectories) if t.ref_logprobs is None]
         if missing:

@@ -6,8 +6,8 @@
     r = task.reward(completion_text, ex)         # float in [0, 1]
 
 Tasks: ``passkey`` and ``multikey`` (haystack.py), ``kv`` (kv.py), ``jsonl`` (jsonl.py), and the agent task
-``lookup`` (lookup.py: answered with a tool whose results the environment appends). ``make_task`` is a plain
-if/elif over those names; options are the task dataclass's fields.
+``lookup`` (lookup.py: answered with a tool whose results the environment appends). ``make_task`` builds one by
+name; options are the task dataclass's fields.
 """
 
 from __future__ import annotations
@@ -33,18 +33,11 @@ from longstraw.tasks.lookup import LookupTask
 
 def make_task(name: str, **options: Any) -> Task:
     """Build task ``name`` with ``options`` as its dataclass fields, e.g. ``make_task("passkey", tokenizer=tok)``."""
-    if name == "passkey":
-        cls: type[PasskeyTask | MultikeyTask | KVTask | JsonlTask | LookupTask] = PasskeyTask  # dataclasses
-    elif name == "multikey":
-        cls = MultikeyTask
-    elif name == "kv":
-        cls = KVTask
-    elif name == "jsonl":
-        cls = JsonlTask
-    elif name == "lookup":
-        cls = LookupTask
-    else:
+    classes: dict[str, type[PasskeyTask | MultikeyTask | KVTask | JsonlTask | LookupTask]] = {  # dataclasses
+        "passkey": PasskeyTask, "multikey": MultikeyTask, "kv": KVTask, "jsonl": JsonlTask, "lookup": LookupTask}
+    if name not in classes:
         raise ValueError(f"unknown task {name!r}; valid names: {', '.join(TASKS)}")
+    cls = classes[name]
     # A misspelt option would otherwise surface as a TypeError from the generated __init__; name the valid ones.
     valid = [f.name for f in dataclasses.fields(cls) if f.init]
     unknown = sorted(set(options) - set(valid))

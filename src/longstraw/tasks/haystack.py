@@ -198,12 +198,9 @@ class MultikeyTask(Task):
             depths[0] = self.depth
         filler_rng = random.Random(rng.getrandbits(64))
         # names[0]/keys[0] is the asked key; the needles go in by depth, so list order does not give it away.
-        if self.repeat:
-            needles = [(d, f"The pass key for {n} is {k}. Remember it. {k} is the pass key for {n}.")
-                       for d, n, k in zip(depths, names, keys)]
-        else:
-            needles = [(d, f"The pass key for {n} is {k}.") for d, n, k in zip(depths, names, keys)]
-        needles_by_depth = sorted(needles, key=lambda t: t[0])
+        again = " Remember it. {k} is the pass key for {n}." if self.repeat else ""
+        needles_by_depth = sorted(((d, f"The pass key for {n} is {k}." + again.format(k=k, n=n))
+                                   for d, n, k in zip(depths, names, keys)), key=lambda t: t[0])
         head = ("There are several pass keys hidden inside a lot of irrelevant text. Each belongs to a person. "
                 "Find them and memorize them. I will quiz you about one of them.")
         question = f"What is the pass key for {names[0]}? Answer with the number only."

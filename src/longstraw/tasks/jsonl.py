@@ -10,9 +10,8 @@ Rewards:
   only uses differences within a group). Anything else raises ValueError naming the function.
 
 The whole file is read and checked when the task is built, so a bad line (invalid JSON, a missing or non-string
-field, an empty prompt) fails before any training step; the trainer then checks every row's length against the
-model's positions, also before step 1. Blank lines
-are skipped; other keys of a line are kept in ``Example.meta`` (with ``line``, the 1-based line number).
+field, an empty prompt) fails before any training step. Blank lines are skipped; other keys of a line are kept in
+``Example.meta`` (with ``line``, the 1-based line number).
 """
 
 from __future__ import annotations

@@ -37,6 +37,14 @@ def _prompt(pairs: list[tuple[str, str]], key: str) -> str:
             f'Key: "{key}"\nCorresponding value:')
 
 
+def _placed(pairs: list[tuple[str, str]], n: int, depth: float) -> tuple[str, int]:
+    """(prompt, asked index): the first `n` pairs with the asked one, pairs[0], moved to index round(depth * (n-1))."""
+    i = round(depth * (n - 1))
+    shown = pairs[1:n]
+    shown.insert(i, pairs[0])
+    return _prompt(shown, pairs[0][0]), i
+
+
 @dataclass
 class KVTask(Task):
     """Retrieve one value from a JSON object of UUID pairs; give ``n_pairs`` or ``prompt_tokens`` (+ tokenizer)."""
@@ -68,11 +76,7 @@ class KVTask(Task):
         def build(n: int) -> tuple[str, int, int, int]:
             while len(pairs) < n:
                 pairs.append((_uuid(rng), _uuid(rng)))
-            i = round(depth * (n - 1))
-            # The asked pair is pairs[0]; move it to index i of the first n.
-            shown = pairs[1:n]
-            shown.insert(i, pairs[0])
-            text = _prompt(shown, pairs[0][0])
+            text, i = _placed(pairs, n, depth)
             return text, count_tokens(self.tokenizer, text), i, n
 
         text, n_tok, _, _ = build(1)
@@ -103,12 +107,9 @@ class KVTask(Task):
         pairs = [(_uuid(pair_rng), _uuid(pair_rng))]
         if self.n_pairs is not None:
             pairs += [(_uuid(pair_rng), _uuid(pair_rng)) for _ in range(self.n_pairs - 1)]
-            i = round(depth * (self.n_pairs - 1))
-            shown = pairs[1:]
-            shown.insert(i, pairs[0])
-            prompt = _prompt(shown, pairs[0][0])
-            n_tok = count_tokens(self.tokenizer, prompt) if self.tokenizer is not None else None
             n = self.n_pairs
+            prompt, i = _placed(pairs, n, depth)
+            n_tok = count_tokens(self.tokenizer, prompt) if self.tokenizer is not None else None
         else:
             prompt, n_tok, i, n = self._fit_pairs(pairs, depth, pair_rng)
         meta = {"task": "kv", "depth": depth, "index": i, "n_pairs": n, "key": pairs[0][0], "prompt_tokens": n_tok}

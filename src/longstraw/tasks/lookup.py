@@ -2,29 +2,21 @@
 
 The prompt is a long directory of people (``name -> id``, one line each) and a question about a field that is not
 in it: "What is the phone number of Ana Lopez?" (``hops=1``) or "... of Ana Lopez's manager?" (``hops=2``). The
-phone and the manager live in records the model reads with a tool: it writes ``<lookup>3817</lookup>`` and the
-environment (``observe``) appends ``<result>phone: 5521, manager: 6120</result>``; it answers with
-``<answer>5521</answer>``. One hop needs one lookup (find the id in the directory, look it up); two hops need a
-second lookup with the manager's id from the first result. The environment is a pure function of the example and the
-response so far: deterministic and seeded, with no I/O.
+model writes ``<lookup>3817</lookup>``, the environment (``observe``, a pure function of the example and the response
+so far) appends ``<result>phone: 5521, manager: 6120</result>``, and the model answers with ``<answer>5521</answer>``.
+Two hops need a second lookup with the manager's id from the first result.
 
 Length is set by ``n_people`` or by ``prompt_tokens`` (the largest directory whose prompt fits; + tokenizer). Ids
-have 4 digits up to 9,000 people and one more digit each time the directory outgrows them (deterministic: the same
-seed and size give the same directory); names are drawn from ~19 million, and directories are capped at
-``MAX_PEOPLE`` (refused beyond it when the task is built, naming the largest ``prompt_tokens`` accepted).
+have 4 digits up to 9,000 people and one more digit each time the directory outgrows them; names are drawn from ~19
+million, and directories are capped at ``MAX_PEOPLE`` (refused beyond it when the task is built).
 
 Reward: 1.0 when the first ``<answer>…</answer>`` holds the phone number, else 0.0; plus ``format_reward`` (default 0)
-for each well-formed lookup of an id that exists, at most ``hops`` of them (a denser signal for small models). Ids the
-policy writes are read as text: one of any length (thousands of digits) is simply no one's id.
+for each well-formed lookup of an id that exists, at most ``hops`` of them (a denser signal for small models).
 
-What a call is, for the reward and the environment alike: a match of ``<lookup> DIGITS </lookup>`` (spaces optional)
-on the decoded text. A call ends the response when no letter or digit follows it (a BPE token can carry the tag's
-``>`` together with ``.``, ``,`` or ``<``); the sampler learns that a call has just ended from ``CallEnd``, which
-decodes the response so far with the tokenizer (SmolLM2's tokenizer writes ``</lookup>`` as ``</ lookup >``,
-`` </ lookup >`` after a space, ``… >.`` before a period: no one tuple of ids).
-
-``gold(example)``: the protocol followed correctly, as (text, is the policy's) pieces: the asked person's directory
-line, each call, its result (the environment's, not the policy's), the answer; the trainer's warm start trains on it.
+A call is a match of ``<lookup> DIGITS </lookup>`` (spaces optional) on the decoded text, for the reward and the
+environment alike; it ends the response when no letter or digit follows it (`ends_call`, `CallEnd`: the tokenizer
+splits the closing tag in many ways, so no one tuple of ids marks it). ``gold(example)``: the protocol followed
+correctly, which the trainer's warm start trains on.
 """
 
 from __future__ import annotations
@@ -141,11 +133,9 @@ class LookupTask(Task):
             base, per_line = self._sizes()
             if (self.prompt_tokens - base) // per_line + 2 > MAX_PEOPLE:
                 largest = base + (MAX_PEOPLE - 2) * per_line
-                raise ValueError(
-                    f"--prompt-tokens {self.prompt_tokens} asks the lookup task for a directory of about "
-                    f"{(self.prompt_tokens - base) // per_line + 2:,} people, more than its {MAX_PEOPLE:,}: use "
-                    f"--prompt-tokens {largest} or less with this tokenizer"
-                )
+                raise ValueError(f"--prompt-tokens {self.prompt_tokens} asks the lookup task for a directory of about "
+                                 f"{(self.prompt_tokens - base) // per_line + 2:,} people, more than its "
+                                 f"{MAX_PEOPLE:,}: use --prompt-tokens {largest} or less with this tokenizer")
 
     def _sizes(self) -> tuple[int, int]:
         """(tokens of a two-person prompt, tokens per directory line rounded up)."""

@@ -1,23 +1,18 @@
 """Training checkpoints: one file, written atomically (temporary file, fsync, rename), read without running code.
 
-It holds the model and optimizer/scheduler states, every RNG state, the data position and the config, so
-`--resume` continues exactly where the run stopped (tests check 6 steps == 3 + resume + 3).
+It holds the model and optimizer/scheduler states, every RNG state, the data position and the config, so `--resume`
+continues exactly where the run stopped (tests check 6 steps == 3 + resume + 3). Read with `torch.load(...,
+weights_only=True)`: only tensors and plain values are unpickled, so a checkpoint cannot execute code. `integrity`
+holds a SHA-256 over every value (each tensor's dtype, shape and bytes; every other value's type and repr),
+recomputed on read, so flipped bytes inside tensor data (which torch.load does not notice) are refused by name.
 
-Safety and integrity (format 2):
-- read with `torch.load(..., weights_only=True)`: only tensors and plain containers/numbers/strings are
-  unpickled, so a checkpoint file cannot execute code. Everything stored is made of those types.
-- `integrity` holds a SHA-256 over every value of the payload (each tensor's dtype, shape and bytes; every
-  other value's type and repr), recomputed on read: flipped bytes inside tensor data (which torch.load itself
-  does not notice) are refused with a message naming the file.
-- a missing entry is reported by name, not as a KeyError.
-
-A run's state in and out of that file (`save_run`, `restore_run`): in a distributed run the sharded model and
-optimizer are gathered to rank 0, which writes, and rank 0's checkpoint is broadcast and loaded into every
-rank's shards. `check_same_shapes` refuses a checkpoint of another architecture before it is loaded.
+`save_run`, `restore_run`: a run's state in and out of that file; in a distributed run the sharded state is gathered
+to rank 0, which writes, and rank 0's checkpoint is broadcast and loaded into every rank's shards.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
@@ -25,7 +20,7 @@ import random
 import sys
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
@@ -36,7 +31,6 @@ if TYPE_CHECKING:
     from longstraw.train.config import TrainConfig
 
 FILENAME = "checkpoint.pt"
-TMP_SUFFIX = ".tmp"
 FORMAT = 2
 # Entries every checkpoint has; `optimizer` is None in a weights-only checkpoint (--save-weights-only).
 REQUIRED = ("step", "model", "optimizer", "scheduler", "config", "rng", "summary")
@@ -46,7 +40,7 @@ FAULT_SLEEP_ENV = "LONGSTRAW_FAULT_CHECKPOINT_SLEEP_S"
 
 
 def tmp_path_of(run_dir: str | Path) -> Path:
-    return Path(run_dir) / (FILENAME + TMP_SUFFIX)
+    return Path(run_dir) / (FILENAME + ".tmp")
 
 
 class WriteError(ValueError):
@@ -75,11 +69,7 @@ class _Writer:
         self.error: OSError | None = None
 
     def write(self, data: Any) -> int:
-        try:
-            n = self.f.write(data)
-        except OSError as err:
-            self.error = self.error or err
-            raise
+        n = self._keeping_error(lambda: self.f.write(data))
         self.written += n
         if self.sleep_s and self.written >= 65536:
             self.f.flush()
@@ -88,19 +78,19 @@ class _Writer:
         return n
 
     def flush(self) -> None:
+        self._keeping_error(self.f.flush)
+
+    def _keeping_error(self, call: Callable[[], Any]) -> Any:
         try:
-            self.f.flush()
+            return call()
         except OSError as err:
             self.error = self.error or err
             raise
 
 
 def save_checkpoint(run_dir: str | Path, payload: dict[str, Any]) -> Path:
-    """Write run_dir/checkpoint.pt atomically; a crash mid-write leaves the previous checkpoint intact.
-
-    `payload` should carry `rng` (the RNG states at the step boundary it describes); without it, the current
-    states are stored.
-    """
+    """Write run_dir/checkpoint.pt atomically; a crash mid-write leaves the previous checkpoint intact. `payload`
+    should carry `rng` (the RNG states at the step boundary it describes); without it, the current states are stored."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     final = run_dir / FILENAME
@@ -130,43 +120,33 @@ def save_checkpoint(run_dir: str | Path, payload: dict[str, Any]) -> Path:
 
 
 def _fsync_dir(path: Path) -> None:
-    try:
+    with contextlib.suppress(OSError):  # some filesystems do not support fsync on directories
         fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some filesystems do not support fsync on directories
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def load_checkpoint(run_dir: str | Path) -> dict[str, Any]:
-    """Read and verify run_dir/checkpoint.pt (no side effects: restore RNG states with `set_rng_state`).
-
-    Clear errors, each naming the file, for: a missing file (FileNotFoundError), a damaged or truncated file,
-    a file that is not a LongStraw checkpoint, a missing entry, and contents that fail the checksum (ValueError).
-    """
+    """Read and verify run_dir/checkpoint.pt (no side effects: restore RNG states with `set_rng_state`). Clear errors,
+    each naming the file, for: a missing file (FileNotFoundError), a damaged or truncated file, a file that is not a
+    LongStraw checkpoint, a missing entry, and contents that fail the checksum (ValueError)."""
     path = Path(run_dir) / FILENAME
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint to resume from: {path} does not exist (run without --resume)")
     try:
         data = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # torch raises several types for truncated/corrupt/unsafe files
-        raise ValueError(
-            f"checkpoint {path} is damaged or truncated, or holds objects other than tensors and plain values "
-            f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); delete it to start over, "
-            "or restore a good copy"
-        ) from None
+        raise ValueError(f"checkpoint {path} is damaged or truncated, or holds objects other than tensors and plain "
+                         f"values ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); delete it to "
+                         "start over, or restore a good copy") from None
     if not isinstance(data, dict) or data.get("format") not in (1, FORMAT):
         raise ValueError(f"checkpoint {path} is not a LongStraw checkpoint of format {FORMAT}")
     missing = [k for k in REQUIRED if k not in data and not (k == "summary" and data["format"] == 1)]
     if missing:
-        raise ValueError(
-            f"checkpoint {path} lacks {', '.join(repr(k) for k in missing)}: it is incomplete or was written by "
-            "another program; delete it to start over, or restore a good copy"
-        )
+        raise ValueError(f"checkpoint {path} lacks {', '.join(repr(k) for k in missing)}: it is incomplete or was "
+                         "written by another program; delete it to start over, or restore a good copy")
     if data["format"] == 1:  # written before checksums existed (still read without running code)
         warnings.warn(f"checkpoint {path} predates checksums (format 1): its contents cannot be verified",
                       stacklevel=2)
@@ -175,20 +155,10 @@ def load_checkpoint(run_dir: str | Path) -> dict[str, Any]:
     if not isinstance(stored, Mapping) or "sha256" not in stored:
         raise ValueError(f"checkpoint {path} lacks its checksum ('integrity'): it is incomplete or was altered")
     if digest(data) != stored["sha256"]:
-        raise ValueError(
-            f"checkpoint {path} is corrupted: its contents do not match the SHA-256 recorded when it was written "
-            "(flipped bytes on disk or in transfer); delete it to start over, or restore a good copy"
-        )
+        raise ValueError(f"checkpoint {path} is corrupted: its contents do not match the SHA-256 recorded when it was "
+                         "written (flipped bytes on disk or in transfer); delete it to start over, or restore a good "
+                         "copy")
     return data
-
-
-def remove_stale_tmp(run_dir: str | Path) -> bool:
-    """Delete a temporary checkpoint left by a process killed while writing; True if there was one."""
-    tmp = tmp_path_of(run_dir)
-    if tmp.exists():
-        tmp.unlink()
-        return True
-    return False
 
 
 # ---------------------------------------------------------------------------------------------------- a run's state

@@ -44,23 +44,12 @@ def derive_seed(*parts: int) -> int:
 def build_task(cfg: TrainConfig, tokenizer: Any) -> Task:
     """The configured task; options that do not apply to it are not passed."""
     t = cfg.task
-    if t.task == "passkey":
-        return make_task("passkey", tokenizer=tokenizer, prompt_tokens=t.prompt_tokens, digits=t.digits)
-    elif t.task == "multikey":
-        return make_task("multikey", tokenizer=tokenizer, prompt_tokens=t.prompt_tokens, digits=t.digits,
-                         n_keys=t.num_keys)
-    elif t.task == "kv":
-        return make_task("kv", tokenizer=tokenizer, prompt_tokens=t.prompt_tokens)
-    elif t.task == "lookup":
-        return make_task("lookup", tokenizer=tokenizer, prompt_tokens=t.prompt_tokens, hops=t.hops,
-                         format_reward=t.format_reward)
-    elif t.task == "jsonl":
-        options: dict[str, Any] = {"path": t.data}
-        if t.reward_fn:
-            options["reward_fn"] = t.reward_fn
-        return make_task("jsonl", **options)
-    else:
-        raise ValueError(f"unknown task {t.task!r}")
+    if t.task == "jsonl":
+        return make_task("jsonl", path=t.data, **({"reward_fn": t.reward_fn} if t.reward_fn else {}))
+    options: dict[str, dict[str, Any]] = {
+        "passkey": {"digits": t.digits}, "multikey": {"digits": t.digits, "n_keys": t.num_keys},
+        "lookup": {"hops": t.hops, "format_reward": t.format_reward}}
+    return make_task(t.task, tokenizer=tokenizer, prompt_tokens=t.prompt_tokens, **options.get(t.task, {}))
 
 
 def split_rows(n_rows: int, held_out: int, where: str) -> tuple[list[int], list[int]]:
@@ -70,11 +59,9 @@ def split_rows(n_rows: int, held_out: int, where: str) -> tuple[list[int], list[
     if held_out == 0:
         return list(range(n_rows)), []
     if held_out >= n_rows:
-        raise ValueError(
-            f"{where} has {n_rows} row(s), too few to hold out eval_prompts = {held_out} for the held-out evaluation "
-            f"(rows never trained on) and keep at least one to train on: lower --eval-prompts to at most "
-            f"{n_rows - 1}, or add rows to the file"
-        )
+        raise ValueError(f"{where} has {n_rows} row(s), too few to hold out eval_prompts = {held_out} for the held-out "
+                         "evaluation (rows never trained on) and keep at least one to train on: lower --eval-prompts "
+                         f"to at most {n_rows - 1}, or add rows to the file")
     order = list(range(n_rows))
     random.Random(HELD_OUT_SPLIT_SEED).shuffle(order)
     return sorted(order[held_out:]), sorted(order[:held_out])
@@ -131,11 +118,9 @@ class TaskData:
             raise ValueError(f"{where or 'the task'}: empty prompt")
         if self.max_positions is not None and ids.numel() + self.cfg.rollout.max_new_tokens > self.max_positions:
             fix = "shorten it" if where else "lower --prompt-tokens"
-            raise ValueError(
-                f"{where + ': ' if where else ''}prompt of {ids.numel()} tokens + {self.cfg.rollout.max_new_tokens} "
-                f"new tokens exceeds the {self.max_positions} positions of model {self.cfg.model.model!r}: {fix} or "
-                "lower --max-new-tokens"
-            )
+            raise ValueError(f"{where + ': ' if where else ''}prompt of {ids.numel()} tokens + "
+                             f"{self.cfg.rollout.max_new_tokens} new tokens exceeds the {self.max_positions} positions "
+                             f"of model {self.cfg.model.model!r}: {fix} or lower --max-new-tokens")
         return ids
 
     def validate(self) -> None:

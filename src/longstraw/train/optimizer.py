@@ -1,17 +1,12 @@
 """The trainer's AdamW: its learning-rate schedule, the step's mean gradient, and the guards that keep a
-non-finite update from ever reaching the weights.
-
-A step's update, in the trainer's order: `mean_gradient` (the mean over all kept groups), `clip_and_check`
-(clip the norm, refuse a non-finite norm, refuse an AdamW update that would make a weight or moment non-finite:
-nothing is applied then), `optimizer.step()`, `check_weights_finite` (in case the step did what the check did
-not foresee), and once per step, `scheduler_step`.
+non-finite update from ever reaching the weights (`clip_and_check` before `optimizer.step()`, `check_weights_finite`
+after it, in case the step did what the check did not foresee).
 """
 
 from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,19 +21,17 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> tuple[torch.opti
     """AdamW over the trainable parameters, and its schedule (warmup, then constant or cosine)."""
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.optimizer.lr, weight_decay=cfg.optimizer.weight_decay)
-    return optimizer, LambdaLR(optimizer, _lr_lambda(cfg))
+    opt = cfg.optimizer
 
-
-def _lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
     def factor(step: int) -> float:
-        if cfg.optimizer.warmup_steps and step < cfg.optimizer.warmup_steps:
-            return (step + 1) / cfg.optimizer.warmup_steps
-        if cfg.optimizer.lr_schedule == "cosine":
-            done = (step - cfg.optimizer.warmup_steps) / max(1, cfg.optimizer.steps - cfg.optimizer.warmup_steps)
+        if opt.warmup_steps and step < opt.warmup_steps:
+            return (step + 1) / opt.warmup_steps
+        if opt.lr_schedule == "cosine":
+            done = (step - opt.warmup_steps) / max(1, opt.steps - opt.warmup_steps)
             return 0.5 * (1.0 + math.cos(math.pi * min(1.0, done)))
         return 1.0
 
-    return factor
+    return optimizer, LambdaLR(optimizer, factor)
 
 
 def scheduler_step(scheduler: LRScheduler) -> None:
@@ -72,19 +65,16 @@ def clip_and_check(par: Parallel, optimizer: torch.optim.Optimizer, model: torch
     max_norm = max_grad_norm if max_grad_norm > 0 else float("inf")
     grad_norm = par.clip_grad_norm(params, max_norm)
     if not math.isfinite(grad_norm):
-        raise FloatingPointError(
-            f"step {step + 1}: gradient norm is {grad_norm}; the optimizer step was skipped and the weights "
-            "are unchanged. Lower the learning rate, use float32, or check the rewards"
-        )
+        raise FloatingPointError(f"step {step + 1}: gradient norm is {grad_norm}; the optimizer step was skipped and "
+                                 "the weights are unchanged. Lower the learning rate, use float32, or check the "
+                                 "rewards")
     names = {id(p): n for n, p in model.named_parameters()}
     grad_bound = min(grad_norm, max_norm)  # a bound on every gradient element
     bad = [b for b in par.gather(_adamw_update_is_finite(optimizer, names, grad_bound)) if b]
     if bad:
-        raise FloatingPointError(
-            f"step {step + 1}: the AdamW update would make {bad[0]} (its weight or second moment) non-finite; "
-            "it was not applied: the weights and optimizer state are as they were before it. Lower the learning "
-            "rate, check the rewards, or use float32"
-        )
+        raise FloatingPointError(f"step {step + 1}: the AdamW update would make {bad[0]} (its weight or second moment) "
+                                 "non-finite; it was not applied: the weights and optimizer state are as they were "
+                                 "before it. Lower the learning rate, check the rewards, or use float32")
     return grad_norm
 
 
@@ -92,10 +82,9 @@ def check_weights_finite(par: Parallel, model: torch.nn.Module, step: int) -> No
     """After the AdamW step: FloatingPointError if a weight is not finite on any rank."""
     bad = [b for b in par.gather(_first_non_finite(model)) if b]
     if bad:
-        raise FloatingPointError(
-            f"step {step + 1}: after the AdamW step, {bad[0]} holds non-finite values (the update check passed, "
-            "so this is unexpected); this process's weights are unusable: resume from the last checkpoint"
-        )
+        raise FloatingPointError(f"step {step + 1}: after the AdamW step, {bad[0]} holds non-finite values (the update "
+                                 "check passed, so this is unexpected); this process's weights are unusable: resume "
+                                 "from the last checkpoint")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

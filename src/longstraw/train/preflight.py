@@ -1,18 +1,10 @@
 """What `longstraw train --nproc N` checks once, in the launcher, before any rank starts.
 
 Each rank checks its model and task again (`Trainer`), but a refusal found there is printed once per rank, after every
-rank has loaded the model and after rank 0 has created the run directory. Here the same checks run first, in the
-launcher, without reading any weights:
-
-- `distributed_rules`: the options that run in one process only (--bias-every, --warm-start-steps);
-- the model: its config read (`model_config`: a preset's, a local directory's, a cached hub id's, a GGUF file's
-  converted copy, which the ranks would make anyway), the model built from it on the meta device (no memory, no
-  initialisation), then the very checks the ranks run on the loaded one: `admission.admit` (the family admitted)
-  and, with --tp, `tp.check_tensor_parallel` (the family has a verified plan and its heads divide by --tp);
-- the task: its tokenizer loaded and `TaskData` built, which builds the task and checks a prompt against the model's
-  positions, as each rank does before its first step.
-
-A hub id that is not in the local cache is not fetched here: the ranks load it and check it as before.
+rank has loaded the model and after rank 0 has created the run directory. Here the same checks run first, without
+reading any weights: `distributed_rules` (the options that run in one process only) and `check_before_ranks` (the
+model built on the meta device from its config, admitted and, with --tp, checked for tensor parallelism; the task
+built with its tokenizer and a prompt checked against the model's positions).
 """
 
 from __future__ import annotations
@@ -67,8 +59,11 @@ def meta_model(config: Any) -> torch.nn.Module:
 
 
 def check_before_ranks(cfg: TrainConfig, world_size: int) -> None:
-    """The model and task checks of every rank (module docstring), run once; ValueError or FileNotFoundError saying
-    what to change. Loads the config and the tokenizer, never the weights; creates no run directory."""
+    """The model and task checks of every rank, run once: the config read (`model_config`), the model built from it
+    on the meta device, then `admission.admit` and, with --tp, `tp.check_tensor_parallel`, and `TaskData` built (the
+    task, a prompt against the model's positions). ValueError or FileNotFoundError saying what to change. Loads the
+    config and the tokenizer, never the weights; creates no run directory; a hub id not in the local cache is not
+    fetched (the ranks load and check it)."""
     from longstraw.admission.admission import admit
     from longstraw.models.tokenizer import load_tokenizer
     from longstraw.train.data import TaskData

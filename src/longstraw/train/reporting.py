@@ -1,17 +1,6 @@
-"""What a training run reports: the progress line, each step's metrics row, the run's output files and plots.
-
-- `StepLog`: one step's numbers on this rank while it runs (time, peak memory, rewards, tokens), then the
-  metrics row over all ranks (`row`: the keys of metrics.jsonl).
-- `Progress`: one line per step on stderr; on a terminal, an in-place bar while the step runs.
-- `Report`: rank 0's outputs (nothing on the other ranks): metrics.jsonl (one row per step, truncated to the
-  checkpoint's step on resume), TensorBoard scalars, the run's messages, and at the end summary.json and
-  progress.png.
-- `write_summary`: summary.json, strict JSON (null for a non-finite number), written whole or not at all;
-  `read_summary` (rundir.py) reads it back.
-- `read_metrics`, `plot_metrics`: metrics.jsonl back, and its plot.
-- `pyplot`, `save_figure`: matplotlib (Agg backend) or None with a note when it is missing, and the one way every
-  LongStraw plot is written (the benchmarks, `python -m benchmarks compare` among them, use them too).
-"""
+"""What a training run reports: each step's metrics row (`StepLog`), the progress line (`Progress`), rank 0's
+output files (`Report`: metrics.jsonl, TensorBoard, summary.json, progress.png) and plots. `pyplot` and `save_figure`
+are the one way every LongStraw plot is written (the benchmarks use them too)."""
 
 from __future__ import annotations
 
@@ -52,10 +41,8 @@ class StepLog:
 
     def tree(self, stats: dict[str, int], rollout_stats: dict[str, int]) -> None:
         """One kept tree: its prefix tree's shape (`Tree.stats`) and its rollout's counts (`TreeRollout.stats`)."""
-        for key, value in {**stats, **rollout_stats}.items():
-            name = key if key.startswith(("tree_", "rollout_")) else f"tree_{key}"
-            self.trees[name] = max(self.trees.get(name, 0), value) if name == "tree_depth" else \
-                self.trees.get(name, 0) + value
+        _add_trees(self.trees, {key if key.startswith(("tree_", "rollout_")) else f"tree_{key}": value
+                                for key, value in {**stats, **rollout_stats}.items()})
 
     def rollout(self, rewards: torch.Tensor, response_lengths: list[int], prompt_tokens: int, dropped: bool,
                 observation_tokens: int = 0, turns: int | None = None, tool_calls: int = 0) -> None:
@@ -87,14 +74,12 @@ class StepLog:
         peak = max(x["peak"] for x in ranks)
         ranks = ranks[:: par.block_size]  # the ranks of a block (context and tensor parallel) hold the same groups
         rewards = torch.cat([x["rewards"] for x in ranks])
-        dropped = sum(x["dropped"] for x in ranks)
-        response_tokens = sum(x["response_tokens"] for x in ranks)
-        prompt_tokens = sum(x["prompt_tokens"] for x in ranks)
-        t_rollout, t_train = max(x["t_rollout"] for x in ranks), max(x["t_train"] for x in ranks)
+        total = {key: sum(x[key] for x in ranks) for key in ("dropped", "response_tokens", "prompt_tokens", "skipped",
+                                                             "observation_tokens", "turns", "tool_calls")}
+        responses, t_step = max(1, rewards.numel()), [x["t_step"] for x in ranks]
         trees: dict[str, float] = {}  # summed over ranks (the depth: the deepest)
         for x in ranks:
-            for key, value in x["trees"].items():
-                trees[key] = max(trees.get(key, 0), value) if key == "tree_depth" else trees.get(key, 0) + value
+            _add_trees(trees, x["trees"])
         if trees:
             # tokens the tree's passes encode (each shared token once) over those of every trajectory run on its own
             trees["tree_encoded_fraction"] = trees["tree_tokens_encoded"] / max(1, trees["tree_tokens_flattened"])
@@ -107,28 +92,30 @@ class StepLog:
             "grad_norm": grad_norm,
             "lr": lr,
             "kept_groups": n_kept // par.block_size,  # a block's ranks share their groups
-            "skipped_zero_advantage": sum(x["skipped"] for x in ranks),
-            "dropped_groups": dropped,
-            "response_tokens_mean": response_tokens / max(1, rewards.numel()),
+            "skipped_zero_advantage": total["skipped"],
+            "dropped_groups": total["dropped"],
+            "response_tokens_mean": total["response_tokens"] / responses,
             # agent tasks: tokens the environment appended (in the responses, not in the loss), model turns and tool
             # calls; the step's totals over every sampled response, and per response
-            "observation_tokens": sum(x["observation_tokens"] for x in ranks),
-            "turns": sum(x["turns"] for x in ranks),
-            "tool_calls": sum(x["tool_calls"] for x in ranks),
-            "observation_tokens_mean": sum(x["observation_tokens"] for x in ranks) / max(1, rewards.numel()),
-            "turns_mean": sum(x["turns"] for x in ranks) / max(1, rewards.numel()),
-            "tool_calls_mean": sum(x["tool_calls"] for x in ranks) / max(1, rewards.numel()),
-            "prompt_tokens": prompt_tokens // max(1, n_kept // par.block_size) if n_kept else 0,
+            **{key: total[key] for key in ("observation_tokens", "turns", "tool_calls")},
+            **{f"{key}_mean": total[key] / responses for key in ("observation_tokens", "turns", "tool_calls")},
+            "prompt_tokens": total["prompt_tokens"] // max(1, n_kept // par.block_size) if n_kept else 0,
             "peak_memory_bytes": peak,  # the largest rank's
-            "tokens_per_s": (prompt_tokens + response_tokens) / max(1e-9, max(x["t_step"] for x in ranks)),
-            "time_rollout_s": t_rollout,
-            "time_train_s": t_train,
+            "tokens_per_s": (total["prompt_tokens"] + total["response_tokens"]) / max(1e-9, *t_step),
+            "time_rollout_s": max(x["t_rollout"] for x in ranks),
+            "time_train_s": max(x["t_train"] for x in ranks),
             # --rollout tree: tree_nodes, tree_leaves, tree_depth, tree_trajectories, tree_tokens_encoded,
             # tree_tokens_flattened, tree_encoded_fraction; rollout_forks, rollout_groups, rollout_positions_run,
             # rollout_tokens_sampled, rollout_tokens_flattened (engine/tree/rollout.py)
             **trees,
             **bias_metrics,
         }
+
+
+def _add_trees(into: dict[str, Any], trees: dict[str, Any]) -> None:
+    """Add one tree's (or rank's) counts into `into`: summed, but the depth is the deepest."""
+    for key, value in trees.items():
+        into[key] = max(into.get(key, 0), value) if key == "tree_depth" else into.get(key, 0) + value
 
 
 class Progress:
@@ -149,12 +136,9 @@ class Progress:
     def step_done(self, m: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        line = (
-            f"step {m['step']}/{self.total} | reward {m['reward_mean']:.3f} (max {m['reward_max']:.3f}) | "
-            f"loss {m['loss']:+.2e} | gnorm {m['grad_norm']:.2f} | peak {m['peak_memory_bytes'] / GIB:.2f} GiB | "
-            f"{m['tokens_per_s']:.0f} tok/s | "
-            f"rollout {m['time_rollout_s']:.1f}s train {m['time_train_s']:.1f}s"
-        )
+        line = (f"step {m['step']}/{self.total} | reward {m['reward_mean']:.3f} (max {m['reward_max']:.3f}) | "
+                f"loss {m['loss']:+.2e} | gnorm {m['grad_norm']:.2f} | peak {m['peak_memory_bytes'] / GIB:.2f} GiB | "
+                f"{m['tokens_per_s']:.0f} tok/s | rollout {m['time_rollout_s']:.1f}s train {m['time_train_s']:.1f}s")
         if "bias_cosine" in m:
             line += f" | bias: cos {m['bias_cosine']:.4f} rel err {m['bias_rel_error']:.3f}"
         if m["dropped_groups"]:
@@ -364,24 +348,18 @@ def plot_metrics(metrics_path: Path, out: Path) -> Path | None:
     ax1, ax2 = axes[0], axes[1]
     means = [r["reward_mean"] for r in rows]
     window = 5  # one group per step is noisy: show the trend too
-    trend = [sum(means[max(0, i - window + 1) : i + 1]) / len(means[max(0, i - window + 1) : i + 1])
-             for i in range(len(means))]
+    trend = [sum(part) / len(part) for part in (means[max(0, i - window + 1) : i + 1] for i in range(len(means)))]
     ax1.plot(steps, means, marker="o", alpha=0.45, label="mean")
     ax1.plot(steps, trend, linewidth=2.2, label=f"mean, {window}-step average")
     ax1.plot(steps, [r["reward_max"] for r in rows], linestyle="--", alpha=0.6, label="max")
-    ax1.set_xlabel("step")
-    ax1.set_ylabel("reward")
-    ax1.set_ylim(-0.02, 1.02)
+    ax1.set(xlabel="step", ylabel="reward", ylim=(-0.02, 1.02), title="sampled reward")
     ax1.legend(fontsize=8)
-    ax1.set_title("sampled reward")
     ax2.plot(steps, [r["peak_memory_bytes"] / GIB for r in rows], marker="o", color="tab:red")
     # From 0 and without an offset: a peak that varies by bytes would otherwise get an axis of millionths of a GiB
     # whose offset label ("1e-6+1.58") sits on the title.
     ax2.set_ylim(bottom=0, top=1.1 * max(r["peak_memory_bytes"] for r in rows) / GIB)
     ax2.ticklabel_format(axis="y", style="plain", useOffset=False)
-    ax2.set_xlabel("step")
-    ax2.set_ylabel("peak memory (GiB)")
-    ax2.set_title("peak memory per step")
+    ax2.set(xlabel="step", ylabel="peak memory (GiB)", title="peak memory per step")
     if metered:
         _bias_panel(axes[2], metered)
     return save_figure(fig, out)

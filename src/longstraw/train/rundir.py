@@ -1,24 +1,15 @@
-"""The run directory: checked before the model loads, compared with the checkpoint on resume, repaired after a kill.
+"""The run directory: checked and locked before the model loads (`open_run_dir`, `prepare_run_dir`, `RunLock`),
+compared with the checkpoint on resume (`check_resume_config`), repaired after a kill (`truncate_metrics`: steps
+past the checkpoint are redone on resume, and a half-written last line is dropped, so every step appears once).
 
-- `prepare_run_dir`: refuses a path that is a file, that cannot be created or written (a probe file is created
-  and removed), and a directory that already holds a run unless `--resume` (continue it) or `--overwrite`
-  (delete LongStraw's files in it) is given; removes a temporary checkpoint a killed process left behind.
-- `check_resume_config`: the checkpoint's config against this run's. Another model is refused; fields that
-  change what is trained (task, data, loss, group size, learning rate, ...; for a jsonl file also eval_prompts,
-  which sets the held-out rows training never draws) are refused unless `--force`;
-  fields that only change how it is computed or how long it runs are listed as a note.
-- `truncate_metrics`: after a kill, metrics.jsonl may hold steps past the checkpoint (they are redone on
-  resume) and a half-written last line; both are removed so every step appears once.
-- `open_run_dir`: what the trainer calls (rank 0): `prepare_run_dir`, then on resume the checkpoint read and
-  checked (`checkpoint.load_checkpoint`, `check_resume_config`).
-- `RunLock`: one writer per run directory. `prepare_run_dir` takes an exclusive `flock` on run_dir/.longstraw.lock
-  before it deletes or repairs anything; a second process is refused at once with the holder's PID and host (written
-  into the file). The kernel releases the lock when its holder dies however it dies, so a lock left by a dead process
-  is taken over, with a note naming it.
+`RunLock`: one writer per run directory, an exclusive `flock` on run_dir/.longstraw.lock taken before anything is
+deleted or repaired; a second process is refused at once with the holder's PID and host (written into the file). The
+kernel releases the lock when its holder dies however it dies, so a dead process's lock is taken over, with a note.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -31,7 +22,7 @@ import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from longstraw.train.checkpoints import FILENAME, load_checkpoint, remove_stale_tmp
+from longstraw.train.checkpoints import FILENAME, load_checkpoint, tmp_path_of
 
 if TYPE_CHECKING:
     from longstraw.train.config import TrainConfig
@@ -86,8 +77,7 @@ class RunLock:
                                  f"end or stop it{kill}, or choose another {option}") from None
             print(f"note: {what} {run_dir}: its filesystem cannot lock files ({err.strerror or err}); a second "
                   "process writing to it at the same time will not be detected", file=sys.stderr)
-            lock = cls(run_dir, None)
-            return lock
+            return cls(run_dir, None)
         previous = _read_holder(fd)
         if previous is not None and int(previous[0]) != os.getpid():
             print(f"note: {what} {run_dir}: taking over the lock of PID {previous[0]} on host {previous[1]} (since "
@@ -105,10 +95,8 @@ class RunLock:
         if fd is None:
             return
         if os.getpid() == self.pid:
-            try:
+            with contextlib.suppress(OSError):  # best effort: the next holder then only prints a note
                 os.ftruncate(fd, 0)
-            except OSError:
-                pass  # best effort: the next holder then only prints a note
         os.close(fd)  # closing the last descriptor releases the flock
 
     def __del__(self) -> None:
@@ -144,7 +132,8 @@ def open_run_dir(run_dir: Path, cfg: TrainConfig) -> tuple[RunLock, dict[str, An
         ckpt = load_checkpoint(run_dir)
         metrics_lines(run_dir / "metrics.jsonl")  # an undecodable file refused here, before any model is loaded
         note_damaged_summary(run_dir / "summary.json")
-        print_notes(check_resume_config(ckpt["config"], cfg.to_flat(), cfg.run.force, str(run_dir / FILENAME)))
+        for note in check_resume_config(ckpt["config"], cfg.to_flat(), cfg.run.force, str(run_dir / FILENAME)):
+            print(note, file=sys.stderr)
     except BaseException:
         lock.release()
         raise
@@ -152,8 +141,10 @@ def open_run_dir(run_dir: Path, cfg: TrainConfig) -> tuple[RunLock, dict[str, An
 
 
 def prepare_run_dir(run_dir: str | Path, resume: bool, overwrite: bool) -> RunLock:
-    """Check, create and lock the run directory (before any model is loaded); see the module docstring. Returns the
-    lock, held until its `release` (or this process's end)."""
+    """Check, create and lock the run directory (before any model is loaded): refuse a path that is a file or cannot
+    be created or written (a probe file), and a directory already holding a run unless `resume` (continue it) or
+    `overwrite` (delete LongStraw's files in it); remove a temporary checkpoint a killed process left behind. Returns
+    the lock, held until its `release` (or this process's end)."""
     path = Path(run_dir)
     if resume and overwrite:
         raise ValueError("--resume continues the run in run_dir and --overwrite deletes it: give only one")
@@ -171,9 +162,8 @@ def prepare_run_dir(run_dir: str | Path, resume: bool, overwrite: bool) -> RunLo
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as err:
-        raise ValueError(
-            f"run_dir {path} is not writable ({err.strerror or err}): fix its permissions or choose another --run-dir"
-        ) from None
+        raise ValueError(f"run_dir {path} is not writable ({err.strerror or err}): fix its permissions or choose "
+                         "another --run-dir") from None
     lock = RunLock.acquire(path)  # before anything in the directory is read, deleted or repaired
     try:
         ours = [name for name in RUN_OUTPUTS if (path / name).exists()]
@@ -183,17 +173,15 @@ def prepare_run_dir(run_dir: str | Path, resume: bool, overwrite: bool) -> RunLo
             raise FileNotFoundError(f"no checkpoint to resume from: {path / FILENAME} does not exist ({fix})")
         if not resume and ours:
             if not overwrite:
-                raise ValueError(
-                    f"run_dir {path} already holds a run ({', '.join(ours)}): add --resume to continue it, "
-                    "--overwrite to delete it and start over, or choose another --run-dir"
-                )
+                raise ValueError(f"run_dir {path} already holds a run ({', '.join(ours)}): add --resume to continue "
+                                 "it, --overwrite to delete it and start over, or choose another --run-dir")
             for name in ours:
                 target = path / name
                 if target.is_dir():
                     shutil.rmtree(target)
                 else:
                     target.unlink()
-        remove_stale_tmp(path)
+        tmp_path_of(path).unlink(missing_ok=True)  # left by a process killed while writing a checkpoint
     except BaseException:
         lock.release()
         raise
@@ -201,10 +189,9 @@ def prepare_run_dir(run_dir: str | Path, resume: bool, overwrite: bool) -> RunLo
 
 
 def check_resume_config(saved: dict[str, Any], current: dict[str, Any], force: bool, where: str) -> list[str]:
-    """Compare a checkpoint's config with this run's; raise ValueError for a refused change.
-
-    Returns the notes to print (noted changes, and forced ones). `where` names the checkpoint in messages.
-    """
+    """Compare a checkpoint's config with this run's; raise ValueError for a refused change: another model, or a
+    field that changes what is trained, unless `force`. Returns the notes to print (fields that only change how it is
+    computed or how long it runs, and forced ones). `where` names the checkpoint in messages."""
     def changed(names: list[str]) -> list[str]:
         return [f"{k}: {saved[k]!r} -> {current[k]!r}" for k in names]
 
@@ -216,15 +203,12 @@ def check_resume_config(saved: dict[str, Any], current: dict[str, Any], force: b
     refused = [k for k in common if k not in NOTED_FIELDS]
     notes = []
     if "model" in refused and not force:
-        raise ValueError(
-            f"checkpoint {where} was trained from model {saved['model']!r}, not {current['model']!r}: resume with "
-            "the same --model (add --force only if it is the same model under another name or path)"
-        )
+        raise ValueError(f"checkpoint {where} was trained from model {saved['model']!r}, not {current['model']!r}: "
+                         "resume with the same --model (add --force only if it is the same model under another name "
+                         "or path)")
     if refused and not force:
-        raise ValueError(
-            f"resuming {where} with settings that change what is trained: {'; '.join(changed(refused))}. Use the "
-            "checkpoint's values, or add --force to continue with the new ones"
-        )
+        raise ValueError(f"resuming {where} with settings that change what is trained: {'; '.join(changed(refused))}. "
+                         "Use the checkpoint's values, or add --force to continue with the new ones")
     if refused:
         notes.append(f"--force: continuing with changed settings: {'; '.join(changed(refused))}")
     if noted:
@@ -308,8 +292,3 @@ def note_damaged_summary(path: Path) -> None:
             read_summary(path, "this run writes it again when it ends")
         except ValueError as err:
             print(f"note: {err}", file=sys.stderr)
-
-
-def print_notes(notes: list[str]) -> None:
-    for note in notes:
-        print(note, file=sys.stderr)

@@ -1,15 +1,7 @@
-"""What the trainer samples from the policy, scored by the task (sampling itself: `engine/sampling.py`).
-
-- `Sampler.step_groups`: this rank's prompts of a step, each through `rollout`; with dynamic sampling, a group
-  whose rewards are all equal (no learning signal) is dropped.
-- `Sampler.rollout`: one prompt of a step: capture it once, sample G responses from that state
-  (`sampling.sample_group`), decode and reward them (`TaskData.reward`), their advantages (`compute_advantages`),
-  and with beta > 0 the frozen reference model's log-probs of them, from its own prompt capture.
-- `Sampler.rollout_tree` (`--rollout tree`): one prompt's tree (`engine.tree.rollout.sample_tree`): trunks that fork
-  at tool calls or every k tokens, each leaf rewarded, the leaves' advantages over the tree or against their siblings
-  (`tree_advantages`), and the prefix tree of the leaves' trajectories that `backward_tree` trains on.
-- `Sampler.evaluate`: the mean greedy reward on `eval_prompts` held-out prompts (a seed stream training never
-  draws from), before and after training.
+"""What the trainer samples from the policy, scored by the task (sampling itself: `engine/sampling.py`): a step's
+groups (`Sampler.step_groups`), each prompt's rollout (`rollout`; `rollout_tree` with --rollout tree) with its
+rewards, advantages and, with beta > 0, the frozen reference model's log-probs, and the held-out evaluation
+(`evaluate`: greedy, on prompts from a seed stream training never draws from).
 """
 
 from __future__ import annotations
@@ -96,6 +88,12 @@ class Sampler:
                                        max_turns=self.max_turns)
         # An agent task's last held-out evaluation: the share of prompts whose greedy response made a tool call.
         self.eval_tool_call_rate = float("nan")
+        self.loss_dtype = accumulation_dtype(getattr(torch, cfg.model.dtype))  # the dtype advantages are bounded for
+
+    def _rewards(self, responses: list[torch.Tensor], example: Example, step: int) -> torch.Tensor:
+        """The task's reward of each decoded response, (G,) float64."""
+        return torch.tensor([self.data.reward(self.data.decode(r), example, f"step {step + 1}") for r in responses],
+                            dtype=torch.float64)
 
     def step_groups(self, model: torch.nn.Module, step: int, progress: Progress,
                     log: StepLog) -> list[ScoredGroup | ScoredTree]:
@@ -128,7 +126,8 @@ class Sampler:
         return kept
 
     def rollout(self, model: torch.nn.Module, step: int, j: int, example: Example) -> ScoredGroup:
-        """Prompt j of 0-based `step`, sampled (its own seed), rewarded, with its advantages."""
+        """Prompt j of 0-based `step`: captured once, G responses sampled from that state (its own seed), rewarded, with
+        their advantages and, with beta > 0, the reference's log-probs (from the reference's own prompt capture)."""
         cfg, data = self.cfg, self.data
         prompt = data.encode(example)
         cp = self.par.context_shards  # None unless ranks share prompts (--cp)
@@ -137,9 +136,8 @@ class Sampler:
                            seed=derive_seed(cfg.run.seed, step, j, 1), chunk_size=cfg.plan.chunk_size,
                            keep_boundaries=cfg.plan.plan.needs_chunk_boundaries, context_shards=cp,
                            environment=data.environment(example))
-        rewards = torch.tensor([data.reward(data.decode(r), example, f"step {step + 1}") for r in out.responses],
-                               dtype=torch.float64)
-        advantages = group_advantages(rewards, cfg.plan.advantage, accumulation_dtype(getattr(torch, cfg.model.dtype)),
+        rewards = self._rewards(out.responses, example, step)
+        advantages = group_advantages(rewards, cfg.plan.advantage, self.loss_dtype,
                                       f"step {step + 1}: rewards of group {j + 1}")
         ref = None
         if self.reference is not None:
@@ -153,7 +151,9 @@ class Sampler:
                            tool_calls=sum(out.tool_calls) if out.tool_calls is not None else 0)
 
     def rollout_tree(self, model: torch.nn.Module, step: int, j: int, example: Example) -> ScoredTree:
-        """Prompt j of 0-based `step` as a tree (its own seed), every leaf rewarded, with the leaves' advantages."""
+        """Prompt j of 0-based `step` as a tree (its own seed): trunks that fork at tool calls or every k tokens, every
+        leaf rewarded, the leaves' advantages over the tree or against their siblings, and the prefix tree of the
+        leaves' trajectories that `backward_tree` trains on."""
         cfg, data = self.cfg, self.data
         prompt = data.encode(example)
         r = cfg.rollout
@@ -161,14 +161,12 @@ class Sampler:
                            trigger=r.tree_trigger, every=r.tree_every)
         out = sample_tree(model, prompt, shape, self.sampling, seed=derive_seed(cfg.run.seed, step, j, 1),
                           chunk_size=cfg.plan.chunk_size, environment=data.environment(example))
-        rewards = torch.tensor([data.reward(data.decode(r), example, f"step {step + 1}") for r in out.responses],
-                               dtype=torch.float64)
-        where = f"step {step + 1}: rewards of tree {j + 1}"
+        rewards = self._rewards(out.responses, example, step)
         try:
             advantages = tree_advantages(rewards, out, cfg.rollout.tree_advantage, cfg.plan.advantage,
-                                         loss_dtype=accumulation_dtype(getattr(torch, cfg.model.dtype)))
+                                         loss_dtype=self.loss_dtype)
         except UnnormalisableRewards as err:
-            raise RewardError(err.describe(where)) from None
+            raise RewardError(err.describe(f"step {step + 1}: rewards of tree {j + 1}")) from None
         ref = None
         if self.reference is not None:  # each leaf scored on its own (the reference's log-probs, no gradient)
             ref = score_responses(self.reference, prompt, out.responses, cfg.plan.chunk_size, cfg.plan.micro_batch)

@@ -1,13 +1,9 @@
 """Ctrl-C and SIGTERM during training: stop between steps, never in the middle of an update.
 
 While the trainer's state is between two consistent points (an optimizer step has begun but the step is not
-finished, or a checkpoint is being written), a signal is held: the update and the bookkeeping of that step
-finish, then `TrainingInterrupted` is raised and the trainer saves the completed step. Outside those regions it
-is raised at once (nothing has changed the weights yet, so the last completed step is still in memory). A
-second signal while one is held stops at once.
-
-`save_after_failure`: what the trainer saves when an exception or a signal ends the run (the last completed step,
-unless it is already saved or cannot be), with one line saying where the last checkpoint is.
+finished, or a checkpoint is being written), a signal is held: the step finishes, then `TrainingInterrupted` is
+raised and the trainer saves the completed step. Outside those regions it is raised at once (nothing has changed the
+weights yet). A second signal while one is held stops at once. `save_after_failure`: what the trainer then saves.
 """
 
 from __future__ import annotations
@@ -83,25 +79,18 @@ def save_after_failure(save: Callable[[], None], path: Path, *, step: int, saved
     if steps_done == 0 and not dirty:
         return  # nothing new since the start (or the resumed checkpoint)
     if saved_step == step and not dirty:  # also a distributed stop: every rank saved it together
-        if par.is_main:
-            print(f"longstraw train: the last completed step ({step}) is saved in {path}; continue with --resume",
-                  file=sys.stderr)
-        return
-    if dirty or par.distributed:
-        why = (f"step {step + 1} had already changed the weights when it failed, so it is not saved"
-               if dirty else "a failed distributed run cannot gather its state")
-        if par.is_main:
-            print(f"longstraw train: {why}; {on_disk}", file=sys.stderr)
-        return
-    try:
-        save()
-    except Exception as err:
-        print(f"longstraw train: could not save step {step} ({type(err).__name__}: {err}); {on_disk}",
-              file=sys.stderr)
-        return
-    print(f"longstraw train: saved the last completed step ({step}) to {path}; continue with --resume",
-          file=sys.stderr)
-
+        line = f"the last completed step ({step}) is saved in {path}; continue with --resume"
+    elif dirty or par.distributed:
+        line = (f"step {step + 1} had already changed the weights when it failed, so it is not saved" if dirty else
+                "a failed distributed run cannot gather its state") + f"; {on_disk}"
+    else:  # one process (rank 0)
+        try:
+            save()
+            line = f"saved the last completed step ({step}) to {path}; continue with --resume"
+        except Exception as err:
+            line = f"could not save step {step} ({type(err).__name__}: {err}); {on_disk}"
+    if par.is_main:
+        print(f"longstraw train: {line}", file=sys.stderr)
 
 def warm_start_stopped(err: BaseException, run_dir: Path) -> str:
     """The line saying what a warm start that ended with `err` (a signal or an error) left: nothing, since its weights

@@ -1,41 +1,26 @@
 """The GRPO training loop, top to bottom.
 
-One step, for each of `prompts_per_step` prompts:
-  rollout   — capture the prompt once, sample G responses from that state (`sampling.sample_group`);
-  rewards   — decode, score with the task, drop the group if all rewards are equal (dynamic sampling);
-  advantages— `compute_advantages` (grpo / mean_centered / rloo);
-  reference — with beta > 0, the frozen initial model scores the responses from its own prompt capture;
-(with --rollout tree, each prompt's rollout is a tree instead — `sampler.rollout_tree` — and its step is
-`backward_tree` on the prefix tree of its leaves, every shared token encoded once);
-then, `num_iterations` times: `backward_group` on every kept group (the first pass reuses the rollout's
-prompt state, later passes recapture because the weights moved; a group whose advantages are all 0 with
-beta = 0 has an exactly zero gradient and is skipped, counted in `skipped_zero_advantage`), average over
-groups, clip the gradient norm, refuse a non-finite norm before the optimizer touches the weights, check that
-the AdamW update leaves every weight and moment finite before applying it, AdamW step. Then the LR schedule.
+One step, for each of `prompts_per_step` prompts (`sampler.py`): capture the prompt once and sample G responses from
+that state; decode and score them with the task, dropping a group whose rewards are all equal (dynamic sampling);
+their advantages; with beta > 0, the frozen initial model's log-probs of them from its own prompt capture. (With
+--rollout tree each prompt's rollout is a tree, trained with `backward_tree` on the prefix tree of its leaves.) Then,
+`num_iterations` times: `backward_group` on every kept group (the first pass reuses the rollout's prompt state; a
+group whose advantages are all 0 with beta = 0 has an exactly zero gradient and is skipped, counted in
+`skipped_zero_advantage`), the mean over groups, the clipped gradient norm, and the AdamW step, refused before it
+touches the weights when the norm or the update would be non-finite (`optimizer.py`). Then the LR schedule.
 
-Data is a pure function of (seed, step, prompt index), so resuming only needs the step number; the
-checkpoint also keeps every RNG state.
+Data is a pure function of (seed, step, prompt index), so resuming only needs the step number; the checkpoint also
+keeps every RNG state.
 
-Reliability: the run directory and, on resume, the checkpoint (checksum, config, model shapes) are checked
-before the model loads (`rundir.py`, `checkpoints.py`); the whole dataset is checked before step 1. A step
-changes the weights only at its end (optimizer and scheduler steps); until then the last completed step is
-still in memory, so an exception or Ctrl-C/SIGTERM there saves it (`stopping.py` holds a signal that arrives
-during the update or a checkpoint write until they finish). After a kill, a resume truncates metrics.jsonl to
-the checkpoint's step. Rank 0 holds the run directory's lock (`rundir.RunLock`) from the check until the run ends,
-so a second process writing the same directory is refused before it touches anything. With several ranks a signal
-is held until the step ends; there the ranks agree (one gather) and save the step together, since saving needs
-every rank.
+Reliability: the run directory and, on resume, the checkpoint are checked before the model loads, and rank 0 holds
+the directory's lock until the run ends (`rundir.py`, `checkpoints.py`); the whole dataset is checked before step 1.
+A step changes the weights only at its end, so an exception or Ctrl-C/SIGTERM before that saves the last completed
+step, still in memory; a signal during the update or a checkpoint write is held until they finish (`stopping.py`).
+With several ranks a signal is held until the step ends, where the ranks agree (one gather) and save together.
 
-Several processes (`longstraw train --nproc N`, or torchrun): each rank takes a contiguous slice of the step's
-prompts (same seeds as one process), rolls out and backpropagates its own groups with the model sharded by
-FSDP2, and the gradients are reduced once per pass (`distributed/`); the step's gradient is the mean over all
-ranks' groups, as in one process. Rank 0 writes metrics and checkpoints (same file format in both cases).
-
-This module is the loop; its parts live in modules named for what they hold: `data.py` (the task, prompts per
-step and their checks, rewards), `sampler.py` (rollout, rewards, advantages, reference log-probs; the held-out
-evaluation), `optimizer.py` (AdamW, its schedule, the mean gradient, clipping and the finiteness guards),
-`reporting.py` (metrics rows, the progress line, metrics.jsonl, TensorBoard, summary.json, plots),
-`checkpoints.py` (saving and restoring a run), `rundir.py` and `stopping.py` (signals, the save after a failure).
+Several processes (`longstraw train --nproc N`, or torchrun): each rank takes a contiguous slice of the step's prompts
+(same seeds as one process) with the model sharded by FSDP2, and the gradients are reduced once per pass
+(`distributed/`), so the step's gradient is the mean over all ranks' groups. Rank 0 writes metrics and checkpoints.
 """
 
 from __future__ import annotations
@@ -293,8 +278,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     except BaseException as err:
         parallel.fail(err)  # the other ranks print this error and exit instead of waiting forever
         raise
-    if stopped:  # outside the except block, so the traceback no longer holds the trainer when the group ends
-        parallel.close()
+    parallel.close()  # outside the except blocks, so no traceback holds the trainer when the group ends
+    if stopped:
         raise StoppedTogether(stopped)
-    parallel.close()
     return summary

@@ -28,6 +28,7 @@ from longstraw.api.group import backward_group
 from longstraw.engine.group import Group
 from longstraw.engine.loss.config import LossConfig
 from longstraw.train.data import derive_seed
+from longstraw.train.optimizer import mean_gradient
 
 if TYPE_CHECKING:
     from longstraw.engine.options import BackwardOptions
@@ -35,7 +36,6 @@ if TYPE_CHECKING:
     from longstraw.train.data import TaskData
 
 WARM_START_STREAM = 2_000_003  # the warm start's prompts: a seed stream GRPO's steps and the held-out set never use
-NLL_LOSS = "nll"
 
 
 def warm_start_examples(cfg: TrainConfig, data: TaskData, step: int) -> list[Any]:
@@ -65,11 +65,6 @@ def check_gold(cfg: TrainConfig, data: TaskData, stop_ids: tuple[int, ...]) -> N
                          f"--max-new-tokens {cfg.rollout.max_new_tokens}: raise --max-new-tokens to at least {n}")
 
 
-def nll_options(options: BackwardOptions) -> BackwardOptions:
-    """The run's backward options with the nll loss (no KL term, no clip)."""
-    return replace(options, loss=LossConfig(NLL_LOSS))
-
-
 def warm_start(model: torch.nn.Module, cfg: TrainConfig, data: TaskData, options: BackwardOptions,
                stop_ids: tuple[int, ...], note: Any, stop: Callable[[], None] = lambda: None) -> dict[str, Any]:
     """Run the warm start on `model` in place; returns its record for summary.json (losses per step, seconds).
@@ -77,7 +72,7 @@ def warm_start(model: torch.nn.Module, cfg: TrainConfig, data: TaskData, options
     held Ctrl-C/SIGTERM: nothing of a warm start is saved, so it need not reach the end of its step)."""
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.optimizer.warm_start_lr, weight_decay=cfg.optimizer.weight_decay)
-    sft = nll_options(options)
+    sft = replace(options, loss=LossConfig("nll"))  # the run's backward options with the nll loss (no KL, no clip)
     losses: list[float] = []
     t0 = time.perf_counter()
     for step in range(cfg.optimizer.warm_start_steps):
@@ -87,10 +82,7 @@ def warm_start(model: torch.nn.Module, cfg: TrainConfig, data: TaskData, options
             result = backward_group(model, gold_group(data, example, stop_ids), sft)
             total += result.loss / cfg.optimizer.warm_start_batch
             stop()
-        grads = [p for p in params if p.grad is not None]
-        for p in grads:
-            assert p.grad is not None
-            p.grad.div_(cfg.optimizer.warm_start_batch)  # the mean over the step's gold responses
+        grads = mean_gradient(model, cfg.optimizer.warm_start_batch, none_computed=False)  # over the gold responses
         max_norm = cfg.optimizer.max_grad_norm if cfg.optimizer.max_grad_norm > 0 else float("inf")
         norm = float(torch.nn.utils.clip_grad_norm_(grads, max_norm))
         if not math.isfinite(norm) or not math.isfinite(total):
