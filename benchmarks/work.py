@@ -5,7 +5,8 @@ bench runs one `backward_group` step per (plan, G) at Bench B1's shape, and one 
 τ²-shaped tree, under torch.profiler with shapes recorded, from each tree in its own process, and counts what sets
 the step's time: the matrix products (their number and FLOPs, 2·m·k·n each) and the attention kernel calls. Equal
 counts mean the two trees run the same computation; what then differs in time is the host, or Python-side overhead
-between the kernels (reported as the profiler's total self CPU time, which is as noisy as any timing).
+between the kernels (reported as the profiler's total self CPU time, which is as noisy as any timing). Beside the
+counts, each case's top five ops by self CPU time with their share of the step's: where a step's time goes.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CASES = (("standard", 2), ("detach", 2), ("exact", 2), ("detach", 16), ("exact", 16))
 TREE = "2048,512,128,2,4"  # system prompt, task, response tokens; K tasks; G responses each
 MATMULS = ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm")
+TOP = 5  # the ops with the most self CPU time, per case: the step's top costs
 
 # One side's measurement, run as `python -c` with PYTHONPATH naming that tree's sources: prints one JSON row per case.
 # argv: model, the group cases (JSON), P, R, the tree's "system,task,response,K,G".
@@ -41,8 +43,11 @@ from longstraw import Group, Trajectory, backward_group, backward_tree, load_mod
 def measure(step, plan, g):
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         step()
+    ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    total = sum(e.self_cpu_time_total for e in ops)
     row = {"plan": plan, "group_size": g, "matmuls": 0, "matmul_flops": 0, "attention_calls": 0,
-           "self_cpu_s": sum(e.self_cpu_time_total for e in prof.key_averages()) / 1e6}
+           "self_cpu_s": total / 1e6,
+           "top": [[e.key, e.self_cpu_time_total / 1e6, e.self_cpu_time_total / total, e.count] for e in ops[:TOP]]}
     for e in prof.events():
         shapes = [s for s in (e.input_shapes or []) if s]
         if e.name in MATMULS and len(shapes) >= 2 and len(shapes[-2]) == len(shapes[-1]) >= 2:
@@ -84,7 +89,7 @@ def count(tree: Path, model: str, prompt: int, response: int, shape: str = TREE)
     """Every case's counts from the source tree `tree` (its own process); `shape`: the tree's
     "system,task,response,K,G" tokens and counts."""
     env = dict(os.environ, PYTHONPATH=str(tree / "src"))
-    code = f"MATMULS = {MATMULS!r}\n{_SIDE}"
+    code = f"MATMULS = {MATMULS!r}\nTOP = {TOP}\n{_SIDE}"
     done = subprocess.run([sys.executable, "-c", code, model, json.dumps(CASES), str(prompt), str(response),
                            shape],
                           env=env, cwd=tree, capture_output=True, text=True)
@@ -102,6 +107,12 @@ def table(document: dict[str, Any]) -> str:
                      f"{b['matmul_flops'] / 1e9:10.2f} {t['matmul_flops'] / 1e9:9.2f} {r['flops_ratio']:7.4f} | "
                      f"{b['attention_calls']:>14} {t['attention_calls']:>5} | {b['self_cpu_s']:15.2f} "
                      f"{t['self_cpu_s']:6.2f}")
+    lines.append(f"top {TOP} ops by self CPU time, each side's share of its step's self CPU time (calls):")
+    for r in document["results"]:
+        for side in ("baseline", "this"):
+            top = r[side].get("top") or []
+            lines.append(f"  {r['plan']:>11} G={r['group_size']:<3} {side:<8} " + "; ".join(
+                f"{name.removeprefix('aten::')} {share:.0%} ({calls})" for name, _, share, calls in top))
     return "\n".join(lines)
 
 
