@@ -104,6 +104,7 @@ def test_no_term_and_no_grad():
 
 def test_the_logits_are_formed_once_per_block(monkeypatch):
     """A token-level loss forms each kept row's logits once (forward only); the reference forms them twice."""
+    import longstraw.engine.logits as logits
     import longstraw.engine.logprobs as logprobs
 
     hidden, weight, _, targets, keep, old, ref, adv = _inputs(3, False)
@@ -115,7 +116,8 @@ def test_the_logits_are_formed_once_per_block(monkeypatch):
         formed.append(h.shape[0])
         return product(h, w, b)
 
-    monkeypatch.setattr(logprobs, "accumulated_product", counted)
+    monkeypatch.setattr(logprobs, "accumulated_product", counted)  # the reference's forward
+    monkeypatch.setattr(logits, "accumulated_product", counted)  # every scored block
     linear_loss(hidden, weight, targets, keep, loss_of, True, 4)[0].backward()
     fused, formed[:] = sum(formed), []
     loss_of(selected_logprobs(hidden, weight, targets, keep, 4)).backward()

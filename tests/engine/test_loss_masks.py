@@ -11,7 +11,7 @@ import torch
 from helpers import EXACT_F64, assert_close, gradient_tolerance, grads, random_group, tiny_model
 
 from longstraw import Group, backward_group
-from longstraw.engine import logprobs as logprobs_module
+from longstraw.engine import logits as logits_module
 from longstraw.engine.linear_loss import linear_loss
 from longstraw.engine.loss.config import LossConfig
 from longstraw.engine.sampling import SamplingConfig, sample_group
@@ -171,7 +171,7 @@ def test_skipping_masked_tokens_output_projection_changes_nothing(plan, family, 
     sees exactly the loss tokens' rows (float64)."""
     group = _group(beta=True)
     out = {}
-    product = logprobs_module.accumulated_product
+    product = logits_module.accumulated_product
     for path in ("standard", "skipped", "unskipped"):
         model = tiny_model(family)
         rows: list[int] = []  # the output projection's rows, per call
@@ -183,7 +183,7 @@ def test_skipping_masked_tokens_output_projection_changes_nothing(plan, family, 
         with monkeypatch.context() as m:
             if path == "unskipped":
                 m.setattr(replay, "linear_loss", _unskipped)
-            m.setattr(logprobs_module, "accumulated_product", counted)  # where the fused pass forms its logits
+            m.setattr(logits_module, "accumulated_product", counted)  # where the fused pass forms its logits
             result = backward_group(model, group, plan="standard" if path == "standard" else plan,
                                     loss=LossConfig("grpo", beta=0.05), chunk_size=8, micro_batch=2)
         out[path] = (grads(model), result.loss, result.logprobs, sum(rows))

@@ -2,7 +2,7 @@
 
 `linear_loss(hidden, weight, targets, keep, loss_of, token_level)` returns `loss_of`'s value on the log-probs of the
 `keep` positions and those log-probs. Its forward runs, for each block of `token_chunk` kept rows, the scored
-projection (`logprobs.scored_block`: bias, logit scale, soft-cap, temperature), the log-sum-exp and the log-probs;
+projection (`logits.scored_block`: bias, logit scale, soft-cap, temperature), the log-sum-exp and the log-probs;
 for a token-level loss (a token's term reads its own log-prob only) the block's g = ∂loss/∂logp by autograd through
 `loss_of` on the (small) log-prob vector, and then, from the same logits, d logits = g (onehot − softmax) and the
 block's share of the gradients of the hidden states (rows, d), the weight (V, d) and the bias (V,). The backward
@@ -30,14 +30,8 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
-from longstraw.engine.logprobs import (
-    DEFAULT_TOKEN_CHUNK,
-    accumulate_block,
-    check_softcap,
-    logits_gradient,
-    scored_block,
-    selected_logprobs,
-)
+from longstraw.engine.logits import accumulate_block, logits_gradient, scored_block
+from longstraw.engine.logprobs import DEFAULT_TOKEN_CHUNK, check_softcap, selected_logprobs
 from longstraw.engine.precision import accumulation_dtype
 
 LossOf = Callable[[torch.Tensor], "torch.Tensor | None"]

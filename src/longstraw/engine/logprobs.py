@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
+from longstraw.engine.logits import accumulate_block, logits_gradient, scaled_logits, scored_block
 from longstraw.engine.precision import accumulated_product, accumulation_dtype
 
 DEFAULT_TOKEN_CHUNK = 1024
@@ -43,58 +44,6 @@ def accumulated_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
         return gathered_logits(h, weight, bias)
     return accumulated_product(h, weight, bias)
-
-
-def scaled_logits(logits: torch.Tensor, logit_scale: float, temperature: float,
-                  softcap: float | None = None) -> torch.Tensor:
-    """softcap * tanh(logits * logit_scale / softcap) / temperature, in place (the order transformers' forward and
-    the sampler use; no cap when softcap is None). logits (c, V) -> (c, V)."""
-    if logit_scale != 1.0:
-        logits.mul_(logit_scale)
-    if softcap is not None:
-        logits.div_(softcap).tanh_().mul_(softcap)
-    if temperature != 1.0:
-        logits.div_(temperature)
-    return logits
-
-
-def scored_block(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, logit_scale: float,
-                 temperature: float, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The scored logits (c, V) of h (c, d) and, with a soft-cap, its slope 1 - tanh^2 (c, V), which the logits'
-    gradient needs (d(cap * tanh(x / cap)) / dx). weight (V, d) is a plain tensor (one rank's rows under tensor
-    parallelism)."""
-    logits = scaled_logits(accumulated_product(h, weight, bias), logit_scale, 1.0)
-    slope = None
-    if softcap is not None:
-        logits.div_(softcap).tanh_()
-        slope = 1.0 - logits * logits
-        logits.mul_(softcap)
-    if temperature != 1.0:
-        logits.div_(temperature)
-    return logits, slope
-
-
-def logits_gradient(logits: torch.Tensor, slope: torch.Tensor | None, lse: torch.Tensor, targets: torch.Tensor,
-                    g: torch.Tensor, temperature: float, logit_scale: float, start: int = 0) -> torch.Tensor:
-    """d(Σ_n g_n logp_n) / d(projection) (c, V), in place of `logits` (c, V) from `scored_block`: g (c,) the
-    gradient on each row's log-prob, lse (c,) the rows' log-sum-exp over the whole vocabulary. d logp / d logits =
-    onehot(target) - softmax; then through the temperature, the soft-cap's slope and the logit scale. The logits
-    hold vocabulary ids start … start + V − 1 (one rank's rows under tensor parallelism): a target outside them
-    adds no one-hot."""
-    g = g[:, None].to(logits.dtype)
-    d_logits = logits.sub_(lse[:, None]).exp_().mul_(-g)  # softmax = exp(logits - lse), in place
-    width = d_logits.shape[1]
-    if width:
-        local = targets - start
-        owned = (local >= 0) & (local < width)
-        d_logits.scatter_add_(1, local.clamp(0, width - 1)[:, None], torch.where(owned[:, None], g, 0.0))
-    if temperature != 1.0:
-        d_logits.div_(temperature)  # d(logits / T) / d(logits)
-    if slope is not None:
-        d_logits.mul_(slope)  # d(capped) / d(scaled projection)
-    if logit_scale != 1.0:
-        d_logits.mul_(logit_scale)  # d(projection * s) / d(projection)
-    return d_logits
 
 
 def check_softcap(softcap: float | None) -> None:
@@ -142,18 +91,6 @@ class _ChunkedLogprobs(torch.autograd.Function):
                                        ctx.temperature, ctx.logit_scale)
             accumulate_block(d_logits.to(weight.dtype), h, weight, s, d_hidden, d_weight, d_bias)
         return d_hidden, d_weight, d_bias, None, None, None, None, None
-
-
-def accumulate_block(d_logits: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, s: int,
-                     d_hidden: torch.Tensor | None, d_weight: torch.Tensor | None, d_bias: torch.Tensor | None) -> None:
-    """Add a block's share of the gradients from d_logits (c, V), in the weight's dtype (the two products run in the
-    model's dtype): rows s … s + c − 1 of d_hidden (N, d), and d_weight (V, d), d_bias (V,) where they are wanted."""
-    if d_hidden is not None:
-        d_hidden[s : s + h.shape[0]] = d_logits @ weight
-    if d_weight is not None:
-        d_weight.addmm_(d_logits.t(), h)
-    if d_bias is not None:  # d(projection) / d(bias): one per row
-        d_bias.add_(d_logits.sum(0))
 
 
 def chunked_logprobs(

@@ -33,7 +33,8 @@ import torch
 from longstraw.choices import MIN_TEMPERATURE
 from longstraw.engine.environment import CallEnd, Environment, agree, check_environment, ends_call, observation_ids
 from longstraw.engine.hf.segment import run_segment
-from longstraw.engine.logprobs import DEFAULT_TOKEN_CHUNK, accumulated_logits, chunked_logprobs, scaled_logits
+from longstraw.engine.logits import scaled_logits
+from longstraw.engine.logprobs import DEFAULT_TOKEN_CHUNK, accumulated_logits, chunked_logprobs
 from longstraw.engine.pad import pad
 from longstraw.engine.precision import accumulation_dtype
 from longstraw.engine.state.capture import capture_prompt

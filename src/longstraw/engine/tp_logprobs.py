@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from longstraw.engine.logprobs import accumulate_block, logits_gradient, scored_block
+from longstraw.engine.logits import accumulate_block, logits_gradient, scored_block
 from longstraw.engine.precision import accumulated_product, accumulation_dtype
 
 
