@@ -105,12 +105,5 @@ class Group:
     def lengths(self) -> list[int]:
         return [r.numel() for r in self.responses]
 
-    @property
-    def loss_lengths(self) -> list[int]:
-        """Tokens in each response's loss: the True tokens of its loss mask (all of them without masks)."""
-        if self.loss_masks is None:
-            return self.lengths
-        return [int(m.sum()) for m in self.loss_masks]
-
     def max_token_id(self) -> int:
         return max(int(self.prompt.max()), *(int(r.max()) for r in self.responses))

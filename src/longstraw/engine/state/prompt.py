@@ -122,10 +122,6 @@ class PromptState:
     def num_chunks(self) -> int:
         return len(self.bounds)
 
-    @property
-    def offloaded(self) -> bool:
-        return self.device is not None
-
     def fetch(self, t: torch.Tensor | None) -> torch.Tensor | None:
         """A tensor of the state where it is computed with: itself, or (offloaded) a differentiable copy on
         `device` (a copy even when `device` is the CPU, so the offloaded path runs, and is tested, everywhere)."""
@@ -321,7 +317,7 @@ class PromptState:
 
     def offload(self, device: torch.device) -> PromptState:
         """The same state kept in host memory and read on `device` (see the module docstring)."""
-        if self.offloaded:
+        if self.device is not None:
             return self
         host = PromptState(num_layers=self.num_layers, device=torch.device(device))  # stores as offloaded
         return self._map(lambda name, t: host._store(t), device=host.device)
