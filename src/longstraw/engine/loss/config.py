@@ -183,9 +183,7 @@ def _check_widths(low: float, high: float, beta: float, max_tokens: int | None) 
 def _check_kl_ratio_and_scale(kl_ratio: object, loss_scale: object) -> None:
     if not isinstance(kl_ratio, bool):
         raise TypeError(f"kl_ratio must be True or False, got {kl_ratio!r}")
-    if isinstance(loss_scale, bool) or not isinstance(loss_scale, (int, float)) or not (
-            math.isfinite(loss_scale) and loss_scale > 0):
-        raise ValueError(f"loss_scale must be a finite number > 0, got {loss_scale!r}")
+    _finite("loss_scale", loss_scale, positive=True)
 
 
 def _token_normalizer(entry: LossKind, value: object) -> float | None:
@@ -194,9 +192,7 @@ def _token_normalizer(entry: LossKind, value: object) -> float | None:
     if not entry.token_normalised:
         raise ValueError(f"token_normalizer is the denominator of {_names('token_normalised')}; the {entry.name} loss "
                          "has none (use loss='dapo')")
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
-        raise ValueError(f"token_normalizer must be a finite number > 0 (a token count), got {value!r}")
-    return float(value)
+    return _finite("token_normalizer", value, positive=True)
 
 
 def _sequence_ratio(entry: LossKind, value: object) -> bool:
