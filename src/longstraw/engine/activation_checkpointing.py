@@ -37,6 +37,7 @@ from longstraw.choices import CHECKPOINT_CHOICES
 from longstraw.engine.hf.active import active_cache, running
 from longstraw.engine.hf.composite import text_config, text_decoder
 from longstraw.engine.hf.mamba1 import mamba1_mixers
+from longstraw.engine.hf.segment import attention_kernel
 
 
 def check_checkpoint(value: object) -> str:
@@ -63,16 +64,6 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
 _LAYER_LISTS = ("layers", "h", "blocks")
 
 
-@contextmanager
-def _attention_kernel(config, name: str) -> Iterator[None]:
-    previous = config._attn_implementation
-    config._attn_implementation = name
-    try:
-        yield
-    finally:
-        config._attn_implementation = previous
-
-
 def _wrap(layer: torch.nn.Module, index: int, config):
     inner = type(layer).forward  # the class's forward (transformers' own wrapper is a no-op in eval mode)
 
@@ -82,7 +73,7 @@ def _wrap(layer: torch.nn.Module, index: int, config):
         # Blocks that are not handed the `longstraw` keyword (Mamba and Falcon-Mamba pass their mixer the cache alone)
         # find the running segment's.
         cache = kwargs.get("longstraw") or active_cache()
-        # The recompute runs in the backward, after the forward's block (segment.replay_attention) has restored
+        # The recompute runs in the backward, after the forward's block (`segment.attention_kernel`) has restored
         # the model's own attention kernel: it must run with the kernel of the first run.
         kernel = config._attn_implementation
         runs = 0
@@ -90,7 +81,7 @@ def _wrap(layer: torch.nn.Module, index: int, config):
         def run(*a, **kw):
             nonlocal runs
             runs += 1
-            with _attention_kernel(config, kernel):
+            with attention_kernel(config, kernel):
                 if cache is None:
                     return inner(layer, *a, **kw)
                 # A Mamba-1 mixer's recompute must continue its state as the first run did (engine/hf/mamba1.py).

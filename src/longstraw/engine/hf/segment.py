@@ -156,11 +156,10 @@ AttentionInterface.register(ATTN_NAME, _longstraw_attention)
 
 
 @contextmanager
-def replay_attention(model: torch.nn.Module) -> Iterator[None]:
-    """Swap the model's attention kernel for ours for the duration of the block, then restore it."""
-    config = text_config(model)
+def attention_kernel(config: Any, name: str = ATTN_NAME) -> Iterator[None]:
+    """`config`'s attention kernel set to `name` (LongStraw's by default) within the block, then restored."""
     previous = config._attn_implementation
-    config._attn_implementation = ATTN_NAME
+    config._attn_implementation = name
     try:
         yield
     finally:
@@ -211,7 +210,7 @@ def run_segment(
     base = text_decoder(model)
     # Mamba-1 mixers continue the SSM state through LongStraw's scan (engine/hf/mamba1.py).
     mixers = mamba1_mixers(hf(base).layers) if model_type in MAMBA1_MODEL_TYPES else nullcontext()
-    with replay_attention(model), running(cache), mixers:
+    with attention_kernel(text_config(model)), running(cache), mixers:
         try:
             out = base(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
                        use_cache=False, longstraw=cache, **{cache_keyword(base): cache})
