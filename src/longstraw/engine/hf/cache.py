@@ -165,7 +165,7 @@ class SegmentCache:
     def note_window(self, layer: int, window: int | None) -> None:
         """The attention kernel reports each layer's sliding window, so the state can drop what is outside it."""
         if self.collect is not None and window is not None and not self.recomputing:
-            # An int in the dict of tensors (Collected): capture_prompt pops it before the state reads the rest.
+            # An int in the dict of tensors (Collected): `PromptState.append_chunk` pops it before it reads the rest.
             self.collect.setdefault(layer, {})["window"] = window  # type: ignore[assignment]
 
     def finish(self) -> None:

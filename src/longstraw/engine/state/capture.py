@@ -69,10 +69,6 @@ def extend_state(model: torch.nn.Module, state: PromptState, ids: torch.Tensor, 
         with torch.set_grad_enabled(graph):
             run_segment(model, ids[start - offset:end - offset].unsqueeze(0), start, state.fork(), collect,
                         kv_only=True)
-        for layer, parts in collect.items():
-            window = parts.pop("window", None)
-            if window is not None:
-                state.windows[layer] = window  # type: ignore[call-overload]  # an int riding in the tensor dict
         if graph:
             state.graphs[state.num_chunks] = PromptState.outputs_of(collect, state.num_layers)
         state.append_chunk(start, end, collect, leaves=leaves)

@@ -172,7 +172,12 @@ class PromptState:
     # --- building -----------------------------------------------------------------------------------------
     def append_chunk(self, start: int, end: int, collected: Collected, leaves: bool = False) -> None:
         """Add what chunk [start, end) produced in every layer; `leaves`: as leaves (`as_leaves`), detached from
-        any graph that produced them."""
+        any graph that produced them. The sliding windows the attention kernel noted among the parts
+        (`SegmentCache.note_window`) are taken out into `windows`."""
+        for layer, parts in collected.items():
+            window = parts.pop("window", None)
+            if window is not None:
+                self.windows[layer] = window  # type: ignore[call-overload]  # an int riding in the tensor dict
         if start != self.length:
             raise RuntimeError(f"chunk starts at {start} but the state holds {self.length} positions")
         if self.capacity is not None and end > self.capacity:

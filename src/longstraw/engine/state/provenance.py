@@ -212,15 +212,11 @@ def _named(differences: list[str]) -> str:
 
 def mismatch(captured: Provenance, now: Provenance) -> str | None:
     """Why a state with provenance `captured` is not valid for a model with provenance `now` (None: it is)."""
-    if captured.identity != now.identity:
-        return "it was captured by another model: " + _named(_differences(captured.identity, now.identity))
-    if captured.config != now.config:
-        return "the model's config differs: " + _named(_differences(captured.config, now.config))
-    if captured.adapters != now.adapters:
-        return ("it was captured in another adapter state (e.g. under disable_adapter(), or with another adapter "
-                "active or merged): " + _named(_differences(captured.adapters, now.adapters)))
-    if captured.attributes != now.attributes:
-        return "a module attribute differs: " + _named(_differences(captured.attributes, now.attributes))
+    for part, why in (("identity", "it was captured by another model"), ("config", "the model's config differs"),
+                      ("adapters", "it was captured in another adapter state (e.g. under disable_adapter(), or with "
+                                   "another adapter active or merged)"), ("attributes", "a module attribute differs")):
+        if getattr(captured, part) != getattr(now, part):
+            return f"{why}: " + _named(_differences(getattr(captured, part), getattr(now, part)))
     if captured.tensors != now.tensors:
         changed = _differences(captured.tensors, now.tensors, show=False)
         weights = any(n.startswith("parameter ") for n in changed)

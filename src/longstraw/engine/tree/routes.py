@@ -20,6 +20,8 @@ probabilities too, so the loss's value (`aux_value`) covers every token whatever
 
 from __future__ import annotations
 
+import functools
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -111,10 +113,6 @@ def count_routes(model: torch.nn.Module, tree: Tree, state: PromptState, weights
             tap.clear()
             run_segment(model, ids[start - offset:end - offset].unsqueeze(0), start, st.fork(), collect)
             take(weights.positions(node, start, end))
-            for layer, collected in collect.items():
-                window = collected.pop("window", None)
-                if window is not None:
-                    st.windows[layer] = window  # type: ignore[call-overload]  # an int riding in the tensor dict
             st.append_chunk(start, end, collect)
             keep_owned(st, j, len(bounds))
         tail = node.tokens[-1:]
@@ -132,7 +130,4 @@ def count_routes(model: torch.nn.Module, tree: Tree, state: PromptState, weights
     with torch.no_grad(), tap.hooked():
         while pending:
             visit(*pending.pop())
-    total = parts[0]
-    for part in parts[1:]:
-        total = total + part
-    return total.rounded(), torch.stack(sums).sum(0)
+    return functools.reduce(operator.add, parts).rounded(), torch.stack(sums).sum(0)
