@@ -5,22 +5,20 @@ one batch, each step attending to the shared prompt state (never copied or expan
 (`ResponseState`). Like the training replay, decoding starts from the last prompt token, so the state holds
 prompt[:-1] and can be handed straight to `backward_group`.
 
-`Decoder` is that loop. `sample_group` runs it on G trunks that never fork (a tree of depth 1); `sample_tree`
-(`tree/rollout.py`) gives it a fork rule, and a sequence that forks hands its children a state that continues it in
-place (`ResponseState.continued`, docs/trees.md). Each batch of siblings draws from its own generator: the trunks'
-from the seed itself, a fork's children's from the seed and their first node.
+`Decoder` is that loop: `sample_group` runs it on G trunks that never fork, `sample_tree` (`tree/rollout.py`) with a
+fork rule (a fork's children continue its state in place: `ResponseState.continued`, docs/trees.md). Each batch of
+siblings draws from its own generator: the trunks' from the seed itself, a fork's children's from the seed and their
+first node.
 
 Recorded log-probs are the policy's own (temperature 1, no top-k/top-p truncation), whatever the sampling
 temperature: they are what the training step recomputes, so they serve as `old_logprobs`.
 
-Multi-turn rollouts (an agent calling tools; `environment.py` says what ends a call and what is checked): with an
-`environment`, a sequence whose generated tokens end a tool call hands its response so far to the environment, which
-returns the observation's token ids (or None: the episode ends). The observation is fed into that sequence's own
-state, one token per decode step in lockstep with the other sequences' decoding (a forced token instead of a sampled
-one), so the shared prompt state is never re-encoded or copied; its tokens are in the response with `loss_masks`
-False. Up to `max_turns` model turns; the response budget (`max_new_tokens`) counts generated and observation tokens.
-Under context parallelism (the prompt state sharded over a group's ranks, which all decode the same tokens) the ranks
-compare their environments' observations at every step (`environment.agree`).
+Multi-turn rollouts (`environment.py`): a sequence whose generated tokens end a tool call hands its response so far to
+the environment, which returns the observation's ids (None: the episode ends). They are fed into that sequence's own
+state one per decode step, in place of a sample and in lockstep with the other sequences, so the prompt state is never
+re-encoded or copied; they are in the response with `loss_masks` False. Up to `max_turns` model turns;
+`max_new_tokens` counts generated and observation tokens. Under context parallelism the ranks compare their
+environments' observations at every step (`environment.agree`).
 """
 
 from __future__ import annotations
