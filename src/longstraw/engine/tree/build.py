@@ -55,10 +55,10 @@ class Trajectory:
             raise ValueError(f"loss_start must be an integer in [1, {n - 1}] for a trajectory of {n} tokens (the "
                              f"first token is never predicted, and at least one token is in the loss), got "
                              f"{self.loss_start!r}")
-        self.advantage = _real(self.advantage)
+        self.advantage = _number("advantage", self.advantage, integer=False)
         if not math.isfinite(self.advantage):
             raise ValueError(f"advantage must be a finite number, got {self.advantage!r}")
-        self.group = _index(self.group)
+        self.group = int(_number("group", self.group, integer=True))
         if self.group < 0:
             raise ValueError(f"group must be an integer >= 0, got {self.group!r}")
         r = n - self.loss_start
@@ -93,28 +93,19 @@ class Trajectory:
         return int(self.in_loss().sum())
 
 
-def _real(value: object) -> float:
-    """A Python, NumPy or 0-d tensor real number as a float; TypeError for anything else."""
+def _number(name: str, value: object, integer: bool) -> float:
+    """A Python, NumPy or 0-d tensor real number (an integer where `integer`: not a float) as a float (an int);
+    TypeError for anything else, a bool too."""
+    kind = "an integer" if integer else "a real number"
     if isinstance(value, torch.Tensor):
-        if value.dim() != 0 or value.dtype == torch.bool or value.is_complex():
-            raise TypeError(f"advantage must be a real number (a float, or a 0-d tensor), got a {value.dtype} tensor "
-                            f"of shape {tuple(value.shape)}: pass one value per trajectory, e.g. advantage.item()")
-        return float(value)
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Real, np.floating, np.integer)):
-        raise TypeError(f"advantage must be a real number, got {type(value).__name__} {value!r}")
-    return float(value)
-
-
-def _index(value: object) -> int:
-    """A Python, NumPy or 0-d tensor integer as an int; TypeError for anything else (a float, a bool)."""
-    if isinstance(value, torch.Tensor):
-        if value.dim() != 0 or value.dtype.is_floating_point or value.is_complex() or value.dtype == torch.bool:
-            raise TypeError(f"group must be an integer (an int, or a 0-d integer tensor), got a {value.dtype} tensor "
-                            f"of shape {tuple(value.shape)}")
-        return int(value)
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"group must be an integer, got {type(value).__name__} {value!r}")
-    return int(value)
+        if (value.dim() != 0 or value.dtype == torch.bool or value.is_complex()
+                or (integer and value.dtype.is_floating_point)):
+            raise TypeError(f"{name} must be {kind} (a Python or NumPy number, or a 0-d tensor), got a {value.dtype} "
+                            f"tensor of shape {tuple(value.shape)}: pass one value per trajectory, e.g. {name}.item()")
+    elif isinstance(value, (bool, np.bool_)) or not isinstance(
+            value, (int, np.integer) if integer else (numbers.Real, np.floating, np.integer)):
+        raise TypeError(f"{name} must be {kind}, got {type(value).__name__} {value!r}")
+    return int(value) if integer else float(value)  # type: ignore[arg-type]
 
 
 @dataclass(repr=False)
