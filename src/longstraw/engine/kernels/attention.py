@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from longstraw.engine.kernels.fused import choose_kernel, fused_backward, fused_forward, refused
+from longstraw.engine.kernels.naive import naive_masked_prefix_attention
 from longstraw.engine.precision import accumulation_dtype
 
 if TYPE_CHECKING:
@@ -309,24 +310,16 @@ def naive_attention(
     scale: float,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Plain reference for `prefix_attention`: concatenate, repeat heads, mask, softmax (with the sinks (H,) as one
-    more score column per head, dropped after the softmax, as transformers' eager gpt-oss attention). Same shapes."""
-    b, h, t, d = query.shape
-    hkv = key.shape[1]
-    if prefix_keys:
-        pk = torch.cat(prefix_keys, dim=-2).expand(b, -1, -1, -1)
-        pv = torch.cat(prefix_values, dim=-2).expand(b, -1, -1, -1)
-        key, value = torch.cat([pk, key], dim=-2), torch.cat([pv, value], dim=-2)
-    p = key.shape[-2] - t
-    key = key.repeat_interleave(h // hkv, dim=1)
-    value = value.repeat_interleave(h // hkv, dim=1)
-    scores = torch.matmul(query, key.transpose(-1, -2)) * scale  # (B, H, T, P+T)
-    visible = torch.ones(t, p + t, dtype=torch.bool, device=query.device).tril(diagonal=p)
-    scores = scores.masked_fill(~visible, float("-inf"))
-    if sinks is not None:
-        column = sinks.to(scores.dtype).view(1, h, 1, 1).expand(b, h, t, 1)
-        return torch.matmul(torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1], value)
-    return torch.matmul(torch.softmax(scores, dim=-1), value)
+    """Plain reference for `prefix_attention` (same shapes, sinks (H,)): `naive.naive_masked_prefix_attention` with
+    the prefix chunks at positions 0 … P−1, the own keys after them and the queries at the last T positions."""
+    prefix, start = [], 0
+    for k, v in zip(prefix_keys, prefix_values):
+        prefix.append((start, k, v))
+        start += k.shape[2]
+    end = start + key.shape[2]
+    q_pos = torch.arange(end - query.shape[2], end, device=query.device)
+    own_pos = torch.arange(start, end, device=query.device)
+    return naive_masked_prefix_attention(query, key, value, prefix, scale, q_pos, own_pos, sinks=sinks)[0]
 
 
 # --- The masked path: sliding windows, DSA top-k selection, latent (MLA) prefixes, logit soft-capping --------
