@@ -198,11 +198,11 @@ class SegmentCache:
         return torch.cat([self._expand(prompt.to(own.dtype)), own], dim=1)
 
     # --- linear attention / SSM ---------------------------------------------------------------------------
-    def _current(self, part: str, layer: int) -> torch.Tensor | None:
+    def _current(self, part: str, layer: int, expand: bool = True) -> torch.Tensor | None:
         if self.generated is not None and self.generated.has(part, layer):
             return self.generated.get(part, layer)
         prompt = self.state.last(part, layer)
-        return None if prompt is None else self._expand(prompt)
+        return self._expand(prompt) if prompt is not None and expand else prompt
 
     def _hand_out(self, part: str, layer: int) -> torch.Tensor | None:
         self._asked(layer, part)
@@ -223,9 +223,7 @@ class SegmentCache:
         """The recurrent state this segment continues, not copied: the prompt's (1, ...), shared by every row, or
         while decoding the rollout's (B, ...). For a kernel that never writes into it (`engine.hf.mamba1`)."""
         self._asked(layer_idx, "recurrent")
-        if self.generated is not None and self.generated.has("recurrent", layer_idx):
-            return self.generated.get("recurrent", layer_idx)
-        return self.state.last("recurrent", layer_idx)
+        return self._current("recurrent", layer_idx, expand=False)
 
     def update_conv_state(self, inputs: torch.Tensor, layer_idx: int, conv_kernel_size: int | None = None,
                           **kwargs) -> torch.Tensor:
@@ -272,9 +270,8 @@ class SegmentCache:
         """transformers 5.5-5.20: whether `layer_idx` (any layer: None) continues a conv/recurrent state."""
         if layer_idx is None:
             return self.start > 0
-        if self.generated is not None and self.generated.has("recurrent", layer_idx):
-            return True
-        return bool(self.state.parts["recurrent"][layer_idx])
+        generated = self.generated is not None and self.generated.has("recurrent", layer_idx)
+        return generated or bool(self.state.parts["recurrent"][layer_idx])
 
     @property
     def layers(self) -> list[_LayerStates]:

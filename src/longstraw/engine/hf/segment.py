@@ -35,11 +35,9 @@ from longstraw.models.architecture import cache_keyword, check_transformers_for,
 
 ATTN_NAME = "longstraw"
 
-# Keyword arguments transformers' attention modules pass along that leave the attention LongStraw computes as it is:
-# positions (RoPE is applied before the kernel), output flags (no attention weights are returned) and loss
-# bookkeeping. `is_causal` may be True or None only. Any other keyword with a value other than None is refused by
-# `_check_kwargs` (packed-sequence lengths, position biases, an unknown future mechanism), so that an attention
-# term LongStraw does not compute is never silently dropped.
+# Keyword arguments of transformers' attention modules that leave LongStraw's attention as it is: positions (RoPE is
+# applied before the kernel), output flags and loss bookkeeping; `is_causal` may be True or None only. `_check_kwargs`
+# refuses any other that is not None (packed-sequence lengths, position biases, a future mechanism).
 _HARMLESS_KWARGS = frozenset({"position_ids", "use_cache", "output_attentions", "output_hidden_states",
                               "output_router_logits", "num_items_in_batch", "cache_position", "is_causal"})
 
@@ -98,21 +96,19 @@ def _longstraw_attention(
 ) -> tuple[torch.Tensor, None]:
     """transformers attention signature: q (B, H, T, D), k/v (B, Hkv, S, D) -> ((B, T, H, D), None).
 
-    k/v are the segment's own tokens (`SegmentCache.update` returned them; while decoding, every generated
-    token's). The prompt's part comes from the state. Plain full attention takes the fused chunked kernel;
-    sliding windows, DSA selections (`indices`, (B, T, topk) over [prompt ; own]), MLA latent prefixes and
-    soft-capping take the masked path. s_aux: (H,) attention sinks (gpt-oss), on both paths. Any other keyword that
-    would change the result is refused (`_check_kwargs`).
+    k/v are the segment's own tokens (while decoding, every generated token's); the prompt's part comes from the
+    state. Plain full attention takes the fused chunked kernel; sliding windows, DSA selections (`indices`, (B, T,
+    topk) over [prompt ; own]), MLA latent prefixes, soft-capping and chunked attention take the masked path. s_aux:
+    (H,) attention sinks (gpt-oss), on both paths.
     """
-    if longstraw is None:  # an attention module that does not pass its layer's keyword arguments on
-        longstraw = active_cache()
-    if longstraw is None:
+    # active_cache: for an attention module that does not pass its layer's keyword arguments on
+    ctx = longstraw if longstraw is not None else active_cache()
+    if ctx is None:
         raise RuntimeError("longstraw attention called without a SegmentCache (use replay.run_segment)")
     _check_kwargs(module, kwargs)
     sliding_window = _mask_window(module, sliding_window)
     if dropout:
         raise RuntimeError("attention dropout is active: put the model in eval() mode")
-    ctx = longstraw
     layer: int | None = hf(module).layer_idx
     if layer is None or layer < 0:  # a block shared by several layers: the index its caller gave `update`
         layer = ctx.attending
