@@ -8,8 +8,8 @@ merge of a prefix part with an own part needs (torch's public SDPA does not retu
 * ``cuda_efficient``: ``_scaled_dot_product_efficient_attention`` (fp32, or fp16/bf16 head dims flash refuses).
 
 Everything else (fp64 on CUDA, other devices, a refusal at run time) takes the portable blocked kernel in
-`attention.py`, and the reason is logged once per (kernel, dtype, head dim). All share one layout: q (N, M, D),
-k/v (1, N, c, D) — N heads, M query rows, c keys — the ops see them as batch 1 with N heads.
+`attention.py`, the reason logged once per (kernel, dtype, head dim). All share one layout, q (N, M, D), k/v
+(1, N, c, D) (N heads, M query rows, c keys), which the ops see as batch 1 with N heads.
 
 Their backward ops do not take a gradient of the log-sum-exp; `fused_backward` folds it in exactly (see there).
 The CUDA paths have not run on a GPU yet: the CPU suite checks them against emulations of the CUDA ops built from
@@ -62,11 +62,9 @@ def round_up(n: int, multiple: int) -> int:
 
 
 def choose_kernel(q: torch.Tensor, enabled: bool = True) -> str:
-    """The fused op for q's device, dtype and head dim, else "portable" (reason logged once on CUDA).
-
-    The head-dim check is on D + 1 because the backward appends one column (see `fused_backward`): a head dim
-    of 256 takes the memory-efficient op in both directions rather than mixing kernels.
-    """
+    """The fused op for q's device, dtype and head dim, else "portable" (reason logged once on CUDA). The head-dim
+    check is on D + 1 because the backward appends one column (`fused_backward`): a head dim of 256 takes the
+    memory-efficient op in both directions rather than mixing kernels."""
     if not enabled:
         return "portable"
     d = q.shape[-1]

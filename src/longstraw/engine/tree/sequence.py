@@ -1,9 +1,8 @@
 """Sequence-level losses over a tree whose trajectories share loss tokens, exactly, in two passes.
 
 The sequence ratio (gspo, luspo) and vespo's weight read a trajectory's whole loss at once, while the walk scores a
-shared node's tokens (and any node's with children) a chunk at a time. The loss is L = Σ_i w_i f_i(logp_i), logp_i
-the vector of trajectory i's loss-token log-probs, so by the chain rule its gradient is
-Σ_i Σ_t (∂L/∂logp_{i,t}) ∇θ logp_{i,t}:
+shared node's tokens (and any node's with children) a chunk at a time. The loss is L = Σ_i w_i f_i(logp_i) (logp_i:
+trajectory i's loss-token log-probs), so its gradient is Σ_i Σ_t (∂L/∂logp_{i,t}) ∇θ logp_{i,t}:
 
 1. the first pass: a walk without grad (`plans.detach`'s code path: each node's chunks from its parent's state, each
    leaf replayed from its parent's) records the log-probs of the trajectories scored in pieces
