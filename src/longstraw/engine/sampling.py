@@ -129,18 +129,9 @@ def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tens
 
 
 @torch.no_grad()
-def sample_group(
-    model: torch.nn.Module,
-    prompt: torch.Tensor,
-    group_size: int,
-    sampling: SamplingConfig,
-    seed: int = 0,
-    chunk_size: int = 2048,
-    state: PromptState | None = None,
-    keep_boundaries: bool = True,
-    context_shards: ContextShards | None = None,
-    environment: Environment | None = None,
-) -> Rollout:
+def sample_group(model: torch.nn.Module, prompt: torch.Tensor, group_size: int, sampling: SamplingConfig, seed: int = 0,
+                 chunk_size: int = 2048, state: PromptState | None = None, keep_boundaries: bool = True,
+                 context_shards: ContextShards | None = None, environment: Environment | None = None) -> Rollout:
     """Draw `group_size` responses to `prompt` (P,) with one prompt prefill: `Decoder` on that many trunks that never
     fork. Deterministic for a given seed.
 
@@ -366,15 +357,9 @@ class Decoder:
 
 
 @torch.no_grad()
-def score_responses(
-    model: torch.nn.Module,
-    prompt: torch.Tensor,
-    responses: list[torch.Tensor],
-    chunk_size: int = 2048,
-    micro_batch: int = 1,
-    state: PromptState | None = None,
-    context_shards: ContextShards | None = None,
-) -> list[torch.Tensor]:
+def score_responses(model: torch.nn.Module, prompt: torch.Tensor, responses: list[torch.Tensor], chunk_size: int = 2048,
+                    micro_batch: int = 1, state: PromptState | None = None,
+                    context_shards: ContextShards | None = None) -> list[torch.Tensor]:
     """Per-token log-probs (R_i,) of each response under `model`, from one prompt capture (e.g. the frozen
     reference model's log-probs for the KL term). Same replay path as training, without backward."""
     prompt = check_inputs(model, prompt, state, "score_responses")

@@ -79,21 +79,11 @@ def _mask_window(module: torch.nn.Module, sliding_window: int | None) -> int | N
     return None
 
 
-def _longstraw_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    indices: torch.Tensor | None = None,
-    s_aux: torch.Tensor | None = None,
-    longstraw: SegmentCache | None = None,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
+def _longstraw_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                         sliding_window: int | None = None, softcap: float | None = None,
+                         indices: torch.Tensor | None = None, s_aux: torch.Tensor | None = None,
+                         longstraw: SegmentCache | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers attention signature: q (B, H, T, D), k/v (B, Hkv, S, D) -> ((B, T, H, D), None).
 
     k/v are the segment's own tokens (while decoding, every generated token's); the prompt's part comes from the
@@ -175,15 +165,9 @@ def _indexer_mask(batch: int, t: int, start: int, device) -> torch.Tensor:
     return (k_pos[None, :] <= q_pos[:, None])[None, None].expand(batch, 1, t, start + t)
 
 
-def run_segment(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    start: int,
-    state: PromptState,
-    collect: Collected | None = None,
-    generated: ResponseState | None = None,
-    kv_only: bool = False,
-) -> torch.Tensor | None:
+def run_segment(model: torch.nn.Module, input_ids: torch.Tensor, start: int, state: PromptState,
+                collect: Collected | None = None, generated: ResponseState | None = None,
+                kv_only: bool = False) -> torch.Tensor | None:
     """Hidden states after the final norm for `input_ids` (B, T) at positions start..start+T-1.
 
     Every sequence of the batch continues the same prompt state (batch 1, shared). With `generated`

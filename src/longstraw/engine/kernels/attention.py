@@ -232,17 +232,9 @@ def _extend(head: torch.Tensor, keys: int) -> torch.Tensor:
     return head.detach().as_strided((*head.shape[:2], keys, head.shape[3]), head.stride(), head.storage_offset())
 
 
-def prefix_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    prefix_keys: list[torch.Tensor],
-    prefix_values: list[torch.Tensor],
-    scale: float,
-    causal: bool = True,
-    context_shards: ContextShards | None = None,
-    sinks: torch.Tensor | None = None,
-) -> torch.Tensor:
+def prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, prefix_keys: list[torch.Tensor],
+                     prefix_values: list[torch.Tensor], scale: float, causal: bool = True,
+                     context_shards: ContextShards | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of new tokens over [prefix ; own tokens], exactly merged.
 
     query (B, H, T, D); key/value (B, Hkv, S, D); prefix chunks (1, Hkv, c_j, D) shared by all B.
@@ -301,15 +293,8 @@ def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tor
     return out * torch.exp(lse - total).unsqueeze(-1)
 
 
-def naive_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    prefix_keys: list[torch.Tensor],
-    prefix_values: list[torch.Tensor],
-    scale: float,
-    sinks: torch.Tensor | None = None,
-) -> torch.Tensor:
+def naive_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, prefix_keys: list[torch.Tensor],
+                    prefix_values: list[torch.Tensor], scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Plain reference for `prefix_attention` (same shapes, sinks (H,)): `naive.naive_masked_prefix_attention` with
     the prefix chunks at positions 0 … P−1, the own keys after them and the queries at the last T positions."""
     prefix, start = [], 0
@@ -364,21 +349,11 @@ def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, window: int
     return seen
 
 
-def masked_prefix_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    prefix: list[tuple[int, torch.Tensor, torch.Tensor]],
-    scale: float,
-    q_pos: torch.Tensor,
-    own_pos: torch.Tensor,
-    window: int | None = None,
-    select: torch.Tensor | None = None,
-    expand=None,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
-    chunk: int | None = None,
-) -> torch.Tensor:
+def masked_prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            prefix: list[tuple[int, torch.Tensor, torch.Tensor]], scale: float, q_pos: torch.Tensor,
+                            own_pos: torch.Tensor, window: int | None = None, select: torch.Tensor | None = None,
+                            expand=None, softcap: float | None = None, sinks: torch.Tensor | None = None,
+                            chunk: int | None = None) -> torch.Tensor:
     """Attention of new tokens over [prompt chunks ; own tokens] with positions, windows and selections.
 
     query (B, H, T, D) at absolute positions q_pos (T,); own key/value (B, Hkv, S, D*) at own_pos (S,), seen

@@ -20,19 +20,11 @@ def _to_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
 # Same signature as `attention.masked_prefix_attention` on purpose (duplicates lists it): the parity tests call both
 # with one set of arguments.
 def naive_masked_prefix_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    prefix: list[tuple[int, torch.Tensor, torch.Tensor]],
-    scale: float,
-    q_pos: torch.Tensor,
-    own_pos: torch.Tensor,
-    window: int | None = None,
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, prefix: list[tuple[int, torch.Tensor, torch.Tensor]],
+    scale: float, q_pos: torch.Tensor, own_pos: torch.Tensor, window: int | None = None,
     select: torch.Tensor | None = None,
     expand: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
-    chunk: int | None = None,
+    softcap: float | None = None, sinks: torch.Tensor | None = None, chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of T queries over [prefix keys ; own keys], same arguments as `masked_prefix_attention`.
 

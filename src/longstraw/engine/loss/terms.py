@@ -89,15 +89,9 @@ def _policy_term(logp: torch.Tensor, log_ratio: torch.Tensor, ratio: torch.Tenso
     return -logp  # PolicyTerm.NLL
 
 
-def response_loss(
-    logp: torch.Tensor,
-    mask: torch.Tensor,
-    advantages: torch.Tensor,
-    totals: GroupTotals,
-    cfg: LossConfig,
-    old_logp: torch.Tensor | None = None,
-    ref_logp: torch.Tensor | None = None,
-) -> torch.Tensor:
+def response_loss(logp: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor, totals: GroupTotals,
+                  cfg: LossConfig, old_logp: torch.Tensor | None = None,
+                  ref_logp: torch.Tensor | None = None) -> torch.Tensor:
     """This batch's share of the group loss (a scalar); shares of disjoint batches add up to the group loss.
 
     logp, mask, old_logp, ref_logp: (B, T), right-padded, mask True on real tokens; advantages: (B,).

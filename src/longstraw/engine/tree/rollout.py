@@ -168,17 +168,9 @@ def tree_advantages(rewards: torch.Tensor, rollout: TreeRollout, mode: str = "gr
 
 
 @torch.no_grad()
-def sample_tree(
-    model: torch.nn.Module,
-    prompt: torch.Tensor,
-    tree: TreeConfig,
-    sampling: SamplingConfig,
-    seed: int = 0,
-    chunk_size: int = 2048,
-    state: PromptState | None = None,
-    environment: Environment | None = None,
-    keep_states: bool = False,
-) -> TreeRollout:
+def sample_tree(model: torch.nn.Module, prompt: torch.Tensor, tree: TreeConfig, sampling: SamplingConfig, seed: int = 0,
+                chunk_size: int = 2048, state: PromptState | None = None, environment: Environment | None = None,
+                keep_states: bool = False) -> TreeRollout:
     """Sample a tree of responses to `prompt` (P,) from one prompt capture (module docstring): `sampling.Decoder`
     with the tree's fork rule. Deterministic for a seed. sampling: as `sample_group` (max_new_tokens bounds every
     root-to-leaf response, observations included; max_turns every path's model turns). environment: as
