@@ -1,9 +1,8 @@
 """`BackwardOptions`: how `backward_group` computes one group's gradient, validated once on construction.
 
-The same object serves the Python API (`backward_group(model, group, options)` or its keywords), the trainer
-(`TrainConfig.plan.backward_options()`) and the TRL integration, so every rule about a combination of options lives
-here, in one place. What can only be checked against a model, a group or a prompt state (the architecture, the
-prompt's length, a recurrent model's chunk size) is checked by `backward_group` before anything runs.
+The same object serves the Python API, the trainer (`TrainConfig.plan.backward_options()`) and the TRL integration,
+so every rule about a combination of options lives here. What can only be checked against a model, a group or a
+prompt state (the architecture, the prompt's length) is checked by `backward_group` before anything runs.
 """
 
 from __future__ import annotations
@@ -43,11 +42,9 @@ class BackwardOptions:
     allow_train_mode: accept a model in train() mode whose train and eval forwards compute the same numbers.
     context_shards: a context-parallel group (`state.sharding.ContextShards`, made by
     `distributed.context.ContextParallel`) (detach/exact): each rank keeps 1/C of the prompt's attention state.
-    router_aux_coef: a Mixture-of-Experts model's load-balancing loss (transformers' `load_balancing_loss_func`
-    over the batch's sequences: a group's G, a tree's trajectories) times this, added to the loss
-    (`engine/router.py`, `engine/tree/routes.py`); 0: none. Costs one forward of the batch without grad first (the
-    top-k counts). Under detach its shared tokens' share of the gradient is left out, like every path through a
-    state.
+    router_aux_coef: a Mixture-of-Experts model's load-balancing loss over the batch's sequences times this, added to
+    the loss (`engine/router.py`); 0: none. Costs one forward of the batch without grad first (the top-k counts).
+    Under detach its shared tokens' share of the gradient is left out, like every path through a state.
     """
 
     plan: Plan = EXACT

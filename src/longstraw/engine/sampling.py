@@ -206,9 +206,9 @@ ForkRule = Callable[[int, int, bool, int], int]
 
 
 class Decoder:
-    """The decode loop: trunks from the prompt's state, and (with a fork rule) the groups of their forks, depth
-    first. nodes: every segment made (parents before children); forks, groups, positions: the counters; with
-    keep_states, states[n] / buffers[n]: the state node n's children decode over and the buffer n decoded into."""
+    """The decode loop: trunks from the prompt's state, and (with a fork rule) the groups of their forks, depth first.
+    nodes: every segment made (parents before children); with keep_states, states[n] / buffers[n]: the state node
+    n's children decode over and the buffer n decoded into."""
 
     def __init__(self, model: torch.nn.Module, sampling: SamplingConfig, environment: Environment | None, seed: int,
                  fork_rule: ForkRule | None = None, keep_states: bool = False) -> None:
@@ -220,8 +220,7 @@ class Decoder:
         self.buffers: dict[int, ResponseState] = {}
         head = hf(model).get_output_embeddings()
         self.weight, self.bias = head.weight, getattr(head, "bias", None)  # (V, d), (V,) or None
-        # the factor the model's own forward applies to the projection (Cohere, Granite), then its final-logit
-        # soft-cap (Gemma-2); the temperature divides after both
+        # the model's own logit factor (Cohere, Granite) and soft-cap (Gemma-2); the temperature divides after both
         self.scale, self.softcap = logit_scale(model), logit_softcap(model)
 
     def run(self, state: PromptState, prompt: torch.Tensor, trunks: int) -> list[RolloutNode]:

@@ -71,12 +71,9 @@ def _mask_window(module: torch.nn.Module, sliding_window: int | None) -> int | N
     module holds `sliding_window`, with `use_sliding_window`)."""
     if sliding_window is not None:
         return sliding_window
-    model_type = getattr(getattr(module, "config", None), "model_type", None)
-    if model_type == "phimoe":
-        return getattr(module.config, "sliding_window", None)
-    elif model_type == "qwen2_moe":
-        return getattr(module, "sliding_window", None)
-    return None
+    config = getattr(module, "config", None)
+    holder = {"phimoe": config, "qwen2_moe": module}.get(getattr(config, "model_type", ""))
+    return getattr(holder, "sliding_window", None)
 
 
 def _longstraw_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -184,9 +181,8 @@ def run_segment(model: torch.nn.Module, input_ids: torch.Tensor, start: int, sta
         collect = {}
     cache = SegmentCache(state, start, b, collect=collect, generated=generated, kv_only=kv_only)
     position_ids = (torch.arange(t, device=input_ids.device) + start).unsqueeze(0).expand(b, t)
-    mask = None
-    if has_indexer(model):
-        mask = _indexer_mask(b, t, start, input_ids.device)  # keys: prompt, generated so far, this segment
+    # keys of the DSA indexer's mask: prompt, generated so far, this segment
+    mask = _indexer_mask(b, t, start, input_ids.device) if has_indexer(model) else None
     base = text_decoder(model)
     # Mamba-1 mixers continue the SSM state through LongStraw's scan (engine/hf/mamba1.py).
     mixers = mamba1_mixers(hf(base).layers) if model_type in MAMBA1_MODEL_TYPES else nullcontext()

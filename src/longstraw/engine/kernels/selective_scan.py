@@ -60,10 +60,8 @@ def naive_selective_scan(
     the last token (b, d, N)."""
     batch, width, length = u.shape
     decay, inputs = _discretize(u, dt, A, B, dt_bias, upcast)
-    if initial_state is None:
-        state = torch.zeros(batch, width, A.shape[-1], dtype=u.dtype, device=u.device)
-    else:
-        state = initial_state.expand(batch, -1, -1)
+    state = (torch.zeros(batch, width, A.shape[-1], dtype=u.dtype, device=u.device) if initial_state is None
+             else initial_state.expand(batch, -1, -1))
     outputs = []
     for t in range(length):
         state = decay[:, :, t] * state + inputs[:, :, t]
@@ -98,10 +96,8 @@ def selective_scan(
         raise ValueError(f"chunk must be >= 1, got {chunk}")
     batch, width, length = u.shape
     decay, inputs = _discretize(u, dt, A, B, dt_bias, upcast)
-    if initial_state is None:
-        state = torch.zeros(1, width, A.shape[-1], dtype=u.dtype, device=u.device)
-    else:
-        state = initial_state
+    state = (torch.zeros(1, width, A.shape[-1], dtype=u.dtype, device=u.device) if initial_state is None
+             else initial_state)
     outputs = []
     for start in range(0, length, chunk):
         end = min(start + chunk, length)

@@ -244,9 +244,7 @@ class PromptState:
         last = self.num_chunks - 1
         for layer in range(self.num_layers):
             for name in RECURRENT_PARTS:
-                entries = self.parts[name][layer]
-                for j in range(last):
-                    entries[j] = None
+                self.parts[name][layer][:last] = [None] * last
             window = self.windows[layer]
             if window is not None:
                 oldest_needed = self.length - (window - 1)
@@ -351,9 +349,8 @@ def _prefetch_by_default(device: torch.device | None) -> bool:
 
 @dataclass
 class _Prefetched:
-    """One attention layer's chunk copies, started ahead of the read (see the module docstring). On CUDA they are
-    made on a side stream; `take` makes the reading stream wait for them and tells the allocator they are used
-    there (`record_stream`), so their memory is not reused while that stream still reads them."""
+    """One attention layer's chunk copies, started ahead of the read (module docstring), on CUDA on a side stream:
+    `take` makes the reading stream wait for them and marks them used there (`record_stream`)."""
 
     layer: int
     chunks: list[tuple[int, torch.Tensor, torch.Tensor]]

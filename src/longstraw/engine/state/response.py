@@ -1,6 +1,4 @@
-"""Per-sequence state of the tokens a rollout has generated so far (sampling, no grad).
-
-Unlike the shared prompt state this belongs to one rollout and is never shared, so it may grow and be
+"""Per-sequence state of the tokens a rollout has generated so far (sampling, no grad), which may grow and be
 replaced freely:
 
 * attention layers: K/V (or MLA latents) of every generated token, (B, Hkv, max_len, D), preallocated on

@@ -1,9 +1,8 @@
 """The router load-balancing term (`engine/router.py`) over a prefix tree: which weight each token's routers carry,
 and the counting pass.
 
-transformers' aux loss over a batch counts every token of every sequence (the attention mask weighing it 1): a token
-at a tree position that k trajectories hold counts k times. The walk runs each position once, so each run carries
-that multiplicity as its weight:
+transformers' aux loss over a batch counts every token of every sequence: a tree position that k trajectories hold
+counts k times. The walk runs each position once, so each run carries that multiplicity as its weight:
 
 * a node's input positions after its first (its own tokens but the last): |through(node)|;
 * a node's first input position, its parent's last token, which each child's forward runs again: |through(child)|,
@@ -13,9 +12,8 @@ that multiplicity as its weight:
 * a leaf's replay runs all its tokens, its last one too (the batch's forward routes a sequence's last token):
   |through(leaf)| each.
 
-The counts need every token's top-k before the first backward: `count_routes` walks the tree once without grad
-(each node's chunks to the last layer's MoE block, then its children; each leaf whole), and sums the weighted
-probabilities too, so the loss's value (`aux_value`) covers every token whatever the plan.
+The counts need every token's top-k before the first backward: `count_routes` walks the tree once without grad, and
+sums the weighted probabilities too, so the loss's value (`aux_value`) covers every token whatever the plan.
 """
 
 from __future__ import annotations
