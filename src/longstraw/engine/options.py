@@ -18,9 +18,9 @@ from longstraw.engine.state.sharding import ContextShards
 from longstraw.plan import EXACT, Plan, plan_named
 
 
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+def _int_at_least(name: str, value: object, low: int, what: str = "") -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}{what}, got {value!r}")
     return value
 
 
@@ -70,7 +70,7 @@ class BackwardOptions:
                             f"{type(loss).__name__}")
         object.__setattr__(self, "loss", loss)
         for name in ("chunk_size", "micro_batch", "token_chunk"):
-            _positive_int(name, getattr(self, name))
+            _int_at_least(name, getattr(self, name), 1)
         object.__setattr__(self, "checkpoint", check_checkpoint(self.checkpoint))
         temperature = self.temperature
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
@@ -87,9 +87,7 @@ class BackwardOptions:
         if self.offload_state and not plan.supports_offload:
             raise ValueError(f"offload_state moves the prompt state to host memory: the {plan} plan has none; use "
                              "plan detach or exact")
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
-            raise ValueError(f"keep_prompt_graph must be an integer >= 0 (capture chunks whose graph is kept), got "
-                             f"{keep!r}")
+        _int_at_least("keep_prompt_graph", keep, 0, " (capture chunks whose graph is kept)")
         if keep and not plan.supports_kept_graphs:
             raise ValueError(f"keep_prompt_graph keeps capture graphs for the exact plan's prompt backward; the {plan} "
                              "plan has none: pass keep_prompt_graph=0 or plan='exact'")
