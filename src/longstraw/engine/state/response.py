@@ -27,9 +27,7 @@ class ResponseState:
         self.length = 0  # generated positions filled in every layer
 
     def _buffer(self, like: torch.Tensor, dim: int) -> torch.Tensor:
-        shape = list(like.shape)
-        shape[dim] = self.max_len
-        return torch.empty(shape, dtype=like.dtype, device=like.device)
+        return like.new_empty((*like.shape[:dim], self.max_len, *like.shape[dim + 1:]))
 
     def _check_room(self, t: int) -> int:
         end = self.length + t
