@@ -104,11 +104,10 @@ def observation_ids(observation: object, environment: object, i: int, turn: int,
         if not outside:
             return ids
         bad = f"token id {outside[0]}, outside the model's vocabulary [0, {vocab})"
-    raise ValueError(
-        f"environment {describe(environment)} returned {bad} for sequence {i} at the tool call ending its turn {turn}: "
-        "return the observation's token ids as a 1-D integer torch.Tensor (e.g. torch.tensor(tokenizer.encode(text), "
-        f"dtype=torch.long)) or a list of ints, each in [0, {vocab}), or None to end the episode"
-    )
+    raise ValueError(f"environment {describe(environment)} returned {bad} for sequence {i} at the tool call ending its "
+                     f"turn {turn}: return the observation's token ids as a 1-D integer torch.Tensor (e.g. "
+                     "torch.tensor(tokenizer.encode(text), dtype=torch.long)) or a list of ints, each in "
+                     f"[0, {vocab}), or None to end the episode")
 
 
 def agree(shards: ContextShards, environment: object, sequences: list[tuple[int, int]],
@@ -144,9 +143,8 @@ def agree(shards: ContextShards, environment: object, sequences: list[tuple[int,
                 f"{n} token ids, hash {digest:016x}"
 
         per_rank = "; ".join(f"rank {r}: {what(r)}" for r in range(every.shape[0]))
-        raise RuntimeError(
-            f"the environment {describe(environment)} returned different observations on the ranks of the "
-            f"context-parallel group for sequence {i} at the tool call ending its turn {turn} ({per_rank}): ranks "
-            "that share a prompt must get the same observations, or their rollouts diverge; make the environment a "
-            "deterministic function of (i, response) (no per-rank state, clock or unseeded randomness)"
-        )
+        raise RuntimeError(f"the environment {describe(environment)} returned different observations on the ranks of "
+                           f"the context-parallel group for sequence {i} at the tool call ending its turn {turn} "
+                           f"({per_rank}): ranks that share a prompt must get the same observations, or their rollouts "
+                           "diverge; make the environment a deterministic function of (i, response) (no per-rank "
+                           "state, clock or unseeded randomness)")

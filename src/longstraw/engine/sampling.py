@@ -132,14 +132,13 @@ def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tens
 def sample_group(model: torch.nn.Module, prompt: torch.Tensor, group_size: int, sampling: SamplingConfig, seed: int = 0,
                  chunk_size: int = 2048, state: PromptState | None = None, keep_boundaries: bool = True,
                  context_shards: ContextShards | None = None, environment: Environment | None = None) -> Rollout:
-    """Draw `group_size` responses to `prompt` (P,) with one prompt prefill: `Decoder` on that many trunks that never
-    fork. Deterministic for a given seed.
+    """Draw `group_size` responses to `prompt` (P,) with one prompt prefill (`Decoder` on that many trunks that never
+    fork). Deterministic for a given seed.
 
-    keep_boundaries: capture the recurrent state at every chunk boundary, so the exact plan can reuse the
-    rollout's state (detach-only training can save that memory with False). context_shards: the prompt
-    state is sharded over that group's ranks, which all call this with the same arguments and get the same
-    samples. environment: multi-turn rollouts (module docstring); it must be deterministic for the ranks of a
-    context-parallel group to stay in step (the ranks compare its observations: `environment.agree`)."""
+    keep_boundaries: capture the recurrent state at every chunk boundary, so the exact plan can reuse the rollout's
+    state (detach-only training can save that memory with False). context_shards: the prompt state is sharded over
+    that group's ranks, which all call this with the same arguments and get the same samples. environment:
+    multi-turn rollouts (module docstring), deterministic for the ranks of a context-parallel group to agree."""
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
     prompt = check_inputs(model, prompt, state, "sample_group", sampling, environment)
@@ -159,8 +158,8 @@ def sample_group(model: torch.nn.Module, prompt: torch.Tensor, group_size: int, 
 class RolloutNode:
     """One segment a `Decoder` sampled. parent: the node it continues (None: a trunk, continuing the prompt).
     tokens / logprobs / observed (n,): its ids, their policy log-probs and whether each was an observation token.
-    children: the nodes that continue it (empty: a leaf). ended: why it ended ("fork", "stop", "budget":
-    the token budget, "turns": a call past max_turns, "episode": the environment ended it)."""
+    children: the nodes that continue it (empty: a leaf). ended: why it ended ("fork", "stop", "budget", "turns":
+    a call past max_turns, "episode": the environment ended it)."""
 
     parent: int | None
     depth: int

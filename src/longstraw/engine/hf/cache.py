@@ -175,8 +175,8 @@ class SegmentCache:
 
     # --- attention ----------------------------------------------------------------------------------------
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """Attention layers: this segment's K/V (B, Hkv, T, D) or MLA latents (B, 1, T, d). Returned unchanged
-        (the kernel reads the prompt part from the state), or with every generated token's while decoding."""
+        """Attention layers: this segment's K/V (B, Hkv, T, D) or MLA latents (B, 1, T, d), returned unchanged, or
+        with every generated token's while decoding."""
         self._asked(layer_idx, "key")
         self.attending = layer_idx
         self._record(layer_idx, "key", key)

@@ -4,9 +4,8 @@ We do not fork the model's code: the unmodified transformers modules compute emb
 projections, MLPs/MoE, conv and recurrent kernels. Two things are swapped, both through transformers' own
 extension points:
 
-* the cache object: a `SegmentCache` (engine/hf/cache.py) answers the layers' cache calls functionally over a
-  fork of the prompt state (recurrent/conv state, MLA latents, DSA indexer keys) and collects what each
-  layer produced (capture, the exact plan's recompute, decoding);
+* the cache object: a `SegmentCache` (engine/hf/cache.py) answers the layers' cache calls functionally over a fork
+  of the prompt state (recurrent/conv state, MLA latents, DSA indexer keys) and collects what each layer produced;
 * the attention *kernel*, through `AttentionInterface`: `_longstraw_attention` attends to the prompt's
   chunks in place (read from the state) and to the segment's own tokens, merged exactly by log-sum-exp.
 

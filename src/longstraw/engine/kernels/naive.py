@@ -1,8 +1,7 @@
 """Plain reference for the masked attention path (`attention.masked_prefix_attention`).
 
-One full score matrix over every key, one explicit mask built from absolute positions, one softmax. Nothing
-is chunked, checkpointed or merged, and nothing from `attention.py` is used: this is what the fast path must
-equal (tests/engine/kernels/test_naive.py compares outputs, log-sum-exps and gradients in float64).
+One full score matrix over every key, one explicit mask from absolute positions, one softmax; nothing chunked,
+checkpointed, merged or taken from `attention.py` (tests/engine/kernels/test_naive.py holds the fast path to it).
 """
 
 from __future__ import annotations

@@ -52,9 +52,8 @@ def naive_selective_scan(
     D: torch.Tensor | None = None, z: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
     initial_state: torch.Tensor | None = None, upcast: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token at a time, as transformers' sequential loop, but from `initial_state`.
-
-    u, dt, z (b, d, T); A (d, N); B, C (b, T, N); D, dt_bias (d,); initial_state (1 or b, d, N) or None (zeros).
+    """One token at a time, as transformers' sequential loop, but from `initial_state`. u, dt, z (b, d, T); A (d, N);
+    B, C (b, T, N); D, dt_bias (d,); initial_state (1 or b, d, N) or None (zeros).
     upcast: the dtype B and u are cast to before they meet dt (transformers: float32; a float64 test of the math
     itself passes float64, where float32 casts would round the gradients). Returns y (b, d, T) and the state after
     the last token (b, d, N)."""

@@ -72,21 +72,14 @@ class PromptState:
     # owners[j] is the rank that keeps chunk j's (decided when the chunk is captured, `capture.extend_state`).
     context_shards: ContextShards | None = None
     owners: list[int] = field(default_factory=list)
-    # Offloaded: the tensors live in host memory and are copied to this compute device where they are read.
-    device: torch.device | None = None
-    # `prompt_fingerprint` of the ids captured (set by `capture_prompt`; None for a prefix of the state).
-    fingerprint: str | None = None
-    # What captured it: the model's identity, config, module attributes, adapter state and tensor checksums
-    # (`provenance.provenance`, set by `capture_prompt`).
-    provenance: Provenance | None = None
-    # Offloaded: start the next attention layer's copies when a layer reads its own (module docstring).
-    prefetch: bool | None = None  # None: on when `device` is a GPU (`_prefetch_by_default`)
+    device: torch.device | None = None  # offloaded: the compute device the host-memory tensors are copied to
+    fingerprint: str | None = None  # `prompt_fingerprint` of the ids captured (None for a prefix of the state)
+    provenance: Provenance | None = None  # what captured it (`provenance.provenance`)
+    prefetch: bool | None = None  # offloaded (module docstring); None: on when `device` is a GPU
     # Capture chunk j's autograd graph, kept for the exact plan's prompt backward (`capture_prompt(keep_graph=)`):
     # the parts it produced, in `chunk_outputs` order. Forks and prefixes do not carry it.
     graphs: dict[int, list[torch.Tensor | None]] = field(default_factory=dict, repr=False, compare=False)
-    # Positions the capture will hold (set by `capture_prompt`): full-attention K/V are then written into one tensor
-    # per layer and part as chunks arrive (`_slab`), so that a run of chunks is read with one kernel call.
-    capacity: int | None = None
+    capacity: int | None = None  # positions the capture will hold: full-attention K/V then go into slabs (`_slab`)
     _slabs: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
     _ahead: _Prefetched | None = field(default=None, repr=False, compare=False)  # at most one layer ahead
     _last_read: int | None = field(default=None, repr=False, compare=False)

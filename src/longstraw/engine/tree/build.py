@@ -2,11 +2,10 @@
 every trajectory below it) and `build_tree` (a radix trie over the trajectories' token ids).
 
 A trajectory is a whole sequence — shared system prompt, task, turns, tool outputs, answer — of N token ids, with
-its loss on positions loss_start … N−1 (the token at position t is scored by the model's prediction from positions
-< t). Trajectories that start with the same tokens share those tokens' nodes: each shared token is encoded once, and
-its log-prob, when several trajectories score it, is computed once and counted once per trajectory (with each
-trajectory's own advantage, old/reference log-prob and normaliser): the gradient is the sum over trajectories,
-exactly what running every trajectory on its own gives (docs/trees.md).
+its loss on positions loss_start … N−1. Trajectories that start with the same tokens share those tokens' nodes: each
+shared token is encoded once, and its log-prob, when several trajectories score it, is computed once and counted once
+per trajectory (with its own advantage, old/reference log-prob and normaliser): the gradient is exactly what running
+every trajectory on its own gives (docs/trees.md).
 
 Positions: node n holds the tokens at positions [n.start, n.end). Its forward runs the *input* [n.start−1, n.end−1)
 (its parent's last token, then its own tokens but the last) and predicts its own tokens; after it the node's state
