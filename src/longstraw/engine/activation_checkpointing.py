@@ -6,23 +6,16 @@ chunk of the exact plan) keeps L·T·d numbers plus one layer's activations inst
 
 Why not transformers' own `gradient_checkpointing_enable`: it acts only in `train()` mode (we run in eval, no
 dropout) and it sets the `cache` argument to None, which would drop our `SegmentCache`, the object through which
-a layer reads the prompt state. Here each layer's `forward` is wrapped (instance attribute, for the duration of
-the block) by `torch.utils.checkpoint` in its non-reentrant form, which
+a layer reads the prompt state. Here each layer's `forward` is wrapped (an instance attribute, for the duration of
+the block) by `torch.utils.checkpoint` in its non-reentrant form, which passes keyword arguments through (the cache,
+the rotary embeddings, the mask), lets gradients flow into tensors that are not arguments (the prompt state's leaves
+the layer reads from the cache: the recompute re-reads them), and stops a recompute as soon as the saved tensors it
+needs exist again (a prompt-backward chunk's stops at the last layer's K/V, as its forward did: `kv_only`).
 
-* passes keyword arguments through (the cache, the rotary embeddings, the attention mask);
-* lets gradients flow into tensors that are not arguments, such as the prompt state's leaves that the layer
-  reads from the cache (the exact plan's dL/dstate, recurrent/conv states, MLA latents), because the recompute
-  re-reads them and autograd accumulates into them as usual;
-* stops a recompute as soon as the saved tensors it needs exist again (a prompt-backward chunk stops at the last
-  layer's K/V, `SegmentCache.kv_only`, so its recompute stops there too).
-
-A recompute must not repeat the cache's side effects: it must not collect a layer's state a second time, and a
-conv layer must see the conv window it saw the first time. The wrapper tells the cache (`SegmentCache.layer`)
-which layer runs and whether it is a recompute.
-
-Module hooks (FSDP2's all-gather/reshard) run around `__call__`, outside the wrapped `forward`, as in
-transformers' own implementation: a recompute in the backward runs while FSDP2's pre-backward hook holds the
-layer's parameters gathered.
+A recompute must not repeat the cache's side effects (collect a layer's state again, or show a conv layer another
+window than the first run's): the wrapper tells the cache (`SegmentCache.layer`) which layer runs and whether it is
+a recompute. Module hooks (FSDP2's all-gather/reshard) run around `__call__`, outside the wrapped `forward`, as in
+transformers' own implementation: a recompute runs while FSDP2's pre-backward hook holds the layer's parameters.
 """
 
 from __future__ import annotations
@@ -37,6 +30,7 @@ from longstraw.choices import CHECKPOINT_CHOICES
 from longstraw.engine.hf.active import active_cache, running
 from longstraw.engine.hf.composite import text_config, text_decoder
 from longstraw.engine.hf.mamba1 import mamba1_mixers
+from longstraw.engine.hf.segment import attention_kernel
 
 
 def check_checkpoint(value: object) -> str:
@@ -63,16 +57,6 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
 _LAYER_LISTS = ("layers", "h", "blocks")
 
 
-@contextmanager
-def _attention_kernel(config, name: str) -> Iterator[None]:
-    previous = config._attn_implementation
-    config._attn_implementation = name
-    try:
-        yield
-    finally:
-        config._attn_implementation = previous
-
-
 def _wrap(layer: torch.nn.Module, index: int, config):
     inner = type(layer).forward  # the class's forward (transformers' own wrapper is a no-op in eval mode)
 
@@ -82,7 +66,7 @@ def _wrap(layer: torch.nn.Module, index: int, config):
         # Blocks that are not handed the `longstraw` keyword (Mamba and Falcon-Mamba pass their mixer the cache alone)
         # find the running segment's.
         cache = kwargs.get("longstraw") or active_cache()
-        # The recompute runs in the backward, after the forward's block (segment.replay_attention) has restored
+        # The recompute runs in the backward, after the forward's block (`segment.attention_kernel`) has restored
         # the model's own attention kernel: it must run with the kernel of the first run.
         kernel = config._attn_implementation
         runs = 0
@@ -90,7 +74,7 @@ def _wrap(layer: torch.nn.Module, index: int, config):
         def run(*a, **kw):
             nonlocal runs
             runs += 1
-            with _attention_kernel(config, kernel):
+            with attention_kernel(config, kernel):
                 if cache is None:
                     return inner(layer, *a, **kw)
                 # A Mamba-1 mixer's recompute must continue its state as the first run did (engine/hf/mamba1.py).

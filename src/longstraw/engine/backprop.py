@@ -39,10 +39,9 @@ def prompt_backward(model: torch.nn.Module, ids: torch.Tensor, leaves: PromptSta
                     router_weights: Callable[[int, int], torch.Tensor] | None = None) -> None:
     """ids: the encoded tokens by position (the prompt's x[:-1], or a tree node's path); leaves: the state the replays
     used, `.grad` filled. router: the router load-balancing term, whose share of the chunk's tokens (weighed by
-    `router_weights(start, end)`, (end − start,)) joins each chunk's backward (each chunk then runs to the last
-    layer's MoE block, and none is skipped). first: backpropagate chunks
-    first … last only (a tree node's own chunks: the state before them, its parent's, receives their gradient).
-    chunk_loss: a loss on the tokens the chunks predict, added to each chunk's backward."""
+    `router_weights(start, end)`, (end − start,)) joins each chunk's backward (none is then skipped). first:
+    backpropagate chunks first … last only (a tree node's own: the state before them, its parent's, gets their
+    gradient). chunk_loss: a loss on the tokens the chunks predict, added to each chunk's backward."""
     if not leaves.keep_boundaries and leaves.num_chunks > 1:
         raise ValueError("the exact plan needs the recurrent state at every chunk boundary: capture the prompt "
                          "with keep_boundaries=True")

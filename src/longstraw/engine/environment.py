@@ -6,17 +6,12 @@ the model's own), or a callable `call_end(response_so_far) -> bool` that the tas
 look at the decoded text (a BPE tokenizer splits a closing tag such as `</lookup>` differently after a space, a digit
 or before a punctuation mark, so one tuple of ids misses most of the calls a model writes).
 
-What is checked, and when. When the rollout starts (`check_environment`): the environment is callable, every
-`call_end` id is a token the model can sample (in its vocabulary), and no `call_end` id is also a stop id (a response
-stops at a stop id, so a call ending in one, or passing through one, would never reach the environment: refused
-rather than ignored). A `call_end` callable must answer True or False (anything else is one ValueError naming it and
-the sequence). At each call (`observation_ids`): the observation is None (the episode ends; an empty observation ends
-it too) or 1-D integer token ids within the vocabulary, as a torch integer tensor or a list/tuple of Python ints;
-anything else (text, floats, bools, a 2-D tensor, a NumPy array, an id outside the vocabulary) is one ValueError
-naming the environment, the sequence and the turn. Under context parallelism the ranks of the group compare, at
-every decode step, a 64-bit hash of what their environments returned (`agree`, through `ContextShards.all_gather`):
-observations that differ between ranks, or an environment that raised on some ranks only, are one error on every
-rank instead of rollouts that silently diverge or a collective that waits out its timeout.
+What is checked: when the rollout starts, the environment and `call_end` (`check_environment`); at each call, what
+`call_end` and the environment answered (`ends_call`, `observation_ids`): anything off is one ValueError naming the
+environment, the sequence and the turn. Under context parallelism the ranks of the group compare, at every decode
+step, a 64-bit hash of what their environments returned (`agree`): observations that differ between ranks, or an
+environment that raised on some ranks only, are one error on every rank instead of rollouts that silently diverge or
+a collective that waits out its timeout.
 """
 
 from __future__ import annotations
@@ -109,11 +104,10 @@ def observation_ids(observation: object, environment: object, i: int, turn: int,
         if not outside:
             return ids
         bad = f"token id {outside[0]}, outside the model's vocabulary [0, {vocab})"
-    raise ValueError(
-        f"environment {describe(environment)} returned {bad} for sequence {i} at the tool call ending its turn {turn}: "
-        "return the observation's token ids as a 1-D integer torch.Tensor (e.g. torch.tensor(tokenizer.encode(text), "
-        f"dtype=torch.long)) or a list of ints, each in [0, {vocab}), or None to end the episode"
-    )
+    raise ValueError(f"environment {describe(environment)} returned {bad} for sequence {i} at the tool call ending its "
+                     f"turn {turn}: return the observation's token ids as a 1-D integer torch.Tensor (e.g. "
+                     "torch.tensor(tokenizer.encode(text), dtype=torch.long)) or a list of ints, each in "
+                     f"[0, {vocab}), or None to end the episode")
 
 
 def agree(shards: ContextShards, environment: object, sequences: list[tuple[int, int]],
@@ -149,9 +143,8 @@ def agree(shards: ContextShards, environment: object, sequences: list[tuple[int,
                 f"{n} token ids, hash {digest:016x}"
 
         per_rank = "; ".join(f"rank {r}: {what(r)}" for r in range(every.shape[0]))
-        raise RuntimeError(
-            f"the environment {describe(environment)} returned different observations on the ranks of the "
-            f"context-parallel group for sequence {i} at the tool call ending its turn {turn} ({per_rank}): ranks "
-            "that share a prompt must get the same observations, or their rollouts diverge; make the environment a "
-            "deterministic function of (i, response) (no per-rank state, clock or unseeded randomness)"
-        )
+        raise RuntimeError(f"the environment {describe(environment)} returned different observations on the ranks of "
+                           f"the context-parallel group for sequence {i} at the tool call ending its turn {turn} "
+                           f"({per_rank}): ranks that share a prompt must get the same observations, or their rollouts "
+                           "diverge; make the environment a deterministic function of (i, response) (no per-rank "
+                           "state, clock or unseeded randomness)")

@@ -35,13 +35,11 @@ def _check_float(name: str, t: object, shape: tuple[int, ...], in_loss: torch.Te
 class Group:
     """A GRPO group: prompt (P,), responses [o_1..o_G] each (R_i,), advantages (G,).
 
-    old_logprobs / ref_logprobs, when given, are one (R_i,) tensor per response: the sampling policy's
-    log-probs (PPO clipping, GSPO) and a frozen reference model's (KL penalty).
-
-    loss_masks, when given, is one (R_i,) bool tensor per response, True where the token is the policy's action:
-    False tokens (an agent's tool outputs and observations) run through the model (they are context for what
-    follows) but add no loss, and every normaliser counts only True tokens (docs/design.md §5). Each response
-    needs at least one True token.
+    old_logprobs / ref_logprobs, when given, are one (R_i,) tensor per response: the sampling policy's log-probs
+    (PPO clipping, GSPO) and a frozen reference model's (KL penalty). loss_masks, when given, is one (R_i,) bool
+    tensor per response, True where the token is the policy's action: False tokens (an agent's tool outputs and
+    observations) run through the model as context but add no loss, and every normaliser counts only True tokens
+    (docs/design.md §5). Each response needs at least one True token.
     """
 
     prompt: torch.Tensor
@@ -104,13 +102,6 @@ class Group:
     @property
     def lengths(self) -> list[int]:
         return [r.numel() for r in self.responses]
-
-    @property
-    def loss_lengths(self) -> list[int]:
-        """Tokens in each response's loss: the True tokens of its loss mask (all of them without masks)."""
-        if self.loss_masks is None:
-            return self.lengths
-        return [int(m.sum()) for m in self.loss_masks]
 
     def max_token_id(self) -> int:
         return max(int(self.prompt.max()), *(int(r.max()) for r in self.responses))

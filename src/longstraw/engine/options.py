@@ -1,9 +1,8 @@
 """`BackwardOptions`: how `backward_group` computes one group's gradient, validated once on construction.
 
-The same object serves the Python API (`backward_group(model, group, options)` or its keywords), the trainer
-(`TrainConfig.plan.backward_options()`) and the TRL integration, so every rule about a combination of options lives
-here, in one place. What can only be checked against a model, a group or a prompt state (the architecture, the
-prompt's length, a recurrent model's chunk size) is checked by `backward_group` before anything runs.
+The same object serves the Python API, the trainer (`TrainConfig.plan.backward_options()`) and the TRL integration,
+so every rule about a combination of options lives here. What can only be checked against a model, a group or a
+prompt state (the architecture, the prompt's length) is checked by `backward_group` before anything runs.
 """
 
 from __future__ import annotations
@@ -19,9 +18,9 @@ from longstraw.engine.state.sharding import ContextShards
 from longstraw.plan import EXACT, Plan, plan_named
 
 
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+def _int_at_least(name: str, value: object, low: int, what: str = "") -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}{what}, got {value!r}")
     return value
 
 
@@ -43,11 +42,9 @@ class BackwardOptions:
     allow_train_mode: accept a model in train() mode whose train and eval forwards compute the same numbers.
     context_shards: a context-parallel group (`state.sharding.ContextShards`, made by
     `distributed.context.ContextParallel`) (detach/exact): each rank keeps 1/C of the prompt's attention state.
-    router_aux_coef: a Mixture-of-Experts model's load-balancing loss (transformers' `load_balancing_loss_func`
-    over the batch's sequences: a group's G, a tree's trajectories) times this, added to the loss
-    (`engine/router.py`, `engine/tree/routes.py`); 0: none. Costs one forward of the batch without grad first (the
-    top-k counts). Under detach its shared tokens' share of the gradient is left out, like every path through a
-    state.
+    router_aux_coef: a Mixture-of-Experts model's load-balancing loss over the batch's sequences times this, added to
+    the loss (`engine/router.py`); 0: none. Costs one forward of the batch without grad first (the top-k counts).
+    Under detach its shared tokens' share of the gradient is left out, like every path through a state.
     """
 
     plan: Plan = EXACT
@@ -73,7 +70,7 @@ class BackwardOptions:
                             f"{type(loss).__name__}")
         object.__setattr__(self, "loss", loss)
         for name in ("chunk_size", "micro_batch", "token_chunk"):
-            _positive_int(name, getattr(self, name))
+            _int_at_least(name, getattr(self, name), 1)
         object.__setattr__(self, "checkpoint", check_checkpoint(self.checkpoint))
         temperature = self.temperature
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
@@ -90,9 +87,7 @@ class BackwardOptions:
         if self.offload_state and not plan.supports_offload:
             raise ValueError(f"offload_state moves the prompt state to host memory: the {plan} plan has none; use "
                              "plan detach or exact")
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
-            raise ValueError(f"keep_prompt_graph must be an integer >= 0 (capture chunks whose graph is kept), got "
-                             f"{keep!r}")
+        _int_at_least("keep_prompt_graph", keep, 0, " (capture chunks whose graph is kept)")
         if keep and not plan.supports_kept_graphs:
             raise ValueError(f"keep_prompt_graph keeps capture graphs for the exact plan's prompt backward; the {plan} "
                              "plan has none: pass keep_prompt_graph=0 or plan='exact'")

@@ -1,8 +1,8 @@
 """The reduced-precision policy: with a bf16 or fp16 model, what runs in fp32.
 
-Weights, activations, the prompt state and the attention kernels' inputs stay in the model's dtype (that is the
-memory the user chose). Where rounding would compound or bias the objective, the computation runs in the
-*accumulation dtype*, fp32 for bf16/fp16 (a wider dtype is kept as it is):
+Weights, activations, the prompt state and the attention kernels' inputs stay in the model's dtype (the memory the
+user chose). Where rounding would compound or bias the objective, the computation runs in the *accumulation dtype*,
+fp32 for bf16/fp16 (a wider dtype is kept as it is):
 
 * attention: each chunk's output and log-sum-exp, and every log-sum-exp merge of chunks, of prefix and own parts,
   of context-parallel ranks (bf16 would lose ~1% per merge) — `attention.ChunkAttention`, `prefix_attention`,

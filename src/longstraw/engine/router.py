@@ -7,15 +7,11 @@ transformers' MoE causal LMs (Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE, gpt-oss) com
     aux = E · Σ_e (c_e / n) · (s_e / n)          (c, s, n summed over the layers; float32 sums)
 
 The counts c carry no gradient, so d aux / d p_row = mask · E · c / n²: the same weight vector for every row. Once
-c and n are known, each token's share of the gradient is added where that token's routers run with grad (a replay
-for response tokens, the exact plan's prompt recompute for prompt tokens), as `RouterAux.term`. The counts need
-every token's top-k before the first backward, so `tree.routes.count_routes` runs the batch's tokens once without
-grad first.
-
-Weights per token: how many sequences of the batch hold it (a prefix tree's shared token: the trajectories through
-it, `tree/routes.py`). transformers computes the weight vector in float32
-(`.float()` on the probabilities); `aux_gradient` does the same arithmetic, so the added gradient is the one
-autograd gives through transformers' function.
+c and n are known (`tree.routes.count_routes` runs the batch's tokens once without grad first), each token's share of
+the gradient is added where its routers run with grad (a replay for response tokens, the exact plan's prompt
+recompute for prompt tokens), as `RouterAux.term`. A token weighs as many sequences of the batch as hold it (a prefix
+tree's shared token: the trajectories through it, `tree/routes.py`). `aux_gradient` repeats transformers' float32
+arithmetic, so the added gradient is the one autograd gives through transformers' function.
 """
 
 from __future__ import annotations
@@ -116,21 +112,22 @@ def count(logits: list[torch.Tensor], weights: torch.Tensor, k: int) -> RouterCo
 def aux_gradient(counts: RouterCounts, coef: float) -> torch.Tensor:
     """d (coef · aux) / d p_row for a row of weight 1 (E,) float32, by autograd through transformers' own float32
     arithmetic (`load_balancing_loss_func`'s last lines)."""
-    num_experts = counts.counts.numel()
-    rows = torch.tensor(counts.rows, dtype=torch.float32)
-    tokens_per_expert = counts.counts.to(torch.float32).cpu() / rows
-    prob_sum = torch.zeros(num_experts, dtype=torch.float32, requires_grad=True)
+    prob_sum = torch.zeros(counts.counts.numel(), dtype=torch.float32, requires_grad=True)
     with torch.enable_grad():
-        aux = torch.sum(tokens_per_expert * (prob_sum / rows).unsqueeze(0)) * num_experts
-        (grad,) = torch.autograd.grad(aux * coef, prob_sum)
+        (grad,) = torch.autograd.grad(_aux(counts, prob_sum) * coef, prob_sum)
     return grad
 
 
 def aux_value(counts: RouterCounts, prob_sums: torch.Tensor) -> float:
     """transformers' aux loss from the batch's counts and its (weighted) probability sums (E,)."""
+    return float(_aux(counts, prob_sums.float().cpu()))
+
+
+def _aux(counts: RouterCounts, prob_sums: torch.Tensor) -> torch.Tensor:
+    """transformers' float32 aux loss (`load_balancing_loss_func`'s last lines) of counts and prob_sums (E,)."""
     rows = torch.tensor(counts.rows, dtype=torch.float32)
     tokens_per_expert = counts.counts.to(torch.float32).cpu() / rows
-    return float(torch.sum(tokens_per_expert * (prob_sums.float().cpu() / rows).unsqueeze(0)) * counts.counts.numel())
+    return torch.sum(tokens_per_expert * (prob_sums / rows).unsqueeze(0)) * counts.counts.numel()
 
 
 class RouterAux:

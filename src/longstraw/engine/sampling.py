@@ -5,22 +5,20 @@ one batch, each step attending to the shared prompt state (never copied or expan
 (`ResponseState`). Like the training replay, decoding starts from the last prompt token, so the state holds
 prompt[:-1] and can be handed straight to `backward_group`.
 
-`Decoder` is that loop. `sample_group` runs it on G trunks that never fork (a tree of depth 1); `sample_tree`
-(`tree/rollout.py`) gives it a fork rule, and a sequence that forks hands its children a state that continues it in
-place (`ResponseState.continued`, docs/trees.md). Each batch of siblings draws from its own generator: the trunks'
-from the seed itself, a fork's children's from the seed and their first node.
+`Decoder` is that loop: `sample_group` runs it on G trunks that never fork, `sample_tree` (`tree/rollout.py`) with a
+fork rule (a fork's children continue its state in place: `ResponseState.continued`, docs/trees.md). Each batch of
+siblings draws from its own generator: the trunks' from the seed itself, a fork's children's from the seed and their
+first node.
 
 Recorded log-probs are the policy's own (temperature 1, no top-k/top-p truncation), whatever the sampling
 temperature: they are what the training step recomputes, so they serve as `old_logprobs`.
 
-Multi-turn rollouts (an agent calling tools; `environment.py` says what ends a call and what is checked): with an
-`environment`, a sequence whose generated tokens end a tool call hands its response so far to the environment, which
-returns the observation's token ids (or None: the episode ends). The observation is fed into that sequence's own
-state, one token per decode step in lockstep with the other sequences' decoding (a forced token instead of a sampled
-one), so the shared prompt state is never re-encoded or copied; its tokens are in the response with `loss_masks`
-False. Up to `max_turns` model turns; the response budget (`max_new_tokens`) counts generated and observation tokens.
-Under context parallelism (the prompt state sharded over a group's ranks, which all decode the same tokens) the ranks
-compare their environments' observations at every step (`environment.agree`).
+Multi-turn rollouts (`environment.py`): a sequence whose generated tokens end a tool call hands its response so far to
+the environment, which returns the observation's ids (None: the episode ends). They are fed into that sequence's own
+state one per decode step, in place of a sample and in lockstep with the other sequences, so the prompt state is never
+re-encoded or copied; they are in the response with `loss_masks` False. Up to `max_turns` model turns;
+`max_new_tokens` counts generated and observation tokens. Under context parallelism the ranks compare their
+environments' observations at every step (`environment.agree`).
 """
 
 from __future__ import annotations
@@ -132,26 +130,16 @@ def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tens
 
 
 @torch.no_grad()
-def sample_group(
-    model: torch.nn.Module,
-    prompt: torch.Tensor,
-    group_size: int,
-    sampling: SamplingConfig,
-    seed: int = 0,
-    chunk_size: int = 2048,
-    state: PromptState | None = None,
-    keep_boundaries: bool = True,
-    context_shards: ContextShards | None = None,
-    environment: Environment | None = None,
-) -> Rollout:
-    """Draw `group_size` responses to `prompt` (P,) with one prompt prefill: `Decoder` on that many trunks that never
-    fork. Deterministic for a given seed.
+def sample_group(model: torch.nn.Module, prompt: torch.Tensor, group_size: int, sampling: SamplingConfig, seed: int = 0,
+                 chunk_size: int = 2048, state: PromptState | None = None, keep_boundaries: bool = True,
+                 context_shards: ContextShards | None = None, environment: Environment | None = None) -> Rollout:
+    """Draw `group_size` responses to `prompt` (P,) with one prompt prefill (`Decoder` on that many trunks that never
+    fork). Deterministic for a given seed.
 
-    keep_boundaries: capture the recurrent state at every chunk boundary, so the exact plan can reuse the
-    rollout's state (detach-only training can save that memory with False). context_shards: the prompt
-    state is sharded over that group's ranks, which all call this with the same arguments and get the same
-    samples. environment: multi-turn rollouts (module docstring); it must be deterministic for the ranks of a
-    context-parallel group to stay in step (the ranks compare its observations: `environment.agree`)."""
+    keep_boundaries: capture the recurrent state at every chunk boundary, so the exact plan can reuse the rollout's
+    state (detach-only training can save that memory with False). context_shards: the prompt state is sharded over
+    that group's ranks, which all call this with the same arguments and get the same samples. environment:
+    multi-turn rollouts (module docstring), deterministic for the ranks of a context-parallel group to agree."""
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
     prompt = check_inputs(model, prompt, state, "sample_group", sampling, environment)
@@ -171,8 +159,8 @@ def sample_group(
 class RolloutNode:
     """One segment a `Decoder` sampled. parent: the node it continues (None: a trunk, continuing the prompt).
     tokens / logprobs / observed (n,): its ids, their policy log-probs and whether each was an observation token.
-    children: the nodes that continue it (empty: a leaf). ended: why it ended ("fork", "stop", "budget":
-    the token budget, "turns": a call past max_turns, "episode": the environment ended it)."""
+    children: the nodes that continue it (empty: a leaf). ended: why it ended ("fork", "stop", "budget", "turns":
+    a call past max_turns, "episode": the environment ended it)."""
 
     parent: int | None
     depth: int
@@ -218,9 +206,9 @@ ForkRule = Callable[[int, int, bool, int], int]
 
 
 class Decoder:
-    """The decode loop: trunks from the prompt's state, and (with a fork rule) the groups of their forks, depth
-    first. nodes: every segment made (parents before children); forks, groups, positions: the counters; with
-    keep_states, states[n] / buffers[n]: the state node n's children decode over and the buffer n decoded into."""
+    """The decode loop: trunks from the prompt's state, and (with a fork rule) the groups of their forks, depth first.
+    nodes: every segment made (parents before children); with keep_states, states[n] / buffers[n]: the state node
+    n's children decode over and the buffer n decoded into."""
 
     def __init__(self, model: torch.nn.Module, sampling: SamplingConfig, environment: Environment | None, seed: int,
                  fork_rule: ForkRule | None = None, keep_states: bool = False) -> None:
@@ -232,8 +220,7 @@ class Decoder:
         self.buffers: dict[int, ResponseState] = {}
         head = hf(model).get_output_embeddings()
         self.weight, self.bias = head.weight, getattr(head, "bias", None)  # (V, d), (V,) or None
-        # the factor the model's own forward applies to the projection (Cohere, Granite), then its final-logit
-        # soft-cap (Gemma-2); the temperature divides after both
+        # the model's own logit factor (Cohere, Granite) and soft-cap (Gemma-2); the temperature divides after both
         self.scale, self.softcap = logit_scale(model), logit_softcap(model)
 
     def run(self, state: PromptState, prompt: torch.Tensor, trunks: int) -> list[RolloutNode]:
@@ -369,15 +356,9 @@ class Decoder:
 
 
 @torch.no_grad()
-def score_responses(
-    model: torch.nn.Module,
-    prompt: torch.Tensor,
-    responses: list[torch.Tensor],
-    chunk_size: int = 2048,
-    micro_batch: int = 1,
-    state: PromptState | None = None,
-    context_shards: ContextShards | None = None,
-) -> list[torch.Tensor]:
+def score_responses(model: torch.nn.Module, prompt: torch.Tensor, responses: list[torch.Tensor], chunk_size: int = 2048,
+                    micro_batch: int = 1, state: PromptState | None = None,
+                    context_shards: ContextShards | None = None) -> list[torch.Tensor]:
     """Per-token log-probs (R_i,) of each response under `model`, from one prompt capture (e.g. the frozen
     reference model's log-probs for the KL term). Same replay path as training, without backward."""
     prompt = check_inputs(model, prompt, state, "score_responses")

@@ -1,8 +1,7 @@
 """What the engine checks of a model split by transformers' tensor-parallel plan, before it touches anything.
 
-A tensor-parallel model (transformers' `apply_tensor_parallelism`, through `from_pretrained(...,
-distributed_config=DistributedConfig(tp_size=T))` or `distributed.tp.tensor_parallel`) marks every module it hooked
-with `_is_hooked`. The engine runs on such a model unchanged (module docstring of `distributed/tp.py`) when:
+A tensor-parallel model (transformers' `apply_tensor_parallelism`, e.g. through `distributed.tp.tensor_parallel`)
+marks every module it hooked with `_is_hooked`. The engine runs on such a model unchanged (`distributed/tp.py`) when:
 * its family is one LongStraw's parity tests ran under tensor parallelism (`TP_MODEL_TYPES`);
 * the output projection is a plain tensor or split by vocabulary on one mesh dimension (`tp_logprobs`);
 * no module still carries transformers' `replicated_with_grad_allreduce` hook, which all-reduces the *accumulated*

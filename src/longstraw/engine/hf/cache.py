@@ -1,29 +1,26 @@
 """`SegmentCache`: the cache object a transformers model sees while we run a segment over a prompt state.
 
-transformers' decoder layers talk to their cache through a handful of methods (`update` for attention K/V or
-MLA latents, `update_indexer` for DSA, `get/update_conv_state` and `get/update_recurrent_state` for linear
-attention and SSM layers). Its own cache layers update recurrent and conv states **in place** and concatenate
-K/V into new tensors; both are wrong for us (docs/design.md §4, traps): one replay would advance the state another
-replay then reads, autograd fails on the in-place writes, and the concatenation copies the whole prompt K/V.
+transformers' decoder layers talk to their cache through a handful of methods (`update` for attention K/V or MLA
+latents, `update_indexer` for DSA, `get/update_conv_state` and `get/update_recurrent_state` for linear attention and
+SSM layers). Its own cache layers update recurrent and conv states **in place** and concatenate K/V into new tensors;
+both are wrong for us (docs/design.md §4, traps): one replay would advance the state another replay then reads,
+autograd fails on the in-place writes, and the concatenation copies the whole prompt K/V.
 
-This object answers the same calls functionally, for one segment (a capture chunk, a replayed micro-batch,
-or one decoding step), over a fork of the shared `PromptState`:
+This object answers the same calls functionally, for one segment (a capture chunk, a replayed micro-batch, or one
+decoding step), over a fork of the shared `PromptState`:
 
-* `update` returns the segment's own K/V (or latents) unchanged; the attention kernel (`segment.py`) reads
-  the prompt's chunks from the state itself. During sampling it appends to the rollout's `ResponseState`.
-* `get_conv_state` / `get_recurrent_state` hand out a fresh batch-expanded *clone* of the prompt's state (a few
-  KB–MB, never the K/V): a layer that writes into it in place (the single-token kernels do) writes into
-  memory nobody else reads. `update_*` return new tensors and never write into the state.
-* Everything a layer produced is put in `collect` (capture, the exact plan's recompute, decoding), and with
-  `kv_only` the forward stops once every layer's state is in (the rest of the network would be wasted work).
+* `update` returns the segment's own K/V (or latents) unchanged: the attention kernel (`segment.py`) reads the
+  prompt's chunks from the state itself. During sampling it appends to the rollout's `ResponseState`.
+* `get_conv_state` / `get_recurrent_state` hand out a fresh batch-expanded *clone* of the prompt's state (KB–MB,
+  never the K/V), which a layer may write into in place; `update_*` return new tensors and never write the state.
+* What every layer produced is put in `collect`; with `kv_only` the forward stops once every layer's state is in.
 
 transformers 5.5-5.20 ask for conv/recurrent state another way: `has_previous_state(layer)`, then
 `layers[layer].conv_states` / `.recurrent_states` (one tensor each up to 5.13, a list of them from 5.14), with
-`layers[layer].record_past` (5.16-5.20) choosing the functional conv path. `has_previous_state` and `layers` answer
-those from the same fork. Which of the model types this makes exact on which release: `architecture.
-MIN_TRANSFORMERS_BY_MODEL_TYPE`. Whatever the release, `check_asked` refuses a forward in which a layer that holds
-prompt state never asked for it (a model that took the cache under another name, or passes state some other way),
-instead of returning a result computed without the prompt.
+`layers[layer].record_past` (5.16-5.20) choosing the functional conv path; `has_previous_state` and `layers` answer
+those from the same fork (which model types this makes exact on which release: `architecture.
+MIN_TRANSFORMERS_BY_MODEL_TYPE`). Whatever the release, `check_asked` refuses a forward in which a layer that holds
+prompt state never asked for it, instead of returning a result computed without the prompt.
 """
 
 from __future__ import annotations
@@ -53,8 +50,8 @@ def _one_state_per_layer() -> bool:
 
 
 class _LayerStates:
-    """`cache.layers[i]` as transformers 5.5-5.20 read it: the layer's conv and recurrent state (the tensor the
-    layer was handed in this segment, else a fresh clone of the fork's), its device, and `record_past`."""
+    """`cache.layers[i]` as transformers 5.5-5.20 read it: the layer's conv and recurrent state (the one handed out
+    in this segment, else a fresh clone of the fork's), its device, and `record_past`."""
 
     record_past = True  # 5.16-5.20: one token takes `update_conv_state` too, never the in-place conv kernel
 
@@ -107,9 +104,8 @@ class SegmentCache:
     # --- bookkeeping --------------------------------------------------------------------------------------
     @contextmanager
     def layer(self, index: int, recompute: bool) -> Iterator[None]:
-        """Run decoder layer `index` for the first time, or again as a checkpointing recompute: a recompute
-        starts from the recurrent parts the layer held when it first ran (a conv layer's window was advanced
-        since) and collects nothing (the state is already collected; a second `kv_only` stop must not fire)."""
+        """Run decoder layer `index` for the first time, or again as a checkpointing recompute, which starts from the
+        recurrent parts the layer held when it first ran and collects nothing (no second `kv_only` stop)."""
         if recompute:
             for key in [k for k in self.handed_out if k[1] == index]:
                 del self.handed_out[key]
@@ -133,9 +129,8 @@ class SegmentCache:
         self.asked.setdefault(layer, set()).update(parts)
 
     def check_asked(self, model_type: str) -> None:
-        """Raise unless every layer that holds a prompt state part asked the cache for it in this forward (attention:
-        `update`, whose layer the kernel then gives the prompt's K/V; DSA: `update_indexer`; conv/recurrent layers:
-        their conv and recurrent state). A layer that never asked computed its segment without the prompt."""
+        """Raise unless every layer that holds a prompt state part asked the cache for it in this forward (`update`,
+        `update_indexer`, the conv and recurrent state): a layer that never asked ran without the prompt."""
         needed = self.state.layer_parts
         if needed is None or (self.state.length == 0 and self.generated is None):
             return
@@ -165,7 +160,7 @@ class SegmentCache:
     def note_window(self, layer: int, window: int | None) -> None:
         """The attention kernel reports each layer's sliding window, so the state can drop what is outside it."""
         if self.collect is not None and window is not None and not self.recomputing:
-            # An int in the dict of tensors (Collected): capture_prompt pops it before the state reads the rest.
+            # An int in the dict of tensors (Collected): `PromptState.append_chunk` pops it before it reads the rest.
             self.collect.setdefault(layer, {})["window"] = window  # type: ignore[assignment]
 
     def finish(self) -> None:
@@ -180,8 +175,8 @@ class SegmentCache:
 
     # --- attention ----------------------------------------------------------------------------------------
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """Attention layers: this segment's K/V (B, Hkv, T, D) or MLA latents (B, 1, T, d). Returned unchanged
-        (the kernel reads the prompt part from the state), or with every generated token's while decoding."""
+        """Attention layers: this segment's K/V (B, Hkv, T, D) or MLA latents (B, 1, T, d), returned unchanged, or
+        with every generated token's while decoding."""
         self._asked(layer_idx, "key")
         self.attending = layer_idx
         self._record(layer_idx, "key", key)
@@ -191,11 +186,9 @@ class SegmentCache:
         return key, value
 
     def update_indexer(self, index_key: torch.Tensor, layer_idx: int, *args, **kwargs) -> torch.Tensor:
-        """DSA indexer keys (B, T, d_I) -> keys of [prompt ; earlier generated ; this segment] (B, P'+S, d_I).
-
-        transformers' indexer scores one key tensor, so this builds it per call: a transient copy of the prompt's
-        indexer keys (d_I numbers per position, no grad, one layer at a time), which the reference's own cache
-        also makes. Keeping a joined copy in the state instead would hold it for the whole step."""
+        """DSA indexer keys (B, T, d_I) -> keys of [prompt ; earlier generated ; this segment] (B, P'+S, d_I): a
+        transient copy of the prompt's (d_I numbers per position, no grad, one layer at a time), as the reference's own
+        cache makes, since transformers' indexer scores one key tensor."""
         self._asked(layer_idx, "index")
         self._record(layer_idx, "index", index_key)
         own = self.generated.append_index(layer_idx, index_key) if self.generated is not None else index_key
@@ -205,11 +198,11 @@ class SegmentCache:
         return torch.cat([self._expand(prompt.to(own.dtype)), own], dim=1)
 
     # --- linear attention / SSM ---------------------------------------------------------------------------
-    def _current(self, part: str, layer: int) -> torch.Tensor | None:
+    def _current(self, part: str, layer: int, expand: bool = True) -> torch.Tensor | None:
         if self.generated is not None and self.generated.has(part, layer):
             return self.generated.get(part, layer)
         prompt = self.state.last(part, layer)
-        return None if prompt is None else self._expand(prompt)
+        return self._expand(prompt) if prompt is not None and expand else prompt
 
     def _hand_out(self, part: str, layer: int) -> torch.Tensor | None:
         self._asked(layer, part)
@@ -230,19 +223,14 @@ class SegmentCache:
         """The recurrent state this segment continues, not copied: the prompt's (1, ...), shared by every row, or
         while decoding the rollout's (B, ...). For a kernel that never writes into it (`engine.hf.mamba1`)."""
         self._asked(layer_idx, "recurrent")
-        if self.generated is not None and self.generated.has("recurrent", layer_idx):
-            return self.generated.get("recurrent", layer_idx)
-        return self.state.last("recurrent", layer_idx)
+        return self._current("recurrent", layer_idx, expand=False)
 
     def update_conv_state(self, inputs: torch.Tensor, layer_idx: int, conv_kernel_size: int | None = None,
                           **kwargs) -> torch.Tensor:
-        """inputs (B, C, T) -> [previous conv window ; inputs] (B, C, K+T) for the causal conv to read.
-        The new window is the last K columns, zero-padded on the left while fewer than K tokens exist
-        (the conv's own zero padding, so a later segment sees the same left context).
-
-        transformers 5.16-5.20 call this without asking for the conv state first: the fork's is taken. Up to 5.14
-        a layer passes [its conv state ; inputs] already cut to the last K columns (and does not read the result):
-        the window kept is then those columns."""
+        """inputs (B, C, T) -> [previous conv window ; inputs] (B, C, K+T) for the causal conv to read. The new window
+        is the last K columns, zero-padded on the left while fewer than K tokens exist (the conv's own zero padding).
+        transformers 5.16-5.20 call this without asking for the conv state first: the fork's is taken. Up to 5.14 a
+        layer passes [its conv state ; inputs] already cut to the last K columns: the window kept is then those."""
         previous = self.handed_out.get(("conv", layer_idx))
         if previous is None:
             previous = self._hand_out("conv", layer_idx)
@@ -282,9 +270,8 @@ class SegmentCache:
         """transformers 5.5-5.20: whether `layer_idx` (any layer: None) continues a conv/recurrent state."""
         if layer_idx is None:
             return self.start > 0
-        if self.generated is not None and self.generated.has("recurrent", layer_idx):
-            return True
-        return bool(self.state.parts["recurrent"][layer_idx])
+        generated = self.generated is not None and self.generated.has("recurrent", layer_idx)
+        return generated or bool(self.state.parts["recurrent"][layer_idx])
 
     @property
     def layers(self) -> list[_LayerStates]:

@@ -24,18 +24,13 @@ def language_config(config: Any) -> Any:
     """The language model's part of `config`: the text config of a composite (multimodal) config, else `config`
     itself. Admission reads it (`admission/admission.py`); for the composites it admits (`COMPOSITE_MODEL_TYPES`) it is
     `text_config`'s answer."""
-    if getattr(config, "text_config", None) is not None:
-        return config.get_text_config()
-    return config
+    return config.get_text_config() if getattr(config, "text_config", None) is not None else config
 
 
 def text_config(model: torch.nn.Module) -> Any:
     """The config of `model`'s text decoder: `config.text_config` of a composite model, else `config` itself."""
     config = hf(model).config
-    if config.model_type in COMPOSITE_MODEL_TYPES:
-        return config.get_text_config()
-    else:
-        return config
+    return config.get_text_config() if config.model_type in COMPOSITE_MODEL_TYPES else config
 
 
 def text_decoder(model: torch.nn.Module) -> torch.nn.Module:
@@ -46,11 +41,10 @@ def text_decoder(model: torch.nn.Module) -> torch.nn.Module:
         # Llama4ForCausalLM names its decoder `model` but its base_model_prefix `language_model`, so `base_model` is
         # the causal LM itself (whose output has logits, no hidden states).
         return hf(model).model
-    elif hf(model).config.model_type in COMPOSITE_MODEL_TYPES:
-        language = getattr(base, "language_model", None)
-        if not isinstance(language, torch.nn.Module):
-            raise ValueError(f"{type(model).__name__} ({hf(model).config.model_type}) has no language_model in its "
-                             "base model: LongStraw cannot find its text decoder")
-        return language
-    else:
+    if hf(model).config.model_type not in COMPOSITE_MODEL_TYPES:
         return base
+    language = getattr(base, "language_model", None)
+    if not isinstance(language, torch.nn.Module):
+        raise ValueError(f"{type(model).__name__} ({hf(model).config.model_type}) has no language_model in its "
+                         "base model: LongStraw cannot find its text decoder")
+    return language

@@ -1,12 +1,11 @@
 """Mamba-1 mixers (Mamba, Falcon-Mamba, Jamba's Mamba layers) continued from the prompt state.
 
-transformers' torch path for these mixers asks the cache for its SSM state and then runs a multi-token segment from
-a zero state (`mamba_selective_scan` takes no initial state), and its one-token path updates the state in place in
-float32. Nothing the cache object can answer fixes that, so for the duration of a segment each Mamba-1 mixer's
-`forward` is swapped (an instance attribute, deleted after) for `mamba1_forward`, which runs the mixer's own
-submodules (in_proj, conv1d and its activation, x_proj, the B/C/dt norms of Falcon-Mamba and Jamba, dt_proj,
-out_proj) exactly as transformers' torch path does and replaces only the scan by `kernels.selective_scan`, started
-from the state the cache holds. One-token segments (decoding) take the same scan, so nothing is written in place.
+transformers' torch path for these mixers runs a multi-token segment from a zero state (`mamba_selective_scan` takes
+no initial state), and its one-token path updates the state in place in float32; no cache answer fixes that. So for
+the duration of a segment each Mamba-1 mixer's `forward` is swapped (an instance attribute, deleted after) for
+`mamba1_forward`, which runs the mixer's own submodules exactly as transformers' torch path does and replaces only
+the scan by `kernels.selective_scan`, started from the state the cache holds (decoding's one-token segments too, so
+nothing is written in place).
 
 State per layer: the conv window (1, d_inner, K), kept by `SegmentCache.update_conv_state`, and the SSM state
 (1, d_inner, N) in the scan's dtype (float32, or float64 for a float64 model), read without a copy

@@ -4,9 +4,8 @@ We do not fork the model's code: the unmodified transformers modules compute emb
 projections, MLPs/MoE, conv and recurrent kernels. Two things are swapped, both through transformers' own
 extension points:
 
-* the cache object: a `SegmentCache` (engine/hf/cache.py) answers the layers' cache calls functionally over a
-  fork of the prompt state (recurrent/conv state, MLA latents, DSA indexer keys) and collects what each
-  layer produced (capture, the exact plan's recompute, decoding);
+* the cache object: a `SegmentCache` (engine/hf/cache.py) answers the layers' cache calls functionally over a fork
+  of the prompt state (recurrent/conv state, MLA latents, DSA indexer keys) and collects what each layer produced;
 * the attention *kernel*, through `AttentionInterface`: `_longstraw_attention` attends to the prompt's
   chunks in place (read from the state) and to the segment's own tokens, merged exactly by log-sum-exp.
 
@@ -35,11 +34,9 @@ from longstraw.models.architecture import cache_keyword, check_transformers_for,
 
 ATTN_NAME = "longstraw"
 
-# Keyword arguments transformers' attention modules pass along that leave the attention LongStraw computes as it is:
-# positions (RoPE is applied before the kernel), output flags (no attention weights are returned) and loss
-# bookkeeping. `is_causal` may be True or None only. Any other keyword with a value other than None is refused by
-# `_check_kwargs` (packed-sequence lengths, position biases, an unknown future mechanism), so that an attention
-# term LongStraw does not compute is never silently dropped.
+# Keyword arguments of transformers' attention modules that leave LongStraw's attention as it is: positions (RoPE is
+# applied before the kernel), output flags and loss bookkeeping; `is_causal` may be True or None only. `_check_kwargs`
+# refuses any other that is not None (packed-sequence lengths, position biases, a future mechanism).
 _HARMLESS_KWARGS = frozenset({"position_ids", "use_cache", "output_attentions", "output_hidden_states",
                               "output_router_logits", "num_items_in_batch", "cache_position", "is_causal"})
 
@@ -73,46 +70,31 @@ def _mask_window(module: torch.nn.Module, sliding_window: int | None) -> int | N
     module holds `sliding_window`, with `use_sliding_window`)."""
     if sliding_window is not None:
         return sliding_window
-    model_type = getattr(getattr(module, "config", None), "model_type", None)
-    if model_type == "phimoe":
-        return getattr(module.config, "sliding_window", None)
-    elif model_type == "qwen2_moe":
-        return getattr(module, "sliding_window", None)
-    return None
+    config = getattr(module, "config", None)
+    holder = {"phimoe": config, "qwen2_moe": module}.get(getattr(config, "model_type", ""))
+    return getattr(holder, "sliding_window", None)
 
 
-def _longstraw_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    indices: torch.Tensor | None = None,
-    s_aux: torch.Tensor | None = None,
-    longstraw: SegmentCache | None = None,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
+def _longstraw_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                         sliding_window: int | None = None, softcap: float | None = None,
+                         indices: torch.Tensor | None = None, s_aux: torch.Tensor | None = None,
+                         longstraw: SegmentCache | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers attention signature: q (B, H, T, D), k/v (B, Hkv, S, D) -> ((B, T, H, D), None).
 
-    k/v are the segment's own tokens (`SegmentCache.update` returned them; while decoding, every generated
-    token's). The prompt's part comes from the state. Plain full attention takes the fused chunked kernel;
-    sliding windows, DSA selections (`indices`, (B, T, topk) over [prompt ; own]), MLA latent prefixes and
-    soft-capping take the masked path. s_aux: (H,) attention sinks (gpt-oss), on both paths. Any other keyword that
-    would change the result is refused (`_check_kwargs`).
+    k/v are the segment's own tokens (while decoding, every generated token's); the prompt's part comes from the
+    state. Plain full attention takes the fused chunked kernel; sliding windows, DSA selections (`indices`, (B, T,
+    topk) over [prompt ; own]), MLA latent prefixes, soft-capping and chunked attention take the masked path. s_aux:
+    (H,) attention sinks (gpt-oss), on both paths.
     """
-    if longstraw is None:  # an attention module that does not pass its layer's keyword arguments on
-        longstraw = active_cache()
-    if longstraw is None:
+    # active_cache: for an attention module that does not pass its layer's keyword arguments on
+    ctx = longstraw if longstraw is not None else active_cache()
+    if ctx is None:
         raise RuntimeError("longstraw attention called without a SegmentCache (use replay.run_segment)")
     _check_kwargs(module, kwargs)
     sliding_window = _mask_window(module, sliding_window)
     if dropout:
         raise RuntimeError("attention dropout is active: put the model in eval() mode")
-    ctx = longstraw
     layer: int | None = hf(module).layer_idx
     if layer is None or layer < 0:  # a block shared by several layers: the index its caller gave `update`
         layer = ctx.attending
@@ -156,11 +138,10 @@ AttentionInterface.register(ATTN_NAME, _longstraw_attention)
 
 
 @contextmanager
-def replay_attention(model: torch.nn.Module) -> Iterator[None]:
-    """Swap the model's attention kernel for ours for the duration of the block, then restore it."""
-    config = text_config(model)
+def attention_kernel(config: Any, name: str = ATTN_NAME) -> Iterator[None]:
+    """`config`'s attention kernel set to `name` (LongStraw's by default) within the block, then restored."""
     previous = config._attn_implementation
-    config._attn_implementation = ATTN_NAME
+    config._attn_implementation = name
     try:
         yield
     finally:
@@ -180,15 +161,9 @@ def _indexer_mask(batch: int, t: int, start: int, device) -> torch.Tensor:
     return (k_pos[None, :] <= q_pos[:, None])[None, None].expand(batch, 1, t, start + t)
 
 
-def run_segment(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    start: int,
-    state: PromptState,
-    collect: Collected | None = None,
-    generated: ResponseState | None = None,
-    kv_only: bool = False,
-) -> torch.Tensor | None:
+def run_segment(model: torch.nn.Module, input_ids: torch.Tensor, start: int, state: PromptState,
+                collect: Collected | None = None, generated: ResponseState | None = None,
+                kv_only: bool = False) -> torch.Tensor | None:
     """Hidden states after the final norm for `input_ids` (B, T) at positions start..start+T-1.
 
     Every sequence of the batch continues the same prompt state (batch 1, shared). With `generated`
@@ -205,13 +180,12 @@ def run_segment(
         collect = {}
     cache = SegmentCache(state, start, b, collect=collect, generated=generated, kv_only=kv_only)
     position_ids = (torch.arange(t, device=input_ids.device) + start).unsqueeze(0).expand(b, t)
-    mask = None
-    if has_indexer(model):
-        mask = _indexer_mask(b, t, start, input_ids.device)  # keys: prompt, generated so far, this segment
+    # keys of the DSA indexer's mask: prompt, generated so far, this segment
+    mask = _indexer_mask(b, t, start, input_ids.device) if has_indexer(model) else None
     base = text_decoder(model)
     # Mamba-1 mixers continue the SSM state through LongStraw's scan (engine/hf/mamba1.py).
     mixers = mamba1_mixers(hf(base).layers) if model_type in MAMBA1_MODEL_TYPES else nullcontext()
-    with replay_attention(model), running(cache), mixers:
+    with attention_kernel(text_config(model)), running(cache), mixers:
         try:
             out = base(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
                        use_cache=False, longstraw=cache, **{cache_keyword(base): cache})

@@ -6,11 +6,10 @@ A replayed segment (a response, or one prompt chunk during capture) attends to t
   shared by every sequence of a micro-batch (no expand, no concatenation, no mask: all of it is visible);
 * its **own** tokens: causal attention within the segment.
 
-The two partial softmaxes are merged exactly with their log-sum-exp. Both parts run through one custom
-autograd function, `ChunkAttention` (flash-attention style: online softmax over chunks, recomputation in
-backward), so neither a `[T, P]` nor a `[T, T]` score matrix nor a copy of the prefix K/V is held. Its
-log-sum-exp output is differentiable, which the merge needs and torch's SDPA does not offer.
-`naive_attention` at the end is the plain reference the parity tests compare with.
+The two partial softmaxes are merged exactly with their log-sum-exp. Both parts run through one custom autograd
+function, `ChunkAttention` (flash-attention style: online softmax over chunks, recomputation in backward), so neither
+a `[T, P]` nor a `[T, T]` score matrix nor a copy of the prefix K/V is held; its log-sum-exp output is differentiable
+(torch's SDPA offers none). `naive_attention` is the plain reference the parity tests compare with.
 
 Shapes: B sequences, H query heads, Hkv key/value heads (GQA: H = Hkv * g), T new tokens, P prefix tokens,
 D head dim. For the prefix, queries of all B sequences and all g heads of a KV group are folded into one
@@ -25,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from longstraw.engine.kernels.fused import choose_kernel, fused_backward, fused_forward, refused
+from longstraw.engine.kernels.naive import naive_masked_prefix_attention
 from longstraw.engine.precision import accumulation_dtype
 
 if TYPE_CHECKING:
@@ -40,6 +40,8 @@ KEY_BLOCK = 512
 # width, ~4x a piece's K) stay those of 16K keys instead of a layer's whole prefix (1 GB+ per layer at 10^6 tokens),
 # while each call has enough keys to keep a GPU busy.
 BACKWARD_KEYS = 16384
+# A run of adjacent chunks: key (1, N, c, D), value (1, N, c, D) and its chunks' key counts.
+_Run = tuple[torch.Tensor, torch.Tensor, list[int]]
 
 
 def _portable_forward(q, k, v, scale: float, causal: bool):
@@ -101,18 +103,15 @@ def _portable_backward(d_out, row, q, k, v, lse, scale: float, causal: bool, nee
 class ChunkAttention(torch.autograd.Function):
     """softmax(q K^T * scale) V over a list of key/value chunks, returning the output and its log-sum-exp.
 
-    Inputs: q (N, M, D); scale; causal; n; then n key chunks and n value chunks, each (1, N, c_j, D).
-    causal = False: every key is visible (the prompt prefix). causal = True (one chunk, M == c): the
-    segment's own tokens. Outputs: out (N, M, D), lse (N, M), both differentiable, both in the accumulation
-    dtype (fp32 for bf16/fp16 inputs, `precision.py`).
+    Inputs: q (N, M, D); scale; causal; n; then n key chunks and n value chunks, each (1, N, c_j, D). causal =
+    False: every key is visible (the prompt prefix); True (one chunk, M == c): the segment's own tokens. Outputs:
+    out (N, M, D), lse (N, M), both differentiable, in the accumulation dtype (`precision.py`).
 
-    Chunks that are adjacent views of one tensor (`adjacent_runs`) are read as one run; runs are combined with
-    an online softmax, so only the final out/lse are saved; backward runs each run's backward against the
-    global out/lse, in pieces of at most `BACKWARD_KEYS` keys, and hands every input chunk its slice of the
-    gradient. Per run a fused op runs where one takes q's device, dtype and head dim
-    (`attention_fused.choose_kernel`: CPU flash, CUDA flash, CUDA memory-efficient), else the portable blocked
-    kernel above (same math; the parity tests compare every path with `naive_attention`). An op that refuses its
-    inputs at run time is logged once and that run, and every later one, runs the portable kernel.
+    Adjacent views of one tensor (`adjacent_runs`) are read as one run; runs are combined with an online softmax, so
+    only the final out/lse are saved; backward runs each run's backward against the global out/lse, in pieces of at
+    most `BACKWARD_KEYS` keys, and hands every input chunk its slice of the gradient. Per run a fused op runs where one
+    takes q's device, dtype and head dim (`fused.choose_kernel`), else the portable blocked kernel above (same math);
+    an op that refuses its inputs at run time is logged once, and that run and every later one run the portable one.
     """
 
     @staticmethod
@@ -192,15 +191,12 @@ def _continues(a: torch.Tensor, b: torch.Tensor) -> bool:
             and b.storage_offset() == a.storage_offset() + a.shape[2] * a.stride(2))
 
 
-def adjacent_runs(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor,
-                                                                                        torch.Tensor, list[int]]]:
+def adjacent_runs(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> list[_Run]:
     """Runs of prefix chunks that are adjacent views of one tensor (`PromptState._slab`), each as one view over the
-    run and its chunks' key counts: (key (1, N, c, D), value (1, N, c, D), [c_1, ...]). No copy. `ChunkAttention`
-    makes one kernel call per run instead of one per chunk (decoding reads the whole prefix per layer and step; a
-    replay or the exact plan's recompute of chunk c reads chunks 0 ... c-1) and splits a run's gradient back into
-    its chunks, so each of the exact plan's leaves still receives its own. Built on the tensors' data (called inside
-    the autograd function), so the views carry no autograd history."""
-    runs: list[tuple[torch.Tensor, torch.Tensor, list[int]]] = []
+    run and its chunks' key counts: (key (1, N, c, D), value (1, N, c, D), [c_1, ...]). No copy, and no autograd
+    history (built on the tensors' data inside the autograd function): `ChunkAttention` makes one kernel call per run
+    and splits a run's gradient back into its chunks."""
+    runs: list[_Run] = []
     first = 0
     for i in range(1, len(keys) + 1):  # linear: decoding scans a layer's chunks at every step
         if i < len(keys) and _continues(keys[i - 1], keys[i]) and _continues(values[i - 1], values[i]):
@@ -214,11 +210,10 @@ def adjacent_runs(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) 
     return runs
 
 
-def _pieces(k: torch.Tensor, v: torch.Tensor, sizes: list[int], limit: int) -> list[tuple[torch.Tensor, torch.Tensor,
-                                                                                      list[int]]]:
+def _pieces(k: torch.Tensor, v: torch.Tensor, sizes: list[int], limit: int) -> list[_Run]:
     """A run (key (1, N, c, D), value, its chunks' key counts) as consecutive pieces of whole chunks with at most
     `limit` keys each (a longer chunk is a piece of its own): views, no copy."""
-    out: list[tuple[torch.Tensor, torch.Tensor, list[int]]] = []
+    out: list[_Run] = []
     group: list[int] = []
     start = end = 0  # the current piece: keys [start, end), chunks `group`
     for size in [*sizes, None]:
@@ -237,17 +232,9 @@ def _extend(head: torch.Tensor, keys: int) -> torch.Tensor:
     return head.detach().as_strided((*head.shape[:2], keys, head.shape[3]), head.stride(), head.storage_offset())
 
 
-def prefix_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    prefix_keys: list[torch.Tensor],
-    prefix_values: list[torch.Tensor],
-    scale: float,
-    causal: bool = True,
-    context_shards: ContextShards | None = None,
-    sinks: torch.Tensor | None = None,
-) -> torch.Tensor:
+def prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, prefix_keys: list[torch.Tensor],
+                     prefix_values: list[torch.Tensor], scale: float, causal: bool = True,
+                     context_shards: ContextShards | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of new tokens over [prefix ; own tokens], exactly merged.
 
     query (B, H, T, D); key/value (B, Hkv, S, D); prefix chunks (1, Hkv, c_j, D) shared by all B.
@@ -300,51 +287,33 @@ def prefix_attention(
 
 def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
     """Add attention sinks to a merged softmax: out (..., D) and its log-sum-exp lse (...) over every key, sinks a
-    per-head logit broadcastable to lse. A sink is one more softmax term exp(sink) with a zero value (gpt-oss'
-    `s_aux`: softmax over [scores ; sink], the sink's column dropped), i.e. one more log-sum-exp part with out = 0
-    and lse = sink: out * exp(lse - logaddexp(lse, sink)). Computed in out's dtype (the accumulation dtype);
-    differentiable in the sinks, which are trainable parameters."""
+    per-head logit broadcastable to lse. A sink (gpt-oss' `s_aux`) is one more log-sum-exp part with out = 0 and
+    lse = sink: out * exp(lse - logaddexp(lse, sink)), in out's dtype, differentiable in the (trainable) sinks."""
     total = torch.logaddexp(lse, sinks.to(lse.dtype))
     return out * torch.exp(lse - total).unsqueeze(-1)
 
 
-def naive_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    prefix_keys: list[torch.Tensor],
-    prefix_values: list[torch.Tensor],
-    scale: float,
-    sinks: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Plain reference for `prefix_attention`: concatenate, repeat heads, mask, softmax (with the sinks (H,) as one
-    more score column per head, dropped after the softmax, as transformers' eager gpt-oss attention). Same shapes."""
-    b, h, t, d = query.shape
-    hkv = key.shape[1]
-    if prefix_keys:
-        pk = torch.cat(prefix_keys, dim=-2).expand(b, -1, -1, -1)
-        pv = torch.cat(prefix_values, dim=-2).expand(b, -1, -1, -1)
-        key, value = torch.cat([pk, key], dim=-2), torch.cat([pv, value], dim=-2)
-    p = key.shape[-2] - t
-    key = key.repeat_interleave(h // hkv, dim=1)
-    value = value.repeat_interleave(h // hkv, dim=1)
-    scores = torch.matmul(query, key.transpose(-1, -2)) * scale  # (B, H, T, P+T)
-    visible = torch.ones(t, p + t, dtype=torch.bool, device=query.device).tril(diagonal=p)
-    scores = scores.masked_fill(~visible, float("-inf"))
-    if sinks is not None:
-        column = sinks.to(scores.dtype).view(1, h, 1, 1).expand(b, h, t, 1)
-        return torch.matmul(torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1], value)
-    return torch.matmul(torch.softmax(scores, dim=-1), value)
+def naive_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, prefix_keys: list[torch.Tensor],
+                    prefix_values: list[torch.Tensor], scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain reference for `prefix_attention` (same shapes, sinks (H,)): `naive.naive_masked_prefix_attention` with
+    the prefix chunks at positions 0 … P−1, the own keys after them and the queries at the last T positions."""
+    prefix, start = [], 0
+    for k, v in zip(prefix_keys, prefix_values):
+        prefix.append((start, k, v))
+        start += k.shape[2]
+    end = start + key.shape[2]
+    q_pos = torch.arange(end - query.shape[2], end, device=query.device)
+    own_pos = torch.arange(start, end, device=query.device)
+    return naive_masked_prefix_attention(query, key, value, prefix, scale, q_pos, own_pos, sinks=sinks)[0]
 
 
 # --- The masked path: sliding windows, DSA top-k selection, latent (MLA) prefixes, logit soft-capping --------
 #
-# These need a per-(query, key) visibility mask or a per-chunk transform of the prefix, which the fused kernel
-# above does not take. The path below is plain PyTorch (a masked softmax per key part, merged by log-sum-exp)
-# and each prefix chunk runs under activation checkpointing, so what stays saved for backward is the query
-# and the state itself, never a chunk's scores or an expanded MLA chunk. Masked scores use the dtype's most
-# negative finite value (as transformers' eager path does): a row that sees nothing in one part then gets
-# weight exp(lse_part - lse_total) = 0 exactly in the merge, with no NaN in forward or backward.
+# These need a per-(query, key) mask or a per-chunk transform of the prefix, which the fused kernel does not take:
+# plain PyTorch, a masked softmax per key part merged by log-sum-exp, each prefix chunk under activation
+# checkpointing (only the query and the state stay saved, never a chunk's scores or an expanded MLA chunk). Masked
+# scores use the dtype's most negative finite value (as transformers' eager path does): a row that sees nothing in one
+# part gets weight exp(lse_part - lse_total) = 0 exactly in the merge, with no NaN in forward or backward.
 
 
 def _masked_part(q, k, v, visible, scale: float, softcap: float | None, expand):
@@ -380,21 +349,11 @@ def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, window: int
     return seen
 
 
-def masked_prefix_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    prefix: list[tuple[int, torch.Tensor, torch.Tensor]],
-    scale: float,
-    q_pos: torch.Tensor,
-    own_pos: torch.Tensor,
-    window: int | None = None,
-    select: torch.Tensor | None = None,
-    expand=None,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
-    chunk: int | None = None,
-) -> torch.Tensor:
+def masked_prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            prefix: list[tuple[int, torch.Tensor, torch.Tensor]], scale: float, q_pos: torch.Tensor,
+                            own_pos: torch.Tensor, window: int | None = None, select: torch.Tensor | None = None,
+                            expand=None, softcap: float | None = None, sinks: torch.Tensor | None = None,
+                            chunk: int | None = None) -> torch.Tensor:
     """Attention of new tokens over [prompt chunks ; own tokens] with positions, windows and selections.
 
     query (B, H, T, D) at absolute positions q_pos (T,); own key/value (B, Hkv, S, D*) at own_pos (S,), seen
@@ -416,12 +375,10 @@ def masked_prefix_attention(
             visible = visible & select[:, :, start : start + c]
         if not bool(visible.any()):
             continue  # the whole chunk is outside every query's window, attention chunk or selection
-        if torch.is_grad_enabled():
-            parts.append(torch.utils.checkpoint.checkpoint(
-                _masked_part, query, pk, pv, visible, scale, softcap, expand, use_reentrant=False,
-            ))
-        else:
-            parts.append(_masked_part(query, pk, pv, visible, scale, softcap, expand))
+        args = (query, pk, pv, visible, scale, softcap, expand)
+        grad = torch.is_grad_enabled()
+        parts.append(torch.utils.checkpoint.checkpoint(_masked_part, *args, use_reentrant=False) if grad else
+                     _masked_part(*args))
     visible = _visible(q_pos, own_pos, causal=True, window=window, chunk=chunk)[None]
     if select is not None:
         visible = visible & select[:, :, p_len : p_len + own_pos.numel()]

@@ -8,8 +8,8 @@ merge of a prefix part with an own part needs (torch's public SDPA does not retu
 * ``cuda_efficient``: ``_scaled_dot_product_efficient_attention`` (fp32, or fp16/bf16 head dims flash refuses).
 
 Everything else (fp64 on CUDA, other devices, a refusal at run time) takes the portable blocked kernel in
-`attention.py`, and the reason is logged once per (kernel, dtype, head dim). All share one layout: q (N, M, D),
-k/v (1, N, c, D) — N heads, M query rows, c keys — the ops see them as batch 1 with N heads.
+`attention.py`, the reason logged once per (kernel, dtype, head dim). All share one layout, q (N, M, D), k/v
+(1, N, c, D) (N heads, M query rows, c keys), which the ops see as batch 1 with N heads.
 
 Their backward ops do not take a gradient of the log-sum-exp; `fused_backward` folds it in exactly (see there).
 The CUDA paths have not run on a GPU yet: the CPU suite checks them against emulations of the CUDA ops built from
@@ -62,11 +62,9 @@ def round_up(n: int, multiple: int) -> int:
 
 
 def choose_kernel(q: torch.Tensor, enabled: bool = True) -> str:
-    """The fused op for q's device, dtype and head dim, else "portable" (reason logged once on CUDA).
-
-    The head-dim check is on D + 1 because the backward appends one column (see `fused_backward`): a head dim
-    of 256 takes the memory-efficient op in both directions rather than mixing kernels.
-    """
+    """The fused op for q's device, dtype and head dim, else "portable" (reason logged once on CUDA). The head-dim
+    check is on D + 1 because the backward appends one column (`fused_backward`): a head dim of 256 takes the
+    memory-efficient op in both directions rather than mixing kernels."""
     if not enabled:
         return "portable"
     d = q.shape[-1]
@@ -138,14 +136,12 @@ def fused_backward(kernel: str, d_out: torch.Tensor, d_lse: torch.Tensor, q: tor
     """Gradients of one key chunk given the *global* out/lse (N, M, D)/(N, M), with a log-sum-exp gradient
     d_lse (N, M) folded in. q (N, M, D), k/v (1, N, c, D). Returns dq (N, M, D), dk/dv (N, c, D), q's dtype.
 
-    A flash backward forms dS = P * (dP − rowsum(dO * O)) with P = exp(s − lse). Appending one column —
-    dO' = [dO, 1], O' = [O, −dLSE], zero columns to q, k, v — leaves P and dP unchanged and turns the row sum
-    into rowsum(dO * O) − dLSE, exactly the gradient with dLSE included. Passing the global lse makes P this
-    chunk's slice of the full softmax, so per-chunk gradients add up to the full one. The scale is passed
-    explicitly because the head dim grew. The CUDA ops take a width that is a multiple of 8 (more zero
-    columns); the CPU op takes D + 1. The padded k/v are transient copies of the keys given (O(c·D), next to the
-    kernel's O(M·c·D) work): `ChunkAttention` passes at most `attention.BACKWARD_KEYS` keys per call, never a
-    layer's whole prefix.
+    A flash backward forms dS = P * (dP − rowsum(dO * O)) with P = exp(s − lse). Appending one column — dO' =
+    [dO, 1], O' = [O, −dLSE], zero columns to q, k, v — leaves P and dP unchanged and turns the row sum into
+    rowsum(dO * O) − dLSE, exactly the gradient with dLSE included. The global lse makes P this chunk's slice of the
+    full softmax, so per-chunk gradients add up. The scale is passed explicitly because the head dim grew (CUDA: to
+    a multiple of 8; CPU: D + 1). The padded k/v are transient copies (O(c·D)) of at most `attention.BACKWARD_KEYS`
+    keys per call.
     """
     d, m = q.shape[-1], q.shape[-2]
     w = d + 1 if kernel == "cpu_flash" else round_up(d + 1, 8)

@@ -1,8 +1,7 @@
 """Plain reference for the masked attention path (`attention.masked_prefix_attention`).
 
-One full score matrix over every key, one explicit mask built from absolute positions, one softmax. Nothing
-is chunked, checkpointed or merged, and nothing from `attention.py` is used: this is what the fast path must
-equal (tests/engine/kernels/test_naive.py compares outputs, log-sum-exps and gradients in float64).
+One full score matrix over every key, one explicit mask from absolute positions, one softmax; nothing chunked,
+checkpointed, merged or taken from `attention.py` (tests/engine/kernels/test_naive.py holds the fast path to it).
 """
 
 from __future__ import annotations
@@ -20,19 +19,11 @@ def _to_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
 # Same signature as `attention.masked_prefix_attention` on purpose (duplicates lists it): the parity tests call both
 # with one set of arguments.
 def naive_masked_prefix_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    prefix: list[tuple[int, torch.Tensor, torch.Tensor]],
-    scale: float,
-    q_pos: torch.Tensor,
-    own_pos: torch.Tensor,
-    window: int | None = None,
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, prefix: list[tuple[int, torch.Tensor, torch.Tensor]],
+    scale: float, q_pos: torch.Tensor, own_pos: torch.Tensor, window: int | None = None,
     select: torch.Tensor | None = None,
     expand: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
-    chunk: int | None = None,
+    softcap: float | None = None, sinks: torch.Tensor | None = None, chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of T queries over [prefix keys ; own keys], same arguments as `masked_prefix_attention`.
 

@@ -52,18 +52,15 @@ def naive_selective_scan(
     D: torch.Tensor | None = None, z: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
     initial_state: torch.Tensor | None = None, upcast: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token at a time, as transformers' sequential loop, but from `initial_state`.
-
-    u, dt, z (b, d, T); A (d, N); B, C (b, T, N); D, dt_bias (d,); initial_state (1 or b, d, N) or None (zeros).
+    """One token at a time, as transformers' sequential loop, but from `initial_state`. u, dt, z (b, d, T); A (d, N);
+    B, C (b, T, N); D, dt_bias (d,); initial_state (1 or b, d, N) or None (zeros).
     upcast: the dtype B and u are cast to before they meet dt (transformers: float32; a float64 test of the math
     itself passes float64, where float32 casts would round the gradients). Returns y (b, d, T) and the state after
     the last token (b, d, N)."""
     batch, width, length = u.shape
     decay, inputs = _discretize(u, dt, A, B, dt_bias, upcast)
-    if initial_state is None:
-        state = torch.zeros(batch, width, A.shape[-1], dtype=u.dtype, device=u.device)
-    else:
-        state = initial_state.expand(batch, -1, -1)
+    state = (torch.zeros(batch, width, A.shape[-1], dtype=u.dtype, device=u.device) if initial_state is None
+             else initial_state.expand(batch, -1, -1))
     outputs = []
     for t in range(length):
         state = decay[:, :, t] * state + inputs[:, :, t]
@@ -98,10 +95,8 @@ def selective_scan(
         raise ValueError(f"chunk must be >= 1, got {chunk}")
     batch, width, length = u.shape
     decay, inputs = _discretize(u, dt, A, B, dt_bias, upcast)
-    if initial_state is None:
-        state = torch.zeros(1, width, A.shape[-1], dtype=u.dtype, device=u.device)
-    else:
-        state = initial_state
+    state = (torch.zeros(1, width, A.shape[-1], dtype=u.dtype, device=u.device) if initial_state is None
+             else initial_state)
     outputs = []
     for start in range(0, length, chunk):
         end = min(start + chunk, length)

@@ -32,11 +32,10 @@ def compute_advantages(rewards: torch.Tensor, kind: str = "grpo", eps: float = 1
     * ``mean_centered``: r − mean (Dr. GRPO).
     * ``rloo``: r_i − mean_{j≠i} r_j = G/(G−1) · (r_i − mean); needs G ≥ 2.
 
-    Finite rewards can still be too large to normalise: the mean, the deviations from it and grpo's standard
-    deviation (whose squares overflow float64 once |reward| nears 1e154) must be finite, or the advantages would be
-    silently 0 (an infinite std), inf or NaN; those are refused (`UnnormalisableRewards`, a ValueError). With
-    `loss_dtype` the advantages must also stay below the square root of its largest value, the bound
-    `backward_group` enforces in the loss (1.8e19 in float32).
+    Finite rewards can still be too large to normalise (grpo's std overflows float64 once |reward| nears 1e154):
+    advantages that would be silently 0, inf or NaN are refused (`UnnormalisableRewards`, a ValueError). With
+    `loss_dtype` they must also stay below the square root of its largest value, the bound `backward_group`
+    enforces in the loss (1.8e19 in float32).
     """
     if not isinstance(rewards, torch.Tensor):
         rewards = torch.as_tensor(rewards, dtype=torch.float64)

@@ -41,29 +41,15 @@ class LossConfig:
     log_ratio_clamp: tuple[float, float] | None  # (low, high) on the ratio's exponent; None: unclamped
     kl_clamp: tuple[float, float] | None  # (d, c): ref − logp to ±d before the exp, k3 to ±c; None: unclamped
 
-    def __init__(
-        self,
-        kind: str = "grpo",
-        *,
-        epsilon: float | None = None,
-        epsilon_low: float | None = None,
-        epsilon_high: float | None = None,
-        beta: float = 0.0,
-        max_tokens: int | None = None,
-        token_normalizer: float | None = None,
-        kl_ratio: bool = False,
-        loss_scale: float = 1.0,
-        sequence_ratio: bool | None = None,
-        delta: float | None = None,
-        sapo_temperature_pos: float | None = None,
-        sapo_temperature_neg: float | None = None,
-        vespo_k_pos: float | None = None,
-        vespo_lambda_pos: float | None = None,
-        vespo_k_neg: float | None = None,
-        vespo_lambda_neg: float | None = None,
-        log_ratio_clamp: tuple[float, float] | None = None,
-        kl_clamp: tuple[float, float] | None = None,
-    ) -> None:
+    def __init__(self, kind: str = "grpo", *, epsilon: float | None = None, epsilon_low: float | None = None,
+                 epsilon_high: float | None = None, beta: float = 0.0, max_tokens: int | None = None,
+                 token_normalizer: float | None = None, kl_ratio: bool = False, loss_scale: float = 1.0,
+                 sequence_ratio: bool | None = None, delta: float | None = None,
+                 sapo_temperature_pos: float | None = None, sapo_temperature_neg: float | None = None,
+                 vespo_k_pos: float | None = None, vespo_lambda_pos: float | None = None,
+                 vespo_k_neg: float | None = None, vespo_lambda_neg: float | None = None,
+                 log_ratio_clamp: tuple[float, float] | None = None,
+                 kl_clamp: tuple[float, float] | None = None) -> None:
         entry = loss_kind(kind)
         if entry.supervised:
             _refuse_policy_options(entry, epsilon=epsilon, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
@@ -71,11 +57,13 @@ class LossConfig:
                                    sequence_ratio=sequence_ratio)
         low, high = _clip_widths(entry, epsilon, epsilon_low, epsilon_high)
         _check_widths(low, high, float(beta), max_tokens)
-        _check_kl_ratio_and_scale(kl_ratio, loss_scale)
+        if not isinstance(kl_ratio, bool):
+            raise TypeError(f"kl_ratio must be True or False, got {kl_ratio!r}")
+        loss_scale = _finite("loss_scale", loss_scale, positive=True)
         values = dict(
             kind=kind, epsilon_low=low, epsilon_high=high, beta=float(beta), max_tokens=max_tokens,
             token_normalizer=_token_normalizer(entry, token_normalizer), kl_ratio=kl_ratio,
-            loss_scale=float(loss_scale), sequence_ratio=_sequence_ratio(entry, sequence_ratio),
+            loss_scale=loss_scale, sequence_ratio=_sequence_ratio(entry, sequence_ratio),
             delta=_delta(entry, delta), log_ratio_clamp=_log_ratio_clamp(log_ratio_clamp),
             kl_clamp=_kl_clamp(kl_clamp), **_own_parameters(entry, {
                 "sapo_temperature_pos": sapo_temperature_pos, "sapo_temperature_neg": sapo_temperature_neg,
@@ -180,23 +168,13 @@ def _check_widths(low: float, high: float, beta: float, max_tokens: int | None) 
         raise ValueError(f"max_tokens must be a positive int (dr_grpo's L_max), got {max_tokens!r}")
 
 
-def _check_kl_ratio_and_scale(kl_ratio: object, loss_scale: object) -> None:
-    if not isinstance(kl_ratio, bool):
-        raise TypeError(f"kl_ratio must be True or False, got {kl_ratio!r}")
-    if isinstance(loss_scale, bool) or not isinstance(loss_scale, (int, float)) or not (
-            math.isfinite(loss_scale) and loss_scale > 0):
-        raise ValueError(f"loss_scale must be a finite number > 0, got {loss_scale!r}")
-
-
 def _token_normalizer(entry: LossKind, value: object) -> float | None:
     if value is None:
         return None
     if not entry.token_normalised:
         raise ValueError(f"token_normalizer is the denominator of {_names('token_normalised')}; the {entry.name} loss "
                          "has none (use loss='dapo')")
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
-        raise ValueError(f"token_normalizer must be a finite number > 0 (a token count), got {value!r}")
-    return float(value)
+    return _finite("token_normalizer", value, positive=True)
 
 
 def _sequence_ratio(entry: LossKind, value: object) -> bool:

@@ -5,7 +5,6 @@ group loss), `token_weight`, `is_token_level`, `k3_kl`. The policy term and the 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -71,55 +70,28 @@ def _vespo_weight(log_ratio: torch.Tensor, adv: torch.Tensor, cfg: LossConfig) -
         return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
-def _clipped(logp: torch.Tensor, log_ratio: torch.Tensor, ratio: torch.Tensor, adv: torch.Tensor,
-             cfg: LossConfig) -> torch.Tensor:
-    clipped = ratio.clamp(1.0 - cfg.epsilon_low, 1.0 + cfg.epsilon_high)
-    unclipped = ratio if cfg.delta is None else ratio.clamp(max=cfg.delta)
-    return -torch.minimum(unclipped * adv, clipped * adv)
+def _policy_term(logp: torch.Tensor, log_ratio: torch.Tensor, ratio: torch.Tensor, adv: torch.Tensor,
+                 cfg: LossConfig) -> torch.Tensor:
+    """The policy part of the per-token loss (before the mask and the normalisation), by the entry's term; it
+    broadcasts to (B, T). logp, log_ratio: (B, T); ratio: (B, T) per token or (B, 1) per sequence; adv: (B, 1)."""
+    term = cfg.entry.term
+    if term is PolicyTerm.CLIPPED:
+        clipped = ratio.clamp(1.0 - cfg.epsilon_low, 1.0 + cfg.epsilon_high)
+        unclipped = ratio if cfg.delta is None else ratio.clamp(max=cfg.delta)
+        return -torch.minimum(unclipped * adv, clipped * adv)
+    if term is PolicyTerm.CAPPED_WEIGHT:
+        return -ratio.clamp(max=cfg.epsilon_high).detach() * adv * logp
+    if term is PolicyTerm.SIGMOID_GATE:
+        tau = _by_sign(adv > 0, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg, ratio)
+        return -torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * adv
+    if term is PolicyTerm.SEQUENCE_WEIGHT:
+        return -_vespo_weight(log_ratio, adv, cfg) * adv * logp
+    return -logp  # PolicyTerm.NLL
 
 
-def _capped_weight(logp: torch.Tensor, log_ratio: torch.Tensor, ratio: torch.Tensor, adv: torch.Tensor,
-                   cfg: LossConfig) -> torch.Tensor:
-    return -ratio.clamp(max=cfg.epsilon_high).detach() * adv * logp
-
-
-def _sigmoid_gate(logp: torch.Tensor, log_ratio: torch.Tensor, ratio: torch.Tensor, adv: torch.Tensor,
-                  cfg: LossConfig) -> torch.Tensor:
-    tau = _by_sign(adv > 0, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg, ratio)
-    return -torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * adv
-
-
-def _sequence_weight(logp: torch.Tensor, log_ratio: torch.Tensor, ratio: torch.Tensor, adv: torch.Tensor,
-                     cfg: LossConfig) -> torch.Tensor:
-    return -_vespo_weight(log_ratio, adv, cfg) * adv * logp
-
-
-def _nll(logp: torch.Tensor, log_ratio: torch.Tensor, ratio: torch.Tensor, adv: torch.Tensor,
-         cfg: LossConfig) -> torch.Tensor:
-    return -logp
-
-
-# The policy part of the per-token loss (before the mask and the normalisation), by the entry's term; each broadcasts
-# to (B, T). logp, log_ratio: (B, T); ratio: (B, T) per token or (B, 1) per sequence; adv: (B, 1).
-_POLICY_TERMS: dict[PolicyTerm, Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, LossConfig],
-                                         torch.Tensor]] = {
-    PolicyTerm.CLIPPED: _clipped,
-    PolicyTerm.CAPPED_WEIGHT: _capped_weight,
-    PolicyTerm.SIGMOID_GATE: _sigmoid_gate,
-    PolicyTerm.SEQUENCE_WEIGHT: _sequence_weight,
-    PolicyTerm.NLL: _nll,
-}
-
-
-def response_loss(
-    logp: torch.Tensor,
-    mask: torch.Tensor,
-    advantages: torch.Tensor,
-    totals: GroupTotals,
-    cfg: LossConfig,
-    old_logp: torch.Tensor | None = None,
-    ref_logp: torch.Tensor | None = None,
-) -> torch.Tensor:
+def response_loss(logp: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor, totals: GroupTotals,
+                  cfg: LossConfig, old_logp: torch.Tensor | None = None,
+                  ref_logp: torch.Tensor | None = None) -> torch.Tensor:
     """This batch's share of the group loss (a scalar); shares of disjoint batches add up to the group loss.
 
     logp, mask, old_logp, ref_logp: (B, T), right-padded, mask True on real tokens; advantages: (B,).
@@ -183,7 +155,7 @@ def token_terms(logp: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor
         if clamp is not None:  # padding's 0 stays 0 (low < 0 < high)
             log_ratio = torch.clamp(log_ratio, min=clamp[0], max=clamp[1])
         ratio = torch.exp(log_ratio)  # (B, T)
-    per_token = _POLICY_TERMS[cfg.entry.term](logp, log_ratio, ratio, adv, cfg)
+    per_token = _policy_term(logp, log_ratio, ratio, adv, cfg)
     if cfg.beta:
         kl = _kl_to(ref_logp, logp, cfg)
         per_token = per_token + cfg.beta * (kl * ratio if cfg.kl_ratio else kl)

@@ -28,18 +28,17 @@ def capture_prompt(model: torch.nn.Module, ids: torch.Tensor, chunk_size: int,
                    offload: bool = False, leaves: bool = False, keep_graph: int = 0) -> PromptState:
     """The state of every layer for `ids` (N,), computed chunk by chunk under no_grad (but for `keep_graph`).
 
-    Chunk c continues from the state of the chunks before it, so peak activation memory is one chunk's,
-    and the result does not depend on the chunk size (up to float reassociation). keep_boundaries: keep the
-    recurrent state at every chunk boundary (the exact plan needs them); otherwise only the last, and
-    sliding-window layers drop K/V outside their window. context_shards (`state.sharding.ContextShards`): every rank
-    runs every chunk, and keeps the attention parts of its own contiguous slice of chunks only. offload: keep the
-    state in host memory, read on the model's device (`PromptState.device`).
+    Chunk c continues from the state of the chunks before it, so peak activation memory is one chunk's, and the
+    result does not depend on the chunk size (up to float reassociation). keep_boundaries: keep the recurrent state
+    at every chunk boundary (the exact plan needs them; `PromptState`). context_shards: every rank runs every chunk,
+    and keeps the attention parts of its own contiguous slice of chunks only. offload: keep the state in host memory,
+    read on the model's device (`PromptState.device`).
 
     leaves (the exact plan): store every part as a leaf that requires grad (`PromptState.as_leaves`) as it is
     captured, so that later chunks read leaves. keep_graph (needs leaves): the last `keep_graph` chunks run with
-    grad and their autograd graph is kept in `state.graphs[j]` (the parts chunk j produced, in `chunk_outputs`
-    order, before they were stored as leaves): the exact plan's prompt backward then backpropagates through it
-    instead of recomputing chunk j's forward. Costs those chunks' activations from here until their backward.
+    grad and their autograd graph is kept in `state.graphs[j]` (`PromptState.graphs`): the exact plan's prompt
+    backward then backpropagates through it instead of recomputing chunk j's forward, at the cost of those chunks'
+    activations from here until their backward.
     """
     if keep_graph and not leaves:
         raise ValueError("keep_graph keeps the graph from the state's leaves: capture with leaves=True")
@@ -47,8 +46,7 @@ def capture_prompt(model: torch.nn.Module, ids: torch.Tensor, chunk_size: int,
     # capacity: full-attention K/V go into one tensor per layer as chunks arrive (`PromptState._slab`)
     state = PromptState(num_layers=text_config(model).num_hidden_layers, keep_boundaries=keep_boundaries,
                         context_shards=context_shards, device=device, fingerprint=prompt_fingerprint(ids),
-                        provenance=provenance(model),
-                        capacity=ids.numel(),
+                        provenance=provenance(model), capacity=ids.numel(),
                         stateless=stateless_layers(model) | kv_shared_layers(text_config(model)))
     extend_state(model, state, ids, chunk_size, leaves=leaves, keep_graph=keep_graph)
     return state
@@ -57,10 +55,9 @@ def capture_prompt(model: torch.nn.Module, ids: torch.Tensor, chunk_size: int,
 def extend_state(model: torch.nn.Module, state: PromptState, ids: torch.Tensor, chunk_size: int,
                  leaves: bool = False, keep_graph: int = 0) -> None:
     """Append the state of `ids` (n,), the tokens at positions state.length … state.length + n − 1, to `state`, in
-    chunks of `chunk_size` that each continue from the chunks before them (`capture_prompt`'s loop; a prefix tree's
-    node continues its parent's state with it). leaves / keep_graph: as `capture_prompt`'s. Under context parallelism
-    (`state.context_shards`) these ids' chunks are split over the ranks as a prompt's are, each rank keeping the
-    attention parts of its own slice of them (`state.owners` records whose each chunk is)."""
+    chunks of `chunk_size` (`capture_prompt`'s loop; a prefix tree's node continues its parent's state with it).
+    leaves / keep_graph: as `capture_prompt`'s. Under context parallelism these ids' chunks are split over the ranks
+    as a prompt's are (`keep_owned`)."""
     offset = state.length
     bounds = [(offset + s, offset + e) for s, e in chunk_bounds(ids.numel(), chunk_size)]
     for j, (start, end) in enumerate(bounds):
@@ -69,10 +66,6 @@ def extend_state(model: torch.nn.Module, state: PromptState, ids: torch.Tensor, 
         with torch.set_grad_enabled(graph):
             run_segment(model, ids[start - offset:end - offset].unsqueeze(0), start, state.fork(), collect,
                         kv_only=True)
-        for layer, parts in collect.items():
-            window = parts.pop("window", None)
-            if window is not None:
-                state.windows[layer] = window  # type: ignore[call-overload]  # an int riding in the tensor dict
         if graph:
             state.graphs[state.num_chunks] = PromptState.outputs_of(collect, state.num_layers)
         state.append_chunk(start, end, collect, leaves=leaves)

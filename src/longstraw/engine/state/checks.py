@@ -28,10 +28,8 @@ def check_prompt_state(model: torch.nn.Module, state: PromptState, prompt: torch
         raise TypeError(f"prompt_state must be a PromptState (from capture_prompt or sample_group), got "
                         f"{type(state).__name__}")
     if state.length != prompt.numel() - 1:
-        raise ValueError(
-            f"prompt_state holds {state.length} positions but this prompt needs {prompt.numel() - 1} "
-            "(all but its last token): pass the state captured for this prompt, or none"
-        )
+        raise ValueError(f"prompt_state holds {state.length} positions but this prompt needs {prompt.numel() - 1} "
+                         "(all but its last token): pass the state captured for this prompt, or none")
     if state.fingerprint is None:
         raise ValueError("prompt_state records no prompt fingerprint (it was not made by capture_prompt or "
                          "sample_group, or it is a prefix of a state): pass one they captured for this prompt, or none")

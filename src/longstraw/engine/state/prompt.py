@@ -2,12 +2,10 @@
 
 Per layer and capture chunk j the state holds whichever of these parts the layer produced:
 
-* ``key`` / ``value`` — attention layers: the chunk's K/V, (1, Hkv, c_j, D), keys after RoPE. For latent
-  attention (MLA: DeepSeek-V3, Kimi, GLM-5) the two parts are what transformers caches instead: the
-  compressed latent c_kv (1, 1, c_j, d_c) and the shared rope key (1, 1, c_j, d_R); the attention kernel
-  expands them (`module.expand_kv`) one chunk at a time.
-* ``index`` — DSA indexer keys (1, c_j, d_I). The reference model computes them under no_grad, so they are
-  never leaves and carry no gradient.
+* ``key`` / ``value`` — attention layers: the chunk's K/V, (1, Hkv, c_j, D), keys after RoPE; for latent attention
+  (MLA: DeepSeek-V3, Kimi, GLM-5) what transformers caches instead, the compressed latent c_kv (1, 1, c_j, d_c) and
+  the shared rope key (1, 1, c_j, d_R), which the attention kernel expands (`module.expand_kv`) a chunk at a time.
+* ``index`` — DSA indexer keys (1, c_j, d_I), computed under no_grad by the reference model: never leaves.
 * ``conv`` / ``recurrent`` — linear-attention / SSM layers (gated DeltaNet, KDA, Mamba2): the state *after*
   chunk j: the conv window (1, C, K) and the recurrent state ((1, H, d_k, d_v) or (1, H, d_h, N)).
 
@@ -17,19 +15,17 @@ Recurrent parts are kept at every chunk boundary when `keep_boundaries` (the exa
 from the state after chunk j-1); otherwise only the last one is kept, and sliding-window layers drop the
 K/V chunks no later token can see. A dropped entry is None.
 
-Offloaded state (`device` set): every part lives in host memory (pinned when the compute device is a GPU) and
-is copied to `device` where it is read — one layer's chunks at a time by the attention kernel, one recurrent
-state at a time by the cache. The copy is differentiable, so the exact plan's leaves stay on the host and their
-gradients accumulate there too. With per-layer activation checkpointing the device then holds one layer's copies
-of the prompt K/V (and one layer's gradient) at a time instead of the whole state; without it, every layer's copy
-is saved for the backward and nothing is gained (the planner says so).
+Offloaded state (`device` set): every part lives in host memory (pinned when the compute device is a GPU) and is
+copied to `device` where it is read (a layer's chunks at a time by the attention kernel, a recurrent state at a time
+by the cache). The copy is differentiable, so the exact plan's leaves and their gradients stay on the host. With
+per-layer activation checkpointing the device then holds one layer's copies of the prompt K/V (and their gradient)
+at a time; without it every layer's copy is saved for the backward and nothing is gained (the planner says so).
 
-Prefetch (`prefetch`, on by default when the compute device is a GPU): when an attention layer reads its chunks,
-the next attention layer's copies are started at once — on CUDA on a side stream, overlapping the copy with this
-layer's compute; the layer that reads them waits for that stream only. The direction follows the reads (up the
-layers in a forward, down them in a checkpointed backward's recomputes), and at most one layer is held ahead, so
-the device holds two layers' copies instead of one. On the CPU the copies are made at once (no overlap): the
-option runs there only so that its bookkeeping and gradients are tested everywhere.
+Prefetch (`prefetch`, on by default when the compute device is a GPU): when an attention layer reads its chunks, the
+next attention layer's copies start at once, on CUDA on a side stream that only the reading layer waits for. They
+follow the reads (up the layers in a forward, down them in a checkpointed backward's recomputes), at most one layer
+ahead, so the device holds two layers' copies. On the CPU the copies are made at once (no overlap): the option runs
+there only so that its bookkeeping and gradients are tested everywhere.
 """
 
 from __future__ import annotations
@@ -51,10 +47,9 @@ Collected = dict[int, dict[str, torch.Tensor]]
 
 
 def prompt_fingerprint(ids: torch.Tensor) -> str:
-    """Identity of the token ids a state holds: their count and a BLAKE2 hash of their int64 bytes.
-
-    Lets `backward_group` refuse a state captured for another prompt of the same length (which would give a
-    silently wrong gradient). Costs one host copy of the ids: 8 MB and a few ms for a million tokens."""
+    """Identity of the token ids a state holds: their count and a BLAKE2 hash of their int64 bytes, so that
+    `backward_group` refuses a state captured for another prompt of the same length (a silently wrong gradient).
+    Costs one host copy of the ids: 8 MB and a few ms for a million tokens."""
     data = ids.detach().to(device="cpu", dtype=torch.int64).contiguous()
     return f"{data.numel()}:{hashlib.blake2b(data.numpy().tobytes(), digest_size=16).hexdigest()}"
 
@@ -77,21 +72,14 @@ class PromptState:
     # owners[j] is the rank that keeps chunk j's (decided when the chunk is captured, `capture.extend_state`).
     context_shards: ContextShards | None = None
     owners: list[int] = field(default_factory=list)
-    # Offloaded: the tensors live in host memory and are copied to this compute device where they are read.
-    device: torch.device | None = None
-    # `prompt_fingerprint` of the ids captured (set by `capture_prompt`; None for a prefix of the state).
-    fingerprint: str | None = None
-    # What captured it: the model's identity, config, module attributes, adapter state and tensor checksums
-    # (`provenance.provenance`, set by `capture_prompt`).
-    provenance: Provenance | None = None
-    # Offloaded: start the next attention layer's copies when a layer reads its own (module docstring).
-    prefetch: bool | None = None  # None: on when `device` is a GPU (`_prefetch_by_default`)
+    device: torch.device | None = None  # offloaded: the compute device the host-memory tensors are copied to
+    fingerprint: str | None = None  # `prompt_fingerprint` of the ids captured (None for a prefix of the state)
+    provenance: Provenance | None = None  # what captured it (`provenance.provenance`)
+    prefetch: bool | None = None  # offloaded (module docstring); None: on when `device` is a GPU
     # Capture chunk j's autograd graph, kept for the exact plan's prompt backward (`capture_prompt(keep_graph=)`):
     # the parts it produced, in `chunk_outputs` order. Forks and prefixes do not carry it.
     graphs: dict[int, list[torch.Tensor | None]] = field(default_factory=dict, repr=False, compare=False)
-    # Positions the capture will hold (set by `capture_prompt`): full-attention K/V are then written into one tensor
-    # per layer and part as chunks arrive (`_slab`), so that a run of chunks is read with one kernel call.
-    capacity: int | None = None
+    capacity: int | None = None  # positions the capture will hold: full-attention K/V then go into slabs (`_slab`)
     _slabs: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
     _ahead: _Prefetched | None = field(default=None, repr=False, compare=False)  # at most one layer ahead
     _last_read: int | None = field(default=None, repr=False, compare=False)
@@ -121,10 +109,6 @@ class PromptState:
     @property
     def num_chunks(self) -> int:
         return len(self.bounds)
-
-    @property
-    def offloaded(self) -> bool:
-        return self.device is not None
 
     def fetch(self, t: torch.Tensor | None) -> torch.Tensor | None:
         """A tensor of the state where it is computed with: itself, or (offloaded) a differentiable copy on
@@ -176,7 +160,12 @@ class PromptState:
     # --- building -----------------------------------------------------------------------------------------
     def append_chunk(self, start: int, end: int, collected: Collected, leaves: bool = False) -> None:
         """Add what chunk [start, end) produced in every layer; `leaves`: as leaves (`as_leaves`), detached from
-        any graph that produced them."""
+        any graph that produced them. The sliding windows the attention kernel noted among the parts
+        (`SegmentCache.note_window`) are taken out into `windows`."""
+        for layer, parts in collected.items():
+            window = parts.pop("window", None)
+            if window is not None:
+                self.windows[layer] = window  # type: ignore[call-overload]  # an int riding in the tensor dict
         if start != self.length:
             raise RuntimeError(f"chunk starts at {start} but the state holds {self.length} positions")
         if self.capacity is not None and end > self.capacity:
@@ -203,12 +192,10 @@ class PromptState:
                 if slab is not None and part is not None:
                     slab.data[:, :, start:end].copy_(part.detach())  # `.data`: see `_slab`
                     part = slab[:, :, start:end]
-                    if leaves:
-                        part = _leaf(name, part)
-                elif leaves and part is not None:
-                    part = _leaf(name, self._store(part.detach()))
                 else:
-                    part = self._store(part)
+                    part = self._store(part.detach() if leaves and part is not None else part)
+                if leaves:
+                    part = _leaf(name, part)
                 self.parts[name][layer].append(part)
         self.bounds.append((start, end))
         if not self.keep_boundaries:
@@ -216,18 +203,16 @@ class PromptState:
 
     def _slab(self, name: str, layer: int, part: torch.Tensor | None) -> torch.Tensor | None:
         """The (1, Hkv, capacity, D) tensor a full-attention layer's key or value chunks are written into, allocated
-        at its first chunk; None where chunks are kept as computed. Chunk j is then the view [start_j, end_j) of it, so
-        adjacent chunks are one run (`attention.adjacent_runs`): decoding, the replays of both plans, the exact plan's
-        recomputes and the capture's own later chunks read a layer's prompt with one kernel call, not one per chunk.
-        The exact plan's leaves stay one leaf per chunk (detached views, each with its own gradient: `ChunkAttention`
-        splits a run's gradient back into its chunks). Chunks are written through `.data`, an alias with its own
-        version counter: each region is written once, before anything reads it, and a kept capture graph that saved
-        earlier chunks' leaves must not see the later writes as in-place changes of them.
+        at its first chunk; None where chunks are kept as computed. Chunk j is its view [start_j, end_j), so adjacent
+        chunks are one run (`attention.adjacent_runs`) that every reader reads with one kernel call, not one per chunk;
+        the exact plan's leaves stay one per chunk (`ChunkAttention` splits a run's gradient back into its chunks).
+        Chunks are written through `.data`, an alias with its own version counter: each region is written once,
+        before anything reads it, and a kept capture graph that saved earlier chunks' leaves must not see the later
+        writes as in-place changes of them.
 
         Not for: sliding-window layers (their old chunks are dropped, which a shared tensor would not free), a
         context-parallel or offloaded state (chunks dropped, or copied to the device one by one), a state without
-        `capacity`, and parts that are not 4-D K/V (MLA latents are (1, 1, c, d) and take a slab too: harmless, the
-        masked path reads them per chunk)."""
+        `capacity`, and parts that are not 4-D (MLA latents (1, 1, c, d) take one too: harmless, read per chunk)."""
         if (part is None or name not in ("key", "value") or part.dim() != 4 or self.capacity is None
                 or self.context_shards is not None or self.device is not None or self.windows[layer] is not None):
             return None
@@ -252,9 +237,7 @@ class PromptState:
         last = self.num_chunks - 1
         for layer in range(self.num_layers):
             for name in RECURRENT_PARTS:
-                entries = self.parts[name][layer]
-                for j in range(last):
-                    entries[j] = None
+                self.parts[name][layer][:last] = [None] * last
             window = self.windows[layer]
             if window is not None:
                 oldest_needed = self.length - (window - 1)
@@ -264,12 +247,9 @@ class PromptState:
                         self.parts["value"][layer][j] = None
 
     def _store(self, t: torch.Tensor | None) -> torch.Tensor | None:
-        """Where a part is kept: as computed, or (offloaded) in host memory, pinned for fast copies to a GPU.
-
-        A part that is a view of a larger tensor is copied out first, so that keeping it does not keep the whole
-        storage alive beside the state. The segment cache already hands out conv windows and recurrent states as
-        copies (`SegmentCache.update_conv_state`); this guards every other part (e.g. K/V sliced from a fused
-        projection) and costs nothing for a part that owns its storage."""
+        """Where a part is kept: as computed, or (offloaded) in host memory, pinned for fast copies to a GPU. A view
+        of a larger tensor (e.g. K/V sliced from a fused projection) is copied out first, so that keeping it does not
+        keep the whole storage alive beside the state."""
         if t is None:
             return None
         if t.untyped_storage().nbytes() > t.numel() * t.element_size():
@@ -321,16 +301,14 @@ class PromptState:
 
     def offload(self, device: torch.device) -> PromptState:
         """The same state kept in host memory and read on `device` (see the module docstring)."""
-        if self.offloaded:
+        if self.device is not None:
             return self
         host = PromptState(num_layers=self.num_layers, device=torch.device(device))  # stores as offloaded
         return self._map(lambda name, t: host._store(t), device=host.device)
 
     def as_leaves(self) -> PromptState:
-        """The same state as leaf tensors that require grad (the exact plan collects dL/dstate in .grad).
-
-        `detach()` shares storage, so nothing is copied. Indexer keys stay constants.
-        """
+        """The same state as leaf tensors that require grad (the exact plan collects dL/dstate in .grad); `detach()`
+        shares storage, so nothing is copied. Indexer keys stay constants."""
         return self._map(_leaf)
 
     # --- enumeration --------------------------------------------------------------------------------------
@@ -364,9 +342,8 @@ def _prefetch_by_default(device: torch.device | None) -> bool:
 
 @dataclass
 class _Prefetched:
-    """One attention layer's chunk copies, started ahead of the read (see the module docstring). On CUDA they are
-    made on a side stream; `take` makes the reading stream wait for them and tells the allocator they are used
-    there (`record_stream`), so their memory is not reused while that stream still reads them."""
+    """One attention layer's chunk copies, started ahead of the read (module docstring), on CUDA on a side stream:
+    `take` makes the reading stream wait for them and marks them used there (`record_stream`)."""
 
     layer: int
     chunks: list[tuple[int, torch.Tensor, torch.Tensor]]

@@ -2,34 +2,31 @@
 its parameters and buffers.
 
 A state is only valid for the model and weights that captured it. `backward_group` accepts a reused `prompt_state`
-(e.g. the one `sample_group` captured) and must refuse one that another model captured (another architecture, a
-different layer count or head layout: K/V of the wrong shape can crash a kernel), or that this model captured in
-another condition: before an optimizer step (a gradient 50-90% wrong, with no error), with a LoRA adapter disabled
-(`with model.disable_adapter():`), before an edit of a few embedding rows, a rescaled RoPE buffer or a changed norm
-epsilon. Each is silently wrong otherwise, so each is recorded:
+and must refuse one that another model captured (another architecture, layer count or head layout: K/V of the wrong
+shape can crash a kernel), or that this model captured in another condition: before an optimizer step (a gradient
+50-90% wrong, with no error), with a LoRA adapter disabled, before an edit of a few embedding rows, a rescaled RoPE
+buffer or a changed norm epsilon. Each is silently wrong otherwise, so each is recorded:
 
-* identity: the config fields that fix the state's layout (model type, layers, widths, head counts, layer kinds,
-  windows, latent ranks) and digests of the parameter and buffer layouts (names, shapes, dtypes).
-* config: every public entry of the config (`to_dict()`, nested dicts flattened), but for the few that do not
-  change what a forward computes (`_INERT_CONFIG`).
+* identity: the config fields that fix the state's layout (`_IDENTITY_FIELDS`) and digests of the parameter and
+  buffer layouts (names, shapes, dtypes).
+* config: every public entry of the config (`to_dict()`, nested dicts flattened) but `_INERT_CONFIG`'s.
 * attributes: every module's public plain attributes (int, float, bool, str, None, and tuples, lists and str-keyed
-  dicts of them: an RMSNorm's `variance_epsilon`, a rotary embedding's `attention_scaling`, a LoRA layer's `scaling`),
-  but `training` and `gradient_checkpointing` (neither changes the values).
+  dicts of them: an RMSNorm's `variance_epsilon`, a LoRA layer's `scaling`) but `training` and
+  `gradient_checkpointing`.
 * adapters: for each PEFT adapter layer, whether its adapters are disabled, which are active and which merged; for
   a `PeftModel`, its own disabled flag.
 * tensors: a checksum of every value of every parameter and buffer. Each tensor is read as a matrix of its last
   dimension (0- and 1-D tensors as one row), reinterpreted as 32-bit integers (16- or 8-bit where its rows' bytes
-  do not divide), and summed along each row and each column modulo 2**32 (integer sums: exact, and the same in any
-  order, on any device). Any change of one value changes its row's sum, a permutation of rows changes the order of
-  the row sums and one within a row changes the column sums; only changes that keep every row and column sum
-  modulo 2**32 go unseen. The sums are hashed per tensor on the host, so a refusal names the tensors that changed.
+  do not divide), and summed along each row and each column modulo 2**32 (exact, and the same in any order, on any
+  device): a changed value changes its row's sum, a permutation of rows the order of the row sums, one within a row
+  the column sums (only changes that keep every sum go unseen). The sums are hashed per tensor on the host, so a
+  refusal names the tensors that changed.
 
-Cheaper signals cannot be trusted alone (measured on torch 2.13): a tensor's version counter (`t._version`) is not
-moved by fused AdamW, by writes through `p.data` or by a NumPy view, and 8 sampled values per tensor miss the sparse
-update of a few embedding rows (SGD or AdamW without weight decay when only the embeddings train). Storage addresses
-change when FSDP gathers the same weights again. So every value is read, at capture and at each check: two passes
-over the weights' memory (`python -m benchmarks provenance` measures it at 1.5B parameters; docs/usage.md gives the
-numbers). Sharded (DTensor) parameters are read as their local shard, so each rank checks its own shards.
+Cheaper signals cannot be trusted alone (measured on torch 2.13): a tensor's version counter is not moved by fused
+AdamW, by writes through `p.data` or by a NumPy view; 8 sampled values per tensor miss the sparse update of a few
+embedding rows; storage addresses change when FSDP gathers the same weights again. So every value is read, at capture
+and at each check: two passes over the weights' memory (`python -m benchmarks provenance` measures it; docs/usage.md
+gives the numbers). Sharded (DTensor) parameters are read as their local shard, so each rank checks its own shards.
 """
 
 from __future__ import annotations
@@ -212,15 +209,11 @@ def _named(differences: list[str]) -> str:
 
 def mismatch(captured: Provenance, now: Provenance) -> str | None:
     """Why a state with provenance `captured` is not valid for a model with provenance `now` (None: it is)."""
-    if captured.identity != now.identity:
-        return "it was captured by another model: " + _named(_differences(captured.identity, now.identity))
-    if captured.config != now.config:
-        return "the model's config differs: " + _named(_differences(captured.config, now.config))
-    if captured.adapters != now.adapters:
-        return ("it was captured in another adapter state (e.g. under disable_adapter(), or with another adapter "
-                "active or merged): " + _named(_differences(captured.adapters, now.adapters)))
-    if captured.attributes != now.attributes:
-        return "a module attribute differs: " + _named(_differences(captured.attributes, now.attributes))
+    for part, why in (("identity", "it was captured by another model"), ("config", "the model's config differs"),
+                      ("adapters", "it was captured in another adapter state (e.g. under disable_adapter(), or with "
+                                   "another adapter active or merged)"), ("attributes", "a module attribute differs")):
+        if getattr(captured, part) != getattr(now, part):
+            return f"{why}: " + _named(_differences(getattr(captured, part), getattr(now, part)))
     if captured.tensors != now.tensors:
         changed = _differences(captured.tensors, now.tensors, show=False)
         weights = any(n.startswith("parameter ") for n in changed)

@@ -1,6 +1,4 @@
-"""Per-sequence state of the tokens a rollout has generated so far (sampling, no grad).
-
-Unlike the shared prompt state this belongs to one rollout and is never shared, so it may grow and be
+"""Per-sequence state of the tokens a rollout has generated so far (sampling, no grad), which may grow and be
 replaced freely:
 
 * attention layers: K/V (or MLA latents) of every generated token, (B, Hkv, max_len, D), preallocated on
@@ -29,9 +27,7 @@ class ResponseState:
         self.length = 0  # generated positions filled in every layer
 
     def _buffer(self, like: torch.Tensor, dim: int) -> torch.Tensor:
-        shape = list(like.shape)
-        shape[dim] = self.max_len
-        return torch.empty(shape, dtype=like.dtype, device=like.device)
+        return like.new_empty((*like.shape[:dim], self.max_len, *like.shape[dim + 1:]))
 
     def _check_room(self, t: int) -> int:
         end = self.length + t

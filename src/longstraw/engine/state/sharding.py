@@ -18,31 +18,24 @@ class ContextShards(Protocol):
 
     def owner(self, chunk: int, num_chunks: int) -> int:
         """The rank that keeps capture chunk `chunk` of `num_chunks`."""
-        ...
 
     def owns(self, chunk: int, num_chunks: int) -> bool:
         """Whether this rank keeps that chunk's attention parts."""
-        ...
 
     def reduce_grad(self, x: torch.Tensor) -> torch.Tensor:
         """Identity forward; the gradient summed over the group's ranks backward."""
-        ...
 
     def merge(self, out: torch.Tensor | None, lse: torch.Tensor | None, like_out: torch.Tensor,
               like_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Every rank's partial attention (out (N, M, D), lse (N, M); None: no chunks here) merged exactly."""
-        ...
 
     def broadcast_from(self, tensors: list[torch.Tensor | None], like: list[torch.Tensor],
                        src: int) -> list[torch.Tensor]:
         """Rank `src`'s tensors (None: zeros) on every rank, shaped like `like`."""
-        ...
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's `x` stacked in rank order, (C, *x.shape), on every rank (the sampler's check that the
         ranks' environments agree)."""
-        ...
 
     def check_supported(self, model: torch.nn.Module) -> None:
         """Raise ValueError, saying what to change, if `model` has layers the sharded state does not cover."""
-        ...

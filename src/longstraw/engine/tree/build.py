@@ -2,11 +2,10 @@
 every trajectory below it) and `build_tree` (a radix trie over the trajectories' token ids).
 
 A trajectory is a whole sequence — shared system prompt, task, turns, tool outputs, answer — of N token ids, with
-its loss on positions loss_start … N−1 (the token at position t is scored by the model's prediction from positions
-< t). Trajectories that start with the same tokens share those tokens' nodes: each shared token is encoded once, and
-its log-prob, when several trajectories score it, is computed once and counted once per trajectory (with each
-trajectory's own advantage, old/reference log-prob and normaliser): the gradient is the sum over trajectories,
-exactly what running every trajectory on its own gives (docs/trees.md).
+its loss on positions loss_start … N−1. Trajectories that start with the same tokens share those tokens' nodes: each
+shared token is encoded once, and its log-prob, when several trajectories score it, is computed once and counted once
+per trajectory (with its own advantage, old/reference log-prob and normaliser): the gradient is exactly what running
+every trajectory on its own gives (docs/trees.md).
 
 Positions: node n holds the tokens at positions [n.start, n.end). Its forward runs the *input* [n.start−1, n.end−1)
 (its parent's last token, then its own tokens but the last) and predicts its own tokens; after it the node's state
@@ -55,10 +54,10 @@ class Trajectory:
             raise ValueError(f"loss_start must be an integer in [1, {n - 1}] for a trajectory of {n} tokens (the "
                              f"first token is never predicted, and at least one token is in the loss), got "
                              f"{self.loss_start!r}")
-        self.advantage = _real(self.advantage)
+        self.advantage = _number("advantage", self.advantage, integer=False)
         if not math.isfinite(self.advantage):
             raise ValueError(f"advantage must be a finite number, got {self.advantage!r}")
-        self.group = _index(self.group)
+        self.group = int(_number("group", self.group, integer=True))
         if self.group < 0:
             raise ValueError(f"group must be an integer >= 0, got {self.group!r}")
         r = n - self.loss_start
@@ -93,28 +92,19 @@ class Trajectory:
         return int(self.in_loss().sum())
 
 
-def _real(value: object) -> float:
-    """A Python, NumPy or 0-d tensor real number as a float; TypeError for anything else."""
+def _number(name: str, value: object, integer: bool) -> float:
+    """A Python, NumPy or 0-d tensor real number (an integer where `integer`: not a float) as a float (an int);
+    TypeError for anything else, a bool too."""
+    kind = "an integer" if integer else "a real number"
     if isinstance(value, torch.Tensor):
-        if value.dim() != 0 or value.dtype == torch.bool or value.is_complex():
-            raise TypeError(f"advantage must be a real number (a float, or a 0-d tensor), got a {value.dtype} tensor "
-                            f"of shape {tuple(value.shape)}: pass one value per trajectory, e.g. advantage.item()")
-        return float(value)
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Real, np.floating, np.integer)):
-        raise TypeError(f"advantage must be a real number, got {type(value).__name__} {value!r}")
-    return float(value)
-
-
-def _index(value: object) -> int:
-    """A Python, NumPy or 0-d tensor integer as an int; TypeError for anything else (a float, a bool)."""
-    if isinstance(value, torch.Tensor):
-        if value.dim() != 0 or value.dtype.is_floating_point or value.is_complex() or value.dtype == torch.bool:
-            raise TypeError(f"group must be an integer (an int, or a 0-d integer tensor), got a {value.dtype} tensor "
-                            f"of shape {tuple(value.shape)}")
-        return int(value)
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"group must be an integer, got {type(value).__name__} {value!r}")
-    return int(value)
+        if (value.dim() != 0 or value.dtype == torch.bool or value.is_complex()
+                or (integer and value.dtype.is_floating_point)):
+            raise TypeError(f"{name} must be {kind} (a Python or NumPy number, or a 0-d tensor), got a {value.dtype} "
+                            f"tensor of shape {tuple(value.shape)}: pass one value per trajectory, e.g. {name}.item()")
+    elif isinstance(value, (bool, np.bool_)) or not isinstance(
+            value, (int, np.integer) if integer else (numbers.Real, np.floating, np.integer)):
+        raise TypeError(f"{name} must be {kind}, got {type(value).__name__} {value!r}")
+    return int(value) if integer else float(value)  # type: ignore[arg-type]
 
 
 @dataclass(repr=False)

@@ -1,27 +1,21 @@
 """Tree rollouts: sampling that branches, every fork continuing its parent's state in place (docs/trees.md).
 
-From one capture of the prompt, `trunks` sequences decode as one batch in `sampling.Decoder`, the loop
-`sample_group` runs (a group is a tree of depth 1); this module gives it the fork rule (`TreeConfig.forks`). A live
-sequence forks into `branching` continuations at a trigger: the end of a tool call's observation (`trigger=
-"tool_call"`: the environment's answer is fed into the parent, and the children start with the model's next action,
-as Tree-GRPO's nodes are whole agent steps), or every `every` tokens of a segment (`trigger="tokens"`). A path holds
-at most `depth` segments (the trunk is the first), and a fork is granted only while the tree's leaves stay within
-`leaves` (each fork adds branching − 1). A sequence that is not allowed to fork simply continues.
+From one capture of the prompt, `trunks` sequences decode as one batch in `sampling.Decoder` (a group is a tree of
+depth 1); this module gives it the fork rule (`TreeConfig.forks`). A live sequence forks into `branching`
+continuations at a trigger: the end of a tool call's observation (`trigger="tool_call"`: the children start with the
+model's next action, as Tree-GRPO's nodes are whole agent steps), or every `every` tokens of a segment
+(`trigger="tokens"`). A path holds at most `depth` segments (the trunk is the first), and a fork is granted only
+while the tree's leaves stay within `leaves` (each fork adds branching − 1); otherwise the sequence continues.
 
-Sharing. The B children of a node decode as one batch over one `PromptState` (batch 1, read by every child, never
-expanded or copied): the prompt's chunks (the very tensors of the capture: the state is a new list over them) plus one
-chunk per ancestor segment. A segment's chunk is a view of the row of its group's `ResponseState` that decoded it
-(`ResponseState.continued`) —
-K/V (or MLA latents) and DSA indexer keys of its positions, its conv window and recurrent state at its end — so a
-fork copies nothing: the kernels read the parent's generated K/V where the parent wrote them. The cost is that a
-group's response buffers stay allocated while a descendant decodes; groups run depth first, so those are the groups
-on one root-to-leaf path.
+Sharing. The children of a node decode as one batch over one `PromptState` (batch 1, never expanded or copied): the
+prompt's chunks (the capture's own tensors) plus one chunk per ancestor segment, a view of the row of its group's
+`ResponseState` that decoded it (`ResponseState.continued`: K/V or MLA latents and DSA indexer keys of its
+positions, its conv window and recurrent state at its end). A fork copies nothing; the cost is that a group's
+response buffers stay allocated while a descendant decodes (groups run depth first: one root-to-leaf path's).
 
 Positions follow `tree.build`'s convention: a node's state holds its tokens but the last, and its children start by
-feeding that last token, as the trunks start by feeding the prompt's last token.
-
-Log-probs are the policy's own (temperature 1, no truncation), as `sample_group` records them: they are what a
-training step recomputes (`old_logprobs`). Observation tokens are in the responses with loss_mask False.
+feeding that last token, as the trunks start by feeding the prompt's last token. Log-probs are the policy's own, as
+`sample_group` records them (`old_logprobs`); observation tokens are in the responses with loss_mask False.
 
 Advantages (`tree_advantages`): ``grpo`` compares every leaf of the prompt's tree (`compute_advantages` over the leaf
 rewards: the tree is one GRPO group); ``siblings`` compares a leaf with the leaves below its parent node:
@@ -94,11 +88,9 @@ class TreeRollout:
     """A sampled tree. nodes: every segment (parents before children); leaves: the leaf nodes' indices in
     trajectory order. responses / logprobs / loss_masks (R_i,): each leaf's whole response (its path's segments),
     its old log-probs and its loss mask (False on observation tokens). state: the prompt's capture (prompt[:-1]).
-    stats: forks, decoding groups (batches of siblings), positions the decoder ran (a group's finished rows run
-    until the group ends), tokens sampled or fed (each node's once) and tokens in the leaves' responses (every
-    shared token counted once per leaf: what sampling every leaf on its own would decode).
-    With keep_states: states[n] is the `PromptState` node n's children decode over, buffers[n] the `ResponseState`
-    its own group decoded into (for inspection: they hold memory)."""
+    stats: forks, decoding groups, positions the decoder ran (a group's finished rows run until the group ends),
+    tokens sampled or fed (each node's once) and tokens in the leaves' responses (each shared token once per leaf).
+    With keep_states: states[n] / buffers[n] as `Decoder` keeps them (for inspection: they hold memory)."""
 
     prompt: torch.Tensor
     nodes: list[RolloutNode]
@@ -176,17 +168,9 @@ def tree_advantages(rewards: torch.Tensor, rollout: TreeRollout, mode: str = "gr
 
 
 @torch.no_grad()
-def sample_tree(
-    model: torch.nn.Module,
-    prompt: torch.Tensor,
-    tree: TreeConfig,
-    sampling: SamplingConfig,
-    seed: int = 0,
-    chunk_size: int = 2048,
-    state: PromptState | None = None,
-    environment: Environment | None = None,
-    keep_states: bool = False,
-) -> TreeRollout:
+def sample_tree(model: torch.nn.Module, prompt: torch.Tensor, tree: TreeConfig, sampling: SamplingConfig, seed: int = 0,
+                chunk_size: int = 2048, state: PromptState | None = None, environment: Environment | None = None,
+                keep_states: bool = False) -> TreeRollout:
     """Sample a tree of responses to `prompt` (P,) from one prompt capture (module docstring): `sampling.Decoder`
     with the tree's fork rule. Deterministic for a seed. sampling: as `sample_group` (max_new_tokens bounds every
     root-to-leaf response, observations included; max_turns every path's model turns). environment: as

@@ -1,9 +1,8 @@
 """The router load-balancing term (`engine/router.py`) over a prefix tree: which weight each token's routers carry,
 and the counting pass.
 
-transformers' aux loss over a batch counts every token of every sequence (the attention mask weighing it 1): a token
-at a tree position that k trajectories hold counts k times. The walk runs each position once, so each run carries
-that multiplicity as its weight:
+transformers' aux loss over a batch counts every token of every sequence: a tree position that k trajectories hold
+counts k times. The walk runs each position once, so each run carries that multiplicity as its weight:
 
 * a node's input positions after its first (its own tokens but the last): |through(node)|;
 * a node's first input position, its parent's last token, which each child's forward runs again: |through(child)|,
@@ -13,13 +12,14 @@ that multiplicity as its weight:
 * a leaf's replay runs all its tokens, its last one too (the batch's forward routes a sequence's last token):
   |through(leaf)| each.
 
-The counts need every token's top-k before the first backward: `count_routes` walks the tree once without grad
-(each node's chunks to the last layer's MoE block, then its children; each leaf whole), and sums the weighted
-probabilities too, so the loss's value (`aux_value`) covers every token whatever the plan.
+The counts need every token's top-k before the first backward: `count_routes` walks the tree once without grad, and
+sums the weighted probabilities too, so the loss's value (`aux_value`) covers every token whatever the plan.
 """
 
 from __future__ import annotations
 
+import functools
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -111,10 +111,6 @@ def count_routes(model: torch.nn.Module, tree: Tree, state: PromptState, weights
             tap.clear()
             run_segment(model, ids[start - offset:end - offset].unsqueeze(0), start, st.fork(), collect)
             take(weights.positions(node, start, end))
-            for layer, collected in collect.items():
-                window = collected.pop("window", None)
-                if window is not None:
-                    st.windows[layer] = window  # type: ignore[call-overload]  # an int riding in the tensor dict
             st.append_chunk(start, end, collect)
             keep_owned(st, j, len(bounds))
         tail = node.tokens[-1:]
@@ -132,7 +128,4 @@ def count_routes(model: torch.nn.Module, tree: Tree, state: PromptState, weights
     with torch.no_grad(), tap.hooked():
         while pending:
             visit(*pending.pop())
-    total = parts[0]
-    for part in parts[1:]:
-        total = total + part
-    return total.rounded(), torch.stack(sums).sum(0)
+    return functools.reduce(operator.add, parts).rounded(), torch.stack(sums).sum(0)

@@ -1,13 +1,11 @@
 """Sequence-level losses over a tree whose trajectories share loss tokens, exactly, in two passes.
 
 The sequence ratio (gspo, luspo) and vespo's weight read a trajectory's whole loss at once, while the walk scores a
-shared node's tokens (and any node's with children) a chunk at a time. The loss is L = Σ_i w_i f_i(logp_i), logp_i
-the vector of trajectory i's loss-token log-probs, so by the chain rule its gradient is
-Σ_i Σ_t (∂L/∂logp_{i,t}) ∇θ logp_{i,t}:
+shared node's tokens (and any node's with children) a chunk at a time. The loss is L = Σ_i w_i f_i(logp_i) (logp_i:
+trajectory i's loss-token log-probs), so its gradient is Σ_i Σ_t (∂L/∂logp_{i,t}) ∇θ logp_{i,t}:
 
-1. the first pass: a walk without grad (`plans.detach`'s code path: each node's chunks from its parent's state, each
-   leaf replayed from its parent's) records the log-probs of the trajectories scored in pieces
-   (`loss.pieced_sequence_losses`); no full-sequence forward;
+1. the first pass, a walk without grad (`plans.detach`'s), records the log-probs of the trajectories scored in
+   pieces (`loss.pieced_sequence_losses`); no full-sequence forward;
 2. each such trajectory's term w_i f_i and its gradient g_i = ∂(w_i f_i)/∂logp_i, by autograd on a small detached
    copy of its log-probs through `TreeLoss.term` (its old/ref log-probs, advantage, mask and normaliser);
 3. the second pass, the plan's walk, with the term of each such trajectory replaced by the linear surrogate
