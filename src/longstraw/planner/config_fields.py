@@ -4,9 +4,9 @@ and the helpers reading attention, MLA, MoE and per-layer mixer dimensions."""
 
 from __future__ import annotations
 
-from typing import TypedDict
+from typing import Any, TypedDict
 
-from longstraw.planner.spec import _MetaModel
+from longstraw.planner.spec import MAMBA_SCAN_CHUNK, _MetaModel
 
 
 class _AttentionDims(TypedDict):
@@ -32,51 +32,51 @@ def _moe_layers(c, n: int) -> tuple[str, ...]:
     return tuple("dense" if i < k else "moe" for i in range(n))
 
 
-class _MlaDims(TypedDict):
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    moe_intermediate: int
-    q_lora_rank: int
-    kv_lora_rank: int
-    qk_rope_dim: int
-    qk_nope_dim: int
-    v_head_dim: int
-
-
-def _mla_dims(c) -> _MlaDims:
+def _mla_dims(c) -> dict[str, Any]:
     """Latent attention (MLA) dimensions and the dense/expert MLP widths, which Kimi-Linear, DeepSeek-V3 and GLM-DSA
     configs spell alike (their expert counts are spelled differently)."""
-    return {
-        "heads": c.num_attention_heads, "kv_heads": c.num_attention_heads,
-        "head_dim": c.qk_nope_head_dim + c.qk_rope_head_dim, "intermediate": c.intermediate_size,
-        "moe_intermediate": c.moe_intermediate_size, "q_lora_rank": c.q_lora_rank or 0,
-        "kv_lora_rank": c.kv_lora_rank, "qk_rope_dim": c.qk_rope_head_dim, "qk_nope_dim": c.qk_nope_head_dim,
-        "v_head_dim": c.v_head_dim,
-    }
+    return {**_mla_latent_dims(c), "intermediate": c.intermediate_size, "moe_intermediate": c.moe_intermediate_size}
 
 
-def _nemotron_h_blocks(kinds: list[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(mixers, mlps) of Nemotron-H's blocks, each of which is one token mixer or one MLP (`layers_block_type`)."""
-    mixers, mlps = [], []
+def _mla_mixers(c, n: int, dsa: bool) -> dict[str, Any]:
+    """`mixers` of MLA layers; with DSA (`dsa`) the layers whose `indexer_types` entry is not "shared" (every layer
+    without it) keep their own indexer keys: `dsa` mixers, `index_layers` and the indexer's dims."""
+    if not dsa:
+        return {"mixers": ("mla",) * n}
+    keeps = tuple(t != "shared" for t in list(getattr(c, "indexer_types", None) or ["full"] * n))
+    return {"mixers": tuple("dsa" if k else "mla" for k in keeps), "index_layers": keeps,
+            "index_heads": c.index_n_heads, "index_dim": c.index_head_dim}
+
+
+def _deltanet_dims(c) -> dict[str, Any]:
+    """Gated-DeltaNet dimensions under Qwen3-Next's field names."""
+    return {"lin_key_heads": c.linear_num_key_heads, "lin_value_heads": c.linear_num_value_heads,
+            "lin_key_dim": c.linear_key_head_dim, "lin_value_dim": c.linear_value_head_dim,
+            "conv_kernel": c.linear_conv_kernel_dim}
+
+
+def _falcon_mamba_dims(c) -> dict[str, Any]:
+    """Mamba2 dimensions under Falcon-H1's field names (`mamba_d_head` "auto": expand x hidden / heads)."""
+    heads = c.mamba_n_heads
+    head_dim = c.mamba_d_head if c.mamba_d_head != "auto" else c.mamba_expand * c.hidden_size // heads
+    return {"mamba_heads": heads, "mamba_head_dim": head_dim, "mamba_state": c.mamba_d_state,
+            "mamba_groups": c.mamba_n_groups, "conv_kernel": c.mamba_d_conv,
+            "mamba_chunk": getattr(c, "mamba_chunk_size", None) or MAMBA_SCAN_CHUNK}
+
+
+# Nemotron-H's blocks, each one token mixer or one MLP (`layers_block_type`): (mixer, mlp) per block type
+# (`linear_attention`: transformers' name for its Mamba2 blocks).
+NEMOTRON_H_BLOCKS = {"linear_attention": ("mamba", "none"), "full_attention": ("attention", "none"),
+                     "mlp": ("none", "dense"), "moe": ("none", "moe")}
+
+
+def _blocks(kinds: list[str], table: dict[str, tuple[str, str]], refusal: str) -> tuple[tuple[str, ...], ...]:
+    """(mixers, mlps) of a family whose config names each layer's block type (`table`: its (mixer, mlp));
+    ValueError `refusal` (formatted with `kind`) for a type not in `table`."""
     for kind in kinds:
-        if kind == "linear_attention":  # transformers' name for its Mamba2 blocks
-            mixers.append("mamba")
-            mlps.append("none")
-        elif kind == "full_attention":
-            mixers.append("attention")
-            mlps.append("none")
-        elif kind == "mlp":
-            mixers.append("none")
-            mlps.append("dense")
-        elif kind == "moe":
-            mixers.append("none")
-            mlps.append("moe")
-        else:
-            raise ValueError(f"unknown Nemotron-H block type {kind!r} (known: linear_attention, full_attention, mlp, "
-                             "moe)")
-    return tuple(mixers), tuple(mlps)
+        if kind not in table:
+            raise ValueError(refusal.format(kind=kind))
+    return tuple(table[k][0] for k in kinds), tuple(table[k][1] for k in kinds)
 
 
 # Families read generically from their config (`_layer_mixers`, `_generic_attention_dims`, `_generic_mlps`), each
@@ -89,9 +89,8 @@ ATTENTION_MODEL_TYPES = (
     "gemma2", "glm", "glm4", "gpt_bigcode", "gpt_neox", "gpt_neox_japanese", "granite", "granite_swa", "granitemoe",
     "granitemoe_swa", "granitemoeshared", "helium", "hy_v3", "hyperclovax", "internlm3", "iquestcoder", "jais2",
     "jetmoe", "kolibri1", "laguna", "mellum", "minimax_m2", "ministral3", "mixtral", "modernbert-decoder", "moshi",
-    "nanochat",
-    "nemotron", "olmo", "olmo2", "olmo3", "olmoe", "persimmon", "phi", "phi3", "phimoe", "qwen2_moe", "qwen3_moe",
-    "sarvam_moe", "seed_oss", "smollm3", "solar_open", "stablelm", "starcoder2", "vaultgemma",
+    "nanochat", "nemotron", "olmo", "olmo2", "olmo3", "olmoe", "persimmon", "phi", "phi3", "phimoe", "qwen2_moe",
+    "qwen3_moe", "sarvam_moe", "seed_oss", "smollm3", "solar_open", "stablelm", "starcoder2", "vaultgemma",
     # Learned or rotary positions under GPT-2-era field names (`n_head`, `n_embd`, `n_layer`: transformers' attribute
     # maps read them as the common names; fused q/k/v projections: K/V of hidden / heads per head).
     "codegen", "ctrl", "gpt2", "gptj", "opt",
@@ -174,10 +173,7 @@ def _layer_mixers(c, mt: str, linear: str = "") -> tuple[tuple[str, ...], int]:
     return tuple(mixers), window
 
 
-class _GenericAttentionDims(TypedDict):
-    heads: int
-    kv_heads: int
-    head_dim: int
+class _GenericAttentionDims(_AttentionDims):
     v_head_dim: int
 
 
@@ -246,6 +242,3 @@ def _mla_latent_dims(c) -> _MlaLatentDims:
         "kv_lora_rank": c.kv_lora_rank, "qk_rope_dim": c.qk_rope_head_dim, "qk_nope_dim": c.qk_nope_head_dim,
         "v_head_dim": c.v_head_dim,
     }
-
-
-# Every model type `spec_from_config` describes.
