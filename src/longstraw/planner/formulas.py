@@ -109,8 +109,7 @@ def state_bytes(spec: ModelSpec, positions: int, b: int, chunk: int, exact: bool
     positions); DSA indexer keys grow but carry no gradient; recurrent layers hold one state (detach) or one per
     chunk boundary (exact), and their gradient is one state's worth.
     """
-    parts = state_parts(spec, positions, b, chunk, exact)
-    return parts.per_rank(1)
+    return state_parts(spec, positions, b, chunk, exact).per_rank(1)
 
 
 def _norm(width: int, b: int) -> int:
@@ -130,9 +129,8 @@ def _mixer_activation_bytes(spec: ModelSpec, mixer: str, b: int, a: int, kernel:
             qk, v = spec.qk_nope_dim + spec.qk_rope_dim, spec.v_head_dim
             # latent projections: q_a/kv_a outputs normalised, q_b/kv_b outputs, k assembled from nope + rope
             proj = _norm(spec.q_lora_rank, b) + _norm(spec.kv_lora_rank, b)
+            # (DSA's indexer query and key are computed without grad: nothing else is saved)
             proj += (h * qk + h * (spec.qk_nope_dim + v) + h * qk) * b
-            if mixer == "dsa":  # indexer query and key (computed without grad: nothing else is saved)
-                proj += 0
         else:
             qk = v = spec.head_dim
             proj = 0
