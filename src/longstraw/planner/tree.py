@@ -61,7 +61,7 @@ class TreeShape:
             _check_int(name, getattr(self, name), 1)
         _check_int("observation_tokens", self.observation_tokens, 0)
         _check_int("branching", self.branching, 2)
-        m = round(math.log(self.group_size, self.branching))
+        m = self.branch_turns
         if self.branching ** m != self.group_size:
             raise ValueError(f"group_size {self.group_size} is not a power of branching {self.branching}: trajectories "
                              f"branch {self.branching} ways at each branching turn, so G must be one of "
@@ -125,7 +125,6 @@ def counts(shape: TreeShape) -> TreeCounts:
     task of C + the shared turns (K > 1), then K · B^j turn nodes of r + o tokens at the j-th branching turn."""
     s, k, g, m = shape.system_tokens, shape.tasks, shape.group_size, shape.branch_turns
     trunk = shape.task_tokens + (shape.turns - m) * shape.turn_tokens  # a task's tokens before its first branch
-    # (tokens, holds loss tokens, is a leaf) per level of the tree, with the number of nodes at that level
     # per level: (nodes, tokens of each, of them the inputs that predict loss-region tokens, whether leaves)
     shared_turns = (shape.turns - m) * shape.turn_tokens
     levels: list[tuple[int, int, int, bool]] = []
@@ -279,15 +278,11 @@ def add_tree_arguments(parser: Any) -> None:
                        "loss) + --observation-tokens (o, masked) tokens, branching --branching ways at the last "
                        "log_B(G) turns: peak memory of LongStraw's tree exact plan and of every trajectory flattened")
     tree.add_argument("--tree", action="store_true", help="forecast a prefix-tree step (docs/trees.md)")
-    tree.add_argument("--tasks", type=_positive, default=None, metavar="K", help="tasks (groups) per step (default 1)")
-    tree.add_argument("--task-tokens", type=_positive, default=None, metavar="C", help="each task's tokens (required)")
-    tree.add_argument("--turns", type=_positive, default=None, metavar="T", help="turns per trajectory (required)")
-    tree.add_argument("--branching", type=_positive, default=None, metavar="B",
+    tree.add_argument("--tasks", type=positive_int, metavar="K", help="tasks (groups) per step (default 1)")
+    tree.add_argument("--task-tokens", type=positive_int, metavar="C", help="each task's tokens (required)")
+    tree.add_argument("--turns", type=positive_int, metavar="T", help="turns per trajectory (required)")
+    tree.add_argument("--branching", type=positive_int, metavar="B",
                       help="ways a trajectory forks at each branching turn (default 2); G must be a power of it")
-
-
-def _positive(text: str) -> int:
-    return positive_int(text)
 
 
 def shape_from_args(args: Any) -> TreeShape:
