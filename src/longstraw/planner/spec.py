@@ -242,11 +242,7 @@ def _meta_model(config) -> _MetaModel:
     total = expert = 0
     per_layer: dict[int, int] = {}
     moe_layers: set[int] = set()
-    seen: set[int] = set()
-    for name, p in model.named_parameters(remove_duplicate=True):
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
+    for name, p in model.named_parameters(remove_duplicate=True):  # a tied weight once
         total += p.numel()
         is_expert = ".experts." in name
         if is_expert:
