@@ -21,8 +21,10 @@ MAX_LAYERS = 12
 # layers takes minutes, and a tiny copy keeps at most MAX_LAYERS of them).
 PROBE_LAYERS = 48
 
+_TOP_K = ("num_experts_per_tok", "num_experts_per_token", "moe_k", "top_k", "moe_topk", "num_selected_experts")
 # Config fields that are sizes, and the size each takes in the tiny copy (only where the config has the field and
-# its value is larger). Everything else (multipliers, scales, flags, rope parameters, router settings) is kept.
+# its value is larger): widths (GPT-2 style `n_inner`: None for 4 x hidden), counts, windows, experts per token.
+# Everything else (multipliers, scales, flags, rope parameters, router settings) is kept.
 _SIZES: dict[str, int] = {
     "hidden_size": 64, "intermediate_size": 96, "ffn_hidden_size": 96, "head_dim": 16, "attention_head_dim": 16,
     "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "moe_shared_expert_intermediate_size": 32,
@@ -38,11 +40,11 @@ _SIZES: dict[str, int] = {
     "num_experts": 4, "n_routed_experts": 4, "num_local_experts": 4, "moe_num_experts": 4,
     "n_group": 1, "topk_group": 1, "adapter_rank": 8, "lru_width": 64,
     "sliding_window": 16, "attention_window_size": 16, "attention_chunk_size": 16, "window_size": 16,
-    "max_window_layers": 0, "vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 16,
+    "max_window_layers": 0, "vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 16, "n_inner": 96,
+    **dict.fromkeys(_TOP_K, 2),
 }
 # Parameters the tiny copy may have at most: more means a size field this module does not know stayed large.
 MAX_PARAMS = 20_000_000
-_TOP_K = ("num_experts_per_tok", "num_experts_per_token", "moe_k", "top_k", "moe_topk", "num_selected_experts")
 _LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers")
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id", "decoder_start_token_id")
 
@@ -62,12 +64,9 @@ def _per_layer_fields(data: dict[str, Any], n: int) -> list[str]:
 
 def _layer_index_fields(data: dict[str, Any], n: int) -> list[str]:
     """Fields holding a sorted list of layer indices (e.g. which layers are hybrid or dense)."""
-    out = []
-    for k, v in data.items():
-        if (isinstance(v, list) and v and all(isinstance(i, int) and not isinstance(i, bool) for i in v)
-                and all(0 <= i < n for i in v) and v == sorted(v) and len(v) < n and "layer" in k):
-            out.append(k)
-    return out
+    return [k for k, v in data.items()
+            if isinstance(v, list) and v and all(isinstance(i, int) and not isinstance(i, bool) for i in v)
+            and all(0 <= i < n for i in v) and v == sorted(v) and len(v) < n and "layer" in k]
 
 
 def _field(config: Any, key: str) -> Any:
@@ -98,10 +97,9 @@ def _shrink_widths(config: Any) -> Any:
             setattr(c, key, size)
     if "head_dim" in c.to_dict() and c.to_dict()["head_dim"] is None:  # hidden / heads: say it (some read it as is)
         c.head_dim = 16
-    for key in ("intermediate_size",):  # per-layer widths (Gemma-3n)
-        value = _field(c, key)
-        if isinstance(value, list):
-            setattr(c, key, [min(v, _SIZES[key]) if _is_int(v) else v for v in value])
+    widths = _field(c, "intermediate_size")
+    if isinstance(widths, list):  # per-layer widths (Gemma-3n)
+        c.intermediate_size = [min(v, _SIZES["intermediate_size"]) if _is_int(v) else v for v in widths]
     width, old_hidden = _field(c, "attention_hidden_size"), _field(language_config(config), "hidden_size")
     hidden, heads = _field(c, "hidden_size"), _field(c, "num_attention_heads")
     if _is_int(width) and _is_int(old_hidden) and _is_int(hidden) and _is_int(heads):
@@ -117,9 +115,6 @@ def _shrink_widths(config: Any) -> Any:
     rotary, old_head = _field(c, "rotary_dim"), _head_dim(config)
     if _is_int(rotary) and old_head:  # a partial rotary width keeps its share of the head (CodeGen, GPT-J)
         c.rotary_dim = max(2, 2 * round(rotary * _head_dim(c) / old_head / 2))
-    inner = _field(c, "n_inner")  # GPT-2 style: the MLP width, None for 4 x hidden
-    if _is_int(inner) and inner > 96:
-        c.n_inner = 96
     positions = _field(c, "max_position_embeddings")
     if _is_int(positions) and positions > 4096 and _learned_positions(c):
         c.max_position_embeddings = 4096
@@ -129,10 +124,6 @@ def _shrink_widths(config: Any) -> Any:
             c.head_dim = rope
         if _is_int(_field(c, "qk_head_dim")):
             c.qk_head_dim = rope + (nope if _is_int(nope) else 0)
-    for key in _TOP_K:
-        value = _field(c, key)
-        if _is_int(value) and value > 2:
-            setattr(c, key, 2)
     vocab = _field(c, "vocab_size")
     if _is_int(vocab) and vocab > VOCAB:
         c.vocab_size = VOCAB
