@@ -33,8 +33,6 @@ class _Refused(Exception):
 def with_planner(verdict: Any, config: Any) -> Any:
     """`verdict` with the planner's formula for its prompt state (`planner_bytes`; None where the planner does not
     describe the family)."""
-    import dataclasses
-
     from longstraw.admission.tiny import tiny_config
     from longstraw.planner.families import spec_from_config
     from longstraw.planner.formulas import state_bytes

@@ -12,9 +12,7 @@ import re
 from typing import Any
 
 import torch
-from transformers import (
-    AutoModelForCausalLM,
-)
+from transformers import AutoModelForCausalLM
 
 from longstraw.admission.admission import admit
 from longstraw.choices import DTYPE_ALIASES, DTYPE_BYTES, did_you_mean

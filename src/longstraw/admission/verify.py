@@ -193,6 +193,7 @@ def _layer_outputs(model: torch.nn.Module, run) -> list[torch.Tensor]:
 def _first_difference(model: torch.nn.Module, prompt: torch.Tensor, response: torch.Tensor, tol: float) -> str | None:
     """The first decoder layer whose output over [last prompt token ; response] differs between a replay from the
     captured prompt state and the full forward, with the difference and the layer's kind."""
+    from longstraw.engine.activation_checkpointing import decoder_layers
     from longstraw.engine.hf.segment import run_segment
     from longstraw.engine.state.capture import capture_prompt
 
@@ -203,8 +204,6 @@ def _first_difference(model: torch.nn.Module, prompt: torch.Tensor, response: to
     replay = _layer_outputs(model, lambda: run_segment(model, ids[prompt.numel() - 1:][None], prompt.numel() - 1,
                                                         state.fork()))
     types = list(getattr(language_config(model.config), "layer_types", None) or [])
-    from longstraw.engine.activation_checkpointing import decoder_layers
-
     layers = decoder_layers(model)
     for i, (f, r) in enumerate(zip(full, replay)):
         diff = float((f[..., -t:, :] - r[..., -t:, :]).abs().max()) if f.shape[-1] == r.shape[-1] else math.inf
@@ -405,9 +404,7 @@ def verdict_for(config: Any, refresh: bool = False) -> Verdict:
     if key in _VERDICTS and not refresh:
         return _VERDICTS[key]
     path = cache_dir() / f"{key}.json"
-    verdict = None
-    if path.exists() and not refresh:
-        verdict = _read_verdict(path, config)
+    verdict = _read_verdict(path, config) if path.exists() and not refresh else None
     if verdict is not None:
         verdict = dataclasses.replace(verdict, from_cache=True)
     else:
