@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Any
+from typing import Any, TypeGuard
 
 from longstraw.choices import did_you_mean
 
@@ -111,13 +111,12 @@ def check_head_grouping(values: dict[str, Any], where: str) -> None:
         if isinstance(value, dict):
             check_head_grouping(value, where)
     heads, kv = values.get("num_attention_heads"), values.get("num_key_value_heads")
-    if isinstance(heads, int) and isinstance(kv, int) and _whole(heads) and _whole(kv) and heads >= 1 and kv >= 1 \
-            and heads % kv:
+    if _whole(heads) and _whole(kv) and heads >= 1 and kv >= 1 and heads % kv:
         raise ValueError(f"{where}: {kv} key-value heads do not divide {heads} attention heads (each key-value head "
                          "serves a whole group of query heads): fix num_key_value_heads")
 
 
-def _whole(value: Any) -> bool:
+def _whole(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -150,16 +149,6 @@ def validation_error(err: Exception, where: str) -> ValueError:
     fields that contradict each other) as one line naming `where`."""
     text = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
     return ValueError(f"{where}: transformers refuses this config: {text[:400]}: fix the config")
-
-
-def local_config_path(name: str) -> str | None:
-    """The config.json of a local model directory (or the path itself for a .json file); None for other names."""
-    if name.endswith(".json") and os.path.isfile(name):
-        return name
-    if os.path.isdir(name):
-        path = os.path.join(name, "config.json")
-        return path if os.path.exists(path) else None
-    return None
 
 
 def remote_code_error(err: Exception, name: str) -> ValueError | None:
