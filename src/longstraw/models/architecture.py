@@ -97,10 +97,9 @@ def stateless_layers(model: torch.nn.Module) -> frozenset[int]:
     blocks are each one of a Mamba2 mixer, attention, an MLP or an MoE (`config.layers_block_type`), and its MLP and
     MoE blocks read nothing from earlier positions. Every layer of the other supported families mixes tokens."""
     config = hf(model).config
-    if config.model_type == "nemotron_h":
-        return frozenset(i for i, kind in enumerate(config.layers_block_type) if kind in ("mlp", "moe"))
-    else:
+    if config.model_type != "nemotron_h":
         return frozenset()
+    return frozenset(i for i, kind in enumerate(config.layers_block_type) if kind in ("mlp", "moe"))
 
 
 def logit_scale(model: torch.nn.Module) -> float:
@@ -124,12 +123,10 @@ def logit_scale(model: torch.nn.Module) -> float:
     if model_type in ("cohere", "cohere2", "cohere2_moe"):
         return float(config.logit_scale)
     elif model_type in ("granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "granite_swa",
-                        "granitemoe_swa"):
+                        "granitemoe_swa", "minicpm3"):
         return 1.0 / float(config.logits_scaling)
     elif model_type == "hyperclovax":
         return float(config.logits_scaling)
-    elif model_type == "minicpm3":
-        return 1.0 / float(config.logits_scaling)
     elif model_type == "falcon_h1":
         return float(config.lm_head_multiplier)
     else:
@@ -231,9 +228,7 @@ def known_recurrence(model_type: str) -> bool | None:
     of its config measures (`longstraw.admission.admission.is_recurrent`)."""
     if model_type in RECURRENT_MODEL_TYPES:
         return True
-    if on_the_ci_list(model_type):
-        return False
-    return None
+    return False if on_the_ci_list(model_type) else None
 
 
 def check_eval_mode(model: torch.nn.Module) -> None:
