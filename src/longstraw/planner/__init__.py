@@ -32,11 +32,8 @@ prompt state's and the activations' bytes per layer); `recurrent` (the recurrent
 from __future__ import annotations
 
 from longstraw.choices import PLANS
-from longstraw.planner.cli import add_arguments, format_plan, inputs_from_args, run_from_args
+from longstraw.planner.cli import add_arguments, run_from_args
 from longstraw.planner.estimator import (
-    CPU_RUNTIME_BYTES,
-    DEFAULT_CUDA_RESERVE,
-    DSA_SCORE_ROWS,
     DTYPE_BYTES,
     GIB,
     MIB,
@@ -48,41 +45,19 @@ from longstraw.planner.estimator import (
 )
 from longstraw.planner.families import spec_from_config
 from longstraw.planner.formulas import (
-    StateBytes,
-    chunk_activation_bytes,
-    layer_activation_bytes,
     model_activation_bytes,
-    recurrent_capture_bytes,
-    segment_activation_bytes,
     standard_checkpointed_step_bytes,
     state_bytes,
     state_parts,
 )
 from longstraw.planner.parsing import non_negative_int, parse_size, positive_int
-from longstraw.planner.recurrent import RECURRENT_MIXERS, RecurrentBytes, recurrent_bytes
-from longstraw.planner.spec import (
-    BUILTIN_NAMES,
-    LINEAR_SCAN_CHUNK,
-    MAMBA_SCAN_CHUNK,
-    PLANNER_MODEL_TYPES,
-    ModelSpec,
-    glm5_class,
-    hybrid_27b,
-    load_config,
-)
+from longstraw.planner.recurrent import RecurrentBytes, recurrent_bytes
+from longstraw.planner.spec import BUILTIN_NAMES, ModelSpec, load_config
 
+# What callers use from the package itself; everything else is imported from its module.
 __all__ = [
-    # spec
-    "BUILTIN_NAMES", "LINEAR_SCAN_CHUNK", "MAMBA_SCAN_CHUNK", "PLANNER_MODEL_TYPES", "ModelSpec", "glm5_class",
-    "hybrid_27b", "load_config", "spec_from_config",
-    # formulas
-    "RECURRENT_MIXERS", "RecurrentBytes", "StateBytes", "chunk_activation_bytes", "layer_activation_bytes",
-    "model_activation_bytes", "recurrent_bytes", "recurrent_capture_bytes", "segment_activation_bytes",
+    "BUILTIN_NAMES", "DTYPE_BYTES", "GIB", "MIB", "PLANS", "ModelSpec", "PlanEstimate", "PlanInputs", "RecurrentBytes",
+    "add_arguments", "estimate", "largest_prompt", "load_config", "model_activation_bytes", "non_negative_int",
+    "parse_size", "plan_all", "positive_int", "recurrent_bytes", "run_from_args", "spec_from_config",
     "standard_checkpointed_step_bytes", "state_bytes", "state_parts",
-    # estimator
-    "CPU_RUNTIME_BYTES", "DEFAULT_CUDA_RESERVE", "DSA_SCORE_ROWS", "DTYPE_BYTES", "GIB", "MIB", "PLANS",
-    "PlanEstimate", "PlanInputs", "estimate", "largest_prompt", "plan_all",
-    # cli
-    "add_arguments", "format_plan", "inputs_from_args", "parse_size", "non_negative_int", "positive_int",
-    "run_from_args",
 ]
