@@ -1,27 +1,13 @@
-"""Admission by verification: a model is admitted when a tiny float64 copy of its *own* config passes LongStraw's
-parity checks against transformers, run here in seconds.
+"""Admission by verification: a model is admitted when a tiny float64 copy of its *own* config (`tiny.tiny_config`)
+passes LongStraw's parity checks against transformers, run here in seconds (docs/architectures.md says what is kept,
+what is measured and why).
 
-`tiny.tiny_config(config)` keeps the model type and every multiplier, scale, flag, sink, router setting and the
-pattern of layer kinds; only sizes shrink (width, heads, experts, vocabulary, depth down to the shortest prefix of
-layers that holds every layer kind, windows and attention chunks below the test prompt). `verify(config)` builds that
-copy in
-float64 with random weights and measures, on a 37-token prompt and responses of 5, 1 and 9 tokens in 13-token
-chunks:
-
-* the replayed log-probs (`exact`) against transformers' full forward (`standard`, its own logits),
-* the `exact` gradient against the `standard` gradient,
-* sampled log-probs (one prefill, token-by-token decoding) against a full forward,
-* the prompt state's bytes (`longstraw check` sets the planner's formula beside them; not part of the verdict).
-
-Tolerance: 1e-9 where every op of the model's forward runs in float64; 1e-6 where transformers computes some op in
-a lower precision inside a float64 model (RMSNorms and routers in float32, scans), seen by watching the dtypes of
-every op of the full forward. A refused model's verdict names the measured difference and the first decoder layer
-whose output differs from the full forward's.
-
-`verdict_for(model)` runs it once per (model type, config hash, transformers version, hash of the source of the
-code that decides: admission, engine, models) and keeps the verdict in memory and on disk
-(`$LONGSTRAW_CACHE/verdicts/`; unset or empty: ~/.cache/longstraw). A cache file that cannot be read or holds no
-verdict of that config is named in a warning and measured again.
+`verify(config)` measures, on a 37-token prompt and responses of 5, 1 and 9 tokens in 13-token chunks, the replayed
+log-probs (`exact`) and the sampled log-probs against transformers' full forward, the `exact` gradient against the
+`standard` gradient, and the prompt state's bytes. Tolerance: 1e-9 where every op runs in float64; 1e-6 where
+transformers computes some op in a lower precision inside the float64 model (seen by watching every op's dtype).
+`verdict_for(config)` runs it once per (model type, config hash, transformers version, hash of the deciding code) and
+caches the verdict in memory and under `$LONGSTRAW_CACHE/verdicts/` (unset or empty: ~/.cache/longstraw).
 """
 
 from __future__ import annotations

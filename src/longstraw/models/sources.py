@@ -3,11 +3,9 @@
 otherwise end in a traceback (transformers' validation, a ZeroDivisionError, a tensor-size crash, a NaN in float64)
 or need the model's own code.
 
-LongStraw never runs a model's own Python code: every `from_pretrained` passes `trust_remote_code=False` (no prompt,
-no import), and a config whose `auto_map` names classes for a model type transformers does not implement is refused
-here (`custom_code_refusal`). A config with an `auto_map` beside a model type transformers implements loads
-transformers' own classes, as `trust_remote_code=False` does. There is no option to run custom code: LongStraw admits
-an architecture by checking transformers' implementation of it.
+LongStraw never runs a model's own Python code (docs/architectures.md): every `from_pretrained` passes
+`trust_remote_code=False`, and a config whose `auto_map` names classes for a model type transformers does not implement
+is refused here (`custom_code_refusal`).
 """
 
 from __future__ import annotations

@@ -7,17 +7,7 @@ step (`token_passes`), and the forecast of a step's peak memory for the tree `ex
 (every trajectory through the unmodified model, one at a time: `forecast`), which `longstraw plan --tree` prints.
 
 Token passes: tokens run through the model's body, a backward counted as two forwards (the output projection and
-attention's quadratic part are not counted; docs/trees.md):
-
-* flattened: 3 · Σ_i (N_i − 1) (each trajectory's forward and backward);
-* per group (`backward_group` exact, one task's S + C tokens as the prompt): per task 4 · (S + C − 1) (the prompt
-  captured without grad, recomputed with grad, backpropagated) + 3 · G · T (r + o) (each response replayed);
-* packed tree (every token once in one sequence, an ancestor mask): 3 · E, E = the tree's encoded tokens;
-* tree exact: 4 · I + 3 · L, I the inputs of the inner nodes (captured, recomputed, backpropagated), L the leaves'
-  (replayed with grad and backpropagated);
-* tree detach: (I − I_loss) + 3 · (I_loss + L), I_loss the inner nodes' inputs that predict tokens of the loss
-  region (from S + C on): a chunk without loss tokens is captured without grad, one with them runs with grad and is
-  backpropagated for its own loss only (up to the rounding of nodes into chunks).
+attention's quadratic part are not counted): `FLOOR_FORMULAS` per way of running the step, derived in docs/trees.md.
 
 Torch-free, like the rest of the planner.
 """
@@ -160,7 +150,7 @@ ROWS = ("flattened", "group", "packed", "tree_exact", "tree_detach")
 
 
 def token_passes(shape: TreeShape, row: str) -> int:
-    """Tokens `row` runs through the model's body, a backward counted as two forwards (module docstring)."""
+    """Tokens `row` runs through the model's body, a backward counted as two forwards (`FLOOR_FORMULAS`)."""
     c = counts(shape)
     if row == "flattened":
         return 3 * c.tokens_flattened
