@@ -189,10 +189,8 @@ def layer_activation_bytes(spec: ModelSpec, layer: int, b: int, a: int, kernel: 
 
 def model_activation_bytes(spec: ModelSpec, b: int, a: int, kernel: str, tokens: int, batch: int = 1) -> int:
     """Saved bytes of the whole decoder (every layer, the final norm, the input ids) for `batch` x `tokens`."""
-    layers = sum(_layer_per_token(spec, i, b, a, kernel) for i in range(spec.num_layers))
-    rec = sum(recurrent_bytes(spec, spec.mixers[i], tokens, b, batch, cached=kernel != "sdpa").saved
-              for i in _recurrent_layers(spec))
-    return batch * tokens * (layers + _norm(spec.hidden, b) + 8) + rec
+    layers = sum(layer_activation_bytes(spec, i, b, a, kernel, tokens, batch) for i in range(spec.num_layers))
+    return layers + batch * tokens * (_norm(spec.hidden, b) + 8)
 
 
 def last_state_layer(spec: ModelSpec) -> int:
