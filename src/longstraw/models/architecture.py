@@ -104,20 +104,11 @@ def stateless_layers(model: torch.nn.Module) -> frozenset[int]:
 
 def logit_scale(model: torch.nn.Module) -> float:
     """The one multiplicative factor the causal LM's forward applies between the decoder's final hidden states (what
-    `run_segment` returns) and the logits it returns, read from the model's config; 1.0 for families that apply none.
-
-    * Cohere, Cohere2, Cohere2-MoE: `logits = lm_head(h) * logit_scale` (0.0625 in Command R v1 and R7B);
-    * Granite, GraniteMoE, GraniteMoeShared, GraniteMoeHybrid and their sliding-window variants:
-      `logits / logits_scaling` (16.0 in granite-3.x-8b), returned as its inverse 1 / logits_scaling: a division is a
-      multiplication by 1 / x;
-    * HyperCLOVA X: `lm_head(h) * logits_scaling`;
-    * MiniCPM3: `h / logits_scaling` before the output projection, which has no bias (`check_architecture`), so it is
-      the same factor on the logits;
-    * Falcon-H1: `lm_head(h) * lm_head_multiplier`.
-
-    It is read from the config of the model's own class (a multimodal wrapper whose forward applies no factor gets 1.0).
-    Every log-prob LongStraw computes from the output projection applies it: a missing factor would give other
-    log-probs and a silently wrong gradient. A soft-cap after it is `logit_softcap`."""
+    `run_segment` returns) and the logits it returns, read from the config of the model's own class (a multimodal
+    wrapper whose forward applies none gets 1.0); a division (Granite's `logits_scaling`, MiniCPM3's, applied to the
+    hidden states before an output projection without bias) is returned as its inverse. The families and their
+    factors: docs/architectures.md. Every log-prob LongStraw computes from the output projection applies it: a missing
+    factor would give other log-probs and a silently wrong gradient. A soft-cap after it is `logit_softcap`."""
     config = hf(model).config
     model_type = config.model_type
     if model_type in ("cohere", "cohere2", "cohere2_moe"):
