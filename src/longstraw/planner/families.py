@@ -31,16 +31,7 @@ from longstraw.planner.config_fields import (
     _mla_mixers,
     _moe_layers,
 )
-from longstraw.planner.spec import (
-    MAMBA_SCAN_CHUNK,
-    PLANNER_MODEL_TYPES,
-    ModelSpec,
-    _meta_model,
-    _MetaModel,
-)
-
-PLANNER_TYPES = (PLANNER_MODEL_TYPES + ATTENTION_MODEL_TYPES + MLA_MODEL_TYPES + DSA_MODEL_TYPES + MAMBA2_HYBRID_TYPES
-                 + GATED_DELTANET_TYPES + SHORT_CONV_TYPES + LIGHTNING_TYPES + SHARED_BLOCK_TYPES + CCA_TYPES)
+from longstraw.planner.spec import MAMBA_SCAN_CHUNK, ModelSpec, _meta_model, _MetaModel
 
 # Every reader takes (config, model type, layers, meta-device counts, ModelSpec's common fields, `layer_types`).
 _Base = dict[str, Any]
@@ -244,6 +235,7 @@ _READERS: dict[str, Callable[..., ModelSpec]] = {
     "falcon_mamba": _read_mamba1, "jamba": _read_jamba, "falcon_h1": _read_falcon_h1,
     "kimi_linear": _read_kimi_linear, "deepseek_v3": _read_deepseek_v3, "glm_moe_dsa": _read_deepseek_v3,
 }
+PLANNER_TYPES = tuple(_READERS)
 
 
 def spec_from_config(config, name: str = "") -> ModelSpec:

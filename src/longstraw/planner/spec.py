@@ -193,13 +193,6 @@ class ModelSpec:
         return len(self.mixers)
 
 
-PLANNER_MODEL_TYPES = (
-    "llama", "qwen2", "qwen3", "mistral", "gemma3_text", "qwen3_next", "qwen3_5_text", "mamba2", "falcon_h1",
-    "deepseek_v3", "glm_moe_dsa", "kimi_linear", "cohere2", "glm4_moe", "nemotron_h", "gpt_oss", "mamba",
-    "falcon_mamba", "jamba",
-)
-
-
 @contextmanager
 def _plain_model_building() -> Iterator[None]:
     """transformers builds every model under DeepSpeed's partitioned ZeRO-3 initialisation while a ZeRO-3 config is
