@@ -26,10 +26,6 @@ from typing import Any
 from longstraw.admission.released import NOT_DECODER_ONLY_TEXT, causal_lm_types, released_source, sweep_config
 
 
-class _Refused(Exception):
-    """A type refused for a known missing mechanism (`REFUSED_MODEL_TYPES`), without a check."""
-
-
 def with_planner(verdict: Any, config: Any) -> Any:
     """`verdict` with the planner's formula for its prompt state (`planner_bytes`; None where the planner does not
     describe the family)."""
@@ -51,17 +47,17 @@ def _row(model_type: str) -> dict[str, Any]:
     from longstraw.models.architecture import REFUSED_MODEL_TYPES
 
     started = time.perf_counter()
-    try:
-        if model_type in REFUSED_MODEL_TYPES:
-            raise _Refused(REFUSED_MODEL_TYPES[model_type])
-        config = sweep_config(model_type)
-        verdict = with_planner(verify.verify(config), config)
-        row = dict(dataclasses.asdict(verdict), model_type=model_type, config_model_type=verdict.model_type)
-    except _Refused as err:
-        row = {"model_type": model_type, "kind": "refused", "reason": f"refused: {err}"}
-    except Exception as err:  # the config class itself cannot be built from its defaults
-        row = {"model_type": model_type, "kind": "refused",
-               "reason": f"its default config cannot be built: {type(err).__name__}: {str(err)[:200]}"}
+    row: dict[str, Any]
+    if model_type in REFUSED_MODEL_TYPES:  # a known missing mechanism: refused without a check
+        row = {"model_type": model_type, "kind": "refused", "reason": f"refused: {REFUSED_MODEL_TYPES[model_type]}"}
+    else:
+        try:
+            config = sweep_config(model_type)
+            verdict = with_planner(verify.verify(config), config)
+            row = dict(dataclasses.asdict(verdict), model_type=model_type, config_model_type=verdict.model_type)
+        except Exception as err:  # the config class itself cannot be built from its defaults
+            row = {"model_type": model_type, "kind": "refused",
+                   "reason": f"its default config cannot be built: {type(err).__name__}: {str(err)[:200]}"}
     row["decoder_only_text"] = model_type not in NOT_DECODER_ONLY_TEXT
     row["values"] = released_source(model_type)
     row["seconds"] = round(time.perf_counter() - started, 2)
