@@ -49,13 +49,6 @@ _LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers")
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id", "decoder_start_token_id")
 
 
-def _kv_heads(heads: int, kv: int | None, new_heads: int) -> int:
-    """Key/value heads of the tiny copy: multi-head stays multi-head, one head stays one, grouped becomes 2 groups."""
-    if kv is None or kv == heads:
-        return new_heads
-    return 1 if kv == 1 else 2
-
-
 def _per_layer_fields(data: dict[str, Any], n: int) -> list[str]:
     """Fields holding one entry per layer (a list or a string of length n: layer types, block patterns)."""
     return [k for k, v in data.items() if isinstance(v, (list, str)) and len(v) == n and n > 1
@@ -89,8 +82,8 @@ def _shrink_widths(config: Any) -> Any:
     if _is_int(heads) and heads > 4:
         kv = _field(c, "num_key_value_heads")
         c.num_attention_heads = 4
-        if _is_int(kv):
-            c.num_key_value_heads = _kv_heads(heads, kv, 4)
+        if _is_int(kv):  # multi-head stays multi-head, one head stays one, grouped becomes 2 groups
+            c.num_key_value_heads = 4 if kv == heads else 1 if kv == 1 else 2
     for key, size in _SIZES.items():
         value = _field(c, key)
         if _is_int(value) and value > size:
