@@ -15,9 +15,6 @@ LINEAR_SCAN_CHUNK = 64
 MAMBA_SCAN_CHUNK = 256
 
 
-# ---------------------------------------------------------------- built-in model descriptions
-
-
 def hybrid_27b():
     """A 27B-class gated-DeltaNet/attention hybrid in the style of Qwen3.5/3.6 (Qwen3-Next layer pattern):
     64 layers, 3 linear-attention layers per full-attention layer, hidden 5120, dense SwiGLU MLP 17408,
@@ -45,7 +42,8 @@ def glm5_class():
     return GlmMoeDsaConfig(max_position_embeddings=2**22)
 
 
-BUILTIN_NAMES = ("hybrid-27b", "glm5-class")
+BUILTINS = {"hybrid-27b": hybrid_27b, "glm5-class": glm5_class}
+BUILTIN_NAMES = tuple(BUILTINS)
 
 
 def load_config(name: str):
@@ -63,10 +61,8 @@ def load_config(name: str):
     from longstraw.models.presets import PRESETS
     from longstraw.models.sources import check_local_config, read_config_json, validation_error
 
-    if name == "hybrid-27b":
-        return hybrid_27b()
-    elif name == "glm5-class":
-        return glm5_class()
+    if name in BUILTINS:
+        return BUILTINS[name]()
     elif name in PRESETS:
         return PRESETS[name]()
     elif name in PACKAGED_GGUF or name.endswith(".gguf"):  # a packaged real model: the config of its converted copy
@@ -124,9 +120,6 @@ def _hub_config(name: str, close: str):
         except ValueError as err:
             raise ValueError(f"unknown model {name!r}{close}: {str(err).removeprefix(f'model {name!r} ')}") from None
     raise AssertionError("unreachable")
-
-
-# ---------------------------------------------------------------- model description
 
 
 @dataclass(frozen=True)
