@@ -37,9 +37,6 @@ DEFAULT_CUDA_RESERVE = 2 * GIB
 DSA_SCORE_ROWS = 256
 
 
-# ---------------------------------------------------------------- the plan
-
-
 @dataclass(frozen=True)
 class PlanInputs:
     """One planning question. Sizes in tokens; gpu_memory and reserve in bytes (reserve None: the device's

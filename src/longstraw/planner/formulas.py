@@ -11,8 +11,6 @@ from dataclasses import dataclass
 from longstraw.planner.recurrent import _recurrent_layers, recurrent_bytes
 from longstraw.planner.spec import ModelSpec
 
-# ---------------------------------------------------------------- per-layer formulas (docs/design.md §4)
-
 
 def _recurrent_bytes(spec: ModelSpec, mixer: str, b: int) -> int:
     """One copy of a recurrent layer's state: conv window (b) + recurrent state (fp32), constant in P."""
@@ -35,8 +33,7 @@ def _recurrent_bytes(spec: ModelSpec, mixer: str, b: int) -> int:
     elif mixer == "cca":  # ZAYA: the q/k convolution's last inputs (query and key heads) and the delayed value
         window = (spec.heads + spec.kv_heads) * spec.head_dim * spec.conv_kernel
         return (window + spec.kv_heads * spec.head_dim // 2) * b
-    else:
-        return 0
+    return 0
 
 
 # Mixers whose state holds K and V per prompt token (`ModelSpec.layer_kv` where layers differ).
