@@ -1,8 +1,4 @@
-"""Loading models: presets, packaged real weights, local directories, GGUF files and hub ids.
-
-`load_model` accepts a built-in preset (random init from a small config, seeded), a Hugging Face model id
-or local directory, or a `.gguf` file (transformers de-quantises it; needs the `gguf` extra).
-"""
+"""Loading models (`load_model`): presets, packaged real weights, local directories, GGUF files and hub ids."""
 
 from __future__ import annotations
 

@@ -121,11 +121,10 @@ class Verdict:
 
     def refusal(self) -> str:
         """The error message of a refused model."""
-        measured = []
-        for name, value in (("replayed log-probs", self.logprob_error), ("sampled log-probs", self.sampled_error),
-                            ("gradient", self.gradient_error)):
-            if value is not None and not value <= self.tolerance:
-                measured.append(f"{name} off by {value:.3g}")
+        errors = (("replayed log-probs", self.logprob_error), ("sampled log-probs", self.sampled_error),
+                  ("gradient", self.gradient_error))
+        measured = [f"{name} off by {value:.3g}" for name, value in errors
+                    if value is not None and not value <= self.tolerance]
         where = f"; first layer that differs: {self.first_difference}" if self.first_difference else ""
         cached = (f" (verdict {'read from' if self.from_cache else 'cached in'} {self.cache_file}: delete it to "
                   "measure again)" if self.cache_file else "")
