@@ -114,17 +114,11 @@ def counts(shape: TreeShape) -> TreeCounts:
     """The prefix tree of `shape`: a root of S tokens when K > 1 (of S + C + the shared turns when K = 1), a node per
     task of C + the shared turns (K > 1), then K · B^j turn nodes of r + o tokens at the j-th branching turn."""
     s, k, g, m = shape.system_tokens, shape.tasks, shape.group_size, shape.branch_turns
-    trunk = shape.task_tokens + (shape.turns - m) * shape.turn_tokens  # a task's tokens before its first branch
-    # per level: (nodes, tokens of each, of them the inputs that predict loss-region tokens, whether leaves)
     shared_turns = (shape.turns - m) * shape.turn_tokens
-    levels: list[tuple[int, int, int, bool]] = []
-    if k == 1:
-        levels.append((1, s + trunk, shared_turns, m == 0))
-    else:
-        levels.append((1, s, 0, False))
-        levels.append((k, trunk, shared_turns, m == 0))
-    for j in range(1, m + 1):
-        levels.append((k * shape.branching ** j, shape.turn_tokens, shape.turn_tokens, j == m))
+    trunk = shape.task_tokens + shared_turns  # a task's tokens before its first branch
+    # per level: (nodes, tokens of each, of them the inputs that predict loss-region tokens, whether leaves)
+    levels = [(1, s + trunk, shared_turns, m == 0)] if k == 1 else [(1, s, 0, False), (k, trunk, shared_turns, m == 0)]
+    levels += [(k * shape.branching ** j, shape.turn_tokens, shape.turn_tokens, j == m) for j in range(1, m + 1)]
     inner = inner_loss = leaf = 0
     for i, (count, tokens, loss, is_leaf) in enumerate(levels):
         inputs = count * tokens - (1 if i == 0 else 0)  # the root's first token is no input
