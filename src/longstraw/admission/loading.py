@@ -19,6 +19,7 @@ from longstraw.models.sources import (
     choices,
     custom_code_refusal,
     hub_offline,
+    is_int,
     read_config_json,
     remote_code_error,
 )
@@ -73,7 +74,7 @@ def declared_max_positions(name: str) -> int | None:
     text = config.get("text_config") if isinstance(config, dict) else None
     for where in (config, text):
         value = where.get("max_position_embeddings") if isinstance(where, dict) else None
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        if is_int(value) and value > 0:
             return value
     return None
 

@@ -13,6 +13,7 @@ import torch
 import transformers
 
 from longstraw.engine.hf.composite import language_config
+from longstraw.models.sources import is_int
 
 VOCAB = 512
 # Layers of the tiny copy at most: a layer-kind pattern longer than this is cut (said in the verdict).
@@ -71,58 +72,54 @@ def _field(config: Any, key: str) -> Any:
         return None
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _shrink_widths(config: Any) -> Any:
     """A copy of `config` with every size field shrunk (depth unchanged)."""
     c = copy.deepcopy(language_config(config))
     heads = _field(c, "num_attention_heads")
-    if _is_int(heads) and heads > 4:
+    if is_int(heads) and heads > 4:
         kv = _field(c, "num_key_value_heads")
         c.num_attention_heads = 4
-        if _is_int(kv):  # multi-head stays multi-head, one head stays one, grouped becomes 2 groups
+        if is_int(kv):  # multi-head stays multi-head, one head stays one, grouped becomes 2 groups
             c.num_key_value_heads = 4 if kv == heads else 1 if kv == 1 else 2
     for key, size in _SIZES.items():
         value = _field(c, key)
-        if _is_int(value) and value > size:
+        if is_int(value) and value > size:
             setattr(c, key, size)
     if "head_dim" in c.to_dict() and c.to_dict()["head_dim"] is None:  # hidden / heads: say it (some read it as is)
         c.head_dim = 16
     widths = _field(c, "intermediate_size")
     if isinstance(widths, list):  # per-layer widths (Gemma-3n)
-        c.intermediate_size = [min(v, _SIZES["intermediate_size"]) if _is_int(v) else v for v in widths]
+        c.intermediate_size = [min(v, _SIZES["intermediate_size"]) if is_int(v) else v for v in widths]
     width, old_hidden = _field(c, "attention_hidden_size"), _field(language_config(config), "hidden_size")
     hidden, heads = _field(c, "hidden_size"), _field(c, "num_attention_heads")
-    if _is_int(width) and _is_int(old_hidden) and _is_int(hidden) and _is_int(heads):
+    if is_int(width) and is_int(old_hidden) and is_int(hidden) and is_int(heads):
         c.attention_hidden_size = width * hidden // old_hidden  # Zamba2's attention over [hidden ; embeddings]: 2x
-        if _is_int(_field(c, "attention_head_dim")):
+        if is_int(_field(c, "attention_head_dim")):
             c.attention_head_dim = c.attention_hidden_size // heads
     heads, expand, hidden = _field(c, "n_mamba_heads"), _field(c, "mamba_expand"), _field(c, "hidden_size")
-    if _is_int(heads) and _is_int(expand) and _is_int(hidden) and _is_int(_field(c, "mamba_headdim")):
+    if is_int(heads) and is_int(expand) and is_int(hidden) and is_int(_field(c, "mamba_headdim")):
         c.mamba_headdim = expand * hidden // heads  # Zamba2: the heads split expand x hidden
     heads, head = _field(c, "mamba_n_heads"), _field(c, "mamba_d_head")
-    if _is_int(heads) and _is_int(head) and _is_int(_field(c, "mamba_d_ssm")):  # the SSM width is heads x head dim
+    if is_int(heads) and is_int(head) and is_int(_field(c, "mamba_d_ssm")):  # the SSM width is heads x head dim
         c.mamba_d_ssm = heads * head
     rotary, old_head = _field(c, "rotary_dim"), _head_dim(config)
-    if _is_int(rotary) and old_head:  # a partial rotary width keeps its share of the head (CodeGen, GPT-J)
+    if is_int(rotary) and old_head:  # a partial rotary width keeps its share of the head (CodeGen, GPT-J)
         c.rotary_dim = max(2, 2 * round(rotary * _head_dim(c) / old_head / 2))
     positions = _field(c, "max_position_embeddings")
-    if _is_int(positions) and positions > 4096 and _learned_positions(c):
+    if is_int(positions) and positions > 4096 and _learned_positions(c):
         c.max_position_embeddings = 4096
     rope, nope = _field(c, "qk_rope_head_dim"), _field(c, "qk_nope_head_dim")
-    if _is_int(rope):  # MLA: the RoPE head dim is `head_dim`, q/k heads nope + rope
-        if _is_int(_field(c, "head_dim")):
+    if is_int(rope):  # MLA: the RoPE head dim is `head_dim`, q/k heads nope + rope
+        if is_int(_field(c, "head_dim")):
             c.head_dim = rope
-        if _is_int(_field(c, "qk_head_dim")):
-            c.qk_head_dim = rope + (nope if _is_int(nope) else 0)
+        if is_int(_field(c, "qk_head_dim")):
+            c.qk_head_dim = rope + (nope if is_int(nope) else 0)
     vocab = _field(c, "vocab_size")
-    if _is_int(vocab) and vocab > VOCAB:
+    if is_int(vocab) and vocab > VOCAB:
         c.vocab_size = VOCAB
         for key in _TOKEN_IDS:
             value = _field(c, key)
-            if _is_int(value) and value >= VOCAB:
+            if is_int(value) and value >= VOCAB:
                 setattr(c, key, VOCAB - 1 - _TOKEN_IDS.index(key))
             elif isinstance(value, list):
                 setattr(c, key, [i if i < VOCAB else VOCAB - 1 for i in value])
@@ -132,10 +129,10 @@ def _shrink_widths(config: Any) -> Any:
 def _head_dim(config: Any) -> int:
     """The attention head size: `head_dim` where the config says it, else hidden / heads."""
     head = _field(config, "head_dim")
-    if _is_int(head):
+    if is_int(head):
         return head
     hidden, heads = _field(config, "hidden_size"), _field(config, "num_attention_heads")
-    return hidden // heads if _is_int(hidden) and _is_int(heads) and heads else 0
+    return hidden // heads if is_int(hidden) and is_int(heads) and heads else 0
 
 
 def _learned_positions(config: Any) -> bool:

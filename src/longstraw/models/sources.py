@@ -109,12 +109,13 @@ def check_head_grouping(values: dict[str, Any], where: str) -> None:
         if isinstance(value, dict):
             check_head_grouping(value, where)
     heads, kv = values.get("num_attention_heads"), values.get("num_key_value_heads")
-    if _whole(heads) and _whole(kv) and heads >= 1 and kv >= 1 and heads % kv:
+    if is_int(heads) and is_int(kv) and heads >= 1 and kv >= 1 and heads % kv:
         raise ValueError(f"{where}: {kv} key-value heads do not divide {heads} attention heads (each key-value head "
                          "serves a whole group of query heads): fix num_key_value_heads")
 
 
-def _whole(value: Any) -> TypeGuard[int]:
+def is_int(value: Any) -> TypeGuard[int]:
+    """An int that is not a bool (JSON and config values)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any, TypedDict
 
+from longstraw.models.sources import is_int
 from longstraw.planner.spec import MAMBA_SCAN_CHUNK, _MetaModel
 
 
@@ -137,7 +138,7 @@ def _first(c, names: tuple[str, ...]) -> int:
     """The first of `names` the config sets to a positive int (0 when none does)."""
     for name in names:
         value = getattr(c, name, None)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        if is_int(value) and value > 0:
             return value
     return 0
 
