@@ -224,15 +224,11 @@ def _generic_mlps(c, meta: _MetaModel) -> _GenericMlps:
             "shared_intermediate": shared if meta.moe_layers else 0}
 
 
-class _MlaLatentDims(TypedDict):
-    heads: int
-    kv_heads: int
-    head_dim: int
+class _MlaLatentDims(_GenericAttentionDims):
     q_lora_rank: int
     kv_lora_rank: int
     qk_rope_dim: int
     qk_nope_dim: int
-    v_head_dim: int
 
 
 def _mla_latent_dims(c) -> _MlaLatentDims:
