@@ -19,14 +19,8 @@ gradient, runtime) plus the largest of the phases a step goes through:
   log-softmax tensors alive at the start of the backward.
 
 What each term counts, the multi-GPU assumptions (FSDP/ZeRO-3, `fsdp_gather`, context and tensor parallelism),
-the memory levers and the measurements the formulas are validated against: docs/planner.md and the functions of
-`formulas` and `recurrent`.
-
-The modules: `spec` (`ModelSpec`, `load_config`, the built-in descriptions, parameter counting); `families`
-(`spec_from_config`, one reader per model family) and `config_fields` (the fields they share); `formulas` (the
-prompt state's and the activations' bytes per layer); `recurrent` (the recurrent token mixers' bytes over a segment);
-`estimator` (`PlanInputs`, `PlanEstimate`, `estimate`, `largest_prompt`, `plan_all`); `cli` (`longstraw plan`);
-`parsing` (the argument types); `tree` (`longstraw plan --tree`).
+the memory levers, the measurements the formulas are validated against and which module holds what: docs/planner.md
+and the functions of `formulas` and `recurrent`.
 """
 
 from __future__ import annotations

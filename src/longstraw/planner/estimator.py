@@ -306,15 +306,11 @@ def _prompt_backward(spec: ModelSpec, inp: PlanInputs, z: _Step, recurrent: list
 
 def _gradient_reduce(inp: PlanInputs, z: _Step) -> int:
     """The block's end under FSDP (`sharded_compute`): the largest unit's reduce-scatter buffers."""
-    # Every FSDP unit reduce-scatters its accumulated gradient, one unit at a time, while the full parameters are
-    # still gathered and the full gradient still held (the prompt state and the activations are gone). The largest
-    # unit is the embedding or the output projection, each a unit of its own in accelerate's wrapping (V·d), or a
-    # decoder layer. For it FSDP copies the unit's gradient into a flat reduce-scatter input (U; the unsharded
-    # gradients are freed only after the collective) and allocates the rank's output (U / gpus); gloo's
-    # reduce-scatter (device cpu) also works on a copy of its input (another U). Measured at b1-llama on 2 CPU
-    # processes (`bench trl-scale`, FSDP2 + cp 2: the step's peak): 78.1 MiB = 2.5 · 31.25 MiB above the level
-    # before the reduction. On CUDA (NCCL reads the input in place) U·(1 + 1/gpus) is assumed, not measured.
-    # With gather="layer" only the units that are not layers are left to reduce there (the largest: V·d).
+    # Every FSDP unit reduce-scatters its gradient, one at a time, while the full parameters and gradient are still
+    # held (the state and activations are gone). The largest unit: the embedding or output projection (V·d, each a
+    # unit of its own) or a decoder layer (gather="layer": only the units that are not layers). FSDP copies its
+    # gradient into a flat input (U) and allocates the rank's output (U / gpus); gloo (device cpu) copies the input
+    # again. Measured 2.5 U on 2 CPU processes (`bench trl-scale`); U·(1 + 1/gpus) on CUDA is assumed (docs/planner.md).
     unit = (max(z.layer, z.v * z.d) if inp.fsdp_gather == "all" else z.v * z.d) * z.b
     return unit + unit // z.shards + (unit if inp.device == "cpu" else 0)
 
