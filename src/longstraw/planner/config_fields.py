@@ -4,19 +4,16 @@ and the helpers reading attention, MLA, MoE and per-layer mixer dimensions."""
 
 from __future__ import annotations
 
-from typing import Any, TypedDict
+from typing import Any
 
 from longstraw.models.sources import is_int
 from longstraw.planner.spec import MAMBA_SCAN_CHUNK, _MetaModel
 
-
-class _AttentionDims(TypedDict):
-    heads: int
-    kv_heads: int
-    head_dim: int
+# `ModelSpec` keyword arguments read from a config (whose values are untyped).
+Fields = dict[str, Any]
 
 
-def _attention_dims(c) -> _AttentionDims:
+def _attention_dims(c) -> Fields:
     heads = c.num_attention_heads
     return {
         "heads": heads, "kv_heads": getattr(c, "num_key_value_heads", None) or heads,
@@ -33,13 +30,13 @@ def _moe_layers(c, n: int) -> tuple[str, ...]:
     return tuple("dense" if i < k else "moe" for i in range(n))
 
 
-def _mla_dims(c) -> dict[str, Any]:
+def _mla_dims(c) -> Fields:
     """Latent attention (MLA) dimensions and the dense/expert MLP widths, which Kimi-Linear, DeepSeek-V3 and GLM-DSA
     configs spell alike (their expert counts are spelled differently)."""
     return {**_mla_latent_dims(c), "intermediate": c.intermediate_size, "moe_intermediate": c.moe_intermediate_size}
 
 
-def _mla_mixers(c, n: int, dsa: bool) -> dict[str, Any]:
+def _mla_mixers(c, n: int, dsa: bool) -> Fields:
     """`mixers` of MLA layers; with DSA (`dsa`) the layers whose `indexer_types` entry is not "shared" (every layer
     without it) keep their own indexer keys: `dsa` mixers, `index_layers` and the indexer's dims."""
     if not dsa:
@@ -49,14 +46,14 @@ def _mla_mixers(c, n: int, dsa: bool) -> dict[str, Any]:
             "index_heads": c.index_n_heads, "index_dim": c.index_head_dim}
 
 
-def _deltanet_dims(c) -> dict[str, Any]:
+def _deltanet_dims(c) -> Fields:
     """Gated-DeltaNet dimensions under Qwen3-Next's field names."""
     return {"lin_key_heads": c.linear_num_key_heads, "lin_value_heads": c.linear_num_value_heads,
             "lin_key_dim": c.linear_key_head_dim, "lin_value_dim": c.linear_value_head_dim,
             "conv_kernel": c.linear_conv_kernel_dim}
 
 
-def _falcon_mamba_dims(c) -> dict[str, Any]:
+def _falcon_mamba_dims(c) -> Fields:
     """Mamba2 dimensions under Falcon-H1's field names (`mamba_d_head` "auto": expand x hidden / heads)."""
     heads = c.mamba_n_heads
     head_dim = c.mamba_d_head if c.mamba_d_head != "auto" else c.mamba_expand * c.hidden_size // heads
@@ -174,11 +171,7 @@ def _layer_mixers(c, mt: str, linear: str = "") -> tuple[tuple[str, ...], int]:
     return tuple(mixers), window
 
 
-class _GenericAttentionDims(_AttentionDims):
-    v_head_dim: int
-
-
-def _generic_attention_dims(c) -> _GenericAttentionDims:
+def _generic_attention_dims(c) -> Fields:
     """Query heads, K/V heads (one for multi-query configs), the head dim (`head_dim`, else `kv_channels`, else
     hidden / heads) and the V head dim where the config gives a different one."""
     heads = c.num_attention_heads
@@ -188,7 +181,7 @@ def _generic_attention_dims(c) -> _GenericAttentionDims:
             "v_head_dim": getattr(c, "v_head_dim", None) or head_dim}
 
 
-def _layer_kv(c, dims: _GenericAttentionDims, meta: _MetaModel) -> tuple[tuple[int, int], ...]:
+def _layer_kv(c, dims: Fields, meta: _MetaModel) -> tuple[tuple[int, int], ...]:
     """`ModelSpec.layer_kv`: each layer's (key, value) widths from its attention's projections (`kv_widths`), none for
     the layers that reuse an earlier layer's K/V (Gemma-4's `num_kv_shared_layers`), the config's dims for layers
     without a `k_proj`; empty where every layer keeps the config's kv_heads x (head_dim + v_head_dim)."""
@@ -200,16 +193,7 @@ def _layer_kv(c, dims: _GenericAttentionDims, meta: _MetaModel) -> tuple[tuple[i
     return () if all(w == uniform for w in kv) else kv
 
 
-class _GenericMlps(TypedDict):
-    mlps: tuple[str, ...]
-    intermediate: int
-    moe_intermediate: int
-    experts_per_token: int
-    num_experts: int
-    shared_intermediate: int
-
-
-def _generic_mlps(c, meta: _MetaModel) -> _GenericMlps:
+def _generic_mlps(c, meta: _MetaModel) -> Fields:
     """Dense or routed-expert MLP per layer (a layer holding `.experts.` parameters in the meta model is MoE), the
     dense width (`_DENSE_WIDTHS`, else 4 x hidden) and the experts' count, top-k and widths under the names
     the families use."""
@@ -224,14 +208,7 @@ def _generic_mlps(c, meta: _MetaModel) -> _GenericMlps:
             "shared_intermediate": shared if meta.moe_layers else 0}
 
 
-class _MlaLatentDims(_GenericAttentionDims):
-    q_lora_rank: int
-    kv_lora_rank: int
-    qk_rope_dim: int
-    qk_nope_dim: int
-
-
-def _mla_latent_dims(c) -> _MlaLatentDims:
+def _mla_latent_dims(c) -> Fields:
     """Latent attention (MLA) dimensions, without the MLP widths (`_generic_mlps` reads those)."""
     return {
         "heads": c.num_attention_heads, "kv_heads": c.num_attention_heads,

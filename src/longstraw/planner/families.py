@@ -18,6 +18,7 @@ from longstraw.planner.config_fields import (
     NEMOTRON_H_BLOCKS,
     SHARED_BLOCK_TYPES,
     SHORT_CONV_TYPES,
+    Fields,
     _attention_dims,
     _blocks,
     _deltanet_dims,
@@ -34,10 +35,9 @@ from longstraw.planner.config_fields import (
 from longstraw.planner.spec import MAMBA_SCAN_CHUNK, ModelSpec, _meta_model, _MetaModel
 
 # Every reader takes (config, model type, layers, meta-device counts, ModelSpec's common fields, `layer_types`).
-_Base = dict[str, Any]
 
 
-def _read_plain_attention(c: Any, mt: str, n: int, meta: _MetaModel, base: _Base, types: list[str]) -> ModelSpec:
+def _read_plain_attention(c: Any, mt: str, n: int, meta: _MetaModel, base: Fields, types: list[str]) -> ModelSpec:
     # Cohere2: sliding layers and global layers without RoPE (same state), attention and MLP in parallel behind
     # one LayerNorm (counted as two norms: a small overestimate)
     window = getattr(c, "sliding_window", None) or 0
@@ -51,7 +51,7 @@ def _read_plain_attention(c: Any, mt: str, n: int, meta: _MetaModel, base: _Base
     )
 
 
-def _read_qwen3_next(c: Any, mt: str, n: int, meta: _MetaModel, base: _Base, types: list[str]) -> ModelSpec:
+def _read_qwen3_next(c: Any, mt: str, n: int, meta: _MetaModel, base: Fields, types: list[str]) -> ModelSpec:
     mixers = tuple("linear" if t == "linear_attention" else "attention" for t in types)
     if mt == "qwen3_next":
         mlps = tuple("dense" if i in (c.mlp_only_layers or []) or c.num_experts == 0
@@ -64,7 +64,7 @@ def _read_qwen3_next(c: Any, mt: str, n: int, meta: _MetaModel, base: _Base, typ
                      intermediate=c.intermediate_size, **_deltanet_dims(c), **moe)
 
 
-def _read_glm4_moe(c: Any, mt: str, n: int, meta: _MetaModel, base: _Base, types: list[str]) -> ModelSpec:
+def _read_glm4_moe(c: Any, mt: str, n: int, meta: _MetaModel, base: Fields, types: list[str]) -> ModelSpec:
     """GQA (partial rotary, optional q/k norm) with DeepSeek-style MoE FFNs"""
     return ModelSpec(
         **base, mixers=("attention",) * n, mlps=_moe_layers(c, n), **_attention_dims(c), qk_norm=c.use_qk_norm,
@@ -74,7 +74,7 @@ def _read_glm4_moe(c: Any, mt: str, n: int, meta: _MetaModel, base: _Base, types
     )
 
 
-def _read_gpt_oss(c: Any, mt: str, n: int, meta: _MetaModel, base: _Base, types: list[str]) -> ModelSpec:
+def _read_gpt_oss(c: Any, mt: str, n: int, meta: _MetaModel, base: Fields, types: list[str]) -> ModelSpec:
     """Sliding and full GQA layers (their sinks: one scalar per head, no per-token state), MoE"""
     mixers = tuple("sliding" if t == "sliding_attention" else "attention" for t in types)
     return ModelSpec(
@@ -84,7 +84,7 @@ def _read_gpt_oss(c: Any, mt: str, n: int, meta: _MetaModel, base: _Base, types:
     )
 
 
-def _read_nemotron_h(c: Any, mt: str, n: int, meta: _MetaModel, base: _Base, types: list[str]) -> ModelSpec:
+def _read_nemotron_h(c: Any, mt: str, n: int, meta: _MetaModel, base: Fields, types: list[str]) -> ModelSpec:
     """Each block one of: Mamba2 mixer, attention (no RoPE), MLP, MoE"""
     mixers, mlps = _blocks(c.layers_block_type, NEMOTRON_H_BLOCKS, "unknown Nemotron-H block type {kind!r} (known: "
                                                                     "linear_attention, full_attention, mlp, moe)")
@@ -97,7 +97,7 @@ def _read_nemotron_h(c: Any, mt: str, n: int, meta: _MetaModel, base: _Base, typ
     )
 
 
-def _read_mamba2(c: Any, mt: str, n: int, meta: _MetaModel, base: _Base, types: list[str]) -> ModelSpec:
+def _read_mamba2(c: Any, mt: str, n: int, meta: _MetaModel, base: Fields, types: list[str]) -> ModelSpec:
     return ModelSpec(
         **base, mixers=("mamba",) * n, mlps=("none",) * n, mamba_heads=c.num_heads,
         mamba_head_dim=c.head_dim, mamba_state=c.state_size, mamba_groups=c.n_groups,
@@ -105,7 +105,7 @@ def _read_mamba2(c: Any, mt: str, n: int, meta: _MetaModel, base: _Base, types: 
     )
 
 
-def _read_mamba1(c: Any, mt: str, n: int, meta: _MetaModel, base: _Base, types: list[str]) -> ModelSpec:
+def _read_mamba1(c: Any, mt: str, n: int, meta: _MetaModel, base: Fields, types: list[str]) -> ModelSpec:
     """Mamba-1 blocks: one mixer each, no MLP"""
     return ModelSpec(
         **base, mixers=("mamba1",) * n, mlps=("none",) * n, mamba_heads=c.intermediate_size, mamba_head_dim=1,
@@ -113,7 +113,7 @@ def _read_mamba1(c: Any, mt: str, n: int, meta: _MetaModel, base: _Base, types: 
     )
 
 
-def _read_jamba(c: Any, mt: str, n: int, meta: _MetaModel, base: _Base, types: list[str]) -> ModelSpec:
+def _read_jamba(c: Any, mt: str, n: int, meta: _MetaModel, base: Fields, types: list[str]) -> ModelSpec:
     """Mamba-1 or attention layers, each with a dense MLP or an MoE"""
     return ModelSpec(
         **base, mixers=tuple("mamba1" if k == "mamba" else "attention" for k in c.layers_block_type),
@@ -125,12 +125,12 @@ def _read_jamba(c: Any, mt: str, n: int, meta: _MetaModel, base: _Base, types: l
     )
 
 
-def _read_falcon_h1(c: Any, mt: str, n: int, meta: _MetaModel, base: _Base, types: list[str]) -> ModelSpec:
+def _read_falcon_h1(c: Any, mt: str, n: int, meta: _MetaModel, base: Fields, types: list[str]) -> ModelSpec:
     return ModelSpec(**base, mixers=("attention+mamba",) * n, mlps=("dense",) * n, **_attention_dims(c),
                      intermediate=c.intermediate_size, **_falcon_mamba_dims(c))
 
 
-def _read_kimi_linear(c: Any, mt: str, n: int, meta: _MetaModel, base: _Base, types: list[str]) -> ModelSpec:
+def _read_kimi_linear(c: Any, mt: str, n: int, meta: _MetaModel, base: Fields, types: list[str]) -> ModelSpec:
     """KDA layers (linear attention, one head set) + MLA layers, MoE FFNs"""
     mixers = tuple("linear" if t == "linear_attention" else "mla" for t in types)
     return ModelSpec(
@@ -142,7 +142,7 @@ def _read_kimi_linear(c: Any, mt: str, n: int, meta: _MetaModel, base: _Base, ty
     )
 
 
-def _read_deepseek_v3(c: Any, mt: str, n: int, meta: _MetaModel, base: _Base, types: list[str]) -> ModelSpec:
+def _read_deepseek_v3(c: Any, mt: str, n: int, meta: _MetaModel, base: Fields, types: list[str]) -> ModelSpec:
     return ModelSpec(
         **base, **_mla_mixers(c, n, dsa=mt == "glm_moe_dsa"), mlps=_moe_layers(c, n), **_mla_dims(c),
         experts_per_token=c.num_experts_per_tok, num_experts=c.n_routed_experts,
@@ -150,7 +150,7 @@ def _read_deepseek_v3(c: Any, mt: str, n: int, meta: _MetaModel, base: _Base, ty
     )
 
 
-def _read_generic_attention(c: Any, mt: str, n: int, meta: _MetaModel, base: _Base, types: list[str]) -> ModelSpec:
+def _read_generic_attention(c: Any, mt: str, n: int, meta: _MetaModel, base: Fields, types: list[str]) -> ModelSpec:
     mixers, window = _layer_mixers(c, mt)
     # a heterogeneous config (transformers' `per_layer_config`: Gemma-4) refuses to read per-layer fields
     # globally: its first layer's stand for every layer, and `layer_kv` holds each layer's own K/V widths
@@ -159,30 +159,30 @@ def _read_generic_attention(c: Any, mt: str, n: int, meta: _MetaModel, base: _Ba
                      **_generic_mlps(c, meta), layer_kv=_layer_kv(c, dims, meta))
 
 
-def _read_generic_mla(c: Any, mt: str, n: int, meta: _MetaModel, base: _Base, types: list[str]) -> ModelSpec:
+def _read_generic_mla(c: Any, mt: str, n: int, meta: _MetaModel, base: Fields, types: list[str]) -> ModelSpec:
     return ModelSpec(**base, **_mla_mixers(c, n, dsa=mt in DSA_MODEL_TYPES), **_mla_latent_dims(c),
                      **_generic_mlps(c, meta))
 
 
-def _read_mamba2_hybrid(c: Any, mt: str, n: int, meta: _MetaModel, base: _Base, types: list[str]) -> ModelSpec:
+def _read_mamba2_hybrid(c: Any, mt: str, n: int, meta: _MetaModel, base: Fields, types: list[str]) -> ModelSpec:
     mixers, window = _layer_mixers(c, mt, linear="mamba")
     return ModelSpec(**base, mixers=mixers, **_attention_dims(c), window=window, **_generic_mlps(c, meta),
                      **_falcon_mamba_dims(c))
 
 
-def _read_gated_deltanet(c: Any, mt: str, n: int, meta: _MetaModel, base: _Base, types: list[str]) -> ModelSpec:
+def _read_gated_deltanet(c: Any, mt: str, n: int, meta: _MetaModel, base: Fields, types: list[str]) -> ModelSpec:
     mixers, window = _layer_mixers(c, mt, linear="linear")
     return ModelSpec(**base, mixers=mixers, **_attention_dims(c), qk_norm=meta.qk_norm, window=window,
                      **_generic_mlps(c, meta), **_deltanet_dims(c))
 
 
-def _read_short_conv(c: Any, mt: str, n: int, meta: _MetaModel, base: _Base, types: list[str]) -> ModelSpec:
+def _read_short_conv(c: Any, mt: str, n: int, meta: _MetaModel, base: Fields, types: list[str]) -> ModelSpec:
     mixers, window = _layer_mixers(c, mt)
     return ModelSpec(**base, mixers=mixers, **_attention_dims(c), qk_norm=meta.qk_norm, window=window,
                      **_generic_mlps(c, meta), conv_kernel=c.conv_L_cache)
 
 
-def _read_lightning(c: Any, mt: str, n: int, meta: _MetaModel, base: _Base, types: list[str]) -> ModelSpec:
+def _read_lightning(c: Any, mt: str, n: int, meta: _MetaModel, base: Fields, types: list[str]) -> ModelSpec:
     """Lightning attention: heads x head_dim x head_dim per layer, the model's dtype"""
     mixers, window = _layer_mixers(c, mt, linear="lightning")
     heads = _attention_dims(c)
@@ -193,7 +193,7 @@ def _read_lightning(c: Any, mt: str, n: int, meta: _MetaModel, base: _Base, type
     )
 
 
-def _read_shared_block(c: Any, mt: str, n: int, meta: _MetaModel, base: _Base, types: list[str]) -> ModelSpec:
+def _read_shared_block(c: Any, mt: str, n: int, meta: _MetaModel, base: Fields, types: list[str]) -> ModelSpec:
     """Mamba2 layers; hybrid layers: Mamba2 + a shared attention block and its MLP"""
     table = {"linear_attention": ("mamba", "none"), "mamba": ("mamba", "none"), "hybrid": ("attention+mamba", "dense")}
     mixers, mlps = _blocks(c.layers_block_type, table, f"{mt}: the planner does not model block type "
@@ -207,7 +207,7 @@ def _read_shared_block(c: Any, mt: str, n: int, meta: _MetaModel, base: _Base, t
     )
 
 
-def _read_cca(c: Any, mt: str, n: int, meta: _MetaModel, base: _Base, types: list[str]) -> ModelSpec:
+def _read_cca(c: Any, mt: str, n: int, meta: _MetaModel, base: Fields, types: list[str]) -> ModelSpec:
     """K/V, a window of the q/k convolution's inputs and the last token's delayed value"""
     kinds = sorted({str(t) for t in types} - {"hybrid"})
     if kinds:
@@ -245,7 +245,7 @@ def spec_from_config(config, name: str = "") -> ModelSpec:
     mt = c.model_type
     n = c.num_hidden_layers
     meta = _meta_model(c)
-    base: _Base = {  # ModelSpec's common fields, read from the (untyped) config
+    base: Fields = {  # ModelSpec's common fields, read from the (untyped) config
         "name": name or mt, "model_type": mt, "hidden": c.hidden_size, "vocab": c.vocab_size,
         "params": meta.total, "expert_params": meta.expert, "max_layer_params": meta.max_layer,
         "tied": bool(getattr(c, "tie_word_embeddings", False)), "eager_attention": meta.eager_attention,
