@@ -71,8 +71,7 @@ def declared_max_positions(name: str) -> int | None:
             raise ValueError(why)
     else:
         return None
-    text = config.get("text_config") if isinstance(config, dict) else None
-    for where in (config, text):
+    for where in (config, config.get("text_config")):
         value = where.get("max_position_embeddings") if isinstance(where, dict) else None
         if is_int(value) and value > 0:
             return value

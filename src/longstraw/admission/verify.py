@@ -149,10 +149,6 @@ class _LowPrecisionOps(TorchDispatchMode):
         return out
 
 
-def _grads(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in model.parameters()])
-
-
 def _layer_outputs(model: torch.nn.Module, run) -> list[torch.Tensor]:
     """Each decoder layer's output hidden states while `run()` executes (the first call of each layer)."""
     from longstraw.engine.activation_checkpointing import decoder_layers
@@ -247,7 +243,8 @@ def _plans(model: torch.nn.Module, prompt: torch.Tensor, responses: list[torch.T
         loss = TreeLoss(tree, options.loss, weight.device, accumulation_dtype(weight.dtype))
         walk = Walk(model=model, tree=tree, loss=loss, options=options)
         standard(walk, batched=False) if plan is STANDARD else exact(walk)
-        out.append((_grads(model), loss.logprobs))
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+        out.append((torch.cat([g.flatten() for g in grads]), loss.logprobs))
     model.zero_grad(set_to_none=True)
     return out
 
@@ -314,8 +311,7 @@ def verify(config: Any, seed: int = 0) -> Verdict:
         except Exception:
             pass
         return refused(f"the check crashed: {_where(err)}", first_difference=first, **measured)
-    errors = [measured["logprob_error"], measured["gradient_error"], measured["sampled_error"]]
-    if all(e <= tol for e in errors):
+    if all(measured[key] <= tol for key in ("logprob_error", "gradient_error", "sampled_error")):
         kind = "exact within float32 kernels" if low else "exact"
         return Verdict(kind=kind, seconds=time.perf_counter() - started, **base, **measured)
     try:
