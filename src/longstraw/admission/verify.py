@@ -374,7 +374,7 @@ def _read_verdict(path: Path, config: Any) -> Verdict | None:
         warnings.warn(f"verdict cache {path}: not a readable verdict ({type(err).__name__}: {err}); measuring again",
                       stacklevel=3)
         return None
-    return dataclasses.replace(verdict, cache_file=str(path))
+    return dataclasses.replace(verdict, cache_file=str(path), from_cache=True)
 
 
 def verdict_for(config: Any, refresh: bool = False) -> Verdict:
@@ -386,9 +386,7 @@ def verdict_for(config: Any, refresh: bool = False) -> Verdict:
         return _VERDICTS[key]
     path = cache_dir() / f"{key}.json"
     verdict = _read_verdict(path, config) if path.exists() and not refresh else None
-    if verdict is not None:
-        verdict = dataclasses.replace(verdict, from_cache=True)
-    else:
+    if verdict is None:
         verdict = verify(config)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
