@@ -200,9 +200,7 @@ def tiny_config(config: Any) -> tuple[Any, str]:
     data = wide.to_dict()
     probe = min(n, PROBE_LAYERS)
     kinds = _layer_kinds(wide if probe == n else _cut_depth(wide, data, n, probe, count_key))
-    first_of: dict[str, int] = {}
-    for i, kind in enumerate(kinds):
-        first_of.setdefault(kind, i)
+    first_of = {kind: i for i, kind in reversed(list(enumerate(kinds)))}  # each kind's first layer
     keep = max(2, max(first_of.values()) + 1) if kinds else min(n, 2)
     keep = min(keep, n)
     note = f"{keep} of {n} layers ({len(first_of)} layer kinds)"
