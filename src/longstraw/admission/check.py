@@ -3,12 +3,8 @@
 Building the parser imports neither torch nor transformers (`longstraw --help` stays fast): the check imports them
 when it runs.
 
-`longstraw check MODEL` (a hub id, a directory, a config.json, a .gguf file or a preset) prints `verify`'s numbers,
-the verdict and whether it was read from the verdict cache (`verify.verdict_for`; --no-cache measures again); exit
-status 0 when admitted, 1 when refused, 2 for a config refused before the check (one line naming the field).
-`longstraw check --all --out FILE.json --markdown FILE.md` runs every type of transformers' causal-LM mapping from
-its class defaults (with a released checkpoint's multipliers where `RELEASED` has them) and writes the results and
-the table docs/architectures.md includes.
+`longstraw check MODEL` prints `verify`'s numbers and the verdict; `longstraw check --all` checks every type of
+transformers' causal-LM mapping and writes the table docs/architectures.md includes (which describes both).
 """
 
 from __future__ import annotations
