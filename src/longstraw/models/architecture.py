@@ -170,9 +170,7 @@ def transformers_too_old(model_type: str, version: str | None = None) -> str | N
     """Why this transformers (or `version`) is too old for LongStraw to run `model_type`, with what to install;
     None where it is recent enough."""
     version = transformers.__version__ if version is None else version
-    if model_type not in MIN_TRANSFORMERS_BY_MODEL_TYPE:
-        return None
-    need, why = MIN_TRANSFORMERS_BY_MODEL_TYPE[model_type]
+    need, why = MIN_TRANSFORMERS_BY_MODEL_TYPE.get(model_type, ((0, 0, 0), ""))  # other types: none needed
     if _version(version) >= need:
         return None
     return (f"{model_type} needs transformers >= {_show(need)} for LongStraw (found {version}): {why}. "
