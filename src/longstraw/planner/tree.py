@@ -24,10 +24,9 @@ from longstraw.planner.parsing import parse_size, positive_int
 from longstraw.planner.spec import ModelSpec
 
 
-def _check_int(name: str, value: object, least: int) -> int:
+def _check_int(name: str, value: object, least: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
         raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
-    return value
 
 
 @dataclass(frozen=True)
