@@ -60,9 +60,6 @@ def config_hash(config: Any) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-# ------------------------------------------------------------------------------------------------ the verdict
-
-
 @dataclass(frozen=True)
 class Verdict:
     """What `verify` measured on a tiny copy of one config.
@@ -320,8 +317,6 @@ def verify(config: Any, seed: int = 0) -> Verdict:
         first = f"not found ({_where(err)})"
     return refused("the replay does not match transformers' forward", first_difference=first, **measured)
 
-
-# ------------------------------------------------------------------------------------------------ the cache
 
 _VERDICTS: dict[str, Verdict] = {}
 # The code a verdict depends on: the check itself, the engine it measures and the model handling (a change to any of

@@ -135,8 +135,6 @@ def counts(shape: TreeShape) -> TreeCounts:
     )
 
 
-# ---------------------------------------------------------------- token-pass floors
-
 # The ways of running a tree step the bench measures, in its table's order: flattened (what TRL and verl do),
 # per group (`backward_group` per task), the packed tree with an ancestor mask (the peers' approach), the tree plans.
 ROWS = ("flattened", "group", "packed", "tree_exact", "tree_detach")
@@ -168,9 +166,6 @@ FLOOR_FORMULAS = {
 FLOOR_NOTE = ("token passes: tokens run through the model's body, a backward counted as two forwards; E the tree's "
               "encoded tokens, I / L its inner nodes' / leaves' inputs, I_loss the inner nodes' inputs that predict "
               "loss-region tokens; the output projection and attention's quadratic part are not counted")
-
-
-# ---------------------------------------------------------------- the memory forecast
 
 
 @dataclass(frozen=True)
@@ -246,8 +241,6 @@ def forecast_document(spec: ModelSpec, shape: TreeShape, base: PlanInputs) -> di
                   for name, f in plans.items()},
     }
 
-
-# ---------------------------------------------------------------- `longstraw plan --tree`
 
 TREE_ONLY = ("tasks", "task_tokens", "turns", "branching")  # options that mean nothing without --tree
 
