@@ -25,11 +25,8 @@ from longstraw.models.architecture import (
 
 
 def admit(model: torch.nn.Module) -> None:
-    """Raise ValueError unless this model's architecture is admitted: a type CI verifies on this transformers
-    (`on_the_ci_list`, the fast path), or a config whose tiny float64 copy passes the parity checks
-    (`verify.verdict_for`, measured once per config and transformers version and cached). Types refused for a known
-    missing mechanism (`REFUSED_MODEL_TYPES`) are refused at once, and so are composite models whose text tower
-    LongStraw does not find."""
+    """Raise ValueError unless this model's architecture is admitted (the module docstring says how); composite models
+    whose text tower LongStraw does not find are refused at once."""
     config = getattr(model, "config", None)
     if config is None or getattr(config, "model_type", None) is None:
         raise ValueError(f"{type(model).__name__} has no transformers config with a model_type: not a transformers "

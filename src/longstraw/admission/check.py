@@ -3,12 +3,8 @@
 Building the parser imports neither torch nor transformers (`longstraw --help` stays fast): the check imports them
 when it runs.
 
-`longstraw check MODEL` (a hub id, a directory, a config.json, a .gguf file or a preset) prints `verify`'s numbers,
-the verdict and whether it was read from the verdict cache (`verify.verdict_for`; --no-cache measures again); exit
-status 0 when admitted, 1 when refused, 2 for a config refused before the check (one line naming the field).
-`longstraw check --all --out FILE.json --markdown FILE.md` runs every type of transformers' causal-LM mapping from
-its class defaults (with a released checkpoint's multipliers where `RELEASED` has them) and writes the results and
-the table docs/architectures.md includes.
+`longstraw check MODEL` prints `verify`'s numbers and the verdict; `longstraw check --all` checks every type of
+transformers' causal-LM mapping and writes the table docs/architectures.md includes (which describes both).
 """
 
 from __future__ import annotations
@@ -26,15 +22,9 @@ from typing import Any
 from longstraw.admission.released import NOT_DECODER_ONLY_TEXT, causal_lm_types, released_source, sweep_config
 
 
-class _Refused(Exception):
-    """A type refused for a known missing mechanism (`REFUSED_MODEL_TYPES`), without a check."""
-
-
 def with_planner(verdict: Any, config: Any) -> Any:
     """`verdict` with the planner's formula for its prompt state (`planner_bytes`; None where the planner does not
     describe the family)."""
-    import dataclasses
-
     from longstraw.admission.tiny import tiny_config
     from longstraw.planner.families import spec_from_config
     from longstraw.planner.formulas import state_bytes
@@ -53,17 +43,17 @@ def _row(model_type: str) -> dict[str, Any]:
     from longstraw.models.architecture import REFUSED_MODEL_TYPES
 
     started = time.perf_counter()
-    try:
-        if model_type in REFUSED_MODEL_TYPES:
-            raise _Refused(REFUSED_MODEL_TYPES[model_type])
-        config = sweep_config(model_type)
-        verdict = with_planner(verify.verify(config), config)
-        row = dict(dataclasses.asdict(verdict), model_type=model_type, config_model_type=verdict.model_type)
-    except _Refused as err:
-        row = {"model_type": model_type, "kind": "refused", "reason": f"refused: {err}"}
-    except Exception as err:  # the config class itself cannot be built from its defaults
-        row = {"model_type": model_type, "kind": "refused",
-               "reason": f"its default config cannot be built: {type(err).__name__}: {str(err)[:200]}"}
+    row: dict[str, Any]
+    if model_type in REFUSED_MODEL_TYPES:  # a known missing mechanism: refused without a check
+        row = {"model_type": model_type, "kind": "refused", "reason": f"refused: {REFUSED_MODEL_TYPES[model_type]}"}
+    else:
+        try:
+            config = sweep_config(model_type)
+            verdict = with_planner(verify.verify(config), config)
+            row = dict(dataclasses.asdict(verdict), model_type=model_type, config_model_type=verdict.model_type)
+        except Exception as err:  # the config class itself cannot be built from its defaults
+            row = {"model_type": model_type, "kind": "refused",
+                   "reason": f"its default config cannot be built: {type(err).__name__}: {str(err)[:200]}"}
     row["decoder_only_text"] = model_type not in NOT_DECODER_ONLY_TEXT
     row["values"] = released_source(model_type)
     row["seconds"] = round(time.perf_counter() - started, 2)

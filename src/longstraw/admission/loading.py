@@ -1,8 +1,4 @@
-"""Loading models: presets, packaged real weights, local directories, GGUF files and hub ids.
-
-`load_model` accepts a built-in preset (random init from a small config, seeded), a Hugging Face model id
-or local directory, or a `.gguf` file (transformers de-quantises it; needs the `gguf` extra).
-"""
+"""Loading models (`load_model`): presets, packaged real weights, local directories, GGUF files and hub ids."""
 
 from __future__ import annotations
 
@@ -12,9 +8,7 @@ import re
 from typing import Any
 
 import torch
-from transformers import (
-    AutoModelForCausalLM,
-)
+from transformers import AutoModelForCausalLM
 
 from longstraw.admission.admission import admit
 from longstraw.choices import DTYPE_ALIASES, DTYPE_BYTES, did_you_mean
@@ -25,6 +19,7 @@ from longstraw.models.sources import (
     choices,
     custom_code_refusal,
     hub_offline,
+    is_int,
     read_config_json,
     remote_code_error,
 )
@@ -76,10 +71,9 @@ def declared_max_positions(name: str) -> int | None:
             raise ValueError(why)
     else:
         return None
-    text = config.get("text_config") if isinstance(config, dict) else None
-    for where in (config, text):
+    for where in (config, config.get("text_config")):
         value = where.get("max_position_embeddings") if isinstance(where, dict) else None
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        if is_int(value) and value > 0:
             return value
     return None
 

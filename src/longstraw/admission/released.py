@@ -8,15 +8,9 @@ import json
 from importlib import resources
 from typing import Any
 
-
-def _load() -> dict[str, Any]:
-    """The data file shipped beside this module."""
-    text = resources.files("longstraw.admission").joinpath("released_configs.json").read_text(encoding="utf-8")
-    data: dict[str, Any] = json.loads(text)
-    return data
-
-
-_DATA = _load()
+# The data file shipped beside this module.
+_DATA: dict[str, Any] = json.loads(
+    resources.files("longstraw.admission").joinpath("released_configs.json").read_text(encoding="utf-8"))
 # model type -> the released checkpoint's config values (passed to `AutoConfig.for_model`)
 RELEASED: dict[str, dict[str, Any]] = {t: e["values"] for t, e in _DATA["released"].items()}
 # model type -> the checkpoint each `RELEASED` entry is read from (docs/architecture-verdicts.md names it per type)

@@ -13,6 +13,7 @@ import torch
 import transformers
 
 from longstraw.engine.hf.composite import language_config
+from longstraw.models.sources import is_int
 
 VOCAB = 512
 # Layers of the tiny copy at most: a layer-kind pattern longer than this is cut (said in the verdict).
@@ -21,8 +22,10 @@ MAX_LAYERS = 12
 # layers takes minutes, and a tiny copy keeps at most MAX_LAYERS of them).
 PROBE_LAYERS = 48
 
+_TOP_K = ("num_experts_per_tok", "num_experts_per_token", "moe_k", "top_k", "moe_topk", "num_selected_experts")
 # Config fields that are sizes, and the size each takes in the tiny copy (only where the config has the field and
-# its value is larger). Everything else (multipliers, scales, flags, rope parameters, router settings) is kept.
+# its value is larger): widths (GPT-2 style `n_inner`: None for 4 x hidden), counts, windows, experts per token.
+# Everything else (multipliers, scales, flags, rope parameters, router settings) is kept.
 _SIZES: dict[str, int] = {
     "hidden_size": 64, "intermediate_size": 96, "ffn_hidden_size": 96, "head_dim": 16, "attention_head_dim": 16,
     "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "moe_shared_expert_intermediate_size": 32,
@@ -38,20 +41,13 @@ _SIZES: dict[str, int] = {
     "num_experts": 4, "n_routed_experts": 4, "num_local_experts": 4, "moe_num_experts": 4,
     "n_group": 1, "topk_group": 1, "adapter_rank": 8, "lru_width": 64,
     "sliding_window": 16, "attention_window_size": 16, "attention_chunk_size": 16, "window_size": 16,
-    "max_window_layers": 0, "vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 16,
+    "max_window_layers": 0, "vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 16, "n_inner": 96,
+    **dict.fromkeys(_TOP_K, 2),
 }
 # Parameters the tiny copy may have at most: more means a size field this module does not know stayed large.
 MAX_PARAMS = 20_000_000
-_TOP_K = ("num_experts_per_tok", "num_experts_per_token", "moe_k", "top_k", "moe_topk", "num_selected_experts")
 _LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers")
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id", "decoder_start_token_id")
-
-
-def _kv_heads(heads: int, kv: int | None, new_heads: int) -> int:
-    """Key/value heads of the tiny copy: multi-head stays multi-head, one head stays one, grouped becomes 2 groups."""
-    if kv is None or kv == heads:
-        return new_heads
-    return 1 if kv == 1 else 2
 
 
 def _per_layer_fields(data: dict[str, Any], n: int) -> list[str]:
@@ -62,12 +58,9 @@ def _per_layer_fields(data: dict[str, Any], n: int) -> list[str]:
 
 def _layer_index_fields(data: dict[str, Any], n: int) -> list[str]:
     """Fields holding a sorted list of layer indices (e.g. which layers are hybrid or dense)."""
-    out = []
-    for k, v in data.items():
-        if (isinstance(v, list) and v and all(isinstance(i, int) and not isinstance(i, bool) for i in v)
-                and all(0 <= i < n for i in v) and v == sorted(v) and len(v) < n and "layer" in k):
-            out.append(k)
-    return out
+    return [k for k, v in data.items()
+            if isinstance(v, list) and v and all(isinstance(i, int) and not isinstance(i, bool) for i in v)
+            and all(0 <= i < n for i in v) and v == sorted(v) and len(v) < n and "layer" in k]
 
 
 def _field(config: Any, key: str) -> Any:
@@ -79,66 +72,54 @@ def _field(config: Any, key: str) -> Any:
         return None
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _shrink_widths(config: Any) -> Any:
     """A copy of `config` with every size field shrunk (depth unchanged)."""
     c = copy.deepcopy(language_config(config))
     heads = _field(c, "num_attention_heads")
-    if _is_int(heads) and heads > 4:
+    if is_int(heads) and heads > 4:
         kv = _field(c, "num_key_value_heads")
         c.num_attention_heads = 4
-        if _is_int(kv):
-            c.num_key_value_heads = _kv_heads(heads, kv, 4)
+        if is_int(kv):  # multi-head stays multi-head, one head stays one, grouped becomes 2 groups
+            c.num_key_value_heads = 4 if kv == heads else 1 if kv == 1 else 2
     for key, size in _SIZES.items():
         value = _field(c, key)
-        if _is_int(value) and value > size:
+        if is_int(value) and value > size:
             setattr(c, key, size)
     if "head_dim" in c.to_dict() and c.to_dict()["head_dim"] is None:  # hidden / heads: say it (some read it as is)
         c.head_dim = 16
-    for key in ("intermediate_size",):  # per-layer widths (Gemma-3n)
-        value = _field(c, key)
-        if isinstance(value, list):
-            setattr(c, key, [min(v, _SIZES[key]) if _is_int(v) else v for v in value])
+    widths = _field(c, "intermediate_size")
+    if isinstance(widths, list):  # per-layer widths (Gemma-3n)
+        c.intermediate_size = [min(v, _SIZES["intermediate_size"]) if is_int(v) else v for v in widths]
     width, old_hidden = _field(c, "attention_hidden_size"), _field(language_config(config), "hidden_size")
     hidden, heads = _field(c, "hidden_size"), _field(c, "num_attention_heads")
-    if _is_int(width) and _is_int(old_hidden) and _is_int(hidden) and _is_int(heads):
+    if is_int(width) and is_int(old_hidden) and is_int(hidden) and is_int(heads):
         c.attention_hidden_size = width * hidden // old_hidden  # Zamba2's attention over [hidden ; embeddings]: 2x
-        if _is_int(_field(c, "attention_head_dim")):
+        if is_int(_field(c, "attention_head_dim")):
             c.attention_head_dim = c.attention_hidden_size // heads
     heads, expand, hidden = _field(c, "n_mamba_heads"), _field(c, "mamba_expand"), _field(c, "hidden_size")
-    if _is_int(heads) and _is_int(expand) and _is_int(hidden) and _is_int(_field(c, "mamba_headdim")):
+    if is_int(heads) and is_int(expand) and is_int(hidden) and is_int(_field(c, "mamba_headdim")):
         c.mamba_headdim = expand * hidden // heads  # Zamba2: the heads split expand x hidden
     heads, head = _field(c, "mamba_n_heads"), _field(c, "mamba_d_head")
-    if _is_int(heads) and _is_int(head) and _is_int(_field(c, "mamba_d_ssm")):  # the SSM width is heads x head dim
+    if is_int(heads) and is_int(head) and is_int(_field(c, "mamba_d_ssm")):  # the SSM width is heads x head dim
         c.mamba_d_ssm = heads * head
     rotary, old_head = _field(c, "rotary_dim"), _head_dim(config)
-    if _is_int(rotary) and old_head:  # a partial rotary width keeps its share of the head (CodeGen, GPT-J)
+    if is_int(rotary) and old_head:  # a partial rotary width keeps its share of the head (CodeGen, GPT-J)
         c.rotary_dim = max(2, 2 * round(rotary * _head_dim(c) / old_head / 2))
-    inner = _field(c, "n_inner")  # GPT-2 style: the MLP width, None for 4 x hidden
-    if _is_int(inner) and inner > 96:
-        c.n_inner = 96
     positions = _field(c, "max_position_embeddings")
-    if _is_int(positions) and positions > 4096 and _learned_positions(c):
+    if is_int(positions) and positions > 4096 and _learned_positions(c):
         c.max_position_embeddings = 4096
     rope, nope = _field(c, "qk_rope_head_dim"), _field(c, "qk_nope_head_dim")
-    if _is_int(rope):  # MLA: the RoPE head dim is `head_dim`, q/k heads nope + rope
-        if _is_int(_field(c, "head_dim")):
+    if is_int(rope):  # MLA: the RoPE head dim is `head_dim`, q/k heads nope + rope
+        if is_int(_field(c, "head_dim")):
             c.head_dim = rope
-        if _is_int(_field(c, "qk_head_dim")):
-            c.qk_head_dim = rope + (nope if _is_int(nope) else 0)
-    for key in _TOP_K:
-        value = _field(c, key)
-        if _is_int(value) and value > 2:
-            setattr(c, key, 2)
+        if is_int(_field(c, "qk_head_dim")):
+            c.qk_head_dim = rope + (nope if is_int(nope) else 0)
     vocab = _field(c, "vocab_size")
-    if _is_int(vocab) and vocab > VOCAB:
+    if is_int(vocab) and vocab > VOCAB:
         c.vocab_size = VOCAB
         for key in _TOKEN_IDS:
             value = _field(c, key)
-            if _is_int(value) and value >= VOCAB:
+            if is_int(value) and value >= VOCAB:
                 setattr(c, key, VOCAB - 1 - _TOKEN_IDS.index(key))
             elif isinstance(value, list):
                 setattr(c, key, [i if i < VOCAB else VOCAB - 1 for i in value])
@@ -148,10 +129,10 @@ def _shrink_widths(config: Any) -> Any:
 def _head_dim(config: Any) -> int:
     """The attention head size: `head_dim` where the config says it, else hidden / heads."""
     head = _field(config, "head_dim")
-    if _is_int(head):
+    if is_int(head):
         return head
     hidden, heads = _field(config, "hidden_size"), _field(config, "num_attention_heads")
-    return hidden // heads if _is_int(hidden) and _is_int(heads) and heads else 0
+    return hidden // heads if is_int(hidden) and is_int(heads) and heads else 0
 
 
 def _learned_positions(config: Any) -> bool:
@@ -219,9 +200,7 @@ def tiny_config(config: Any) -> tuple[Any, str]:
     data = wide.to_dict()
     probe = min(n, PROBE_LAYERS)
     kinds = _layer_kinds(wide if probe == n else _cut_depth(wide, data, n, probe, count_key))
-    first_of: dict[str, int] = {}
-    for i, kind in enumerate(kinds):
-        first_of.setdefault(kind, i)
+    first_of = {kind: i for i, kind in reversed(list(enumerate(kinds)))}  # each kind's first layer
     keep = max(2, max(first_of.values()) + 1) if kinds else min(n, 2)
     keep = min(keep, n)
     note = f"{keep} of {n} layers ({len(first_of)} layer kinds)"

@@ -1,27 +1,13 @@
-"""Admission by verification: a model is admitted when a tiny float64 copy of its *own* config passes LongStraw's
-parity checks against transformers, run here in seconds.
+"""Admission by verification: a model is admitted when a tiny float64 copy of its *own* config (`tiny.tiny_config`)
+passes LongStraw's parity checks against transformers, run here in seconds (docs/architectures.md says what is kept,
+what is measured and why).
 
-`tiny.tiny_config(config)` keeps the model type and every multiplier, scale, flag, sink, router setting and the
-pattern of layer kinds; only sizes shrink (width, heads, experts, vocabulary, depth down to the shortest prefix of
-layers that holds every layer kind, windows and attention chunks below the test prompt). `verify(config)` builds that
-copy in
-float64 with random weights and measures, on a 37-token prompt and responses of 5, 1 and 9 tokens in 13-token
-chunks:
-
-* the replayed log-probs (`exact`) against transformers' full forward (`standard`, its own logits),
-* the `exact` gradient against the `standard` gradient,
-* sampled log-probs (one prefill, token-by-token decoding) against a full forward,
-* the prompt state's bytes (`longstraw check` sets the planner's formula beside them; not part of the verdict).
-
-Tolerance: 1e-9 where every op of the model's forward runs in float64; 1e-6 where transformers computes some op in
-a lower precision inside a float64 model (RMSNorms and routers in float32, scans), seen by watching the dtypes of
-every op of the full forward. A refused model's verdict names the measured difference and the first decoder layer
-whose output differs from the full forward's.
-
-`verdict_for(model)` runs it once per (model type, config hash, transformers version, hash of the source of the
-code that decides: admission, engine, models) and keeps the verdict in memory and on disk
-(`$LONGSTRAW_CACHE/verdicts/`; unset or empty: ~/.cache/longstraw). A cache file that cannot be read or holds no
-verdict of that config is named in a warning and measured again.
+`verify(config)` measures, on a 37-token prompt and responses of 5, 1 and 9 tokens in 13-token chunks, the replayed
+log-probs (`exact`) and the sampled log-probs against transformers' full forward, the `exact` gradient against the
+`standard` gradient, and the prompt state's bytes. Tolerance: 1e-9 where every op runs in float64; 1e-6 where
+transformers computes some op in a lower precision inside the float64 model (seen by watching every op's dtype).
+`verdict_for(config)` runs it once per (model type, config hash, transformers version, hash of the deciding code) and
+caches the verdict in memory and under `$LONGSTRAW_CACHE/verdicts/` (unset or empty: ~/.cache/longstraw).
 """
 
 from __future__ import annotations
@@ -72,9 +58,6 @@ def config_hash(config: Any) -> str:
     """sha256 (16 hex digits) of the config's fields that shape the computation."""
     data = {k: v for k, v in language_config(config).to_dict().items() if k not in _VOLATILE}
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-# ------------------------------------------------------------------------------------------------ the verdict
 
 
 @dataclass(frozen=True)
@@ -135,11 +118,10 @@ class Verdict:
 
     def refusal(self) -> str:
         """The error message of a refused model."""
-        measured = []
-        for name, value in (("replayed log-probs", self.logprob_error), ("sampled log-probs", self.sampled_error),
-                            ("gradient", self.gradient_error)):
-            if value is not None and not value <= self.tolerance:
-                measured.append(f"{name} off by {value:.3g}")
+        errors = (("replayed log-probs", self.logprob_error), ("sampled log-probs", self.sampled_error),
+                  ("gradient", self.gradient_error))
+        measured = [f"{name} off by {value:.3g}" for name, value in errors
+                    if value is not None and not value <= self.tolerance]
         where = f"; first layer that differs: {self.first_difference}" if self.first_difference else ""
         cached = (f" (verdict {'read from' if self.from_cache else 'cached in'} {self.cache_file}: delete it to "
                   "measure again)" if self.cache_file else "")
@@ -162,10 +144,6 @@ class _LowPrecisionOps(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64:
                 self.ops.add(str(func.overloadpacket.__name__))
         return out
-
-
-def _grads(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in model.parameters()])
 
 
 def _layer_outputs(model: torch.nn.Module, run) -> list[torch.Tensor]:
@@ -193,6 +171,7 @@ def _layer_outputs(model: torch.nn.Module, run) -> list[torch.Tensor]:
 def _first_difference(model: torch.nn.Module, prompt: torch.Tensor, response: torch.Tensor, tol: float) -> str | None:
     """The first decoder layer whose output over [last prompt token ; response] differs between a replay from the
     captured prompt state and the full forward, with the difference and the layer's kind."""
+    from longstraw.engine.activation_checkpointing import decoder_layers
     from longstraw.engine.hf.segment import run_segment
     from longstraw.engine.state.capture import capture_prompt
 
@@ -203,8 +182,6 @@ def _first_difference(model: torch.nn.Module, prompt: torch.Tensor, response: to
     replay = _layer_outputs(model, lambda: run_segment(model, ids[prompt.numel() - 1:][None], prompt.numel() - 1,
                                                         state.fork()))
     types = list(getattr(language_config(model.config), "layer_types", None) or [])
-    from longstraw.engine.activation_checkpointing import decoder_layers
-
     layers = decoder_layers(model)
     for i, (f, r) in enumerate(zip(full, replay)):
         diff = float((f[..., -t:, :] - r[..., -t:, :]).abs().max()) if f.shape[-1] == r.shape[-1] else math.inf
@@ -263,7 +240,8 @@ def _plans(model: torch.nn.Module, prompt: torch.Tensor, responses: list[torch.T
         loss = TreeLoss(tree, options.loss, weight.device, accumulation_dtype(weight.dtype))
         walk = Walk(model=model, tree=tree, loss=loss, options=options)
         standard(walk, batched=False) if plan is STANDARD else exact(walk)
-        out.append((_grads(model), loss.logprobs))
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+        out.append((torch.cat([g.flatten() for g in grads]), loss.logprobs))
     model.zero_grad(set_to_none=True)
     return out
 
@@ -330,8 +308,7 @@ def verify(config: Any, seed: int = 0) -> Verdict:
         except Exception:
             pass
         return refused(f"the check crashed: {_where(err)}", first_difference=first, **measured)
-    errors = [measured["logprob_error"], measured["gradient_error"], measured["sampled_error"]]
-    if all(e <= tol for e in errors):
+    if all(measured[key] <= tol for key in ("logprob_error", "gradient_error", "sampled_error")):
         kind = "exact within float32 kernels" if low else "exact"
         return Verdict(kind=kind, seconds=time.perf_counter() - started, **base, **measured)
     try:
@@ -340,8 +317,6 @@ def verify(config: Any, seed: int = 0) -> Verdict:
         first = f"not found ({_where(err)})"
     return refused("the replay does not match transformers' forward", first_difference=first, **measured)
 
-
-# ------------------------------------------------------------------------------------------------ the cache
 
 _VERDICTS: dict[str, Verdict] = {}
 # The code a verdict depends on: the check itself, the engine it measures and the model handling (a change to any of
@@ -394,7 +369,7 @@ def _read_verdict(path: Path, config: Any) -> Verdict | None:
         warnings.warn(f"verdict cache {path}: not a readable verdict ({type(err).__name__}: {err}); measuring again",
                       stacklevel=3)
         return None
-    return dataclasses.replace(verdict, cache_file=str(path))
+    return dataclasses.replace(verdict, cache_file=str(path), from_cache=True)
 
 
 def verdict_for(config: Any, refresh: bool = False) -> Verdict:
@@ -405,12 +380,8 @@ def verdict_for(config: Any, refresh: bool = False) -> Verdict:
     if key in _VERDICTS and not refresh:
         return _VERDICTS[key]
     path = cache_dir() / f"{key}.json"
-    verdict = None
-    if path.exists() and not refresh:
-        verdict = _read_verdict(path, config)
-    if verdict is not None:
-        verdict = dataclasses.replace(verdict, from_cache=True)
-    else:
+    verdict = _read_verdict(path, config) if path.exists() and not refresh else None
+    if verdict is None:
         verdict = verify(config)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)

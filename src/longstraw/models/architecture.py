@@ -97,39 +97,27 @@ def stateless_layers(model: torch.nn.Module) -> frozenset[int]:
     blocks are each one of a Mamba2 mixer, attention, an MLP or an MoE (`config.layers_block_type`), and its MLP and
     MoE blocks read nothing from earlier positions. Every layer of the other supported families mixes tokens."""
     config = hf(model).config
-    if config.model_type == "nemotron_h":
-        return frozenset(i for i, kind in enumerate(config.layers_block_type) if kind in ("mlp", "moe"))
-    else:
+    if config.model_type != "nemotron_h":
         return frozenset()
+    return frozenset(i for i, kind in enumerate(config.layers_block_type) if kind in ("mlp", "moe"))
 
 
 def logit_scale(model: torch.nn.Module) -> float:
     """The one multiplicative factor the causal LM's forward applies between the decoder's final hidden states (what
-    `run_segment` returns) and the logits it returns, read from the model's config; 1.0 for families that apply none.
-
-    * Cohere, Cohere2, Cohere2-MoE: `logits = lm_head(h) * logit_scale` (0.0625 in Command R v1 and R7B);
-    * Granite, GraniteMoE, GraniteMoeShared, GraniteMoeHybrid and their sliding-window variants:
-      `logits / logits_scaling` (16.0 in granite-3.x-8b), returned as its inverse 1 / logits_scaling: a division is a
-      multiplication by 1 / x;
-    * HyperCLOVA X: `lm_head(h) * logits_scaling`;
-    * MiniCPM3: `h / logits_scaling` before the output projection, which has no bias (`check_architecture`), so it is
-      the same factor on the logits;
-    * Falcon-H1: `lm_head(h) * lm_head_multiplier`.
-
-    It is read from the config of the model's own class (a multimodal wrapper whose forward applies no factor gets 1.0).
-    Every log-prob LongStraw computes from the output projection applies it: a missing factor would give other
-    log-probs and a silently wrong gradient. A soft-cap after it is `logit_softcap`."""
+    `run_segment` returns) and the logits it returns, read from the config of the model's own class (a multimodal
+    wrapper whose forward applies none gets 1.0); a division (Granite's `logits_scaling`, MiniCPM3's, applied to the
+    hidden states before an output projection without bias) is returned as its inverse. The families and their
+    factors: docs/architectures.md. Every log-prob LongStraw computes from the output projection applies it: a missing
+    factor would give other log-probs and a silently wrong gradient. A soft-cap after it is `logit_softcap`."""
     config = hf(model).config
     model_type = config.model_type
     if model_type in ("cohere", "cohere2", "cohere2_moe"):
         return float(config.logit_scale)
     elif model_type in ("granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "granite_swa",
-                        "granitemoe_swa"):
+                        "granitemoe_swa", "minicpm3"):
         return 1.0 / float(config.logits_scaling)
     elif model_type == "hyperclovax":
         return float(config.logits_scaling)
-    elif model_type == "minicpm3":
-        return 1.0 / float(config.logits_scaling)
     elif model_type == "falcon_h1":
         return float(config.lm_head_multiplier)
     else:
@@ -182,9 +170,7 @@ def transformers_too_old(model_type: str, version: str | None = None) -> str | N
     """Why this transformers (or `version`) is too old for LongStraw to run `model_type`, with what to install;
     None where it is recent enough."""
     version = transformers.__version__ if version is None else version
-    if model_type not in MIN_TRANSFORMERS_BY_MODEL_TYPE:
-        return None
-    need, why = MIN_TRANSFORMERS_BY_MODEL_TYPE[model_type]
+    need, why = MIN_TRANSFORMERS_BY_MODEL_TYPE.get(model_type, ((0, 0, 0), ""))  # other types: none needed
     if _version(version) >= need:
         return None
     return (f"{model_type} needs transformers >= {_show(need)} for LongStraw (found {version}): {why}. "
@@ -231,9 +217,7 @@ def known_recurrence(model_type: str) -> bool | None:
     of its config measures (`longstraw.admission.admission.is_recurrent`)."""
     if model_type in RECURRENT_MODEL_TYPES:
         return True
-    if on_the_ci_list(model_type):
-        return False
-    return None
+    return False if on_the_ci_list(model_type) else None
 
 
 def check_eval_mode(model: torch.nn.Module) -> None:

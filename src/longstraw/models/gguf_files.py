@@ -44,9 +44,7 @@ def cache_root() -> Path:
 
 def gguf_cache_dir(path: str) -> Path:
     """Where the de-quantised copy of a .gguf file is cached (keyed by name and size)."""
-    root = cache_root()
-    p = Path(path)
-    return root / "gguf" / f"{p.stem}-{p.stat().st_size}"
+    return cache_root() / "gguf" / f"{Path(path).stem}-{Path(path).stat().st_size}"
 
 
 def converted_gguf(path: str) -> Path:

@@ -12,16 +12,12 @@ import json
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 from transformers import AutoConfig, PretrainedConfig
 
 _DATA = json.loads((Path(__file__).with_name("presets.json")).read_text())
 
 
-def _build(entry: dict[str, Any]) -> PretrainedConfig:
-    """A fresh config of the preset's model type with its values (a new object per call: callers may edit it)."""
-    return AutoConfig.for_model(entry["model_type"], **entry["config"])
-
-
-PRESETS: dict[str, Callable[[], PretrainedConfig]] = {name: partial(_build, entry) for name, entry in _DATA.items()}
+# name -> a fresh config of the preset's model type with its values (a new object per call: callers may edit it)
+PRESETS: dict[str, Callable[[], PretrainedConfig]] = {
+    name: partial(AutoConfig.for_model, entry["model_type"], **entry["config"]) for name, entry in _DATA.items()}

@@ -3,11 +3,9 @@
 otherwise end in a traceback (transformers' validation, a ZeroDivisionError, a tensor-size crash, a NaN in float64)
 or need the model's own code.
 
-LongStraw never runs a model's own Python code: every `from_pretrained` passes `trust_remote_code=False` (no prompt,
-no import), and a config whose `auto_map` names classes for a model type transformers does not implement is refused
-here (`custom_code_refusal`). A config with an `auto_map` beside a model type transformers implements loads
-transformers' own classes, as `trust_remote_code=False` does. There is no option to run custom code: LongStraw admits
-an architecture by checking transformers' implementation of it.
+LongStraw never runs a model's own Python code (docs/architectures.md): every `from_pretrained` passes
+`trust_remote_code=False`, and a config whose `auto_map` names classes for a model type transformers does not implement
+is refused here (`custom_code_refusal`).
 """
 
 from __future__ import annotations
@@ -15,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Any
+from typing import Any, TypeGuard
 
 from longstraw.choices import did_you_mean
 
@@ -111,13 +109,13 @@ def check_head_grouping(values: dict[str, Any], where: str) -> None:
         if isinstance(value, dict):
             check_head_grouping(value, where)
     heads, kv = values.get("num_attention_heads"), values.get("num_key_value_heads")
-    if isinstance(heads, int) and isinstance(kv, int) and _whole(heads) and _whole(kv) and heads >= 1 and kv >= 1 \
-            and heads % kv:
+    if is_int(heads) and is_int(kv) and heads >= 1 and kv >= 1 and heads % kv:
         raise ValueError(f"{where}: {kv} key-value heads do not divide {heads} attention heads (each key-value head "
                          "serves a whole group of query heads): fix num_key_value_heads")
 
 
-def _whole(value: Any) -> bool:
+def is_int(value: Any) -> TypeGuard[int]:
+    """An int that is not a bool (JSON and config values)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -150,16 +148,6 @@ def validation_error(err: Exception, where: str) -> ValueError:
     fields that contradict each other) as one line naming `where`."""
     text = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
     return ValueError(f"{where}: transformers refuses this config: {text[:400]}: fix the config")
-
-
-def local_config_path(name: str) -> str | None:
-    """The config.json of a local model directory (or the path itself for a .json file); None for other names."""
-    if name.endswith(".json") and os.path.isfile(name):
-        return name
-    if os.path.isdir(name):
-        path = os.path.join(name, "config.json")
-        return path if os.path.exists(path) else None
-    return None
 
 
 def remote_code_error(err: Exception, name: str) -> ValueError | None:

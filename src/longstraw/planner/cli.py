@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import asdict, replace
 from typing import Any
 
@@ -14,8 +15,6 @@ from longstraw.planner.parsing import non_negative_int, parse_size, positive_int
 from longstraw.planner.spec import BUILTIN_NAMES, load_config
 from longstraw.planner.tree import TREE_ONLY, add_tree_arguments
 from longstraw.planner.tree import run_from_args as run_tree_from_args
-
-# ---------------------------------------------------------------- CLI
 
 
 def add_arguments(parser) -> None:
@@ -98,13 +97,14 @@ def format_plan(document: dict[str, Any], other_gather: dict[str, dict[str, Any]
     inp: dict = document["inputs"]
     model: dict = document["model"]
     names = list(plans)
-    rows: list[str] = []
-    for est in plans.values():
-        for key in est["components"]:
-            if key not in rows:
-                rows.append(key)
+    rows = list(dict.fromkeys(key for est in plans.values() for key in est["components"]))
     width = max(len(r) for r in rows + ["largest prompt (tokens)"]) + 1
-    head = f"{'per GPU, GB':<{width}}" + "".join(f"{n:>18}" for n in names)
+
+    def row(label: str, cells: Iterable[str]) -> str:
+        """One line of the table: `label`, then a cell per plan."""
+        return f"{label:<{width}}" + "".join(f"{cell:>18}" for cell in cells)
+
+    head = row("per GPU, GB", names)
     lines = [
         f"{model['name']} ({model['model_type']}, {model['params'] / 1e9:.2f}B params, layers "
         + ", ".join(f"{k}x{v}" for k, v in model["layer_kinds"].items()) + ")",
@@ -124,22 +124,18 @@ def format_plan(document: dict[str, Any], other_gather: dict[str, dict[str, Any]
            else ""),
         head, "-" * len(head),
     ]
-    for key in rows:
-        lines.append(f"{key:<{width}}" + "".join(f"{_gb(plans[n]['components'].get(key)):>18}" for n in names))
-    lines.append("-" * len(head))
-    lines.append(f"{'peak (total)':<{width}}" + "".join(f"{_gb(plans[n]['total_bytes']):>18}" for n in names))
-    lines.append(f"{'peak phase':<{width}}" + "".join(f"{plans[n]['peak_phase']:>18}" for n in names))
-    lines.append(f"{'fits':<{width}}" + "".join(f"{'yes' if plans[n]['fits'] else 'NO':>18}" for n in names))
+    lines += [row(key, (_gb(plans[n]["components"].get(key)) for n in names)) for key in rows]
+    lines += ["-" * len(head), row("peak (total)", (_gb(plans[n]["total_bytes"]) for n in names)),
+              row("peak phase", (plans[n]["peak_phase"] for n in names)),
+              row("fits", ("yes" if plans[n]["fits"] else "NO" for n in names))]
     positions = inp["prompt_tokens"] + inp["response_tokens"]
     if model.get("max_positions") and positions > model["max_positions"]:
         lines.append(f"NO for every plan: P + R = {positions:,} positions exceeds the model's max_position_embeddings "
                      f"({model['max_positions']:,}), which LongStraw refuses; use a longer-context model")
     largest = [plans[n]["largest_prompt_tokens"] for n in names]
-    lines.append(f"{'largest prompt (tokens)':<{width}}"
-                 + "".join(f"{('none' if x is None else f'{x:,}'):>18}" for x in largest))
+    lines.append(row("largest prompt (tokens)", ("none" if x is None else f"{x:,}" for x in largest)))
     if any(plans[n].get("host_bytes") for n in names):
-        lines.append(f"{'host memory, GB':<{width}}"
-                     + "".join(f"{_gb(plans[n].get('host_bytes') or None):>18}" for n in names))
+        lines.append(row("host memory, GB", (_gb(plans[n].get("host_bytes") or None) for n in names)))
         lines.append("host memory: the offloaded prompt state and its gradient, per GPU's process (not in the peak)")
     lines.append("peak = weights + optimizer + runtime (+ FSDP gather) + the largest phase; a phase holds the "
                  "resident gradients/state plus its own transient rows (every row is on the GPU within its phase)")

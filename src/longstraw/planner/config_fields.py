@@ -4,18 +4,16 @@ and the helpers reading attention, MLA, MoE and per-layer mixer dimensions."""
 
 from __future__ import annotations
 
-from typing import TypedDict
+from typing import Any
 
-from longstraw.planner.spec import _MetaModel
+from longstraw.models.sources import is_int
+from longstraw.planner.spec import MAMBA_SCAN_CHUNK, _MetaModel
 
-
-class _AttentionDims(TypedDict):
-    heads: int
-    kv_heads: int
-    head_dim: int
+# `ModelSpec` keyword arguments read from a config (whose values are untyped).
+Fields = dict[str, Any]
 
 
-def _attention_dims(c) -> _AttentionDims:
+def _attention_dims(c) -> Fields:
     heads = c.num_attention_heads
     return {
         "heads": heads, "kv_heads": getattr(c, "num_key_value_heads", None) or heads,
@@ -32,51 +30,51 @@ def _moe_layers(c, n: int) -> tuple[str, ...]:
     return tuple("dense" if i < k else "moe" for i in range(n))
 
 
-class _MlaDims(TypedDict):
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    moe_intermediate: int
-    q_lora_rank: int
-    kv_lora_rank: int
-    qk_rope_dim: int
-    qk_nope_dim: int
-    v_head_dim: int
-
-
-def _mla_dims(c) -> _MlaDims:
+def _mla_dims(c) -> Fields:
     """Latent attention (MLA) dimensions and the dense/expert MLP widths, which Kimi-Linear, DeepSeek-V3 and GLM-DSA
     configs spell alike (their expert counts are spelled differently)."""
-    return {
-        "heads": c.num_attention_heads, "kv_heads": c.num_attention_heads,
-        "head_dim": c.qk_nope_head_dim + c.qk_rope_head_dim, "intermediate": c.intermediate_size,
-        "moe_intermediate": c.moe_intermediate_size, "q_lora_rank": c.q_lora_rank or 0,
-        "kv_lora_rank": c.kv_lora_rank, "qk_rope_dim": c.qk_rope_head_dim, "qk_nope_dim": c.qk_nope_head_dim,
-        "v_head_dim": c.v_head_dim,
-    }
+    return {**_mla_latent_dims(c), "intermediate": c.intermediate_size, "moe_intermediate": c.moe_intermediate_size}
 
 
-def _nemotron_h_blocks(kinds: list[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(mixers, mlps) of Nemotron-H's blocks, each of which is one token mixer or one MLP (`layers_block_type`)."""
-    mixers, mlps = [], []
+def _mla_mixers(c, n: int, dsa: bool) -> Fields:
+    """`mixers` of MLA layers; with DSA (`dsa`) the layers whose `indexer_types` entry is not "shared" (every layer
+    without it) keep their own indexer keys: `dsa` mixers, `index_layers` and the indexer's dims."""
+    if not dsa:
+        return {"mixers": ("mla",) * n}
+    keeps = tuple(t != "shared" for t in list(getattr(c, "indexer_types", None) or ["full"] * n))
+    return {"mixers": tuple("dsa" if k else "mla" for k in keeps), "index_layers": keeps,
+            "index_heads": c.index_n_heads, "index_dim": c.index_head_dim}
+
+
+def _deltanet_dims(c) -> Fields:
+    """Gated-DeltaNet dimensions under Qwen3-Next's field names."""
+    return {"lin_key_heads": c.linear_num_key_heads, "lin_value_heads": c.linear_num_value_heads,
+            "lin_key_dim": c.linear_key_head_dim, "lin_value_dim": c.linear_value_head_dim,
+            "conv_kernel": c.linear_conv_kernel_dim}
+
+
+def _falcon_mamba_dims(c) -> Fields:
+    """Mamba2 dimensions under Falcon-H1's field names (`mamba_d_head` "auto": expand x hidden / heads)."""
+    heads = c.mamba_n_heads
+    head_dim = c.mamba_d_head if c.mamba_d_head != "auto" else c.mamba_expand * c.hidden_size // heads
+    return {"mamba_heads": heads, "mamba_head_dim": head_dim, "mamba_state": c.mamba_d_state,
+            "mamba_groups": c.mamba_n_groups, "conv_kernel": c.mamba_d_conv,
+            "mamba_chunk": getattr(c, "mamba_chunk_size", None) or MAMBA_SCAN_CHUNK}
+
+
+# Nemotron-H's blocks, each one token mixer or one MLP (`layers_block_type`): (mixer, mlp) per block type
+# (`linear_attention`: transformers' name for its Mamba2 blocks).
+NEMOTRON_H_BLOCKS = {"linear_attention": ("mamba", "none"), "full_attention": ("attention", "none"),
+                     "mlp": ("none", "dense"), "moe": ("none", "moe")}
+
+
+def _blocks(kinds: list[str], table: dict[str, tuple[str, str]], refusal: str) -> tuple[tuple[str, ...], ...]:
+    """(mixers, mlps) of a family whose config names each layer's block type (`table`: its (mixer, mlp));
+    ValueError `refusal` (formatted with `kind`) for a type not in `table`."""
     for kind in kinds:
-        if kind == "linear_attention":  # transformers' name for its Mamba2 blocks
-            mixers.append("mamba")
-            mlps.append("none")
-        elif kind == "full_attention":
-            mixers.append("attention")
-            mlps.append("none")
-        elif kind == "mlp":
-            mixers.append("none")
-            mlps.append("dense")
-        elif kind == "moe":
-            mixers.append("none")
-            mlps.append("moe")
-        else:
-            raise ValueError(f"unknown Nemotron-H block type {kind!r} (known: linear_attention, full_attention, mlp, "
-                             "moe)")
-    return tuple(mixers), tuple(mlps)
+        if kind not in table:
+            raise ValueError(refusal.format(kind=kind))
+    return tuple(table[k][0] for k in kinds), tuple(table[k][1] for k in kinds)
 
 
 # Families read generically from their config (`_layer_mixers`, `_generic_attention_dims`, `_generic_mlps`), each
@@ -89,9 +87,8 @@ ATTENTION_MODEL_TYPES = (
     "gemma2", "glm", "glm4", "gpt_bigcode", "gpt_neox", "gpt_neox_japanese", "granite", "granite_swa", "granitemoe",
     "granitemoe_swa", "granitemoeshared", "helium", "hy_v3", "hyperclovax", "internlm3", "iquestcoder", "jais2",
     "jetmoe", "kolibri1", "laguna", "mellum", "minimax_m2", "ministral3", "mixtral", "modernbert-decoder", "moshi",
-    "nanochat",
-    "nemotron", "olmo", "olmo2", "olmo3", "olmoe", "persimmon", "phi", "phi3", "phimoe", "qwen2_moe", "qwen3_moe",
-    "sarvam_moe", "seed_oss", "smollm3", "solar_open", "stablelm", "starcoder2", "vaultgemma",
+    "nanochat", "nemotron", "olmo", "olmo2", "olmo3", "olmoe", "persimmon", "phi", "phi3", "phimoe", "qwen2_moe",
+    "qwen3_moe", "sarvam_moe", "seed_oss", "smollm3", "solar_open", "stablelm", "starcoder2", "vaultgemma",
     # Learned or rotary positions under GPT-2-era field names (`n_head`, `n_embd`, `n_layer`: transformers' attribute
     # maps read them as the common names; fused q/k/v projections: K/V of hidden / heads per head).
     "codegen", "ctrl", "gpt2", "gptj", "opt",
@@ -138,7 +135,7 @@ def _first(c, names: tuple[str, ...]) -> int:
     """The first of `names` the config sets to a positive int (0 when none does)."""
     for name in names:
         value = getattr(c, name, None)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        if is_int(value) and value > 0:
             return value
     return 0
 
@@ -174,14 +171,7 @@ def _layer_mixers(c, mt: str, linear: str = "") -> tuple[tuple[str, ...], int]:
     return tuple(mixers), window
 
 
-class _GenericAttentionDims(TypedDict):
-    heads: int
-    kv_heads: int
-    head_dim: int
-    v_head_dim: int
-
-
-def _generic_attention_dims(c) -> _GenericAttentionDims:
+def _generic_attention_dims(c) -> Fields:
     """Query heads, K/V heads (one for multi-query configs), the head dim (`head_dim`, else `kv_channels`, else
     hidden / heads) and the V head dim where the config gives a different one."""
     heads = c.num_attention_heads
@@ -191,7 +181,7 @@ def _generic_attention_dims(c) -> _GenericAttentionDims:
             "v_head_dim": getattr(c, "v_head_dim", None) or head_dim}
 
 
-def _layer_kv(c, dims: _GenericAttentionDims, meta: _MetaModel) -> tuple[tuple[int, int], ...]:
+def _layer_kv(c, dims: Fields, meta: _MetaModel) -> tuple[tuple[int, int], ...]:
     """`ModelSpec.layer_kv`: each layer's (key, value) widths from its attention's projections (`kv_widths`), none for
     the layers that reuse an earlier layer's K/V (Gemma-4's `num_kv_shared_layers`), the config's dims for layers
     without a `k_proj`; empty where every layer keeps the config's kv_heads x (head_dim + v_head_dim)."""
@@ -203,16 +193,7 @@ def _layer_kv(c, dims: _GenericAttentionDims, meta: _MetaModel) -> tuple[tuple[i
     return () if all(w == uniform for w in kv) else kv
 
 
-class _GenericMlps(TypedDict):
-    mlps: tuple[str, ...]
-    intermediate: int
-    moe_intermediate: int
-    experts_per_token: int
-    num_experts: int
-    shared_intermediate: int
-
-
-def _generic_mlps(c, meta: _MetaModel) -> _GenericMlps:
+def _generic_mlps(c, meta: _MetaModel) -> Fields:
     """Dense or routed-expert MLP per layer (a layer holding `.experts.` parameters in the meta model is MoE), the
     dense width (`_DENSE_WIDTHS`, else 4 x hidden) and the experts' count, top-k and widths under the names
     the families use."""
@@ -227,18 +208,7 @@ def _generic_mlps(c, meta: _MetaModel) -> _GenericMlps:
             "shared_intermediate": shared if meta.moe_layers else 0}
 
 
-class _MlaLatentDims(TypedDict):
-    heads: int
-    kv_heads: int
-    head_dim: int
-    q_lora_rank: int
-    kv_lora_rank: int
-    qk_rope_dim: int
-    qk_nope_dim: int
-    v_head_dim: int
-
-
-def _mla_latent_dims(c) -> _MlaLatentDims:
+def _mla_latent_dims(c) -> Fields:
     """Latent attention (MLA) dimensions, without the MLP widths (`_generic_mlps` reads those)."""
     return {
         "heads": c.num_attention_heads, "kv_heads": c.num_attention_heads,
@@ -246,6 +216,3 @@ def _mla_latent_dims(c) -> _MlaLatentDims:
         "kv_lora_rank": c.kv_lora_rank, "qk_rope_dim": c.qk_rope_head_dim, "qk_nope_dim": c.qk_nope_head_dim,
         "v_head_dim": c.v_head_dim,
     }
-
-
-# Every model type `spec_from_config` describes.

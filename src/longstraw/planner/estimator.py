@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from longstraw.choices import DTYPE_BYTES
 from longstraw.plan import PLANS_BASELINE_FIRST, Plan, plan_named
@@ -35,10 +35,6 @@ CPU_RUNTIME_BYTES = 20 * MIB
 DEFAULT_CUDA_RESERVE = 2 * GIB
 # Assumed query-block of a DSA indexer scoring a prompt (fp32 scores, reduced over indexer heads).
 DSA_SCORE_ROWS = 256
-
-
-
-# ---------------------------------------------------------------- the plan
 
 
 @dataclass(frozen=True)
@@ -100,12 +96,6 @@ class PlanEstimate:
     host_bytes: int = 0
 
 
-def _bytes_of(dtype: str) -> int:
-    if dtype not in DTYPE_BYTES:
-        raise ValueError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPE_BYTES)}")
-    return DTYPE_BYTES[dtype]
-
-
 def _trailing_tokens(positions: int, chunk: int, n: int) -> int:
     """Tokens in the last n capture chunks of `positions` (the last chunk holds the remainder)."""
     if n <= 0:
@@ -151,7 +141,9 @@ class _Resident:
 
 
 def _step_sizes(spec: ModelSpec, inp: PlanInputs) -> _Step:
-    b = _bytes_of(inp.dtype)
+    if inp.dtype not in DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {inp.dtype!r}: use one of {', '.join(DTYPE_BYTES)}")
+    b = DTYPE_BYTES[inp.dtype]
     if inp.tp < 1 or inp.gpus % inp.tp:
         raise ValueError(f"tp = {inp.tp} must be >= 1 and divide the GPUs ({inp.gpus})")
     fsdp = inp.gpus // inp.tp  # FSDP's ranks: the GPUs with the same tensor-parallel index
@@ -166,8 +158,7 @@ def _step_sizes(spec: ModelSpec, inp: PlanInputs) -> _Step:
 
 def _resident(spec: ModelSpec, inp: PlanInputs, plan: Plan, z: _Step) -> _Resident:
     n, b, shards = z.n, z.b, z.shards
-    weights = n * b // shards
-    grads = n * b // shards
+    weights = grads = n * b // shards
     if inp.optimizer == "adamw":
         optimizer = n * (8 + (4 if b < 4 else 0)) // shards  # exp_avg, exp_avg_sq (+ fp32 master weights)
     elif inp.optimizer == "none":
@@ -195,12 +186,8 @@ def _resident(spec: ModelSpec, inp: PlanInputs, plan: Plan, z: _Step) -> _Reside
         gathered = held + 2 * layer
         grads = (n * b - held) // shards + held  # the layers' gradient sharded, the held units' whole
         layer_reduce = layer + layer + layer // shards + (layer if inp.device == "cpu" else 0)
-    if inp.reserve is not None:
-        runtime = inp.reserve
-    elif inp.device == "cpu":
-        runtime = CPU_RUNTIME_BYTES
-    else:
-        runtime = DEFAULT_CUDA_RESERVE
+    default = CPU_RUNTIME_BYTES if inp.device == "cpu" else DEFAULT_CUDA_RESERVE
+    runtime = inp.reserve if inp.reserve is not None else default
     return _Resident(weights, grads, optimizer, gathered, layer_reduce, runtime)
 
 
@@ -214,8 +201,7 @@ def _logprob_bytes(inp: PlanInputs, z: _Step, rows: int) -> int:
 
 def _state_on_device(spec: ModelSpec, inp: PlanInputs, plan: Plan, z: _Step) -> tuple[int, int, int]:
     """(prompt state, its gradient, bytes in host memory) of a plan that captures a prompt state."""
-    exact = plan.needs_chunk_boundaries
-    p = z.p
+    exact, p = plan.needs_chunk_boundaries, z.p
     parts = state_parts(spec, p - 1, z.b, inp.chunk_size, exact)
     state, state_grad = parts.per_rank(inp.cp, inp.tp)
     host = 0
@@ -320,15 +306,11 @@ def _prompt_backward(spec: ModelSpec, inp: PlanInputs, z: _Step, recurrent: list
 
 def _gradient_reduce(inp: PlanInputs, z: _Step) -> int:
     """The block's end under FSDP (`sharded_compute`): the largest unit's reduce-scatter buffers."""
-    # Every FSDP unit reduce-scatters its accumulated gradient, one unit at a time, while the full parameters are
-    # still gathered and the full gradient still held (the prompt state and the activations are gone). The largest
-    # unit is the embedding or the output projection, each a unit of its own in accelerate's wrapping (V·d), or a
-    # decoder layer. For it FSDP copies the unit's gradient into a flat reduce-scatter input (U; the unsharded
-    # gradients are freed only after the collective) and allocates the rank's output (U / gpus); gloo's
-    # reduce-scatter (device cpu) also works on a copy of its input (another U). Measured at b1-llama on 2 CPU
-    # processes (`bench trl-scale`, FSDP2 + cp 2: the step's peak): 78.1 MiB = 2.5 · 31.25 MiB above the level
-    # before the reduction. On CUDA (NCCL reads the input in place) U·(1 + 1/gpus) is assumed, not measured.
-    # With gather="layer" only the units that are not layers are left to reduce there (the largest: V·d).
+    # Every FSDP unit reduce-scatters its gradient, one at a time, while the full parameters and gradient are still
+    # held (the state and activations are gone). The largest unit: the embedding or output projection (V·d, each a
+    # unit of its own) or a decoder layer (gather="layer": only the units that are not layers). FSDP copies its
+    # gradient into a flat input (U) and allocates the rank's output (U / gpus); gloo (device cpu) copies the input
+    # again. Measured 2.5 U on 2 CPU processes (`bench trl-scale`); U·(1 + 1/gpus) on CUDA is assumed (docs/planner.md).
     unit = (max(z.layer, z.v * z.d) if inp.fsdp_gather == "all" else z.v * z.d) * z.b
     return unit + unit // z.shards + (unit if inp.device == "cpu" else 0)
 
@@ -404,8 +386,6 @@ def estimate(spec: ModelSpec, inp: PlanInputs, plan: str | Plan) -> PlanEstimate
 def largest_prompt(spec: ModelSpec, inp: PlanInputs, plan: str | Plan, limit: int = 2**34) -> int | None:
     """The largest prompt length (tokens) for which `plan` fits `inp.gpu_memory`; None if not even 2 fits,
     `limit` if everything up to it fits. Memory grows monotonically with P, so a binary search suffices."""
-    from dataclasses import replace
-
     def fits(p: int) -> bool:
         return estimate(spec, replace(inp, prompt_tokens=p), plan).fits
 
@@ -425,12 +405,8 @@ def plan_all(
 ) -> dict[str, object]:
     """Every plan's estimate and largest fitting prompt, as the JSON document `longstraw plan --json` prints (and
     its table shows): the baseline, standard_batched, first."""
-    out: dict[str, object] = {}
-    for plan in plans:
-        est = estimate(spec, inp, plan)
-        entry = asdict(est)
-        entry["largest_prompt_tokens"] = largest_prompt(spec, inp, plan)
-        out[str(plan)] = entry
+    out = {str(plan): dict(asdict(estimate(spec, inp, plan)), largest_prompt_tokens=largest_prompt(spec, inp, plan))
+           for plan in plans}
     return {
         "model": {
             "name": spec.name, "model_type": spec.model_type, "params": spec.params,

@@ -3,6 +3,7 @@ config), and `PLANNER_TYPES`: every model type they read."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from longstraw.models.sources import check_head_counts
@@ -14,56 +15,44 @@ from longstraw.planner.config_fields import (
     LIGHTNING_TYPES,
     MAMBA2_HYBRID_TYPES,
     MLA_MODEL_TYPES,
+    NEMOTRON_H_BLOCKS,
     SHARED_BLOCK_TYPES,
     SHORT_CONV_TYPES,
+    Fields,
     _attention_dims,
+    _blocks,
+    _deltanet_dims,
+    _falcon_mamba_dims,
     _generic_attention_dims,
     _generic_mlps,
     _layer_kv,
     _layer_mixers,
     _mla_dims,
     _mla_latent_dims,
+    _mla_mixers,
     _moe_layers,
-    _nemotron_h_blocks,
 )
-from longstraw.planner.spec import (
-    MAMBA_SCAN_CHUNK,
-    PLANNER_MODEL_TYPES,
-    ModelSpec,
-    _meta_model,
-    _MetaModel,
-)
+from longstraw.planner.spec import MAMBA_SCAN_CHUNK, ModelSpec, _meta_model, _MetaModel
 
-PLANNER_TYPES = (PLANNER_MODEL_TYPES + ATTENTION_MODEL_TYPES + MLA_MODEL_TYPES + DSA_MODEL_TYPES + MAMBA2_HYBRID_TYPES
-                 + GATED_DELTANET_TYPES + SHORT_CONV_TYPES + LIGHTNING_TYPES + SHARED_BLOCK_TYPES + CCA_TYPES)
+# Every reader takes (config, model type, layers, meta-device counts, ModelSpec's common fields, `layer_types`).
 
 
-# Sizes a model cannot have fewer than one of, besides its head counts: transformers' config, the model's layers and
-# the planner's per-layer and per-head arithmetic divide by them or build empty tensors from them.
-
-
-def _read_plain_attention(
-    c: Any, mt: str, n: int, meta: _MetaModel, base: dict[str, Any], layer_types: list[str],
-) -> ModelSpec:
-    """The plain attention family."""
+def _read_plain_attention(c: Any, mt: str, n: int, meta: _MetaModel, base: Fields, types: list[str]) -> ModelSpec:
     # Cohere2: sliding layers and global layers without RoPE (same state), attention and MLP in parallel behind
     # one LayerNorm (counted as two norms: a small overestimate)
     window = getattr(c, "sliding_window", None) or 0
-    if not layer_types:
+    if not types:
         uses = getattr(c, "use_sliding_window", True) and window
-        layer_types = ["sliding_attention" if uses else "full_attention"] * n
-    mixers = tuple("sliding" if t == "sliding_attention" else "attention" for t in layer_types)
+        types = ["sliding_attention" if uses else "full_attention"] * n
+    mixers = tuple("sliding" if t == "sliding_attention" else "attention" for t in types)
     return ModelSpec(
         **base, mixers=mixers, mlps=("dense",) * n, **_attention_dims(c),
         qk_norm=mt in ("qwen3", "gemma3_text"), window=window, intermediate=c.intermediate_size,
     )
 
 
-def _read_qwen3_next(
-    c: Any, mt: str, n: int, meta: _MetaModel, base: dict[str, Any], layer_types: list[str],
-) -> ModelSpec:
-    """The qwen3 next family."""
-    mixers = tuple("linear" if t == "linear_attention" else "attention" for t in layer_types)
+def _read_qwen3_next(c: Any, mt: str, n: int, meta: _MetaModel, base: Fields, types: list[str]) -> ModelSpec:
+    mixers = tuple("linear" if t == "linear_attention" else "attention" for t in types)
     if mt == "qwen3_next":
         mlps = tuple("dense" if i in (c.mlp_only_layers or []) or c.num_experts == 0
                      or (i + 1) % c.decoder_sparse_step else "moe" for i in range(n))
@@ -71,17 +60,11 @@ def _read_qwen3_next(
                "num_experts": c.num_experts, "shared_intermediate": c.shared_expert_intermediate_size}
     else:
         mlps, moe = ("dense",) * n, {}
-    return ModelSpec(
-        **base, mixers=mixers, mlps=mlps, **_attention_dims(c), qk_norm=True, attn_gate=True,
-        intermediate=c.intermediate_size, lin_key_heads=c.linear_num_key_heads,
-        lin_value_heads=c.linear_num_value_heads, lin_key_dim=c.linear_key_head_dim,
-        lin_value_dim=c.linear_value_head_dim, conv_kernel=c.linear_conv_kernel_dim, **moe,
-    )
+    return ModelSpec(**base, mixers=mixers, mlps=mlps, **_attention_dims(c), qk_norm=True, attn_gate=True,
+                     intermediate=c.intermediate_size, **_deltanet_dims(c), **moe)
 
 
-def _read_glm4_moe(
-    c: Any, mt: str, n: int, meta: _MetaModel, base: dict[str, Any], layer_types: list[str],
-) -> ModelSpec:
+def _read_glm4_moe(c: Any, mt: str, n: int, meta: _MetaModel, base: Fields, types: list[str]) -> ModelSpec:
     """GQA (partial rotary, optional q/k norm) with DeepSeek-style MoE FFNs"""
     return ModelSpec(
         **base, mixers=("attention",) * n, mlps=_moe_layers(c, n), **_attention_dims(c), qk_norm=c.use_qk_norm,
@@ -91,11 +74,9 @@ def _read_glm4_moe(
     )
 
 
-def _read_gpt_oss(
-    c: Any, mt: str, n: int, meta: _MetaModel, base: dict[str, Any], layer_types: list[str],
-) -> ModelSpec:
+def _read_gpt_oss(c: Any, mt: str, n: int, meta: _MetaModel, base: Fields, types: list[str]) -> ModelSpec:
     """Sliding and full GQA layers (their sinks: one scalar per head, no per-token state), MoE"""
-    mixers = tuple("sliding" if t == "sliding_attention" else "attention" for t in layer_types)
+    mixers = tuple("sliding" if t == "sliding_attention" else "attention" for t in types)
     return ModelSpec(
         **base, mixers=mixers, mlps=("moe",) * n, **_attention_dims(c), window=c.sliding_window or 0,
         intermediate=c.intermediate_size, moe_intermediate=c.intermediate_size,
@@ -103,11 +84,10 @@ def _read_gpt_oss(
     )
 
 
-def _read_nemotron_h(
-    c: Any, mt: str, n: int, meta: _MetaModel, base: dict[str, Any], layer_types: list[str],
-) -> ModelSpec:
+def _read_nemotron_h(c: Any, mt: str, n: int, meta: _MetaModel, base: Fields, types: list[str]) -> ModelSpec:
     """Each block one of: Mamba2 mixer, attention (no RoPE), MLP, MoE"""
-    mixers, mlps = _nemotron_h_blocks(c.layers_block_type)
+    mixers, mlps = _blocks(c.layers_block_type, NEMOTRON_H_BLOCKS, "unknown Nemotron-H block type {kind!r} (known: "
+                                                                    "linear_attention, full_attention, mlp, moe)")
     return ModelSpec(
         **base, mixers=mixers, mlps=mlps, **_attention_dims(c), intermediate=c.intermediate_size,
         moe_intermediate=c.moe_intermediate_size, experts_per_token=c.num_experts_per_tok,
@@ -117,10 +97,7 @@ def _read_nemotron_h(
     )
 
 
-def _read_mamba2(
-    c: Any, mt: str, n: int, meta: _MetaModel, base: dict[str, Any], layer_types: list[str],
-) -> ModelSpec:
-    """The mamba2 family."""
+def _read_mamba2(c: Any, mt: str, n: int, meta: _MetaModel, base: Fields, types: list[str]) -> ModelSpec:
     return ModelSpec(
         **base, mixers=("mamba",) * n, mlps=("none",) * n, mamba_heads=c.num_heads,
         mamba_head_dim=c.head_dim, mamba_state=c.state_size, mamba_groups=c.n_groups,
@@ -128,9 +105,7 @@ def _read_mamba2(
     )
 
 
-def _read_mamba1(
-    c: Any, mt: str, n: int, meta: _MetaModel, base: dict[str, Any], layer_types: list[str],
-) -> ModelSpec:
+def _read_mamba1(c: Any, mt: str, n: int, meta: _MetaModel, base: Fields, types: list[str]) -> ModelSpec:
     """Mamba-1 blocks: one mixer each, no MLP"""
     return ModelSpec(
         **base, mixers=("mamba1",) * n, mlps=("none",) * n, mamba_heads=c.intermediate_size, mamba_head_dim=1,
@@ -138,9 +113,7 @@ def _read_mamba1(
     )
 
 
-def _read_jamba(
-    c: Any, mt: str, n: int, meta: _MetaModel, base: dict[str, Any], layer_types: list[str],
-) -> ModelSpec:
+def _read_jamba(c: Any, mt: str, n: int, meta: _MetaModel, base: Fields, types: list[str]) -> ModelSpec:
     """Mamba-1 or attention layers, each with a dense MLP or an MoE"""
     return ModelSpec(
         **base, mixers=tuple("mamba1" if k == "mamba" else "attention" for k in c.layers_block_type),
@@ -152,25 +125,14 @@ def _read_jamba(
     )
 
 
-def _read_falcon_h1(
-    c: Any, mt: str, n: int, meta: _MetaModel, base: dict[str, Any], layer_types: list[str],
-) -> ModelSpec:
-    """The falcon h1 family."""
-    heads = c.mamba_n_heads
-    head_dim = c.mamba_d_head if c.mamba_d_head != "auto" else c.mamba_expand * c.hidden_size // heads
-    return ModelSpec(
-        **base, mixers=("attention+mamba",) * n, mlps=("dense",) * n, **_attention_dims(c),
-        intermediate=c.intermediate_size, mamba_heads=heads, mamba_head_dim=head_dim,
-        mamba_state=c.mamba_d_state, mamba_groups=c.mamba_n_groups, conv_kernel=c.mamba_d_conv,
-        mamba_chunk=getattr(c, "mamba_chunk_size", None) or MAMBA_SCAN_CHUNK,
-    )
+def _read_falcon_h1(c: Any, mt: str, n: int, meta: _MetaModel, base: Fields, types: list[str]) -> ModelSpec:
+    return ModelSpec(**base, mixers=("attention+mamba",) * n, mlps=("dense",) * n, **_attention_dims(c),
+                     intermediate=c.intermediate_size, **_falcon_mamba_dims(c))
 
 
-def _read_kimi_linear(
-    c: Any, mt: str, n: int, meta: _MetaModel, base: dict[str, Any], layer_types: list[str],
-) -> ModelSpec:
+def _read_kimi_linear(c: Any, mt: str, n: int, meta: _MetaModel, base: Fields, types: list[str]) -> ModelSpec:
     """KDA layers (linear attention, one head set) + MLA layers, MoE FFNs"""
-    mixers = tuple("linear" if t == "linear_attention" else "mla" for t in layer_types)
+    mixers = tuple("linear" if t == "linear_attention" else "mla" for t in types)
     return ModelSpec(
         **base, mixers=mixers, mlps=_moe_layers(c, n), **_mla_dims(c),
         experts_per_token=c.num_experts_per_token, num_experts=c.num_experts,
@@ -180,29 +142,15 @@ def _read_kimi_linear(
     )
 
 
-def _read_deepseek_v3(
-    c: Any, mt: str, n: int, meta: _MetaModel, base: dict[str, Any], layer_types: list[str],
-) -> ModelSpec:
-    """The deepseek v3 family."""
-    if mt == "glm_moe_dsa":
-        types = list(getattr(c, "indexer_types", None) or ["full"] * n)
-        mixers = tuple("dsa" if t != "shared" else "mla" for t in types)
-        index_layers = tuple(t != "shared" for t in types)
-        index = {"index_heads": c.index_n_heads, "index_dim": c.index_head_dim}
-    else:
-        mixers, index_layers, index = ("mla",) * n, (), {}
+def _read_deepseek_v3(c: Any, mt: str, n: int, meta: _MetaModel, base: Fields, types: list[str]) -> ModelSpec:
     return ModelSpec(
-        **base, mixers=mixers, mlps=_moe_layers(c, n), **_mla_dims(c),
+        **base, **_mla_mixers(c, n, dsa=mt == "glm_moe_dsa"), mlps=_moe_layers(c, n), **_mla_dims(c),
         experts_per_token=c.num_experts_per_tok, num_experts=c.n_routed_experts,
-        shared_intermediate=(c.n_shared_experts or 0) * c.moe_intermediate_size, index_layers=index_layers,
-        **index,
+        shared_intermediate=(c.n_shared_experts or 0) * c.moe_intermediate_size,
     )
 
 
-def _read_generic_attention(
-    c: Any, mt: str, n: int, meta: _MetaModel, base: dict[str, Any], layer_types: list[str],
-) -> ModelSpec:
-    """The generic attention family."""
+def _read_generic_attention(c: Any, mt: str, n: int, meta: _MetaModel, base: Fields, types: list[str]) -> ModelSpec:
     mixers, window = _layer_mixers(c, mt)
     # a heterogeneous config (transformers' `per_layer_config`: Gemma-4) refuses to read per-layer fields
     # globally: its first layer's stand for every layer, and `layer_kv` holds each layer's own K/V widths
@@ -211,60 +159,30 @@ def _read_generic_attention(
                      **_generic_mlps(c, meta), layer_kv=_layer_kv(c, dims, meta))
 
 
-def _read_generic_mla(
-    c: Any, mt: str, n: int, meta: _MetaModel, base: dict[str, Any], layer_types: list[str],
-) -> ModelSpec:
-    """The generic mla family."""
-    if mt in DSA_MODEL_TYPES:
-        types = list(getattr(c, "indexer_types", None) or ["full"] * n)
-        index_layers = tuple(t != "shared" for t in types)
-        mixers = tuple("dsa" if keeps else "mla" for keeps in index_layers)
-        index = {"index_heads": c.index_n_heads, "index_dim": c.index_head_dim}
-    else:
-        mixers, index_layers, index = ("mla",) * n, (), {}
-    return ModelSpec(**base, mixers=mixers, index_layers=index_layers, **index, **_mla_latent_dims(c),
+def _read_generic_mla(c: Any, mt: str, n: int, meta: _MetaModel, base: Fields, types: list[str]) -> ModelSpec:
+    return ModelSpec(**base, **_mla_mixers(c, n, dsa=mt in DSA_MODEL_TYPES), **_mla_latent_dims(c),
                      **_generic_mlps(c, meta))
 
 
-def _read_mamba2_hybrid(
-    c: Any, mt: str, n: int, meta: _MetaModel, base: dict[str, Any], layer_types: list[str],
-) -> ModelSpec:
-    """The mamba2 hybrid family."""
+def _read_mamba2_hybrid(c: Any, mt: str, n: int, meta: _MetaModel, base: Fields, types: list[str]) -> ModelSpec:
     mixers, window = _layer_mixers(c, mt, linear="mamba")
-    heads = c.mamba_n_heads
-    head_dim = c.mamba_d_head if c.mamba_d_head != "auto" else c.mamba_expand * c.hidden_size // heads
-    return ModelSpec(
-        **base, mixers=mixers, **_attention_dims(c), window=window, **_generic_mlps(c, meta),
-        mamba_heads=heads, mamba_head_dim=head_dim, mamba_state=c.mamba_d_state, mamba_groups=c.mamba_n_groups,
-        conv_kernel=c.mamba_d_conv, mamba_chunk=getattr(c, "mamba_chunk_size", None) or MAMBA_SCAN_CHUNK,
-    )
+    return ModelSpec(**base, mixers=mixers, **_attention_dims(c), window=window, **_generic_mlps(c, meta),
+                     **_falcon_mamba_dims(c))
 
 
-def _read_gated_deltanet(
-    c: Any, mt: str, n: int, meta: _MetaModel, base: dict[str, Any], layer_types: list[str],
-) -> ModelSpec:
-    """The gated deltanet family."""
+def _read_gated_deltanet(c: Any, mt: str, n: int, meta: _MetaModel, base: Fields, types: list[str]) -> ModelSpec:
     mixers, window = _layer_mixers(c, mt, linear="linear")
-    return ModelSpec(
-        **base, mixers=mixers, **_attention_dims(c), qk_norm=meta.qk_norm, window=window,
-        **_generic_mlps(c, meta), lin_key_heads=c.linear_num_key_heads, lin_value_heads=c.linear_num_value_heads,
-        lin_key_dim=c.linear_key_head_dim, lin_value_dim=c.linear_value_head_dim,
-        conv_kernel=c.linear_conv_kernel_dim,
-    )
+    return ModelSpec(**base, mixers=mixers, **_attention_dims(c), qk_norm=meta.qk_norm, window=window,
+                     **_generic_mlps(c, meta), **_deltanet_dims(c))
 
 
-def _read_short_conv(
-    c: Any, mt: str, n: int, meta: _MetaModel, base: dict[str, Any], layer_types: list[str],
-) -> ModelSpec:
-    """The short conv family."""
+def _read_short_conv(c: Any, mt: str, n: int, meta: _MetaModel, base: Fields, types: list[str]) -> ModelSpec:
     mixers, window = _layer_mixers(c, mt)
     return ModelSpec(**base, mixers=mixers, **_attention_dims(c), qk_norm=meta.qk_norm, window=window,
                      **_generic_mlps(c, meta), conv_kernel=c.conv_L_cache)
 
 
-def _read_lightning(
-    c: Any, mt: str, n: int, meta: _MetaModel, base: dict[str, Any], layer_types: list[str],
-) -> ModelSpec:
+def _read_lightning(c: Any, mt: str, n: int, meta: _MetaModel, base: Fields, types: list[str]) -> ModelSpec:
     """Lightning attention: heads x head_dim x head_dim per layer, the model's dtype"""
     mixers, window = _layer_mixers(c, mt, linear="lightning")
     heads = _attention_dims(c)
@@ -275,21 +193,13 @@ def _read_lightning(
     )
 
 
-def _read_shared_block(
-    c: Any, mt: str, n: int, meta: _MetaModel, base: dict[str, Any], layer_types: list[str],
-) -> ModelSpec:
+def _read_shared_block(c: Any, mt: str, n: int, meta: _MetaModel, base: Fields, types: list[str]) -> ModelSpec:
     """Mamba2 layers; hybrid layers: Mamba2 + a shared attention block and its MLP"""
-    blocks: list[tuple[str, str]] = []  # (mixer, mlp) per layer
-    for kind in c.layers_block_type:
-        if kind in ("linear_attention", "mamba"):
-            blocks.append(("mamba", "none"))
-        elif kind == "hybrid":
-            blocks.append(("attention+mamba", "dense"))
-        else:
-            raise ValueError(f"{mt}: the planner does not model block type {kind!r} (it models linear_attention "
-                             "(Mamba2) and hybrid)")
+    table = {"linear_attention": ("mamba", "none"), "mamba": ("mamba", "none"), "hybrid": ("attention+mamba", "dense")}
+    mixers, mlps = _blocks(c.layers_block_type, table, f"{mt}: the planner does not model block type "
+                                                       "{kind!r} (it models linear_attention (Mamba2) and hybrid)")
     return ModelSpec(
-        **base, mixers=tuple(k[0] for k in blocks), mlps=tuple(k[1] for k in blocks), heads=c.num_attention_heads,
+        **base, mixers=mixers, mlps=mlps, heads=c.num_attention_heads,
         kv_heads=c.num_key_value_heads or c.num_attention_heads, head_dim=c.attention_head_dim,
         intermediate=c.intermediate_size, mamba_heads=c.n_mamba_heads, mamba_head_dim=c.mamba_headdim,
         mamba_state=c.mamba_d_state, mamba_groups=c.mamba_ngroups, conv_kernel=c.mamba_d_conv,
@@ -297,11 +207,9 @@ def _read_shared_block(
     )
 
 
-def _read_cca(
-    c: Any, mt: str, n: int, meta: _MetaModel, base: dict[str, Any], layer_types: list[str],
-) -> ModelSpec:
+def _read_cca(c: Any, mt: str, n: int, meta: _MetaModel, base: Fields, types: list[str]) -> ModelSpec:
     """K/V, a window of the q/k convolution's inputs and the last token's delayed value"""
-    kinds = sorted({str(t) for t in layer_types} - {"hybrid"})
+    kinds = sorted({str(t) for t in types} - {"hybrid"})
     if kinds:
         raise ValueError(f"{mt}: the planner does not model layer type {kinds[0]!r} of this family (it models "
                          "hybrid: compressed convolutional attention without a window)")
@@ -311,19 +219,23 @@ def _read_cca(
     )
 
 
-def _read_unknown(
-    c: Any, mt: str, n: int, meta: _MetaModel, base: dict[str, Any], layer_types: list[str],
-) -> ModelSpec:
-    """The unknown family."""
-    kinds = sorted({str(t) for t in layer_types})
-    raise ValueError(
-        f"the planner has no formulas for model_type {mt!r}"
-        + (f" (its layer types: {', '.join(kinds)})" if kinds else "") + ": it models full, sliding and chunked "
-        "attention, MLA, DSA, gated DeltaNet, KDA, lightning attention, Mamba2, Mamba-1, short-convolution and "
-        "compressed convolutional attention layers, in the "
-        f"{len(PLANNER_TYPES)} model types listed in longstraw.planner.families (PLANNER_TYPES), each checked "
-        "against its captured prompt state"
-    )
+# model type -> its reader; the families read generically come first, so a type with a reader of its own keeps it
+_READERS: dict[str, Callable[..., ModelSpec]] = {
+    **dict.fromkeys(ATTENTION_MODEL_TYPES, _read_generic_attention),
+    **dict.fromkeys(MLA_MODEL_TYPES + DSA_MODEL_TYPES, _read_generic_mla),
+    **dict.fromkeys(MAMBA2_HYBRID_TYPES, _read_mamba2_hybrid),
+    **dict.fromkeys(GATED_DELTANET_TYPES, _read_gated_deltanet),
+    **dict.fromkeys(SHORT_CONV_TYPES, _read_short_conv),
+    **dict.fromkeys(LIGHTNING_TYPES, _read_lightning),
+    **dict.fromkeys(SHARED_BLOCK_TYPES, _read_shared_block),
+    **dict.fromkeys(CCA_TYPES, _read_cca),
+    **dict.fromkeys(("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "cohere2"), _read_plain_attention),
+    "qwen3_next": _read_qwen3_next, "qwen3_5_text": _read_qwen3_next, "glm4_moe": _read_glm4_moe,
+    "gpt_oss": _read_gpt_oss, "nemotron_h": _read_nemotron_h, "mamba2": _read_mamba2, "mamba": _read_mamba1,
+    "falcon_mamba": _read_mamba1, "jamba": _read_jamba, "falcon_h1": _read_falcon_h1,
+    "kimi_linear": _read_kimi_linear, "deepseek_v3": _read_deepseek_v3, "glm_moe_dsa": _read_deepseek_v3,
+}
+PLANNER_TYPES = tuple(_READERS)
 
 
 def spec_from_config(config, name: str = "") -> ModelSpec:
@@ -333,50 +245,21 @@ def spec_from_config(config, name: str = "") -> ModelSpec:
     mt = c.model_type
     n = c.num_hidden_layers
     meta = _meta_model(c)
-    base: dict[str, Any] = {  # ModelSpec's common fields, read from the (untyped) config
+    base: Fields = {  # ModelSpec's common fields, read from the (untyped) config
         "name": name or mt, "model_type": mt, "hidden": c.hidden_size, "vocab": c.vocab_size,
         "params": meta.total, "expert_params": meta.expert, "max_layer_params": meta.max_layer,
         "tied": bool(getattr(c, "tie_word_embeddings", False)), "eager_attention": meta.eager_attention,
         "max_positions": int(getattr(c, "max_position_embeddings", 0) or 0),
     }
-    layer_types = list(getattr(c, "layer_types", None) or [])
-    if mt in ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "cohere2"):
-        return _read_plain_attention(c, mt, n, meta, base, layer_types)
-    elif mt in ("qwen3_next", "qwen3_5_text"):
-        return _read_qwen3_next(c, mt, n, meta, base, layer_types)
-    elif mt == "glm4_moe":
-        return _read_glm4_moe(c, mt, n, meta, base, layer_types)
-    elif mt == "gpt_oss":
-        return _read_gpt_oss(c, mt, n, meta, base, layer_types)
-    elif mt == "nemotron_h":
-        return _read_nemotron_h(c, mt, n, meta, base, layer_types)
-    elif mt == "mamba2":
-        return _read_mamba2(c, mt, n, meta, base, layer_types)
-    elif mt in ("mamba", "falcon_mamba"):
-        return _read_mamba1(c, mt, n, meta, base, layer_types)
-    elif mt == "jamba":
-        return _read_jamba(c, mt, n, meta, base, layer_types)
-    elif mt == "falcon_h1":
-        return _read_falcon_h1(c, mt, n, meta, base, layer_types)
-    elif mt == "kimi_linear":
-        return _read_kimi_linear(c, mt, n, meta, base, layer_types)
-    elif mt in ("deepseek_v3", "glm_moe_dsa"):
-        return _read_deepseek_v3(c, mt, n, meta, base, layer_types)
-    elif mt in ATTENTION_MODEL_TYPES:
-        return _read_generic_attention(c, mt, n, meta, base, layer_types)
-    elif mt in MLA_MODEL_TYPES or mt in DSA_MODEL_TYPES:
-        return _read_generic_mla(c, mt, n, meta, base, layer_types)
-    elif mt in MAMBA2_HYBRID_TYPES:
-        return _read_mamba2_hybrid(c, mt, n, meta, base, layer_types)
-    elif mt in GATED_DELTANET_TYPES:
-        return _read_gated_deltanet(c, mt, n, meta, base, layer_types)
-    elif mt in SHORT_CONV_TYPES:
-        return _read_short_conv(c, mt, n, meta, base, layer_types)
-    elif mt in LIGHTNING_TYPES:
-        return _read_lightning(c, mt, n, meta, base, layer_types)
-    elif mt in SHARED_BLOCK_TYPES:
-        return _read_shared_block(c, mt, n, meta, base, layer_types)
-    elif mt in CCA_TYPES:
-        return _read_cca(c, mt, n, meta, base, layer_types)
-    else:
-        return _read_unknown(c, mt, n, meta, base, layer_types)
+    types = list(getattr(c, "layer_types", None) or [])
+    if mt not in _READERS:
+        kinds = sorted({str(t) for t in types})
+        raise ValueError(
+            f"the planner has no formulas for model_type {mt!r}"
+            + (f" (its layer types: {', '.join(kinds)})" if kinds else "") + ": it models full, sliding and chunked "
+            "attention, MLA, DSA, gated DeltaNet, KDA, lightning attention, Mamba2, Mamba-1, short-convolution and "
+            "compressed convolutional attention layers, in the "
+            f"{len(PLANNER_TYPES)} model types listed in longstraw.planner.families (PLANNER_TYPES), each checked "
+            "against its captured prompt state"
+        )
+    return _READERS[mt](c, mt, n, meta, base, types)

@@ -11,8 +11,6 @@ from dataclasses import dataclass
 from longstraw.planner.recurrent import _recurrent_layers, recurrent_bytes
 from longstraw.planner.spec import ModelSpec
 
-# ---------------------------------------------------------------- per-layer formulas (docs/design.md §4)
-
 
 def _recurrent_bytes(spec: ModelSpec, mixer: str, b: int) -> int:
     """One copy of a recurrent layer's state: conv window (b) + recurrent state (fp32), constant in P."""
@@ -35,8 +33,7 @@ def _recurrent_bytes(spec: ModelSpec, mixer: str, b: int) -> int:
     elif mixer == "cca":  # ZAYA: the q/k convolution's last inputs (query and key heads) and the delayed value
         window = (spec.heads + spec.kv_heads) * spec.head_dim * spec.conv_kernel
         return (window + spec.kv_heads * spec.head_dim // 2) * b
-    else:
-        return 0
+    return 0
 
 
 # Mixers whose state holds K and V per prompt token (`ModelSpec.layer_kv` where layers differ).
@@ -109,8 +106,7 @@ def state_bytes(spec: ModelSpec, positions: int, b: int, chunk: int, exact: bool
     positions); DSA indexer keys grow but carry no gradient; recurrent layers hold one state (detach) or one per
     chunk boundary (exact), and their gradient is one state's worth.
     """
-    parts = state_parts(spec, positions, b, chunk, exact)
-    return parts.per_rank(1)
+    return state_parts(spec, positions, b, chunk, exact).per_rank(1)
 
 
 def _norm(width: int, b: int) -> int:
@@ -130,9 +126,8 @@ def _mixer_activation_bytes(spec: ModelSpec, mixer: str, b: int, a: int, kernel:
             qk, v = spec.qk_nope_dim + spec.qk_rope_dim, spec.v_head_dim
             # latent projections: q_a/kv_a outputs normalised, q_b/kv_b outputs, k assembled from nope + rope
             proj = _norm(spec.q_lora_rank, b) + _norm(spec.kv_lora_rank, b)
+            # (DSA's indexer query and key are computed without grad: nothing else is saved)
             proj += (h * qk + h * (spec.qk_nope_dim + v) + h * qk) * b
-            if mixer == "dsa":  # indexer query and key (computed without grad: nothing else is saved)
-                proj += 0
         else:
             qk = v = spec.head_dim
             proj = 0
@@ -191,10 +186,8 @@ def layer_activation_bytes(spec: ModelSpec, layer: int, b: int, a: int, kernel: 
 
 def model_activation_bytes(spec: ModelSpec, b: int, a: int, kernel: str, tokens: int, batch: int = 1) -> int:
     """Saved bytes of the whole decoder (every layer, the final norm, the input ids) for `batch` x `tokens`."""
-    layers = sum(_layer_per_token(spec, i, b, a, kernel) for i in range(spec.num_layers))
-    rec = sum(recurrent_bytes(spec, spec.mixers[i], tokens, b, batch, cached=kernel != "sdpa").saved
-              for i in _recurrent_layers(spec))
-    return batch * tokens * (layers + _norm(spec.hidden, b) + 8) + rec
+    layers = sum(layer_activation_bytes(spec, i, b, a, kernel, tokens, batch) for i in range(spec.num_layers))
+    return layers + batch * tokens * (_norm(spec.hidden, b) + 8)
 
 
 def last_state_layer(spec: ModelSpec) -> int:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import re
 
 from longstraw.planner.estimator import GIB, MIB
@@ -29,8 +30,6 @@ def parse_size(text: str) -> int:
 
 def _int_at_least(text: str, least: int) -> int:
     """argparse type body: an integer >= `least`, else ArgumentTypeError saying what was given."""
-    import argparse
-
     try:
         value = int(text)
     except ValueError:

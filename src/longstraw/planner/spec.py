@@ -15,9 +15,6 @@ LINEAR_SCAN_CHUNK = 64
 MAMBA_SCAN_CHUNK = 256
 
 
-# ---------------------------------------------------------------- built-in model descriptions
-
-
 def hybrid_27b():
     """A 27B-class gated-DeltaNet/attention hybrid in the style of Qwen3.5/3.6 (Qwen3-Next layer pattern):
     64 layers, 3 linear-attention layers per full-attention layer, hidden 5120, dense SwiGLU MLP 17408,
@@ -45,7 +42,8 @@ def glm5_class():
     return GlmMoeDsaConfig(max_position_embeddings=2**22)
 
 
-BUILTIN_NAMES = ("hybrid-27b", "glm5-class")
+BUILTINS = {"hybrid-27b": hybrid_27b, "glm5-class": glm5_class}
+BUILTIN_NAMES = tuple(BUILTINS)
 
 
 def load_config(name: str):
@@ -63,10 +61,8 @@ def load_config(name: str):
     from longstraw.models.presets import PRESETS
     from longstraw.models.sources import check_local_config, read_config_json, validation_error
 
-    if name == "hybrid-27b":
-        return hybrid_27b()
-    elif name == "glm5-class":
-        return glm5_class()
+    if name in BUILTINS:
+        return BUILTINS[name]()
     elif name in PRESETS:
         return PRESETS[name]()
     elif name in PACKAGED_GGUF or name.endswith(".gguf"):  # a packaged real model: the config of its converted copy
@@ -124,9 +120,6 @@ def _hub_config(name: str, close: str):
         except ValueError as err:
             raise ValueError(f"unknown model {name!r}{close}: {str(err).removeprefix(f'model {name!r} ')}") from None
     raise AssertionError("unreachable")
-
-
-# ---------------------------------------------------------------- model description
 
 
 @dataclass(frozen=True)
@@ -193,13 +186,6 @@ class ModelSpec:
         return len(self.mixers)
 
 
-PLANNER_MODEL_TYPES = (
-    "llama", "qwen2", "qwen3", "mistral", "gemma3_text", "qwen3_next", "qwen3_5_text", "mamba2", "falcon_h1",
-    "deepseek_v3", "glm_moe_dsa", "kimi_linear", "cohere2", "glm4_moe", "nemotron_h", "gpt_oss", "mamba",
-    "falcon_mamba", "jamba",
-)
-
-
 @contextmanager
 def _plain_model_building() -> Iterator[None]:
     """transformers builds every model under DeepSpeed's partitioned ZeRO-3 initialisation while a ZeRO-3 config is
@@ -242,11 +228,7 @@ def _meta_model(config) -> _MetaModel:
     total = expert = 0
     per_layer: dict[int, int] = {}
     moe_layers: set[int] = set()
-    seen: set[int] = set()
-    for name, p in model.named_parameters(remove_duplicate=True):
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
+    for name, p in model.named_parameters(remove_duplicate=True):  # a tied weight once
         total += p.numel()
         is_expert = ".experts." in name
         if is_expert:

@@ -7,17 +7,7 @@ step (`token_passes`), and the forecast of a step's peak memory for the tree `ex
 (every trajectory through the unmodified model, one at a time: `forecast`), which `longstraw plan --tree` prints.
 
 Token passes: tokens run through the model's body, a backward counted as two forwards (the output projection and
-attention's quadratic part are not counted; docs/trees.md):
-
-* flattened: 3 · Σ_i (N_i − 1) (each trajectory's forward and backward);
-* per group (`backward_group` exact, one task's S + C tokens as the prompt): per task 4 · (S + C − 1) (the prompt
-  captured without grad, recomputed with grad, backpropagated) + 3 · G · T (r + o) (each response replayed);
-* packed tree (every token once in one sequence, an ancestor mask): 3 · E, E = the tree's encoded tokens;
-* tree exact: 4 · I + 3 · L, I the inputs of the inner nodes (captured, recomputed, backpropagated), L the leaves'
-  (replayed with grad and backpropagated);
-* tree detach: (I − I_loss) + 3 · (I_loss + L), I_loss the inner nodes' inputs that predict tokens of the loss
-  region (from S + C on): a chunk without loss tokens is captured without grad, one with them runs with grad and is
-  backpropagated for its own loss only (up to the rounding of nodes into chunks).
+attention's quadratic part are not counted): `FLOOR_FORMULAS` per way of running the step, derived in docs/trees.md.
 
 Torch-free, like the rest of the planner.
 """
@@ -34,10 +24,9 @@ from longstraw.planner.parsing import parse_size, positive_int
 from longstraw.planner.spec import ModelSpec
 
 
-def _check_int(name: str, value: object, least: int) -> int:
+def _check_int(name: str, value: object, least: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
         raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -61,7 +50,7 @@ class TreeShape:
             _check_int(name, getattr(self, name), 1)
         _check_int("observation_tokens", self.observation_tokens, 0)
         _check_int("branching", self.branching, 2)
-        m = round(math.log(self.group_size, self.branching))
+        m = self.branch_turns
         if self.branching ** m != self.group_size:
             raise ValueError(f"group_size {self.group_size} is not a power of branching {self.branching}: trajectories "
                              f"branch {self.branching} ways at each branching turn, so G must be one of "
@@ -124,18 +113,11 @@ def counts(shape: TreeShape) -> TreeCounts:
     """The prefix tree of `shape`: a root of S tokens when K > 1 (of S + C + the shared turns when K = 1), a node per
     task of C + the shared turns (K > 1), then K · B^j turn nodes of r + o tokens at the j-th branching turn."""
     s, k, g, m = shape.system_tokens, shape.tasks, shape.group_size, shape.branch_turns
-    trunk = shape.task_tokens + (shape.turns - m) * shape.turn_tokens  # a task's tokens before its first branch
-    # (tokens, holds loss tokens, is a leaf) per level of the tree, with the number of nodes at that level
-    # per level: (nodes, tokens of each, of them the inputs that predict loss-region tokens, whether leaves)
     shared_turns = (shape.turns - m) * shape.turn_tokens
-    levels: list[tuple[int, int, int, bool]] = []
-    if k == 1:
-        levels.append((1, s + trunk, shared_turns, m == 0))
-    else:
-        levels.append((1, s, 0, False))
-        levels.append((k, trunk, shared_turns, m == 0))
-    for j in range(1, m + 1):
-        levels.append((k * shape.branching ** j, shape.turn_tokens, shape.turn_tokens, j == m))
+    trunk = shape.task_tokens + shared_turns  # a task's tokens before its first branch
+    # per level: (nodes, tokens of each, of them the inputs that predict loss-region tokens, whether leaves)
+    levels = [(1, s + trunk, shared_turns, m == 0)] if k == 1 else [(1, s, 0, False), (k, trunk, shared_turns, m == 0)]
+    levels += [(k * shape.branching ** j, shape.turn_tokens, shape.turn_tokens, j == m) for j in range(1, m + 1)]
     inner = inner_loss = leaf = 0
     for i, (count, tokens, loss, is_leaf) in enumerate(levels):
         inputs = count * tokens - (1 if i == 0 else 0)  # the root's first token is no input
@@ -153,15 +135,13 @@ def counts(shape: TreeShape) -> TreeCounts:
     )
 
 
-# ---------------------------------------------------------------- token-pass floors
-
 # The ways of running a tree step the bench measures, in its table's order: flattened (what TRL and verl do),
 # per group (`backward_group` per task), the packed tree with an ancestor mask (the peers' approach), the tree plans.
 ROWS = ("flattened", "group", "packed", "tree_exact", "tree_detach")
 
 
 def token_passes(shape: TreeShape, row: str) -> int:
-    """Tokens `row` runs through the model's body, a backward counted as two forwards (module docstring)."""
+    """Tokens `row` runs through the model's body, a backward counted as two forwards (`FLOOR_FORMULAS`)."""
     c = counts(shape)
     if row == "flattened":
         return 3 * c.tokens_flattened
@@ -186,9 +166,6 @@ FLOOR_FORMULAS = {
 FLOOR_NOTE = ("token passes: tokens run through the model's body, a backward counted as two forwards; E the tree's "
               "encoded tokens, I / L its inner nodes' / leaves' inputs, I_loss the inner nodes' inputs that predict "
               "loss-region tokens; the output projection and attention's quadratic part are not counted")
-
-
-# ---------------------------------------------------------------- the memory forecast
 
 
 @dataclass(frozen=True)
@@ -265,8 +242,6 @@ def forecast_document(spec: ModelSpec, shape: TreeShape, base: PlanInputs) -> di
     }
 
 
-# ---------------------------------------------------------------- `longstraw plan --tree`
-
 TREE_ONLY = ("tasks", "task_tokens", "turns", "branching")  # options that mean nothing without --tree
 
 
@@ -279,15 +254,11 @@ def add_tree_arguments(parser: Any) -> None:
                        "loss) + --observation-tokens (o, masked) tokens, branching --branching ways at the last "
                        "log_B(G) turns: peak memory of LongStraw's tree exact plan and of every trajectory flattened")
     tree.add_argument("--tree", action="store_true", help="forecast a prefix-tree step (docs/trees.md)")
-    tree.add_argument("--tasks", type=_positive, default=None, metavar="K", help="tasks (groups) per step (default 1)")
-    tree.add_argument("--task-tokens", type=_positive, default=None, metavar="C", help="each task's tokens (required)")
-    tree.add_argument("--turns", type=_positive, default=None, metavar="T", help="turns per trajectory (required)")
-    tree.add_argument("--branching", type=_positive, default=None, metavar="B",
+    tree.add_argument("--tasks", type=positive_int, metavar="K", help="tasks (groups) per step (default 1)")
+    tree.add_argument("--task-tokens", type=positive_int, metavar="C", help="each task's tokens (required)")
+    tree.add_argument("--turns", type=positive_int, metavar="T", help="turns per trajectory (required)")
+    tree.add_argument("--branching", type=positive_int, metavar="B",
                       help="ways a trajectory forks at each branching turn (default 2); G must be a power of it")
-
-
-def _positive(text: str) -> int:
-    return positive_int(text)
 
 
 def shape_from_args(args: Any) -> TreeShape:
