@@ -88,6 +88,13 @@ def table(document: dict[str, Any]) -> str:
         lines.append(f"{' '.join(f'{str(r[k]):>16}' for k in keys)} | {peak['baseline'] / 2**20:13.1f} "
                      f"{peak['this'] / 2**20:9.1f} {_num(r['peak_bytes_ratio'], '.3f', 6)} | "
                      f"{step['baseline']:11.2f} {step['this']:8.2f} {_num(r['time_s_ratio'], '.3f', 6)}")
+    for i, done in enumerate(document.get("documents", []), 1):  # bench memory's FLOP-floor shares, per round
+        for side, doc in done.items():
+            shares = (doc.get("ratios") or {}).get("share_of_flop_floor") or {}
+            floors = (doc.get("ratios") or {}).get("flop_floor") or {}
+            if any(v is not None for v in shares.values()):
+                lines.append(f"round {i} {side}: standard / plan time over its FLOP floor: " + ", ".join(
+                    f"{plan} {_num(v, '.2f', 0)} of {_num(floors.get(plan), '.2f', 0)}x" for plan, v in shares.items()))
     return "\n".join(lines)
 
 
@@ -118,6 +125,8 @@ def run(args: argparse.Namespace) -> int:
                                       Path(tmp) / f"{side}-{i}.json")
             rounds.append(done)
     document["rounds"] = [{side: r[side]["machine"].get("load_average") for side in r} for r in rounds]
+    # every round's two result documents as the bench wrote them (their own ratios, floors and checks)
+    document["documents"] = rounds
     document["results"] = compare(rounds, KEYS[args.bench])
     document["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     print(table(document))
