@@ -7,22 +7,12 @@ untouched (torchtitan's split: model math here, parallelism in a `parallelize` s
 sharded (accelerate's FSDP2 for TRL, with its own units and settings) gets the block's settings for the block only.
 
 `sharded_compute(model, gather=...)` runs a block of LongStraw work (backward_group calls, sampling) on it:
-
-* gather="all": every unit all-gathered once (collectively, at a point every rank reaches); the block runs with
-  every parameter a plain tensor and no collective inside, so **ranks may do different work** (each rank's prompts
-  have their own length, hence their own number of capture / prompt-backward chunks; sampling stops when a rank's
-  own responses end; dynamic sampling may drop a rank's groups); then each unit's accumulated gradient is
-  reduce-scattered once. Per rank during the block: the full parameters and the full gradient.
-* gather="layer": FSDP's default schedule for the decoder layers: each gathered by its hooks when a forward or
-  backward reaches it, resharded after, its gradient reduce-scattered after each backward. The other units (the
-  root; the embeddings, final norm and output projection wherever they are) stay gathered for the block, because
-  the replay enters at the inner decoder and the log-prob reads the output projection's weight directly
-  (`engine/tree/plans.py`, `logprobs.py`), outside any module forward; their gradient is reduced once at the end.
-  Per rank during the block: those units plus at most two layers, gathered, and no full gradient. The layers'
-  collectives fire from module hooks, so **every rank must run the same forwards and backwards in the same
-  order**, or layer k on one rank would pair with layer j on another (the shards have the same size: garbage, or a
-  hang). That holds when every rank is in one context-parallel group (`distributed.context`: replicated segments,
-  sharded state), which callers check with `check_same_work` before the block.
+gather="all" gathers every unit once, so **ranks may do different work** (their own prompt lengths, hence chunk
+counts; sampling stops at a rank's own responses' end; dynamic sampling may drop a rank's groups), at the cost of the
+full parameters and full gradient per rank for the block; gather="layer" keeps FSDP's per-layer schedule for the
+decoder layers, so at most two layers are unsharded at a time but **every rank must run the same forwards and
+backwards in the same order** (one context-parallel group, `distributed.context`; callers check it with
+`check_same_work`).
 
 Gradients are averaged over ranks (FSDP's default divide-by-world-size); callers scale for their own
 normalisation (see `trainer.py`).
@@ -71,10 +61,6 @@ def parallelize(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
     # (never through the root's forward), so the first layer would wrongly become a root: fix it now.
     model._get_fsdp_state()._lazy_init()
     return model
-
-
-def _units(model: torch.nn.Module) -> list[FSDPModule]:
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
 def _param_groups(units: list[FSDPModule]) -> list[Any]:
@@ -133,13 +119,10 @@ def sharded_compute(model: torch.nn.Module, reduce: bool = True, gather: str = "
     if not isinstance(model, FSDPModule):
         yield
         return
-    units = _units(model)
-    if gather == "all":
-        settings, gathered = _compute_settings(model), units
-    else:
-        layers = _layer_units(model)
-        settings, gathered = _layer_settings(model, layers), [u for u in units if u not in layers]
-    with settings:
+    units: list[FSDPModule] = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    layers = _layer_units(model) if gather == "layer" else []
+    gathered = [u for u in units if u not in layers]
+    with _block_settings(model, layers):
         for unit in gathered:
             unit.unshard()
         try:
@@ -190,46 +173,50 @@ def check_same_work(work: tuple[int, ...], group: dist.ProcessGroup | None = Non
 
 
 @contextmanager
-def _compute_settings(model: FSDPModule) -> Iterator[None]:
-    """`parallelize`'s settings for a gather="all" block, whoever sharded the model; the model's own restored after.
+def _block_settings(model: FSDPModule, layers: list[Any]) -> Iterator[None]:
+    """A block's FSDP settings, whoever sharded the model; the model's own restored after.
 
-    Inside: no resharding after a layer's forward or backward (the block reads parameters outside module forwards),
-    no communication from the hooks (`sharded_compute` reduces once), zeros reduce-scattered for unused parameters,
-    SUM reductions on gloo (it has no AVG)."""
-    with _restored_settings(model):
+    Every unit: no resharding after a forward or backward (the block reads parameters outside module forwards), no
+    communication from the hooks (`sharded_compute` reduces once), zeros reduce-scattered for unused parameters, SUM
+    reductions on gloo (it has no AVG; FSDP then divides by the world size itself). `layers` (gather="layer") keep
+    FSDP's defaults instead: resharded after each forward and backward, their gradient reduce-scattered after each
+    backward. FSDP's root is fixed first: its lazy initialisation runs at the first forward through a sharded module,
+    and the block may enter at an inner module (`model.model`)."""
+    state = model._get_fsdp_state()
+    state._lazy_init()
+    states = state._state_ctx.all_states
+    groups = [g for s in states for g in s._fsdp_param_groups]
+    names = ("post_forward_mesh_info", "reshard_after_backward", "reduce_grads", "all_reduce_grads",
+             "reduce_scatter_unused_params", "force_sum_reduction_for_comms")
+    saved = [{name: getattr(g, name) for name in names} for g in groups]
+    auto = [s._auto_reshard_after_forward for s in states]
+    handles = []
+    try:
+        for group in groups:
+            if group.mesh_info.mesh.device_type == "cpu":
+                group.force_sum_reduction_for_comms = True
         model.set_reshard_after_forward(False)
         model.set_reshard_after_backward(False)
         model.set_requires_gradient_sync(False)
         model.set_reduce_scatter_unused_params(True)
-        yield
-
-
-@contextmanager
-def _layer_settings(model: FSDPModule, layers: list[Any]) -> Iterator[None]:
-    """The settings of a gather="layer" block; the model's own restored after.
-
-    Decoder layers (`layers`): resharded after each forward and each backward, their gradient reduce-scattered after
-    each backward (FSDP's defaults). The other units: no resharding, gradients accumulated unsharded and reduced once
-    at the end (`sharded_compute`). Zeros reduce-scattered for unused parameters, SUM reductions on gloo."""
-    with _restored_settings(model):
-        model.set_reduce_scatter_unused_params(True)
-        model.set_reshard_after_forward(False)
-        model.set_reshard_after_backward(False)
-        model.set_requires_gradient_sync(False)
         for layer in layers:
             layer.set_reshard_after_forward(True, recurse=False)
             layer.set_reshard_after_backward(True, recurse=False)
             layer.set_requires_gradient_sync(True, recurse=False)
-        # Capture's K/V-only forwards stop inside the last layer by raising (segment.py), so FSDP's post-forward
-        # hook, which reshards, does not run there: reshard such a layer from a hook that runs even then (under
-        # no_grad; with grad, the stopped forward's graph holds the gathered parameters until its backward, whose
-        # post-backward hook reshards).
-        handles = [layer.register_forward_hook(_reshard_if_left_gathered, always_call=True) for layer in layers]
-        try:
-            yield
-        finally:
-            for handle in handles:
-                handle.remove()
+            # Capture's K/V-only forwards stop inside the last layer by raising (segment.py), so FSDP's post-forward
+            # hook, which reshards, does not run there: reshard such a layer from a hook that runs even then (under
+            # no_grad; with grad, the stopped forward's graph holds the gathered parameters until its backward, whose
+            # post-backward hook reshards).
+            handles.append(layer.register_forward_hook(_reshard_if_left_gathered, always_call=True))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        for group, values in zip(groups, saved):
+            for name, value in values.items():
+                setattr(group, name, value)
+        for s, value in zip(states, auto):
+            s._auto_reshard_after_forward = value
 
 
 def _reshard_if_left_gathered(module: torch.nn.Module, args: object, output: object) -> None:
@@ -243,32 +230,6 @@ def _reshard_if_left_gathered(module: torch.nn.Module, args: object, output: obj
         if group._training_state == TrainingState.FORWARD and group.is_unsharded:
             group.reshard()
             group._training_state = TrainingState.IDLE
-
-
-@contextmanager
-def _restored_settings(model: FSDPModule) -> Iterator[None]:
-    """Save the FSDP settings a block changes and restore them after it. FSDP's root is fixed first: its lazy
-    initialisation runs at the first forward through a sharded module, and the block may enter at an inner module
-    (`model.model`). gloo has no AVG reduction: SUM inside the block, FSDP then divides by the world size itself."""
-    state = model._get_fsdp_state()
-    state._lazy_init()
-    states = state._state_ctx.all_states
-    groups = [g for s in states for g in s._fsdp_param_groups]
-    names = ("post_forward_mesh_info", "reshard_after_backward", "reduce_grads", "all_reduce_grads",
-             "reduce_scatter_unused_params", "force_sum_reduction_for_comms")
-    saved = [{name: getattr(g, name) for name in names} for g in groups]
-    auto = [s._auto_reshard_after_forward for s in states]
-    for group in groups:
-        if group.mesh_info.mesh.device_type == "cpu":
-            group.force_sum_reduction_for_comms = True
-    try:
-        yield
-    finally:
-        for group, values in zip(groups, saved):
-            for name, value in values.items():
-                setattr(group, name, value)
-        for s, value in zip(states, auto):
-            s._auto_reshard_after_forward = value
 
 
 def _drop_unsharded_gradients(units: list[FSDPModule]) -> None:
