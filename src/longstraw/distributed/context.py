@@ -132,18 +132,30 @@ class ContextParallel:
         return out
 
 
-def context_blocks(cp: int) -> ContextParallel:
-    """This rank's context-parallel group when the world's ranks form blocks of `cp` consecutive ranks ([0, cp),
-    [cp, 2cp), ...). `new_group` is collective: every rank creates every block's group, and keeps its own."""
+def check_blocks(processes: int, cp: int, tp: int = 1) -> None:
+    """Refuse a number of processes that blocks of `cp` x `tp` consecutive ranks do not divide, with what to do."""
+    if cp < 1 or tp < 1:
+        raise ValueError(f"--cp and --tp must be >= 1, got --cp {cp} --tp {tp}")
+    if processes % (cp * tp):
+        what, fix = ((f"--tp {tp} x --cp {cp}", f"a --tp that divides {processes // cp or 1}") if tp > 1 else
+                     (f"--cp {cp}", f"a --cp that divides {processes}"))
+        raise ValueError(f"{what} needs --nproc to be a multiple of {cp * tp}, got {processes}: use --nproc "
+                         f"{cp * tp * max(1, processes // (cp * tp))} (torchrun: --nproc-per-node) or {fix}")
+
+
+def context_blocks(cp: int, tp: int = 1) -> ContextParallel:
+    """This rank's context-parallel group when the world's ranks are laid out as rank = (block * cp + c) * tp + t:
+    the `cp` ranks of its block with its t (tp = 1: blocks of `cp` consecutive ranks). `new_group` is collective:
+    every rank creates every group, and keeps its own."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    if cp < 1 or world % cp:
-        raise ValueError(f"context-parallel blocks of {cp} ranks need a number of processes that is a multiple of "
-                         f"{cp}, got {world}")
+    check_blocks(world, cp, tp)
     mine = None
-    for first in range(0, world, cp):
-        group = dist.new_group(list(range(first, first + cp)))
-        if first <= rank < first + cp:
-            mine = ContextParallel(group)
+    for first in range(0, world, cp * tp):
+        for t in range(tp):
+            members = [first + c * tp + t for c in range(cp)]
+            group = dist.new_group(members)
+            if rank in members:
+                mine = ContextParallel(group)
     assert mine is not None
     return mine
 

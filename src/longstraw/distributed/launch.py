@@ -1,9 +1,9 @@
 """`longstraw train ... --nproc N`: start N ranks on this machine through torchrun's own launcher.
 
-It is exactly `torchrun --standalone --nproc-per-node N -m longstraw.cli train ...` (torch.distributed.run's
-API, called in-process): torchrun's agent starts the workers, sets RANK / WORLD_SIZE / LOCAL_RANK /
-MASTER_ADDR / MASTER_PORT, stops the others when one fails and reports which rank failed and why. For several
-machines, run torchrun yourself with its rendezvous flags (docs/distributed.md).
+It is exactly `torchrun --standalone --nproc-per-node N -m longstraw.cli train ...` (torch.distributed.run's API,
+called in-process): torchrun's agent starts the workers with their RANK / WORLD_SIZE / ... environment, stops the
+others when one fails and reports which rank failed and why. For several machines, run torchrun yourself with its
+rendezvous flags (docs/distributed.md).
 
 Stopping: SIGTERM or SIGINT to the launcher is forwarded by torchrun's agent to every rank (each in its own session,
 so a terminal's Ctrl-C reaches the launcher only); the ranks finish the current step, save it together and exit,
@@ -22,7 +22,8 @@ import sys
 
 import torch
 
-from longstraw.distributed.runtime import LAUNCHER_PID_ENV
+from longstraw.distributed.context import check_blocks
+from longstraw.distributed.runtime import LAUNCHER_PID_ENV, backend_for
 
 SHUTDOWN_TIMEOUT_S = 900  # seconds the agent waits for the ranks to save and exit after forwarding a signal
 # torchrun's loggers that note a signal's forwarding ("Received 15 death signal, shutting down workers", "Closing
@@ -52,28 +53,16 @@ def check_nproc(nproc: int, device: str, prompts_per_step: int, cp: int = 1, tp:
     """Refuse a process count the machine or the data cannot serve, with what to change."""
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
-    if tp > 1 and nproc % (cp * tp):
-        raise ValueError(f"--tp {tp} x --cp {cp} needs --nproc to be a multiple of {cp * tp}, got {nproc}: use "
-                         f"--nproc {cp * tp * max(1, nproc // (cp * tp))} or a --tp that divides {nproc // cp or 1}")
-    if nproc % cp:
-        raise ValueError(f"--cp {cp} needs --nproc to be a multiple of {cp}, got {nproc}: use --nproc "
-                         f"{cp * max(1, nproc // cp)} or a --cp that divides {nproc}")
-    if torch.device(device).type == "cuda":
-        count = torch.cuda.device_count()
-        if nproc > count:
-            raise ValueError(
-                f"--nproc {nproc} needs {nproc} GPUs (one per process) but this machine has {count}: "
-                f"use --nproc {count} or fewer"
-            )
-    elif torch.device(device).type != "cpu":
-        raise ValueError(f"--nproc supports --device cpu (gloo) and cuda (nccl), got {device!r}")
+    check_blocks(nproc, cp, tp)
+    if backend_for(device) == "nccl" and nproc > (count := torch.cuda.device_count()):
+        raise ValueError(f"--nproc {nproc} needs {nproc} GPUs (one per process) but this machine has {count}: "
+                         f"use --nproc {count} or fewer")
     groups = nproc // (cp * tp)  # data-parallel groups of ranks (each group of cp * tp ranks shares its prompts)
     if prompts_per_step % groups:
-        raise ValueError(
-            f"--prompts-per-step {prompts_per_step} cannot be split evenly over {groups} data-parallel groups "
-            f"(--nproc {nproc} / (--cp {cp} x --tp {tp})): use a multiple of {groups} (e.g. --prompts-per-step "
-            f"{groups * max(1, prompts_per_step // groups)}) or a process count that divides {prompts_per_step}"
-        )
+        raise ValueError(f"--prompts-per-step {prompts_per_step} cannot be split evenly over {groups} data-parallel "
+                         f"groups (--nproc {nproc} / (--cp {cp} x --tp {tp})): use a multiple of {groups} (e.g. "
+                         f"--prompts-per-step {groups * max(1, prompts_per_step // groups)}) or a process count that "
+                         f"divides {prompts_per_step}")
 
 
 def launch_train(train_argv: list[str], nproc: int) -> int:

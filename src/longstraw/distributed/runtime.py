@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from longstraw.distributed.context import ContextParallel, context_blocks
+from longstraw.distributed.context import ContextParallel, check_blocks, context_blocks
 from longstraw.distributed.fsdp import clip_grad_norm, parallelize, sharded_compute
 
 FAILURE_KEY = "longstraw/failure"
@@ -168,16 +168,7 @@ class Parallel:
         """Join the process group described by the environment; a plain `Parallel(device)` if WORLD_SIZE <= 1.
         cp: ranks per context-parallel block; tp: ranks per tensor-parallel group (cp * tp must divide the ranks)."""
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        if tp > 1 and world_size % (cp * tp):
-            raise ValueError(
-                f"--tp {tp} --cp {cp} needs a number of processes that is a multiple of {cp * tp}, got {world_size}: "
-                f"launch with --nproc {cp * tp * max(1, world_size // (cp * tp))}, or lower --tp / --cp"
-            )
-        if world_size % cp:
-            raise ValueError(
-                f"--cp {cp} needs a number of processes that is a multiple of {cp}, got {world_size}: launch with "
-                f"--nproc {cp * max(1, world_size // cp)} (or torchrun --nproc-per-node), or use --cp 1"
-            )
+        check_blocks(world_size, cp, tp)
         if world_size <= 1:
             return cls(device=device)
         end_with_launcher()

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from longstraw.distributed.context import ContextParallel
+from longstraw.distributed.context import ContextParallel, check_blocks, context_blocks
 from longstraw.engine.tp_check import (
     TP_MODEL_TYPES,
     check_tensor_parallel_model,
@@ -157,19 +157,10 @@ def tensor_parallel_layout(device_type: str, tp: int, cp: int = 1) -> tuple[Devi
     ranks with this t (None when that is this rank alone). Collective: every rank calls it, in the same order."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if tp < 1 or cp < 1 or world % (tp * cp):
-        raise ValueError(f"--tp {tp} x --cp {cp} needs a number of processes that is a multiple of {tp * cp}, got "
-                         f"{world}")
+    world = dist.get_world_size()
+    check_blocks(world, cp, tp)
     mesh = init_device_mesh(device_type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
-    context = None
-    if cp > 1:
-        for first in range(0, world, cp * tp):
-            for t in range(tp):
-                members = [first + c * tp + t for c in range(cp)]
-                group = dist.new_group(members)  # collective: every rank creates every group
-                if rank in members:
-                    context = ContextParallel(group)
+    context = context_blocks(cp, tp) if cp > 1 else None
     return mesh["tp"], mesh["dp"] if world > tp else None, context
 
 
