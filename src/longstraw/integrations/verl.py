@@ -90,16 +90,14 @@ def settings_from_environment(environ: dict[str, str] | None = None) -> Settings
     """The LONGSTRAW_* variables of the module docstring, validated (a bad value names the variable)."""
     env = os.environ if environ is None else environ
     values: dict[str, Any] = {}
-    parsers: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
-        ("plan", "LONGSTRAW_PLAN", str, "str"), ("chunk_size", "LONGSTRAW_CHUNK_SIZE", int, "int"),
-        ("micro_batch", "LONGSTRAW_MICRO_BATCH", int, "int"), ("checkpoint", "LONGSTRAW_CHECKPOINT", str, "str"),
-        ("tree_min_shared", "LONGSTRAW_TREE_MIN_SHARED", int, "int"))
-    for name, key, kind, what in parsers:
+    for name, kind in (("plan", str), ("chunk_size", int), ("micro_batch", int), ("checkpoint", str),
+                       ("tree_min_shared", int)):
+        key = f"LONGSTRAW_{name.upper()}"
         if key in env:
             try:
                 values[name] = kind(env[key])
             except ValueError:
-                raise ValueError(f"{key}={env[key]!r} is not a valid {what}") from None
+                raise ValueError(f"{key}={env[key]!r} is not a valid {kind.__name__}") from None
     if values.get("tree_min_shared", 1) < 1:
         raise ValueError(f"LONGSTRAW_TREE_MIN_SHARED={values['tree_min_shared']} must be >= 1")
     try:
@@ -116,6 +114,12 @@ def _actor_config(loss_function: Callable[..., Any] | None) -> Any | None:
     if isinstance(loss_function, partial) and loss_function.func is ppo_loss:
         return loss_function.keywords.get("config")
     return None
+
+
+def _clip_ratios(config: Any) -> tuple[float, float]:
+    """verl's (low, high) clip widths: clip_ratio_low / clip_ratio_high, each clip_ratio when unset."""
+    low, high = config.clip_ratio_low, config.clip_ratio_high
+    return (config.clip_ratio if low is None else low), (config.clip_ratio if high is None else high)
 
 
 def config_refusals(config: Any) -> list[str]:
@@ -135,8 +139,7 @@ def config_refusals(config: Any) -> list[str]:
         out.append(f"kl_loss_type={config.kl_loss_type!r}: LongStraw's KL term is the k3 estimate; use "
                    "kl_loss_type=low_var_kl (verl's k3, clamped to ±10)")
     if mode == "vanilla":
-        low = config.clip_ratio_low if config.clip_ratio_low is not None else config.clip_ratio
-        high = config.clip_ratio_high if config.clip_ratio_high is not None else config.clip_ratio
+        low, high = _clip_ratios(config)
         c = config.get("clip_ratio_c", 3.0)
         if c < 1.0 + high:
             out.append(f"clip_ratio_c={c} is below 1 + clip_ratio_high ({1.0 + high}): LongStraw's dual clip "
@@ -172,8 +175,7 @@ def loss_config(config: Any, group_size: int, *, dp_size: int, batch_num_tokens:
     agg, mode = config.loss_agg_mode, config.policy_loss.get("loss_mode", "vanilla")
     if mode not in _LOG_RATIO_CLAMP:
         raise ValueError(f"policy_loss.loss_mode {mode!r} is not mapped: choose one of {', '.join(_LOG_RATIO_CLAMP)}")
-    low = config.clip_ratio_low if config.clip_ratio_low is not None else config.clip_ratio
-    high = config.clip_ratio_high if config.clip_ratio_high is not None else config.clip_ratio
+    low, high = _clip_ratios(config)
     options: dict[str, Any] = {
         "epsilon_low": float(low), "epsilon_high": float(high),
         "sequence_ratio": mode == "gspo",
@@ -196,32 +198,21 @@ def loss_config(config: Any, group_size: int, *, dp_size: int, batch_num_tokens:
     return LossConfig(_AGG_LOSS[agg], **options)
 
 
-@dataclass
-class _Row:
-    """One response of the mini-batch: its prompt (P,), response (R,), loss mask (R,) bool, advantage, and the
-    per-token old (R,) and reference (R,) log-probs."""
+def _tree(data: Any, with_ref: bool, settings: Settings, device: torch.device) -> Tree | None:
+    """The mini-batch's rows with a token in the loss as one prefix tree, each row its own group (None: no row has a
+    token in the loss; such rows add nothing to verl's loss either, whose normalisers count them as the options do).
 
-    prompt: torch.Tensor
-    response: torch.Tensor
-    loss_mask: torch.Tensor
-    advantage: torch.Tensor
-    old: torch.Tensor
-    ref: torch.Tensor | None
-
-
-def _rows(data: Any, with_ref: bool) -> list[_Row]:
-    """The mini-batch's rows from verl's no-padding layout: `input_ids` nested (B, j1) of prompt + response without
-    padding; `attention_mask` (B, P_max + R_max) left-padded prompt, right-padded response; `response_mask`,
-    `old_log_probs`, `advantages`, `ref_log_prob` (B, R_max). Refuses what a LongStraw trajectory cannot hold."""
+    The rows come in verl's no-padding layout: `input_ids` nested (B, j1) of prompt + response without padding;
+    `attention_mask` (B, P_max + R_max) left-padded prompt, right-padded response; `response_mask`, `old_log_probs`,
+    `advantages`, `ref_log_prob` (B, R_max). Refuses what a LongStraw trajectory cannot hold."""
     if "rollout_is_weights" in data.keys():
         raise ValueError("rollout importance-sampling weights (rollout_is_weights) are not mapped: LongStraw's loss "
                          "has no per-token weight; turn off algorithm.rollout_correction")
     response_mask = data["response_mask"]
     r_max = response_mask.shape[-1]
     attention = data["attention_mask"][:, -r_max:]  # (B, R_max): the response part
-    ids = data["input_ids"].unbind()
-    rows = []
-    for k, seq in enumerate(ids):
+    trajectories = []
+    for k, seq in enumerate(data["input_ids"].unbind()):
         length = int(attention[k].sum())
         if length == 0 or not bool(attention[k, :length].all()):
             raise ValueError(f"row {k}: its response is not one right-padded stretch of tokens (attention "
@@ -239,12 +230,12 @@ def _rows(data: Any, with_ref: bool) -> list[_Row]:
         if mask.any() and not bool((advantages[mask] == first).all()):
             raise ValueError("per-token advantages (e.g. GAE from a critic) are not mapped: LongStraw's losses take "
                              "one advantage per response (GRPO, RLOO, REINFORCE++ outcome advantages)")
-        rows.append(_Row(
-            prompt=seq[:-length], response=seq[-length:], loss_mask=mask,
-            advantage=first.reshape(()) if mask.any() else advantages.new_zeros(()),
-            old=data["old_log_probs"][k, :length], ref=data["ref_log_prob"][k, :length] if with_ref else None,
-        ))
-    return rows
+        if mask.any():
+            trajectories.append(Trajectory(
+                ids=seq.to(device), loss_start=seq.numel() - length, advantage=float(first), loss_mask=mask.to(device),
+                old_logprobs=data["old_log_probs"][k, :length].to(device),
+                ref_logprobs=data["ref_log_prob"][k, :length].to(device) if with_ref else None, group=k))
+    return build_tree(trajectories, settings.tree_min_shared) if trajectories else None
 
 
 def _temperature(data: Any) -> float:
@@ -275,7 +266,7 @@ class LongStrawFSDPEngine(FSDPEngineWithLMHead):
         device = next(self.module.parameters()).device
         batch_num_tokens = data["loss_mask"].sum().to(device)
         torch.distributed.all_reduce(batch_num_tokens, op=torch.distributed.ReduceOp.SUM, group=dp_group)
-        rows = _rows(data, with_ref=bool(config.use_kl_loss))
+        tree = _tree(data, bool(config.use_kl_loss), settings, device)
         # every row its own group: verl's normalisers are the mini-batch's (`loss_config` of a group of one row)
         options = BackwardOptions(plan=settings.plan, chunk_size=settings.chunk_size, micro_batch=settings.micro_batch,
                                   checkpoint=settings.checkpoint, temperature=_temperature(data),
@@ -284,7 +275,6 @@ class LongStrawFSDPEngine(FSDPEngineWithLMHead):
                                                    global_batch_size=int(data["global_batch_size"]),
                                                    horizon=data["response_mask"].shape[-1]),
                                   context_shards=self._context_shards())
-        tree = _tree(rows, settings, device)
         autocast_dtype = getattr(self, "_autocast_dtype", torch.float32)
         autocast = (nullcontext() if autocast_dtype == torch.float32
                     else torch.autocast(device_type=device.type, dtype=autocast_dtype))
@@ -326,17 +316,6 @@ class LongStrawFSDPEngine(FSDPEngineWithLMHead):
         if getattr(self, "_longstraw_context", None) is None:
             self._longstraw_context = ContextParallel(self.ulysses_parallel_group)
         return self._longstraw_context
-
-
-def _tree(rows: list[_Row], settings: Settings, device: torch.device) -> Tree | None:
-    """The mini-batch's rows with a token in the loss as one prefix tree, each row its own group (None: no row has a
-    token in the loss; such rows add nothing to verl's loss either, whose normalisers count them as the options do)."""
-    trajectories = [Trajectory(ids=torch.cat([row.prompt, row.response]).to(device), loss_start=row.prompt.numel(),
-                               advantage=float(row.advantage), loss_mask=row.loss_mask.to(device),
-                               old_logprobs=row.old.to(device),
-                               ref_logprobs=None if row.ref is None else row.ref.to(device), group=k)
-                    for k, row in enumerate(rows) if row.loss_mask.any()]
-    return build_tree(trajectories, settings.tree_min_shared) if trajectories else None
 
 
 def install() -> None:
