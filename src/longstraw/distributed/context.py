@@ -32,6 +32,22 @@ import torch
 import torch.distributed as dist
 
 
+def all_reduced(grad: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """A copy of `grad` summed over `group` (a collective)."""
+    grad = grad.contiguous().clone()
+    dist.all_reduce(grad, group=group)
+    return grad
+
+
+def _stacked(x: torch.Tensor, size: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Every rank's `x` stacked in rank order: (size, *x.shape). Contiguous buffers: the collective writes the bytes
+    in contiguous order."""
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(size)]
+    dist.all_gather(parts, x, group=group)
+    return torch.stack(parts)
+
+
 class _ReduceGrad(torch.autograd.Function):
     """Identity forward; all-reduce (sum) of the gradient backward."""
 
@@ -42,9 +58,7 @@ class _ReduceGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+        return all_reduced(grad, ctx.group), None
 
 
 class _GatherPartials(torch.autograd.Function):
@@ -52,13 +66,8 @@ class _GatherPartials(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, out: torch.Tensor, lse: torch.Tensor, group, rank: int, size: int):
-        out, lse = out.contiguous(), lse.contiguous()
-        outs = [torch.empty(out.shape, dtype=out.dtype, device=out.device) for _ in range(size)]
-        lses = [torch.empty(lse.shape, dtype=lse.dtype, device=lse.device) for _ in range(size)]
-        dist.all_gather(outs, out, group=group)
-        dist.all_gather(lses, lse, group=group)
         ctx.rank = rank
-        return torch.stack(outs), torch.stack(lses)  # (C, ...)
+        return _stacked(out, size, group), _stacked(lse, size, group)  # (C, ...)
 
     @staticmethod
     def backward(ctx, d_outs: torch.Tensor, d_lses: torch.Tensor):
@@ -110,10 +119,7 @@ class ContextParallel:
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's `x` stacked in rank order: (C, *x.shape)."""
-        x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x, group=self.group)
-        return torch.stack(parts)
+        return _stacked(x, self.size, self.group)
 
     def broadcast_from(self, tensors: list[torch.Tensor | None], like: list[torch.Tensor],
                        src: int) -> list[torch.Tensor]:

@@ -38,12 +38,10 @@ def _drop_signal_notes(record: logging.LogRecord) -> bool:
 
 def strip_nproc(argv: list[str]) -> list[str]:
     """`argv` without `--nproc N` / `--nproc=N` (the workers must not launch again)."""
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg == "--nproc":
-            skip = True
+    out, args = [], iter(argv)
+    for arg in args:
+        if arg == "--nproc":
+            next(args, None)
         elif not arg.startswith("--nproc="):
             out.append(arg)
     return out

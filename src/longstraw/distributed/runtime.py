@@ -11,10 +11,8 @@ process with status 1. Without it, the surviving ranks would block in their next
 process group's timeout (30 minutes by default). torchrun also stops a failed job's other local workers; the
 watcher covers the message, and ranks on other nodes.
 
-A rank ends with its launcher (`end_with_launcher`, first thing in `Parallel.start`): the kernel signals it when
-its parent dies (Linux `PR_SET_PDEATHSIG`; elsewhere a thread polls the parent's PID), turned into one SIGTERM, so a
-launcher killed with SIGKILL leaves no rank training on its own. That SIGTERM is handled like any other: the ranks
-finish the step, save it together and exit.
+A rank ends with its launcher (`end_with_launcher`, first thing in `Parallel.start`): a launcher killed with SIGKILL
+leaves no rank training on its own.
 """
 
 from __future__ import annotations
@@ -46,8 +44,6 @@ ACK_KEY = "longstraw/failure_seen"
 # was orphaned before it could ask to be signalled.
 LAUNCHER_PID_ENV = "LONGSTRAW_LAUNCHER_PID"
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
 PARENT_DEATH_SIGNAL = signal.SIGHUP
 
 
@@ -87,7 +83,6 @@ def _parent_died(signum: int, frame: object) -> None:
     if not _parent_gone.is_set():
         _parent_gone.set()
         os.kill(os.getpid(), signal.SIGTERM)
-
 
 
 def backend_for(device: str) -> str:
@@ -175,8 +170,7 @@ class Parallel:
         backend = backend_for(device)
         rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
         if backend == "nccl":
-            count = torch.cuda.device_count()
-            if local_rank >= count:
+            if local_rank >= (count := torch.cuda.device_count()):
                 raise ValueError(
                     f"local rank {local_rank} has no GPU: this node has {count} CUDA device(s); start at most "
                     f"{count} processes per node (--nproc / torchrun --nproc-per-node)"
@@ -193,13 +187,12 @@ class Parallel:
         if tp > 1:
             from longstraw.distributed.tp import tensor_parallel_layout
 
-            tp_mesh, fsdp_mesh, context_shards = tensor_parallel_layout(torch.device(device).type, tp, cp)
-            return cls(rank=rank, world_size=world_size, local_rank=local_rank, device=device, mesh=fsdp_mesh,
-                       watch=watch, cp_size=cp, context_shards=context_shards, tp_size=tp, tp_mesh=tp_mesh)
-        mesh = init_device_mesh(torch.device(device).type, (world_size,))
-        context_shards = context_blocks(cp) if cp > 1 else None
+            tp_mesh, mesh, context_shards = tensor_parallel_layout(torch.device(device).type, tp, cp)
+        else:
+            tp_mesh, mesh = None, init_device_mesh(torch.device(device).type, (world_size,))
+            context_shards = context_blocks(cp) if cp > 1 else None
         return cls(rank=rank, world_size=world_size, local_rank=local_rank, device=device, mesh=mesh, watch=watch,
-                   cp_size=cp, context_shards=context_shards)
+                   cp_size=cp, context_shards=context_shards, tp_size=tp, tp_mesh=tp_mesh)
 
     @property
     def distributed(self) -> bool:
@@ -286,15 +279,11 @@ class Parallel:
         """
         if not self.distributed:
             return model.state_dict(), optimizer.state_dict()
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            get_optimizer_state_dict,
-        )
+        from torch.distributed.checkpoint import state_dict as dcp
 
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        model_sd = get_model_state_dict(model, options=options)
-        optim_sd = get_optimizer_state_dict(model, optimizer, options=options)
+        options = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_sd = dcp.get_model_state_dict(model, options=options)
+        optim_sd = dcp.get_optimizer_state_dict(model, optimizer, options=options)
         if not self.is_main:
             return None
         return _with_tied_keys(model, model_sd), _names_to_indices(model, optimizer, optim_sd)
@@ -308,19 +297,15 @@ class Parallel:
             if optimizer is not None:
                 optimizer.load_state_dict(_given(optim_sd))
             return
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
+        from torch.distributed.checkpoint import state_dict as dcp
 
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        options = dcp.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
         names = _param_names(model)
-        set_model_state_dict(model, _given(model_sd) if self.is_main else {}, options=options)
+        dcp.set_model_state_dict(model, _given(model_sd) if self.is_main else {}, options=options)
         if optimizer is None:
             return
         by_name = _indices_to_names(_given(optim_sd), names) if self.is_main else {}
-        set_optimizer_state_dict(model, optimizer, by_name, options=options)
+        dcp.set_optimizer_state_dict(model, optimizer, by_name, options=options)
 
     def broadcast(self, value: Any) -> Any:
         """Rank 0's `value` on every rank."""

@@ -27,6 +27,7 @@ Admitted families: those whose plan transformers ships and which LongStraw's tes
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
@@ -34,7 +35,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from longstraw.distributed.context import ContextParallel, check_blocks, context_blocks
+from longstraw.distributed.context import ContextParallel, all_reduced, check_blocks, context_blocks
 from longstraw.engine.tp_check import (
     TP_MODEL_TYPES,
     check_tensor_parallel_model,
@@ -45,16 +46,12 @@ from longstraw.engine.tp_check import (
 _GRAD_ALLREDUCE = "replicated_with_grad_allreduce"
 
 
-def _text_config(model: torch.nn.Module) -> Any:
-    config: Any = model.config
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
 def check_tensor_parallel(model: torch.nn.Module, tp: int) -> None:
     """Raise ValueError, saying what to change, unless `model` can be split over `tp` ranks by heads."""
     if tp < 1:
         raise ValueError(f"tp must be >= 1, got {tp}")
-    config = _text_config(model)
+    config: Any = model.config
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
     model_type = getattr(model.config, "model_type", None)  # its own type: a multimodal wrapper is not its text tower
     if model_type not in TP_MODEL_TYPES:
         ships = bool(getattr(config, "base_model_tp_plan", None))
@@ -133,17 +130,12 @@ def _sum_gradients_over(module: torch.nn.Module, group: dist.ProcessGroup) -> No
     Registered on the parameter objects the forward sees (FSDP2 swaps in unsharded ones), once per object."""
     hooked: dict[str, torch.Tensor] = {}
 
-    def all_reduce(grad: torch.Tensor) -> torch.Tensor:
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=group)
-        return grad
-
     def pre_forward(mod: torch.nn.Module, args: Any) -> None:
         if not torch.is_grad_enabled():
             return
         for name, param in mod.named_parameters(recurse=False):
             if param.requires_grad and hooked.get(name) is not param:
-                param.register_hook(all_reduce)
+                param.register_hook(partial(all_reduced, group=group))
                 hooked[name] = param
 
     module.register_forward_pre_hook(pre_forward)
