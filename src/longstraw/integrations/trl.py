@@ -49,15 +49,13 @@ from longstraw.integrations.trl_config import (
     LongStrawGRPOConfig,
     backward_options,
     config_refusals,
-    context_size,
-    fsdp_gather,
     fsdp_refusals,
     loss_kind,
     loss_parameters,
+    option,
     refuse,
     steps_per_generation,
     tensor_parallel_refusals,
-    tree_min_shared,
     work_of,
 )
 from longstraw.models.architecture import eval_mode_when_equal, hf
@@ -91,7 +89,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         super().__init__(*bound.args[1:], **bound.kwargs)
         refuse(self._model_refusals())
         self._longstraw = backward_options(self.args)
-        cp = context_size(self.args)
+        cp = option(self.args, "cp")
         self._context = context_blocks(cp) if cp > 1 else None
 
     def _policy(self) -> torch.nn.Module:
@@ -112,11 +110,11 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         if self.aux_loss_enabled and self.router_aux_loss_coef < 0:
             out.append(f"router_aux_loss_coef={self.router_aux_loss_coef}: LongStraw's router term takes a "
                        "coefficient >= 0")
-        if self.aux_loss_enabled and context_size(self.args) > 1:
+        if self.aux_loss_enabled and option(self.args, "cp") > 1:
             out.append("a Mixture-of-Experts load-balancing loss (router_aux_loss_coef != 0) with longstraw_cp > 1: "
                        "LongStraw's router term is not supported with context parallelism; set longstraw_cp=1 or "
                        "router_aux_loss_coef=0.0")
-        if self.aux_loss_enabled and getattr(self.args, "longstraw_keep_prompt_graph", 0):
+        if self.aux_loss_enabled and option(self.args, "keep_prompt_graph"):
             out.append("a Mixture-of-Experts load-balancing loss (router_aux_loss_coef != 0) with "
                        "longstraw_keep_prompt_graph > 0: the router term's prompt share needs every prompt chunk "
                        "recomputed to its last layer; set longstraw_keep_prompt_graph=0")
@@ -135,7 +133,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             check_model_options(policy, backward_options(self.args))
         except ValueError as err:
             out.append(str(err))
-        cp, world = context_size(self.args), self.accelerator.num_processes
+        cp, world = option(self.args, "cp"), self.accelerator.num_processes
         if cp > 1 and world % cp:
             out.append(f"longstraw_cp={cp} needs a number of processes that is a multiple of {cp}, got {world}: launch "
                        f"{cp * max(1, world // cp)} processes, or set longstraw_cp=1")
@@ -144,7 +142,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 check_context_supported(policy)
             except ValueError as err:
                 out.append(f"longstraw_cp={cp}: {err}")
-        if fsdp_gather(self.args) == "layer" and (kind != "FSDP" or cp != world):
+        if option(self.args, "fsdp_gather") == "layer" and (kind != "FSDP" or cp != world):
             out.append(f"longstraw_fsdp_gather='layer' gathers FSDP2's layers through its hooks, whose collectives "
                        f"need every process to run the same forwards and backwards: use it under FSDP2 with "
                        f"longstraw_cp equal to the number of processes ({world}), or set longstraw_fsdp_gather='all' "
@@ -201,7 +199,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         # reduce-scattered (averaged over the processes) into the sharded .grad once at the end; every process
         # enters, whatever its number of groups. 'layer': one layer gathered at a time, every process running the
         # same groups (the context-parallel block is the whole world: `_model_refusals`), checked first.
-        gather = fsdp_gather(self.args)
+        gather = option(self.args, "fsdp_gather")
         if gather == "layer":
             check_same_work(work_of(batches))
         with sharded_compute(self.accelerator.unwrap_model(self.model), gather=gather):
@@ -243,7 +241,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         kept = [i for first in range(0, rows, g) for i in self._kept_rows(inputs, range(first, first + g))]
         if not kept:
             return None
-        options = self._options(1, inputs)
+        options = replace(self._longstraw, temperature=self.temperature,
+                          loss=LossConfig(loss_kind(self.args), **self._loss_options(1, inputs)))
         if self.aux_loss_enabled:
             # TRL adds router_aux_loss_coef * aux_loss / gradient_accumulation_steps to each micro-batch's loss
             options = replace(options,
@@ -263,7 +262,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 loss_mask=None if tool_mask is None else tool_mask[i, :n].bool(),
                 old_logprobs=None if old is None else old[i, :n], ref_logprobs=None if ref is None else ref[i, :n],
                 group=i))
-        return build_tree(trajectories, tree_min_shared(self.args)), options
+        return build_tree(trajectories, option(self.args, "tree_min_shared")), options
 
     def _autocast(self) -> Any:
         """bf16=True over float32 parameters is autocast mixed precision, which accelerate applies around the prepared
@@ -342,11 +341,6 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             raise ValueError("per-token advantages (B, T) are not supported: LongStraw's losses take one per "
                              "completion")
         return keep
-
-    def _options(self, kept: int, inputs: dict[str, Any]) -> BackwardOptions:
-        """The backward options of a group of `kept` rows of `inputs` (`_loss_options`)."""
-        return replace(self._longstraw, temperature=self.temperature,
-                       loss=LossConfig(loss_kind(self.args), **self._loss_options(kept, inputs)))
 
     def _loss_options(self, kept: int, inputs: dict[str, Any]) -> dict[str, Any]:
         """The loss options that make one group's share of LongStraw's loss equal to its share of TRL's loss over

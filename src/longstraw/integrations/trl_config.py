@@ -5,7 +5,7 @@ that loss cannot reproduce, made when the trainer is built (`config_refusals`, `
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -68,48 +68,44 @@ class LongStrawGRPOConfig(GRPOConfig):
         backward_options(self)  # refused here, when the config is built, not after the first generation
 
 
+_DEFAULTS = {f.name.removeprefix("longstraw_"): f.default for f in fields(LongStrawGRPOConfig)
+             if f.name.startswith("longstraw_")}
+
+
+def option(args: GRPOConfig, name: str) -> Any:
+    """`args.longstraw_<name>`, LongStrawGRPOConfig's default for a plain GRPOConfig; cp and tree_min_shared checked
+    to be integers >= 1."""
+    value = getattr(args, f"longstraw_{name}", _DEFAULTS[name])
+    if name in ("cp", "tree_min_shared") and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"LongStrawGRPOConfig's longstraw_{name} must be an integer >= 1, got {value!r}")
+    return value
+
+
 def backward_options(args: GRPOConfig) -> BackwardOptions:
-    """backward_tree's options from the config (a plain GRPOConfig gets LongStrawGRPOConfig's defaults), validated
-    by the engine; the loss and its parameters are set per micro-batch (`_loss_options`)."""
-    checkpoint = getattr(args, "longstraw_checkpoint", None)
+    """backward_tree's options from the config, validated by the engine; the loss and its parameters are set per
+    micro-batch (`_loss_options`)."""
+    checkpoint = option(args, "checkpoint")
     if checkpoint is None:
         checkpoint = "layers" if args.gradient_checkpointing else "none"
     try:
-        options = BackwardOptions(plan=plan_named(getattr(args, "longstraw_plan", "exact")),
-                               chunk_size=getattr(args, "longstraw_chunk_size", 2048),
-                               micro_batch=getattr(args, "longstraw_micro_batch", 1), checkpoint=checkpoint,
-                               offload_state=getattr(args, "longstraw_offload_state", False),
-                               keep_prompt_graph=getattr(args, "longstraw_keep_prompt_graph", 0),
-                               allow_train_mode=True)
+        options = BackwardOptions(plan=plan_named(option(args, "plan")), chunk_size=option(args, "chunk_size"),
+                                  micro_batch=option(args, "micro_batch"), checkpoint=checkpoint,
+                                  offload_state=option(args, "offload_state"),
+                                  keep_prompt_graph=option(args, "keep_prompt_graph"), allow_train_mode=True)
     except (TypeError, ValueError) as err:
         raise ValueError(f"LongStrawGRPOConfig's longstraw_* options: {err}") from None
-    cp = context_size(args)
+    cp = option(args, "cp")
     if cp > 1 and not options.plan.supports_context_parallel:
         raise ValueError(f"LongStrawGRPOConfig's longstraw_cp={cp} shards the prompt state: use longstraw_plan "
                          f"'exact' or 'detach', not {options.plan.name!r}")
     if cp > 1 and options.keep_prompt_graph:
         raise ValueError("LongStrawGRPOConfig's longstraw_keep_prompt_graph is not supported with longstraw_cp > 1: "
                          "set it to 0")
-    tree_min_shared(args)
-    gather = getattr(args, "longstraw_fsdp_gather", "all")
+    option(args, "tree_min_shared")
+    gather = option(args, "fsdp_gather")
     if gather not in ("all", "layer"):
         raise ValueError(f"LongStrawGRPOConfig's longstraw_fsdp_gather must be 'all' or 'layer', got {gather!r}")
     return options
-
-
-def context_size(args: GRPOConfig) -> int:
-    cp = getattr(args, "longstraw_cp", 1)
-    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
-        raise ValueError(f"LongStrawGRPOConfig's longstraw_cp must be an integer >= 1 (processes per context-parallel "
-                         f"block), got {cp!r}")
-    return cp
-
-
-def tree_min_shared(args: GRPOConfig) -> int:
-    value = getattr(args, "longstraw_tree_min_shared", 1)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"LongStrawGRPOConfig's longstraw_tree_min_shared must be an integer >= 1, got {value!r}")
-    return value
 
 
 def loss_kind(args: GRPOConfig) -> str:
@@ -117,14 +113,11 @@ def loss_kind(args: GRPOConfig) -> str:
     with the micro-batch's tokens as its denominator (`_loss_options`), the others are LongStraw's loss of the same
     name; the ratio's level of the others is `loss_parameters`'s sequence_ratio."""
     loss = args.loss_type
-    if loss == "grpo":
-        return "gspo" if args.importance_sampling_level == "sequence" else "grpo"
-    elif loss == "bnpo":
-        return "dapo"
-    elif loss in _TRL_LOSS_TYPES:
-        return loss
-    else:
+    if loss not in _TRL_LOSS_TYPES:
         raise ValueError(f"loss_type={loss!r} is not one LongStraw maps onto its losses ({', '.join(_TRL_LOSS_TYPES)})")
+    if loss == "grpo" and args.importance_sampling_level == "sequence":
+        return "gspo"
+    return "dapo" if loss == "bnpo" else loss
 
 
 def loss_parameters(args: GRPOConfig) -> dict[str, Any]:
@@ -146,10 +139,6 @@ def loss_parameters(args: GRPOConfig) -> dict[str, Any]:
     else:
         out.update(epsilon_low=args.epsilon, epsilon_high=high, delta=args.delta)
     return out
-
-
-def fsdp_gather(args: GRPOConfig) -> str:
-    return str(getattr(args, "longstraw_fsdp_gather", "all"))
 
 
 def work_of(batches: list[dict[str, Any]]) -> tuple[int, ...]:
