@@ -6,13 +6,9 @@ the root (embeddings, final norm and the output projection, tied or not, form th
 untouched (torchtitan's split: model math here, parallelism in a `parallelize` step). A model another library
 sharded (accelerate's FSDP2 for TRL, with its own units and settings) gets the block's settings for the block only.
 
-`sharded_compute(model, gather=...)` runs a block of LongStraw work (backward_group calls, sampling) on it:
-gather="all" gathers every unit once, so **ranks may do different work** (their own prompt lengths, hence chunk
-counts; sampling stops at a rank's own responses' end; dynamic sampling may drop a rank's groups), at the cost of the
-full parameters and full gradient per rank for the block; gather="layer" keeps FSDP's per-layer schedule for the
-decoder layers, so at most two layers are unsharded at a time but **every rank must run the same forwards and
-backwards in the same order** (one context-parallel group, `distributed.context`; callers check it with
-`check_same_work`).
+`sharded_compute(model, gather=...)` runs a block of LongStraw work (backward_group calls, sampling) on it, with
+every parameter gathered once (ranks may do different work) or a decoder layer at a time (every rank must run the
+same forwards and backwards).
 
 Gradients are averaged over ranks (FSDP's default divide-by-world-size); callers scale for their own
 normalisation (see `trainer.py`).

@@ -87,12 +87,10 @@ def _parent_died(signum: int, frame: object) -> None:
 
 def backend_for(device: str) -> str:
     """nccl for CUDA devices, gloo for CPU."""
-    kind = torch.device(device).type
-    if kind == "cuda":
-        return "nccl"
-    if kind == "cpu":
-        return "gloo"
-    raise ValueError(f"distributed training supports cpu (gloo) and cuda (nccl) devices, got {device!r}")
+    backend = {"cuda": "nccl", "cpu": "gloo"}.get(torch.device(device).type)
+    if backend is None:
+        raise ValueError(f"distributed training supports cpu (gloo) and cuda (nccl) devices, got {device!r}")
+    return backend
 
 
 class FailureWatch:
@@ -286,7 +284,7 @@ class Parallel:
         optim_sd = dcp.get_optimizer_state_dict(model, optimizer, options=options)
         if not self.is_main:
             return None
-        return _with_tied_keys(model, model_sd), _names_to_indices(model, optimizer, optim_sd)
+        return _with_tied_keys(model, model_sd), _names_to_indices(model, optim_sd)
 
     def load_full_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                         model_sd: dict | None, optim_sd: dict | None) -> None:
@@ -304,7 +302,7 @@ class Parallel:
         dcp.set_model_state_dict(model, _given(model_sd) if self.is_main else {}, options=options)
         if optimizer is None:
             return
-        by_name = _indices_to_names(_given(optim_sd), names) if self.is_main else {}
+        by_name = _rekeyed(_given(optim_sd), names) if self.is_main else {}
         dcp.set_optimizer_state_dict(model, optimizer, by_name, options=options)
 
     def broadcast(self, value: Any) -> Any:
@@ -335,12 +333,11 @@ class Parallel:
 
 
 def end_process_group() -> None:
-    """Destroy the default process group, if any, while Python is fully alive and after whatever held it is gone.
+    """Destroy the default process group, if any; call it once the trainer is out of scope.
 
-    Call it once the trainer is out of scope. gloo's worker threads must be joined before interpreter exit (a
-    process that leaves them aborts: "terminate called without an active exception"), and a DDP model's reducer
-    holds the group too: freed after the group was destroyed, it joins those threads while holding the GIL that a
-    thread still releasing a tensor needs (a deadlock). So: collect the trainer first, then destroy the group."""
+    gloo's worker threads must be joined before interpreter exit (else: "terminate called without an active
+    exception"), and a DDP model's reducer freed after the group joins them while holding the GIL that a thread still
+    releasing a tensor needs (a deadlock). So: collect the trainer first, then destroy the group."""
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -351,10 +348,9 @@ EXIT_TEARDOWN_S = 10.0  # how long the exit waits for the process group's end be
 
 
 def end_at_exit() -> None:
-    """At interpreter exit (atexit: Python still whole, the failed trainer and its traceback gone), `end_process_group`
-    if `close` did not: a rank that refused or failed exits with its gloo threads joined rather than aborting with
-    "terminate called without an active exception" (SIGABRT) while C++ tears them down. In a daemon thread, waited
-    for `EXIT_TEARDOWN_S` at most, so that a peer that never answers cannot hold the exit."""
+    """`end_process_group` at interpreter exit if `close` did not, so that a rank that refused or failed does not
+    abort (SIGABRT) while C++ tears gloo's threads down; in a daemon thread, waited for `EXIT_TEARDOWN_S` at most,
+    so that a peer that never answers cannot hold the exit."""
     if not dist.is_initialized():
         return
     ender = threading.Thread(target=end_process_group, name="longstraw-end-group", daemon=True)
@@ -377,13 +373,17 @@ def _with_tied_keys(model: torch.nn.Module, state: dict[str, Any]) -> dict[str, 
     return out
 
 
-def _names_to_indices(model: torch.nn.Module, optimizer: torch.optim.Optimizer, optim_sd: dict) -> dict:
+def _names_to_indices(model: torch.nn.Module, optim_sd: dict) -> dict:
     index = {name: i for i, name in enumerate(_param_names(model))}
     alias = {name: index[n] for n, p in model.named_parameters() if n in index
              for name, q in model.named_parameters(remove_duplicate=False) if q is p}
-    state = {alias[name]: value for name, value in optim_sd["state"].items()}
-    groups = [dict(g, params=[alias[name] for name in g["params"]]) for g in optim_sd["param_groups"]]
-    return {"state": state, "param_groups": groups}
+    return _rekeyed(optim_sd, alias)
+
+
+def _rekeyed(optim_sd: dict, key: Any) -> dict:
+    """`optim_sd` with its parameters' keys mapped through `key` (names to indices, or back)."""
+    return {"state": {key[k]: value for k, value in optim_sd["state"].items()},
+            "param_groups": [dict(g, params=[key[k] for k in g["params"]]) for g in optim_sd["param_groups"]]}
 
 
 def _given(state_dict: dict | None) -> dict:
@@ -391,9 +391,3 @@ def _given(state_dict: dict | None) -> dict:
     if state_dict is None:
         raise ValueError("load_full_state: rank 0 must pass the state dicts it loads")
     return state_dict
-
-
-def _indices_to_names(optim_sd: dict, names: list[str]) -> dict:
-    state = {names[i]: value for i, value in optim_sd["state"].items()}
-    groups = [dict(g, params=[names[i] for i in g["params"]]) for g in optim_sd["param_groups"]]
-    return {"state": state, "param_groups": groups}
