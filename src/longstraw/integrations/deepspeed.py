@@ -3,15 +3,10 @@
 DeepSpeed's engine owns the backward: ZeRO-2 and ZeRO-3 hang a hook on every parameter's gradient accumulation that
 reduces (and partitions) the gradient as it arrives, and ZeRO-3 gathers each module's partitioned parameters from
 hooks on its forward and backward. `backward_tree` makes many backward calls per micro-batch (one per replay and
-prompt chunk), a different number on each process, so those hooks would issue mismatched collectives. Instead:
-
-1. `gathered(engine)`: ZeRO-3's parameters all-gathered once, its module hooks removed for the block (as TRL does
-   for generation); ZeRO-0/1/2 parameters are whole already.
-2. `plain_leaves(model)`: every parameter temporarily replaced in its module by a plain leaf tensor sharing its
-   storage, so `backward_tree` accumulates the process's own gradient into the leaves, with no hook firing.
-3. `hand_over(total, params, grads)`: a scalar whose value is the micro-batch's loss and whose backward gives each
-   parameter exactly its gradient. Trainer backpropagates it through `engine.backward` (accelerate's DeepSpeed
-   path), so DeepSpeed reduces, averages over the processes, partitions and steps as it does for TRL's own loss.
+prompt chunk), a different number on each process, so those hooks would issue mismatched collectives. Instead the
+parameters are gathered once (`gathered`, ZeRO-3), the gradient is accumulated on plain leaves sharing their storage
+(`plain_leaves`), and `hand_over` returns it inside a loss that Trainer backpropagates through `engine.backward`, so
+DeepSpeed reduces, averages, partitions and steps as it does for TRL's own loss.
 
 Memory: ZeRO-3 holds the full parameters during the micro-batch (as `sharded_compute` does for FSDP2); every stage
 holds the full gradient of the micro-batch until it is handed over. DeepSpeed's own partitioning still applies to
@@ -27,16 +22,11 @@ from typing import Any
 import torch
 
 
-def zero_stage(engine: Any) -> int:
-    """The ZeRO stage of a DeepSpeedEngine (0: plain data parallelism)."""
-    return int(engine.zero_optimization_stage())
-
-
 @contextmanager
 def gathered(engine: Any) -> Iterator[None]:
     """ZeRO-3: every parameter all-gathered (collectively: every process enters and leaves) and the engine's module
     hooks removed for the block, restored after; other stages pass through."""
-    if zero_stage(engine) < 3:
+    if int(engine.zero_optimization_stage()) < 3:
         yield
         return
     import deepspeed
