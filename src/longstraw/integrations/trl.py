@@ -3,21 +3,17 @@
     from longstraw.integrations.trl import LongStrawGRPOConfig, LongStrawGRPOTrainer
     trainer = LongStrawGRPOTrainer(model, reward_funcs=..., args=LongStrawGRPOConfig(...), train_dataset=...)
 
-Everything TRL does around the loss stays TRL's: config, datasets and sampler, generation (transformers or vLLM),
-rewards and advantages, the reference model (or the PEFT adapter switched off), old log-probs for
-`num_iterations > 1`, logging, callbacks, optimizer, scheduler and checkpoints. Two methods change:
+Everything TRL does around the loss stays TRL's (config, data, generation, rewards and advantages, reference and old
+log-probs, logging, callbacks, optimizer, scheduler, checkpoints, evaluation's loss). Two methods change:
 
-* `_prepare_inputs` keeps each prompt's G completions together. TRL shuffles the generation batch's rows and cuts
-  them into `steps_per_generation` micro-batches, so a group may be spread over several; here whole groups are
-  dealt to the micro-batches instead (each optimizer step gets whole groups; see `_deal_groups`).
-* `compute_loss` runs `backward_tree` once over its micro-batch: every row a trajectory of one prefix tree, so a
-  token several rows share (each prompt's, a system prompt across prompts, earlier turns) is encoded once, with the
-  options that make LongStraw's loss TRL's (`_loss_options`; docs/trl.md has the table), so the gradient accumulated
-  over an optimizer step is the one TRL's `compute_loss` would give. It returns the loss value as a tensor without a
-  graph: the backward Trainer then runs on it reaches no parameter.
+* `_prepare_inputs` deals whole groups to the micro-batches (`_deal_groups`) where TRL shuffles rows, so that each
+  prompt's G completions stay together.
+* `compute_loss` runs `backward_tree` once over one prefix tree of its micro-batch's rows, with the options that make
+  LongStraw's loss TRL's (`_loss_options`; docs/trl.md has the table), and returns the loss value as a tensor without
+  a graph: the backward Trainer then runs on it reaches no parameter.
 
 What the loss cannot reproduce is refused with the reason when the trainer is built, before any parameter is
-touched (`trl_config.config_refusals`, `_model_refusals`). Evaluation (`prediction_step`) keeps TRL's own loss code.
+touched (`trl_config.config_refusals`, `_model_refusals`).
 """
 
 from __future__ import annotations
@@ -85,7 +81,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             model = named["model"]
             name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "") or "model"
             named["args"] = LongStrawGRPOConfig(f"{name.rstrip('/').split('/')[-1]}-GRPO")
-        refuse(config_refusals(named["args"], named))
+        refuse(config_refusals(named["args"]))
         super().__init__(*bound.args[1:], **bound.kwargs)
         refuse(self._model_refusals())
         self._longstraw = backward_options(self.args)
@@ -100,6 +96,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
     def _model_refusals(self) -> list[str]:
         out = []
         kind = str(self.accelerator.distributed_type.value)
+        cp, world = option(self.args, "cp"), self.accelerator.num_processes
         if kind == "FSDP":
             out.extend(fsdp_refusals(self.accelerator.state.fsdp_plugin))
         elif kind in ("MEGATRON_LM", "XLA"):
@@ -110,7 +107,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         if self.aux_loss_enabled and self.router_aux_loss_coef < 0:
             out.append(f"router_aux_loss_coef={self.router_aux_loss_coef}: LongStraw's router term takes a "
                        "coefficient >= 0")
-        if self.aux_loss_enabled and option(self.args, "cp") > 1:
+        if self.aux_loss_enabled and cp > 1:
             out.append("a Mixture-of-Experts load-balancing loss (router_aux_loss_coef != 0) with longstraw_cp > 1: "
                        "LongStraw's router term is not supported with context parallelism; set longstraw_cp=1 or "
                        "router_aux_loss_coef=0.0")
@@ -133,7 +130,6 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             check_model_options(policy, backward_options(self.args))
         except ValueError as err:
             out.append(str(err))
-        cp, world = option(self.args, "cp"), self.accelerator.num_processes
         if cp > 1 and world % cp:
             out.append(f"longstraw_cp={cp} needs a number of processes that is a multiple of {cp}, got {world}: launch "
                        f"{cp * max(1, world // cp)} processes, or set longstraw_cp=1")
@@ -344,19 +340,11 @@ class LongStrawGRPOTrainer(GRPOTrainer):
 
     def _loss_options(self, kept: int, inputs: dict[str, Any]) -> dict[str, Any]:
         """The loss options that make one group's share of LongStraw's loss equal to its share of TRL's loss over
-        an optimizer step of S = gradient_accumulation_steps micro-batches of B = per_device_train_batch_size rows:
+        an optimizer step of S = gradient_accumulation_steps micro-batches (docs/trl.md has the table).
 
-        * grpo, gspo, sapo, luspo: TRL averages per-sequence terms over each micro-batch, divided by S, i.e. every row
-          weighs 1/(B·S); LongStraw's group loss averages over its `kept` completions: loss_scale = kept/(B·S).
-        * dr_grpo: the same with max_tokens = max_completion_length (TRL's L_max).
-        * dapo, cispo, vespo: TRL divides by the completion tokens of the generation batch times
-          S/steps_per_generation (the generation batch's tokens per optimizer step): token_normalizer.
-        * bnpo (LongStraw's dapo): TRL divides by the tokens of the micro-batch, at least 1, times S: token_normalizer.
-          This micro-batch holds whole groups and TRL's holds shuffled rows, the same number B of them
-          (`config_refusals` requires B to be a multiple of G): the normaliser is the one TRL's shuffle would give
-          had it kept the groups together, equal to TRL's run when the micro-batch is the whole generation batch.
-        * the rest (`loss_parameters`): the KL term, the ratio's level, the clip widths and delta or the loss's shape.
-        """
+        bnpo divides by the micro-batch's tokens: this micro-batch holds whole groups and TRL's holds shuffled rows,
+        the same number of them (`config_refusals` requires per_device_train_batch_size to be a multiple of G), so
+        the normaliser is the one TRL's shuffle would give had it kept the groups together."""
         kind = loss_kind(self.args)
         steps = self.current_gradient_accumulation_steps
         options = loss_parameters(self.args)
@@ -377,10 +365,6 @@ class LongStrawGRPOTrainer(GRPOTrainer):
 def _rows(batch: dict[str, Any], rows: list[int], total: int) -> dict[str, Any]:
     """The given rows of every per-row tensor of a generation batch; other entries (num_items_in_batch) as they are."""
     index = torch.tensor(rows, dtype=torch.long)
-    out = {}
-    for key, value in batch.items():
-        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.size(0) == total:
-            out[key] = value[index.to(value.device)]
-        else:
-            out[key] = value
-    return out
+    return {key: value[index.to(value.device)]
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.size(0) == total else value
+            for key, value in batch.items()}

@@ -161,7 +161,7 @@ def steps_per_generation(args: GRPOConfig) -> int:
     return steps
 
 
-def config_refusals(args: GRPOConfig, named: dict[str, Any]) -> list[str]:
+def config_refusals(args: GRPOConfig) -> list[str]:
     """Why this configuration cannot be trained with LongStraw's backward (empty: it can)."""
     out = []
     loss, level = args.loss_type, args.importance_sampling_level

@@ -4,24 +4,14 @@ Turned on by verl's own plug-in point, no fork of verl:
 
     actor_rollout_ref.model.external_lib=longstraw.integrations.verl
 
-verl imports this module in every worker when it reads the model config; importing it puts `LongStrawFSDPEngine` in
-verl's engine registry for the language model's FSDP backends (`strategy` fsdp or fsdp2, FSDP2 recommended), so the
-actor's `TrainingWorker` builds it instead of `FSDPEngineWithLMHead`. verl's data flow is kept: rollout, rewards,
-advantages, old and reference log-probs (forward-only passes stay verl's), mini-batches and PPO epochs, FSDP
-sharding, the optimizer, gradient clipping, checkpoints and logging. One method changes: `forward_backward_batch`
-of a training mini-batch runs `backward_tree` once over all its rows, one prefix tree in which a token several rows
-share (each prompt's, a system prompt across prompts, earlier turns of a conversation) is encoded once, inside one
-all-gather / reduce-scatter of the FSDP parameters, instead of verl's full-sequence forward and backward per
-micro-batch. The loss that is verl's `ppo_loss` is `loss_config` (docs/verl.md has
-the table); what it cannot reproduce is refused with the reason before any parameter or gradient is touched. Under
-Ulysses sequence parallelism, verl's sequence-parallel group shards the tree's prompt state as LongStraw's
-context-parallel group (`distributed.context`).
-
-LongStraw's own settings come from the environment of the worker processes (verl passes
-`ray_kwargs.ray_init.runtime_env.env_vars` to them): LONGSTRAW_PLAN (exact | detach | standard |
-standard_batched; default exact, verl's gradient), LONGSTRAW_CHUNK_SIZE (prompt tokens per capture chunk, 2048),
-LONGSTRAW_MICRO_BATCH (sibling responses replayed at once, 1), LONGSTRAW_CHECKPOINT (none | layers),
-LONGSTRAW_TREE_MIN_SHARED (the shortest shared run of tokens the tree splits off as a node, 1).
+verl imports this module in every worker; importing it puts `LongStrawFSDPEngine` in verl's engine registry for the
+language model's FSDP backends (`strategy` fsdp or fsdp2), so the actor builds it instead of `FSDPEngineWithLMHead`.
+Everything else stays verl's; `forward_backward_batch` of a training mini-batch runs `backward_tree` once over one
+prefix tree of all its rows, inside one all-gather / reduce-scatter of the FSDP parameters, with the loss that is
+verl's `ppo_loss` (`loss_config`); what it cannot reproduce is refused before any parameter or gradient is touched.
+verl's Ulysses group shards the prompt state as LongStraw's context-parallel group (`distributed.context`).
+LongStraw's own settings are the workers' LONGSTRAW_* environment variables (`settings_from_environment`).
+docs/verl.md has the variables, the loss mapping and the clamps.
 """
 
 from __future__ import annotations
@@ -87,7 +77,8 @@ class Settings:
 
 
 def settings_from_environment(environ: dict[str, str] | None = None) -> Settings:
-    """The LONGSTRAW_* variables of the module docstring, validated (a bad value names the variable)."""
+    """The LONGSTRAW_* variables (LONGSTRAW_PLAN, _CHUNK_SIZE, _MICRO_BATCH, _CHECKPOINT, _TREE_MIN_SHARED: the
+    `Settings` fields; docs/verl.md), validated (a bad value names the variable)."""
     env = os.environ if environ is None else environ
     values: dict[str, Any] = {}
     for name, kind in (("plan", str), ("chunk_size", int), ("micro_batch", int), ("checkpoint", str),
@@ -153,25 +144,9 @@ def loss_config(config: Any, group_size: int, *, dp_size: int, batch_num_tokens:
                 horizon: int) -> LossConfig:
     """The loss (its options) that makes one group's share of LongStraw's loss equal to its share of verl's
     `ppo_loss` summed over the micro-batches of a mini-batch on this rank, before the data-parallel mean that FSDP
-    takes (verl's agg_loss multiplies each rank's loss by dp_size for that mean):
-
-    * token-mean: Σ_tokens ℓ / N · dp, N the loss tokens of the mini-batch over every rank -> dapo, N as the
-      token normaliser, loss_scale dp.
-    * token-sum: Σ_tokens ℓ · dp -> dapo with a normaliser of 1.
-    * seq-mean-token-mean: Σ_seq mean_t ℓ / B · dp, B verl's global batch size (sequences of the mini-batch over
-      every rank) -> grpo, whose group loss is the mean over its G sequences: loss_scale G·dp/B.
-    * seq-mean-token-sum: Σ_seq Σ_t ℓ / B · dp -> luspo with per-token ratios: loss_scale G·dp/B.
-    * seq-mean-token-sum-norm: the same divided by `loss_scale_factor`, or when unset the padded response width
-      (`horizon`).
-
-    ℓ is verl's per-token PPO term: vanilla -max(ρA, clip(ρ)A) with the dual clip min(·, -cA) where A < 0, which is
-    LongStraw's clipped term with delta = c (equal for c >= 1 + clip_ratio_high); gspo: the same with the sequence's
-    ratio (verl spreads its gradient over the tokens as LongStraw's sequence_ratio does), no dual clip. The KL term
-    (use_kl_loss) is the k3 estimate times kl_loss_coef, normalised like the policy term.
-
-    verl's clamps, with the same bounds in the same order (each a torch.clamp: no gradient outside): the log-ratio
-    to ±20 before its exp (vanilla; gspo: the sequence's mean log-ratio at most 10) -> log_ratio_clamp; low_var_kl
-    and k3 (one function in verl): ref − logp to ±20 before the exp, the estimate to ±10 -> kl_clamp."""
+    takes (verl's agg_loss multiplies each rank's loss by dp_size for that mean). docs/verl.md has the mapping of
+    each loss_agg_mode (B = `global_batch_size`, N = `batch_num_tokens`, the padded response width `horizon` when
+    loss_scale_factor is unset), of vanilla PPO's dual clip (delta = clip_ratio_c) and gspo, and of verl's clamps."""
     agg, mode = config.loss_agg_mode, config.policy_loss.get("loss_mode", "vanilla")
     if mode not in _LOG_RATIO_CLAMP:
         raise ValueError(f"policy_loss.loss_mode {mode!r} is not mapped: choose one of {', '.join(_LOG_RATIO_CLAMP)}")
