@@ -1,26 +1,20 @@
-"""Context parallelism: the prompt state split along the sequence over C ranks.
+"""Context parallelism: the prompt state split along the sequence over C ranks (docs/distributed.md).
 
-Design: *replicated segments, sharded state.* Every rank of the context-parallel group runs every segment —
-each capture chunk, each replayed micro-batch, each recomputed chunk of the exact plan — on the same tokens,
-but rank r keeps the attention state (K/V, MLA latents, indexer keys) of its own contiguous slice of capture
-chunks only. In each attention layer a rank attends its queries to its own slice, and the C partial results
-are merged exactly with their log-sum-exps (`ContextParallel.merge`); recurrent layers' conv/recurrent state is
-computed by every rank in sequence order (it is constant in P, so it is simply replicated). Per-rank prompt
-state is then ~1/C of the single-device state; the price is that the non-attention work of a segment is
-repeated on every rank (attention over the prompt, the part that grows with P, is split).
+Design: *replicated segments, sharded state.* Every rank of the context-parallel group runs every segment (capture
+chunk, replayed micro-batch, recomputed chunk of the exact plan) on the same tokens, but rank r keeps the attention
+state (K/V, MLA latents, indexer keys) of its own contiguous slice of capture chunks only. In each attention layer a
+rank attends its queries to its own slice and the C partial results are merged exactly by their log-sum-exps
+(`ContextParallel.merge`); recurrent layers' state, constant in P, is computed by every rank. Per-rank prompt state
+is ~1/C; the non-attention work of a segment is repeated on every rank.
 
-Gradients: because everything but the prompt attention is replicated, each rank can hold the *complete*
-parameter gradient, equal to the single-process one, if two things are true in backward:
-* the gradient of a partial result is the rank's own (every rank computed the same downstream, so the
-  gathered partials' gradients are identical on all ranks: take yours, no communication);
-* the queries' gradient sums the C partials' contributions (`reduce_grad`: identity forward, all-reduce of the
-  gradient backward), so everything upstream of attention sees the full gradient on every rank.
-The exact plan's state gradients stay sharded: a rank's K/V leaves receive gradient only through its own
-partial. Its reverse prompt backward walks the global chunks in reverse; the owner of chunk c broadcasts the
-accumulated gradient of c's K/V so every rank can backpropagate the replicated recompute of c.
+Gradients: everything but the prompt attention is replicated, so each rank holds the *complete* parameter gradient
+if the gradient of a gathered partial is the rank's own slice (every rank computed the same downstream: no
+communication) and the queries' gradient sums the C partials' contributions (`reduce_grad`). The exact plan's state
+gradients stay sharded: its reverse prompt backward walks the global chunks in reverse, and the owner of chunk c
+broadcasts the accumulated gradient of c's K/V so every rank can backpropagate the replicated recompute of c.
 
-Supported layer kinds: full attention (fused kernel path) and recurrent layers. Sliding windows, MLA and DSA
-under context parallelism are refused (`check_supported`).
+Supported layer kinds: full attention (fused kernel path) and recurrent layers; the others are refused
+(`check_supported`).
 """
 
 from __future__ import annotations
@@ -182,7 +176,5 @@ def check_supported(model: torch.nn.Module) -> None:
                          "or convolutional attention state): run it without --cp")
     unsupported = set(spec_from_config(model.config).mixers) & {"sliding", "chunked", "mla", "dsa"}
     if unsupported or getattr(model.config, "final_logit_softcapping", None):
-        raise ValueError(
-            f"context parallelism supports full-attention and recurrent layers; this model has "
-            f"{sorted(unsupported)} layers: run it without --cp"
-        )
+        raise ValueError(f"context parallelism supports full-attention and recurrent layers; this model has "
+                         f"{sorted(unsupported)} layers: run it without --cp")

@@ -71,13 +71,11 @@ def _param_groups(units: list[FSDPModule]) -> list[Any]:
 
 def _reduce_accumulated_gradients(units: list[FSDPModule]) -> None:
     """Reduce-scatter the accumulated unsharded gradient of each of `units` (their own parameters, not their
-    children's) once, into the sharded `.grad`.
+    children's) once, into the sharded `.grad`; every rank at the same point.
 
-    This is what FSDP's own end-of-backward callback (`FSDPState._root_post_backward_final_callback`) does for
-    the last micro-batch of a gradient-accumulation loop; we run it after the block instead, because the
-    block's "last backward" is inside `backward_group` (a replay or a prompt-backward chunk, depending on the
-    plan). Every rank must call this at the same point.
-    """
+    FSDP's own end-of-backward callback (`FSDPState._root_post_backward_final_callback`) does this for the last
+    micro-batch of an accumulation loop; here it runs after the block, whose "last backward" is inside
+    `backward_group`."""
     groups = _param_groups(units)
     for group in groups:
         group.reduce_grads = True
@@ -89,26 +87,22 @@ def _reduce_accumulated_gradients(units: list[FSDPModule]) -> None:
 
 @contextmanager
 def sharded_compute(model: torch.nn.Module, reduce: bool = True, gather: str = "all") -> Iterator[None]:
-    """Run a block of LongStraw work on an FSDP2-sharded model; its gradients reduce-scattered into the sharded `.grad`.
+    """Run a block of LongStraw work on an FSDP2-sharded model; its gradients reduce-scattered (averaged over ranks)
+    into the sharded `.grad`, adding to what is there. A non-FSDP model passes through unchanged.
 
-    gather="all": all-gather every parameter once, run the block, then reduce once and reshard. Inside, parameters
-    are plain tensors and `backward_group` accumulates the rank's own gradient, unsharded; at exit every unit
-    reduce-scatters it once (averaged over ranks), adding to what is in `.grad`. Ranks may do different work.
+    gather="all": every parameter all-gathered once, a plain tensor inside the block (`backward_group` accumulates the
+    rank's own gradient, unsharded), reduced once and resharded at exit. Ranks may do different work.
 
-    gather="layer": each decoder layer is gathered by FSDP's own hooks when a forward or backward reaches it and
-    resharded after, and its gradient is reduce-scattered after each backward through it; the other units (the
-    root, and the embeddings, final norm and output projection wherever they are: the log-prob reads the output
-    projection outside any module forward) are gathered for the block and reduced once at its end, as with "all".
-    Per rank, besides those, at most two decoder layers' parameters and gradients are unsharded at a time (the one
-    computing and the one FSDP prefetches in backward). FSDP's collectives then fire from inside the work, so
-    **every rank must run the same sequence of forwards and backwards**: this holds when the ranks form one
-    context-parallel group (`distributed.context`: every rank runs every segment of every group), and the caller
-    must make sure it does (`check_same_work`).
+    gather="layer": the decoder layers are left to FSDP's own hooks (gathered when a forward or backward reaches one,
+    resharded after, its gradient reduce-scattered after each backward: at most two unsharded at a time, the one
+    computing and the one prefetched); the other units (the log-prob reads the output projection outside any module
+    forward) are gathered for the block and reduced at its end, as with "all". The hooks' collectives fire from inside
+    the work, so **every rank must run the same forwards and backwards**, as the ranks of one context-parallel group
+    do (`distributed.context`); the caller checks it (`check_same_work`).
 
-    reduce=False (sampling, evaluation: no backward in the block) skips the reduction.
-    Every rank must enter and leave the block (collectives at both ends). If the block raises, no collective is
-    attempted (another rank may never arrive): the parameters are resharded locally, the unreduced gradients are
-    dropped, and the error propagates. A non-FSDP model passes through unchanged.
+    reduce=False (sampling, evaluation: no backward) skips the reduction. Every rank must enter and leave the block
+    (collectives at both ends). If the block raises, no collective is attempted (another rank may never arrive): the
+    parameters are resharded locally, the unreduced gradients dropped, and the error propagates.
     """
     if gather not in ("all", "layer"):
         raise ValueError(f"gather must be 'all' or 'layer', got {gather!r}")
@@ -131,8 +125,7 @@ def sharded_compute(model: torch.nn.Module, reduce: bool = True, gather: str = "
             _reduce_accumulated_gradients(gathered)
         else:
             _drop_unsharded_gradients(gathered)
-        # Reshard every unit and reset FSDP's per-forward bookkeeping: the K/V-only forwards of capture stop
-        # inside the last layer (segment.py), which leaves that layer's FSDP state mid-forward.
+        # Reshard every unit and reset FSDP's per-forward bookkeeping (capture's K/V-only forwards leave it mid-forward)
         model.reset_iter_state()
 
 
@@ -161,23 +154,19 @@ def check_same_work(work: tuple[int, ...], group: dist.ProcessGroup | None = Non
     dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
     dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
     if not torch.equal(low, high):
-        raise RuntimeError(
-            "gathering a layer at a time needs every process to run the same forwards and backwards, but the "
-            "processes' work differs: their layers' all-gathers would pair up wrongly. Make the context-parallel "
-            "group span every process, or gather every parameter once (gather='all')"
-        )
+        raise RuntimeError("gathering a layer at a time needs every process to run the same forwards and backwards, "
+                           "but the processes' work differs: their layers' all-gathers would pair up wrongly. Make the "
+                           "context-parallel group span every process, or gather every parameter once (gather='all')")
 
 
 @contextmanager
 def _block_settings(model: FSDPModule, layers: list[Any]) -> Iterator[None]:
-    """A block's FSDP settings, whoever sharded the model; the model's own restored after.
-
-    Every unit: no resharding after a forward or backward (the block reads parameters outside module forwards), no
-    communication from the hooks (`sharded_compute` reduces once), zeros reduce-scattered for unused parameters, SUM
-    reductions on gloo (it has no AVG; FSDP then divides by the world size itself). `layers` (gather="layer") keep
-    FSDP's defaults instead: resharded after each forward and backward, their gradient reduce-scattered after each
-    backward. FSDP's root is fixed first: its lazy initialisation runs at the first forward through a sharded module,
-    and the block may enter at an inner module (`model.model`)."""
+    """A block's FSDP settings, whoever sharded the model; the model's own restored after. Every unit: no resharding
+    after a forward or backward (the block reads parameters outside module forwards), no communication from the hooks
+    (`sharded_compute` reduces once), zeros reduce-scattered for unused parameters, SUM reductions on gloo (no AVG;
+    FSDP then divides by the world size). `layers` (gather="layer") keep FSDP's defaults instead. FSDP's root is fixed
+    first: its lazy initialisation runs at the first forward through a sharded module, and the block may enter at an
+    inner module (`model.model`)."""
     state = model._get_fsdp_state()
     state._lazy_init()
     states = state._state_ctx.all_states

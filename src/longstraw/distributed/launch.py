@@ -70,9 +70,8 @@ def launch_train(train_argv: list[str], nproc: int) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import get_args_parser, run
 
-    args = get_args_parser().parse_args(
-        ["--standalone", f"--nproc-per-node={nproc}", "--module", "longstraw.cli", "train", *train_argv]
-    )
+    args = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={nproc}", "--module", "longstraw.cli",
+                                         "train", *train_argv])
     # The ranks inherit this environment: they check that their parent is still this process. Restored after, so
     # that nothing else this process starts later takes it for its launcher.
     env = {LAUNCHER_PID_ENV: str(os.getpid()),

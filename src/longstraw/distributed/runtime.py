@@ -5,11 +5,10 @@ full checkpoints, and make a failure on one rank stop every rank.
 cases. `Parallel.start(device)` joins the process group that torchrun (or any launcher setting RANK,
 WORLD_SIZE, MASTER_ADDR, MASTER_PORT) describes: gloo on CPU, nccl on CUDA (one GPU per rank, `cuda:LOCAL_RANK`).
 
-Failure propagation: a rank that raises writes "rank R failed: <error>" to the process group's key-value store
-before it exits; a watcher thread on every other rank polls that key, prints the message and exits the
-process with status 1. Without it, the surviving ranks would block in their next collective until the
-process group's timeout (30 minutes by default). torchrun also stops a failed job's other local workers; the
-watcher covers the message, and ranks on other nodes.
+Failure propagation: a rank that raises writes "rank R failed: <error>" to the process group's key-value store; a
+watcher thread on every other rank prints it and exits with status 1, rather than block in its next collective until
+the group's timeout (30 minutes). torchrun stops a failed job's other local workers too; the watcher covers the
+message, and ranks on other nodes.
 
 A rank ends with its launcher (`end_with_launcher`, first thing in `Parallel.start`): a launcher killed with SIGKILL
 leaves no rank training on its own.
@@ -48,12 +47,11 @@ PARENT_DEATH_SIGNAL = signal.SIGHUP
 
 
 def end_with_launcher(poll_s: float = 1.0) -> None:
-    """Stop this rank like SIGTERM would when its parent (the launcher, or torchrun's agent) dies; if the parent is
-    already gone (it died before this call), SIGTERM now.
+    """Stop this rank like SIGTERM would when its parent (the launcher, or torchrun's agent) dies (Linux
+    `PR_SET_PDEATHSIG`, elsewhere a thread polling the parent's PID); if the parent is already gone, SIGTERM now.
 
-    The kernel sends the parent-death signal each time the thread holding this process as a child ends, so a
-    launcher's death can bring one per launcher thread: it is SIGHUP, turned into a single SIGTERM here, so that
-    the trainer sees one stop request (a second SIGTERM means "stop at once, without saving")."""
+    The kernel sends the parent-death signal once per ending launcher thread: it is SIGHUP, turned into a single
+    SIGTERM here, so that the trainer sees one stop request (a second SIGTERM means "stop at once, without saving")."""
     expected = os.environ.get(LAUNCHER_PID_ENV)
     parent = int(expected) if expected and expected.isdigit() else os.getppid()
     if threading.current_thread() is threading.main_thread():
@@ -146,13 +144,12 @@ class Parallel:
     device: str = "cpu"
     mesh: DeviceMesh | None = None
     watch: FailureWatch | None = field(default=None, repr=False)
-    # Context parallelism: blocks of `cp_size` consecutive ranks share each prompt (distributed/context.py);
-    # data parallelism runs over the blocks.
+    # Context parallelism (context.py): blocks of `cp_size` consecutive ranks share each prompt; data parallelism
+    # runs over the blocks.
     cp_size: int = 1
     context_shards: ContextParallel | None = field(default=None, repr=False)
-    # Tensor parallelism (distributed/tp.py): groups of `tp_size` consecutive ranks hold one model split by heads and
-    # share every prompt; with cp, a block is cp such groups (`block_size` ranks) and `mesh` is FSDP2's dimension
-    # over the blocks' tensor-parallel peers (None when every rank is in the one tensor-parallel group).
+    # Tensor parallelism (tp.py): groups of `tp_size` consecutive ranks hold one model split by heads; a block is cp
+    # such groups (`block_size` ranks) and `mesh` is FSDP2's over the blocks' tensor-parallel peers (None: one group).
     tp_size: int = 1
     tp_mesh: DeviceMesh | None = field(default=None, repr=False)
 
@@ -169,10 +166,8 @@ class Parallel:
         rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
         if backend == "nccl":
             if local_rank >= (count := torch.cuda.device_count()):
-                raise ValueError(
-                    f"local rank {local_rank} has no GPU: this node has {count} CUDA device(s); start at most "
-                    f"{count} processes per node (--nproc / torchrun --nproc-per-node)"
-                )
+                raise ValueError(f"local rank {local_rank} has no GPU: this node has {count} CUDA device(s); start "
+                                 f"at most {count} processes per node (--nproc / torchrun --nproc-per-node)")
             device = f"cuda:{local_rank}"
             torch.cuda.set_device(device)
         store, _, _ = next(dist.rendezvous("env://", timeout=timedelta(seconds=timeout_s)))
@@ -246,12 +241,9 @@ class Parallel:
         size = ranks / (cp * tp); the ranks of one block take the same slice); count must divide."""
         blocks = self.dp_size
         if count % blocks:
-            suggestion = blocks * max(1, count // blocks)
-            raise ValueError(
-                f"{what} = {count} cannot be split evenly over {blocks} data-parallel groups of processes: use a "
-                f"multiple of {blocks} (e.g. --{what.replace('_', '-')} {suggestion}) or a process count that "
-                f"divides {count}"
-            )
+            raise ValueError(f"{what} = {count} cannot be split evenly over {blocks} data-parallel groups of "
+                             f"processes: use a multiple of {blocks} (e.g. --{what.replace('_', '-')} "
+                             f"{blocks * max(1, count // blocks)}) or a process count that divides {count}")
         per = count // blocks
         return range(self.dp_rank * per, (self.dp_rank + 1) * per)
 
@@ -269,12 +261,9 @@ class Parallel:
     # ------------------------------------------------------------------ checkpoints
 
     def full_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict] | None:
-        """(model, optimizer) state dicts in the single-process format, on rank 0 (None elsewhere).
-
-        Sharded: gathered with torch.distributed.checkpoint's full-state-dict helpers (a collective), and the
-        optimizer's parameter names mapped back to the indices `optimizer.state_dict()` uses, so a checkpoint
-        is the same file whatever the number of processes that wrote or reads it.
-        """
+        """(model, optimizer) state dicts in the single-process format, on rank 0 (None elsewhere). Sharded: gathered
+        with torch.distributed.checkpoint's full-state-dict helpers (a collective), the optimizer's parameter names
+        mapped back to `optimizer.state_dict()`'s indices, so a checkpoint is one file for any process count."""
         if not self.distributed:
             return model.state_dict(), optimizer.state_dict()
         from torch.distributed.checkpoint import state_dict as dcp

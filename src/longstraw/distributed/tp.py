@@ -1,28 +1,17 @@
 """Tensor parallelism: a model sharded with transformers' own tensor-parallel plan, its prompt state split by heads.
 
-`tensor_parallel(model, mesh)` applies the plan transformers ships for the family (`model.tp_plan`, resolved and
-applied by `transformers.distributed.tensor_parallel.apply_tensor_parallelism`, the code `from_pretrained(...,
-distributed_config=DistributedConfig(tp_size=T))` runs at load time) to a model already in memory: q/k/v and the
-MLP's gate/up projections column-wise (each rank computes its own heads and MLP columns), o and down row-wise (the
-partial outputs all-reduced), the input embeddings and the output projection split by vocabulary. Parameters become
-DTensors; activations between modules are plain tensors, replicated on every rank.
+`tensor_parallel(model, mesh)` applies the plan transformers ships for the family (`model.tp_plan`, what
+`from_pretrained(..., distributed_config=DistributedConfig(tp_size=T))` runs at load time) to a model already in
+memory: q/k/v and gate/up column-wise, o and down row-wise, the embeddings and the output projection by vocabulary.
+The engine is unchanged: the attention kernels see this rank's heads only, so the prompt state holds 1/T of the K/V
+heads; the chunked log-prob runs `engine.tp_logprobs` on the vocabulary-split weight; the collectives sit in module
+hooks, so the ranks of a tensor-parallel group run the same segments and share every prompt.
 
-What that means for LongStraw, with nothing changed in the engine:
-* the attention kernels see this rank's heads only (q/k/v are the column-wise projections' local outputs), so the
-  prompt state every capture writes holds this rank's K/V heads: 1/T of the state on each rank;
-* the chunked log-prob reads the output projection's weight as a DTensor split by vocabulary and runs
-  `engine.tp_logprobs` (log-sum-exp and target logit reduced across ranks; no [R, V] logits);
-* every rank of the group runs the same segments in the same order (the collectives sit in module hooks), so the
-  ranks of a tensor-parallel group share every prompt, like those of a context-parallel block.
-
-One change to transformers' plan: its `replicated_with_grad_allreduce` style (Qwen3's per-head q/k norms, whose
-weight gradient each rank holds for its own heads only) all-reduces the *accumulated* `.grad` after every
-accumulation, which double-counts from the second backward into the same `.grad` on (LongStraw runs several: one per
-micro-batch and per prompt chunk). Here the gradient of each backward is all-reduced before it is accumulated;
-`adopt(model)` makes the same change on a model transformers split at load time.
-
-Admitted families: those whose plan transformers ships and which LongStraw's tests ran under tensor parallelism
-(`TP_MODEL_TYPES`); the heads must divide by T (a rank holds whole heads). Others are refused with the reason.
+One change to transformers' plan: its `replicated_with_grad_allreduce` style (Qwen3's per-head q/k norms) all-reduces
+the *accumulated* `.grad`, which double-counts from LongStraw's second backward into it on (one per micro-batch and
+prompt chunk); here each backward's gradient is all-reduced before it is accumulated (`tensor_parallel`, and `adopt`
+for a model transformers split at load time). Admitted families: `TP_MODEL_TYPES`, whose heads T must divide.
+docs/distributed.md has the layouts and the measurements.
 """
 
 from __future__ import annotations
@@ -143,10 +132,9 @@ def _sum_gradients_over(module: torch.nn.Module, group: dist.ProcessGroup) -> No
 
 def tensor_parallel_layout(device_type: str, tp: int, cp: int = 1) -> tuple[DeviceMesh, DeviceMesh | None,
                                                                                ContextParallel | None]:
-    """This rank's tensor-parallel mesh, FSDP2's mesh and context-parallel group on the world's ranks laid out as
-    rank = (block * cp + c) * tp + t: groups of `tp` consecutive ranks split the model by heads; `cp` consecutive
-    groups form a context-parallel block (its group: the ranks of the block with this rank's t); FSDP2 shards over the
-    ranks with this t (None when that is this rank alone). Collective: every rank calls it, in the same order."""
+    """This rank's tensor-parallel mesh, FSDP2's mesh (over the ranks with this rank's t; None when that is this rank
+    alone) and context-parallel group (`context_blocks`) on the world's ranks laid out as rank = (block * cp + c) * tp
+    + t. Collective: every rank calls it, in the same order."""
     from torch.distributed.device_mesh import init_device_mesh
 
     world = dist.get_world_size()

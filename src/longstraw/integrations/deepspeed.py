@@ -65,11 +65,9 @@ def plain_leaves(model: torch.nn.Module) -> Iterator[dict[int, torch.Tensor]]:
 
 class _HandOver(torch.autograd.Function):
     """Forward: the loss value. Backward: the precomputed gradient of each parameter input (scaled by the incoming
-    gradient, 1 under Trainer), so that whatever DeepSpeed hangs on their accumulation sees TRL's gradient.
-
-    ZeRO-3 has partitioned the parameters again by the time Trainer backpropagates this, and autograd accumulates a
-    gradient only into a parameter of its shape: the backward gathers them (every process runs it) and queues their
-    partitioning for the end of the backward, after DeepSpeed's hooks have reduced the gradients."""
+    gradient, 1 under Trainer), so that whatever DeepSpeed hangs on their accumulation sees TRL's gradient. ZeRO-3
+    has partitioned the parameters again by then, and autograd accumulates only into a parameter of the gradient's
+    shape: the backward gathers them and queues their partitioning for after DeepSpeed's hooks reduced the gradients."""
 
     @staticmethod
     def forward(ctx: Any, total: torch.Tensor, grads: Sequence[torch.Tensor],

@@ -61,14 +61,11 @@ __all__ = ["LongStrawGRPOConfig", "LongStrawGRPOTrainer"]
 class LongStrawGRPOTrainer(GRPOTrainer):
     """`trl.GRPOTrainer` whose loss and backward are `longstraw.backward_tree` over each micro-batch's prefix tree.
 
-    Takes GRPOTrainer's arguments; `args` may be a `LongStrawGRPOConfig` (plan, chunk size, micro-batch,
-    checkpointing, offloading, the tree's shortest node) or a plain `GRPOConfig` (the exact plan). Raises
-    ValueError, listing every reason, for what it cannot train (unmapped loss types, entropy terms, FSDP version 1,
-    Megatron-LM, ...)."""
+    Takes GRPOTrainer's arguments; `args` may be a `LongStrawGRPOConfig` or a plain `GRPOConfig` (its defaults).
+    Raises ValueError, listing every reason, for what it cannot train."""
 
-    # What mypy should know about Trainer's attributes here: `args` is a GRPOConfig (Trainer types it as
-    # TrainingArguments), `model` is set, so is num_generations (GRPOConfig requires it); TRL initialises
-    # `_buffered_inputs` to None without an annotation.
+    # For mypy: Trainer types `args` as TrainingArguments and leaves `model`, `num_generations` (which GRPOConfig
+    # requires) and `_buffered_inputs` (None at first) unannotated.
     args: GRPOConfig
     model: torch.nn.Module
     num_generations: int
@@ -159,10 +156,9 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         return self._buffered_inputs[self._step % steps_per_generation(self.args)]
 
     def _deal_groups(self, batch: dict[str, Any]) -> list[dict[str, Any]]:
-        """Split a generation batch (rows in sampler order: each prompt's G completions consecutive, as TRL's
-        advantage code also assumes) into `steps_per_generation` micro-batches of whole groups. When the batch feeds
-        k optimizer steps, each gets a contiguous 1/k of the groups, spread as evenly as whole groups allow over its
-        micro-batches (some may be empty when there are fewer groups than micro-batches)."""
+        """Split a generation batch (each prompt's G completions consecutive, as TRL's advantage code also assumes)
+        into `steps_per_generation` micro-batches of whole groups: each of the k optimizer steps it feeds gets a
+        contiguous 1/k of the groups, spread as evenly as whole groups allow (some micro-batches may be empty)."""
         g, rows = self.num_generations, batch["completion_ids"].size(0)
         prompts = [ids[mask.bool()] for ids, mask in zip(batch["prompt_ids"], batch["prompt_mask"])]
         for first in range(0, rows, g):
@@ -191,10 +187,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         batches = [inputs] if self._context is None else self._context_batches(inputs)
         if self.is_deepspeed_enabled:
             return self._deepspeed_loss(batches)
-        # FSDP2, longstraw_fsdp_gather='all': every parameter gathered once for the micro-batch, the gradients
-        # reduce-scattered (averaged over the processes) into the sharded .grad once at the end; every process
-        # enters, whatever its number of groups. 'layer': one layer gathered at a time, every process running the
-        # same groups (the context-parallel block is the whole world: `_model_refusals`), checked first.
+        # FSDP2 (`sharded_compute`): every process enters, whatever its number of groups; with gather='layer' every
+        # process runs the same groups (the context-parallel block is the whole world: `_model_refusals`), checked.
         gather = option(self.args, "fsdp_gather")
         if gather == "layer":
             check_same_work(work_of(batches))
@@ -202,7 +196,6 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             total = self._backward_batches(batches)
         if self.accelerator.num_processes > 1 and self.accelerator.sync_gradients and not self.is_fsdp_enabled:
             self._average_gradients()  # the last micro-batch of an optimizer step: what DDP's reducer would do
-        # Trainer.training_step backpropagates what this returns: a leaf without a graph, so it reaches no parameter.
         return torch.tensor(total, device=self.accelerator.device, requires_grad=True)
 
     def _backward_batches(self, batches: list[dict[str, Any]]) -> float:
@@ -229,10 +222,9 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         return total
 
     def _tree_of(self, inputs: dict[str, Any]) -> tuple[Tree, BackwardOptions] | None:
-        """The micro-batch's kept rows (`_kept_rows`) as one prefix tree, each row a trajectory of its own group
-        (TRL's normalisers are the micro-batch's, as `_loss_options` sets them for a group of one row), with
-        backward_tree's options; the MoE load-balancing term over the tree's tokens, each counted once per row that
-        holds it, as TRL's forward over the micro-batch counts it. None: no row to train."""
+        """The micro-batch's kept rows (`_kept_rows`) as one prefix tree, each row its own group (TRL's normalisers
+        are the micro-batch's: `_loss_options` of a group of one row), with backward_tree's options; the MoE term
+        counts each tree token once per row that holds it, as TRL's forward does. None: no row to train."""
         g, rows = self.num_generations, inputs["completion_ids"].size(0)
         kept = [i for first in range(0, rows, g) for i in self._kept_rows(inputs, range(first, first + g))]
         if not kept:
@@ -269,11 +261,9 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         return torch.autocast(hf(policy).device.type, dtype=torch.bfloat16, enabled=enabled)
 
     def _deepspeed_loss(self, batches: list[dict[str, Any]]) -> torch.Tensor:
-        """DeepSpeed ZeRO (integrations/deepspeed.py): the micro-batch's gradient accumulated on plain leaves that
-        share the parameters' storage (ZeRO-3: gathered once, its hooks removed), then returned inside the loss:
-        Trainer's `engine.backward` of it gives each parameter that gradient, which DeepSpeed reduces, averages over
-        the processes and partitions as it does TRL's (Trainer turns DeepSpeed's 1/gradient_accumulation_steps
-        scaling off; LongStraw's losses are scaled for the accumulation already)."""
+        """DeepSpeed ZeRO (integrations/deepspeed.py): the micro-batch's gradient, returned inside the loss that
+        Trainer's `engine.backward` hands to DeepSpeed (which Trainer runs without its 1/gradient_accumulation_steps
+        scaling; LongStraw's losses are scaled for the accumulation already)."""
         engine, policy = self.model_wrapped, self._policy()
         with deepspeed_gathered(engine):
             params = [p for p in policy.parameters() if p.requires_grad]
@@ -286,10 +276,9 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             return hand_over(total, params, grads, self.accelerator.device)
 
     def _context_batches(self, inputs: dict[str, Any]) -> list[dict[str, Any]]:
-        """Context parallelism: the micro-batches of every process of this block, in rank order. Every process of
-        the block then backpropagates every tree of them, each holding 1/C of each node's state; each tree's loss
-        is scaled by 1/C (`_tree_of`), so that the C copies of the block's gradient that the data-parallel
-        reduction averages add up to TRL's."""
+        """Context parallelism: the micro-batches of every process of this block, in rank order, each backpropagated
+        by every process of the block with 1/C of each node's state and 1/C of its loss (`_tree_of`), so that the C
+        copies of the block's gradient that the data-parallel reduction averages add up to TRL's."""
         assert self._context is not None
         mine = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
         gathered: list[Any] = [None] * self._context.size
@@ -312,12 +301,10 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             offset += g.numel()
 
     def _kept_rows(self, inputs: dict[str, Any], rows: range) -> list[int]:
-        """The rows of one prompt's group that are in the loss, checked. TRL's `tool_mask` (0 on tool results with
-        `tools` or `environment_factory`, a rollout_func's `env_mask`) becomes the loss masks: those tokens run
-        through the model but add no loss. Completions with no token in the loss (mask_truncated_completions) are
-        left out, as they add nothing to TRL's loss either, while they still count in its averages (`_loss_options`).
-        With the MoE load-balancing loss, a completion left out that has tokens in TRL's forward (every token
-        tool-masked) is refused: its tokens' router term would be missing."""
+        """The rows of one prompt's group that are in the loss, checked. TRL's `tool_mask` (a rollout_func's
+        `env_mask`) becomes the loss masks. Completions with no token in the loss add nothing to TRL's loss either and
+        are left out (they still count in its averages, `_loss_options`); with the MoE load-balancing loss, one that
+        has tokens in TRL's forward (all tool-masked) is refused: its tokens' router term would be missing."""
         completion_mask, tool_mask = inputs["completion_mask"], inputs.get("tool_mask")
         lengths = {i: int(completion_mask[i].sum()) for i in rows}
         keep = [i for i in rows if lengths[i] > 0 and (tool_mask is None or bool(tool_mask[i, :lengths[i]].any()))]

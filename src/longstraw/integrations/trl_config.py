@@ -27,37 +27,33 @@ class LongStrawGRPOConfig(GRPOConfig):
     """TRL's `GRPOConfig` plus how LongStraw computes the gradient. A plain `GRPOConfig` works too (these defaults)."""
 
     longstraw_plan: str = field(
-        default="exact",
-        metadata={"help": "backward_tree's plan: 'exact' (TRL's gradient, prompt encoded once), 'detach' (the "
-                          "paper's cheaper plan: the prompt state is a constant, a biased gradient), 'standard' / "
-                          "'standard_batched' (full sequences, the reference)."},
-    )
+        default="exact", metadata={"help": "backward_tree's plan: 'exact' (TRL's gradient, prompt encoded once), "
+                                           "'detach' (the paper's cheaper plan: the prompt state is a constant, a "
+                                           "biased gradient), 'standard' / 'standard_batched' (full sequences, the "
+                                           "reference)."})
     longstraw_chunk_size: int = field(
         default=2048, metadata={"help": "Prompt tokens per capture chunk (and per prompt-backward chunk for exact)."})
     longstraw_micro_batch: int = field(default=1, metadata={"help": "Responses replayed at once."})
     longstraw_checkpoint: str | None = field(
-        default=None,
-        metadata={"help": "'none' or 'layers' (per-layer activation checkpointing); None follows "
-                          "`gradient_checkpointing`."},
-    )
+        default=None, metadata={"help": "'none' or 'layers' (per-layer activation checkpointing); None follows "
+                                        "`gradient_checkpointing`."})
     longstraw_offload_state: bool = field(
         default=False, metadata={"help": "Keep the prompt state in host memory (detach/exact)."})
     longstraw_keep_prompt_graph: int = field(
         default=0, metadata={"help": "exact: keep the last N capture chunks' graphs instead of recomputing them in "
                                      "the prompt backward (faster; their activations held through the replays)."})
     longstraw_cp: int = field(
-        default=1,
-        metadata={"help": "Context parallelism: blocks of this many consecutive processes exchange their groups and "
-                          "backpropagate each together, each process holding 1/C of every prompt's state (detach or "
-                          "exact plan; full-attention and recurrent layers). Must divide the number of processes."})
+        default=1, metadata={"help": "Context parallelism: blocks of this many consecutive processes exchange their "
+                                     "groups and backpropagate each together, each process holding 1/C of every "
+                                     "prompt's state (detach or exact plan; full-attention and recurrent layers). "
+                                     "Must divide the number of processes."})
     longstraw_fsdp_gather: str = field(
-        default="all",
-        metadata={"help": "FSDP2: 'all' gathers every parameter once per micro-batch and holds the full gradient "
-                          "until one reduce-scatter (processes may do different work); 'layer' gathers one decoder "
-                          "layer at a time through FSDP's hooks and reduce-scatters its gradient after each backward "
-                          "(needs longstraw_cp equal to the number of processes, so that every process runs the "
-                          "same forwards and backwards)."})
-
+        default="all", metadata={"help": "FSDP2: 'all' gathers every parameter once per micro-batch and holds the full "
+                                         "gradient until one reduce-scatter (processes may do different work); "
+                                         "'layer' gathers one decoder layer at a time through FSDP's hooks and "
+                                         "reduce-scatters its gradient after each backward (needs longstraw_cp equal "
+                                         "to the number of processes, so that every process runs the same forwards "
+                                         "and backwards)."})
     longstraw_tree_min_shared: int = field(
         default=1, metadata={"help": "Each micro-batch's rows run as one prefix tree (backward_tree), a token several "
                                      "rows share encoded once: the shortest run of tokens the tree splits off as a "
@@ -239,10 +235,8 @@ def fsdp_refusals(plugin: Any) -> list[str]:
 
 
 def tensor_parallel_refusals(model: torch.nn.Module) -> list[str]:
-    """A model split by tensor parallelism (DTensor parameters: transformers' tp_plan, `DistributedConfig(tp_size=)`)
-    is not trained through the drop-in: accelerate (1.15) refuses tensor parallelism on CPU processes and its FSDP2 x
-    TP path needs a transformers class 5.24 no longer has, so no TRL run here configures it, and the drop-in's gradient
-    average over processes takes plain tensors. `longstraw train --tp` trains such a model (docs/distributed.md)."""
+    """A model split by tensor parallelism (DTensor parameters) is refused: no TRL run here can configure it (the
+    message says why), and the drop-in's gradient average over processes takes plain tensors."""
     from torch.distributed.tensor import DTensor
 
     if any(isinstance(p, DTensor) for p in model.parameters()):

@@ -176,7 +176,6 @@ def loss_config(config: Any, group_size: int, *, dp_size: int, batch_num_tokens:
 def _tree(data: Any, with_ref: bool, settings: Settings, device: torch.device) -> Tree | None:
     """The mini-batch's rows with a token in the loss as one prefix tree, each row its own group (None: no row has a
     token in the loss; such rows add nothing to verl's loss either, whose normalisers count them as the options do).
-
     The rows come in verl's no-padding layout: `input_ids` nested (B, j1) of prompt + response without padding;
     `attention_mask` (B, P_max + R_max) left-padded prompt, right-padded response; `response_mask`, `old_log_probs`,
     `advantages`, `ref_log_prob` (B, R_max). Refuses what a LongStraw trajectory cannot hold."""
@@ -254,8 +253,7 @@ class LongStrawFSDPEngine(FSDPEngineWithLMHead):
         autocast = (nullcontext() if autocast_dtype == torch.float32
                     else torch.autocast(device_type=device.type, dtype=autocast_dtype))
         total, metrics = 0.0, {}
-        # Every parameter gathered once for the mini-batch; the gradients reduce-scattered once (averaged over the
-        # data-parallel ranks) at the end, as verl's no_sync accumulation does over its micro-batches.
+        # gradients reduce-scattered once at the end, as verl's no_sync accumulation does over its micro-batches
         with sharded_compute(self.module), autocast:
             if tree is not None:
                 result = backward_tree(hf(self.module), tree, options)
@@ -283,8 +281,7 @@ class LongStrawFSDPEngine(FSDPEngineWithLMHead):
 
     def _context_shards(self) -> ContextParallel | None:
         """verl's Ulysses group as LongStraw's context-parallel group (None without Ulysses). Its ranks hold the same
-        rows: each runs the whole tree and keeps the attention state of its own slice of every prompt's capture
-        chunks, and each ends with the complete gradient, so FSDP's mean over all ranks (dp × sp) is verl's mean over
+        rows and each ends with the complete gradient, so FSDP's mean over all ranks (dp × sp) is verl's mean over
         the data-parallel ranks, with verl's normalisers (`get_data_parallel_size` is already world / sp)."""
         if self.ulysses_sequence_parallel_size <= 1:
             return None
