@@ -200,8 +200,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
 
     def _backward_batches(self, batches: list[dict[str, Any]]) -> float:
         """Every row of `batches` backpropagated, one prefix tree per batch; returns the sum of their losses (with the
-        MoE load-balancing term, TRL's: its value times the coefficient, and TRL's `aux_loss` metric, gathered on
-        every process, a batch without a row to train included)."""
+        MoE term's value times its coefficient, as TRL; `aux_loss` metric gathered even for a batch without rows)."""
         total = 0.0
         for batch in batches:
             built = self._tree_of(batch)

@@ -118,9 +118,8 @@ def loss_kind(args: GRPOConfig) -> str:
 
 def loss_parameters(args: GRPOConfig) -> dict[str, Any]:
     """backward_tree's loss options that TRL's config fixes (the per-micro-batch normalisers are `_loss_options`'s):
-    the KL term, the ratio's level, and the clip widths (with delta) or the loss's own shape. TRL applies delta to its
-    clipped losses only (grpo, dr_grpo, dapo, bnpo, luspo), and its epsilon_high is cispo's cap ε_max itself, as
-    LongStraw's."""
+    the KL term, the ratio's level, and the clip widths (delta for the clipped losses only, as TRL; epsilon_high is
+    cispo's cap ε_max itself in both) or the loss's own shape."""
     kind = loss_kind(args)
     high = args.epsilon if args.epsilon_high is None else args.epsilon_high
     out: dict[str, Any] = dict(beta=args.beta, kl_ratio=bool(args.use_bias_correction_kl),
