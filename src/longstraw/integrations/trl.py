@@ -294,10 +294,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         flat = torch.cat([g.flatten() for g in grads])  # (sum of numels,), one bucket
         torch.distributed.all_reduce(flat)
         flat /= self.accelerator.num_processes
-        offset = 0
-        for p, g in zip(params, grads):
-            p.grad = flat[offset:offset + g.numel()].view_as(g)
-            offset += g.numel()
+        for p, g, part in zip(params, grads, flat.split([g.numel() for g in grads])):
+            p.grad = part.view_as(g)
 
     def _kept_rows(self, inputs: dict[str, Any], rows: range) -> list[int]:
         """The rows of one prompt's group that are in the loss, checked. TRL's `tool_mask` (a rollout_func's
@@ -307,13 +305,11 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         completion_mask, tool_mask = inputs["completion_mask"], inputs.get("tool_mask")
         lengths = {i: int(completion_mask[i].sum()) for i in rows}
         keep = [i for i in rows if lengths[i] > 0 and (tool_mask is None or bool(tool_mask[i, :lengths[i]].any()))]
-        if self.aux_loss_enabled:
-            unrouted = [i for i in rows if i not in keep]
-            if unrouted:
-                raise ValueError(f"completions {unrouted} have no token in the loss (all tool-masked, truncated by "
-                                 "mask_truncated_completions, or empty) but their prompt and tokens run in TRL's "
-                                 "forward, so they count in the MoE load-balancing loss, which LongStraw's tree of the "
-                                 "loss's rows would leave out; set router_aux_loss_coef=0.0")
+        if self.aux_loss_enabled and (unrouted := [i for i in rows if i not in keep]):
+            raise ValueError(f"completions {unrouted} have no token in the loss (all tool-masked, truncated by "
+                             "mask_truncated_completions, or empty) but their prompt and tokens run in TRL's "
+                             "forward, so they count in the MoE load-balancing loss, which LongStraw's tree of the "
+                             "loss's rows would leave out; set router_aux_loss_coef=0.0")
         for i in keep:
             if not bool(completion_mask[i, :lengths[i]].all()):
                 raise ValueError(f"completion {i}'s attention mask is not a prefix of ones: LongStraw runs each "

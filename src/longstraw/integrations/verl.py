@@ -183,8 +183,7 @@ def _tree(data: Any, with_ref: bool, settings: Settings, device: torch.device) -
         raise ValueError("rollout importance-sampling weights (rollout_is_weights) are not mapped: LongStraw's loss "
                          "has no per-token weight; turn off algorithm.rollout_correction")
     response_mask = data["response_mask"]
-    r_max = response_mask.shape[-1]
-    attention = data["attention_mask"][:, -r_max:]  # (B, R_max): the response part
+    attention = data["attention_mask"][:, -response_mask.shape[-1]:]  # (B, R_max): the response part
     trajectories = []
     for k, seq in enumerate(data["input_ids"].unbind()):
         length = int(attention[k].sum())
