@@ -35,7 +35,7 @@ def _loss_of(cfg, keep, old, ref, adv):
     return loss_of
 
 
-def _compare(cfg, token_chunk=4, temperature=1.0, logit_scale=1.0, softcap=None, bias=False, seed=0, buffer=False):
+def _compare(cfg, token_chunk=4, temperature=1.0, logit_scale=1.0, softcap=None, bias=False, seed=0):
     hidden, weight, b, targets, keep, old, ref, adv = _inputs(seed, bias)
     loss_of = _loss_of(cfg, keep, old, ref, adv)
     params = [hidden, weight] + ([b] if b is not None else [])
@@ -43,16 +43,20 @@ def _compare(cfg, token_chunk=4, temperature=1.0, logit_scale=1.0, softcap=None,
     logp_ref = selected_logprobs(hidden, weight, targets, keep, token_chunk, **head)
     value_ref = loss_of(logp_ref)
     grads_ref = torch.autograd.grad(value_ref, params)
-    scratch = torch.full_like(weight, 7.0) if buffer else None  # stale contents must not leak in
-    value, logp = linear_loss(hidden, weight, targets, keep, loss_of, is_token_level(cfg), token_chunk,
-                              buffer=scratch, **head)
+    value, logp = linear_loss(hidden, weight, targets, keep, loss_of, is_token_level(cfg), token_chunk, **head)
     grads = torch.autograd.grad(value, params)
     assert not logp.requires_grad
-    assert (logp - logp_ref.detach()).abs().max() < 1e-12
-    assert abs(float(value.detach()) - float(value_ref.detach())) < 1e-12
+    assert _close(logp, logp_ref.detach())
+    assert _close(value.detach(), value_ref.detach())
     for name, g, r in zip(("hidden", "weight", "bias"), grads, grads_ref):
-        assert (g - r).abs().max() < 1e-12, name
+        assert _close(g, r), name
         assert r.abs().max() > 0, name  # the gradient is not trivially zero
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Within 1e-12 of b's largest magnitude (or absolutely, below 1): the softmax is formed two ways (exp(x − max)
+    over its sum here, exp(x − lse) in the reference), equal to the last bits."""
+    return float((a - b).abs().max()) <= 1e-12 * max(1.0, float(b.abs().max()))
 
 
 @pytest.mark.parametrize(("kind", "beta"), [(kind, beta) for kind in sorted(LOSS_KINDS) for beta in (0.0, 0.05)
@@ -75,10 +79,6 @@ def test_the_head_options_and_blocks(token_chunk, head):
     _compare(LossConfig("gspo"), token_chunk=token_chunk, **head)
 
 
-def test_a_reused_weight_buffer_gives_the_same_gradients():
-    _compare(LossConfig("grpo", beta=0.04), buffer=True, bias=True)
-
-
 def test_the_gradient_scales_with_the_incoming_one():
     hidden, weight, _, targets, keep, old, ref, adv = _inputs(1, False)
     loss_of = _loss_of(LossConfig("grpo"), keep, old, ref, adv)
@@ -88,15 +88,14 @@ def test_the_gradient_scales_with_the_incoming_one():
     hidden.grad = weight.grad = None
     ref_value = loss_of(selected_logprobs(hidden, weight, targets, keep, 4))
     (ref_value * 3.0).backward()
-    assert (once[0] - hidden.grad).abs().max() < 1e-12
-    assert (once[1] - weight.grad).abs().max() < 1e-12
+    assert _close(once[0], hidden.grad) and _close(once[1], weight.grad)
 
 
 def test_no_term_and_no_grad():
     hidden, weight, _, targets, keep, *_ = _inputs(2, False)
     value, logp = linear_loss(hidden, weight, targets, keep, lambda lp: None, True, 4)
     assert value is None
-    assert (logp - selected_logprobs(hidden, weight, targets, keep, 4).detach()).abs().max() < 1e-12
+    assert _close(logp, selected_logprobs(hidden, weight, targets, keep, 4).detach())
     with torch.no_grad():
         value, logp2 = linear_loss(hidden, weight, targets, keep, lambda lp: lp.sum(), True, 4)
     assert abs(float(value) - float(logp.sum())) < 1e-12

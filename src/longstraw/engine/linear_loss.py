@@ -15,9 +15,10 @@ any g: its blocks run twice (log-probs, then gradients), the reference's count. 
 vocabulary over a tensor-parallel group (a DTensor) runs the same pass on each rank's rows, with the log-sum-exp and
 the target's logit reduced over the group (`tp_logprobs`) and the hidden states' gradient summed over it.
 
-`buffer`: a (V, d) tensor the weight's gradient is formed in instead of a new one per call (one per walk of a
-tree: `engine/tree/plans.py`); it is handed to autograd, which adds it to the weight's `.grad` (a copy on the first
-call, when `.grad` is None) before the next call reuses it.
+The weight's gradient is a new (V, d) tensor per call, freed once autograd has added it to the weight's `.grad`. One
+buffer reused across a walk's calls would save the allocation (page faults on CPU under a fixed mmap threshold; a
+GPU's caching allocator reuses the block anyway) but stays alive through each replay's backward, where it raised
+Bench B1's detach peak by 3.5 MiB (+2.2%, P 2048) at the embedding's backward. The peak is the promise: no buffer.
 
 The parity test (tests/engine/test_linear_loss.py) compares values and every gradient with the reference path.
 """
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
-from longstraw.engine.logits import accumulate_block, logits_gradient, scored_block
+from longstraw.engine.logits import accumulate_block, logits_gradient, scored_block, softmax_gradient
 from longstraw.engine.logprobs import DEFAULT_TOKEN_CHUNK, check_softcap, selected_logprobs
 from longstraw.engine.precision import accumulation_dtype
 
@@ -49,21 +50,25 @@ class _Pass:
     softcap: float | None
     group: object | None = None  # the tensor-parallel process group of a vocabulary-split weight
     start: int = 0  # the first vocabulary id of this rank's rows
-    buffer: torch.Tensor | None = None
     empty: bool = False
 
     def score(self, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
               targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-        """h (c, d), targets (c,) -> logits (c, V), the soft-cap's slope or None, lse (c,), logp (c,)."""
+        """h (c, d), targets (c,) -> the softmax (c, V), the soft-cap's slope or None, lse (c,), logp (c,). The
+        softmax is formed in place of the logits (no second (c, V) block beside the weight's gradient)."""
         logits, slope = scored_block(h, weight, bias, self.logit_scale, self.temperature, self.softcap)
         if self.group is None:
-            lse = torch.logsumexp(logits, dim=-1)
-            picked = logits.gather(1, targets[:, None]).squeeze(1)
-        else:
-            from longstraw.engine.tp_logprobs import reduced_lse_and_target
+            top = logits.amax(dim=-1)  # (c,)
+            picked = logits.gather(1, targets[:, None]).squeeze(1) - top
+            probs = logits.sub_(top[:, None]).exp_()  # exp(logits − max), in place
+            total = probs.sum(dim=-1)
+            probs.div_(total[:, None])
+            log_total = total.log()
+            return probs, slope, top + log_total, picked - log_total
+        from longstraw.engine.tp_logprobs import reduced_lse_and_target
 
-            lse, picked = reduced_lse_and_target(logits, targets, self.start, self.group)  # type: ignore[arg-type]
-        return logits, slope, lse, picked - lse
+        lse, picked = reduced_lse_and_target(logits, targets, self.start, self.group)  # type: ignore[arg-type]
+        return logits.sub_(lse[:, None]).exp_(), slope, lse, picked - lse
 
     def gradient(self, logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """loss_of's value at `logp` (n,) and its gradient (n,) with respect to it (zeros without a term)."""
@@ -90,19 +95,17 @@ class _LinearLoss(torch.autograd.Function):
         c, n = run.token_chunk, hidden.shape[0]
         logp = torch.zeros(n, dtype=accumulation_dtype(hidden.dtype), device=hidden.device)
         d_hidden = torch.empty_like(hidden) if need_h else None
-        d_weight = None
-        if need_w:
-            d_weight = torch.zeros_like(weight) if run.buffer is None else run.buffer.zero_()
+        d_weight = torch.zeros_like(weight) if need_w else None
         d_bias = torch.zeros_like(bias) if need_b and bias is not None else None
         blocks = range(0, n, c)
         value = None
         if run.token_level:
             for s in blocks:
                 h, tgt = hidden[s : s + c], targets[s : s + c]
-                logits, slope, lse, logp[s : s + c] = run.score(h, weight, bias, tgt)
+                probs, slope, _, logp[s : s + c] = run.score(h, weight, bias, tgt)
                 value, g = run.gradient(logp)  # exact at rows < s + c: their terms read their own log-probs
-                d_logits = logits_gradient(logits, slope, lse, tgt, g[s : s + c], run.temperature,
-                                           run.logit_scale, run.start)
+                d_logits = softmax_gradient(probs, slope, tgt, g[s : s + c], run.temperature, run.logit_scale,
+                                            run.start)
                 accumulate_block(d_logits.to(weight.dtype), h, weight, s, d_hidden, d_weight, d_bias)
         else:
             lses = []
@@ -139,7 +142,7 @@ class _LinearLoss(torch.autograd.Function):
 def linear_loss(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, keep: torch.Tensor, loss_of: LossOf,
     token_level: bool, token_chunk: int = DEFAULT_TOKEN_CHUNK, temperature: float = 1.0, logit_scale: float = 1.0,
-    softcap: float | None = None, bias: torch.Tensor | None = None, buffer: torch.Tensor | None = None,
+    softcap: float | None = None, bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """hidden (..., d), weight (V, d), targets (...), keep (...) bool; loss_of: log-probs (...) (0 off keep) -> the
     loss (a scalar, differentiable in its argument) or None; token_level: whether each token's term reads its own
@@ -159,14 +162,12 @@ def linear_loss(
         logp = selected_logprobs(hidden, weight, targets, keep, token_chunk, temperature, logit_scale, softcap=softcap,
                                  bias=bias)
         return loss_of(logp), logp
-    run = _Pass(lambda kept: loss_of(spread(kept)), token_level, token_chunk, temperature, logit_scale, softcap,
-                buffer=buffer)
+    run = _Pass(lambda kept: loss_of(spread(kept)), token_level, token_chunk, temperature, logit_scale, softcap)
     local, local_bias = weight, bias
     if isinstance(weight, DTensor):  # split by vocabulary over a tensor-parallel group
         from longstraw.engine.tp_logprobs import local_head
 
         local, local_bias, run.group, run.start = local_head(weight, bias)
-        run.buffer = None
     kept_hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)  # (n, d)
     value, logp = _LinearLoss.apply(kept_hidden, local, local_bias, targets.reshape(-1).index_select(0, rows), run)
     return (None if run.empty else value), spread(logp)

@@ -43,13 +43,19 @@ def scored_block(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 def logits_gradient(logits: torch.Tensor, slope: torch.Tensor | None, lse: torch.Tensor, targets: torch.Tensor,
                     g: torch.Tensor, temperature: float, logit_scale: float, start: int = 0) -> torch.Tensor:
-    """d(Σ_n g_n logp_n) / d(projection) (c, V), in place of `logits` (c, V) from `scored_block`: g (c,) the
-    gradient on each row's log-prob, lse (c,) the rows' log-sum-exp over the whole vocabulary. d logp / d logits =
-    onehot(target) - softmax; then through the temperature, the soft-cap's slope and the logit scale. The logits
-    hold vocabulary ids start … start + V − 1 (one rank's rows under tensor parallelism): a target outside them
-    adds no one-hot."""
-    g = g[:, None].to(logits.dtype)
-    d_logits = logits.sub_(lse[:, None]).exp_().mul_(-g)  # softmax = exp(logits - lse), in place
+    """d(Σ_n g_n logp_n) / d(projection) (c, V), in place of `logits` (c, V) from `scored_block`, whose rows'
+    log-sum-exp over the whole vocabulary is lse (c,): `softmax_gradient` of exp(logits − lse)."""
+    return softmax_gradient(logits.sub_(lse[:, None]).exp_(), slope, targets, g, temperature, logit_scale, start)
+
+
+def softmax_gradient(probs: torch.Tensor, slope: torch.Tensor | None, targets: torch.Tensor, g: torch.Tensor,
+                     temperature: float, logit_scale: float, start: int = 0) -> torch.Tensor:
+    """d(Σ_n g_n logp_n) / d(projection) (c, V), in place of the softmax `probs` (c, V): g (c,) the gradient on each
+    row's log-prob. d logp / d logits = onehot(target) − softmax; then through the temperature, the soft-cap's slope
+    and the logit scale. The columns are vocabulary ids start … start + V − 1 (one rank's rows under tensor
+    parallelism): a target outside them adds no one-hot."""
+    g = g[:, None].to(probs.dtype)
+    d_logits = probs.mul_(-g)
     width = d_logits.shape[1]
     if width:
         local = targets - start

@@ -52,26 +52,3 @@ def test_group_equals_depth_one_tree_equals_standard(family):
         assert_close("log-probs: tree vs standard", lp_std, lp_tree, tol)
         assert_close("log-probs: tree vs group", lp_grp, lp_tree, tol)
 
-
-@pytest.mark.parametrize("plan", ["exact", "detach"])
-def test_the_leaf_replays_form_the_head_gradient_in_one_buffer(plan, monkeypatch):
-    """A node's leaf replays hand the fused pass one (V, d) buffer for the output projection's gradient (not a new
-    tensor per replay); the gradient, the loss and the log-probs equal those without the buffer, bit for bit."""
-    from longstraw.engine.tree import plans
-
-    model = tiny_model("llama")
-    group = random_group(21, [5, 3, 7, 4], seed=5)
-    real = plans.linear_loss
-    buffers: list = []
-
-    def recording(*args, **kwargs):
-        buffers.append(args[-1])
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(plans, "linear_loss", recording)
-    with_buffer, g_buffer = _run(model, backward_group, model, group, plan=plan, chunk_size=8)
-    assert len(buffers) == 4 and buffers[0] is not None and all(b is buffers[0] for b in buffers)
-    monkeypatch.setattr(plans, "linear_loss", lambda *args, **kwargs: real(*args[:-1], None, **kwargs))
-    without, g_without = _run(model, backward_group, model, group, plan=plan, chunk_size=8)
-    assert torch.equal(g_buffer, g_without) and with_buffer.loss == without.loss
-    assert all(torch.equal(a, b) for a, b in zip(with_buffer.logprobs, without.logprobs))

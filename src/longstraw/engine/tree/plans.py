@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from longstraw.engine.backprop import prompt_backward
 from longstraw.engine.hf.composite import text_config
@@ -57,9 +56,6 @@ class Walk:
     root_state: PromptState | None = None  # the root's state, captured already (a group's reused prompt state)
     names: str = "trajectories"  # what errors call the trajectories (a group's: "responses")
     backwards: int = 0  # pieces of the loss backpropagated so far
-    # the output projection's weight gradient of a node's leaf replays, formed in one (V, d) buffer
-    # (`linear_loss`'s buffer) instead of a new one per replay; dropped once the node's leaves are done
-    head_grad: torch.Tensor | None = None
 
     def hold(self, state: PromptState, first: int) -> int:
         """Count the bytes of `state`'s chunks first … (what a node's capture added) as held on the current path;
@@ -233,11 +229,8 @@ def _replay_children(walk: Walk, node: Node, state: PromptState, path: torch.Ten
     leaves = [c for c in node.children if c.is_leaf]
     k = walk.options.micro_batch
     t0 = time.perf_counter()
-    try:
-        for first in range(0, len(leaves), k):
-            _replay_leaves(walk, leaves[first: first + k], state, path)
-    finally:
-        walk.head_grad = None  # not held through the node's own backward, whose peak is the state's gradient
+    for first in range(0, len(leaves), k):
+        _replay_leaves(walk, leaves[first: first + k], state, path)
     walk.replay_s += time.perf_counter() - t0
 
 
@@ -277,8 +270,7 @@ def _replay_leaves(walk: Walk, leaves: list[Node], state: PromptState, above: to
         hidden = run_segment(walk.model, inputs, start, state.fork())  # (k, T, d)
         assert hidden is not None
         through = [i for leaf in leaves for i in leaf.through]
-        term, logp = _scored(walk, hidden[:, : targets.shape[1]], targets, keep, through, loss_of,
-                             buffered=True)  # logp (k, T)
+        term, logp = _scored(walk, hidden[:, : targets.shape[1]], targets, keep, through, loss_of)  # logp (k, T)
         if router is not None:
             routed_term = router.aux.term(router.weights.leaves(leaves, routed))
             term = routed_term if term is None else term + routed_term
@@ -292,18 +284,13 @@ def _replay_leaves(walk: Walk, leaves: list[Node], state: PromptState, above: to
 
 
 def _scored(walk: Walk, hidden: torch.Tensor, targets: torch.Tensor, keep: torch.Tensor, through: list[int],
-            loss_of: LossOf, buffered: bool = False) -> tuple[torch.Tensor | None, torch.Tensor]:
+            loss_of: LossOf) -> tuple[torch.Tensor | None, torch.Tensor]:
     """The loss `loss_of` gives the log-probs (k, T) of `targets` at the `keep` positions (0 elsewhere), from the
     final hidden states (k, T, d) of the trajectories `through`, and those log-probs (detached): the fused
-    linear-and-loss pass (`engine/linear_loss.py`). buffered: the weight's gradient in `walk.head_grad`."""
+    linear-and-loss pass (`engine/linear_loss.py`)."""
     weight, bias, scale, softcap = walk.head()
-    buffer = None
-    if buffered and walk.grad and weight.requires_grad and not isinstance(weight, DTensor):
-        if walk.head_grad is None:
-            walk.head_grad = torch.empty_like(weight)
-        buffer = walk.head_grad
     return linear_loss(hidden, weight, targets, keep, loss_of, walk.loss.token_level(through),
-                       walk.options.token_chunk, walk.options.temperature, scale, softcap, bias, buffer)
+                       walk.options.token_chunk, walk.options.temperature, scale, softcap, bias)
 
 
 def _check_finite(logp: torch.Tensor, keep: torch.Tensor, term: torch.Tensor, where: str) -> None:
