@@ -81,6 +81,7 @@ class MemoryBenchConfig:
     offload_state: bool = False  # detach/exact: prompt state in host memory (backward_group(offload_state=True))
     keep_prompt_graph: int = 0  # exact: capture chunks whose graph is kept (backward_group(keep_prompt_graph=N))
     max_positions: int = 0  # > 0: override the model's max_position_embeddings (a measurement past its context)
+    warm_steps: int = 0  # steps after the measured cold one; > 0: the fastest is the time (the peak: the cold one)
     smoke: bool = False  # --smoke: report only that every configuration ran
 
 
@@ -272,7 +273,7 @@ def worker_config(config: MemoryBenchConfig, plan: str, group_size: int,
         "micro_batch": config.micro_batch, "seed": config.seed, "checkpoint": checkpoint,
         "offload_state": config.offload_state, "max_positions": config.max_positions,
         "keep_prompt_graph": config.keep_prompt_graph if plan == "exact" else 0,
-        "turns": config.turns, "observation_tokens": config.observation_tokens,
+        "turns": config.turns, "observation_tokens": config.observation_tokens, "warm_steps": config.warm_steps,
     }
 
 

@@ -170,7 +170,8 @@ def describe(config: MemoryBenchConfig) -> str:
             f"chunk {config.chunk_size}, micro-batch {config.micro_batch}, "
             f"checkpoint {' + '.join(config.checkpoints)}"
             + (", prompt state offloaded" if config.offload_state else "")
-            + (f", max positions {config.max_positions}" if config.max_positions else ""))
+            + (f", max positions {config.max_positions}" if config.max_positions else "")
+            + (f", time: the fastest of {config.warm_steps} warm steps" if config.warm_steps else ""))
 
 
 # ---------------------------------------------------------------- planner prediction
@@ -404,6 +405,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-positions", type=positive_int, metavar="N",
                         help="override the model's max_position_embeddings, to measure memory and time past the "
                              "context it was trained for (RoPE extrapolates; no quality is claimed)")
+    parser.add_argument("--warm-steps", type=positive_int, metavar="N",
+                        help="N more steps after the measured cold one, in the same process; the fastest is the "
+                             "time (the peak stays the cold step's, the cold time is kept as first_step)")
     parser.add_argument("--chunk-size", type=positive_int,
                         help=f"prompt capture chunk (default {B1.chunk_size})")
     parser.add_argument("--micro-batch", type=positive_int,
@@ -433,6 +437,7 @@ def config_from_args(args: argparse.Namespace, fail: Callable[[str], NoReturn]) 
         "chunk_size": args.chunk_size, "micro_batch": args.micro_batch,
         "offload_state": getattr(args, "offload_state", None), "max_positions": getattr(args, "max_positions", None),
         "seed": args.seed, "timeout_s": args.timeout, "malloc_mmap_threshold": args.malloc_mmap_threshold,
+        "warm_steps": getattr(args, "warm_steps", None),
         # Duplicates would only re-measure a configuration; keep the order given.
         "groups": tuple(dict.fromkeys(args.groups)) if args.groups else None,
         "plans": tuple(dict.fromkeys(args.plans)) if args.plans else None,

@@ -70,6 +70,16 @@ def make_group(
     return Group(prompt=prompt, responses=responses, advantages=advantages, loss_masks=masks)
 
 
+def _step(model: torch.nn.Module, group: Any, config: dict[str, Any]) -> Any:
+    """One `backward_group` of the configuration."""
+    return backward_group(
+        model, group, plan=str(config["plan"]), chunk_size=int(config["chunk_size"]),
+        micro_batch=int(config["micro_batch"]), checkpoint=str(config["checkpoint"]),
+        offload_state=bool(config.get("offload_state", False)) and config["plan"] in ("detach", "exact"),
+        keep_prompt_graph=int(config.get("keep_prompt_graph", 0)) if config["plan"] == "exact" else 0,
+    )
+
+
 def run_config(config: dict[str, Any]) -> dict[str, Any]:
     """Build the model and group, run one measured `backward_group`, return the measurement."""
     missing = [k for k in CONFIG_KEYS if k not in config]
@@ -92,12 +102,7 @@ def run_config(config: dict[str, Any]) -> dict[str, Any]:
 
     stall0 = _cpu_stall_us()
     t0, c0 = time.perf_counter(), time.process_time()
-    result = backward_group(
-        model, group, plan=str(config["plan"]), chunk_size=int(config["chunk_size"]),
-        micro_batch=int(config["micro_batch"]), checkpoint=str(config["checkpoint"]),
-        offload_state=bool(config.get("offload_state", False)) and config["plan"] in ("detach", "exact"),
-        keep_prompt_graph=int(config.get("keep_prompt_graph", 0)) if config["plan"] == "exact" else 0,
-    )
+    result = _step(model, group, config)
     if on_cuda:
         torch.cuda.synchronize(device)
     step_s, cpu_s = time.perf_counter() - t0, time.process_time() - c0
@@ -107,8 +112,13 @@ def run_config(config: dict[str, Any]) -> dict[str, Any]:
     pressure = cpu_pressure(stall0, stall1, step_s)
 
     high = meter.peak_absolute_bytes()
+    peak = meter.peak_bytes()
+    warm = _warm_steps(model, group, config, int(config.get("warm_steps", 0)))
+    first = {"time_s": step_s, "cpu_time_s": cpu_s, "cpu_pressure": pressure}
+    if warm:  # the fastest warm step is the step's time (the cold first one stays in `first_step`)
+        step_s, cpu_s, pressure = min(warm)
     return {
-        "peak_bytes": meter.peak_bytes(),
+        "peak_bytes": peak,
         "baseline_bytes": meter.base,
         "high_water_bytes": high,
         "peak_source": "cuda.max_memory_allocated" if on_cuda else "VmHWM",
@@ -121,7 +131,22 @@ def run_config(config: dict[str, Any]) -> dict[str, Any]:
         "stats": result.stats,
         "torch_threads": torch.get_num_threads(),
         "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
+        "first_step": first,
+        "warm_steps": [list(w) for w in warm],
     }
+
+
+def _warm_steps(model: torch.nn.Module, group: Any, config: dict[str, Any], count: int) -> list[tuple[float, ...]]:
+    """`count` more steps after the measured one, each from fresh gradients: (wall s, CPU s, CPU pressure) each."""
+    steps = []
+    for _ in range(count):
+        model.zero_grad(set_to_none=True)
+        stall0 = _cpu_stall_us()
+        t0, c0 = time.perf_counter(), time.process_time()
+        _step(model, group, config)
+        wall = time.perf_counter() - t0
+        steps.append((wall, time.process_time() - c0, cpu_pressure(stall0, _cpu_stall_us(), wall)))
+    return steps
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -268,3 +268,17 @@ def test_multi_turn_groups_mask_each_turns_observation():
                          "seed": 0, "checkpoint": "none", "turns": 3, "observation_tokens": 4})
     # its peak can be 0 in this long-lived process (the step reuses memory freed by earlier tests), so no bound on it
     assert math.isfinite(result["loss"]) and result["peak_bytes"] >= 0 and result["stats"]["group_size"] == 2
+
+
+def test_warm_steps_time_the_fastest_and_keep_the_cold_one():
+    """--warm-steps 2: two more steps in the worker's process; the time is the fastest of them, the cold step's time
+    is kept as first_step, and the peak is the cold step's."""
+    from benchmarks.worker import run_config
+
+    result = run_config({"model": "tiny-llama", "dtype": "float32", "device": "cpu", "prompt_tokens": 16,
+                         "response_tokens": 2, "group_size": 2, "plan": "detach", "chunk_size": 8, "micro_batch": 1,
+                         "seed": 0, "checkpoint": "none", "warm_steps": 2})
+    assert len(result["warm_steps"]) == 2 and result["time_s"] == min(w[0] for w in result["warm_steps"])
+    assert result["first_step"]["time_s"] > 0 and result["cpu_time_s"] == min(result["warm_steps"])[1]
+    args = build_parser().parse_args(["memory", "--warm-steps", "3"])
+    assert config_from_args(args, lambda m: (_ for _ in ()).throw(SystemExit(m))).warm_steps == 3
