@@ -36,6 +36,7 @@ from benchmarks.common import (
     check_model,
     check_out,
     default_out,
+    non_negative_int,
     peak_text,
     positive_float,
     predictor,
@@ -418,7 +419,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, help="seed of the random group (default 0)")
     parser.add_argument("--timeout", type=positive_float, metavar="SECONDS",
                         help="per-configuration limit; a configuration over it is recorded as failed")
-    parser.add_argument("--malloc-mmap-threshold", type=positive_int, metavar="BYTES",
+    parser.add_argument("--malloc-mmap-threshold", type=non_negative_int, metavar="BYTES",
                         help="glibc mmap threshold for the workers (default 131072, which makes peaks "
                              "repeatable); 0 keeps glibc's dynamic threshold")
     parser.add_argument("--out", help="result JSON (default bench/results/memory-<YYYYmmdd-HHMMSS>.json)")

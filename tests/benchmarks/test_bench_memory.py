@@ -282,3 +282,5 @@ def test_warm_steps_time_the_fastest_and_keep_the_cold_one():
     assert result["first_step"]["time_s"] > 0 and result["cpu_time_s"] == min(result["warm_steps"])[1]
     args = build_parser().parse_args(["memory", "--warm-steps", "3"])
     assert config_from_args(args, lambda m: (_ for _ in ()).throw(SystemExit(m))).warm_steps == 3
+    zero = build_parser().parse_args(["memory", "--malloc-mmap-threshold", "0"])  # 0: glibc's own threshold
+    assert config_from_args(zero, lambda m: (_ for _ in ()).throw(SystemExit(m))).malloc_mmap_threshold == 0
