@@ -136,9 +136,10 @@ def run_config(config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _warm_steps(model: torch.nn.Module, group: Any, config: dict[str, Any], count: int) -> list[tuple[float, ...]]:
+def _warm_steps(model: torch.nn.Module, group: Any, config: dict[str, Any],
+                count: int) -> list[tuple[float, float, float | None]]:
     """`count` more steps after the measured one, each from fresh gradients: (wall s, CPU s, CPU pressure) each."""
-    steps = []
+    steps: list[tuple[float, float, float | None]] = []
     for _ in range(count):
         model.zero_grad(set_to_none=True)
         stall0 = _cpu_stall_us()
