@@ -18,7 +18,7 @@ the target's logit reduced over the group (`tp_logprobs`) and the hidden states'
 The weight's gradient is a new (V, d) tensor per call, freed once autograd has added it to the weight's `.grad`. One
 buffer reused across a walk's calls would save the allocation (page faults on CPU under a fixed mmap threshold; a
 GPU's caching allocator reuses the block anyway) but stays alive through each replay's backward, where it raised
-Bench B1's detach peak by 3.5 MiB (+2.2%, P 2048) at the embedding's backward. The peak is the promise: no buffer.
+Bench B1's detach peak at the embedding's backward (docs/benchmarks.md, "Where a step's time goes"): no buffer.
 
 The parity test (tests/engine/test_linear_loss.py) compares values and every gradient with the reference path.
 """

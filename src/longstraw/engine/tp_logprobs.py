@@ -62,7 +62,7 @@ def local_head(weight: DTensor, bias: torch.Tensor | None
 
 
 def reduced_lse_and_target(logits: torch.Tensor, targets: torch.Tensor, start: int,
-                            group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
+                           group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
     """logits (c, V_t) of this rank, targets (c,) global ids -> (lse (c,), target logit (c,)) over the whole
     vocabulary: a MAX then a SUM all-reduce of c numbers each (the SUM carries the exp-sums and the target logits)."""
     width = logits.shape[1]
