@@ -165,3 +165,54 @@ def test_refusals():
         model = _model("qwen3_moe")
         twice = [Trajectory(ids=torch.arange(9), loss_start=4, advantage=1.0, group=k) for k in range(2)]
         backward_tree(model, twice, router_aux_coef=0.01)
+
+
+def _packed_aux(model, trajectories) -> torch.Tensor:
+    """transformers' aux loss over one forward of the trajectories' prefix trie, a trie position being a token with
+    its prefix and its next token (or the end), as TRL's packed rows key it: each trajectory run on its own, and the
+    router logits of each trie position taken once (a position's logits depend on its prefix only)."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    seen: set[tuple[tuple[int, ...], int | None]] = set()
+    layers: list[list[torch.Tensor]] = []
+    for t in trajectories:
+        ids = t.ids.tolist()
+        out = model(input_ids=t.ids[None], output_router_logits=True, use_cache=False)
+        keep = []
+        for d in range(len(ids)):
+            key = (tuple(ids[:d + 1]), ids[d + 1] if d + 1 < len(ids) else None)
+            if key not in seen:
+                seen.add(key)
+                keep.append(d)
+        layers = layers or [[] for _ in out.router_logits]
+        for parts, logits in zip(layers, out.router_logits):
+            parts.append(logits.reshape(len(ids), -1)[keep])
+    config = model.config
+    return load_balancing_loss_func(tuple(torch.cat(p) for p in layers), config.num_experts,
+                                    config.num_experts_per_tok, None)
+
+
+@pytest.mark.parametrize("min_shared", [1, 3])
+def test_packed_count_equals_transformers_over_the_trie(faithful_routers, min_shared):
+    """router_count='packed' (TRL's asynchronous trainer: one packed forward of the trie): the gradient is the policy
+    gradient plus autograd through transformers' aux loss over the trie's positions, each once, ≤ 1e-12, on a tree
+    with a trajectory ending inside it and a shared first response token; min_shared 3 runs the shorter shared runs
+    once per branch, whose weights split the position's one count."""
+    family = "qwen3_moe"
+    model, coef = _model(family), COEF[family]
+    trajectories = _trajectories()
+    model.zero_grad()
+    backward_tree(model, trajectories, plan="standard")
+    aux = _packed_aux(model, trajectories)
+    (coef * aux).backward()
+    ref = grads(model)
+    model.zero_grad()
+    result = backward_tree(model, trajectories, plan="exact", chunk_size=4, micro_batch=2, router_aux_coef=coef,
+                           router_count="packed", min_shared=min_shared)
+    print(f"min_shared {min_shared}: gradient {assert_close('gradient', ref, grads(model), EXACT_F64 / 100):.2g}")
+    assert abs(result.stats["router_aux_loss"] - float(aux.detach())) <= 1e-6 * float(aux.detach())
+    model.zero_grad()  # the count per sequence is another loss: the comparison tells them apart
+    backward_tree(model, trajectories, plan="exact", router_aux_coef=coef, min_shared=min_shared)
+    assert rel_err(ref, grads(model)) > 1e-6
+    with pytest.raises(ValueError, match="router_count='packed' weighs the runs of the tree walk"):
+        BackwardOptions(plan="standard", router_count="packed")

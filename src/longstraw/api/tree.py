@@ -143,7 +143,7 @@ def _router(model: torch.nn.Module, tree: Tree, options: BackwardOptions,
     if not options.router_aux_coef:
         return None
     t0 = time.perf_counter()
-    weights = router_weights(tree)
+    weights = router_weights(tree, options.router_count)
     counts, prob_sums = count_routes(model, tree, empty_state(model, False, options), weights, options.chunk_size,
                                      options.micro_batch)
     stats["router_aux_loss"] = aux_value(counts, prob_sums)

@@ -24,6 +24,9 @@ def _int_at_least(name: str, value: object, low: int, what: str = "") -> int:
     return value
 
 
+ROUTER_COUNTS = ("sequences", "packed")
+
+
 @dataclass(frozen=True)
 class BackwardOptions:
     """Every option of one group's backward.
@@ -45,6 +48,9 @@ class BackwardOptions:
     router_aux_coef: a Mixture-of-Experts model's load-balancing loss over the batch's sequences times this, added to
     the loss (`engine/router.py`); 0: none. Costs one forward of the batch without grad first (the top-k counts).
     Under detach its shared tokens' share of the gradient is left out, like every path through a state.
+    router_count: how often the term counts a token that several trajectories hold: "sequences" (once per trajectory,
+    as transformers' forward of the batch) or "packed" (once per position of the tree's trie, as one packed forward
+    of the tree: TRL's asynchronous trainer; detach/exact, `engine/tree/routes.py`).
     """
 
     plan: Plan = EXACT
@@ -58,6 +64,7 @@ class BackwardOptions:
     temperature: float = 1.0
     allow_train_mode: bool = False
     router_aux_coef: float = 0.0
+    router_count: str = "sequences"
     context_shards: ContextShards | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -95,6 +102,11 @@ class BackwardOptions:
         if isinstance(aux, bool) or not isinstance(aux, (int, float)) or not (math.isfinite(aux) and aux >= 0):
             raise ValueError(f"router_aux_coef must be a finite number >= 0, got {aux!r}")
         object.__setattr__(self, "router_aux_coef", float(aux))
+        if self.router_count not in ROUTER_COUNTS:
+            raise ValueError(f"router_count must be one of {', '.join(ROUTER_COUNTS)}, got {self.router_count!r}")
+        if self.router_count == "packed" and not plan.captures_state:
+            raise ValueError(f"router_count='packed' weighs the runs of the tree walk; the {plan} plan runs every "
+                             "trajectory as a full sequence: use plan exact or detach")
         if aux and keep:
             raise ValueError("router_aux_coef > 0 adds the prompt tokens' router term in a recompute of every prompt "
                              "chunk, which a kept capture graph would skip: pass keep_prompt_graph=0")

@@ -12,6 +12,13 @@ counts k times. The walk runs each position once, so each run carries that multi
 * a leaf's replay runs all its tokens, its last one too (the batch's forward routes a sequence's last token):
   |through(leaf)| each.
 
+A packed forward of the tree (TRL's `AsyncGRPOTrainer` runs its rows as one prefix trie, `count="packed"`) routes
+each trie position once, a trie node being a token together with its next token (or the sequence's end): every run
+weighs 1, except where a walk runs one trie position several times, whose runs share its 1. That is a node's first
+input position (its parent's last token) in each of the siblings that continue it with the same token (all of them
+when a node shorter than the tree's `min_shared` went into its branches), a short run of tokens such siblings share,
+and the parent's ending trajectories, whose trie position the first child's forward carries.
+
 The counts need every token's top-k before the first backward: `count_routes` walks the tree once without grad, and
 sums the weighted probabilities too, so the loss's value (`aux_value`) covers every token whatever the plan.
 """
@@ -34,26 +41,33 @@ from longstraw.engine.tree.build import Node, Tree
 
 @dataclass
 class RouteWeights:
-    """Each node's (first position, other positions) weights, by id(node) (`router_weights`)."""
+    """Each node's weights by id(node) (`router_weights`): its first input position's, its other positions', and
+    overrides of the latter at some of its own tokens {offset j in node.tokens: weight}."""
 
-    weights: dict[int, tuple[float, float]] = field(default_factory=dict)
+    weights: dict[int, tuple[float, float, dict[int, float]]] = field(default_factory=dict)
 
     def positions(self, node: Node, start: int, end: int) -> torch.Tensor:
         """Weights (end − start,) of `node`'s forward over input positions [start, end)."""
-        first, rest = self.weights[id(node)]
+        first, rest, own = self.weights[id(node)]
         w = torch.full((end - start,), rest, dtype=torch.float64)
         if node.start > 0 and start == node.input_start:
             w[0] = first
+        for j, value in own.items():
+            if start <= node.start + j < end:
+                w[node.start + j - start] = value
         return w
 
     def leaves(self, leaves: list[Node], mask: torch.Tensor) -> torch.Tensor:
         """Weights (k, T) of sibling leaves' routed replays [parent's last token] + tokens; mask (k, T) real tokens."""
         w = mask.to(torch.float64)
         for row, leaf in enumerate(leaves):
-            first, rest = self.weights[id(leaf)]
+            first, rest, own = self.weights[id(leaf)]
             w[row] *= rest
-            if leaf.start > 0:
+            shift = int(leaf.start > 0)
+            if shift:
                 w[row, 0] = first
+            for j, value in own.items():
+                w[row, j + shift] = value
         return w
 
 
@@ -65,16 +79,39 @@ class TreeRouter:
     weights: RouteWeights
 
 
-def router_weights(tree: Tree) -> RouteWeights:
-    """(first, rest) per node, as the module docstring counts them."""
-    out: dict[int, tuple[float, float]] = {}
+def router_weights(tree: Tree, count: str = "sequences") -> RouteWeights:
+    """The weights the module docstring gives: `count` "sequences" (transformers' forward of the batch's sequences)
+    or "packed" (one forward of the tree's trie)."""
+    out: dict[int, tuple[float, float, dict[int, float]]] = {}
+    root = tree.root
+    out[id(root)] = (1.0, 1.0, {}) if count == "packed" else (float(len(root.through)), float(len(root.through)), {})
     for node in tree.nodes():
-        rest = float(len(node.through))
-        out.setdefault(id(node), (rest, rest))
+        ending = 1 if node.ending else 0
         for k, child in enumerate(node.children):
-            extra = len(node.ending) if k == 0 else 0
-            out[id(child)] = (float(len(child.through) + extra), float(len(child.through)))
+            if count == "packed":
+                out[id(child)] = (1 / _sharing(node.children, child, 1) + (ending if k == 0 else 0), 1.0,
+                                  _shared_runs(node.children, child))
+            else:
+                extra = len(node.ending) if k == 0 else 0
+                out[id(child)] = (float(len(child.through) + extra), float(len(child.through)), {})
     return RouteWeights(out)
+
+
+def _sharing(siblings: list[Node], node: Node, n: int) -> int:
+    """How many of `siblings` (`node` among them) begin with node's first n tokens."""
+    head = node.tokens[:n]
+    return sum(1 for s in siblings if s.tokens.numel() >= n and torch.equal(s.tokens[:n], head))
+
+
+def _shared_runs(siblings: list[Node], node: Node) -> dict[int, float]:
+    """{j: 1 / k} for node's own tokens j but its last whose trie position (tokens[:j + 2]) k > 1 siblings run."""
+    out: dict[int, float] = {}
+    for j in range(node.tokens.numel() - 1):
+        k = _sharing(siblings, node, j + 2)
+        if k == 1:
+            break
+        out[j] = 1 / k
+    return out
 
 
 def check_routable(tree: Tree) -> None:
