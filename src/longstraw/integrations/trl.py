@@ -25,13 +25,10 @@ from typing import Any
 import torch
 
 try:
-    from accelerate.utils import is_peft_model
     from trl import GRPOConfig, GRPOTrainer
 except ImportError as err:  # pragma: no cover - exercised only without the extra
     raise ImportError(f"longstraw.integrations.trl needs TRL: pip install 'longstraw[trl]' ({err})") from err
 
-from longstraw.admission.admission import check_architecture
-from longstraw.api.checks import check_model_options
 from longstraw.api.tree import backward_tree
 from longstraw.distributed.context import check_supported as check_context_supported
 from longstraw.distributed.context import context_blocks
@@ -54,7 +51,7 @@ from longstraw.integrations.trl_config import (
     tensor_parallel_refusals,
     work_of,
 )
-from longstraw.models.architecture import eval_mode_when_equal, hf
+from longstraw.integrations.trl_shared import autocast_of, average_gradients, model_refusals, policy_of
 
 __all__ = ["LongStrawGRPOConfig", "LongStrawGRPOTrainer"]
 
@@ -86,9 +83,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         self._context = context_blocks(cp) if cp > 1 else None
 
     def _policy(self) -> torch.nn.Module:
-        """The causal LM backward_tree runs: unwrapped from accelerate, and the PEFT model's LoRA-injected base."""
-        model = self.accelerator.unwrap_model(self.model)
-        return model.get_base_model() if is_peft_model(model) else model
+        return policy_of(self.accelerator, self.model)
 
     def _model_refusals(self) -> list[str]:
         out = []
@@ -114,19 +109,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                        "recomputed to its last layer; set longstraw_keep_prompt_graph=0")
         policy = self._policy()
         out.extend(tensor_parallel_refusals(policy))
-        dtype = hf(policy).get_input_embeddings().weight.dtype
-        if self.args.bf16 and dtype not in (torch.bfloat16, torch.float32):
-            out.append(f"bf16=True with {str(dtype).removeprefix('torch.')} parameters: bf16 autocast runs over "
-                       "float32 (or bfloat16) parameters; load the model in float32 or bfloat16, or set bf16=False")
-        try:  # supported family, dropout off (TRL trains in train() mode), uniform dtype, no logit soft-cap
-            with eval_mode_when_equal(policy):
-                check_architecture(policy, 1)
-        except ValueError as err:
-            out.append(str(err))
-        try:  # what backward_tree would refuse on its first batch: nothing to train, a recurrent exact chunk of 1
-            check_model_options(policy, backward_options(self.args))
-        except ValueError as err:
-            out.append(str(err))
+        out.extend(model_refusals(policy, backward_options(self.args), bool(self.args.bf16)))
         if cp > 1 and world % cp:
             out.append(f"longstraw_cp={cp} needs a number of processes that is a multiple of {cp}, got {world}: launch "
                        f"{cp * max(1, world // cp)} processes, or set longstraw_cp=1")
@@ -195,7 +178,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         with sharded_compute(self.accelerator.unwrap_model(self.model), gather=gather):
             total = self._backward_batches(batches)
         if self.accelerator.num_processes > 1 and self.accelerator.sync_gradients and not self.is_fsdp_enabled:
-            self._average_gradients()  # the last micro-batch of an optimizer step: what DDP's reducer would do
+            # the last micro-batch of an optimizer step: what DDP's reducer would do
+            average_gradients(self._policy(), self.accelerator.num_processes)
         return torch.tensor(total, device=self.accelerator.device, requires_grad=True)
 
     def _backward_batches(self, batches: list[dict[str, Any]]) -> float:
@@ -252,12 +236,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         return build_tree(trajectories, option(self.args, "tree_min_shared")), options
 
     def _autocast(self) -> Any:
-        """bf16=True over float32 parameters is autocast mixed precision, which accelerate applies around the prepared
-        model's forward; LongStraw runs the layers itself, so it enters the same autocast around the whole tree
-        (forwards, recomputes and their backward). Over bfloat16 parameters it computes in their dtype."""
-        policy = self._policy()
-        enabled = bool(self.args.bf16) and hf(policy).get_input_embeddings().weight.dtype == torch.float32
-        return torch.autocast(hf(policy).device.type, dtype=torch.bfloat16, enabled=enabled)
+        return autocast_of(bool(self.args.bf16), self._policy())
 
     def _deepspeed_loss(self, batches: list[dict[str, Any]]) -> torch.Tensor:
         """DeepSpeed ZeRO (integrations/deepspeed.py): the micro-batch's gradient, returned inside the loss that
@@ -284,18 +263,6 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         torch.distributed.all_gather_object(gathered, mine, group=self._context.group)
         device = self.accelerator.device
         return [{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()} for batch in gathered]
-
-    def _average_gradients(self) -> None:
-        """Data parallelism: the mean of every trainable parameter's gradient over the processes, in one all-reduce
-        per optimizer step, as DDP averages them. backward_tree runs the unwrapped model, so DDP's reducer (armed
-        only by a forward through its wrapper) never fires; a parameter without a gradient counts as zeros."""
-        params = [p for p in self._policy().parameters() if p.requires_grad]
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.flatten() for g in grads])  # (sum of numels,), one bucket
-        torch.distributed.all_reduce(flat)
-        flat /= self.accelerator.num_processes
-        for p, g, part in zip(params, grads, flat.split([g.numel() for g in grads])):
-            p.grad = part.view_as(g)
 
     def _kept_rows(self, inputs: dict[str, Any], rows: range) -> list[int]:
         """The rows of one prompt's group that are in the loss, checked. TRL's `tool_mask` (a rollout_func's

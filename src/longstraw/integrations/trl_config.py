@@ -23,8 +23,9 @@ _TRL_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", 
 
 
 @dataclass
-class LongStrawGRPOConfig(GRPOConfig):
-    """TRL's `GRPOConfig` plus how LongStraw computes the gradient. A plain `GRPOConfig` works too (these defaults)."""
+class LongStrawOptions:
+    """How LongStraw computes the gradient: the fields both TRL trainers' configs add (`LongStrawGRPOConfig`,
+    `trl_async.LongStrawAsyncGRPOConfig`), each read through `option` (its default for a config without it)."""
 
     longstraw_plan: str = field(
         default="exact", metadata={"help": "backward_tree's plan: 'exact' (TRL's gradient, prompt encoded once), "
@@ -42,6 +43,16 @@ class LongStrawGRPOConfig(GRPOConfig):
     longstraw_keep_prompt_graph: int = field(
         default=0, metadata={"help": "exact: keep the last N capture chunks' graphs instead of recomputing them in "
                                      "the prompt backward (faster; their activations held through the replays)."})
+    longstraw_tree_min_shared: int = field(
+        default=1, metadata={"help": "Each micro-batch's rows run as one prefix tree (backward_tree), a token several "
+                                     "rows share encoded once: the shortest run of tokens the tree splits off as a "
+                                     "node of its own (shorter shared runs are encoded once per branch)."})
+
+
+@dataclass
+class LongStrawGRPOConfig(LongStrawOptions, GRPOConfig):
+    """TRL's `GRPOConfig` plus how LongStraw computes the gradient. A plain `GRPOConfig` works too (these defaults)."""
+
     longstraw_cp: int = field(
         default=1, metadata={"help": "Context parallelism: blocks of this many consecutive processes exchange their "
                                      "groups and backpropagate each together, each process holding 1/C of every "
@@ -54,10 +65,6 @@ class LongStrawGRPOConfig(GRPOConfig):
                                          "reduce-scatters its gradient after each backward (needs longstraw_cp equal "
                                          "to the number of processes, so that every process runs the same forwards "
                                          "and backwards)."})
-    longstraw_tree_min_shared: int = field(
-        default=1, metadata={"help": "Each micro-batch's rows run as one prefix tree (backward_tree), a token several "
-                                     "rows share encoded once: the shortest run of tokens the tree splits off as a "
-                                     "node of its own (shorter shared runs are encoded once per branch)."})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -68,16 +75,16 @@ _DEFAULTS = {f.name.removeprefix("longstraw_"): f.default for f in fields(LongSt
              if f.name.startswith("longstraw_")}
 
 
-def option(args: GRPOConfig, name: str) -> Any:
+def option(args: Any, name: str) -> Any:
     """`args.longstraw_<name>`, LongStrawGRPOConfig's default for a plain GRPOConfig; cp and tree_min_shared checked
     to be integers >= 1."""
     value = getattr(args, f"longstraw_{name}", _DEFAULTS[name])
     if name in ("cp", "tree_min_shared") and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ValueError(f"LongStrawGRPOConfig's longstraw_{name} must be an integer >= 1, got {value!r}")
+        raise ValueError(f"{type(args).__name__}'s longstraw_{name} must be an integer >= 1, got {value!r}")
     return value
 
 
-def backward_options(args: GRPOConfig) -> BackwardOptions:
+def backward_options(args: Any) -> BackwardOptions:
     """backward_tree's options from the config, validated by the engine; the loss and its parameters are set per
     micro-batch (`_loss_options`)."""
     checkpoint = option(args, "checkpoint")
@@ -89,7 +96,7 @@ def backward_options(args: GRPOConfig) -> BackwardOptions:
                                   offload_state=option(args, "offload_state"),
                                   keep_prompt_graph=option(args, "keep_prompt_graph"), allow_train_mode=True)
     except (TypeError, ValueError) as err:
-        raise ValueError(f"LongStrawGRPOConfig's longstraw_* options: {err}") from None
+        raise ValueError(f"{type(args).__name__}'s longstraw_* options: {err}") from None
     cp = option(args, "cp")
     if cp > 1 and not options.plan.supports_context_parallel:
         raise ValueError(f"LongStrawGRPOConfig's longstraw_cp={cp} shards the prompt state: use longstraw_plan "

@@ -1,0 +1,158 @@
+"""`LongStrawAsyncGRPOTrainer` (TRL's asynchronous GRPO trainer with LongStraw's tree) against a reference written
+from TRL's `AsyncGRPOTrainer.compute_loss` on flattened samples (trl_async_setup.py: no LongStraw code in it), over
+two optimizer steps of two micro-batches each, fed by a scripted rollout worker (TRL's worker interface, no vLLM
+server): each step's gradient and the parameters after it, float64, in one process and in two (gloo). Then the models
+TRL's own trainer refuses (recurrent layers, attention sinks) trained where TRL refuses them, the router term over
+the packed trie, the loss metrics, what the drop-in refuses, and that TRL's module is left as it was.
+
+The reference runs transformers with sdpa attention (its softmax in float64; eager's is float32) where the model has
+it; gpt-oss has no sdpa path, so both sides run eager attention there."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("trl", reason="TRL is an optional extra: pip install 'longstraw[trl]'")
+
+from datasets import Dataset  # noqa: E402
+from helpers import EXACT_F64, FP32_KERNELS_F64, assert_close, rel_err, run_ranks, tiny_model  # noqa: E402
+from router_helpers import patch_routers  # noqa: E402
+from transformers import GptOssConfig  # noqa: E402
+from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer  # noqa: E402
+from trl_async_setup import SETTINGS, NoWeightSync, ScriptedWorker, samples, train_ours, train_reference  # noqa: E402
+
+import longstraw.integrations.trl_async as trl_async  # noqa: E402
+from longstraw.models.tokenizer import byte_tokenizer_hf  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+# one step more than the run takes: accelerate's dispatcher fetches a micro-batch ahead
+ONE_PROCESS = SETTINGS["per_device_train_batch_size"] * (SETTINGS["gradient_accumulation_steps"] *
+                                                         SETTINGS["max_steps"] + 1)
+_DIRS: dict[str, str] = {}
+
+
+def _saved(family: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    if family not in _DIRS:
+        path = tmp_path_factory.mktemp(f"async-{family}")
+        tiny_model(family, dtype=torch.float32).save_pretrained(path)
+        _DIRS[family] = str(path)
+    return _DIRS[family]
+
+
+def _compare(ours, ref, tol: float) -> float:
+    (g_ours, p_ours), (g_ref, p_ref) = ours, ref
+    assert len(g_ours) == len(g_ref) == SETTINGS["max_steps"]
+    errors = []
+    for a, b in zip(g_ours, g_ref):
+        assert b.norm() > 0
+        errors.append(assert_close("gradient", b, a, tol))
+    errors.append(assert_close("parameters", p_ref, p_ours, tol))
+    assert rel_err(g_ref[1], g_ref[0]) > 1e-3  # the second step is another gradient: the update reached it
+    return max(errors)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_equals_trl_async_loss(family, tmp_path, tmp_path_factory):
+    """Two optimizer steps of the drop-in equal the reference's ≤ 1e-10 in float64 (multi-turn samples with tool
+    results masked out, a shared system prompt, samples that fork after a shared first turn)."""
+    model_dir, items = _saved(family, tmp_path_factory), samples(ONE_PROCESS)
+    info: dict = {}
+    err = _compare(train_ours(model_dir, items, str(tmp_path / "ours"), info=info),
+                   train_reference(model_dir, items), EXACT_F64)
+    print(f"{family}: {err:.2g}")
+    logged = info["log_history"][0]
+    assert logged["longstraw/tokens_encoded"] < logged["longstraw/tokens_flattened"]  # the trie shares tokens
+    for key in ("ratio", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "perf/fwd_bwd_s",
+                "batch/trained_tokens_per_step"):
+        assert key in logged, key
+
+
+def test_router_term_over_the_packed_trie(tmp_path, tmp_path_factory, monkeypatch):
+    """Qwen3-MoE with TRL's router term (coefficient 0.001 over gradient accumulation times transformers' aux loss
+    over each row's trie, every trie node once): ≤ 1e-10 with the routers' softmax in float64 (router_helpers)."""
+    patch_routers(monkeypatch)
+    model_dir, items = _saved("qwen3_moe", tmp_path_factory), samples(ONE_PROCESS)
+    info: dict = {}
+    err = _compare(train_ours(model_dir, items, str(tmp_path / "ours"), info=info, router_aux_loss_coef=0.001),
+                   train_reference(model_dir, items, coef=0.001), EXACT_F64)
+    print(f"qwen3_moe with the router term: {err:.2g}")
+    assert info["log_history"][0]["aux_loss"] > 0
+
+
+TRL_REFUSES = {  # family: (TRL's refusal, attention, router coefficient of the released config)
+    "gpt_oss": ("uses attention sinks", "eager", 0.9),
+    "qwen3_next-A": ("Tree packing only routes attention layers", None, 0.001),
+    "jamba": ("Tree packing only routes attention layers", None, 0.001),
+}
+
+
+@pytest.mark.parametrize("family", sorted(TRL_REFUSES))
+def test_trains_what_trl_refuses(family, tmp_path, tmp_path_factory):
+    """gpt-oss (attention sinks), Qwen3-Next (gated DeltaNet) and Jamba (Mamba): TRL's AsyncGRPOTrainer refuses each
+    when it is built; the drop-in trains two steps, with the router term, equal to the reference ≤ 1e-6 (their
+    kernels compute in float32 inside the float64 model)."""
+    refusal, attention, coef = TRL_REFUSES[family]
+    model_dir, items = _saved(family, tmp_path_factory), samples(ONE_PROCESS)
+    kwargs = {"attn_implementation": attention} if attention else {}
+    # TRL loads with its tree kernel (it takes no attn_implementation in model_init_kwargs)
+    args = AsyncGRPOConfig(output_dir=str(tmp_path / "trl"),
+                           **{**SETTINGS, "model_init_kwargs": {"dtype": torch.float32}})
+    with pytest.raises(ValueError, match=refusal):
+        AsyncGRPOTrainer(model_dir, args=args, processing_class=byte_tokenizer_hf(), rollout_worker=ScriptedWorker([]),
+                         weight_transfer=NoWeightSync(), train_dataset=Dataset.from_dict({"prompt": ["p"]}))
+    ours = train_ours(model_dir, items, str(tmp_path / "ours"), router_aux_loss_coef=coef,
+                      model_init_kwargs=kwargs)
+    err = _compare(ours, train_reference(model_dir, items, coef=coef, attention=attention or "sdpa"),
+                   FP32_KERNELS_F64)
+    print(f"{family}: TRL refuses ({refusal}); the drop-in equals the reference to {err:.2g}")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_two_processes(family, tmp_path, tmp_path_factory):
+    """Two processes (gloo, accelerate's MULTI_CPU): rank 0's queue feeds both ranks through TRL's planner, and the
+    gradient averaged over the ranks equals the reference's mean of the two rows' gradients ≤ 1e-10."""
+    model_dir = _saved(family, tmp_path_factory)
+    here = Path(__file__).parent
+    ranks = run_ranks([str(here / "trl_async_child.py"), model_dir, str(tmp_path)], 2, timeout=600,
+                      paths=[here, here.parent, ROOT, ROOT / "src"], env={"ACCELERATE_USE_CPU": "1"})
+    for code, out in ranks:
+        assert code == 0, out[-4000:]
+    saved = torch.load(tmp_path / "steps.pt")
+    assert saved["world"] == 2
+    count = SETTINGS["per_device_train_batch_size"] * 2 * (SETTINGS["gradient_accumulation_steps"] *
+                                                           SETTINGS["max_steps"] + 1)
+    err = _compare((saved["steps"], saved["params"]), train_reference(model_dir, samples(count), processes=2),
+                   EXACT_F64)
+    assert torch.equal(torch.load(tmp_path / "params-1.pt"), saved["params"])  # the ranks stay in step
+    print(f"{family}, two processes: {err:.2g}")
+
+
+def test_refusals_and_trl_left_as_it_was(tmp_path, tmp_path_factory):
+    """fp16 and a model LongStraw's admission refuses (attention dropout in train mode) are refused when the trainer
+    is built, each by name; after a build, TRL's module has its own loader and the model its own config class and
+    sink parameters again."""
+    model_dir = _saved("gpt_oss", tmp_path_factory)
+    module = sys.modules[trl_async.AsyncGRPOTrainer.__module__]
+    loader = module.create_model_from_path
+    with pytest.raises(ValueError, match="fp16=True"):
+        trl_async.refuse(trl_async.config_refusals(AsyncGRPOConfig(output_dir=str(tmp_path), fp16=True,
+                                                                   use_cpu=True)))
+    with pytest.raises(ValueError, match="dropout"):
+        train_ours(model_dir, [], str(tmp_path / "dropout"),
+                   model_init_kwargs={"attn_implementation": "eager", "attention_dropout": 0.1})
+    assert module.create_model_from_path is loader
+    trainer = trl_async.LongStrawAsyncGRPOTrainer(
+        model_dir, args=trl_async.LongStrawAsyncGRPOConfig(output_dir=str(tmp_path / "ok"), **{
+            **SETTINGS, "model_init_kwargs": {"dtype": torch.float32, "attn_implementation": "eager"}}),
+        processing_class=byte_tokenizer_hf(), rollout_worker=ScriptedWorker([]), weight_transfer=NoWeightSync(),
+        train_dataset=Dataset.from_dict({"prompt": ["p"]}))
+    assert type(trainer.model.config) is GptOssConfig
+    assert any(name.endswith(".sinks") for name, _ in trainer.model.named_parameters())
+    assert trainer.args.model_init_kwargs["attn_implementation"] == "eager"
+    assert module.create_model_from_path is loader
+    json.dumps(trainer.args.to_dict(), default=str)
