@@ -22,6 +22,17 @@ every G at the middle K; `--grid full` runs every pair). Then the checks of docs
 tree_exact's peak below every other row, flat (within 5%) as G doubles, its time ratio at least 0.8x its floor
 ratio, and the packed row's peak growing with the tree.
 
+Shapes (`--shape`, `SHAPES`; every option overrides the shape's value):
+
+* tau (default): tau^2-bench, trajectories branching 2 ways at the last log_2(G) turns; every row, K 1, 2, 4 and
+  G 2, 4, 8;
+* trl-async: the batches of TRL's (async) GRPO trainer: one shared system prompt, K prompts, G samples per prompt
+  that are independent multi-turn conversations forking G ways at their first response (`TreeShape.fork` "first":
+  the rollout worker samples G completions per prompt), each turn r response tokens in the loss and o tool-result
+  tokens masked out. Rows packed (TRL's tree-attention method: the ancestor mask, SDPA on CPU), tree_exact and
+  flattened (for the floor ratio) at K = 2 as G doubles 2, 4, 8, 16; one torch thread per worker.
+  `python -m benchmarks tree --shape trl-async` (`--smoke`: tiny-llama, seconds).
+
 Results: bench/results/tree-<shape>-<date>.json (`--out`), the table on stdout, a plot beside the JSON.
 """
 
@@ -61,7 +72,7 @@ from benchmarks.launch import describe_exit, worker_command, worker_env
 from benchmarks.registry import Benchmark
 from longstraw.choices import DTYPES, PRESET_NAMES
 from longstraw.planner import positive_int
-from longstraw.planner.tree import FLOOR_FORMULAS, FLOOR_NOTE, ROWS, TreeShape, counts, token_passes
+from longstraw.planner.tree import FLOOR_FORMULAS, FLOOR_NOTE, FORKS, ROWS, Fork, TreeShape, counts, token_passes
 
 FLAT_TOLERANCE = 0.05  # tree_exact's peak may grow this much when G doubles
 FLOOR_SHARE = 0.8  # tree_exact's time ratio over flattened must reach this share of its floor ratio
@@ -81,6 +92,7 @@ class TreeBenchConfig:
     response_tokens: int = 32  # r
     observation_tokens: int = 96  # o
     branching: int = 2  # B
+    fork: Fork = "last"  # where a task's trajectories branch (`TreeShape.fork`)
     tasks: tuple[int, ...] = (1, 2, 4)  # K swept
     groups: tuple[int, ...] = (2, 4, 8)  # G swept
     grid: str = "cross"  # "cross": every K at the middle G and every G at the middle K; "full": every pair
@@ -101,12 +113,23 @@ DEFAULT = TreeBenchConfig()
 SMOKE = replace(DEFAULT, name="smoke", model="tiny-llama", system_tokens=32, task_tokens=8, turns=2,
                 response_tokens=4, observation_tokens=4, tasks=(2,), groups=(2,), chunk_size=16, threads=1,
                 warm_steps=0, timing_run=False, smoke=True)
+# TRL's async GRPO batches: G conversations per prompt forking at the first response, each 3 turns of 32 response +
+# 32 tool-result tokens after a 1024-token system prompt and a 128-token prompt; packed against the tree (flattened
+# for the floor ratio), G doubling at K = 2. One torch thread per worker, so that a second process on a 2-core host
+# shares the machine without sharing a row's cores.
+TRL_ASYNC = replace(DEFAULT, name="trl-async", fork="first", turns=3, response_tokens=32, observation_tokens=32,
+                    tasks=(2,), groups=(2, 4, 8, 16), rows=("flattened", "packed", "tree_exact"), threads=1)
+TRL_ASYNC_SMOKE = replace(TRL_ASYNC, name="trl-async-smoke", model="tiny-llama", system_tokens=32, task_tokens=8,
+                          turns=2, response_tokens=4, observation_tokens=4, groups=(2, 4), chunk_size=16,
+                          warm_steps=0, timing_run=False, smoke=True)
+# --shape: its full run and its --smoke run
+SHAPES = {"tau": (DEFAULT, SMOKE), "trl-async": (TRL_ASYNC, TRL_ASYNC_SMOKE)}
 
 
 def shape_of(config: TreeBenchConfig, tasks: int, group_size: int) -> TreeShape:
     return TreeShape(system_tokens=config.system_tokens, tasks=tasks, task_tokens=config.task_tokens,
                      group_size=group_size, turns=config.turns, response_tokens=config.response_tokens,
-                     observation_tokens=config.observation_tokens, branching=config.branching)
+                     observation_tokens=config.observation_tokens, branching=config.branching, fork=config.fork)
 
 
 def middle(values: tuple[int, ...]) -> int:
@@ -340,7 +363,7 @@ def format_table(document: dict[str, Any]) -> str:
     results = document["results"]
     lines = [f"bench tree: {cfg['model']} {cfg['dtype']} {cfg['device']}, S={cfg['system_tokens']} "
              f"C={cfg['task_tokens']} T={cfg['turns']} r={cfg['response_tokens']} o={cfg['observation_tokens']} "
-             f"B={cfg['branching']}, chunk {cfg['chunk_size']}, micro-batch {cfg['micro_batch']}, threads "
+             f"{_fork_text(cfg)}, chunk {cfg['chunk_size']}, micro-batch {cfg['micro_batch']}, threads "
              f"{cfg['threads'] or 'default'}; host load {document.get('load_average')}"]
     head = (f"  {'row':<22}{'peak MiB':>9}{'time s':>9}{'cpu s':>8}{'press':>6}{'passes':>9}{'floor x':>8}"
             f"{'flop x':>8}{'time x':>8}{'cpu x':>7}{'plan MiB':>9}{'err':>8}")
@@ -374,6 +397,12 @@ def format_table(document: dict[str, Any]) -> str:
                  "(same K, G); peak: the cold first step's; times: the fastest warm step's; plan MiB: `longstraw plan "
                  "--tree`'s forecast of the step peak")
     return "\n".join(lines)
+
+
+def _fork_text(cfg: dict[str, Any]) -> str:
+    """Where the shape branches (a results file without `fork` is a tau run: the last turns)."""
+    fork = cfg.get("fork", "last")
+    return {"last": f"B={cfg['branching']}", "first": "G-way fork at the first response"}[fork]
 
 
 def _check_detail(name: str, check: dict[str, Any]) -> str:
@@ -412,7 +441,8 @@ def plot_tree(document: dict[str, Any], path: str) -> str | None:
     k0 = middle(tuple(cfg["tasks"]))
     at_k0 = {**document, "results": [r for r in document["results"] if r["tasks"] == k0]}
     title = (f"bench tree: {cfg['model']} S={cfg['system_tokens']} K={k0} C={cfg['task_tokens']} T={cfg['turns']} "
-             f"r={cfg['response_tokens']} o={cfg['observation_tokens']}")
+             f"r={cfg['response_tokens']} o={cfg['observation_tokens']}"
+             + ("" if cfg.get("fork", "last") == "last" else f", {_fork_text(cfg)}"))
     return _two_panels(at_k0, path, "group_size", "trajectories per task G", title)
 
 
@@ -457,8 +487,14 @@ def run_tree_bench(config: TreeBenchConfig, out: str) -> dict[str, Any]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shape", choices=tuple(SHAPES), default="tau",
+                        help="the batch and rows: tau (default), tau^2-bench trajectories branching at the last turns, "
+                             "every row; trl-async, TRL's async GRPO batches, G conversations per prompt forking at "
+                             "the first response, packed / tree_exact / flattened as G doubles 2 to 16 (the module "
+                             "docstring); the options below override the shape's values (their defaults: tau's)")
     parser.add_argument("--smoke", action="store_true",
-                        help="tiny-llama at a tiny shape, one K and G; seconds, only that every row runs (the tests)")
+                        help="the shape's tiny-llama run at a tiny size (tau: one K and G; trl-async: G 2 and 4); "
+                             "seconds, only that every row runs (the tests)")
     parser.add_argument("--model", help=f"a preset ({', '.join(PRESET_NAMES)}), a local directory or a Hugging Face "
                                         f"id (default {DEFAULT.model})")
     parser.add_argument("--dtype", choices=DTYPES, help=f"parameter dtype (default {DEFAULT.dtype})")
@@ -476,6 +512,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{DEFAULT.observation_tokens})")
     parser.add_argument("--branching", type=positive_int, metavar="B",
                         help=f"ways each branching turn forks (default {DEFAULT.branching}); G must be a power of B")
+    parser.add_argument("--fork", choices=FORKS,
+                        help="where a task's trajectories branch: last (tau's), B ways at each of the last log_B(G) "
+                             "turns; first (trl-async's), G ways at the first response")
     parser.add_argument("--tasks", type=positive_int, nargs="+", metavar="K",
                         help=f"tasks per batch, swept (default {' '.join(map(str, DEFAULT.tasks))})")
     parser.add_argument("--groups", type=positive_int, nargs="+", metavar="G",
@@ -499,11 +538,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> TreeBenchConfig:
-    config = SMOKE if args.smoke else DEFAULT
+    config = SHAPES[args.shape][1 if args.smoke else 0]
     overrides = {
         "model": args.model, "dtype": args.dtype, "device": args.device, "system_tokens": args.system_tokens,
         "task_tokens": args.task_tokens, "turns": args.turns, "response_tokens": args.response_tokens,
-        "observation_tokens": args.observation_tokens, "branching": args.branching,
+        "observation_tokens": args.observation_tokens, "branching": args.branching, "fork": args.fork,
         "tasks": tuple(dict.fromkeys(args.tasks)) if args.tasks else None,
         "groups": tuple(dict.fromkeys(args.groups)) if args.groups else None, "grid": args.grid,
         "rows": tuple(dict.fromkeys(args.rows)) if args.rows else None, "chunk_size": args.chunk_size,
@@ -540,9 +579,10 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 
 BENCHMARKS = (Benchmark(
-    name="tree", help="a tau^2-bench-shaped agent batch of prefix trees: flattened, per group, packed tree mask, "
-                      "LongStraw tree exact and detach",
-    description="A shared system prompt, K tasks, G branching multi-turn trajectories per task, run five ways, each "
-                "row in a fresh process: peak memory, step time, the token-pass floor beside the measured ratio, the "
-                "planner's forecast; K and G swept; table, JSON and plot.",
+    name="tree", help="agent batches of prefix trees (tau^2-bench, or TRL's async GRPO with --shape trl-async): "
+                      "flattened, per group, packed tree mask, LongStraw tree exact and detach",
+    description="A shared system prompt, K tasks, G branching multi-turn trajectories per task, run up to five ways, "
+                "each row in a fresh process: peak memory, step time, the token-pass floor beside the measured ratio, "
+                "the planner's forecast; K and G swept; table, JSON and plot. --shape trl-async: G conversations "
+                "per prompt forking at the first response, packed against LongStraw's tree as G doubles.",
     add_arguments=add_arguments, run=run_from_args, table=format_table, checks=document_checks),)

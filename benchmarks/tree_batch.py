@@ -29,10 +29,13 @@ def make_trajectories(shape: TreeShape, vocab_size: int, seed: int = 0) -> list[
     """K · G trajectories (task k's are k·G … k·G + G − 1, `group` = k), each (N,) = S + C + T (r + o) ids with
     loss_start = S + C, its loss mask True on every turn's r response tokens, and an advantage ~ N(0, 1).
 
-    Task k's trajectories share its first T − m turns; at each of the last m turns every live sequence forks into
-    B continuations (m = log_B G)."""
-    if vocab_size < max(shape.tasks, shape.branching) + 1:
-        raise ValueError(f"vocab_size {vocab_size} is too small for {shape.tasks} tasks of distinct first tokens")
+    Task k's trajectories share its first turns (`TreeShape.trunk_turns`); then at each branching level
+    (`TreeShape.levels`) every live sequence forks into that level's fan-out of continuations of its turns: B of
+    one turn at each of the last log_B G turns (fork "last"), G whole conversations of T turns (fork "first")."""
+    fan_outs = [level.fan_out for level in shape.levels]
+    if vocab_size < max([shape.tasks, *fan_outs]) + 1:
+        raise ValueError(f"vocab_size {vocab_size} is too small for {shape.tasks} tasks and {max(fan_outs, default=1)} "
+                         f"siblings of distinct first tokens")
     gen = torch.Generator().manual_seed(seed)
 
     def ids(n: int) -> torch.Tensor:
@@ -41,23 +44,26 @@ def make_trajectories(shape: TreeShape, vocab_size: int, seed: int = 0) -> list[
     def base() -> int:
         return int(torch.randint(0, vocab_size, (1,), generator=gen))
 
-    s, g, b, m = shape.system_tokens, shape.group_size, shape.branching, shape.branch_turns
+    s, g = shape.system_tokens, shape.group_size
     system = ids(s)
     task_base = base()
     mask = turn_mask(shape).repeat(shape.turns)
     out: list[Trajectory] = []
     for k in range(shape.tasks):
         task = _distinct_first(ids(shape.task_tokens), k, task_base, vocab_size)
-        trunk = ids((shape.turns - m) * shape.turn_tokens)
-        # level j (1..m): B^j turn segments; segment q's parent is q // B at level j − 1
-        levels = []
-        for j in range(1, m + 1):
+        trunk = ids(shape.trunk_turns * shape.turn_tokens)
+        # per level: (the fan-outs so far) segments of its turns; segment q's parent is q // fan_out a level up,
+        # and a leaf's segment at a level is the leaf's index over the fan-outs of the levels below it
+        levels, width = [], 1
+        for level in shape.levels:
+            width *= level.fan_out
             level_base = base()
-            levels.append([_distinct_first(ids(shape.turn_tokens), q % b, level_base, vocab_size)
-                           for q in range(b ** j)])
+            levels.append([_distinct_first(ids(level.turns * shape.turn_tokens), q % level.fan_out, level_base,
+                                           vocab_size) for q in range(width)])
+        below = [g // len(segments) for segments in levels]  # leaves under one segment of each level
         advantages = torch.randn(g, generator=gen)
         for leaf in range(g):
-            path = [levels[j - 1][leaf // b ** (m - j)] for j in range(1, m + 1)]
+            path = [segments[leaf // n] for segments, n in zip(levels, below)]
             out.append(Trajectory(ids=torch.cat([system, task, trunk, *path]), loss_start=shape.prompt_tokens,
                                   advantage=float(advantages[leaf]), loss_mask=mask.clone(), group=k))
     return out

@@ -13,39 +13,47 @@ import pytest
 import torch
 
 from benchmarks.__main__ import build_parser, main
-from benchmarks.tree import TreeBenchConfig, checks, config_from_args, pairs
+from benchmarks.tree import TreeBenchConfig, checks, config_from_args, pairs, shape_of
 from benchmarks.tree_baselines import flattened_logprobs, flattened_step, pack_tree, packed_logprobs, packed_step
 from benchmarks.tree_batch import make_trajectories, task_groups
 from longstraw.engine.tree import build_tree
 from longstraw.planner import MIB
-from longstraw.planner.tree import TreeShape, counts, token_passes
+from longstraw.planner.tree import ROWS, TreeShape, counts, token_passes
 
 IMPORT_PATH = os.pathsep.join(str(Path(__file__).resolve().parents[2] / d) for d in ("src", "."))
 SHAPES = [TreeShape(16, 3, 8, 4, 3, 4, 5), TreeShape(16, 1, 8, 2, 2, 4, 0), TreeShape(12, 2, 5, 1, 2, 3, 2),
           TreeShape(10, 1, 4, 9, 2, 2, 3, branching=3)]
+# TRL's batches: G conversations per prompt forking at the first response (any G, one task or several, G = 1)
+FIRST = [TreeShape(16, 3, 8, 4, 3, 4, 5, fork="first"), TreeShape(16, 1, 8, 3, 2, 4, 0, fork="first"),
+         TreeShape(12, 2, 5, 1, 2, 3, 2, fork="first")]
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.describe())
+@pytest.mark.parametrize("shape", SHAPES + FIRST, ids=lambda s: s.describe())
 def test_the_batch_is_the_shapes_tree(shape):
     trajectories = make_trajectories(shape, 512, seed=1)
-    k, g, m = shape.tasks, shape.group_size, shape.branch_turns
+    k, g = shape.tasks, shape.group_size
     assert len(trajectories) == k * g
     turn = [True] * shape.response_tokens + [False] * shape.observation_tokens
     for i, t in enumerate(trajectories):
         assert t.group == i // g and t.length == shape.trajectory_tokens and t.loss_start == shape.prompt_tokens
         assert t.loss_mask is not None and t.loss_mask.tolist() == turn * shape.turns
-    shared = shape.prompt_tokens + (shape.turns - m) * shape.turn_tokens  # a task's tokens before its first branch
+    shared = shape.prompt_tokens + shape.trunk_turns * shape.turn_tokens  # a task's tokens before its first branch
+    if shape.fork == "first" and g > 1:  # a task's conversations share its prompt, then fork at their first response
+        assert shared == shape.prompt_tokens
     for task in range(k):
         mine = trajectories[task * g:(task + 1) * g]
         for t in mine:  # one task: the same ids up to its first branch
             assert torch.equal(t.ids[:shared], mine[0].ids[:shared])
-        for j in range(1, m + 1):  # at branching turn j, sequences of different (j-level) branches differ at once
-            at = shared + (j - 1) * shape.turn_tokens
-            branch = [i // shape.branching ** (m - j) for i in range(g)]
+        at, below = shared, g
+        for level in shape.levels:  # at each level's start, siblings (one parent, different branches) differ at once
+            below //= level.fan_out
+            branch = [i // below for i in range(g)]
             for a in range(g):
                 for b in range(g):
-                    if branch[a] // shape.branching == branch[b] // shape.branching and branch[a] != branch[b]:
+                    if branch[a] // level.fan_out == branch[b] // level.fan_out and branch[a] != branch[b]:
                         assert mine[a].ids[at] != mine[b].ids[at]
+            at += level.turns * shape.turn_tokens
+        assert at == shape.trajectory_tokens
         if task:  # every task starts from the same system prompt and differs from the first task at once
             assert torch.equal(mine[0].ids[:shape.system_tokens], trajectories[0].ids[:shape.system_tokens])
             assert mine[0].ids[shape.system_tokens] != trajectories[0].ids[shape.system_tokens]
@@ -59,7 +67,7 @@ def test_the_batch_is_the_shapes_tree(shape):
         assert torch.equal(group.responses[0], trajectories[task * g].ids[shape.prompt_tokens:])
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.describe())
+@pytest.mark.parametrize("shape", SHAPES + FIRST, ids=lambda s: s.describe())
 def test_token_pass_floors_count_the_built_trees_nodes(shape):
     """The exact and detach floors from the built tree's own nodes, not from the shape's arithmetic."""
     tree = build_tree(make_trajectories(shape, 512))
@@ -80,11 +88,12 @@ def test_token_pass_floors_count_the_built_trees_nodes(shape):
     assert token_passes(shape, "group") == shape.tasks * (4 * (prompt - 1) + 3 * shape.group_size * responses)
 
 
-def test_packed_tree_equals_every_trajectory_flattened_in_float64(tiny_llama64):
+@pytest.mark.parametrize("fork", ["last", "first"])
+def test_packed_tree_equals_every_trajectory_flattened_in_float64(tiny_llama64, fork):
     """The ancestor mask, depth positions and deduplicated head give each trajectory's log-probs and the gradient of
     running every trajectory as its own sequence."""
     model = tiny_llama64
-    trajectories = make_trajectories(TreeShape(16, 3, 8, 4, 3, 4, 5), model.config.vocab_size)
+    trajectories = make_trajectories(TreeShape(16, 3, 8, 4, 3, 4, 5, fork=fork), model.config.vocab_size)
     packed = pack_tree(trajectories)
     assert packed.ids.numel() == build_tree(trajectories).tokens_encoded + 1
     with torch.no_grad():
@@ -155,11 +164,33 @@ def test_sweep_pairs_and_bad_options(capsys):
     parser = build_parser()
     for argv, message in ((["--groups", "3"], "not a power of branching 2"),
                           (["--groups", "16", "--turns", "3"], "raise --turns to 4"),
-                          (["--rows", "nope"], "invalid choice")):
+                          (["--rows", "nope"], "invalid choice"), (["--fork", "middle"], "invalid choice"),
+                          (["--shape", "nope"], "invalid choice")):
         with pytest.raises(SystemExit):
             args = parser.parse_args(["tree", *argv])
             config_from_args(args)
         assert message in capsys.readouterr().err
+
+
+def test_the_trl_async_shape():
+    """--shape trl-async: conversations forking at the first response, packed against the tree as G doubles at one
+    K; any G (no power of B), its options overridable; --fork first alone turns the tau shape's batch into TRL's."""
+    parser = build_parser()
+    config = config_from_args(parser.parse_args(["tree", "--shape", "trl-async"]))
+    assert (config.name, config.fork, config.rows) == ("trl-async", "first", ("flattened", "packed", "tree_exact"))
+    assert config.groups == (2, 4, 8, 16) and pairs(config) == [(2, 4), (2, 2), (2, 8), (2, 16)]
+    assert not config.smoke and config.threads == 1 and config.model == "b1-llama"
+    smoke = config_from_args(parser.parse_args(["tree", "--shape", "trl-async", "--smoke"]))
+    assert smoke.smoke and smoke.fork == "first" and smoke.model == "tiny-llama" and len(smoke.groups) > 1
+    odd = config_from_args(parser.parse_args(["tree", "--shape", "trl-async", "--groups", "3", "6", "--turns", "1"]))
+    assert odd.groups == (3, 6) and odd.turns == 1  # G ways at one turn: any G, any T
+    tau = config_from_args(parser.parse_args(["tree", "--fork", "first", "--groups", "3"]))
+    assert (tau.name, tau.fork, tau.rows) == ("tau", "first", ROWS)
+    assert config_from_args(parser.parse_args(["tree"])).fork == "last"
+    shape = shape_of(config, 2, 16)
+    c = counts(shape)  # a root of S, two prompts, 16 leaves of 3 turns each under each
+    assert (c.nodes, c.depth, c.leaves, c.leaf_tokens, c.path_prefix) == (35, 3, 32, 3 * 64, 1024 + 128)
+    assert c.tokens_encoded == 1023 + 2 * 128 + 32 * 3 * 64
 
 
 def test_smoke_one_row_writes_its_json(tmp_path, capsys, monkeypatch):
@@ -176,3 +207,21 @@ def test_smoke_one_row_writes_its_json(tmp_path, capsys, monkeypatch):
     assert row["token_passes"] == token_passes(shape, "tree_exact") and row["time_s"] > 0
     assert math.isfinite(row["loss"]) and "checks" in doc and "token_pass_formulas" in doc
     assert "1 of 1 configurations ran" in capsys.readouterr().out and not (tmp_path / "tree.json.tmp").exists()
+
+
+def test_trl_async_smoke_writes_its_json(tmp_path, capsys, monkeypatch):
+    """The trl-async shape's --smoke run, one row at one G (a worker each): the worker builds conversations forking
+    at the first response, whose tree is the shape's."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (IMPORT_PATH, os.environ.get("PYTHONPATH")) if p))
+    out = tmp_path / "tree.json"
+    assert main(["tree", "--shape", "trl-async", "--smoke", "--rows", "tree_exact", "--groups", "4",
+                 "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["config"]["name"] == "trl-async-smoke" and doc["config"]["fork"] == "first"
+    (row,) = doc["results"]
+    assert row["status"] == "ok" and (row["row"], row["tasks"], row["group_size"]) == ("tree_exact", 2, 4), row
+    shape = TreeShape(32, 2, 8, 4, 2, 4, 4, fork="first")
+    assert row["stats"]["tree_nodes"] == counts(shape).nodes == 1 + 2 + 2 * 4
+    assert row["counts"]["tokens_encoded"] == row["stats"]["tokens_encoded"] == counts(shape).tokens_encoded
+    assert row["token_passes"] == token_passes(shape, "tree_exact") and math.isfinite(row["loss"])
+    assert "1 of 1 configurations ran" in capsys.readouterr().out

@@ -33,7 +33,8 @@ def _base(dtype: str, chunk: int, micro_batch: int = 1) -> planner.PlanInputs:
 def _shape(cfg: dict, k: int, g: int) -> TreeShape:
     return TreeShape(system_tokens=cfg["system_tokens"], tasks=k, task_tokens=cfg["task_tokens"], group_size=g,
                      turns=cfg["turns"], response_tokens=cfg["response_tokens"],
-                     observation_tokens=cfg["observation_tokens"], branching=cfg["branching"])
+                     observation_tokens=cfg["observation_tokens"], branching=cfg["branching"],
+                     fork=cfg.get("fork", "last"))
 
 
 def test_forecast_within_ten_percent_of_the_bench_results():
@@ -78,16 +79,46 @@ def test_tree_exact_is_one_path_flattened_one_trajectory():
     assert eight.step_bytes == pairs["tree_exact"].step_bytes
 
 
+def test_a_first_turn_fork_is_one_prompt_then_whole_conversations():
+    """fork "first" (TRL's G completions per prompt): a leaf is a whole conversation after its prompt, so tree exact
+    is the exact plan of prompt S + C and responses of T turns, flat as G doubles; flattened is the same question
+    whatever the fork."""
+    spec = planner.spec_from_config(planner.load_config("b1-llama"), "b1-llama")
+    base = _base("float32", 256, micro_batch=2)
+    shape = TreeShape(1024, 2, 128, 2, 3, 32, 32, fork="first")
+    assert shape.levels == ((2, 3),) and (shape.branch_turns, shape.trunk_turns) == (1, 0)
+    c = counts(shape)
+    assert (c.nodes, c.depth, c.leaf_tokens, c.path_prefix, c.inner_loss_inputs) == (7, 3, 192, 1152, 0)
+    plans = forecast(spec, shape, base)
+    question = plans["tree_exact"].inputs
+    assert (question.prompt_tokens, question.response_tokens, question.observation_tokens) == (1152, 192, 96)
+    assert question.prompt_loss_tokens == 0 and question.micro_batch == 2
+    assert plans["tree_exact"].step_bytes < plans["flattened"].step_bytes
+    for g in (4, 8, 16, 6):
+        wider = forecast(spec, replace(shape, group_size=g), base)
+        assert wider["tree_exact"].step_bytes == plans["tree_exact"].step_bytes
+        assert wider["flattened"].step_bytes == plans["flattened"].step_bytes
+    # siblings replayed at once: up to G of them (a last-turn fork's B = 2 caps it at 2)
+    four = forecast(spec, replace(shape, group_size=8), replace(base, micro_batch=4))["tree_exact"]
+    assert four.inputs.micro_batch == 4 and four.step_bytes > plans["tree_exact"].step_bytes
+    last = replace(shape, fork="last", group_size=8)  # the same sizes branching at the last turns: a longer path
+    assert forecast(spec, last, base)["flattened"].step_bytes == plans["flattened"].step_bytes
+    assert counts(last).path_prefix > c.path_prefix
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"group_size": 6}, "not a power of branching 2"),
     ({"group_size": 8, "turns": 2}, "raise --turns to 3"),
     ({"observation_tokens": -1}, "observation_tokens must be an integer >= 0"),
     ({"branching": 1}, "branching must be an integer >= 2"),
+    ({"fork": "middle"}, "fork must be one of last, first"),
 ])
 def test_bad_shapes_say_what_to_change(kwargs, message):
     fields = dict(system_tokens=8, tasks=1, task_tokens=2, group_size=2, turns=2, response_tokens=2)
     with pytest.raises(ValueError, match=message):
         TreeShape(**{**fields, **kwargs})
+    if "group_size" in kwargs:  # G ways at the first turn: any G, whatever T
+        assert TreeShape(**{**fields, **kwargs, "fork": "first"}).levels == ((kwargs["group_size"], 2),)
 
 
 TREE = ["plan", "--model", "b1-llama", "--tree", "--prompt-tokens", "1024", "--tasks", "2", "--task-tokens", "128",
@@ -108,6 +139,9 @@ def test_plan_tree_prints_both_forecasts(capsys):
     pairs = json.loads(capsys.readouterr().out)["plans"]
     assert pairs["tree_exact"]["as_group"]["micro_batch"] == 2
     assert pairs["tree_exact"]["step_bytes"] > doc["plans"]["tree_exact"]["step_bytes"]
+    assert main([*TREE, "--fork", "first"]) == 0  # G conversations per task: one node of T turns each
+    out = capsys.readouterr().out
+    assert "G=4 T=4 r=32 o=96 fork=first" in out and "11 nodes, depth 3" in out
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -115,6 +149,7 @@ def test_plan_tree_prints_both_forecasts(capsys):
     (["--tree"], "--tree needs --task-tokens and --turns"),
     (["--tree", "--task-tokens", "4", "--turns", "2", "--cp", "2", "--gpus", "2"], "drop --gpus, --cp"),
     (["--tree", "--task-tokens", "4", "--turns", "1", "--group-size", "4"], "raise --turns to 2"),
+    (["--fork", "first"], "--fork describe a prefix tree: add --tree"),
 ])
 def test_plan_tree_refusals(argv, message, capsys):
     base = ["plan", "--model", "b1-llama", "--prompt-tokens", "64", "--response-tokens", "8", "--group-size", "2"]
@@ -150,3 +185,5 @@ def test_inner_loss_rows_count_one_chunk_of_an_inner_node():
     assert inner_loss_rows(shape, 256) == 32 and inner_loss_rows(shape, 512) == 64
     assert inner_loss_rows(replace(shape, group_size=2), 1024) == 96  # m = 1: a trunk of 3 turns
     assert inner_loss_rows(replace(shape, group_size=1), 256) == 0
+    assert inner_loss_rows(replace(shape, fork="first"), 256) == 0  # the trunk is the task's C tokens: no loss
+    assert inner_loss_rows(replace(shape, fork="first", group_size=1), 256) == 0

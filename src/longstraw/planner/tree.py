@@ -1,10 +1,13 @@
-"""A prefix-tree step from shape flags (`TreeShape`): a synthetic agent mini-batch shaped like tau^2-bench — a system
-prompt and tools shared by every trajectory (S tokens), K tasks (C tokens each), G trajectories per task of T turns
-(each turn r response tokens in the loss, then o observation tokens masked out of it) that share their first turns
-and branch B ways at each of the last log_B(G) turns. From it: the tree's token counts (`TreeCounts`, equal to
-`Tree.stats()` of the batch `benchmarks.tree_batch` builds), the token-pass floor of each way of running the
-step (`token_passes`), and the forecast of a step's peak memory for the tree `exact` plan and for the flattened plan
-(every trajectory through the unmodified model, one at a time: `forecast`), which `longstraw plan --tree` prints.
+"""A prefix-tree step from shape flags (`TreeShape`): a synthetic agent mini-batch — a system prompt and tools shared
+by every trajectory (S tokens), K tasks (C tokens each), G trajectories per task of T turns (each turn r response
+tokens in the loss, then o observation tokens masked out of it). Where a task's G trajectories branch is the shape's
+`fork`: "last", shaped like tau^2-bench, they share their first turns and branch B ways at each of the last log_B(G)
+turns; "first", shaped like TRL's GRPO batches (G completions sampled per prompt, each its own conversation), they
+fork G ways at the first response and share nothing after the task. From it: the tree's token counts
+(`TreeCounts`, equal to `Tree.stats()` of the batch `benchmarks.tree_batch` builds), the token-pass floor of each
+way of running the step (`token_passes`), and the forecast of a step's peak memory for the tree `exact` plan and
+for the flattened plan (every trajectory through the unmodified model, one at a time: `forecast`), which
+`longstraw plan --tree` prints.
 
 Token passes: tokens run through the model's body, a backward counted as two forwards (the output projection and
 attention's quadratic part are not counted): `FLOOR_FORMULAS` per way of running the step, derived in docs/trees.md.
@@ -15,8 +18,9 @@ Torch-free, like the rest of the planner.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import Any, Literal, NamedTuple
 
 from longstraw.plan import EXACT, STANDARD
 from longstraw.planner.estimator import PlanEstimate, PlanInputs, estimate
@@ -29,12 +33,27 @@ def _check_int(name: str, value: object, least: int) -> None:
         raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
 
 
+Fork = Literal["last", "first"]
+FORKS: tuple[Fork, ...] = ("last", "first")
+
+
+class Level(NamedTuple):
+    """One branching level of a task's subtree: each node of the level above has `fan_out` children here, each of
+    `turns` whole turns."""
+
+    fan_out: int
+    turns: int
+
+
 @dataclass(frozen=True)
 class TreeShape:
     """One synthetic agent mini-batch (module docstring). A trajectory is S + C + T (r + o) tokens; its loss starts
-    after the task (S + C) and covers each turn's r response tokens. group_size (G) must be a power of branching
-    (B), G = B^m with m <= T: the G trajectories of a task share their first T − m turns and branch B ways at the
-    start of each of the last m turns (so every leaf is one turn and every turn node has the same length)."""
+    after the task (S + C) and covers each turn's r response tokens.
+
+    fork "last": group_size (G) must be a power of branching (B), G = B^m with m <= T: the G trajectories of a task
+    share their first T − m turns and branch B ways at the start of each of the last m turns (so every leaf is one
+    turn and every turn node has the same length). fork "first": any G; the task's G trajectories fork G ways at
+    the start of the first turn, each leaf a whole conversation of T turns (B is not used)."""
 
     system_tokens: int  # S
     tasks: int  # K
@@ -44,13 +63,18 @@ class TreeShape:
     response_tokens: int  # r, in the loss
     observation_tokens: int = 0  # o, masked out of the loss
     branching: int = 2  # B
+    fork: Fork = "last"  # where a task's trajectories branch: the last log_B(G) turns, or G ways at the first
 
     def __post_init__(self) -> None:
         for name in ("system_tokens", "tasks", "task_tokens", "group_size", "turns", "response_tokens"):
             _check_int(name, getattr(self, name), 1)
         _check_int("observation_tokens", self.observation_tokens, 0)
         _check_int("branching", self.branching, 2)
-        m = self.branch_turns
+        if self.fork not in FORKS:
+            raise ValueError(f"fork must be one of {', '.join(FORKS)}, got {self.fork!r}")
+        if self.fork == "first":  # a G-way fork fits any G and any T
+            return
+        m = round(math.log(self.group_size, self.branching))
         if self.branching ** m != self.group_size:
             raise ValueError(f"group_size {self.group_size} is not a power of branching {self.branching}: trajectories "
                              f"branch {self.branching} ways at each branching turn, so G must be one of "
@@ -60,9 +84,23 @@ class TreeShape:
                              f"trajectory has {self.turns} turns: raise --turns to {m} or lower the group size")
 
     @property
+    def levels(self) -> tuple[Level, ...]:
+        """A task's branching levels, first to last (`Level`): the last is its leaves; none when G = 1 (the task is
+        its one trajectory)."""
+        if self.group_size == 1:
+            return ()
+        return _LEVELS[self.fork](self)
+
+    @property
     def branch_turns(self) -> int:
-        """m: the turns at whose start trajectories branch (the last m)."""
-        return round(math.log(self.group_size, self.branching))
+        """The turns at whose start trajectories branch: the last m = log_B(G) (fork "last"), the first (fork
+        "first"); 0 when G = 1."""
+        return len(self.levels)
+
+    @property
+    def trunk_turns(self) -> int:
+        """The turns a task's trajectories share before their first branch (T when G = 1)."""
+        return self.turns - sum(level.turns for level in self.levels)
 
     @property
     def turn_tokens(self) -> int:
@@ -83,8 +121,17 @@ class TreeShape:
         return self.tasks * self.group_size
 
     def describe(self) -> str:
+        where = {"last": f"B={self.branching}", "first": "fork=first"}[self.fork]
         return (f"S={self.system_tokens} K={self.tasks} C={self.task_tokens} G={self.group_size} T={self.turns} "
-                f"r={self.response_tokens} o={self.observation_tokens} B={self.branching}")
+                f"r={self.response_tokens} o={self.observation_tokens} {where}")
+
+
+# fork -> a task's branching levels when G > 1: B ways at each of the last log_B(G) turns (one turn a level), or G
+# ways at the first turn (every leaf the whole conversation)
+_LEVELS: dict[str, Callable[[TreeShape], tuple[Level, ...]]] = {
+    "last": lambda shape: (Level(shape.branching, 1),) * round(math.log(shape.group_size, shape.branching)),
+    "first": lambda shape: (Level(shape.group_size, shape.turns),),
+}
 
 
 @dataclass(frozen=True)
@@ -111,13 +158,19 @@ class TreeCounts:
 
 def counts(shape: TreeShape) -> TreeCounts:
     """The prefix tree of `shape`: a root of S tokens when K > 1 (of S + C + the shared turns when K = 1), a node per
-    task of C + the shared turns (K > 1), then K · B^j turn nodes of r + o tokens at the j-th branching turn."""
+    task of C + the shared turns (K > 1), then per branching level (`TreeShape.levels`) K · (the fan-outs so far)
+    nodes of its turns (fork "last": K · B^j one-turn nodes at the j-th branching turn; fork "first": K · G leaves
+    of T turns)."""
     s, k, g, m = shape.system_tokens, shape.tasks, shape.group_size, shape.branch_turns
-    shared_turns = (shape.turns - m) * shape.turn_tokens
+    shared_turns = shape.trunk_turns * shape.turn_tokens
     trunk = shape.task_tokens + shared_turns  # a task's tokens before its first branch
     # per level: (nodes, tokens of each, of them the inputs that predict loss-region tokens, whether leaves)
     levels = [(1, s + trunk, shared_turns, m == 0)] if k == 1 else [(1, s, 0, False), (k, trunk, shared_turns, m == 0)]
-    levels += [(k * shape.branching ** j, shape.turn_tokens, shape.turn_tokens, j == m) for j in range(1, m + 1)]
+    nodes = k
+    for j, level in enumerate(shape.levels, start=1):
+        nodes *= level.fan_out
+        tokens = level.turns * shape.turn_tokens
+        levels.append((nodes, tokens, tokens, j == m))
     inner = inner_loss = leaf = 0
     for i, (count, tokens, loss, is_leaf) in enumerate(levels):
         inputs = count * tokens - (1 if i == 0 else 0)  # the root's first token is no input
@@ -184,15 +237,13 @@ class TreeForecast:
 
 def inner_loss_rows(shape: TreeShape, chunk: int) -> int:
     """The most loss tokens one capture chunk of an inner node holds (its recompute scores them): a task's trunk
-    (its C tokens, then the T − m shared turns) and a branching turn that branches again, each chunked from its own
-    start. 0 when no inner node has loss tokens (G = 1: every task a leaf)."""
+    (its C tokens, then the shared turns) and the nodes of every branching level but the last (the leaves), each
+    chunked from its own start. 0 when no inner node has loss tokens (G = 1: every task a leaf; fork "first": the
+    trunk is the task's C tokens)."""
     turn = [True] * shape.response_tokens + [False] * shape.observation_tokens
-    m = shape.branch_turns
-    layouts = []
-    if m >= 1:
-        layouts.append([False] * shape.task_tokens + turn * (shape.turns - m))
-    if m >= 2:
-        layouts.append(turn)
+    levels = shape.levels
+    layouts = [[False] * shape.task_tokens + turn * shape.trunk_turns] if levels else []
+    layouts += [turn * level.turns for level in levels[:-1]]
     return max((sum(layout[i:i + chunk]) for layout in layouts for i in range(0, len(layout), chunk)), default=0)
 
 
@@ -208,16 +259,17 @@ def forecast(spec: ModelSpec, shape: TreeShape, base: PlanInputs) -> dict[str, T
     the recompute of one chunk of an inner node with its loss tokens' log-prob (`inner_loss_rows`). That is the
     `exact` plan of a group whose prompt is a leaf's path (P = N − ℓ) and whose responses are single leaves
     (R = ℓ), every micro-batch after the first (gradients resident), so it does not grow with the number of leaves,
-    tasks or branches. base.micro_batch: sibling leaves replayed at once, at most a node's leaf children (B; K when
-    the tasks are the leaves); flattened runs one trajectory at a time."""
+    tasks or branches. base.micro_batch: sibling leaves replayed at once, at most a node's leaf children (B; G at a
+    first-turn fork; K when the tasks are the leaves); flattened runs one trajectory at a time."""
     c = counts(shape)
     flat_in = replace(base, prompt_tokens=shape.prompt_tokens, response_tokens=shape.turns * shape.turn_tokens,
                       observation_tokens=shape.turns * shape.observation_tokens, group_size=shape.trajectories,
                       micro_batch=1)
-    siblings = shape.branching if shape.branch_turns else shape.tasks
+    levels = shape.levels
+    siblings = levels[-1].fan_out if levels else shape.tasks
     k = max(1, min(base.micro_batch, siblings))
     tree_in = replace(base, prompt_tokens=c.path_prefix, response_tokens=c.leaf_tokens,
-                      observation_tokens=shape.observation_tokens if shape.branch_turns else 0,
+                      observation_tokens=levels[-1].turns * shape.observation_tokens if levels else 0,
                       group_size=max(2 * k, c.leaves), micro_batch=k,
                       prompt_loss_tokens=inner_loss_rows(shape, base.chunk_size))
     return {
@@ -242,23 +294,28 @@ def forecast_document(spec: ModelSpec, shape: TreeShape, base: PlanInputs) -> di
     }
 
 
-TREE_ONLY = ("tasks", "task_tokens", "turns", "branching")  # options that mean nothing without --tree
+TREE_ONLY = ("tasks", "task_tokens", "turns", "branching", "fork")  # options that mean nothing without --tree
 
 
 def add_tree_arguments(parser: Any) -> None:
-    """`longstraw plan`'s tree form: --tree with the shape's K, C, T, B; --prompt-tokens is then S, --response-tokens
-    and --observation-tokens one turn's r and o, --group-size the trajectories per task G."""
+    """`longstraw plan`'s tree form: --tree with the shape's K, C, T, B and fork; --prompt-tokens is then S,
+    --response-tokens and --observation-tokens one turn's r and o, --group-size the trajectories per task G."""
     tree = parser.add_argument_group(
         "prefix tree", "--tree forecasts a step of K tasks sharing a system prompt of --prompt-tokens (S) tokens, "
                        "each with --group-size (G) trajectories of --turns turns of --response-tokens (r, in the "
                        "loss) + --observation-tokens (o, masked) tokens, branching --branching ways at the last "
-                       "log_B(G) turns: peak memory of LongStraw's tree exact plan and of every trajectory flattened")
+                       "log_B(G) turns (or, with --fork first, G ways at the first): peak memory of LongStraw's tree "
+                       "exact plan and of every trajectory flattened")
     tree.add_argument("--tree", action="store_true", help="forecast a prefix-tree step (docs/trees.md)")
     tree.add_argument("--tasks", type=positive_int, metavar="K", help="tasks (groups) per step (default 1)")
     tree.add_argument("--task-tokens", type=positive_int, metavar="C", help="each task's tokens (required)")
     tree.add_argument("--turns", type=positive_int, metavar="T", help="turns per trajectory (required)")
     tree.add_argument("--branching", type=positive_int, metavar="B",
                       help="ways a trajectory forks at each branching turn (default 2); G must be a power of it")
+    tree.add_argument("--fork", choices=FORKS,
+                      help="where a task's trajectories branch: last (default), B ways at each of the last log_B(G) "
+                           "turns; first, G ways at the first response (TRL's G completions per prompt, each its own "
+                           "conversation)")
 
 
 def shape_from_args(args: Any) -> TreeShape:
@@ -274,7 +331,8 @@ def shape_from_args(args: Any) -> TreeShape:
         raise ValueError(f"--tree forecasts one device without memory levers: drop {', '.join(refused)}")
     return TreeShape(system_tokens=args.prompt_tokens, tasks=args.tasks or 1, task_tokens=args.task_tokens,
                      group_size=args.group_size, turns=args.turns, response_tokens=args.response_tokens,
-                     observation_tokens=args.observation_tokens, branching=args.branching or 2)
+                     observation_tokens=args.observation_tokens, branching=args.branching or 2,
+                     fork=args.fork or "last")
 
 
 def format_forecast(document: dict[str, Any]) -> str:
