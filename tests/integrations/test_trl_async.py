@@ -56,15 +56,16 @@ def _compare(ours, ref, tol: float) -> float:
     return max(errors)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_equals_trl_async_loss(family, tmp_path, tmp_path_factory):
+@pytest.mark.parametrize("family,budget", [("llama", 0), ("qwen3", 0), ("llama", 120)])
+def test_equals_trl_async_loss(family, budget, tmp_path, tmp_path_factory):
     """Two optimizer steps of the drop-in equal the reference's ≤ 1e-10 in float64 (multi-turn samples with tool
-    results masked out, a shared system prompt, samples that fork after a shared first turn)."""
-    model_dir, items = _saved(family, tmp_path_factory), samples(ONE_PROCESS)
+    results masked out, a shared system prompt, samples that fork after a shared first turn); micro-batches of a fixed
+    count, or of TRL's token budget (120 unique tokens per row: a varying number of samples)."""
+    model_dir, items = _saved(family, tmp_path_factory), samples(3 * ONE_PROCESS if budget else ONE_PROCESS)
     info: dict = {}
-    err = _compare(train_ours(model_dir, items, str(tmp_path / "ours"), info=info),
-                   train_reference(model_dir, items), EXACT_F64)
-    print(f"{family}: {err:.2g}")
+    err = _compare(train_ours(model_dir, items, str(tmp_path / "ours"), info=info, token_budget=budget),
+                   train_reference(model_dir, items, token_budget=budget), EXACT_F64)
+    print(f"{family}, token budget {budget}: {err:.2g}")
     logged = info["log_history"][0]
     assert logged["longstraw/tokens_encoded"] < logged["longstraw/tokens_flattened"]  # the trie shares tokens
     for key in ("ratio", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "perf/fwd_bwd_s",

@@ -3,7 +3,8 @@ fed through TRL's documented worker interface (no vLLM server), a weight sync th
 `LongStrawAsyncGRPOTrainer`, and the reference.
 
 The reference is written from TRL 1.16's `AsyncGRPOTrainer.compute_loss` with every sample run on its own through
-transformers (no LongStraw code): each micro-batch's rows come from TRL's own planner (`FixedCountBatcher`), a row's
+transformers (no LongStraw code): each micro-batch's rows come from TRL's own planner (`FixedCountBatcher`, or
+`TokenBudgetBatcher` with a token budget), a row's
 loss is Σ over its samples' trained tokens of −min(r A, clip(r, 1 − ε_low, 1 + ε_high) A) with r = exp(logp − old)
 (old log-probs and advantages in float32, as TRL packs them), divided by max(trained tokens of the micro-batch /
 processes, 1) and by gradient accumulation, plus the router coefficient over gradient accumulation times transformers'
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import queue
+from collections import defaultdict
 from typing import Any
 
 import numpy as np
@@ -22,7 +24,7 @@ import torch
 from datasets import Dataset
 from helpers import faithful_float64
 from transformers import AutoModelForCausalLM
-from trl.experimental.async_grpo.async_grpo_trainer import FixedCountBatcher
+from trl.experimental.async_grpo.async_grpo_trainer import FixedCountBatcher, TokenBudgetBatcher
 from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 from trl.experimental.async_grpo.packing import TreeRow
 from trl_setup import Gradients
@@ -179,7 +181,10 @@ def train_reference(model_dir: str, items: list[RolloutSample], processes: int =
     params = [p for p in model.parameters() if p.requires_grad]
     dicts = [{"input_ids": s.input_ids, "completion_mask": s.completion_mask, "old_log_probs": s.old_log_probs,
               "advantage": s.advantage, "group_id": s.group_id, "metrics": s.metrics} for s in items]
-    batches = iter(FixedCountBatcher(dicts, processes, settings["per_device_train_batch_size"] * processes))
+    if settings["token_budget"] > 0:
+        batches = iter(TokenBudgetBatcher(dicts, processes, settings["token_budget"], defaultdict(list)))
+    else:
+        batches = iter(FixedCountBatcher(dicts, processes, settings["per_device_train_batch_size"] * processes))
     steps = settings["gradient_accumulation_steps"]
     gradients = []
     for _ in range(settings["max_steps"]):
