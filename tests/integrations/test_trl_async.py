@@ -20,7 +20,7 @@ import torch
 pytest.importorskip("trl", reason="TRL is an optional extra: pip install 'longstraw[trl]'")
 
 from datasets import Dataset  # noqa: E402
-from helpers import EXACT_F64, FP32_KERNELS_F64, assert_close, rel_err, run_ranks, tiny_model  # noqa: E402
+from helpers import EXACT_F64, assert_close, gradient_tolerance, rel_err, run_ranks, tiny_model  # noqa: E402
 from router_helpers import patch_routers  # noqa: E402
 from transformers import GptOssConfig  # noqa: E402
 from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer  # noqa: E402
@@ -37,9 +37,18 @@ _DIRS: dict[str, str] = {}
 
 
 def _saved(family: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny random-init model of `family` saved to disk (TRL's asynchronous trainer loads from a path); LFM2's from
+    its released config's values (admission's tiny copy), the others from the tests' tiny configs."""
     if family not in _DIRS:
         path = tmp_path_factory.mktemp(f"async-{family}")
-        tiny_model(family, dtype=torch.float32).save_pretrained(path)
+        if family == "lfm2":
+            from longstraw.admission.released import sweep_config
+            from longstraw.admission.tiny import build_tiny_model, tiny_config
+
+            model = build_tiny_model(tiny_config(sweep_config("lfm2"))[0]).float()
+        else:
+            model = tiny_model(family, dtype=torch.float32)
+        model.save_pretrained(path)
         _DIRS[family] = str(path)
     return _DIRS[family]
 
@@ -85,50 +94,66 @@ def test_router_term_over_the_packed_trie(tmp_path, tmp_path_factory, monkeypatc
     assert info["log_history"][0]["aux_loss"] > 0
 
 
-TRL_REFUSES = {  # family: (TRL's refusal, attention, router coefficient of the released config)
+LAYERS = "Tree packing only routes attention layers"
+# family: (TRL's refusal, or None where TRL trains it; attention; router coefficient of the released config)
+MODELS = {
     "gpt_oss": ("uses attention sinks", "eager", 0.9),
-    "qwen3_next-A": ("Tree packing only routes attention layers", None, 0.001),
-    "jamba": ("Tree packing only routes attention layers", None, 0.001),
+    "qwen3_next-A": (LAYERS, None, 0.001),  # gated DeltaNet, MoE
+    "qwen3_5_text": (LAYERS, None, None),  # gated DeltaNet
+    "jamba": (LAYERS, None, 0.001),  # Mamba, MoE
+    "falcon_h1": (LAYERS, None, None),  # Mamba-2 beside attention in each layer
+    "nemotron_h": (LAYERS, None, None),  # Mamba-2, attention and MoE layers
+    "lfm2": (LAYERS, None, None),  # short convolutions
+    "deepseek_v3": (None, None, None),  # MLA, MoE
+    "gemma3-A": (None, None, None),  # sliding windows
 }
 
 
-@pytest.mark.parametrize("family", sorted(TRL_REFUSES))
-def test_trains_what_trl_refuses(family, tmp_path, tmp_path_factory):
-    """gpt-oss (attention sinks), Qwen3-Next (gated DeltaNet) and Jamba (Mamba): TRL's AsyncGRPOTrainer refuses each
-    when it is built; the drop-in trains two steps, with the router term, equal to the reference ≤ 1e-6 (their
-    kernels compute in float32 inside the float64 model)."""
-    refusal, attention, coef = TRL_REFUSES[family]
+@pytest.mark.parametrize("family", list(MODELS))
+def test_trains_every_kind_of_model(family, tmp_path, tmp_path_factory):
+    """Recurrent, convolutional and hybrid models, attention sinks, MLA and sliding windows: TRL's AsyncGRPOTrainer
+    refuses the first kinds when it is built; the drop-in trains two steps of each (with its router term where it has
+    one), equal to the reference ≤ 1e-10, or ≤ 1e-6 where its kernels compute in float32 inside the float64 model."""
+    refusal, attention, coef = MODELS[family]
     model_dir, items = _saved(family, tmp_path_factory), samples(ONE_PROCESS)
     kwargs = {"attn_implementation": attention} if attention else {}
-    # TRL loads with its tree kernel (it takes no attn_implementation in model_init_kwargs)
-    args = AsyncGRPOConfig(output_dir=str(tmp_path / "trl"),
-                           **{**SETTINGS, "model_init_kwargs": {"dtype": torch.float32}})
-    with pytest.raises(ValueError, match=refusal):
-        AsyncGRPOTrainer(model_dir, args=args, processing_class=byte_tokenizer_hf(), rollout_worker=ScriptedWorker([]),
-                         weight_transfer=NoWeightSync(), train_dataset=Dataset.from_dict({"prompt": ["p"]}))
-    ours = train_ours(model_dir, items, str(tmp_path / "ours"), router_aux_loss_coef=coef,
-                      model_init_kwargs=kwargs)
-    err = _compare(ours, train_reference(model_dir, items, coef=coef, attention=attention or "sdpa"),
-                   FP32_KERNELS_F64)
-    print(f"{family}: TRL refuses ({refusal}); the drop-in equals the reference to {err:.2g}")
+    if refusal is not None:
+        # TRL loads with its tree kernel (it takes no attn_implementation in model_init_kwargs)
+        args = AsyncGRPOConfig(output_dir=str(tmp_path / "trl"),
+                               **{**SETTINGS, "model_init_kwargs": {"dtype": torch.float32}})
+        with pytest.raises(ValueError, match=refusal):
+            AsyncGRPOTrainer(model_dir, args=args, processing_class=byte_tokenizer_hf(),
+                             rollout_worker=ScriptedWorker([]), weight_transfer=NoWeightSync(),
+                             train_dataset=Dataset.from_dict({"prompt": ["p"]}))
+    config = {} if coef is None else {"router_aux_loss_coef": coef}
+    ours = train_ours(model_dir, items, str(tmp_path / "ours"), model_init_kwargs=kwargs, **config)
+    err = _compare(ours, train_reference(model_dir, items, coef=coef or 0.0, attention=attention or "sdpa"),
+                   gradient_tolerance(family))
+    print(f"{family}: TRL {'refuses (' + refusal + ')' if refusal else 'runs it'}; the drop-in equals the reference "
+          f"to {err:.2g}")
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gpt_oss", "qwen3_next-A"])
 def test_two_processes(family, tmp_path, tmp_path_factory):
     """Two processes (gloo, accelerate's MULTI_CPU): rank 0's queue feeds both ranks through TRL's planner, and the
-    gradient averaged over the ranks equals the reference's mean of the two rows' gradients ≤ 1e-10."""
+    gradient averaged over the ranks equals the reference's mean of the two rows' gradients, ≤ 1e-10 (≤ 1e-6 where
+    kernels compute in float32: Qwen3-Next), with the router term of gpt-oss and Qwen3-Next."""
     model_dir = _saved(family, tmp_path_factory)
+    _, attention, coef = MODELS.get(family, (None, None, None))
+    config = {"model_init_kwargs": {"attn_implementation": attention} if attention else {},
+              **({} if coef is None else {"router_aux_loss_coef": coef})}
     here = Path(__file__).parent
-    ranks = run_ranks([str(here / "trl_async_child.py"), model_dir, str(tmp_path)], 2, timeout=600,
-                      paths=[here, here.parent, ROOT, ROOT / "src"], env={"ACCELERATE_USE_CPU": "1"})
+    ranks = run_ranks([str(here / "trl_async_child.py"), model_dir, str(tmp_path), json.dumps(config)], 2,
+                      timeout=600, paths=[here, here.parent, ROOT, ROOT / "src"], env={"ACCELERATE_USE_CPU": "1"})
     for code, out in ranks:
         assert code == 0, out[-4000:]
     saved = torch.load(tmp_path / "steps.pt")
     assert saved["world"] == 2
     count = SETTINGS["per_device_train_batch_size"] * 2 * (SETTINGS["gradient_accumulation_steps"] *
                                                            SETTINGS["max_steps"] + 1)
-    err = _compare((saved["steps"], saved["params"]), train_reference(model_dir, samples(count), processes=2),
-                   EXACT_F64)
+    reference = train_reference(model_dir, samples(count), processes=2, coef=coef or 0.0,
+                                attention=attention or "sdpa")
+    err = _compare((saved["steps"], saved["params"]), reference, gradient_tolerance(family))
     assert torch.equal(torch.load(tmp_path / "params-1.pt"), saved["params"])  # the ranks stay in step
     print(f"{family}, two processes: {err:.2g}")
 

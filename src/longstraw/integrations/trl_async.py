@@ -110,8 +110,10 @@ def _loaded_for_longstraw(args: AsyncGRPOConfig) -> Iterator[None]:
         model = load(path, **kwargs)
         config = model.config.get_text_config()
         hidden.append((config, type(config), model))
-        # a property of a subclass hides the layer types whether the config stores them or computes them (Jamba)
-        config.__class__ = type(type(config).__name__, (type(config),), {"layer_types": property(lambda _: None)})
+        # a property of a subclass hides the layer types whether the config stores them, computes them (Jamba) or
+        # maps the name to another field (Falcon-H1, Nemotron-H: layers_block_type)
+        names = {"layer_types", getattr(config, "attribute_map", {}).get("layer_types", "layer_types")}
+        config.__class__ = type(type(config).__name__, (type(config),), {n: property(lambda _: None) for n in names})
         named = model.named_parameters
         model.__dict__["named_parameters"] = lambda *a, **k: ((n, p) for n, p in named(*a, **k)
                                                              if not n.endswith(".sinks"))
