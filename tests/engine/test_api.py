@@ -265,3 +265,44 @@ def test_allow_train_mode_runs_a_dropout_free_model_as_in_eval():
     with pytest.raises(ValueError, match="layers.0.self_attn.attention_dropout=0.1"):
         backward_group(model, group, allow_train_mode=True)
     assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("model_type", ["opt", "biogpt"])
+def test_functional_dropout_in_train_mode_is_refused(model_type):
+    """OPT and BioGPT apply their config's dropout with nn.functional.dropout(p=self.dropout, training=...), no
+    nn.Dropout module: in train() mode their forward is random, which allow_train_mode must refuse (naming the rate),
+    not replace by the eval() forward; with the released config's rates at 0 train() and eval() agree and it runs."""
+    from longstraw.admission.released import sweep_config
+    from longstraw.admission.tiny import build_tiny_model, tiny_config
+
+    config = tiny_config(sweep_config(model_type))[0]
+    model = build_tiny_model(config).train()
+    group = random_group(13, [3, 5], seed=2, vocab=60)
+    with pytest.raises(ValueError, match=r"layers\.0\.dropout=0\.1"):
+        backward_group(model, group, allow_train_mode=True)
+    assert all(p.grad is None for p in model.parameters())
+    for key in ("dropout", "hidden_dropout_prob", "attention_probs_dropout_prob", "attention_dropout"):
+        if getattr(config, key, None):
+            setattr(config, key, 0.0)
+    quiet = build_tiny_model(config).train()
+    ids = torch.randint(3, 60, (1, 9))
+    assert torch.equal(quiet(ids).logits, quiet(ids).logits)
+    backward_group(quiet, group, allow_train_mode=True)
+    assert any(p.grad is not None for p in quiet.parameters())
+
+
+def test_a_head_kept_in_float32(tmp_path):
+    """Hunyuan-V4 keeps its lm_head in float32 whatever the load dtype (`_keep_in_fp32_modules_strict`) and casts the
+    hidden states to it before the head: exact's log-prob pass does too, and equals the standard plan (transformers'
+    forward) within float32's rounding of the head, on a float64 load."""
+    from transformers import AutoModelForCausalLM
+
+    from longstraw.admission.released import sweep_config
+    from longstraw.admission.tiny import build_tiny_model, tiny_config
+
+    build_tiny_model(tiny_config(sweep_config("hy_v4"))[0]).save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64, experts_implementation="eager").eval()
+    assert model.lm_head.weight.dtype == torch.float32 and model.model.embed_tokens.weight.dtype == torch.float64
+    group = random_group(17, [3, 5], seed=1, vocab=60)
+    ref, got = _run(model, group, "standard")[1], _run(model, group, "exact", chunk_size=5)[1]
+    assert rel_err(got, ref) <= 1e-6

@@ -159,9 +159,9 @@ def test_two_processes(family, tmp_path, tmp_path_factory):
 
 
 def test_refusals_and_trl_left_as_it_was(tmp_path, tmp_path_factory):
-    """fp16 and a model LongStraw's admission refuses (attention dropout in train mode) are refused when the trainer
-    is built, each by name; after a build, TRL's module has its own loader and the model its own config class and
-    sink parameters again."""
+    """fp16, a model LongStraw's admission refuses (attention dropout in train mode) and a router term LongStraw
+    cannot record are refused when the trainer is built, each by name; after a build, TRL's module has its own
+    loader and the model its own config class and sink parameters again."""
     model_dir = _saved("gpt_oss", tmp_path_factory)
     module = sys.modules[trl_async.AsyncGRPOTrainer.__module__]
     loader = module.create_model_from_path
@@ -181,4 +181,12 @@ def test_refusals_and_trl_left_as_it_was(tmp_path, tmp_path_factory):
     assert any(name.endswith(".sinks") for name, _ in trainer.model.named_parameters())
     assert trainer.args.model_init_kwargs["attn_implementation"] == "eager"
     assert module.create_model_from_path is loader
+    # TRL turns its router term on for Llama-4 (its config has the fields), whose router logits transformers does not
+    # record: refused when the trainer is built, naming TRL's option, not at the first micro-batch
+    from longstraw.admission.released import sweep_config
+    from longstraw.admission.tiny import build_tiny_model, tiny_config
+
+    build_tiny_model(tiny_config(sweep_config("llama4_text"))[0]).float().save_pretrained(tmp_path / "llama4")
+    with pytest.raises(ValueError, match=r"records \(output_router_logits\).*set router_aux_loss_coef=0\.0"):
+        train_ours(str(tmp_path / "llama4"), [], str(tmp_path / "llama4-run"), router_aux_loss_coef=0.001)
     json.dumps(trainer.args.to_dict(), default=str)

@@ -13,6 +13,7 @@ from longstraw.admission.admission import check_architecture, is_recurrent
 from longstraw.engine.hf.composite import text_config
 from longstraw.engine.loss.config import LossConfig
 from longstraw.engine.options import BackwardOptions
+from longstraw.engine.router import RouterTap, top_k
 from longstraw.models.architecture import hf
 
 
@@ -37,7 +38,8 @@ def options_with(options: BackwardOptions | None, settings: dict[str, Any], call
 
 def check_model_options(model: torch.nn.Module, options: BackwardOptions) -> None:
     """The refusals that need the model and the options but no batch, so a trainer can make them when it is built:
-    nothing to train, and the exact plan's one-token chunks on a recurrent model."""
+    nothing to train, the exact plan's one-token chunks on a recurrent model, and a router term on a model whose
+    router logits LongStraw cannot record."""
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("no parameter of the model requires grad, so there is nothing to train: unfreeze the "
                          "parameters to train (param.requires_grad_(True)) or add an adapter")
@@ -46,6 +48,9 @@ def check_model_options(model: torch.nn.Module, options: BackwardOptions) -> Non
         raise ValueError(f"chunk_size=1 with the exact plan on {model_type}: its recurrent layers update their state "
                          "in place for one-token chunks, which the prompt backward cannot differentiate; use "
                          "chunk_size >= 2")
+    if options.router_aux_coef:
+        RouterTap(model)
+        top_k(model)
 
 
 def check_tokens(model: torch.nn.Module, longest: int, top_id: int, too_long: str) -> None:

@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor
 
 from longstraw.engine.logits import accumulate_block, logits_gradient, scored_block, softmax_gradient
 from longstraw.engine.logprobs import DEFAULT_TOKEN_CHUNK, check_softcap, selected_logprobs
-from longstraw.engine.precision import accumulation_dtype
+from longstraw.engine.precision import accumulation_dtype, head_input
 
 LossOf = Callable[[torch.Tensor], "torch.Tensor | None"]
 
@@ -150,6 +150,7 @@ def linear_loss(
     detached, 0 off keep). Without grad (or nothing that needs one) it is `selected_logprobs` then `loss_of`."""
     check_softcap(softcap)
     shape = targets.shape
+    hidden = head_input(hidden, weight)
     rows = keep.reshape(-1).nonzero().squeeze(1)  # (n,)
 
     def spread(kept: torch.Tensor) -> torch.Tensor:

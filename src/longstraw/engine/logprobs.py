@@ -29,7 +29,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from longstraw.engine.logits import accumulate_block, logits_gradient, scaled_logits, scored_block
-from longstraw.engine.precision import accumulated_product, accumulation_dtype
+from longstraw.engine.precision import accumulated_product, accumulation_dtype, head_input
 
 DEFAULT_TOKEN_CHUNK = 1024
 
@@ -43,7 +43,7 @@ def accumulated_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         from longstraw.engine.tp_logprobs import gathered_logits
 
         return gathered_logits(h, weight, bias)
-    return accumulated_product(h, weight, bias)
+    return accumulated_product(head_input(h, weight), weight, bias)
 
 
 def check_softcap(softcap: float | None) -> None:
@@ -105,6 +105,7 @@ def chunked_logprobs(
     with the same hidden states)."""
     check_softcap(softcap)
     shape = targets.shape
+    hidden = head_input(hidden, weight)
     if isinstance(weight, DTensor):  # split by vocabulary over a tensor-parallel group
         from longstraw.engine.tp_logprobs import vocab_parallel_logprobs
 

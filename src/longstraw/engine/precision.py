@@ -29,6 +29,13 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in REDUCED else dtype
 
 
+def head_input(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`hidden` in the output projection's dtype, where a family keeps its head in another (Hunyuan-V4's float32
+    lm_head beside bfloat16 layers, `_keep_in_fp32_modules_strict`): its forward casts the hidden states so before
+    the head, and so do LongStraw's log-prob passes. Differentiable (the cast's backward casts the gradient back)."""
+    return hidden if hidden.dtype == weight.dtype else hidden.to(weight.dtype)
+
+
 def accumulated_product(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """h (c, d) @ weight (V, d)^T (+ bias (V,)) -> (c, V) in the accumulation dtype: for bf16/fp16 on CUDA straight
     from the GEMM's fp32 accumulator (torch.mm's out_dtype), elsewhere cast after the product. Plain tensors only

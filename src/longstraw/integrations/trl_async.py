@@ -211,7 +211,14 @@ class LongStrawAsyncGRPOTrainer(AsyncGRPOTrainer):
                        "detach) reproduce and the full-sequence plans do not")
         policy = self._policy()
         out.extend(tensor_parallel_refusals(policy))
-        out.extend(model_refusals(policy, self._longstraw, bool(self.args.bf16)))
+        options = self._longstraw
+        if self.aux_loss_enabled and self.router_aux_loss_coef > 0:
+            try:  # the router term's own checks (a model whose router logits LongStraw can record)
+                options = replace(options, router_aux_coef=self.router_aux_loss_coef, router_count="packed")
+            except ValueError:
+                pass  # refused above: kept prompt graphs or a full-sequence plan
+        out.extend(reason.replace("set router_aux_coef=0", "set router_aux_loss_coef=0.0")
+                   for reason in model_refusals(policy, options, bool(self.args.bf16)))
         return out
 
     def _log_step_metrics(self) -> None:

@@ -241,15 +241,18 @@ _TRAIN_ONLY_CONFIG = ("router_jitter_noise",)
 
 def active_dropout(model: torch.nn.Module) -> list[str]:
     """What a forward in train() mode would do that eval() does not, one entry per cause ("name p=0.1"): dropout
-    modules with p > 0, attention modules whose `attention_dropout` is > 0 (transformers applies it only in
-    training), and the train-only config fields above. Empty: train() and eval() compute the same numbers."""
+    modules with p > 0; a module's rate attribute above 0 that transformers applies only in training through
+    `nn.functional.dropout` (`attention_dropout`, OPT's and BioGPT's `dropout` and `activation_dropout`: any attribute
+    named `*dropout` or `*layerdrop`); and the train-only config fields above. Empty: train() and eval() compute the
+    same numbers."""
     found = []
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
             found.append(f"{name or 'the model'} p={module.p}")
-        rate = getattr(module, "attention_dropout", None)
-        if isinstance(rate, (int, float)) and not isinstance(rate, bool) and rate > 0:
-            found.append(f"{name or 'the model'}.attention_dropout={rate}")
+        for key, rate in vars(module).items():
+            if (key.endswith(("dropout", "layerdrop")) and isinstance(rate, (int, float))
+                    and not isinstance(rate, bool) and rate > 0):
+                found.append(f"{name or 'the model'}.{key}={rate}")
     config = getattr(model, "config", None)
     for key in _TRAIN_ONLY_CONFIG:
         value = getattr(config, key, None)
@@ -268,8 +271,9 @@ def eval_mode_when_equal(model: torch.nn.Module) -> Iterator[None]:
         shown = ", ".join(active[:3]) + (f" and {len(active) - 3} more" if len(active) > 3 else "")
         raise ValueError(f"the model has train-only randomness ({shown}), so its train() forward differs from the "
                          "eval() forward LongStraw computes: set those to 0 (TRL's disable_dropout=True zeroes the "
-                         "nn.Dropout modules; attention_dropout is set on each attention module from "
-                         "config.attention_dropout) or call model.eval()")
+                         "nn.Dropout modules; the rates modules read from the config, such as attention_dropout or "
+                         "OPT's dropout, are set by loading with them at 0: from_pretrained(..., dropout=0.0)) or "
+                         "call model.eval()")
     modes = [(module, module.training) for module in model.modules()]
     model.eval()
     try:
