@@ -296,10 +296,13 @@ def test_a_head_kept_in_float32(tmp_path):
     hidden states to it before the head: exact's log-prob pass does too, and equals the standard plan (transformers'
     forward) within float32's rounding of the head, on a float64 load."""
     from transformers import AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
     from longstraw.admission.released import sweep_config
     from longstraw.admission.tiny import build_tiny_model, tiny_config
 
+    if "hy_v4" not in CONFIG_MAPPING_NAMES:
+        pytest.skip("this transformers has no Hunyuan-V4 (hy_v4)")
     build_tiny_model(tiny_config(sweep_config("hy_v4"))[0]).save_pretrained(tmp_path)
     model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64, experts_implementation="eager").eval()
     assert model.lm_head.weight.dtype == torch.float32 and model.model.embed_tokens.weight.dtype == torch.float64

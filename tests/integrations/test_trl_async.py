@@ -133,7 +133,8 @@ def test_trains_every_kind_of_model(family, tmp_path, tmp_path_factory):
           f"to {err:.2g}")
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gpt_oss", "qwen3_next-A"])
+@pytest.mark.parametrize("family", ["llama", *(pytest.param(f, marks=pytest.mark.slow)
+                                               for f in ("qwen3", "gpt_oss", "qwen3_next-A"))])
 def test_two_processes(family, tmp_path, tmp_path_factory):
     """Two processes (gloo, accelerate's MULTI_CPU): rank 0's queue feeds both ranks through TRL's planner, and the
     gradient averaged over the ranks equals the reference's mean of the two rows' gradients, ≤ 1e-10 (≤ 1e-6 where
