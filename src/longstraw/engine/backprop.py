@@ -48,9 +48,7 @@ def prompt_backward(model: torch.nn.Module, ids: torch.Tensor, leaves: PromptSta
     context_shards = leaves.context_shards
     for j in reversed(range(first, leaves.num_chunks)):
         start, end = leaves.bounds[j]
-        produced = leaves.chunk_outputs(j)
-        # An offloaded state's gradients live beside it in host memory: bring chunk j's to the compute device.
-        upstream = [None if t is None or t.grad is None else leaves.fetch(t.grad) for t in produced]
+        upstream = leaves.gradients(j)
         kept = leaves.graphs.pop(j, None)  # the capture's own graph of chunk j, if it was kept
         scored = chunk_loss is not None and chunk_loss.wants(start, end)
         if context_shards is None and router is None and not scored and all(g is None for g in upstream):
@@ -84,9 +82,7 @@ def prompt_backward(model: torch.nn.Module, ids: torch.Tensor, leaves: PromptSta
             pairs.append((term, torch.ones_like(term)))
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        for t in produced:
-            if t is not None:
-                t.grad = None  # consumed: free this chunk's state gradient
+        leaves.clear_gradients(j)  # consumed: free this chunk's state gradient
         # and this chunk's recompute (or kept graph), before the next one runs
         del collect, recomputed, pairs, kept, term
 

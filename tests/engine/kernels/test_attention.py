@@ -156,6 +156,25 @@ def test_a_runs_backward_goes_in_pieces_of_whole_chunks(monkeypatch, kernel):
         assert (got.grad - want.grad).abs().max() < 1e-12
 
 
+def test_one_chunk_longer_than_a_piece_goes_back_in_pieces(monkeypatch, kernel):
+    """A single prefix chunk of 19 keys (a walk's path, read as one view) with at most 8 keys per backward call: three
+    calls (8, 8, 3 keys), its gradient joined, equal to the naive reference's (float64)."""
+    monkeypatch.setattr(attention, "BACKWARD_KEYS", 8)
+    q, k, v, pk, pv = attention_inputs(2, 4, 2, 3, [19])
+    calls = _count_kernel_calls(monkeypatch)
+    out = prefix_attention(q, k, v, pk, pv, 0.3)
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(4), dtype=out.dtype)
+    (out * weights).sum().backward()
+    if attention.USE_FUSED:
+        assert calls == {"forward": 2, "backward": 1 + 3}
+    got = [q.grad.clone(), pk[0].grad.clone(), pv[0].grad.clone()]
+    for t in (q, pk[0], pv[0]):
+        t.grad = None
+    (naive_attention(q, k, v, pk, pv, 0.3) * weights).sum().backward()
+    for a, b in zip(got, [q.grad, pk[0].grad, pv[0].grad]):
+        assert (a - b).abs().max() < 1e-12
+
+
 class _OneRank:
     """A context-parallel group of one rank: the sharded path's code with nothing to exchange."""
 

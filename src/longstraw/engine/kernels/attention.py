@@ -151,7 +151,7 @@ class ChunkAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out: torch.Tensor | None, d_lse: torch.Tensor | None):
         q, out, lse, *kv = ctx.saved_tensors  # out and lse in the accumulation dtype
-        n, scale, causal = ctx.n, ctx.scale, ctx.causal
+        n = ctx.n
         need_kv = any(ctx.needs_input_grad[4:])
         d_out = torch.zeros_like(out) if d_out is None else d_out.to(out.dtype).contiguous()
         d_lse = torch.zeros_like(lse) if d_lse is None else d_lse.to(lse.dtype)
@@ -161,26 +161,39 @@ class ChunkAttention(torch.autograd.Function):
         dvs: list[torch.Tensor | None] = []
         pieces = [(j, k, v, sizes) for j, run in enumerate(adjacent_runs(kv[:n], kv[n:]))
                   for k, v, sizes in _pieces(*run, BACKWARD_KEYS)]
-        for j, k, v, sizes in pieces:  # run j's kernel (dropout is 0: its random state is never read)
-            grads = None
-            if ctx.kernels[j] != "portable":  # the ops work in q's dtype, with an fp32 log-sum-exp for bf16/fp16
-                try:
-                    grads = fused_backward(ctx.kernels[j], d_out.to(q.dtype), d_lse, q, k, v, out.to(q.dtype),
-                                           lse if lse.dtype == q.dtype else lse.float(), scale, causal, ctx.aux[j])
-                except torch.OutOfMemoryError:
-                    raise
-                except RuntimeError as err:
-                    refused(ctx.kernels[j], q, err, "backward")
-            if grads is None:
-                grads = _portable_backward(d_out, row, q.to(out.dtype), k[0].to(out.dtype), v[0].to(out.dtype), lse,
-                                           scale, causal, need_kv)
-            dq_j, dk_j, dv_j = grads
+        for j, k, v, sizes in pieces:
+            dq_j, dk_j, dv_j = _piece_backward(ctx, j, d_out, d_lse, row, q, out, lse, k, v, need_kv)
             dq += dq_j
             # One gradient per input chunk: a piece's gradient split back along the keys (views; a leaf's
             # AccumulateGrad copies a non-contiguous view into its own .grad).
             dks.extend(dk_j[None].to(k.dtype).split(sizes, dim=2) if need_kv else [None] * len(sizes))
             dvs.extend(dv_j[None].to(v.dtype).split(sizes, dim=2) if need_kv else [None] * len(sizes))
         return (dq.to(q.dtype), None, None, None, *dks, *dvs)
+
+
+def _piece_backward(ctx, j: int, d_out, d_lse, row, q, out, lse, k, v, need_kv: bool):
+    """dq (N, M, D), dk and dv (N, c, D) (None unless need_kv) of one piece of run j, keys k/v (1, N, c, D), with its
+    run's kernel (dropout is 0: its random state is never read). A piece longer than `BACKWARD_KEYS` (one long chunk:
+    a walk's path, `PromptState.attach_path`) goes in pieces of that many keys, their gradients joined (not a causal
+    one: its rows and keys are aligned)."""
+    if k.shape[2] > BACKWARD_KEYS and not ctx.causal:
+        parts = [_piece_backward(ctx, j, d_out, d_lse, row, q, out, lse, k[:, :, a: a + BACKWARD_KEYS],
+                                 v[:, :, a: a + BACKWARD_KEYS], need_kv) for a in range(0, k.shape[2], BACKWARD_KEYS)]
+        dq = torch.stack([p[0] for p in parts]).sum(0)
+        if not need_kv:
+            return dq, None, None
+        return dq, torch.cat([p[1] for p in parts], dim=1), torch.cat([p[2] for p in parts], dim=1)
+    scale, causal = ctx.scale, ctx.causal
+    if ctx.kernels[j] != "portable":  # the ops work in q's dtype, with an fp32 log-sum-exp for bf16/fp16
+        try:
+            return fused_backward(ctx.kernels[j], d_out.to(q.dtype), d_lse, q, k, v, out.to(q.dtype),
+                                  lse if lse.dtype == q.dtype else lse.float(), scale, causal, ctx.aux[j])
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as err:
+            refused(ctx.kernels[j], q, err, "backward")
+    return _portable_backward(d_out, row, q.to(out.dtype), k[0].to(out.dtype), v[0].to(out.dtype), lse, scale, causal,
+                              need_kv)
 
 
 def _continues(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -80,6 +80,11 @@ class PromptState:
     # the parts it produced, in `chunk_outputs` order. Forks and prefixes do not carry it.
     graphs: dict[int, list[torch.Tensor | None]] = field(default_factory=dict, repr=False, compare=False)
     capacity: int | None = None  # positions the capture will hold: full-attention K/V then go into slabs (`_slab`)
+    # A depth-first walk's path past this state's first `path_first` chunks (`PathSlab`, `attach_path`); `floor`:
+    # chunks below it are never dropped (`_drop_unneeded`: the walk's other branches continue them).
+    path: PathSlab | None = field(default=None, repr=False, compare=False)
+    path_first: int = 0
+    floor: int = 0
     _slabs: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
     _ahead: _Prefetched | None = field(default=None, repr=False, compare=False)  # at most one layer ahead
     _last_read: int | None = field(default=None, repr=False, compare=False)
@@ -136,13 +141,22 @@ class PromptState:
         return chunks
 
     def _copy_chunks(self, layer: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
-        keys, values = self.parts["key"][layer], self.parts["value"][layer]
+        path = self.path
+        if path is None or self.num_chunks == self.path_first or ("key", layer) not in path.tensors:
+            return self._stored_chunks(layer, self.num_chunks)
+        # The path's chunks as one view (one kernel call however deep the walk), after the chunks before it.
+        return [*self._stored_chunks(layer, self.path_first), path.read(layer, self.length)]
+
+    def _stored_chunks(self, layer: int, n: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """(start, key, value) of chunks 0 … n − 1 of an attention layer, as stored."""
+        keys, values = self.parts["key"][layer][:n], self.parts["value"][layer][:n]
         slab_k, slab_v = self._slabs.get(("key", layer)), self._slabs.get(("value", layer))
         if (slab_k is not None and slab_v is not None and keys and keys[0] is not None
                 and not keys[0].requires_grad):
             # The chunks are views of one tensor (`_slab`) and need no gradient of their own: hand the whole prefix
             # as one view, so no reader scans the chunks for adjacency (decoding does so at every step and layer).
-            return [(0, slab_k[:, :, : self.length], slab_v[:, :, : self.length])]
+            end = self.bounds[n - 1][1]
+            return [(0, slab_k[:, :, :end], slab_v[:, :, :end])]
         # misc: fetch is typed Optional, and v is not narrowed (a chunk's key and value are kept or dropped together).
         return [(self.bounds[j][0], self.fetch(k), self.fetch(v))  # type: ignore[misc]
                 for j, (k, v) in enumerate(zip(keys, values)) if k is not None]
@@ -168,7 +182,8 @@ class PromptState:
                 self.windows[layer] = window  # type: ignore[call-overload]  # an int riding in the tensor dict
         if start != self.length:
             raise RuntimeError(f"chunk starts at {start} but the state holds {self.length} positions")
-        if self.capacity is not None and end > self.capacity:
+        on_path = self.path is not None and start >= self.path.start
+        if self.capacity is not None and end > self.capacity and not on_path:
             raise RuntimeError(f"chunk ends at {end}, past the {self.capacity} positions this state was made for")
         produced = [frozenset(collected.get(layer, {})) for layer in range(self.num_layers)]
         if self.layer_parts is None:
@@ -188,6 +203,10 @@ class PromptState:
         for layer in range(self.num_layers):
             for name in PARTS:
                 part = collected.get(layer, {}).get(name)
+                if on_path and part is not None and self._slabbed(name, layer, part):
+                    assert self.path is not None
+                    self.parts[name][layer].append(self.path.write(name, layer, start, end, part))
+                    continue
                 slab = self._slab(name, layer, part)
                 if slab is not None and part is not None:
                     slab.data[:, :, start:end].copy_(part.detach())  # `.data`: see `_slab`
@@ -213,8 +232,7 @@ class PromptState:
         Not for: sliding-window layers (their old chunks are dropped, which a shared tensor would not free), a
         context-parallel or offloaded state (chunks dropped, or copied to the device one by one), a state without
         `capacity`, and parts that are not 4-D (MLA latents (1, 1, c, d) take one too: harmless, read per chunk)."""
-        if (part is None or name not in ("key", "value") or part.dim() != 4 or self.capacity is None
-                or self.context_shards is not None or self.device is not None or self.windows[layer] is not None):
+        if part is None or self.capacity is None or not self._slabbed(name, layer, part):
             return None
         slab = self._slabs.get((name, layer))
         if slab is None:
@@ -225,6 +243,11 @@ class PromptState:
                                f"earlier chunks were {tuple(slab.shape)} {slab.dtype}")
         return slab
 
+    def _slabbed(self, name: str, layer: int, part: torch.Tensor) -> bool:
+        """Whether a part goes into a slab (`_slab`'s "not for" list)."""
+        return (name in ("key", "value") and part.dim() == 4 and self.context_shards is None and self.device is None
+                and self.windows[layer] is None)
+
     def drop_attention(self, j: int) -> None:
         """Context parallelism: chunk j's attention parts live on another rank."""
         for name in ("key", "value", "index"):
@@ -234,15 +257,15 @@ class PromptState:
     def _drop_unneeded(self) -> None:
         """Without boundaries only the last recurrent state matters, and a sliding-window layer's K/V older
         than its window (W - 1 positions: the next token sees positions > its own − W) never will again."""
-        last = self.num_chunks - 1
+        low, last = self.floor, self.num_chunks - 1
         for layer in range(self.num_layers):
             for name in RECURRENT_PARTS:
-                self.parts[name][layer][:last] = [None] * last
+                self.parts[name][layer][low:last] = [None] * max(last - low, 0)
             window = self.windows[layer]
             if window is not None:
                 oldest_needed = self.length - (window - 1)
-                for j, (_, end) in enumerate(self.bounds):
-                    if end <= oldest_needed:
+                for j in range(low, self.num_chunks):
+                    if self.bounds[j][1] <= oldest_needed:
                         self.parts["key"][layer][j] = None
                         self.parts["value"][layer][j] = None
 
@@ -259,29 +282,33 @@ class PromptState:
         return t.detach().to("cpu").pin_memory()
 
     # --- forks and leaves ---------------------------------------------------------------------------------
-    def _map(self, fn, num_chunks: int | None = None, device: torch.device | None = None) -> PromptState:
+    def _map(self, fn=None, num_chunks: int | None = None, device: torch.device | None = None) -> PromptState:
+        """A state over the first `num_chunks` chunks (all by default) with fn(name, part) for each part (the same
+        parts when fn is None)."""
         n = self.num_chunks if num_chunks is None else num_chunks
         return PromptState(
             num_layers=self.num_layers,
             keep_boundaries=self.keep_boundaries,
-            parts={name: [[fn(name, t) for t in layer[:n]] for layer in per_layer]
+            parts={name: [layer[:n] if fn is None else [fn(name, t) for t in layer[:n]] for layer in per_layer]
                    for name, per_layer in self.parts.items()},
-            bounds=list(self.bounds[:n]),
+            bounds=self.bounds[:n],
             layer_parts=self.layer_parts,
             stateless=self.stateless,
             windows=list(self.windows),
             context_shards=self.context_shards,
-            owners=list(self.owners[:n]),
+            owners=self.owners[:n],
             device=self.device if device is None else device,
             fingerprint=self.fingerprint if n == self.num_chunks else None,  # a prefix holds other ids
             provenance=self.provenance,
             prefetch=self.prefetch if device is None else None,  # a state moved elsewhere: its device's default
             _slabs=self._slabs if device is None else {},  # read by forks and prefixes (which never append)
+            path=self.path if fn is None else None,
+            path_first=min(self.path_first, n) if fn is None else 0,
         )
 
     def prefix(self, num_chunks: int) -> PromptState:
         """A fork holding the first `num_chunks` chunks: new lists, the same tensors (no copy)."""
-        return self._map(lambda name, t: t, num_chunks)
+        return self._map(num_chunks=num_chunks)
 
     def fork(self) -> PromptState:
         """A view for one replay. Replays never write into it (recurrent parts are cloned where a layer
@@ -291,13 +318,63 @@ class PromptState:
     def branch(self) -> PromptState:
         """A fork that grows: new chunks appended to it (`capture.extend_state`) are its own, the chunks it starts
         with are this state's tensors (no copy; an exact plan's leaves stay the same leaves, so the gradients the
-        branch's recompute sends into them accumulate in this state's `.grad`). A prefix tree's node continues its
-        parent's state so. The branch reads its chunks one by one, not through this state's slabs, which hold this
-        state's positions only."""
-        branch = self._map(lambda name, t: t)
+        branch's recompute sends into them accumulate in this state's `.grad`). Sampling's sequences continue a prompt's
+        state so (`state/response.py`). The branch reads its chunks one by one, not through this state's slabs, which
+        hold this state's positions only."""
+        if self.path is not None:
+            raise RuntimeError("a state on a walk's path is continued in place (`attach_path`), not branched")
+        branch = self._map()
         branch._slabs = {}
         branch.fingerprint = None
         return branch
+
+    def attach_path(self, path: PathSlab) -> None:
+        """Continue this state in place along a depth-first walk (`engine/tree/plans.py`): chunks appended from here
+        on are the path's (their full-attention K/V in `path`); leaving a node, the walk drops its chunks
+        (`truncate`). Positions from `path.start` = this state's length."""
+        if path.start != self.length:
+            raise RuntimeError(f"the path starts at position {path.start}, the state holds {self.length}")
+        self.path, self.path_first = path, self.num_chunks
+
+    def detach_path(self) -> None:
+        self.truncate(self.path_first)
+        self.path, self.path_first = None, 0
+
+    def truncate(self, n: int) -> None:
+        """Drop chunks n … (the walk leaving a node whose chunks continued its parent's)."""
+        for per_layer in self.parts.values():
+            for layer in per_layer:
+                del layer[n:]
+        del self.bounds[n:], self.owners[n:]
+        for j in [j for j in self.graphs if j >= n]:
+            del self.graphs[j]
+
+    def gradients(self, j: int) -> list[torch.Tensor | None]:
+        """dL/d(what chunk j produced) the readers left, in `chunk_outputs` order (on the compute device): a part's
+        `.grad`, or for a part on the path its positions in the path's gradient."""
+        start, end = self.bounds[j]
+        on_path = self.path is not None and j >= self.path_first
+        out: list[torch.Tensor | None] = []
+        for layer in range(self.num_layers):
+            for name in GRAD_PARTS:
+                t = self.parts[name][layer][j]
+                if on_path and t is not None and (name, layer) in self.path.tensors:  # type: ignore[union-attr]
+                    out.append(self.path.gradient(name, layer, start, end))  # type: ignore[union-attr]
+                else:
+                    out.append(None if t is None or t.grad is None else self.fetch(t.grad))
+        return out
+
+    def clear_gradients(self, j: int) -> None:
+        """Free (or, on the path, zero) what `gradients(j)` returned: consumed."""
+        start, end = self.bounds[j]
+        on_path = self.path is not None and j >= self.path_first
+        for name in GRAD_PARTS:
+            for layer in range(self.num_layers):
+                t = self.parts[name][layer][j]
+                if on_path and t is not None and (name, layer) in self.path.tensors:  # type: ignore[union-attr]
+                    self.path.clear(name, layer, start, end)  # type: ignore[union-attr]
+                elif t is not None:
+                    t.grad = None
 
     def offload(self, device: torch.device) -> PromptState:
         """The same state kept in host memory and read on `device` (see the module docstring)."""
@@ -326,6 +403,52 @@ class PromptState:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+@dataclass
+class PathSlab:
+    """The full-attention K/V of a depth-first walk's current path past its root (`PromptState.attach_path`): one
+    (1, Hkv, capacity, D) tensor per layer and part, position p at index p − start. A node's chunks are written at
+    their positions, over a sibling's whose visit ended, and every reader takes the path as one view: one kernel
+    call and one autograd input, however deep the walk. `leaves` (the exact plan): each tensor is a leaf that requires
+    grad, so the readers' gradients accumulate in its `.grad`, which a node's prompt backward reads at its own
+    positions (`gradient`) and then zeroes (`clear`)."""
+
+    start: int
+    capacity: int
+    leaves: bool
+    tensors: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
+
+    def write(self, name: str, layer: int, start: int, end: int, part: torch.Tensor) -> torch.Tensor:
+        """Store `part` (1, Hkv, end − start, D) at its positions; returns the stored view (no grad: the path's
+        gradient is read with `gradient`)."""
+        slab = self.tensors.get((name, layer))
+        if slab is None:
+            slab = part.new_zeros((*part.shape[:2], self.capacity, part.shape[3]))
+            slab.requires_grad_(self.leaves and part.is_floating_point())
+            self.tensors[(name, layer)] = slab
+        if slab.shape[:2] != part.shape[:2] or slab.shape[3] != part.shape[3] or slab.dtype != part.dtype:
+            raise RuntimeError(f"layer {layer} {name}: chunk of shape {tuple(part.shape)} {part.dtype}, the path's "
+                               f"earlier chunks were {tuple(slab.shape)} {slab.dtype}")
+        if end - self.start > self.capacity:
+            raise RuntimeError(f"chunk ends at {end}, past the {self.start + self.capacity} positions of the path")
+        slab.data[:, :, start - self.start: end - self.start].copy_(part.detach())  # `.data`: see `PromptState._slab`
+        return slab.detach()[:, :, start - self.start: end - self.start]
+
+    def read(self, layer: int, end: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """(start, key, value) of positions start … end − 1, each (1, Hkv, end − start, D), differentiable into the
+        path's gradient when grad is on."""
+        n = end - self.start
+        return self.start, self.tensors[("key", layer)][:, :, :n], self.tensors[("value", layer)][:, :, :n]
+
+    def gradient(self, name: str, layer: int, start: int, end: int) -> torch.Tensor | None:
+        grad = self.tensors[(name, layer)].grad
+        return None if grad is None else grad[:, :, start - self.start: end - self.start]
+
+    def clear(self, name: str, layer: int, start: int, end: int) -> None:
+        grad = self.tensors[(name, layer)].grad
+        if grad is not None:
+            grad[:, :, start - self.start: end - self.start].zero_()
 
 
 def _leaf(name: str, t: torch.Tensor | None) -> torch.Tensor | None:

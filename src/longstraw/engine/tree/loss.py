@@ -12,6 +12,7 @@ children takes the linear surrogate of its term (`linear`, computed by a first n
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from longstraw.engine.loss.config import LossConfig
@@ -39,6 +40,9 @@ class TreeLoss:
         self.masks = [t.in_loss().to(device) for t in tree.trajectories]
         self.logprobs = [torch.full((t.length - t.loss_start,), float("nan"), dtype=dtype)
                          for t in tree.trajectories]
+        # each trajectory's loss positions [loss_start, length), to pick those that meet a run at once (`_meeting`)
+        self._starts = np.array([t.loss_start for t in tree.trajectories], dtype=np.int64)
+        self._ends = np.array([t.length for t in tree.trajectories], dtype=np.int64)
 
     def token_level(self, through: list[int]) -> bool:
         """Whether each token's term for the trajectories `through` reads its own log-prob only (a token-level loss,
@@ -48,11 +52,17 @@ class TreeLoss:
     def keep(self, through: list[int], first: int, count: int) -> torch.Tensor:
         """(count,) bool: positions first … first+count−1 in the loss of any trajectory of `through`."""
         keep = torch.zeros(count, dtype=torch.bool, device=self.device)
-        for i in through:
+        for i in self._meeting(through, first, count):
             lo, hi, rows = self._span(i, first, count)
             if hi > lo:
                 keep[lo:hi] |= rows
         return keep
+
+    def _meeting(self, through: list[int], first: int, count: int) -> list[int]:
+        """The trajectories of `through` whose loss positions meet [first, first+count) (a deep chain's node lies on
+        the path of every later trajectory, most of which score elsewhere)."""
+        idx = np.asarray(through, dtype=np.int64)
+        return idx[np.maximum(self._starts[idx], first) < np.minimum(self._ends[idx], first + count)].tolist()
 
     def _span(self, i: int, first: int, count: int) -> tuple[int, int, torch.Tensor]:
         """Where trajectory i's loss tokens meet positions [first, first+count): [lo, hi) in that run and the loss
@@ -71,7 +81,7 @@ class TreeLoss:
         count = logp.numel()
         rows, masks, olds, refs, advantages, weights = [], [], [], [], [], []
         surrogates: list[torch.Tensor] = []
-        for i in through:
+        for i in self._meeting(through, first, count):
             lo, hi, in_loss = self._span(i, first, count)
             if hi <= lo or not bool(in_loss.any()):
                 continue
@@ -124,16 +134,17 @@ def pieced_sequence_losses(tree: Tree, cfg: LossConfig) -> list[int]:
     are scored one at a time). They need the first pass (engine/tree/sequence.py); empty for a token-level loss."""
     if is_token_level(cfg):
         return []
-    out: set[int] = set()
+    starts = np.array([t.loss_start for t in tree.trajectories], dtype=np.int64)
+    found = np.zeros(len(tree.trajectories), dtype=bool)
     for node in tree.nodes():
         if node.is_leaf and node is not tree.root:
             continue
-        for i in node.through:
-            t = tree.trajectories[i]
-            mask = t.in_loss()  # positions loss_start … N−1
-            if bool(mask[max(node.start - t.loss_start, 0): max(node.end - t.loss_start, 0)].any()):
-                out.add(i)
-    return sorted(out)
+        idx = np.asarray(node.through, dtype=np.int64)
+        # loss tokens start at loss_start: none in the node unless it starts before the node's end
+        for i in idx[~found[idx] & (starts[idx] < node.end)].tolist():
+            mask = tree.trajectories[i].in_loss()  # positions loss_start … N−1
+            found[i] = bool(mask[max(node.start - starts[i], 0): max(node.end - starts[i], 0)].any())
+    return np.flatnonzero(found).tolist()
 
 
 def node_first_target(node: Node) -> int:

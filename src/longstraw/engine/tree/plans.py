@@ -29,7 +29,7 @@ from longstraw.engine.options import BackwardOptions
 from longstraw.engine.pad import pad
 from longstraw.engine.precision import accumulation_dtype
 from longstraw.engine.state.capture import chunk_bounds, extend_state, keep_owned
-from longstraw.engine.state.prompt import Collected, PromptState
+from longstraw.engine.state.prompt import Collected, PathSlab, PromptState
 from longstraw.engine.state.sharing import kv_shared_layers
 from longstraw.engine.tree.build import Node, Tree
 from longstraw.engine.tree.loss import TreeLoss, node_first_target
@@ -79,30 +79,45 @@ def empty_state(model: torch.nn.Module, keep_boundaries: bool, options: Backward
                        stateless=stateless_layers(model) | kv_shared_layers(text_config(model)))
 
 
-Enter = Callable[[Walk, Node, PromptState, torch.Tensor, bool], tuple[PromptState, Callable[[], None]]]
+Enter = Callable[[Walk, Node, PromptState, torch.Tensor, bool], Callable[[], None]]
 
 
-def depth_first(walk: Walk, keep_boundaries: bool, enter: Enter) -> None:
+def depth_first(walk: Walk, exact: bool, enter: Enter) -> None:
     """Visit every node of `walk.tree`, parents before children, siblings in order, with an explicit stack (a tree of
-    any depth). enter(walk, node, parent's state, path, captured) captures the node (path (node.end,): the tokens at
-    positions 0 … node.end − 1; captured: the parent's state holds the node's tokens already, a reused root state),
-    replays its leaf children, and returns its state and what to run once its inner children are visited. Every
-    path is a view of one buffer: a node's children write their tokens after its end, a sibling after the node's
-    visit ended."""
-    state, captured = _root_state(walk, keep_boundaries)
+    any depth). enter(walk, node, state, path, captured) extends `state` by the node's tokens (path (node.end,): the
+    tokens at positions 0 … node.end − 1; captured: the state holds them already, a reused root state), replays its
+    leaf children, and returns what to run once its inner children are visited.
+
+    One state serves the whole walk: a node's chunks are appended to it, and dropped once the node is left, so it
+    holds the current root-to-node path; past the root the path's K/V sit in one tensor per layer (`PathSlab`; leaves
+    that collect the gradient when `exact`). Every path of tokens is a view of one buffer the same way: a node's
+    children write their tokens after its end, a sibling after the node's visit ended."""
+    state, captured = _root_state(walk, exact)
     root = walk.tree.root
+    base = state.num_chunks
     buffer = root.tokens.new_empty(max(t.length for t in walk.tree.trajectories))
     buffer[: root.end] = root.tokens
-    stack = [(enter(walk, root, state, buffer[: root.end], captured), _inner(root))]
-    while stack:
-        (state, leave), inner = stack[-1]
-        child = next(inner, None)
-        if child is None:
-            stack.pop()
-            leave()
-            continue
-        buffer[child.start: child.end] = child.tokens
-        stack.append((enter(walk, child, state, buffer[: child.end], False), _inner(child)))
+    state.floor = base
+    stack = [(enter(walk, root, state, buffer[: root.end], captured), _inner(root), base)]
+    ends = [n.end - 1 for n in walk.tree.nodes() if not n.is_leaf and n is not root]
+    if ends:  # nodes below the root: their chunks continue the root's state in place
+        state.attach_path(PathSlab(start=state.length, capacity=max(ends) - state.length, leaves=exact))
+    try:
+        while stack:
+            leave, inner, count = stack[-1]
+            child = next(inner, None)
+            if child is None:
+                stack.pop()
+                leave()
+                state.truncate(count if stack else state.num_chunks)  # the node's chunks (the root's stay)
+                continue
+            buffer[child.start: child.end] = child.tokens
+            count = state.floor = state.num_chunks
+            stack.append((enter(walk, child, state, buffer[: child.end], False), _inner(child), count))
+    finally:
+        if ends:
+            state.detach_path()
+        state.floor = 0
 
 
 def _inner(node: Node) -> Iterator[Node]:
@@ -144,12 +159,12 @@ def exact(walk: Walk) -> None:
     depth_first(walk, True, _exact_node)
 
 
-def _exact_node(walk: Walk, node: Node, parent: PromptState, path: torch.Tensor,
-                captured: bool) -> tuple[PromptState, Callable[[], None]]:
-    """Capture `node` from its parent's state (positions [0, node.input_start)) and replay its leaf children; then,
-    once its inner children are visited, recompute and backpropagate its chunks (`depth_first`'s enter)."""
+def _exact_node(walk: Walk, node: Node, state: PromptState, path: torch.Tensor,
+                captured: bool) -> Callable[[], None]:
+    """Capture `node` into the state of its parent's path (positions [0, node.input_start)) and replay its leaf
+    children; then, once its inner children are visited, recompute and backpropagate its chunks (`depth_first`'s
+    enter)."""
     above = path[: node.start]
-    state = parent if node is walk.tree.root else parent.branch()
     first = 0 if captured else state.num_chunks
     ids = node.input_ids(above[-1:] if above.numel() else None)
     own = _NodeLoss(walk, node, path)
@@ -172,7 +187,7 @@ def _exact_node(walk: Walk, node: Node, parent: PromptState, path: torch.Tensor,
         walk.backward_s += time.perf_counter() - t0
         walk.path_bytes -= held
 
-    return state, leave
+    return leave
 
 
 # --- detach -------------------------------------------------------------------------------------------------------
@@ -180,13 +195,12 @@ def detach(walk: Walk) -> None:
     depth_first(walk, False, _detach_node)
 
 
-def _detach_node(walk: Walk, node: Node, parent: PromptState, path: torch.Tensor,
-                 captured: bool) -> tuple[PromptState, Callable[[], None]]:
-    """Capture `node` as a constant continuing its parent's state; its own loss tokens' terms are backpropagated
+def _detach_node(walk: Walk, node: Node, state: PromptState, path: torch.Tensor,
+                 captured: bool) -> Callable[[], None]:
+    """Capture `node` as a constant continuing its parent's path; its own loss tokens' terms are backpropagated
     from their chunk's forward (into the parameters only). The router term's share is the leaves' only: like every
     path through a node's state, the node tokens' share is left out (`depth_first`'s enter)."""
     above = path[: node.start]
-    state = parent if node is walk.tree.root else parent.branch()
     first = 0 if captured else state.num_chunks
     ids = node.input_ids(above[-1:] if above.numel() else None)
     t0 = time.perf_counter()
@@ -219,7 +233,7 @@ def _detach_node(walk: Walk, node: Node, parent: PromptState, path: torch.Tensor
     def leave() -> None:
         walk.path_bytes -= held
 
-    return state, leave
+    return leave
 
 
 # --- both: the leaf children of a node ------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ from longstraw.engine.hf.segment import run_segment
 from longstraw.engine.pad import pad
 from longstraw.engine.router import RouterAux, RouterCounts, RouterTap, count, top_k
 from longstraw.engine.state.capture import chunk_bounds, keep_owned
-from longstraw.engine.state.prompt import Collected, PromptState
+from longstraw.engine.state.prompt import Collected, PathSlab, PromptState
 from longstraw.engine.tree.build import Node, Tree
 
 
@@ -138,8 +138,11 @@ def count_routes(model: torch.nn.Module, tree: Tree, state: PromptState, weights
             probs = torch.softmax(z.detach().float(), dim=-1)
             sums.append((probs * w.reshape(-1).to(device=z.device, dtype=torch.float32)[:, None]).sum(0).cpu())
 
-    def visit(node: Node, parent: PromptState, last: torch.Tensor | None) -> None:
-        st = parent if node is tree.root else parent.branch()
+    def visit(node: Node, count: int, last: torch.Tensor | None) -> None:
+        # one state for the walk (plans.depth_first): the parent's chunks, this node's appended, a sibling's dropped
+        st = state
+        st.truncate(count)
+        st.floor = count
         ids = node.input_ids(last)
         offset = st.length
         bounds = [(offset + s, offset + e) for s, e in chunk_bounds(ids.numel(), chunk_size)] if ids.numel() else []
@@ -159,10 +162,16 @@ def count_routes(model: torch.nn.Module, tree: Tree, state: PromptState, weights
             run_segment(model, inputs, group[0].input_start, st.fork())
             take(weights.leaves(group, mask))
         # inner children next, the first on top: the walk's order, without recursion (a tree of any depth)
-        pending.extend((child, st, tail) for child in reversed(node.children) if not child.is_leaf)
+        inner = [child for child in reversed(node.children) if not child.is_leaf]
+        if node is tree.root and inner:
+            ends = [n.end - 1 for n in tree.nodes() if not n.is_leaf and n is not tree.root]
+            st.attach_path(PathSlab(start=st.length, capacity=max(ends) - st.length, leaves=False))
+        pending.extend((child, st.num_chunks, tail) for child in inner)
 
-    pending: list[tuple[Node, PromptState, torch.Tensor | None]] = [(tree.root, state, None)]
+    pending: list[tuple[Node, int, torch.Tensor | None]] = [(tree.root, state.num_chunks, None)]
     with torch.no_grad(), tap.hooked():
         while pending:
             visit(*pending.pop())
+    if state.path is not None:
+        state.detach_path()
     return functools.reduce(operator.add, parts).rounded(), torch.stack(sums).sum(0)
