@@ -79,6 +79,38 @@ def test_deep_chains_walk_without_recursion(shallow_stack, loss):
         assert torch.isfinite(out[name, "detach"][1]).all()
 
 
+@pytest.mark.parametrize("plan", ("exact", "detach"))
+def test_a_walk_reads_its_path_as_one_view(monkeypatch, plan):
+    """Past the root, a node reads its path's K/V as one tensor per layer (one kernel input however deep), and the
+    walk keeps one state: at depth 300 every attention read has at most the root's chunks + 1 inputs."""
+    from longstraw.engine.kernels import attention
+
+    inputs: list[int] = []
+    real = attention.ChunkAttention.apply
+
+    def counted(q, scale, causal, n, *kv):
+        inputs.append(n)
+        return real(q, scale, causal, n, *kv)
+
+    monkeypatch.setattr(attention.ChunkAttention, "apply", counted)
+    model = tiny_model("llama")
+    backward_tree(model, _chain(300), plan=plan, chunk_size=3)
+    assert len(inputs) > 300 * 2 and max(inputs) <= 2 + 1  # the root (prompt 4 in chunks of 3: 2 chunks) and the path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan", ("exact", "detach"))
+def test_a_10000_level_chain_runs(plan):
+    """10,000 levels of one token each, every trajectory scoring its last token: the walk runs, in time linear in the
+    depth but for attention's own work, with a finite loss and gradient."""
+    model = tiny_model("llama")
+    t0 = time.perf_counter()
+    result = backward_tree(model, _chain(10_000), plan=plan, chunk_size=3)
+    seconds = time.perf_counter() - t0
+    assert result.stats["tree_depth"] == 10_000 and torch.isfinite(grads(model)).all()
+    assert seconds < 1200, seconds
+
+
 @pytest.mark.parametrize("value", (np.float32(0.25), np.float64(-1.5), np.int64(2), torch.tensor(0.75),
                                    torch.tensor(3)))
 def test_numpy_and_0d_tensor_advantages(value):
