@@ -193,20 +193,20 @@ def counts(shape: TreeShape) -> TreeCounts:
 ROWS = ("flattened", "group", "packed", "tree_exact", "tree_detach")
 
 
+_PASSES: dict[str, Callable[[TreeShape, TreeCounts], int]] = {  # row -> its token passes (`FLOOR_FORMULAS`)
+    "flattened": lambda s, c: 3 * c.tokens_flattened,
+    "group": lambda s, c: s.tasks * (4 * (s.prompt_tokens - 1) + 3 * s.group_size * s.turns * s.turn_tokens),
+    "packed": lambda s, c: 3 * c.tokens_encoded,
+    "tree_exact": lambda s, c: 4 * c.inner_inputs + 3 * c.leaf_inputs,
+    "tree_detach": lambda s, c: (c.inner_inputs - c.inner_loss_inputs) + 3 * (c.inner_loss_inputs + c.leaf_inputs),
+}
+
+
 def token_passes(shape: TreeShape, row: str) -> int:
     """Tokens `row` runs through the model's body, a backward counted as two forwards (`FLOOR_FORMULAS`)."""
-    c = counts(shape)
-    if row == "flattened":
-        return 3 * c.tokens_flattened
-    elif row == "group":
-        return shape.tasks * (4 * (shape.prompt_tokens - 1) + 3 * shape.group_size * shape.turns * shape.turn_tokens)
-    elif row == "packed":
-        return 3 * c.tokens_encoded
-    elif row == "tree_exact":
-        return 4 * c.inner_inputs + 3 * c.leaf_inputs
-    elif row == "tree_detach":
-        return (c.inner_inputs - c.inner_loss_inputs) + 3 * (c.inner_loss_inputs + c.leaf_inputs)
-    raise ValueError(f"unknown row {row!r}: one of {', '.join(ROWS)}")
+    if row not in _PASSES:
+        raise ValueError(f"unknown row {row!r}: one of {', '.join(ROWS)}")
+    return _PASSES[row](shape, counts(shape))
 
 
 FLOOR_FORMULAS = {
