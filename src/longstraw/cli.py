@@ -55,11 +55,9 @@ class Parser(argparse.ArgumentParser):
     def _option_hints(self, words: list[str]) -> list[str]:
         """' (did you mean --x?)' for each word that looks like an option this parser does not have."""
         options = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
-        hints = []
-        for word in words:
-            name = word.split("=", 1)[0]
-            if name.startswith("--") and name not in options:
-                hints.append(did_you_mean(name, options, what=name, n=2))
+        names = [word.split("=", 1)[0] for word in words]
+        hints = [did_you_mean(name, options, what=name, n=2) for name in names
+                 if name.startswith("--") and name not in options]
         return [h for h in hints if h]
 
     def short_usage(self) -> str:
