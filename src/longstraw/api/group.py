@@ -28,7 +28,7 @@ from longstraw.api.checks import check_model_options, check_tokens, options_with
 from longstraw.api.tree import run_tree
 from longstraw.engine.group import Group
 from longstraw.engine.options import BackwardOptions
-from longstraw.engine.precision import accumulation_dtype
+from longstraw.engine.precision import accumulation_dtype, dtype_name
 from longstraw.engine.state.checks import check_materialised, check_prompt_state
 from longstraw.engine.state.prompt import PromptState
 from longstraw.engine.tp_check import check_tensor_parallel_model
@@ -61,8 +61,6 @@ def _check_model_and_group(model: torch.nn.Module, group: Group, beta: float) ->
         raise ValueError("beta > 0 needs ref_logprobs in the Group (the reference model's log-probs)")
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _check_ranges(group: Group, dtype: torch.dtype) -> None:
@@ -79,7 +77,7 @@ def _check_ranges(group: Group, dtype: torch.dtype) -> None:
     if not largest < math.sqrt(finfo.max):
         i = int(group.advantages.abs().argmax())
         raise ValueError(f"advantages[{i}] = {float(group.advantages[i]):.3g} is too large for the loss's dtype "
-                         f"{_dtype_name(dtype)}: |advantage| must be < {math.sqrt(finfo.max):.3g} (the square root of "
+                         f"{dtype_name(dtype)}: |advantage| must be < {math.sqrt(finfo.max):.3g} (the square root of "
                          "its largest value, leaving room for the gradient's products); rescale the rewards or "
                          "normalise the advantages")
     for name in ("old_logprobs", "ref_logprobs"):
@@ -87,7 +85,7 @@ def _check_ranges(group: Group, dtype: torch.dtype) -> None:
             values = _loss_tokens(group, i, lp)
             if not torch.isfinite(values.to(dtype)).all():
                 raise ValueError(f"{name}[{i}] reaches {float(values.min()):.4g}, which is -inf in the loss's dtype "
-                                 f"{_dtype_name(dtype)}, at a token in the loss: pass the policy's log-probs, not a "
+                                 f"{dtype_name(dtype)}, at a token in the loss: pass the policy's log-probs, not a "
                                  "fill value")
     if group.old_logprobs is None:
         return
@@ -98,7 +96,7 @@ def _check_ranges(group: Group, dtype: torch.dtype) -> None:
         if worst >= log_max:
             raise ValueError(f"old_logprobs[{i}] reaches {lowest:.4g} at a token in the loss: the ratio "
                              f"exp(logp - old) can then reach exp({-lowest:.4g}), which (times advantage "
-                             f"{float(group.advantages[i]):.3g}) overflows {_dtype_name(dtype)} (largest "
+                             f"{float(group.advantages[i]):.3g}) overflows {dtype_name(dtype)} (largest "
                              f"{finfo.max:.3g}). A sampled token is never that unlikely: pass the sampling policy's "
                              "log-probs (not logits or a fill value), or use float64")
 

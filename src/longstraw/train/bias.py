@@ -93,4 +93,3 @@ def measure(model: torch.nn.Module, groups: list[Group], cfg: TrainConfig) -> di
     out = compare_gradients(detach, exact_gradient(model, groups, cfg))
     out["time_bias_s"] = time.perf_counter() - t0
     return out
-
