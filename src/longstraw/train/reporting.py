@@ -121,9 +121,8 @@ class Progress:
 
     def update(self, step: int, phase: str, done: int, of: int) -> None:
         if self.tty and self.enabled:
-            width = 20
-            filled = int(width * done / max(1, of))
-            bar = "#" * filled + "-" * (width - filled)
+            filled = int(20 * done / max(1, of))  # of a 20-character bar
+            bar = "#" * filled + "-" * (20 - filled)
             print(f"\rstep {step + 1}/{self.total} [{bar}] {phase} {done}/{of}   ", end="", flush=True)
 
     def step_done(self, m: dict[str, Any]) -> None:
