@@ -105,9 +105,7 @@ def _loss_tokens(group: Group, i: int, values: torch.Tensor) -> torch.Tensor:
     """Response i's `values` at its loss tokens (all of them without loss masks): a masked token's old/ref
     log-prob never reaches the loss (`_loss_fn` replaces it), so an unlikely forced observation token, or the NaN
     that `GroupResult.logprobs` holds there, is no reason to refuse the group."""
-    if group.loss_masks is None:
-        return values
-    return values[group.loss_masks[i].to(values.device)]
+    return values if group.loss_masks is None else values[group.loss_masks[i].to(values.device)]
 
 
 def backward_group(model: torch.nn.Module, group: Group, options: BackwardOptions | None = None, *,
@@ -170,9 +168,7 @@ def _backward(model: torch.nn.Module, group: Group, options: BackwardOptions,
     stats.update(prompt_state_bytes=result.stats.get("peak_path_state_bytes", 0),
                  capture_s=result.stats.get("capture_s", 0.0), replay_s=result.stats.get("replay_s", 0.0),
                  prompt_backward_s=result.stats.get("backward_s", 0.0))
-    for key in ("router_aux_loss", "router_count_s"):
-        if key in result.stats:
-            stats[key] = result.stats[key]
+    stats.update({key: result.stats[key] for key in ("router_aux_loss", "router_count_s") if key in result.stats})
     return GroupResult(loss=result.loss, logprobs=result.logprobs, stats=stats, skipped=result.skipped)
 
 
