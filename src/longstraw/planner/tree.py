@@ -87,9 +87,7 @@ class TreeShape:
     def levels(self) -> tuple[Level, ...]:
         """A task's branching levels, first to last (`Level`): the last is its leaves; none when G = 1 (the task is
         its one trajectory)."""
-        if self.group_size == 1:
-            return ()
-        return _LEVELS[self.fork](self)
+        return () if self.group_size == 1 else _LEVELS[self.fork](self)
 
     @property
     def branch_turns(self) -> int:

@@ -98,9 +98,7 @@ def format_prompt(tokenizer: Any, text: str) -> list[int]:
     if getattr(tokenizer, "chat_template", None):
         return _as_id_list(tokenizer.apply_chat_template([{"role": "user", "content": text}],
                                                          add_generation_prompt=True, tokenize=True))
-    if hasattr(tokenizer, "encode"):
-        return _as_id_list(tokenizer.encode(text))
-    return encode(tokenizer, text)
+    return _as_id_list(tokenizer.encode(text)) if hasattr(tokenizer, "encode") else encode(tokenizer, text)
 
 
 # ---------------------------------------------------------------------------------------------------------- rewards
