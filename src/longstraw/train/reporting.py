@@ -98,9 +98,7 @@ class StepLog:
             "peak_memory_bytes": peak,  # the largest rank's
             "tokens_per_s": (total["prompt_tokens"] + total["response_tokens"]) / max(1e-9, *t_step),
             "time_rollout_s": max(x["t_rollout"] for x in ranks), "time_train_s": max(x["t_train"] for x in ranks),
-            # --rollout tree: tree_nodes, tree_leaves, tree_depth, tree_trajectories, tree_tokens_encoded,
-            # tree_tokens_flattened, tree_encoded_fraction; rollout_forks, rollout_groups, rollout_positions_run,
-            # rollout_tokens_sampled, rollout_tokens_flattened (engine/tree/rollout.py)
+            # --rollout tree: the kept trees' counts (`StepLog.tree`: tree_* and rollout_*), tree_encoded_fraction
             **trees, **bias_metrics,
         }
 
