@@ -55,11 +55,9 @@ class Parser(argparse.ArgumentParser):
     def _option_hints(self, words: list[str]) -> list[str]:
         """' (did you mean --x?)' for each word that looks like an option this parser does not have."""
         options = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
-        hints = []
-        for word in words:
-            name = word.split("=", 1)[0]
-            if name.startswith("--") and name not in options:
-                hints.append(did_you_mean(name, options, what=name, n=2))
+        names = [word.split("=", 1)[0] for word in words]
+        hints = [did_you_mean(name, options, what=name, n=2) for name in names
+                 if name.startswith("--") and name not in options]
         return [h for h in hints if h]
 
     def short_usage(self) -> str:
@@ -99,31 +97,27 @@ def build_parser() -> Parser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    from longstraw.admission import check
-
-    check_parser = commands.add_parser(
-        "check", help="admission check: a tiny float64 copy of a model's own config against transformers",
-        description="Build a tiny float64 copy of MODEL's config (its model type, multipliers, flags and layer-kind "
-                    "pattern; sizes shrunk) and measure LongStraw's replayed and sampled log-probs and its exact "
-                    "gradient against transformers' own forward. Prints the numbers and the verdict; exit status 1 "
-                    "when refused. --all checks every causal-LM type of this transformers.")
-    check.add_arguments(check_parser)
-    check_parser.set_defaults(run=check.run_from_args)
-
     from longstraw import planner
-
-    plan_parser = commands.add_parser(
-        "plan", help="memory planner: per-GPU memory of every plan, whether it fits, the largest prompt",
-        description="Predict per-GPU memory by component for standard_batched, standard, detach and exact.")
-    planner.add_arguments(plan_parser)
-    plan_parser.set_defaults(run=planner.run_from_args)
-
+    from longstraw.admission import check
     from longstraw.train import config
 
-    train_parser = commands.add_parser(
-        "train", help="GRPO training on a long-context task",
-        description="Train with GRPO: options from an optional TOML file, overridden by flags.")
-    config.add_arguments(train_parser)
+    parsers = {}
+    for name, module, help_text, description in (
+        ("check", check, "admission check: a tiny float64 copy of a model's own config against transformers",
+         "Build a tiny float64 copy of MODEL's config (its model type, multipliers, flags and layer-kind pattern; "
+         "sizes shrunk) and measure LongStraw's replayed and sampled log-probs and its exact gradient against "
+         "transformers' own forward. Prints the numbers and the verdict; exit status 1 when refused. --all checks "
+         "every causal-LM type of this transformers."),
+        ("plan", planner, "memory planner: per-GPU memory of every plan, whether it fits, the largest prompt",
+         "Predict per-GPU memory by component for standard_batched, standard, detach and exact."),
+        ("train", config, "GRPO training on a long-context task",
+         "Train with GRPO: options from an optional TOML file, overridden by flags."),
+    ):
+        parsers[name] = commands.add_parser(name, help=help_text, description=description)
+        module.add_arguments(parsers[name])
+        # check and plan run here; train through `main`. `fail`: the command's own parser reports its errors
+        parsers[name].set_defaults(run=getattr(module, "run_from_args", None), fail=parsers[name].error)
+    train_parser = parsers["train"]
     train_parser.add_argument(
         "--nproc", type=int, default=1,
         help="processes (ranks) on this machine, one per GPU with --device cuda; launched through torchrun, "
@@ -131,8 +125,6 @@ def build_parser() -> Parser:
     train_parser.add_argument(
         "--debug", action="store_true",
         help="on an expected error (bad input, a failing reward function, Ctrl-C) also print the traceback")
-    for command in (check_parser, plan_parser, train_parser):
-        command.set_defaults(fail=command.error)
     return parser
 
 

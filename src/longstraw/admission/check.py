@@ -67,11 +67,9 @@ def _short(row: dict[str, Any]) -> str:
         return f"max error {worst:.1e} (tolerance {row.get('tolerance', 0):g})"
     if str(row.get("reason", "")).startswith(("the check crashed", "refused:", "no tiny copy", "its default")):
         return str(row["reason"]).replace("|", "/")[:240]
-    parts = []
-    for name, key in (("log-probs", "logprob_error"), ("gradient", "gradient_error"), ("sampled", "sampled_error")):
-        value = row.get(key)
-        if value is not None and value > row.get("tolerance", 0):
-            parts.append(f"{name} off by {value:.2g}")
+    errors = (("log-probs", "logprob_error"), ("gradient", "gradient_error"), ("sampled", "sampled_error"))
+    parts = [f"{name} off by {row[key]:.2g}" for name, key in errors
+             if row.get(key) is not None and row[key] > row.get("tolerance", 0)]
     if row.get("first_difference"):
         parts.append(f"first differs at {row['first_difference']}")
     if row.get("reason") and not parts:

@@ -134,10 +134,8 @@ def load_model(
     elif source == "local":
         declared_max_positions(name_or_path)  # refuses a config.json that needs custom code, or is unreadable
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, trust_remote_code=False)
-    elif source == "hub":
+    else:  # "hub"
         model = _from_hub(name_or_path, dtype)
-    else:
-        raise AssertionError(source)
     admit(model)  # before it moves to the device: a refused architecture fails here, not in the first step
     model = model.to(device).eval()
     for p in model.parameters():

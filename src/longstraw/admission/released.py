@@ -31,9 +31,7 @@ def released_source(model_type: str) -> str:
         return f"values of {RELEASED_CHECKPOINT[model_type]}"
     if model_type in RELEASED_EQUALS_DEFAULTS:
         return f"class defaults, checked equal to {RELEASED_EQUALS_DEFAULTS[model_type].split(' (')[0]}"
-    if model_type in RELEASED_NOT_FOUND:
-        return "class defaults: no released config found"
-    return "class defaults"
+    return "class defaults: no released config found" if model_type in RELEASED_NOT_FOUND else "class defaults"
 
 # Types of the causal-LM mapping that are not decoder-only text models: encoders with a causal-LM head, the decoders of
 # encoder-decoder models, XLNet's permutation LM, and speech, music and image-captioning decoders. Listed in the table,

@@ -182,10 +182,9 @@ def _cut_depth(wide: Any, data: dict[str, Any], n: int, keep: int, count_key: st
 def _kinds_after(data: dict[str, Any], n: int, probe: int) -> bool:
     """Whether the config says of some layer past the first `probe` something none of those says: a per-layer value
     not among the first `probe` layers' values, or a layer-index list naming a layer past them."""
-    for key in _per_layer_fields(data, n):
-        if {str(v) for v in data[key][probe:]} - {str(v) for v in data[key][:probe]}:
-            return True
-    return any(i >= probe for key in _layer_index_fields(data, n) for i in data[key])
+    return (any({str(v) for v in data[key][probe:]} - {str(v) for v in data[key][:probe]}
+                for key in _per_layer_fields(data, n))
+            or any(i >= probe for key in _layer_index_fields(data, n) for i in data[key]))
 
 
 def tiny_config(config: Any) -> tuple[Any, str]:
@@ -201,14 +200,11 @@ def tiny_config(config: Any) -> tuple[Any, str]:
     probe = min(n, PROBE_LAYERS)
     kinds = _layer_kinds(wide if probe == n else _cut_depth(wide, data, n, probe, count_key))
     first_of = {kind: i for i, kind in reversed(list(enumerate(kinds)))}  # each kind's first layer
-    keep = max(2, max(first_of.values()) + 1) if kinds else min(n, 2)
-    keep = min(keep, n)
+    keep = min(max(2, max(first_of.values()) + 1) if kinds else 2, n)
     note = f"{keep} of {n} layers ({len(first_of)} layer kinds)"
     if keep > MAX_LAYERS or (probe < n and _kinds_after(data, n, probe)):
         keep, note = MAX_LAYERS, f"{MAX_LAYERS} of {n} layers: the layer-kind pattern ({len(first_of)} kinds) is cut"
-    if keep == n:
-        return wide, note
-    return _cut_depth(wide, data, n, keep, count_key), note
+    return (wide if keep == n else _cut_depth(wide, data, n, keep, count_key)), note
 
 
 def build_tiny_model(config: Any, seed: int = 0) -> torch.nn.Module:

@@ -28,7 +28,7 @@ from longstraw.api.checks import check_model_options, check_tokens, options_with
 from longstraw.api.tree import run_tree
 from longstraw.engine.group import Group
 from longstraw.engine.options import BackwardOptions
-from longstraw.engine.precision import accumulation_dtype
+from longstraw.engine.precision import accumulation_dtype, dtype_name
 from longstraw.engine.state.checks import check_materialised, check_prompt_state
 from longstraw.engine.state.prompt import PromptState
 from longstraw.engine.tp_check import check_tensor_parallel_model
@@ -61,8 +61,6 @@ def _check_model_and_group(model: torch.nn.Module, group: Group, beta: float) ->
         raise ValueError("beta > 0 needs ref_logprobs in the Group (the reference model's log-probs)")
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _check_ranges(group: Group, dtype: torch.dtype) -> None:
@@ -79,7 +77,7 @@ def _check_ranges(group: Group, dtype: torch.dtype) -> None:
     if not largest < math.sqrt(finfo.max):
         i = int(group.advantages.abs().argmax())
         raise ValueError(f"advantages[{i}] = {float(group.advantages[i]):.3g} is too large for the loss's dtype "
-                         f"{_dtype_name(dtype)}: |advantage| must be < {math.sqrt(finfo.max):.3g} (the square root of "
+                         f"{dtype_name(dtype)}: |advantage| must be < {math.sqrt(finfo.max):.3g} (the square root of "
                          "its largest value, leaving room for the gradient's products); rescale the rewards or "
                          "normalise the advantages")
     for name in ("old_logprobs", "ref_logprobs"):
@@ -87,7 +85,7 @@ def _check_ranges(group: Group, dtype: torch.dtype) -> None:
             values = _loss_tokens(group, i, lp)
             if not torch.isfinite(values.to(dtype)).all():
                 raise ValueError(f"{name}[{i}] reaches {float(values.min()):.4g}, which is -inf in the loss's dtype "
-                                 f"{_dtype_name(dtype)}, at a token in the loss: pass the policy's log-probs, not a "
+                                 f"{dtype_name(dtype)}, at a token in the loss: pass the policy's log-probs, not a "
                                  "fill value")
     if group.old_logprobs is None:
         return
@@ -98,7 +96,7 @@ def _check_ranges(group: Group, dtype: torch.dtype) -> None:
         if worst >= log_max:
             raise ValueError(f"old_logprobs[{i}] reaches {lowest:.4g} at a token in the loss: the ratio "
                              f"exp(logp - old) can then reach exp({-lowest:.4g}), which (times advantage "
-                             f"{float(group.advantages[i]):.3g}) overflows {_dtype_name(dtype)} (largest "
+                             f"{float(group.advantages[i]):.3g}) overflows {dtype_name(dtype)} (largest "
                              f"{finfo.max:.3g}). A sampled token is never that unlikely: pass the sampling policy's "
                              "log-probs (not logits or a fill value), or use float64")
 
@@ -107,9 +105,7 @@ def _loss_tokens(group: Group, i: int, values: torch.Tensor) -> torch.Tensor:
     """Response i's `values` at its loss tokens (all of them without loss masks): a masked token's old/ref
     log-prob never reaches the loss (`_loss_fn` replaces it), so an unlikely forced observation token, or the NaN
     that `GroupResult.logprobs` holds there, is no reason to refuse the group."""
-    if group.loss_masks is None:
-        return values
-    return values[group.loss_masks[i].to(values.device)]
+    return values if group.loss_masks is None else values[group.loss_masks[i].to(values.device)]
 
 
 def backward_group(model: torch.nn.Module, group: Group, options: BackwardOptions | None = None, *,
@@ -172,9 +168,7 @@ def _backward(model: torch.nn.Module, group: Group, options: BackwardOptions,
     stats.update(prompt_state_bytes=result.stats.get("peak_path_state_bytes", 0),
                  capture_s=result.stats.get("capture_s", 0.0), replay_s=result.stats.get("replay_s", 0.0),
                  prompt_backward_s=result.stats.get("backward_s", 0.0))
-    for key in ("router_aux_loss", "router_count_s"):
-        if key in result.stats:
-            stats[key] = result.stats[key]
+    stats.update({key: result.stats[key] for key in ("router_aux_loss", "router_count_s") if key in result.stats})
     return GroupResult(loss=result.loss, logprobs=result.logprobs, stats=stats, skipped=result.skipped)
 
 

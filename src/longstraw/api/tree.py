@@ -26,7 +26,7 @@ from longstraw.admission.admission import is_recurrent
 from longstraw.api.checks import check_model_options, check_tokens, options_with
 from longstraw.engine.activation_checkpointing import checkpointed_layers
 from longstraw.engine.options import BackwardOptions
-from longstraw.engine.precision import accumulation_dtype
+from longstraw.engine.precision import accumulation_dtype, dtype_name
 from longstraw.engine.router import RouterAux, aux_value
 from longstraw.engine.state.checks import check_materialised
 from longstraw.engine.state.prompt import PromptState
@@ -92,7 +92,7 @@ def _check(model: torch.nn.Module, tree: Tree, options: BackwardOptions) -> None
     for i, t in enumerate(tree.trajectories):
         if not abs(t.advantage) < bound:
             raise ValueError(f"trajectories[{i}].advantage = {t.advantage:.3g} is too large for the loss's dtype "
-                             f"{str(dtype).removeprefix('torch.')}: |advantage| must be < {bound:.3g}; rescale the "
+                             f"{dtype_name(dtype)}: |advantage| must be < {bound:.3g}; rescale the "
                              "rewards or normalise the advantages")
 
 

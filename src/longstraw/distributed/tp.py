@@ -100,9 +100,7 @@ def adopt(model: torch.nn.Module) -> torch.nn.Module:
                              "with from_pretrained(..., distributed_config=DistributedConfig(tp_size=T)) or split it "
                              "with longstraw.distributed.tp.tensor_parallel")
         group = (mesh["tp"] if mesh.mesh_dim_names and "tp" in mesh.mesh_dim_names else mesh).get_group()
-        for name, module in model.named_modules():
-            if name not in hooked:
-                continue
+        for module in (m for name, m in model.named_modules() if name in hooked):
             del module.forward  # the instance attribute transformers installed: the class's forward again
             for param in module.parameters(recurse=False):
                 hooks = getattr(param, "_post_accumulate_grad_hooks", None)
@@ -148,17 +146,15 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
     """`torch.nn.utils.clip_grad_norm_` for gradients that mix DTensors of different meshes (tensor-parallel shards,
     FSDP2 shards) with plain tensors (replicated parameters, the same on every rank): each DTensor's norm is its
     global one, so the total is the single-process norm on every rank. A collective per DTensor gradient."""
+    grads = [p.grad for p in params if p.grad is not None]
     squares = []
-    for p in params:
-        if p.grad is None:
-            continue
-        norm = torch.linalg.vector_norm(p.grad, 2.0, dtype=torch.float64 if p.grad.dtype == torch.float64 else
-                                        torch.float32)
+    for grad in grads:
+        wide = torch.float64 if grad.dtype == torch.float64 else torch.float32
+        norm = torch.linalg.vector_norm(grad, 2.0, dtype=wide)
         squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
     total = float(torch.stack(squares).sum().sqrt()) if squares else 0.0
     coef = max_norm / (total + 1e-6)  # as torch's clip_grad_norm_
     if coef < 1.0:
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(coef)
+        for grad in grads:
+            grad.mul_(coef)
     return total

@@ -7,6 +7,8 @@ as transformers' forward forms them and the samplers then divide by the temperat
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from longstraw.engine.precision import accumulated_product
@@ -80,3 +82,25 @@ def accumulate_block(d_logits: torch.Tensor, h: torch.Tensor, weight: torch.Tens
         d_weight.addmm_(d_logits.t(), h)
     if d_bias is not None:  # d(projection) / d(bias): one per row
         d_bias.add_(d_logits.sum(0))
+
+
+def chunked_backward(ctx: Any, grad_out: torch.Tensor,
+                     start: int = 0) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """(d_hidden, d_weight, d_bias) of a chunked log-prob whose forward saved (hidden, weight, bias or an empty
+    tensor, targets, lse) and set `ctx`'s token_chunk, temperature, logit_scale, softcap and has_bias: each block's
+    logits recomputed (`scored_block`), their gradient from the forward's lse (`logits_gradient`; `start`: the first
+    vocabulary id of this rank's rows) accumulated into the inputs that need one (None for the others)."""
+    hidden, weight, bias, targets, lse = ctx.saved_tensors
+    bias = bias if ctx.has_bias else None
+    need_h, need_w, need_b = ctx.needs_input_grad[:3]
+    d_hidden = torch.empty_like(hidden) if need_h else None
+    d_weight = torch.zeros_like(weight) if need_w else None
+    d_bias = torch.zeros_like(bias) if need_b and bias is not None else None
+    c = ctx.token_chunk
+    for s in range(0, hidden.shape[0], c):
+        h = hidden[s : s + c]
+        logits, slope = scored_block(h, weight, bias, ctx.logit_scale, ctx.temperature, ctx.softcap)
+        d_logits = logits_gradient(logits, slope, lse[s : s + c], targets[s : s + c], grad_out[s : s + c],
+                                   ctx.temperature, ctx.logit_scale, start)  # (c, V)
+        accumulate_block(d_logits.to(weight.dtype), h, weight, s, d_hidden, d_weight, d_bias)
+    return d_hidden, d_weight, d_bias

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from longstraw.engine.logits import accumulate_block, logits_gradient, scaled_logits, scored_block
+from longstraw.engine.logits import chunked_backward, scaled_logits
 from longstraw.engine.precision import accumulated_product, accumulation_dtype, head_input
 
 DEFAULT_TOKEN_CHUNK = 1024
@@ -77,20 +77,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        hidden, weight, bias, targets, lse = ctx.saved_tensors
-        bias = bias if ctx.has_bias else None
-        need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        d_hidden = torch.empty_like(hidden) if need_h else None
-        d_weight = torch.zeros_like(weight) if need_w else None
-        d_bias = torch.zeros_like(bias) if need_b and bias is not None else None
-        c = ctx.token_chunk
-        for s in range(0, hidden.shape[0], c):
-            h = hidden[s : s + c]
-            logits, slope = scored_block(h, weight, bias, ctx.logit_scale, ctx.temperature, ctx.softcap)  # recomputed
-            d_logits = logits_gradient(logits, slope, lse[s : s + c], targets[s : s + c], grad_out[s : s + c],
-                                       ctx.temperature, ctx.logit_scale)
-            accumulate_block(d_logits.to(weight.dtype), h, weight, s, d_hidden, d_weight, d_bias)
-        return d_hidden, d_weight, d_bias, None, None, None, None, None
+        return *chunked_backward(ctx, grad_out), None, None, None, None, None
 
 
 def chunked_logprobs(

@@ -69,13 +69,11 @@ class BackwardOptions:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "plan", plan_named(self.plan))
-        loss = self.loss
-        if isinstance(loss, str):
-            loss = LossConfig(loss)
-        elif not isinstance(loss, LossConfig):
+        if isinstance(self.loss, str):
+            object.__setattr__(self, "loss", LossConfig(self.loss))
+        elif not isinstance(self.loss, LossConfig):
             raise TypeError(f"loss must be a LossConfig (e.g. LossConfig('dapo', beta=0.04)) or a loss's name, got "
-                            f"{type(loss).__name__}")
-        object.__setattr__(self, "loss", loss)
+                            f"{type(self.loss).__name__}")
         for name in ("chunk_size", "micro_batch", "token_chunk"):
             _int_at_least(name, getattr(self, name), 1)
         object.__setattr__(self, "checkpoint", check_checkpoint(self.checkpoint))

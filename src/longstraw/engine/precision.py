@@ -29,6 +29,11 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in REDUCED else dtype
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """"float32" for torch.float32: a dtype as messages name it."""
+    return str(dtype).removeprefix("torch.")
+
+
 def head_input(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`hidden` in the output projection's dtype, where a family keeps its head in another (Hunyuan-V4's float32
     lm_head beside bfloat16 layers, `_keep_in_fp32_modules_strict`): its forward casts the hidden states so before

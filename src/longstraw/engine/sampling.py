@@ -58,10 +58,9 @@ class SamplingConfig:
     max_turns: int = 1
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.max_turns < 1:
-            raise ValueError(f"max_turns must be >= 1, got {self.max_turns}")
+        for name in ("max_new_tokens", "max_turns"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.temperature >= MIN_TEMPERATURE:
             raise ValueError(f"temperature must be >= {MIN_TEMPERATURE}, got {self.temperature}: below it sampling is "
                              "already greedy in all but name, and logits / temperature can overflow to inf; for greedy "

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from longstraw.engine.logits import accumulate_block, logits_gradient, scored_block
+from longstraw.engine.logits import chunked_backward, scored_block
 from longstraw.engine.precision import accumulated_product, accumulation_dtype
 
 
@@ -103,20 +103,8 @@ class _VocabParallelLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        hidden, weight, bias, targets, lse = ctx.saved_tensors
-        bias = bias if ctx.has_bias else None
-        need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        d_hidden = torch.empty_like(hidden) if need_h else None
-        d_weight = torch.zeros_like(weight) if need_w else None
-        d_bias = torch.zeros_like(bias) if need_b and bias is not None else None
-        c = ctx.token_chunk
-        for s in range(0, hidden.shape[0], c):
-            h = hidden[s : s + c]
-            logits, slope = scored_block(h, weight, bias, ctx.logit_scale, ctx.temperature, ctx.softcap)
-            # the softmax from the forward's global lse; the one-hot on the rank that holds the target
-            d_logits = logits_gradient(logits, slope, lse[s : s + c], targets[s : s + c], grad_out[s : s + c],
-                                       ctx.temperature, ctx.logit_scale, ctx.start)  # (c, V_t)
-            accumulate_block(d_logits.to(weight.dtype), h, weight, s, d_hidden, d_weight, d_bias)
+        # the softmax from the forward's global lse; the one-hot on the rank that holds the target
+        d_hidden, d_weight, d_bias = chunked_backward(ctx, grad_out, ctx.start)
         if d_hidden is not None:
             dist.all_reduce(d_hidden, group=ctx.group)
         return d_hidden, d_weight, d_bias, None, None, None, None, None, None, None

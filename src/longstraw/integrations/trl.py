@@ -191,7 +191,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             aux = float("nan")
             if built is not None:
                 tree, options = built
-                with self._autocast():
+                with autocast_of(bool(self.args.bf16), self._policy()):
                     result = backward_tree(self._policy(), tree, options)
                 total += result.loss
                 for key in ("tokens_encoded", "tokens_flattened", "tree_nodes", "tree_depth"):
@@ -235,9 +235,6 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 group=i))
         return build_tree(trajectories, option(self.args, "tree_min_shared")), options
 
-    def _autocast(self) -> Any:
-        return autocast_of(bool(self.args.bf16), self._policy())
-
     def _deepspeed_loss(self, batches: list[dict[str, Any]]) -> torch.Tensor:
         """DeepSpeed ZeRO (integrations/deepspeed.py): the micro-batch's gradient, returned inside the loss that
         Trainer's `engine.backward` hands to DeepSpeed (which Trainer runs without its 1/gradient_accumulation_steps
@@ -249,8 +246,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 total = self._backward_batches(batches)
             # a parameter without a gradient (or a process without a row) hands over zeros: every process then
             # takes part in each of DeepSpeed's reductions
-            mine = [leaves[id(p)] for p in params]
-            grads = [torch.zeros_like(leaf) if leaf.grad is None else leaf.grad for leaf in mine]
+            grads = [torch.zeros_like(leaf) if leaf.grad is None else leaf.grad
+                     for leaf in (leaves[id(p)] for p in params)]
             return hand_over(total, params, grads, self.accelerator.device)
 
     def _context_batches(self, inputs: dict[str, Any]) -> list[dict[str, Any]]:

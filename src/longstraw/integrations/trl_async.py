@@ -152,19 +152,17 @@ class SampleBatch:
         samples = [row.samples for row in rows]
         p, s = len(rows), max(len(row) for row in samples)
         length = max(len(x["input_ids"]) for row in samples for x in row)
-        out = {"ls_ids": torch.zeros(p, s, length, dtype=torch.long),
-               "ls_mask": torch.zeros(p, s, length, dtype=torch.long),
-               "ls_old": torch.zeros(p, s, length, dtype=torch.float32),
-               "ls_length": torch.zeros(p, s, dtype=torch.long),
-               "ls_advantage": torch.zeros(p, s, dtype=torch.float32)}
+        per_token = {"ls_ids": ("input_ids", torch.long), "ls_mask": ("completion_mask", torch.long),
+                     "ls_old": ("old_log_probs", torch.float32)}  # key: (the sample's field, dtype)
+        out = {key: torch.zeros(p, s, length, dtype=dtype) for key, (_, dtype) in per_token.items()}
+        out |= {"ls_length": torch.zeros(p, s, dtype=torch.long),
+                "ls_advantage": torch.zeros(p, s, dtype=torch.float32)}
         for r, row in enumerate(samples):
             for i, x in enumerate(row):
                 n = len(x["input_ids"])
-                out["ls_ids"][r, i, :n] = torch.as_tensor(x["input_ids"])
-                out["ls_mask"][r, i, :n] = torch.as_tensor(x["completion_mask"])
-                out["ls_old"][r, i, :n] = torch.as_tensor(x["old_log_probs"], dtype=torch.float32)
-                out["ls_length"][r, i] = n
-                out["ls_advantage"][r, i] = float(x["advantage"])
+                for key, (name, dtype) in per_token.items():
+                    out[key][r, i, :n] = torch.as_tensor(x[name], dtype=dtype)
+                out["ls_length"][r, i], out["ls_advantage"][r, i] = n, float(x["advantage"])
         return {**batch, **out}
 
 

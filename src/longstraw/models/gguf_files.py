@@ -42,11 +42,6 @@ def cache_root() -> Path:
     return Path(os.environ.get("LONGSTRAW_CACHE") or Path.home() / ".cache" / "longstraw")
 
 
-def gguf_cache_dir(path: str) -> Path:
-    """Where the de-quantised copy of a .gguf file is cached (keyed by name and size)."""
-    return cache_root() / "gguf" / f"{Path(path).stem}-{Path(path).stat().st_size}"
-
-
 def converted_gguf(path: str) -> Path:
     """A transformers directory (safetensors + tokenizer) converted from a .gguf file, made once and cached.
 
@@ -56,7 +51,7 @@ def converted_gguf(path: str) -> Path:
     """
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file not found: {path}")
-    target = gguf_cache_dir(path)
+    target = cache_root() / "gguf" / f"{Path(path).stem}-{Path(path).stat().st_size}"  # keyed by name and size
     if (target / "config.json").is_file():
         return target
     try:

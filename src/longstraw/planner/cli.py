@@ -105,25 +105,20 @@ def format_plan(document: dict[str, Any], other_gather: dict[str, dict[str, Any]
         return f"{label:<{width}}" + "".join(f"{cell:>18}" for cell in cells)
 
     head = row("per GPU, GB", names)
-    lines = [
-        f"{model['name']} ({model['model_type']}, {model['params'] / 1e9:.2f}B params, layers "
-        + ", ".join(f"{k}x{v}" for k, v in model["layer_kinds"].items()) + ")",
-        f"P={inp['prompt_tokens']} R={inp['response_tokens']}"
-        + (f" (of which {inp['observation_tokens']} observation tokens)" if inp.get("observation_tokens") else "")
-        + f" G={inp['group_size']} {inp['dtype']}, "
-        f"{inp['gpus']} GPU(s) x {inp['gpu_memory'] / 1e9:.1f} GB, cp={inp['cp']}, "
-        + (f"tp={inp['tp']}, " if inp.get("tp", 1) > 1 else "") +
-        f"{'FSDP/ZeRO-3' if inp['shard'] and inp['gpus'] > inp.get('tp', 1) else 'no sharding'}"
-        + (f" (LongStraw's plans gather {'every parameter' if inp.get('fsdp_gather', 'all') == 'all' else 'a layer'}"
-           " at a time)" if inp["shard"] and inp["gpus"] > inp.get("tp", 1) else "")
-        + ", micro-batch "
-        f"{inp['micro_batch']}, chunk {inp['chunk_size']}"
-        + (", per-layer activation checkpointing" if inp["checkpoint_layers"] else "")
-        + (", prompt state offloaded to host memory" if inp.get("offload_state") else "")
-        + (f", exact keeps the last {inp['keep_prompt_graph']} capture graph(s)" if inp.get("keep_prompt_graph")
-           else ""),
-        head, "-" * len(head),
-    ]
+    gather = "every parameter" if inp.get("fsdp_gather", "all") == "all" else "a layer"
+    setup = (f"P={inp['prompt_tokens']} R={inp['response_tokens']}"
+             + (f" (of which {inp['observation_tokens']} observation tokens)" if inp.get("observation_tokens") else "")
+             + f" G={inp['group_size']} {inp['dtype']}, {inp['gpus']} GPU(s) x {inp['gpu_memory'] / 1e9:.1f} GB, "
+             f"cp={inp['cp']}, " + (f"tp={inp['tp']}, " if inp.get("tp", 1) > 1 else "")
+             + (f"FSDP/ZeRO-3 (LongStraw's plans gather {gather} at a time)" if inp["shard"]
+                and inp["gpus"] > inp.get("tp", 1) else "no sharding")
+             + f", micro-batch {inp['micro_batch']}, chunk {inp['chunk_size']}"
+             + (", per-layer activation checkpointing" if inp["checkpoint_layers"] else "")
+             + (", prompt state offloaded to host memory" if inp.get("offload_state") else "")
+             + (f", exact keeps the last {inp['keep_prompt_graph']} capture graph(s)"
+                if inp.get("keep_prompt_graph") else ""))
+    lines = [f"{model['name']} ({model['model_type']}, {model['params'] / 1e9:.2f}B params, layers "
+             + ", ".join(f"{k}x{v}" for k, v in model["layer_kinds"].items()) + ")", setup, head, "-" * len(head)]
     lines += [row(key, (_gb(plans[n]["components"].get(key)) for n in names)) for key in rows]
     lines += ["-" * len(head), row("peak (total)", (_gb(plans[n]["total_bytes"]) for n in names)),
               row("peak phase", (plans[n]["peak_phase"] for n in names)),

@@ -151,24 +151,16 @@ def _layer_mixers(c, mt: str, linear: str = "") -> tuple[tuple[str, ...], int]:
     if not types:
         sliding = window and getattr(c, "use_sliding_window", True) is not False
         return ("sliding" if sliding else "attention",) * n, window
-    mixers = []
+    kinds = {"full_attention": "attention", "attention": "attention", "chunked_attention": "chunked",
+             "sliding_attention": "sliding" if window else "", "linear_attention": linear,
+             "conv": "conv" if mt in SHORT_CONV_TYPES else ""}
     for t in types:
-        if t in ("full_attention", "attention"):
-            mixers.append("attention")
-        elif t == "sliding_attention" and window:
-            mixers.append("sliding")
-        elif t == "chunked_attention":
-            mixers.append("chunked")
-        elif t == "linear_attention" and linear:
-            mixers.append(linear)
-        elif t == "conv" and mt in SHORT_CONV_TYPES:
-            mixers.append("conv")
-        else:
+        if not kinds.get(t):
             raise ValueError(f"{mt}: the planner does not model layer type {t!r} of this family (it models "
                              "full_attention, sliding_attention with a sliding_window, chunked_attention"
                              + (f", linear_attention as {linear}" if linear else "")
                              + (", conv" if mt in SHORT_CONV_TYPES else "") + ")")
-    return tuple(mixers), window
+    return tuple(kinds[t] for t in types), window
 
 
 def _generic_attention_dims(c) -> Fields:

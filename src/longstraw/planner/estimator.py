@@ -416,4 +416,3 @@ def plan_all(
         "inputs": asdict(inp),
         "plans": out,
     }
-

@@ -164,33 +164,22 @@ def _read_generic_mla(c: Any, mt: str, n: int, meta: _MetaModel, base: Fields, t
                      **_generic_mlps(c, meta))
 
 
-def _read_mamba2_hybrid(c: Any, mt: str, n: int, meta: _MetaModel, base: Fields, types: list[str]) -> ModelSpec:
-    mixers, window = _layer_mixers(c, mt, linear="mamba")
-    return ModelSpec(**base, mixers=mixers, **_attention_dims(c), window=window, **_generic_mlps(c, meta),
-                     **_falcon_mamba_dims(c))
+def _hybrid(linear: str, extra: Callable[[Any], Fields], qk_norm: bool = True) -> Callable[..., ModelSpec]:
+    """The reader of a family of attention layers beside `linear` layers (`_layer_mixers`), generic MLPs, and the
+    linear layers' dimensions `extra(config)`; q/k norms as the meta model has them (`qk_norm`)."""
+
+    def read(c: Any, mt: str, n: int, meta: _MetaModel, base: Fields, types: list[str]) -> ModelSpec:
+        mixers, window = _layer_mixers(c, mt, linear=linear)
+        return ModelSpec(**base, mixers=mixers, **_attention_dims(c), qk_norm=qk_norm and meta.qk_norm, window=window,
+                         **_generic_mlps(c, meta), **extra(c))
+    return read
 
 
-def _read_gated_deltanet(c: Any, mt: str, n: int, meta: _MetaModel, base: Fields, types: list[str]) -> ModelSpec:
-    mixers, window = _layer_mixers(c, mt, linear="linear")
-    return ModelSpec(**base, mixers=mixers, **_attention_dims(c), qk_norm=meta.qk_norm, window=window,
-                     **_generic_mlps(c, meta), **_deltanet_dims(c))
-
-
-def _read_short_conv(c: Any, mt: str, n: int, meta: _MetaModel, base: Fields, types: list[str]) -> ModelSpec:
-    mixers, window = _layer_mixers(c, mt)
-    return ModelSpec(**base, mixers=mixers, **_attention_dims(c), qk_norm=meta.qk_norm, window=window,
-                     **_generic_mlps(c, meta), conv_kernel=c.conv_L_cache)
-
-
-def _read_lightning(c: Any, mt: str, n: int, meta: _MetaModel, base: Fields, types: list[str]) -> ModelSpec:
+def _lightning_dims(c: Any) -> Fields:
     """Lightning attention: heads x head_dim x head_dim per layer, the model's dtype"""
-    mixers, window = _layer_mixers(c, mt, linear="lightning")
     heads = _attention_dims(c)
-    return ModelSpec(
-        **base, mixers=mixers, **heads, qk_norm=meta.qk_norm, window=window, **_generic_mlps(c, meta),
-        lin_key_heads=heads["heads"], lin_value_heads=heads["heads"], lin_key_dim=heads["head_dim"],
-        lin_value_dim=heads["head_dim"],
-    )
+    return {"lin_key_heads": heads["heads"], "lin_value_heads": heads["heads"], "lin_key_dim": heads["head_dim"],
+            "lin_value_dim": heads["head_dim"]}
 
 
 def _read_shared_block(c: Any, mt: str, n: int, meta: _MetaModel, base: Fields, types: list[str]) -> ModelSpec:
@@ -223,10 +212,10 @@ def _read_cca(c: Any, mt: str, n: int, meta: _MetaModel, base: Fields, types: li
 _READERS: dict[str, Callable[..., ModelSpec]] = {
     **dict.fromkeys(ATTENTION_MODEL_TYPES, _read_generic_attention),
     **dict.fromkeys(MLA_MODEL_TYPES + DSA_MODEL_TYPES, _read_generic_mla),
-    **dict.fromkeys(MAMBA2_HYBRID_TYPES, _read_mamba2_hybrid),
-    **dict.fromkeys(GATED_DELTANET_TYPES, _read_gated_deltanet),
-    **dict.fromkeys(SHORT_CONV_TYPES, _read_short_conv),
-    **dict.fromkeys(LIGHTNING_TYPES, _read_lightning),
+    **dict.fromkeys(MAMBA2_HYBRID_TYPES, _hybrid("mamba", _falcon_mamba_dims, qk_norm=False)),
+    **dict.fromkeys(GATED_DELTANET_TYPES, _hybrid("linear", _deltanet_dims)),
+    **dict.fromkeys(SHORT_CONV_TYPES, _hybrid("", lambda c: {"conv_kernel": c.conv_L_cache})),
+    **dict.fromkeys(LIGHTNING_TYPES, _hybrid("lightning", _lightning_dims)),
     **dict.fromkeys(SHARED_BLOCK_TYPES, _read_shared_block),
     **dict.fromkeys(CCA_TYPES, _read_cca),
     **dict.fromkeys(("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "cohere2"), _read_plain_attention),

@@ -87,9 +87,7 @@ class TreeShape:
     def levels(self) -> tuple[Level, ...]:
         """A task's branching levels, first to last (`Level`): the last is its leaves; none when G = 1 (the task is
         its one trajectory)."""
-        if self.group_size == 1:
-            return ()
-        return _LEVELS[self.fork](self)
+        return () if self.group_size == 1 else _LEVELS[self.fork](self)
 
     @property
     def branch_turns(self) -> int:
@@ -193,28 +191,25 @@ def counts(shape: TreeShape) -> TreeCounts:
 ROWS = ("flattened", "group", "packed", "tree_exact", "tree_detach")
 
 
+_PASSES: dict[str, Callable[[TreeShape, TreeCounts], int]] = {  # row -> its token passes (`FLOOR_FORMULAS`)
+    "flattened": lambda s, c: 3 * c.tokens_flattened,
+    "group": lambda s, c: s.tasks * (4 * (s.prompt_tokens - 1) + 3 * s.group_size * s.turns * s.turn_tokens),
+    "packed": lambda s, c: 3 * c.tokens_encoded,
+    "tree_exact": lambda s, c: 4 * c.inner_inputs + 3 * c.leaf_inputs,
+    "tree_detach": lambda s, c: (c.inner_inputs - c.inner_loss_inputs) + 3 * (c.inner_loss_inputs + c.leaf_inputs),
+}
+
+
 def token_passes(shape: TreeShape, row: str) -> int:
     """Tokens `row` runs through the model's body, a backward counted as two forwards (`FLOOR_FORMULAS`)."""
-    c = counts(shape)
-    if row == "flattened":
-        return 3 * c.tokens_flattened
-    elif row == "group":
-        return shape.tasks * (4 * (shape.prompt_tokens - 1) + 3 * shape.group_size * shape.turns * shape.turn_tokens)
-    elif row == "packed":
-        return 3 * c.tokens_encoded
-    elif row == "tree_exact":
-        return 4 * c.inner_inputs + 3 * c.leaf_inputs
-    elif row == "tree_detach":
-        return (c.inner_inputs - c.inner_loss_inputs) + 3 * (c.inner_loss_inputs + c.leaf_inputs)
-    raise ValueError(f"unknown row {row!r}: one of {', '.join(ROWS)}")
+    if row not in _PASSES:
+        raise ValueError(f"unknown row {row!r}: one of {', '.join(ROWS)}")
+    return _PASSES[row](shape, counts(shape))
 
 
 FLOOR_FORMULAS = {
-    "flattened": "3 * sum_i (N_i - 1)",
-    "group": "K * (4 * (S + C - 1) + 3 * G * T * (r + o))",
-    "packed": "3 * E",
-    "tree_exact": "4 * I + 3 * L",
-    "tree_detach": "(I - I_loss) + 3 * (I_loss + L)",
+    "flattened": "3 * sum_i (N_i - 1)", "group": "K * (4 * (S + C - 1) + 3 * G * T * (r + o))", "packed": "3 * E",
+    "tree_exact": "4 * I + 3 * L", "tree_detach": "(I - I_loss) + 3 * (I_loss + L)",
 }
 FLOOR_NOTE = ("token passes: tokens run through the model's body, a backward counted as two forwards; E the tree's "
               "encoded tokens, I / L its inner nodes' / leaves' inputs, I_loss the inner nodes' inputs that predict "

@@ -96,12 +96,9 @@ def format_prompt(tokenizer: Any, text: str) -> list[int]:
     tokenizer's default special tokens. Always returns a flat ``list[int]``.
     """
     if getattr(tokenizer, "chat_template", None):
-        out = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                            tokenize=True)
-        return _as_id_list(out)
-    if hasattr(tokenizer, "encode"):
-        return _as_id_list(tokenizer.encode(text))
-    return encode(tokenizer, text)
+        return _as_id_list(tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                         add_generation_prompt=True, tokenize=True))
+    return _as_id_list(tokenizer.encode(text)) if hasattr(tokenizer, "encode") else encode(tokenizer, text)
 
 
 # ---------------------------------------------------------------------------------------------------------- rewards
@@ -141,9 +138,9 @@ def check_reward(value: Any, where: str) -> float:
     """``value`` as a float, or a ValueError naming ``where`` if it is not a finite real number."""
     # Strings would pass float("0.5"); refusing them catches a function that returns its text by mistake.
     # bool passes as 0/1 (a common shape for match functions); numpy/torch scalars pass through float().
-    if value is None or isinstance(value, (str, bytes, complex)):
-        raise ValueError(f"{where} returned {type(value).__name__} {value!r}; a reward must be a real number")
     try:
+        if value is None or isinstance(value, (str, bytes, complex)):
+            raise TypeError
         out = float(value)
     except (TypeError, ValueError, RuntimeError) as e:
         raise ValueError(f"{where} returned {type(value).__name__} {value!r}; a reward must be a real number") from e

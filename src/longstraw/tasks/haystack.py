@@ -42,9 +42,7 @@ NAMES = (
 
 
 def _filler_sentence(rng: random.Random) -> str:
-    if rng.random() < 0.15:
-        return rng.choice(_INTERJECTIONS)
-    return f"{rng.choice(_SUBJECTS)} {rng.choice(_PREDICATES)}."
+    return rng.choice(_INTERJECTIONS) if rng.random() < 0.15 else f"{rng.choice(_SUBJECTS)} {rng.choice(_PREDICATES)}."
 
 
 class _Filler:

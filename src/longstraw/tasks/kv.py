@@ -118,8 +118,7 @@ class KVTask(Task):
     def reward(self, completion: str, example: Example) -> float:
         key = example.meta.get("key", "").lower()
         found = next((m.group(0).lower() for m in _UUID.finditer(completion) if m.group(0).lower() != key), None)
+        answer = example.answer.lower()
         if found is None:
             return 0.0
-        if self.partial:
-            return positional_match(found, example.answer.lower())
-        return float(found == example.answer.lower())
+        return positional_match(found, answer) if self.partial else float(found == answer)

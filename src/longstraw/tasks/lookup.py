@@ -97,13 +97,10 @@ class CallEnd:
         return ends_call(self.decode(ids), self.decode(ids[:-1]))
 
 
-def _question(name: str, hops: int) -> str:
-    return f"What is the phone number of {name}?" if hops == 1 else f"What is the phone number of {name}'s manager?"
-
-
 def _prompt(people: list[tuple[str, int, int, int]], asked: int, hops: int) -> str:
     lines = "".join(f"{name} -> id {pid}\n" for name, pid, _, _ in people)
-    return f"{INSTRUCTIONS}{lines}\nQuestion: {_question(people[asked][0], hops)}"
+    whose = people[asked][0] + ("" if hops == 1 else "'s manager")
+    return f"{INSTRUCTIONS}{lines}\nQuestion: What is the phone number of {whose}?"
 
 
 @dataclass

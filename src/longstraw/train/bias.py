@@ -45,15 +45,10 @@ def due(cfg: TrainConfig, step: int) -> bool:
 def compare_gradients(detach: list[torch.Tensor | None], exact: list[torch.Tensor | None]) -> dict[str, float]:
     """Cosine, relative error and norm ratio of two gradients given per parameter (None = zero), in float64."""
     dot = nd = ne = diff = 0.0
+    zero = torch.zeros((), dtype=torch.float64)  # broadcast in place of a missing gradient
     for a, b in zip(detach, exact, strict=True):
-        if a is None:
-            if b is None:
-                continue
-            b64 = b.detach().double()
-            a64 = torch.zeros_like(b64)
-        else:
-            a64 = a.detach().double()
-            b64 = b.detach().double() if b is not None else torch.zeros_like(a64)
+        a64 = zero if a is None else a.detach().double()
+        b64 = zero if b is None else b.detach().double()
         dot += float((a64 * b64).sum())
         nd += float(a64.square().sum())
         ne += float(b64.square().sum())
@@ -98,4 +93,3 @@ def measure(model: torch.nn.Module, groups: list[Group], cfg: TrainConfig) -> di
     out = compare_gradients(detach, exact_gradient(model, groups, cfg))
     out["time_bias_s"] = time.perf_counter() - t0
     return out
-

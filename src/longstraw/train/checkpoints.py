@@ -172,14 +172,9 @@ def save_run(par: Parallel, run_dir: Path, model: torch.nn.Module, optimizer: to
     state = par.full_state(model, optimizer)
     if state is not None:  # rank 0
         save_checkpoint(run_dir, {
-            "step": step,
-            "model": state[0],
-            "optimizer": None if cfg.run.save_weights_only else state[1],
-            "scheduler": scheduler.state_dict(),
-            "config": cfg.to_flat(),
-            "summary": summary,
-            "rng": rng if rng is not None else rng_state(),
-        })
+            "step": step, "model": state[0], "optimizer": None if cfg.run.save_weights_only else state[1],
+            "scheduler": scheduler.state_dict(), "config": cfg.to_flat(), "summary": summary,
+            "rng": rng if rng is not None else rng_state()})
 
 
 def restore_run(par: Parallel, ckpt: dict[str, Any] | None, model: torch.nn.Module,

@@ -95,15 +95,13 @@ def _flatten_sections(path: Path, data: dict[str, Any]) -> dict[str, Any]:
     """The `[section]` tables of a TOML file as one flat dict; ValueError for a key outside its section."""
     flat: dict[str, Any] = {}
     for section, table in data.items():
-        if section not in SECTIONS:
-            if not isinstance(table, dict) and section not in SECTION_OF:
-                raise ValueError(f"{path}: unknown option {section}{did_you_mean(section, SECTION_OF)}")
+        if section not in SECTIONS or not isinstance(table, dict):  # a flat key (plan = "exact") or a mistyped name
             if section in SECTION_OF:
                 raise ValueError(f"{path}: {section} belongs in [{SECTION_OF[section]}]")
+            if not isinstance(table, dict):
+                raise ValueError(f"{path}: unknown option {section}{did_you_mean(section, SECTION_OF)}")
             raise ValueError(f"{path}: unknown section [{section}]{did_you_mean(section, SECTIONS)}; sections: "
                              f"{', '.join(f'[{name}]' for name in SECTIONS)}")
-        if not isinstance(table, dict):  # a flat key whose name is also a section's (plan = "exact")
-            raise ValueError(f"{path}: {section} belongs in [{SECTION_OF[section]}]")
         for key, value in table.items():
             if key in SECTION_OF and SECTION_OF[key] != section:
                 raise ValueError(f"{path}: {key} belongs in [{SECTION_OF[key]}], not [{section}]")

@@ -135,14 +135,11 @@ class TaskData:
     def examples(self, step: int) -> list[Example]:
         """The prompts of 0-based `step`, each from its own seed (seed, step, index); a jsonl file's rows uniformly
         (with replacement) from its training rows."""
-        out = []
-        for j in range(self.cfg.rollout.prompts_per_step):
-            rng = random.Random(derive_seed(self.cfg.run.seed, step, j))
-            if self.train_rows is not None:
-                out.append(self.train_rows[rng.randrange(len(self.train_rows))])
-            else:
-                out.append(self.task.sample(rng))
-        return out
+        seed = self.cfg.run.seed
+        rngs = [random.Random(derive_seed(seed, step, j)) for j in range(self.cfg.rollout.prompts_per_step)]
+        if self.train_rows is not None:
+            return [self.train_rows[rng.randrange(len(self.train_rows))] for rng in rngs]
+        return [self.task.sample(rng) for rng in rngs]
 
     def held_out(self) -> list[Example]:
         """The held-out evaluation's prompts: a jsonl file's held-out rows, or a generated task's from a seed stream
@@ -159,9 +156,7 @@ class TaskData:
         """What ends an agent task's tool call (`SamplingConfig.call_end`): the lookup task's `CallEnd`, which reads
         the decoded response, so every way the tokenizer splits the closing tag hands the response to the
         environment; () for single-turn tasks."""
-        if not isinstance(self.task, LookupTask):
-            return ()
-        return CallEnd(self.decode_ids)
+        return CallEnd(self.decode_ids) if isinstance(self.task, LookupTask) else ()
 
     def decode_ids(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -84,16 +84,11 @@ class StepLog:
             # tokens the tree's passes encode (each shared token once) over those of every trajectory run on its own
             trees["tree_encoded_fraction"] = trees["tree_tokens_encoded"] / max(1, trees["tree_tokens_flattened"])
         return {
-            "step": step + 1,
-            "reward_mean": float(rewards.mean()),
-            "reward_max": float(rewards.max()),
+            "step": step + 1, "reward_mean": float(rewards.mean()), "reward_max": float(rewards.max()),
             "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
-            "loss": loss,
-            "grad_norm": grad_norm,
-            "lr": lr,
+            "loss": loss, "grad_norm": grad_norm, "lr": lr,
             "kept_groups": n_kept // par.block_size,  # a block's ranks share their groups
-            "skipped_zero_advantage": total["skipped"],
-            "dropped_groups": total["dropped"],
+            "skipped_zero_advantage": total["skipped"], "dropped_groups": total["dropped"],
             "response_tokens_mean": total["response_tokens"] / responses,
             # agent tasks: tokens the environment appended (in the responses, not in the loss), model turns and tool
             # calls; the step's totals over every sampled response, and per response
@@ -102,13 +97,9 @@ class StepLog:
             "prompt_tokens": total["prompt_tokens"] // max(1, n_kept // par.block_size) if n_kept else 0,
             "peak_memory_bytes": peak,  # the largest rank's
             "tokens_per_s": (total["prompt_tokens"] + total["response_tokens"]) / max(1e-9, *t_step),
-            "time_rollout_s": max(x["t_rollout"] for x in ranks),
-            "time_train_s": max(x["t_train"] for x in ranks),
-            # --rollout tree: tree_nodes, tree_leaves, tree_depth, tree_trajectories, tree_tokens_encoded,
-            # tree_tokens_flattened, tree_encoded_fraction; rollout_forks, rollout_groups, rollout_positions_run,
-            # rollout_tokens_sampled, rollout_tokens_flattened (engine/tree/rollout.py)
-            **trees,
-            **bias_metrics,
+            "time_rollout_s": max(x["t_rollout"] for x in ranks), "time_train_s": max(x["t_train"] for x in ranks),
+            # --rollout tree: the kept trees' counts (`StepLog.tree`: tree_* and rollout_*), tree_encoded_fraction
+            **trees, **bias_metrics,
         }
 
 
@@ -128,9 +119,8 @@ class Progress:
 
     def update(self, step: int, phase: str, done: int, of: int) -> None:
         if self.tty and self.enabled:
-            width = 20
-            filled = int(width * done / max(1, of))
-            bar = "#" * filled + "-" * (width - filled)
+            filled = int(20 * done / max(1, of))  # of a 20-character bar
+            bar = "#" * filled + "-" * (20 - filled)
             print(f"\rstep {step + 1}/{self.total} [{bar}] {phase} {done}/{of}   ", end="", flush=True)
 
     def step_done(self, m: dict[str, Any]) -> None:

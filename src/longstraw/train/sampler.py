@@ -118,10 +118,10 @@ class Sampler:
                 log.rollout(r.rewards, lengths, int(r.prompt.numel()), dropped=drop, turns=r.turns,
                             tool_calls=r.tool_calls,
                             observation_tokens=0 if masks is None else sum(int((~m).sum()) for m in masks))
-                if isinstance(r, ScoredTree) and not drop:
-                    log.tree(r.tree.stats(), r.rollout_stats)
                 if not drop:
                     kept.append(r)
+                    if isinstance(r, ScoredTree):
+                        log.tree(r.tree.stats(), r.rollout_stats)
         log.rollouts_done()
         return kept
 
@@ -139,10 +139,8 @@ class Sampler:
         rewards = self._rewards(out.responses, example, step)
         advantages = group_advantages(rewards, cfg.plan.advantage, self.loss_dtype,
                                       f"step {step + 1}: rewards of group {j + 1}")
-        ref = None
-        if self.reference is not None:
-            ref = score_responses(self.reference, prompt, out.responses, cfg.plan.chunk_size, cfg.plan.micro_batch,
-                                  context_shards=cp)
+        ref = None if self.reference is None else score_responses(
+            self.reference, prompt, out.responses, cfg.plan.chunk_size, cfg.plan.micro_batch, context_shards=cp)
         # loss_masks: an agent task's observation tokens are context, not the policy's actions
         group = Group(prompt, out.responses, advantages, old_logprobs=out.logprobs, ref_logprobs=ref,
                       loss_masks=out.loss_masks)
@@ -167,9 +165,8 @@ class Sampler:
                                          loss_dtype=self.loss_dtype)
         except UnnormalisableRewards as err:
             raise RewardError(err.describe(f"step {step + 1}: rewards of tree {j + 1}")) from None
-        ref = None
-        if self.reference is not None:  # each leaf scored on its own (the reference's log-probs, no gradient)
-            ref = score_responses(self.reference, prompt, out.responses, cfg.plan.chunk_size, cfg.plan.micro_batch)
+        ref = None if self.reference is None else score_responses(  # each leaf on its own (no gradient)
+            self.reference, prompt, out.responses, cfg.plan.chunk_size, cfg.plan.micro_batch)
         return ScoredTree(prompt=prompt, tree=out.tree(advantages, ref_logprobs=ref), rewards=rewards,
                           rollout_stats=out.stats, turns=sum(out.turns), tool_calls=sum(out.tool_calls))
 

@@ -291,8 +291,7 @@ class OptimizerSection:
         _at_least(self, 0, "warmup_steps", "warm_start_steps")
         _finite(self, "lr", "weight_decay", "max_grad_norm")
         need(self.lr > 0, "lr must be > 0")
-        need(self.lr_schedule in LR_SCHEDULES, f"lr_schedule must be {' or '.join(LR_SCHEDULES)}, got "
-             f"{self.lr_schedule!r}{did_you_mean(self.lr_schedule, LR_SCHEDULES)}")
+        _choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
         need(math.isfinite(self.warm_start_lr) and self.warm_start_lr > 0,
              f"warm_start_lr must be a finite number > 0, got {self.warm_start_lr}")
 

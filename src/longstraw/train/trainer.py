@@ -9,9 +9,6 @@ group whose advantages are all 0 with beta = 0 has an exactly zero gradient and 
 `skipped_zero_advantage`), the mean over groups, the clipped gradient norm, and the AdamW step, refused before it
 touches the weights when the norm or the update would be non-finite (`optimizer.py`). Then the LR schedule.
 
-Data is a pure function of (seed, step, prompt index), so resuming only needs the step number; the checkpoint also
-keeps every RNG state.
-
 Reliability: the run directory and, on resume, the checkpoint are checked before the model loads, and rank 0 holds
 the directory's lock until the run ends (`rundir.py`, `checkpoints.py`); the whole dataset is checked before step 1.
 A step changes the weights only at its end, so an exception or Ctrl-C/SIGTERM before that saves the last completed

@@ -193,9 +193,7 @@ class SegmentCache:
         self._record(layer_idx, "index", index_key)
         own = self.generated.append_index(layer_idx, index_key) if self.generated is not None else index_key
         prompt = self.state.index_keys(layer_idx)
-        if prompt is None:
-            return own
-        return torch.cat([self._expand(prompt.to(own.dtype)), own], dim=1)
+        return own if prompt is None else torch.cat([self._expand(prompt.to(own.dtype)), own], dim=1)
 
     # --- linear attention / SSM ---------------------------------------------------------------------------
     def _current(self, part: str, layer: int, expand: bool = True) -> torch.Tensor | None:

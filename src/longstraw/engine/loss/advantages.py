@@ -8,6 +8,7 @@ import math
 import torch
 
 from longstraw.choices import ADVANTAGES
+from longstraw.engine.precision import dtype_name
 
 
 class UnnormalisableRewards(ValueError):
@@ -61,15 +62,11 @@ def compute_advantages(rewards: torch.Tensor, kind: str = "grpo", eps: float = 1
     if not (bool(torch.isfinite(centered).all()) and (spread is None or bool(torch.isfinite(spread)))
             and bool(torch.isfinite(advantages).all())):
         raise UnnormalisableRewards(rewards,
-                                    f"their {kind} advantages overflow {_dtype_name(rewards.dtype)} on the way")
+                                    f"their {kind} advantages overflow {dtype_name(rewards.dtype)} on the way")
     if loss_dtype is not None:
         limit = math.sqrt(torch.finfo(loss_dtype).max)
         largest = float(advantages.abs().max())
         if largest >= limit:
             raise UnnormalisableRewards(rewards, f"their {kind} advantages reach {largest:.3g}, beyond the "
-                                                 f"{limit:.3g} the loss can hold in {_dtype_name(loss_dtype)}")
+                                                 f"{limit:.3g} the loss can hold in {dtype_name(loss_dtype)}")
     return advantages
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")

@@ -53,10 +53,8 @@ def _kl_to(ref_logp: torch.Tensor | None, logp: torch.Tensor, cfg: LossConfig) -
 def _by_sign(positive: torch.Tensor, if_true: float, if_false: float, like: torch.Tensor) -> torch.Tensor:
     """`if_true` where `positive`, else `if_false`, in `like`'s dtype and device (torch.where of two Python floats
     gives the default dtype, float32, which would round e.g. 1.05 in a float64 loss)."""
-    def full(value: float) -> torch.Tensor:
-        return torch.tensor(value, dtype=like.dtype, device=like.device)
-
-    return torch.where(positive, full(if_true), full(if_false))
+    return torch.where(positive, torch.tensor(if_true, dtype=like.dtype, device=like.device),
+                       torch.tensor(if_false, dtype=like.dtype, device=like.device))
 
 
 def _vespo_weight(log_ratio: torch.Tensor, adv: torch.Tensor, cfg: LossConfig) -> torch.Tensor:

@@ -101,9 +101,7 @@ def _plain(value: object) -> bool:
         return True
     if isinstance(value, tuple | list):
         return all(_plain(v) for v in value)
-    if isinstance(value, dict):
-        return all(isinstance(k, str) and _plain(v) for k, v in value.items())
-    return False
+    return isinstance(value, dict) and all(isinstance(k, str) and _plain(v) for k, v in value.items())
 
 
 def _flat(prefix: str, entries: dict[str, Any]) -> Iterator[tuple[str, str]]:
