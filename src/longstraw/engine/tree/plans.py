@@ -29,7 +29,8 @@ from longstraw.engine.options import BackwardOptions
 from longstraw.engine.pad import pad
 from longstraw.engine.precision import accumulation_dtype
 from longstraw.engine.state.capture import chunk_bounds, extend_state, keep_owned
-from longstraw.engine.state.prompt import Collected, PathSlab, PromptState
+from longstraw.engine.state.path import PathSlab
+from longstraw.engine.state.prompt import Collected, PromptState
 from longstraw.engine.state.sharing import kv_shared_layers
 from longstraw.engine.tree.build import Node, Tree
 from longstraw.engine.tree.loss import TreeLoss, node_first_target

@@ -35,7 +35,8 @@ from longstraw.engine.hf.segment import run_segment
 from longstraw.engine.pad import pad
 from longstraw.engine.router import RouterAux, RouterCounts, RouterTap, count, top_k
 from longstraw.engine.state.capture import chunk_bounds, keep_owned
-from longstraw.engine.state.prompt import Collected, PathSlab, PromptState
+from longstraw.engine.state.path import PathSlab
+from longstraw.engine.state.prompt import Collected, PromptState
 from longstraw.engine.tree.build import Node, Tree
 
 
