@@ -1,5 +1,5 @@
 """`LossConfig`: one loss and its options, checked against the loss's entry (`kinds.LOSS_KINDS`) and completed with
-its defaults when it is built. The options' meanings: the package docstring."""
+its defaults when it is built. The options' meanings: docs/design.md §5."""
 
 from __future__ import annotations
 

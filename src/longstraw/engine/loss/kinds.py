@@ -19,7 +19,7 @@ class Normaliser(enum.Enum):
 
 
 class PolicyTerm(enum.Enum):
-    """The policy part of a token's term (the package docstring's definitions)."""
+    """The policy part of a token's term (docs/design.md §5)."""
 
     CLIPPED = "clipped"  # −min(ρ A, clip(ρ, 1−ε_low, 1+ε_high) A), two-sided with `delta`
     CAPPED_WEIGHT = "capped_weight"  # cispo: −sg(min(ρ, ε_max)) A logp
