@@ -61,8 +61,6 @@ def _check_model_and_group(model: torch.nn.Module, group: Group, beta: float) ->
         raise ValueError("beta > 0 needs ref_logprobs in the Group (the reference model's log-probs)")
 
 
-
-
 def _check_ranges(group: Group, dtype: torch.dtype) -> None:
     """Refuse finite inputs that overflow the loss's dtype (the model's accumulation dtype: fp32 for a bf16/fp16
     model, precision.py) where the bound is sure.

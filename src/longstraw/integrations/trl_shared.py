@@ -16,6 +16,7 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
 from longstraw.admission.admission import check_architecture
 from longstraw.api.checks import check_model_options
 from longstraw.engine.options import BackwardOptions
+from longstraw.engine.precision import dtype_name
 from longstraw.models.architecture import eval_mode_when_equal, hf
 
 
@@ -53,7 +54,7 @@ def model_refusals(policy: torch.nn.Module, options: BackwardOptions, bf16: bool
     out = []
     dtype = hf(policy).get_input_embeddings().weight.dtype
     if bf16 and dtype not in (torch.bfloat16, torch.float32):
-        out.append(f"bf16=True with {str(dtype).removeprefix('torch.')} parameters: bf16 autocast runs over "
+        out.append(f"bf16=True with {dtype_name(dtype)} parameters: bf16 autocast runs over "
                    "float32 (or bfloat16) parameters; load the model in float32 or bfloat16, or set bf16=False")
     try:  # supported family, dropout off (TRL trains in train() mode), uniform dtype, no logit soft-cap
         with eval_mode_when_equal(policy):

@@ -138,9 +138,9 @@ def check_reward(value: Any, where: str) -> float:
     """``value`` as a float, or a ValueError naming ``where`` if it is not a finite real number."""
     # Strings would pass float("0.5"); refusing them catches a function that returns its text by mistake.
     # bool passes as 0/1 (a common shape for match functions); numpy/torch scalars pass through float().
+    if value is None or isinstance(value, (str, bytes, complex)):
+        raise ValueError(f"{where} returned {type(value).__name__} {value!r}; a reward must be a real number")
     try:
-        if value is None or isinstance(value, (str, bytes, complex)):
-            raise TypeError
         out = float(value)
     except (TypeError, ValueError, RuntimeError) as e:
         raise ValueError(f"{where} returned {type(value).__name__} {value!r}; a reward must be a real number") from e

@@ -329,13 +329,12 @@ class PromptState:
         branch.fingerprint = None
         return branch
 
-    def attach_path(self, path: PathSlab) -> None:
+    def attach_path(self, end: int, leaves: bool) -> None:
         """Continue this state in place along a depth-first walk (`engine/tree/plans.py`): chunks appended from here
-        on are the path's (their full-attention K/V in `path`); leaving a node, the walk drops its chunks
-        (`truncate`). Positions from `path.start` = this state's length."""
-        if path.start != self.length:
-            raise RuntimeError(f"the path starts at position {path.start}, the state holds {self.length}")
-        self.path, self.path_first = path, self.num_chunks
+        on are the path's, positions this state's length … end − 1, their full-attention K/V in a `PathSlab` (leaves
+        that collect the gradient when `leaves`); leaving a node, the walk drops its chunks (`truncate`)."""
+        self.path = PathSlab(start=self.length, capacity=end - self.length, leaves=leaves)
+        self.path_first = self.num_chunks
 
     def detach_path(self) -> None:
         self.truncate(self.path_first)

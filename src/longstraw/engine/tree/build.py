@@ -170,6 +170,12 @@ class Tree:
         return self.root.walk()
 
     @property
+    def path_end(self) -> int | None:
+        """The end of the positions an inner node below the root captures (its input: positions up to its end − 1),
+        the furthest of them; None when the root's children are all leaves. A walk's path tensors are this long."""
+        return max((n.end - 1 for n in self.nodes() if not n.is_leaf and n is not self.root), default=None)
+
+    @property
     def num_leaves(self) -> int:
         return sum(1 for n in self.nodes() if n.is_leaf)
 

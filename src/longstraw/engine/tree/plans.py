@@ -27,9 +27,8 @@ from longstraw.engine.hf.segment import run_segment
 from longstraw.engine.linear_loss import LossOf, linear_loss
 from longstraw.engine.options import BackwardOptions
 from longstraw.engine.pad import pad
-from longstraw.engine.precision import accumulation_dtype
+from longstraw.engine.precision import accumulation_dtype, dtype_name
 from longstraw.engine.state.capture import chunk_bounds, extend_state, keep_owned
-from longstraw.engine.state.path import PathSlab
 from longstraw.engine.state.prompt import Collected, PromptState
 from longstraw.engine.state.sharing import kv_shared_layers
 from longstraw.engine.tree.build import Node, Tree
@@ -98,25 +97,26 @@ def depth_first(walk: Walk, exact: bool, enter: Enter) -> None:
     base = state.num_chunks
     buffer = root.tokens.new_empty(max(t.length for t in walk.tree.trajectories))
     buffer[: root.end] = root.tokens
-    state.floor = base
-    stack = [(enter(walk, root, state, buffer[: root.end], captured), _inner(root), base)]
-    ends = [n.end - 1 for n in walk.tree.nodes() if not n.is_leaf and n is not root]
-    if ends:  # nodes below the root: their chunks continue the root's state in place
-        state.attach_path(PathSlab(start=state.length, capacity=max(ends) - state.length, leaves=exact))
+    path_end = walk.tree.path_end
     try:
+        state.floor = base
+        stack = [(enter(walk, root, state, buffer[: root.end], captured), _inner(root), base)]
+        if path_end is not None:  # nodes below the root: their chunks continue the root's state in place
+            state.attach_path(path_end, leaves=exact)
         while stack:
             leave, inner, count = stack[-1]
             child = next(inner, None)
             if child is None:
                 stack.pop()
                 leave()
-                state.truncate(count if stack else state.num_chunks)  # the node's chunks (the root's stay)
+                if stack:  # the node's chunks (the root's stay)
+                    state.truncate(count)
                 continue
             buffer[child.start: child.end] = child.tokens
             count = state.floor = state.num_chunks
             stack.append((enter(walk, child, state, buffer[: child.end], False), _inner(child), count))
     finally:
-        if ends:
+        if state.path is not None:
             state.detach_path()
         state.floor = 0
 
@@ -310,7 +310,7 @@ def _scored(walk: Walk, hidden: torch.Tensor, targets: torch.Tensor, keep: torch
 
 def _check_finite(logp: torch.Tensor, keep: torch.Tensor, term: torch.Tensor, where: str) -> None:
     """Refuse a piece of the loss before its backward if its log-probs or its value are not finite."""
-    dtype = str(logp.dtype).removeprefix("torch.")
+    dtype = dtype_name(logp.dtype)
     if not torch.isfinite(logp.detach()[keep]).all():
         raise FloatingPointError(f"{where}: the model's log-probs are not finite (its forward overflowed in {dtype}); "
                                  "this piece's backward was not run. Use float32 or bfloat16, or check the weights")

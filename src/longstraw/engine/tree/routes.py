@@ -35,7 +35,6 @@ from longstraw.engine.hf.segment import run_segment
 from longstraw.engine.pad import pad
 from longstraw.engine.router import RouterAux, RouterCounts, RouterTap, count, top_k
 from longstraw.engine.state.capture import chunk_bounds, keep_owned
-from longstraw.engine.state.path import PathSlab
 from longstraw.engine.state.prompt import Collected, PromptState
 from longstraw.engine.tree.build import Node, Tree
 
@@ -141,34 +140,33 @@ def count_routes(model: torch.nn.Module, tree: Tree, state: PromptState, weights
 
     def visit(node: Node, count: int, last: torch.Tensor | None) -> None:
         # one state for the walk (plans.depth_first): the parent's chunks, this node's appended, a sibling's dropped
-        st = state
-        st.truncate(count)
-        st.floor = count
+        state.truncate(count)
+        state.floor = count
         ids = node.input_ids(last)
-        offset = st.length
+        offset = state.length
         bounds = [(offset + s, offset + e) for s, e in chunk_bounds(ids.numel(), chunk_size)] if ids.numel() else []
         for j, (start, end) in enumerate(bounds):
             collect: Collected = {}
             tap.clear()
-            run_segment(model, ids[start - offset:end - offset].unsqueeze(0), start, st.fork(), collect)
+            run_segment(model, ids[start - offset:end - offset].unsqueeze(0), start, state.fork(), collect)
             take(weights.positions(node, start, end))
-            st.append_chunk(start, end, collect)
-            keep_owned(st, j, len(bounds))
+            state.append_chunk(start, end, collect)
+            keep_owned(state, j, len(bounds))
         tail = node.tokens[-1:]
         leaves = [c for c in node.children if c.is_leaf]
         for lo in range(0, len(leaves), micro_batch):
             group = leaves[lo:lo + micro_batch]
             inputs, mask = pad([torch.cat([tail, leaf.tokens]) if leaf.start > 0 else leaf.tokens for leaf in group])
             tap.clear()
-            run_segment(model, inputs, group[0].input_start, st.fork())
+            run_segment(model, inputs, group[0].input_start, state.fork())
             take(weights.leaves(group, mask))
         # inner children next, the first on top: the walk's order, without recursion (a tree of any depth)
         inner = [child for child in reversed(node.children) if not child.is_leaf]
-        if node is tree.root and inner:
-            ends = [n.end - 1 for n in tree.nodes() if not n.is_leaf and n is not tree.root]
-            st.attach_path(PathSlab(start=st.length, capacity=max(ends) - st.length, leaves=False))
-        pending.extend((child, st.num_chunks, tail) for child in inner)
+        if node is tree.root and path_end is not None:
+            state.attach_path(path_end, leaves=False)
+        pending.extend((child, state.num_chunks, tail) for child in inner)
 
+    path_end = tree.path_end
     pending: list[tuple[Node, int, torch.Tensor | None]] = [(tree.root, state.num_chunks, None)]
     with torch.no_grad(), tap.hooked():
         while pending:
