@@ -9,11 +9,10 @@ Per layer and capture chunk j the state holds whichever of these parts the layer
 * ``conv`` / ``recurrent`` — linear-attention / SSM layers (gated DeltaNet, KDA, Mamba2): the state *after*
   chunk j: the conv window (1, C, K) and the recurrent state ((1, H, d_k, d_v) or (1, H, d_h, N)).
 
-Attention parts are never concatenated: replays read them in place, the exact plan's reverse prompt backward
-needs exactly these chunk boundaries, and a fork is a new set of lists over the same tensors (no copy).
-Recurrent parts are kept at every chunk boundary when `keep_boundaries` (the exact plan recomputes chunk j
-from the state after chunk j-1); otherwise only the last one is kept, and sliding-window layers drop the
-K/V chunks no later token can see. A dropped entry is None.
+Attention parts are never concatenated: replays read them in place, the exact plan's reverse prompt backward needs
+exactly these chunk boundaries, and a fork is a new set of lists over the same tensors (no copy). Recurrent parts are
+kept at every chunk boundary when `keep_boundaries` (the exact plan recomputes chunk j from the state after chunk j-1);
+otherwise only the last one is kept, and sliding-window layers drop the K/V chunks no later token can see.
 
 Offloaded state (`device` set): every part lives in host memory (pinned when the compute device is a GPU) and is
 copied to `device` where it is read (a layer's chunks at a time by the attention kernel, a recurrent state at a time
@@ -174,9 +173,8 @@ class PromptState:
 
     # --- building -----------------------------------------------------------------------------------------
     def append_chunk(self, start: int, end: int, collected: Collected, leaves: bool = False) -> None:
-        """Add what chunk [start, end) produced in every layer; `leaves`: as leaves (`as_leaves`), detached from
-        any graph that produced them. The sliding windows the attention kernel noted among the parts
-        (`SegmentCache.note_window`) are taken out into `windows`."""
+        """Add what chunk [start, end) produced in every layer; `leaves`: as leaves (`as_leaves`). The sliding windows
+        the attention kernel noted among the parts (`SegmentCache.note_window`) are taken out into `windows`."""
         for layer, parts in collected.items():
             window = parts.pop("window", None)
             if window is not None:
@@ -271,9 +269,8 @@ class PromptState:
                         self.parts["value"][layer][j] = None
 
     def _store(self, t: torch.Tensor | None) -> torch.Tensor | None:
-        """Where a part is kept: as computed, or (offloaded) in host memory, pinned for fast copies to a GPU. A view
-        of a larger tensor (e.g. K/V sliced from a fused projection) is copied out first, so that keeping it does not
-        keep the whole storage alive beside the state."""
+        """Where a part is kept: as computed, or (offloaded) in host memory, pinned for fast copies to a GPU. A view of
+        a larger tensor (K/V sliced from a fused projection) is copied out so as not to keep its whole storage alive."""
         if t is None:
             return None
         if t.untyped_storage().nbytes() > t.numel() * t.element_size():
@@ -284,8 +281,7 @@ class PromptState:
 
     # --- forks and leaves ---------------------------------------------------------------------------------
     def _map(self, fn=None, num_chunks: int | None = None, device: torch.device | None = None) -> PromptState:
-        """A state over the first `num_chunks` chunks (all by default) with fn(name, part) for each part (the same
-        parts when fn is None)."""
+        """The first `num_chunks` chunks (default all) as a new state, each part mapped by fn(name, part) if given."""
         n = self.num_chunks if num_chunks is None else num_chunks
         return PromptState(
             num_layers=self.num_layers,
@@ -317,11 +313,10 @@ class PromptState:
         return self.prefix(self.num_chunks)
 
     def branch(self) -> PromptState:
-        """A fork that grows: new chunks appended to it (`capture.extend_state`) are its own, the chunks it starts
-        with are this state's tensors (no copy; an exact plan's leaves stay the same leaves, so the gradients the
-        branch's recompute sends into them accumulate in this state's `.grad`). Sampling's sequences continue a prompt's
-        state so (`state/response.py`). The branch reads its chunks one by one, not through this state's slabs, which
-        hold this state's positions only."""
+        """A fork that grows: new chunks appended to it (`capture.extend_state`) are its own, the chunks it starts with
+        are this state's tensors (no copy; an exact plan's leaves stay the same leaves, so the gradients the branch's
+        recompute sends into them accumulate in this state's `.grad`). The branch reads its chunks one by one, not
+        through this state's slabs, which hold this state's positions only."""
         if self.path is not None:
             raise RuntimeError("a state on a walk's path is continued in place (`attach_path`), not branched")
         branch = self._map()
