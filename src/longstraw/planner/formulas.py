@@ -1,7 +1,6 @@
-"""The planner's per-layer byte formulas (docs/design.md §4): the prompt state (`StateBytes`, `state_parts`,
-`state_bytes`) and the activations autograd saves (the recurrent scans' from `recurrent`, per layer and per model,
-a prompt-backward chunk, the segment and standard-plan checkpointed terms). How `estimate` composes them: the
-package docstring (`longstraw.planner`)."""
+"""The planner's per-layer byte formulas (docs/design.md §4): the prompt state and the activations autograd saves
+(the recurrent scans' from `recurrent`, per layer and per model, a prompt-backward chunk, the segment and
+standard-plan checkpointed terms). The package docstring (`longstraw.planner`) says how `estimate` composes them."""
 
 from __future__ import annotations
 
@@ -234,8 +233,7 @@ def segment_activation_bytes(spec: ModelSpec, b: int, a: int, kernel: str, token
     """Saved bytes of a forward with grad over `batch` rows of `tokens` tokens, plus the recurrent layers' backward
     transient; with per-layer activation checkpointing (`activation_checkpointing`) each layer's input (d·b) is kept,
     plus, while one layer is recomputed and backpropagated, that layer's activations and its backward's gradient
-    buffers:
-    the MLP's four intermediate gradients and two of the hidden size, (4·I + 2·d)·b (measured on deep-smollm2:
+    buffers: the MLP's four intermediate gradients and two of the hidden size, (4·I + 2·d)·b (measured on deep-smollm2:
     28.2-28.9 KB per token where this gives 28.5), or a recurrent scan's (`RecurrentBytes.backward`).
 
     scans=False (with checkpointing): without the recurrent scans' recompute terms (their saved tensors and backward
@@ -267,8 +265,7 @@ def _standard_checkpointed_layers(spec: ModelSpec, b: int, a: int, tokens: int, 
         rec = recurrent_bytes(spec, spec.mixers[i], tokens, b, seqs, cached=False)
         saved = n * _layer_per_token(spec, i, b, a, "sdpa") + rec.saved
         saved += math_attention_score_bytes(spec, tokens, seqs, b, [i])  # (MLA/DSA: its probabilities + backward)
-        # The MLP's backward, past the saved tensors it frees: one gradient of its width (dense, profiled); an MoE
-        # layer's routing adds more (measured 5.5-6.2 KB per token on b1-qwen3-next: see `_mlp_width`).
+        # MLP backward past its saved tensors: one gradient of its width (dense, profiled); MoE: more (`_mlp_width`).
         width = _mlp_width(spec, i)
         buffer = n * (4 * width + 2 * spec.hidden) * b if spec.mlps[i] == "moe" else n * width * b
         layer = max(layer, saved + max(buffer, rec.backward))
