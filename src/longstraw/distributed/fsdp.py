@@ -6,9 +6,7 @@ the root (embeddings, final norm and the output projection, tied or not, form th
 untouched (torchtitan's split: model math here, parallelism in a `parallelize` step). A model another library
 sharded (accelerate's FSDP2 for TRL, with its own units and settings) gets the block's settings for the block only.
 
-`sharded_compute(model, gather=...)` runs a block of LongStraw work (backward_group calls, sampling) on it, with
-every parameter gathered once (ranks may do different work) or a decoder layer at a time (every rank must run the
-same forwards and backwards).
+`sharded_compute(model, gather=...)` runs a block of LongStraw work (backward_group calls, sampling) on it.
 
 Gradients are averaged over ranks (FSDP's default divide-by-world-size); callers scale for their own
 normalisation (see `trainer.py`).
@@ -32,10 +30,9 @@ from longstraw.engine.activation_checkpointing import decoder_layers
 
 
 def parallelize(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
-    """Shard `model` in place over the 1-D `mesh`: one FSDP2 unit per decoder layer, plus the root unit.
-
-    Call on every rank with the same (same-seed or same-checkpoint) model; build the optimizer afterwards, from
-    the sharded parameters. Run forwards/backwards inside `sharded_compute(model)`.
+    """Shard `model` in place over the 1-D `mesh`: one FSDP2 unit per decoder layer, plus the root unit. Call on every
+    rank with the same (same-seed or same-checkpoint) model; build the optimizer afterwards, from the sharded
+    parameters. Run forwards/backwards inside `sharded_compute(model)`.
     """
     if mesh.ndim != 1:
         raise ValueError(f"parallelize takes a 1-D data-parallel mesh, got {mesh.ndim} dimensions")
@@ -70,12 +67,10 @@ def _param_groups(units: list[FSDPModule]) -> list[Any]:
 
 
 def _reduce_accumulated_gradients(units: list[FSDPModule]) -> None:
-    """Reduce-scatter the accumulated unsharded gradient of each of `units` (their own parameters, not their
-    children's) once, into the sharded `.grad`; every rank at the same point.
-
-    FSDP's own end-of-backward callback (`FSDPState._root_post_backward_final_callback`) does this for the last
-    micro-batch of an accumulation loop; here it runs after the block, whose "last backward" is inside
-    `backward_group`."""
+    """Reduce-scatter the accumulated unsharded gradient of each of `units` (their own parameters, not their children's)
+    once, into the sharded `.grad`; every rank at the same point. FSDP's own end-of-backward callback
+    (`FSDPState._root_post_backward_final_callback`) does this for the last micro-batch of an accumulation loop; here it
+    runs after the block, whose "last backward" is inside `backward_group`."""
     groups = _param_groups(units)
     for group in groups:
         group.reduce_grads = True
