@@ -210,7 +210,6 @@ class Parallel:
         return self.world_size // self.block_size
 
     # ------------------------------------------------------------------ model
-
     def shard(self, model: torch.nn.Module) -> torch.nn.Module:
         """FSDP2 over all ranks (`fsdp.parallelize`); unchanged in one process. With tensor parallelism: split by
         heads over the tensor-parallel group first (`tp.tensor_parallel`), then FSDP2 over `mesh` if there is one."""
@@ -235,7 +234,6 @@ class Parallel:
         return clip_grad_norm(params, max_norm)
 
     # ------------------------------------------------------------------ data
-
     def share(self, count: int, what: str = "prompts_per_step") -> range:
         """This rank's contiguous slice of `count` items (block 0 takes the first count/D, D = data-parallel
         size = ranks / (cp * tp); the ranks of one block take the same slice); count must divide."""
@@ -259,7 +257,6 @@ class Parallel:
         return float(sum(self.gather(value))) if self.distributed else value
 
     # ------------------------------------------------------------------ checkpoints
-
     def full_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict] | None:
         """(model, optimizer) state dicts in the single-process format, on rank 0 (None elsewhere). Sharded: gathered
         with torch.distributed.checkpoint's full-state-dict helpers (a collective), the optimizer's parameter names
@@ -303,7 +300,6 @@ class Parallel:
         return box[0]
 
     # ------------------------------------------------------------------ lifecycle
-
     def fail(self, error: BaseException) -> None:
         """Tell every other rank that this one failed (they print `error` and exit 1), then stop watching for theirs.
         The process group itself is destroyed at this process's exit (`end_at_exit`)."""

@@ -45,8 +45,6 @@ class Task:
 
 
 # ----------------------------------------------------------------------------------------------------- tokenizers
-
-
 def _as_id_list(out: Any) -> list[int]:
     """Flatten what a tokenizer returned into a list of ints.
 
@@ -102,7 +100,6 @@ def format_prompt(tokenizer: Any, text: str) -> list[int]:
 
 
 # ---------------------------------------------------------------------------------------------------------- rewards
-
 # A run of digits, allowing thousands separators ("72,819") because models often write numbers that way.
 _NUMBER = re.compile(r"\d(?:,?\d)*")
 

@@ -162,8 +162,6 @@ def load_checkpoint(run_dir: str | Path) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------------- a run's state
-
-
 def save_run(par: Parallel, run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
              scheduler: torch.optim.lr_scheduler.LRScheduler, cfg: TrainConfig, step: int, summary: dict[str, Any],
              rng: dict[str, Any] | None) -> None:
@@ -216,8 +214,6 @@ def check_same_shapes(model: torch.nn.Module, saved: dict[str, Any], path: Path)
 
 
 # ---------------------------------------------------------------------------------------------------- checksum
-
-
 def digest(value: Any) -> str:
     """SHA-256 of a payload: dicts by sorted key, sequences in order, tensors by dtype, shape and bytes."""
     h = hashlib.sha256()
@@ -245,8 +241,6 @@ def _feed(h: Any, value: Any) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- RNG states
-
-
 def rng_state() -> dict[str, Any]:
     """Every RNG state as tensors and plain values (loadable with weights_only=True)."""
     version, internal, gauss = random.getstate()

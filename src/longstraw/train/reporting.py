@@ -300,8 +300,6 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------------------------------------------- plots
-
-
 def pyplot(what: str = "plot") -> Any:
     """matplotlib.pyplot on the Agg backend, or None with a note on stderr ("no <what> written") without it."""
     try:
