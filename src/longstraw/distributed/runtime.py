@@ -1,9 +1,9 @@
 """The trainer's view of the process group: who am I, which prompts are mine, reduce the metrics, save and load
 full checkpoints, and make a failure on one rank stop every rank.
 
-`Parallel()` (one process) makes every method a no-op or an identity, so the trainer reads the same in both
-cases. `Parallel.start(device)` joins the process group that torchrun (or any launcher setting RANK,
-WORLD_SIZE, MASTER_ADDR, MASTER_PORT) describes: gloo on CPU, nccl on CUDA (one GPU per rank, `cuda:LOCAL_RANK`).
+`Parallel()` (one process) makes every method a no-op or an identity, so the trainer reads the same in both cases.
+`Parallel.start(device)` joins the process group that torchrun (or any launcher setting RANK, WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT) describes: gloo on CPU, nccl on CUDA (one GPU per rank, `cuda:LOCAL_RANK`).
 
 Failure propagation: a rank that raises writes "rank R failed: <error>" to the process group's key-value store; a
 watcher thread on every other rank prints it and exits with status 1, rather than block in its next collective until
@@ -48,10 +48,9 @@ PARENT_DEATH_SIGNAL = signal.SIGHUP
 
 def end_with_launcher(poll_s: float = 1.0) -> None:
     """Stop this rank like SIGTERM would when its parent (the launcher, or torchrun's agent) dies (Linux
-    `PR_SET_PDEATHSIG`, elsewhere a thread polling the parent's PID); if the parent is already gone, SIGTERM now.
-
-    The kernel sends the parent-death signal once per ending launcher thread: it is SIGHUP, turned into a single
-    SIGTERM here, so that the trainer sees one stop request (a second SIGTERM means "stop at once, without saving")."""
+    `PR_SET_PDEATHSIG`, elsewhere a thread polling the parent's PID); if the parent is already gone, SIGTERM now. The
+    kernel sends the parent-death signal once per ending launcher thread: it is SIGHUP, turned into a single SIGTERM
+    here, so that the trainer sees one stop request (a second SIGTERM means "stop at once, without saving")."""
     expected = os.environ.get(LAUNCHER_PID_ENV)
     parent = int(expected) if expected and expected.isdigit() else os.getppid()
     if threading.current_thread() is threading.main_thread():
@@ -318,11 +317,10 @@ class Parallel:
 
 
 def end_process_group() -> None:
-    """Destroy the default process group, if any; call it once the trainer is out of scope.
-
-    gloo's worker threads must be joined before interpreter exit (else: "terminate called without an active
-    exception"), and a DDP model's reducer freed after the group joins them while holding the GIL that a thread still
-    releasing a tensor needs (a deadlock). So: collect the trainer first, then destroy the group."""
+    """Destroy the default process group, if any; call it once the trainer is out of scope. gloo's worker threads must
+    be joined before interpreter exit (else: "terminate called without an active exception"), and a DDP model's reducer
+    freed after the group joins them while holding the GIL that a thread still releasing a tensor needs (a deadlock).
+    So: collect the trainer first, then destroy the group."""
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
