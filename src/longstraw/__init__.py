@@ -1,8 +1,7 @@
 """LongStraw: GRPO on very long shared prompts. Encode the prompt once, replay each response from its state.
 
 The public names are imported on first use (PEP 562 `__getattr__`): `import longstraw` alone, and so the
-`longstraw` command's `--version` and `--help`, do not import torch or transformers.
-"""
+`longstraw` command's `--version` and `--help`, do not import torch or transformers."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@
 Each command is an argparse subparser, dispatched by name in `main`. Commands import their heavy modules only when they
 run: building the parser imports no torch or transformers (`--version` and `--help` answer in well under a second;
 tests/test_cli.py checks that torch stays unimported). Before anything imports torch, `main` sets
-OMP_WAIT_POLICY=PASSIVE unless the user set it (`passive_openmp_wait`).
-"""
+OMP_WAIT_POLICY=PASSIVE unless the user set it (`passive_openmp_wait`)."""
 
 from __future__ import annotations
 

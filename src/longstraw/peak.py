@@ -2,8 +2,7 @@
 
 CPU: the process's high-water RSS (VmHWM), reset to the current RSS through /proc/self/clear_refs before
 the measured region (Linux >= 4.0), minus the RSS just before it. CUDA: `torch.cuda.max_memory_allocated`
-after a reset, minus what was allocated before.
-"""
+after a reset, minus what was allocated before."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@ integrations).
 A model type on CI's list on this transformers (`architecture.on_the_ci_list`) is admitted at once; a type refused for
 a known missing mechanism (`architecture.REFUSED_MODEL_TYPES`) or too new for this transformers is refused at once;
 every other model is admitted or refused by the check of its own config (`verify.verdict_for`: a tiny float64 copy
-against transformers, measured once per config and version and cached).
-"""
+against transformers, measured once per config and version and cached)."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@ Building the parser imports neither torch nor transformers (`longstraw --help` s
 when it runs.
 
 `longstraw check MODEL` prints `verify`'s numbers and the verdict; `longstraw check --all` checks every type of
-transformers' causal-LM mapping and writes the table docs/architectures.md includes (which describes both).
-"""
+transformers' causal-LM mapping and writes the table docs/architectures.md includes (which describes both)."""
 
 from __future__ import annotations
 

@@ -113,8 +113,7 @@ def load_model(
 
     init_on_device: a preset is initialised directly on `device` in `dtype` instead of in fp32 on the CPU and then
     moved (the benchmarks' GPU workers: a 1B-parameter preset initialised on the CPU first costs ~10 s and 5 GB of
-    host memory); its random weights then differ from the default initialisation's. Other sources ignore it.
-    """
+    host memory); its random weights then differ from the default initialisation's. Other sources ignore it."""
     dtype = _parse_dtype(dtype)
     source = check_model_name(name_or_path)
     name_or_path = resolve_model_path(name_or_path)

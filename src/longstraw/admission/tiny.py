@@ -1,8 +1,7 @@
 """The tiny copy of a config that admission checks: the model type and every multiplier, scale, flag, sink, router
 setting and the pattern of layer kinds are kept; only sizes shrink (width, heads, experts, vocabulary, depth down to
 the shortest prefix of layers that holds every layer kind, windows and attention chunks below the test prompt).
-`build_tiny_model` instantiates it in float64 with random weights.
-"""
+`build_tiny_model` instantiates it in float64 with random weights."""
 
 from __future__ import annotations
 

@@ -7,8 +7,7 @@ log-probs (`exact`) and the sampled log-probs against transformers' full forward
 `standard` gradient, and the prompt state's bytes. Tolerance: 1e-9 where every op runs in float64; 1e-6 where
 transformers computes some op in a lower precision inside the float64 model (seen by watching every op's dtype).
 `verdict_for(config)` runs it once per (model type, config hash, transformers version, hash of the deciding code) and
-caches the verdict in memory and under `$LONGSTRAW_CACHE/verdicts/` (unset or empty: ~/.cache/longstraw).
-"""
+caches the verdict in memory and under `$LONGSTRAW_CACHE/verdicts/` (unset or empty: ~/.cache/longstraw)."""
 
 from __future__ import annotations
 

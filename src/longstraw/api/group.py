@@ -11,8 +11,7 @@ to bottom, one call is:
      prompt+response forwards through the unmodified model; detach — the prompt's state captured once (no grad),
      each response replayed from a fork of it; exact — the same with the state as grad-requiring leaves, then the
      reverse chunked prompt backward (each piece's log-probs and loss are checked finite before its backward);
-  4. on a refused piece, drop the gradients this call created (`_restoring_gradients`).
-"""
+  4. on a refused piece, drop the gradients this call created (`_restoring_gradients`)."""
 
 from __future__ import annotations
 
@@ -114,8 +113,7 @@ def backward_group(model: torch.nn.Module, group: Group, options: BackwardOption
     kept graphs, temperature, train mode, context shards); `settings`: any of its fields as keywords, applied
     on top of `options` (or of the defaults: plan "exact", loss "grpo"). Each is documented on `BackwardOptions`.
     prompt_state: a state already captured for this prompt (e.g. by the sampler, `sample_group(...).state`) to
-    reuse instead of capturing again (detach/exact; prompt[:-1], with keep_boundaries=True for exact).
-    """
+    reuse instead of capturing again (detach/exact; prompt[:-1], with keep_boundaries=True for exact)."""
     options = options_with(options, settings, "backward_group")
     training = options.allow_train_mode and any(m.training for m in model.modules())
     with eval_mode_when_equal(model) if training else nullcontext():

@@ -9,8 +9,7 @@ Read top to bottom, one call is:
      load-balancing term's counting pass (`routes.count_routes`, with router_aux_coef > 0) and the plan (`plans`):
      standard, exact or detach.
 
-`backward_group` runs its group as a one-level tree through `run_tree`.
-"""
+`backward_group` runs its group as a one-level tree through `run_tree`."""
 
 from __future__ import annotations
 

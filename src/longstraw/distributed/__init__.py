@@ -5,8 +5,7 @@
 - `runtime.Parallel`: what the trainer needs (rank, data split, reductions of metrics), a no-op in one process;
   `runtime.end_process_group()` leaves the process group cleanly at the end of a script (after the trainer is gone).
 - `launch.launch_train(argv, nproc)`: `longstraw train ... --nproc N` through torchrun's own launcher.
-- `context.ContextParallel` (`--cp`) and `tp` (`--tp`): the prompt state split along the sequence, or by heads.
-"""
+- `context.ContextParallel` (`--cp`) and `tp` (`--tp`): the prompt state split along the sequence, or by heads."""
 
 from longstraw.distributed.fsdp import clip_grad_norm, full_tensor, parallelize, sharded_compute
 from longstraw.distributed.runtime import end_process_group

@@ -14,8 +14,7 @@ gradients stay sharded: its reverse prompt backward walks the global chunks in r
 broadcasts the accumulated gradient of c's K/V so every rank can backpropagate the replicated recompute of c.
 
 Supported layer kinds: full attention (fused kernel path) and recurrent layers; the others are refused
-(`check_supported`).
-"""
+(`check_supported`)."""
 
 from __future__ import annotations
 

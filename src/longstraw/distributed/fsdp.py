@@ -9,8 +9,7 @@ sharded (accelerate's FSDP2 for TRL, with its own units and settings) gets the b
 `sharded_compute(model, gather=...)` runs a block of LongStraw work (backward_group calls, sampling) on it.
 
 Gradients are averaged over ranks (FSDP's default divide-by-world-size); callers scale for their own
-normalisation (see `trainer.py`).
-"""
+normalisation (see `trainer.py`)."""
 
 from __future__ import annotations
 
@@ -32,8 +31,7 @@ from longstraw.engine.activation_checkpointing import decoder_layers
 def parallelize(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
     """Shard `model` in place over the 1-D `mesh`: one FSDP2 unit per decoder layer, plus the root unit. Call on every
     rank with the same (same-seed or same-checkpoint) model; build the optimizer afterwards, from the sharded
-    parameters. Run forwards/backwards inside `sharded_compute(model)`.
-    """
+    parameters. Run forwards/backwards inside `sharded_compute(model)`."""
     if mesh.ndim != 1:
         raise ValueError(f"parallelize takes a 1-D data-parallel mesh, got {mesh.ndim} dimensions")
     if isinstance(model, FSDPModule):
@@ -97,8 +95,7 @@ def sharded_compute(model: torch.nn.Module, reduce: bool = True, gather: str = "
 
     reduce=False (sampling, evaluation: no backward) skips the reduction. Every rank must enter and leave the block
     (collectives at both ends). If the block raises, no collective is attempted (another rank may never arrive): the
-    parameters are resharded locally, the unreduced gradients dropped, and the error propagates.
-    """
+    parameters are resharded locally, the unreduced gradients dropped, and the error propagates."""
     if gather not in ("all", "layer"):
         raise ValueError(f"gather must be 'all' or 'layer', got {gather!r}")
     if not isinstance(model, FSDPModule):

@@ -10,8 +10,7 @@ so a terminal's Ctrl-C reaches the launcher only); the ranks finish the current 
 and the launcher then exits 128 + signal with one line. The agent waits `SHUTDOWN_TIMEOUT_S` for that (torchrun's
 own default of 30 s is too short for a large step and its checkpoint) before it kills the ranks; a second signal
 stops the ranks at once. If the launcher itself is killed, the ranks get SIGTERM from the kernel
-(`runtime.end_with_launcher`) and do the same.
-"""
+(`runtime.end_with_launcher`) and do the same."""
 
 from __future__ import annotations
 

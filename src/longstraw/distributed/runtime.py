@@ -11,8 +11,7 @@ the group's timeout (30 minutes). torchrun stops a failed job's other local work
 message, and ranks on other nodes.
 
 A rank ends with its launcher (`end_with_launcher`, first thing in `Parallel.start`): a launcher killed with SIGKILL
-leaves no rank training on its own.
-"""
+leaves no rank training on its own."""
 
 from __future__ import annotations
 

@@ -11,8 +11,7 @@ One change to transformers' plan: its `replicated_with_grad_allreduce` style (Qw
 the *accumulated* `.grad`, which double-counts from LongStraw's second backward into it on (one per micro-batch and
 prompt chunk); here each backward's gradient is all-reduced before it is accumulated (`tensor_parallel`, and `adopt`
 for a model transformers split at load time). Admitted families: `TP_MODEL_TYPES`, whose heads T must divide.
-docs/distributed.md has the layouts and the measurements.
-"""
+docs/distributed.md has the layouts and the measurements."""
 
 from __future__ import annotations
 

@@ -15,8 +15,7 @@ needs exist again (a prompt-backward chunk's stops at the last layer's K/V, as i
 A recompute must not repeat the cache's side effects (collect a layer's state again, or show a conv layer another
 window than the first run's): the wrapper tells the cache (`SegmentCache.layer`) which layer runs and whether it is
 a recompute. Module hooks (FSDP2's all-gather/reshard) run around `__call__`, outside the wrapped `forward`, as in
-transformers' own implementation: a recompute runs while FSDP2's pre-backward hook holds the layer's parameters.
-"""
+transformers' own implementation: a recompute runs while FSDP2's pre-backward hook holds the layer's parameters."""
 
 from __future__ import annotations
 

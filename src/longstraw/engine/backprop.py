@@ -8,8 +8,7 @@ leaves) and what chunk c produced — its K/V slice and its end-of-chunk recurre
 the upstream gradients accumulated so far: parameters receive the chunk's share of the gradient, and the state
 before chunk c receives its share, ready for the next iteration. Peak: one chunk's activations + one copy of the
 state's gradient. A chunk whose capture kept its graph (`PromptState.graphs`, keep_prompt_graph) is backpropagated
-through that graph instead of a recompute.
-"""
+through that graph instead of a recompute."""
 
 from __future__ import annotations
 

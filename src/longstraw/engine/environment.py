@@ -11,8 +11,7 @@ What is checked: when the rollout starts, the environment and `call_end` (`check
 environment, the sequence and the turn. Under context parallelism the ranks of the group compare, at every decode
 step, a 64-bit hash of what their environments returned (`agree`): observations that differ between ranks, or an
 environment that raised on some ranks only, are one error on every rank instead of rollouts that silently diverge or
-a collective that waits out its timeout.
-"""
+a collective that waits out its timeout."""
 
 from __future__ import annotations
 

@@ -20,8 +20,7 @@ buffer reused across a walk's calls would save the allocation (page faults on CP
 GPU's caching allocator reuses the block anyway) but stays alive through each replay's backward, where it raised
 Bench B1's detach peak at the embedding's backward (docs/benchmarks.md, "Where a step's time goes"): no buffer.
 
-The parity test (tests/engine/test_linear_loss.py) compares values and every gradient with the reference path.
-"""
+The parity test (tests/engine/test_linear_loss.py) compares values and every gradient with the reference path."""
 
 from __future__ import annotations
 

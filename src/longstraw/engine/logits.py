@@ -2,8 +2,7 @@
 `linear_loss`).
 
 The logits scored are softcap * tanh((hidden @ weight.T + bias) * logit_scale / softcap) / temperature, in that order,
-as transformers' forward forms them and the samplers then divide by the temperature (`logprobs`' module docstring).
-"""
+as transformers' forward forms them and the samplers then divide by the temperature (`logprobs`' module docstring)."""
 
 from __future__ import annotations
 

@@ -20,8 +20,7 @@ which scores at its sampling temperature) define the policy's log-probs; 1.0 lea
 model uses). `softcap` is the final-logit soft-capping of Gemma-2 (`final_logit_softcapping`,
 `models.architecture.logit_softcap`): softcap * tanh(logits / softcap). The logits scored are then
 softcap * tanh((hidden @ weight.T) * logit_scale / softcap) / temperature, in that order, as transformers' forward
-forms them and the samplers then divide by the temperature.
-"""
+forms them and the samplers then divide by the temperature."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 The same object serves the Python API, the trainer (`TrainConfig.plan.backward_options()`) and the TRL integration,
 so every rule about a combination of options lives here. What can only be checked against a model, a group or a
-prompt state (the architecture, the prompt's length) is checked by `backward_group` before anything runs.
-"""
+prompt state (the architecture, the prompt's length) is checked by `backward_group` before anything runs."""
 
 from __future__ import annotations
 
@@ -50,8 +49,7 @@ class BackwardOptions:
     Under detach its shared tokens' share of the gradient is left out, like every path through a state.
     router_count: how often the term counts a token that several trajectories hold: "sequences" (once per trajectory,
     as transformers' forward of the batch) or "packed" (once per position of the tree's trie, as one packed forward
-    of the tree: TRL's asynchronous trainer; detach/exact, `engine/tree/routes.py`).
-    """
+    of the tree: TRL's asynchronous trainer; detach/exact, `engine/tree/routes.py`)."""
 
     plan: Plan = EXACT
     loss: LossConfig = LossConfig()

@@ -14,8 +14,7 @@ fp32 for bf16/fp16 (a wider dtype is kept as it is):
 * the loss: ratios, clipping, KL and the normalisations in fp32, against advantages and old/reference
   log-probs in fp32 (`api.backward_group`, `loss.response_loss`).
 
-Gradients reach the model in its own dtype (what autograd hands each parameter).
-"""
+Gradients reach the model in its own dtype (what autograd hands each parameter)."""
 
 from __future__ import annotations
 

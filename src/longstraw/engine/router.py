@@ -11,8 +11,7 @@ c and n are known (`tree.routes.count_routes` runs the batch's tokens once witho
 the gradient is added where its routers run with grad (a replay for response tokens, the exact plan's prompt
 recompute for prompt tokens), as `RouterAux.term`. A token weighs as many sequences of the batch as hold it (a prefix
 tree's shared token: the trajectories through it, `tree/routes.py`). `aux_gradient` repeats transformers' float32
-arithmetic, so the added gradient is the one autograd gives through transformers' function.
-"""
+arithmetic, so the added gradient is the one autograd gives through transformers' function."""
 
 from __future__ import annotations
 

@@ -18,8 +18,7 @@ the environment, which returns the observation's ids (None: the episode ends). T
 state one per decode step, in place of a sample and in lockstep with the other sequences, so the prompt state is never
 re-encoded or copied; they are in the response with `loss_masks` False. Up to `max_turns` model turns;
 `max_new_tokens` counts generated and observation tokens. Under context parallelism the ranks compare their
-environments' observations at every step (`environment.agree`).
-"""
+environments' observations at every step (`environment.agree`)."""
 
 from __future__ import annotations
 

@@ -7,8 +7,7 @@ marks every module it hooked with `_is_hooked`. The engine runs on such a model 
 * no module still carries transformers' `replicated_with_grad_allreduce` hook, which all-reduces the *accumulated*
   gradient after every backward: LongStraw runs several backwards per group (one per micro-batch and per prompt
   chunk), so from the second one the gradient of those parameters (Qwen3's per-head q/k norms) would be summed over
-  the ranks again. `distributed.tp.adopt` replaces it with a hook that sums each backward's gradient once.
-"""
+  the ranks again. `distributed.tp.adopt` replaces it with a hook that sums each backward's gradient once."""
 
 from __future__ import annotations
 

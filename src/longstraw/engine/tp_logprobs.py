@@ -15,8 +15,7 @@ all-reduce of (N, d) per call), so everything upstream sees the full gradient on
 
 `vocab_parallel_logprobs` is the fast path; `logprobs.naive_logprobs` on the gathered weight is the plain reference
 the parity test compares it with (tests/distributed/test_tp_logprobs.py). `gathered_logits` is what the sampler
-uses: it needs the full (G, V) distribution of one position per sequence anyway, so it all-gathers G x V logits.
-"""
+uses: it needs the full (G, V) distribution of one position per sequence anyway, so it all-gathers G x V logits."""
 
 from __future__ import annotations
 

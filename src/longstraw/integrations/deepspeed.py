@@ -10,8 +10,7 @@ DeepSpeed reduces, averages, partitions and steps as it does for TRL's own loss.
 
 Memory: ZeRO-3 holds the full parameters during the micro-batch (as `sharded_compute` does for FSDP2); every stage
 holds the full gradient of the micro-batch until it is handed over. DeepSpeed's own partitioning still applies to
-the optimizer state (ZeRO-1), the reduced gradients (ZeRO-2) and the parameters at rest (ZeRO-3).
-"""
+the optimizer state (ZeRO-1), the reduced gradients (ZeRO-2) and the parameters at rest (ZeRO-3)."""
 
 from __future__ import annotations
 

@@ -13,8 +13,7 @@ log-probs, logging, callbacks, optimizer, scheduler, checkpoints, evaluation's l
   a graph: the backward Trainer then runs on it reaches no parameter.
 
 What the loss cannot reproduce is refused with the reason when the trainer is built, before any parameter is
-touched (`trl_config.config_refusals`, `_model_refusals`).
-"""
+touched (`trl_config.config_refusals`, `_model_refusals`)."""
 
 from __future__ import annotations
 

@@ -19,8 +19,7 @@ What changes, and only that:
   the gradient over the processes as DDP would.
 Everything else is TRL's: the rollout worker and queue, staleness, weight sync, the planner's micro-batches, metrics,
 optimizer, checkpoints. TRL 1.16's trainer (`trl.experimental.async_grpo`) is the tested one; a later TRL's stable
-`trl.AsyncGRPOTrainer` is taken when present.
-"""
+`trl.AsyncGRPOTrainer` is taken when present."""
 
 from __future__ import annotations
 

@@ -11,8 +11,7 @@ prefix tree of all its rows, inside one all-gather / reduce-scatter of the FSDP 
 verl's `ppo_loss` (`loss_config`); what it cannot reproduce is refused before any parameter or gradient is touched.
 verl's Ulysses group shards the prompt state as LongStraw's context-parallel group (`distributed.context`).
 LongStraw's own settings are the workers' LONGSTRAW_* environment variables (`settings_from_environment`).
-docs/verl.md has the variables, the loss mapping and the clamps.
-"""
+docs/verl.md has the variables, the loss mapping and the clamps."""
 
 from __future__ import annotations
 

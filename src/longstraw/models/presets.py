@@ -3,8 +3,7 @@
 Tests and benchmarks build these instead of downloading weights: tiny models for parity tests, the Bench B1
 shape per architecture family (`b1-*`), a ~1B model for the GPU bench, and SmolLM2-135M's 30-layer shape with
 random weights (`deep-smollm2`) for the planner at depth. The values are data: `presets.json` holds each preset's
-model type, its config's values and a line about it.
-"""
+model type, its config's values and a line about it."""
 
 from __future__ import annotations
 

@@ -5,8 +5,7 @@ or need the model's own code.
 
 LongStraw never runs a model's own Python code (docs/architectures.md): every `from_pretrained` passes
 `trust_remote_code=False`, and a config whose `auto_map` names classes for a model type transformers does not implement
-is refused here (`custom_code_refusal`).
-"""
+is refused here (`custom_code_refusal`)."""
 
 from __future__ import annotations
 

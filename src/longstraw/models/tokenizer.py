@@ -1,8 +1,7 @@
 """Tokenizers: the model's own (Hugging Face directory, hub id or .gguf), or a byte tokenizer for presets.
 
 The built-in presets are random-init models with no tokenizer of their own; `ByteTokenizer` maps UTF-8
-bytes to ids 0–255 (the presets' vocabularies are larger), so tasks and the trainer run end to end on them.
-"""
+bytes to ids 0–255 (the presets' vocabularies are larger), so tasks and the trainer run end to end on them."""
 
 from __future__ import annotations
 

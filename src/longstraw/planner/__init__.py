@@ -20,8 +20,7 @@ gradient, runtime) plus the largest of the phases a step goes through:
 
 What each term counts, the multi-GPU assumptions (FSDP/ZeRO-3, `fsdp_gather`, context and tensor parallelism),
 the memory levers, the measurements the formulas are validated against and which module holds what: docs/planner.md
-and the functions of `formulas` and `recurrent`.
-"""
+and the functions of `formulas` and `recurrent`."""
 
 from __future__ import annotations
 

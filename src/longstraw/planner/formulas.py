@@ -103,8 +103,7 @@ def state_bytes(spec: ModelSpec, positions: int, b: int, chunk: int, exact: bool
 
     Attention K/V and MLA latents grow with P (sliding layers in detach: the chunks reaching into the last W-1
     positions); DSA indexer keys grow but carry no gradient; recurrent layers hold one state (detach) or one per
-    chunk boundary (exact), and their gradient is one state's worth.
-    """
+    chunk boundary (exact), and their gradient is one state's worth."""
     return state_parts(spec, positions, b, chunk, exact).per_rank(1)
 
 

@@ -21,8 +21,7 @@ def hybrid_27b():
     GQA 24/4 heads of 256, linear attention 16 key / 48 value heads of 128, vocab 248320.
 
     Dimensions are our reading of public descriptions, not an official config; the parameter count comes out
-    at 26.9B (computed by the planner from a meta-device instantiation).
-    """
+    at 26.9B (computed by the planner from a meta-device instantiation)."""
     from transformers import Qwen3_5TextConfig
 
     return Qwen3_5TextConfig(
@@ -52,8 +51,7 @@ def load_config(name: str):
     head counts, non-finite numbers); a hub id that is not in the local cache fails in seconds when the hub cannot be
     reached. Never runs a model's own code.
 
-    Raises ValueError, one line saying what to change, when nothing matches or the config is refused.
-    """
+    Raises ValueError, one line saying what to change, when nothing matches or the config is refused."""
     from transformers import AutoConfig
 
     from longstraw.choices import did_you_mean

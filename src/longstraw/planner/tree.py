@@ -12,8 +12,7 @@ for the flattened plan (every trajectory through the unmodified model, one at a 
 Token passes: tokens run through the model's body, a backward counted as two forwards (the output projection and
 attention's quadratic part are not counted): `FLOOR_FORMULAS` per way of running the step, derived in docs/trees.md.
 
-Torch-free, like the rest of the planner.
-"""
+Torch-free, like the rest of the planner."""
 
 from __future__ import annotations
 

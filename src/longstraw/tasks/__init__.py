@@ -7,8 +7,7 @@
 
 Tasks: ``passkey`` and ``multikey`` (haystack.py), ``kv`` (kv.py), ``jsonl`` (jsonl.py), and the agent task
 ``lookup`` (lookup.py: answered with a tool whose results the environment appends). ``make_task`` builds one by
-name; options are the task dataclass's fields.
-"""
+name; options are the task dataclass's fields."""
 
 from __future__ import annotations
 

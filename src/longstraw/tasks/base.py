@@ -5,8 +5,7 @@ A task is a plain dataclass with two methods:
 - ``sample(rng: random.Random) -> Example``: draw one prompt with its reference answer;
 - ``reward(completion: str, example: Example) -> float``: score a decoded completion against it.
 
-``Task.examples(n, seed)`` draws ``n`` examples from ``random.Random(seed)``, so a seed fixes a held-out set.
-"""
+``Task.examples(n, seed)`` draws ``n`` examples from ``random.Random(seed)``, so a seed fixes a held-out set."""
 
 from __future__ import annotations
 
@@ -49,8 +48,7 @@ def _as_id_list(out: Any) -> list[int]:
     """Flatten what a tokenizer returned into a list of ints.
 
     Handles a list of ints, a batch of one (``[[...]]``), a dict/BatchEncoding with ``input_ids`` (transformers 5's
-    ``apply_chat_template`` returns one by default), a ``tokenizers.Encoding`` (``.ids``) and tensors/arrays.
-    """
+    ``apply_chat_template`` returns one by default), a ``tokenizers.Encoding`` (``.ids``) and tensors/arrays."""
     if isinstance(out, Mapping) or hasattr(out, "keys") and "input_ids" in out.keys():  # BatchEncoding is a UserDict
         out = out["input_ids"]
     if hasattr(out, "ids") and not isinstance(out, (list, tuple)):
@@ -69,8 +67,7 @@ def encode(tokenizer: Any, text: str) -> list[int]:
     """Token ids of ``text`` without special tokens (no BOS/EOS), so lengths add up across pieces of a prompt.
 
     Works with transformers tokenizers (``encode(text, add_special_tokens=False)``), ``tokenizers.Tokenizer``
-    (``encode`` returns an ``Encoding``), and any callable returning ``{"input_ids": ...}``.
-    """
+    (``encode`` returns an ``Encoding``), and any callable returning ``{"input_ids": ...}``."""
     if hasattr(tokenizer, "encode"):
         try:
             return _as_id_list(tokenizer.encode(text, add_special_tokens=False))
@@ -91,8 +88,7 @@ def format_prompt(tokenizer: Any, text: str) -> list[int]:
 
     With a chat template: ``apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)``
     (the template itself decides BOS and any system preamble). Without one: ``tokenizer.encode(text)`` with the
-    tokenizer's default special tokens. Always returns a flat ``list[int]``.
-    """
+    tokenizer's default special tokens. Always returns a flat ``list[int]``."""
     if getattr(tokenizer, "chat_template", None):
         return _as_id_list(tokenizer.apply_chat_template([{"role": "user", "content": text}],
                                                          add_generation_prompt=True, tokenize=True))
@@ -114,8 +110,7 @@ def positional_match(found: str, answer: str) -> float:
     """Fraction of positions where ``found`` and ``answer`` agree, over ``max(len(found), len(answer))``.
 
     Dividing by the longer length makes a length mismatch cost: missing characters score 0 and extra characters
-    add no credit but dilute it (answer "12345": "12345" -> 1.0, "1234" -> 0.8, "123456" -> 5/6, "12395" -> 0.8).
-    """
+    add no credit but dilute it (answer "12345": "12345" -> 1.0, "1234" -> 0.8, "123456" -> 5/6, "12395" -> 0.8)."""
     if not found or not answer:
         return 0.0
     hits = sum(a == b for a, b in zip(found, answer))
@@ -125,8 +120,7 @@ def positional_match(found: str, answer: str) -> float:
 def digit_reward(completion: str, answer: str) -> float:
     """Partial-credit reward for a numeric answer: ``positional_match`` of the completion's FIRST number.
 
-    Only the first number counts, so listing several guesses does not help; no number scores 0.
-    """
+    Only the first number counts, so listing several guesses does not help; no number scores 0."""
     found = first_number(completion)
     return 0.0 if found is None else positional_match(found, answer)
 

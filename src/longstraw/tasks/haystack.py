@@ -10,8 +10,7 @@ Needles are snapped to the nearest sentence boundary so they never split a sente
 mid-sentence before the question, which is what lets the length land within one word of the target.
 
 The passkey prompt follows Mohtashami & Jaggi (2023, "Landmark Attention"); multikey is our variant with named
-keys as distractors, which is what makes a 135M model fail at ~1k tokens (docs/design.md §7).
-"""
+keys as distractors, which is what makes a 135M model fail at ~1k tokens (docs/design.md §7)."""
 
 from __future__ import annotations
 
@@ -85,8 +84,7 @@ def build_haystack(tokenizer: Any, prompt_tokens: int, head: str, needles: list[
     Returns ``(prompt, n_tokens)``. Tokenization is not additive (merges across word boundaries), so the length is
     measured on the whole text: secant steps on the filler word count get close, then single-word steps settle on
     the largest count that fits. The result lands a few tokens under the target (one word's worth at most).
-    Raises ValueError when the fixed text alone exceeds ``prompt_tokens``.
-    """
+    Raises ValueError when the fixed text alone exceeds ``prompt_tokens``."""
     filler = _Filler(rng)
     cache: dict[int, int] = {}
 
@@ -133,8 +131,7 @@ def _check_common(prompt_tokens: int, digits: int, depth: float | None) -> None:
 class PasskeyTask(Task):
     """One random ``digits``-digit pass key hidden at ``depth`` in ~``prompt_tokens`` tokens of filler.
 
-    ``depth=None`` draws a uniform depth per example. Reward: ``digit_reward`` on the completion's first number.
-    """
+    ``depth=None`` draws a uniform depth per example. Reward: ``digit_reward`` on the completion's first number."""
 
     tokenizer: Any
     prompt_tokens: int = 1024
@@ -167,8 +164,7 @@ class MultikeyTask(Task):
     The asked key sits at ``depth`` (``None``: uniform per example); the other ``n_keys - 1`` are distractors at
     uniform random depths. All keys are distinct. ``repeat=True`` states each key twice in its sentence (the
     passkey style), which makes retrieval easier. Reward: ``digit_reward`` on the completion's first number, so
-    answering with a distractor's key earns only the digits it shares by chance with the asked one.
-    """
+    answering with a distractor's key earns only the digits it shares by chance with the asked one."""
 
     tokenizer: Any
     prompt_tokens: int = 1024

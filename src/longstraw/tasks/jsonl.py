@@ -11,8 +11,7 @@ Rewards:
 
 The whole file is read and checked when the task is built, so a bad line (invalid JSON, a missing or non-string
 field, an empty prompt) fails before any training step. Blank lines are skipped; other keys of a line are kept in
-``Example.meta`` (with ``line``, the 1-based line number).
-"""
+``Example.meta`` (with ``line``, the 1-based line number)."""
 
 from __future__ import annotations
 

@@ -9,8 +9,7 @@ Reward: the completion's first UUID-shaped string, skipping any copy of the aske
 question before answering should not be scored on the key). ``partial=False`` (default): exact match, 1 or 0 —
 a UUID with a few right characters is still the wrong record, and chance agreement of hex characters (1/16 each)
 would add noise to a partial score. ``partial=True``: ``positional_match`` over the 36 characters, for curricula
-that want a denser signal.
-"""
+that want a denser signal."""
 
 from __future__ import annotations
 
@@ -69,8 +68,7 @@ class KVTask(Task):
                    rng: random.Random) -> tuple[str, int, int, int]:
         """(prompt, tokens, asked index, pair count) for the largest count of pairs that fits ``prompt_tokens``.
 
-        Grows ``pairs`` in place from ``rng``; ``pairs[0]`` is the asked pair.
-        """
+        Grows ``pairs`` in place from ``rng``; ``pairs[0]`` is the asked pair."""
         assert self.prompt_tokens is not None
 
         def build(n: int) -> tuple[str, int, int, int]:

@@ -16,8 +16,7 @@ for each well-formed lookup of an id that exists, at most ``hops`` of them (a de
 A call is a match of ``<lookup> DIGITS </lookup>`` (spaces optional) on the decoded text, for the reward and the
 environment alike; it ends the response when no letter or digit follows it (`ends_call`, `CallEnd`: the tokenizer
 splits the closing tag in many ways, so no one tuple of ids marks it). ``gold(example)``: the protocol followed
-correctly, which the trainer's warm start trains on.
-"""
+correctly, which the trainer's warm start trains on."""
 
 from __future__ import annotations
 

@@ -17,8 +17,7 @@ rollout's state was captured without the chunk boundaries the exact plan needs) 
 and the exact plan's prompt state, so a metered step's peak memory is higher than an unmetered one's.
 
 One process only: under FSDP the gradients are sharded and reduced at the end of a pass, which the meter would
-have to repeat; the trainer refuses `bias_every` in a distributed run.
-"""
+have to repeat; the trainer refuses `bias_every` in a distributed run."""
 
 from __future__ import annotations
 

@@ -7,8 +7,7 @@ holds a SHA-256 over every value (each tensor's dtype, shape and bytes; every ot
 recomputed on read, so flipped bytes inside tensor data (which torch.load does not notice) are refused by name.
 
 `save_run`, `restore_run`: a run's state in and out of that file; in a distributed run the sharded state is gathered
-to rank 0, which writes, and rank 0's checkpoint is broadcast and loaded into every rank's shards.
-"""
+to rank 0, which writes, and rank 0's checkpoint is broadcast and loaded into every rank's shards."""
 
 from __future__ import annotations
 

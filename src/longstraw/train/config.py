@@ -3,8 +3,7 @@
 Loadable from a TOML file whose `[model]`, `[task]`, `[rollout]`, `[plan]`, `[optimizer]`, `[run]` and
 `[parallelism]` tables are the sections, and overridable on the command line: each field of each section becomes
 `--field-name` (booleans: `--flag` / `--no-flag`). Each section checks its own fields; `TrainConfig.__post_init__`
-checks the combinations across sections, with a message that says what to change.
-"""
+checks the combinations across sections, with a message that says what to change."""
 
 from __future__ import annotations
 

@@ -6,8 +6,7 @@ Data is a pure function of (seed, step, prompt index), so resuming only needs th
 Held-out prompts are never trained on. A generated task draws them from a seed stream training never draws from. A
 jsonl file is split once (`split_rows`): `eval_prompts` distinct rows, chosen by a shuffle of the row indices with
 a fixed seed (the same rows for every run seed, so seeds differ by their training only), are held out, and training
-draws only from the other rows. A file too small to leave a row to train on is refused.
-"""
+draws only from the other rows. A file too small to leave a row to train on is refused."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """The trainer's AdamW: its learning-rate schedule, the step's mean gradient, and the guards that keep a
 non-finite update from ever reaching the weights (`clip_and_check` before `optimizer.step()`, `check_weights_finite`
-after it, in case the step did what the check did not foresee).
-"""
+after it, in case the step did what the check did not foresee)."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@ Each rank checks its model and task again (`Trainer`), but a refusal found there
 rank has loaded the model and after rank 0 has created the run directory. Here the same checks run first, without
 reading any weights: `distributed_rules` (the options that run in one process only) and `check_before_ranks` (the
 model built on the meta device from its config, admitted and, with --tp, checked for tensor parallelism; the task
-built with its tokenizer and a prompt checked against the model's positions).
-"""
+built with its tokenizer and a prompt checked against the model's positions)."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@ past the checkpoint are redone on resume, and a half-written last line is droppe
 
 `RunLock`: one writer per run directory, an exclusive `flock` on run_dir/.longstraw.lock taken before anything is
 deleted or repaired; a second process is refused at once with the holder's PID and host (written into the file). The
-kernel releases the lock when its holder dies however it dies, so a dead process's lock is taken over, with a note.
-"""
+kernel releases the lock when its holder dies however it dies, so a dead process's lock is taken over, with a note."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """What the trainer samples from the policy, scored by the task (sampling itself: `engine/sampling.py`): a step's
 groups (`Sampler.step_groups`), each prompt's rollout (`rollout`; `rollout_tree` with --rollout tree) with its
 rewards, advantages and, with beta > 0, the frozen reference model's log-probs, and the held-out evaluation
-(`evaluate`: greedy, on prompts from a seed stream training never draws from).
-"""
+(`evaluate`: greedy, on prompts from a seed stream training never draws from)."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 While the trainer's state is between two consistent points (an optimizer step has begun but the step is not
 finished, or a checkpoint is being written), a signal is held: the step finishes, then `TrainingInterrupted` is
 raised and the trainer saves the completed step. Outside those regions it is raised at once (nothing has changed the
-weights yet). A second signal while one is held stops at once. `save_after_failure`: what the trainer then saves.
-"""
+weights yet). A second signal while one is held stops at once. `save_after_failure`: what the trainer then saves."""
 
 from __future__ import annotations
 
@@ -33,8 +32,7 @@ class TrainingInterrupted(KeyboardInterrupt):
 class StopSignals:
     """Context manager installing the handlers (main thread only; elsewhere signals keep their defaults).
 
-    `busy()` tells whether a signal must be held; `check()` raises a held signal, called once `busy()` is False.
-    """
+    `busy()` tells whether a signal must be held; `check()` raises a held signal, called once `busy()` is False."""
 
     def __init__(self, busy: Callable[[], bool], describe: Callable[[], str]) -> None:
         self.busy, self.describe = busy, describe

@@ -17,8 +17,7 @@ With several ranks a signal is held until the step ends, where the ranks agree (
 
 Several processes (`longstraw train --nproc N`, or torchrun): each rank takes a contiguous slice of the step's prompts
 (same seeds as one process) with the model sharded by FSDP2, and the gradients are reduced once per pass
-(`distributed/`), so the step's gradient is the mean over all ranks' groups. Rank 0 writes metrics and checkpoints.
-"""
+(`distributed/`), so the step's gradient is the mean over all ranks' groups. Rank 0 writes metrics and checkpoints."""
 
 from __future__ import annotations
 

@@ -10,8 +10,7 @@ start uses the engine, the prompt state and the masks GRPO uses.
 A warm-start step: `warm_start_batch` prompts from their own seed stream (never GRPO's or the held-out one's), one
 gold response each, the mean of their gradients, the norm clipped at `max_grad_norm`, one AdamW step at
 `warm_start_lr` (its own optimizer: GRPO's starts afresh after it). Runs on a fresh run only (a resumed run's
-checkpoint already holds the warmed-up weights), in one process.
-"""
+checkpoint already holds the warmed-up weights), in one process."""
 
 from __future__ import annotations
 

@@ -4,5 +4,4 @@
   dispatch (`_longstraw_attention`) with transformers' `AttentionInterface`; the kernels stay in `engine.kernels`.
 * `cache`: `SegmentCache`, the cache object that answers the layers' cache calls functionally over a prompt fork.
 * `active`: the active-state context (which cache and run the attention dispatch reads).
-* `mamba1`: the swap of Mamba-1 mixers' `forward` for one that continues the state through LongStraw's scan.
-"""
+* `mamba1`: the swap of Mamba-1 mixers' `forward` for one that continues the state through LongStraw's scan."""

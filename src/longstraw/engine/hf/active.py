@@ -4,8 +4,7 @@
 which most families pass on through their decoder layers' and attention modules' **kwargs to the attention kernel.
 Some attention modules call the kernel without the keyword arguments their layer was given (StableLM and Nemotron
 call `self_attn(...)` with named arguments only): the kernel then finds the cache here, set for the duration of the
-segment's forward, and of each checkpointed layer's recompute in the backward (`activation_checkpointing`).
-"""
+segment's forward, and of each checkpointed layer's recompute in the backward (`activation_checkpointing`)."""
 
 from __future__ import annotations
 

@@ -20,8 +20,7 @@ transformers 5.5-5.20 ask for conv/recurrent state another way: `has_previous_st
 `layers[layer].record_past` (5.16-5.20) choosing the functional conv path; `has_previous_state` and `layers` answer
 those from the same fork (which model types this makes exact on which release: `architecture.
 MIN_TRANSFORMERS_BY_MODEL_TYPE`). Whatever the release, `check_asked` refuses a forward in which a layer that holds
-prompt state never asked for it, instead of returning a result computed without the prompt.
-"""
+prompt state never asked for it, instead of returning a result computed without the prompt."""
 
 from __future__ import annotations
 

@@ -5,8 +5,7 @@ wraps a plain text decoder (`model.model.language_model`, a `Gemma3TextModel`) b
 on text-only input. Its top-level config holds the two sub-configs (`text_config`, `vision_config`) and no layer
 count. LongStraw runs the text decoder itself, with the text config: on token ids alone, the wrapper's forward embeds
 them with the decoder's own embedding and runs the decoder (and then its `lm_head`), so the two compute the same.
-Every other supported family is its own text tower.
-"""
+Every other supported family is its own text tower."""
 
 from __future__ import annotations
 

@@ -12,8 +12,7 @@ State per layer: the conv window (1, d_inner, K), kept by `SegmentCache.update_c
 (`SegmentCache.read_recurrent_state`) and shared by every row of the segment.
 
 A layer recomputed by per-layer activation checkpointing runs in the backward, after `run_segment`'s block has
-ended: `activation_checkpointing` enters `mamba1_mixers` again around the recompute.
-"""
+ended: `activation_checkpointing` enters `mamba1_mixers` again around the recompute."""
 
 from __future__ import annotations
 

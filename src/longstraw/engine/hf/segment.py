@@ -10,8 +10,7 @@ extension points:
   chunks in place (read from the state) and to the segment's own tokens, merged exactly by log-sum-exp.
 
 The same function serves capture (prompt chunk c against chunks < c), replay (responses against the whole
-prompt) and decoding (one token per sequence against the prompt and the tokens generated so far).
-"""
+prompt) and decoding (one token per sequence against the prompt and the tokens generated so far)."""
 
 from __future__ import annotations
 
@@ -85,8 +84,7 @@ def _longstraw_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
     k/v are the segment's own tokens (while decoding, every generated token's); the prompt's part comes from the
     state. Plain full attention takes the fused chunked kernel; sliding windows, DSA selections (`indices`, (B, T,
     topk) over [prompt ; own]), MLA latent prefixes, soft-capping and chunked attention take the masked path. s_aux:
-    (H,) attention sinks (gpt-oss), on both paths.
-    """
+    (H,) attention sinks (gpt-oss), on both paths."""
     # active_cache: for an attention module that does not pass its layer's keyword arguments on
     ctx = longstraw if longstraw is not None else active_cache()
     if ctx is None:
@@ -169,8 +167,7 @@ def run_segment(model: torch.nn.Module, input_ids: torch.Tensor, start: int, sta
     Every sequence of the batch continues the same prompt state (batch 1, shared). With `generated`
     (sampling), T must be 1 and the step also attends to, and appends to, the sequences' generated state.
     With `kv_only` (needs `collect`), the forward stops as soon as every layer's state is in `collect` and
-    None is returned. Returns (B, T, hidden) otherwise.
-    """
+    None is returned. Returns (B, T, hidden) otherwise."""
     model_type = hf(model).config.model_type
     check_transformers_for(model_type)
     b, t = input_ids.shape

@@ -13,8 +13,7 @@ a `[T, P]` nor a `[T, T]` score matrix nor a copy of the prefix K/V is held; its
 
 Shapes: B sequences, H query heads, Hkv key/value heads (GQA: H = Hkv * g), T new tokens, P prefix tokens,
 D head dim. For the prefix, queries of all B sequences and all g heads of a KV group are folded into one
-row set `M = B * g * T`, so the prefix K/V of shape (Hkv, P, D) is read once for all of them.
-"""
+row set `M = B * g * T`, so the prefix K/V of shape (Hkv, P, D) is read once for all of them."""
 
 from __future__ import annotations
 
@@ -48,8 +47,7 @@ def _portable_forward(q, k, v, scale: float, causal: bool):
     """One key chunk, key blocks with an online softmax. q (N, M, D), k/v (N, c, D) -> out (N, M, D), lse (N, M).
 
     causal (own tokens, M == c): row r sees keys 0 … r; a key block starting at key0 only touches rows >= key0,
-    so every processed row sees at least one key of every block it is in (no all-masked rows, no NaN).
-    """
+    so every processed row sees at least one key of every block it is in (no all-masked rows, no NaN)."""
     n, m, d = q.shape
     run_max = torch.full((n, m), float("-inf"), dtype=q.dtype, device=q.device)
     run_sum = torch.zeros((n, m), dtype=q.dtype, device=q.device)
@@ -111,8 +109,7 @@ class ChunkAttention(torch.autograd.Function):
     only the final out/lse are saved; backward runs each run's backward against the global out/lse, in pieces of at
     most `BACKWARD_KEYS` keys, and hands every input chunk its slice of the gradient. Per run a fused op runs where one
     takes q's device, dtype and head dim (`fused.choose_kernel`), else the portable blocked kernel above (same math);
-    an op that refuses its inputs at run time is logged once, and that run and every later one run the portable one.
-    """
+    an op that refuses its inputs at run time is logged once, and that run and every later one run the portable one."""
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, scale: float, causal: bool, n: int, *kv: torch.Tensor):
@@ -256,8 +253,7 @@ def prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     per sequence, T == 1): the query sees all S own tokens. Returns (B, H, T, D).
     context_shards: a context-parallel group (`state.sharding.ContextShards`) when the prefix is sharded over ranks
     (this rank's chunks are `prefix_keys`, possibly none): the partial results of all ranks are merged by log-sum-exp.
-    sinks: (H,) attention sinks (`with_sinks`), added once after every key part is merged; differentiable.
-    """
+    sinks: (H,) attention sinks (`with_sinks`), added once after every key part is merged; differentiable."""
     b, h, t, d = query.shape
     hkv, s = key.shape[1], key.shape[2]
     if causal and s != t:
@@ -375,8 +371,7 @@ def masked_prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     select: (B, T, P' + S) bool, DSA's chosen keys over [prompt ; own] (P' = positions before own_pos[0]).
     softcap: tanh logit soft-capping. sinks: (H,) attention sinks (`with_sinks`; not soft-capped), added after the
     merge. chunk: chunked attention (Llama-4's `attention_chunk_size`): a query sees the keys of its own chunk of
-    positions only. Returns (B, H, T, Dv). Plain reference: `naive.py`.
-    """
+    positions only. Returns (B, H, T, Dv). Plain reference: `naive.py`."""
     b, h, t, _ = query.shape
     parts = []
     p_len = int(own_pos[0]) if own_pos.numel() else 0

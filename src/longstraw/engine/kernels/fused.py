@@ -14,8 +14,7 @@ Everything else (fp64 on CUDA, other devices, a refusal at run time) takes the p
 Their backward ops do not take a gradient of the log-sum-exp; `fused_backward` folds it in exactly (see there).
 The CUDA paths have not run on a GPU yet: the CPU suite checks them against emulations of the CUDA ops built from
 the CPU op (same semantics, the CUDA ops' head-dim and log-sum-exp-padding rules asserted) and their calls
-against the real ops' schemas on the meta device (tests/engine/kernels/test_fused.py); tests/gpu/ run them on CUDA.
-"""
+against the real ops' schemas on the meta device (tests/engine/kernels/test_fused.py); tests/gpu/ run them on CUDA."""
 
 from __future__ import annotations
 
@@ -141,8 +140,7 @@ def fused_backward(kernel: str, d_out: torch.Tensor, d_lse: torch.Tensor, q: tor
     rowsum(dO * O) − dLSE, exactly the gradient with dLSE included. The global lse makes P this chunk's slice of the
     full softmax, so per-chunk gradients add up. The scale is passed explicitly because the head dim grew (CUDA: to
     a multiple of 8; CPU: D + 1). The padded k/v are transient copies (O(c·D)) of at most `attention.BACKWARD_KEYS`
-    keys per call.
-    """
+    keys per call."""
     d, m = q.shape[-1], q.shape[-2]
     w = d + 1 if kernel == "cpu_flash" else round_up(d + 1, 8)
     d_out_aug = _pad(torch.cat([d_out, d_out.new_ones(*d_out.shape[:-1], 1)], dim=-1), w)[None]

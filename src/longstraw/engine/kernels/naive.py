@@ -1,8 +1,7 @@
 """Plain reference for the masked attention path (`attention.masked_prefix_attention`).
 
 One full score matrix over every key, one explicit mask from absolute positions, one softmax; nothing chunked,
-checkpointed, merged or taken from `attention.py` (tests/engine/kernels/test_naive.py holds the fast path to it).
-"""
+checkpointed, merged or taken from `attention.py` (tests/engine/kernels/test_naive.py holds the fast path to it)."""
 
 from __future__ import annotations
 
@@ -44,8 +43,7 @@ def naive_masked_prefix_attention(
     soft-capped, never masked), as transformers' eager gpt-oss attention concatenates it.
 
     Returns out (B, H, T, Dv) and lse (B, H, T) = log (Σ_visible exp(score) [+ exp(sink)]). Every query must see
-    at least one key (otherwise its row is NaN).
-    """
+    at least one key (otherwise its row is NaN)."""
     b, h, t, _ = query.shape
     keys, values, positions = [], [], []
     if prefix:

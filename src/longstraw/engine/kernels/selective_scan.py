@@ -13,8 +13,7 @@ that a segment continued from the state of the tokens before it equals transform
 and the model's dtype, the state is cast back to the model's dtype before it meets C, and D is float32.
 
 Nothing is written in place: the initial state may be a shared (1, d, N) tensor that every row of the batch reads
-(broadcast), and it may be an autograd leaf (the exact plan differentiates with respect to it).
-"""
+(broadcast), and it may be an autograd leaf (the exact plan differentiates with respect to it)."""
 
 from __future__ import annotations
 

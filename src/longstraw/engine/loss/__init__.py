@@ -8,5 +8,4 @@ all at once gives the same total: `response_loss` returns the batch's share of t
 up.
 
 Definitions: docs/design.md §5 (every loss, the supervised `nll`, the KL term, the options that reproduce other
-trainers' definitions and verl's clamps); `tests/engine/test_loss.py` transcribes them loop by loop.
-"""
+trainers' definitions and verl's clamps); `tests/engine/test_loss.py` transcribes them loop by loop."""

@@ -36,8 +36,7 @@ def compute_advantages(rewards: torch.Tensor, kind: str = "grpo", eps: float = 1
     Finite rewards can still be too large to normalise (grpo's std overflows float64 once |reward| nears 1e154):
     advantages that would be silently 0, inf or NaN are refused (`UnnormalisableRewards`, a ValueError). With
     `loss_dtype` they must also stay below the square root of its largest value, the bound `backward_group`
-    enforces in the loss (1.8e19 in float32).
-    """
+    enforces in the loss (1.8e19 in float32)."""
     if not isinstance(rewards, torch.Tensor):
         rewards = torch.as_tensor(rewards, dtype=torch.float64)
     if rewards.dim() != 1 or rewards.numel() == 0:

@@ -46,8 +46,7 @@ class LossKind:
     epsilon_high alone). Neither: the loss takes no clip widths. sequence_ratio: its ratio is the sequence's s_i unless
     `sequence_ratio` says otherwise; per_token_twin: the loss a per-token ratio would make of it, refused (gspo's
     grpo). token_level: a token's term reads its own log-prob only when the ratio is per token (vespo's weight reads
-    the whole sequence). supervised: a loss of gold responses (no advantage, ratio, clip or KL term).
-    """
+    the whole sequence). supervised: a loss of gold responses (no advantage, ratio, clip or KL term)."""
 
     name: str
     normaliser: Normaliser

@@ -92,8 +92,7 @@ def response_loss(logp: torch.Tensor, mask: torch.Tensor, advantages: torch.Tens
                   ref_logp: torch.Tensor | None = None) -> torch.Tensor:
     """This batch's share of the group loss (a scalar); shares of disjoint batches add up to the group loss.
 
-    logp, mask, old_logp, ref_logp: (B, T), right-padded, mask True on real tokens; advantages: (B,).
-    """
+    logp, mask, old_logp, ref_logp: (B, T), right-padded, mask True on real tokens; advantages: (B,)."""
     per_token = token_terms(logp, mask, advantages, cfg, old_logp, ref_logp)  # (B, T)
     lengths = mask.to(logp.dtype).sum(-1)  # (B,)
     g = totals.num_responses

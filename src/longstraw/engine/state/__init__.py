@@ -4,5 +4,4 @@
 states) (the cache object through which transformers' layers read it is `engine.hf.cache`);
 `response.py` the sampler's per-sequence state of generated tokens; `capture.py` the chunked no-grad
 prefill. The expected size of the state per layer kind (docs/design.md §4) is `planner.state_bytes`, which the tests
-check against `PromptState.nbytes()` for every family.
-"""
+check against `PromptState.nbytes()` for every family."""

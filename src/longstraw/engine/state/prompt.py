@@ -24,8 +24,7 @@ Prefetch (`prefetch`, on by default when the compute device is a GPU): when an a
 next attention layer's copies start at once, on CUDA on a side stream that only the reading layer waits for. They
 follow the reads (up the layers in a forward, down them in a checkpointed backward's recomputes), at most one layer
 ahead, so the device holds two layers' copies. On the CPU the copies are made at once (no overlap): the option runs
-there only so that its bookkeeping and gradients are tested everywhere.
-"""
+there only so that its bookkeeping and gradients are tested everywhere."""
 
 from __future__ import annotations
 

@@ -26,8 +26,7 @@ Cheaper signals cannot be trusted alone (measured on torch 2.13): a tensor's ver
 AdamW, by writes through `p.data` or by a NumPy view; 8 sampled values per tensor miss the sparse update of a few
 embedding rows; storage addresses change when FSDP gathers the same weights again. So every value is read, at capture
 and at each check: two passes over the weights' memory (`python -m benchmarks provenance` measures it; docs/usage.md
-gives the numbers). Sharded (DTensor) parameters are read as their local shard, so each rank checks its own shards.
-"""
+gives the numbers). Sharded (DTensor) parameters are read as their local shard, so each rank checks its own shards."""
 
 from __future__ import annotations
 

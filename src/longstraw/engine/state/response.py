@@ -6,8 +6,7 @@ replaced freely:
 * recurrent layers: the current conv window and recurrent state of each sequence, replaced every step.
 
 A row of it continues a prompt state in place (`continued`): a tree rollout's fork reads its parent's generated
-K/V where the parent wrote them.
-"""
+K/V where the parent wrote them."""
 
 from __future__ import annotations
 

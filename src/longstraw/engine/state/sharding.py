@@ -3,8 +3,7 @@
 The core (attention, the prompt state, the exact plan, `backward_group`) speaks to a group only through this
 protocol; `distributed.context.ContextParallel` implements it with torch.distributed collectives, so nothing in
 the core imports `distributed/`. docs/design.md §9 describes the scheme: every rank runs every segment, rank r keeps
-the attention parts of its own contiguous slice of capture chunks, attention partials are merged by log-sum-exp.
-"""
+the attention parts of its own contiguous slice of capture chunks, attention partials are merged by log-sum-exp."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 The last `num_kv_shared_layers` decoder layers of a Gemma-4 text model compute no K/V of their own: each reuses the
 K/V of the last earlier layer of its kind (sliding or full attention, the layer transformers marks "store"), handed
 over through the decoder's `shared_kv_states` for the segment's own tokens. Such a layer keeps no prompt state, and
-its attention reads the store layer's prompt K/V.
-"""
+its attention reads the store layer's prompt K/V."""
 
 from __future__ import annotations
 

@@ -10,8 +10,7 @@ every trajectory on its own gives (docs/trees.md).
 Positions: node n holds the tokens at positions [n.start, n.end). Its forward runs the *input* [n.start−1, n.end−1)
 (its parent's last token, then its own tokens but the last) and predicts its own tokens; after it the node's state
 holds positions [0, n.end−1), which is what each child's input continues. A node at position 0 (a root) has no
-token before it: its input is its tokens but the last, and its first token is not predicted (it is never in a loss).
-"""
+token before it: its input is its tokens but the last, and its first token is not predicted (it is never in a loss)."""
 
 from __future__ import annotations
 
@@ -36,8 +35,7 @@ class Trajectory:
     False: context, no loss), at least one True; None: every token from loss_start. old_logprobs / ref_logprobs
     (N − loss_start,): the sampling policy's and the reference model's log-probs of those tokens. group: which group's
     normalisers the trajectory counts in (GRPO's 1/G and 1/|o_i|, dapo's Σ|o|): trajectories of different tasks in
-    one tree keep their own groups.
-    """
+    one tree keep their own groups."""
 
     ids: torch.Tensor
     loss_start: int

@@ -9,8 +9,7 @@
   are dropped. The memory held is the states of the nodes on one root-to-leaf path and one chunk's activations,
   whatever the tree's width.
 * `detach`: the same walk with every state a constant: a node's own loss tokens get their gradient from their chunk's
-  forward (the parent's state constant), each leaf from its replay; no gradient flows into a node's state.
-"""
+  forward (the parent's state constant), each leaf from its replay; no gradient flows into a node's state."""
 
 from __future__ import annotations
 

@@ -22,8 +22,7 @@ rewards: the tree is one GRPO group); ``siblings`` compares a leaf with the leav
 A_i = r_i − mean{r_j : leaf j under parent(i)} (a trunk that never forked: its parent is the prompt, so every leaf).
 That is the intra-tree comparison of Tree-GRPO (Ji et al., "Tree Search for LLM Agent Reinforcement Learning",
 arXiv 2509.21240): leaves that share a prefix differ only after their fork, so their reward difference credits the
-steps after it, a step-level signal from an outcome reward.
-"""
+steps after it, a step-level signal from an outcome reward."""
 
 from __future__ import annotations
 

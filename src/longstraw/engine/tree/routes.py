@@ -20,8 +20,7 @@ when a node shorter than the tree's `min_shared` went into its branches), a shor
 and the parent's ending trajectories, whose trie position the first child's forward carries.
 
 The counts need every token's top-k before the first backward: `count_routes` walks the tree once without grad, and
-sums the weighted probabilities too, so the loss's value (`aux_value`) covers every token whatever the plan.
-"""
+sums the weighted probabilities too, so the loss's value (`aux_value`) covers every token whatever the plan."""
 
 from __future__ import annotations
 

@@ -13,8 +13,7 @@ trajectory i's loss-token log-probs), so its gradient is Σ_i Σ_t (∂L/∂logp
    terms of step 2 are added to the reported loss.
 
 A tree in which every sequence-level loss lies in a leaf of its own (a group, any depth-1 tree) needs no first pass,
-nor does the standard plan (every trajectory one full sequence).
-"""
+nor does the standard plan (every trajectory one full sequence)."""
 
 from __future__ import annotations
 
