@@ -40,10 +40,9 @@ class GroupResult:
     """loss: the group loss (float); logprobs: detached (R_i,) per response, NaN at the tokens a loss mask marks
     False (their log-probs are not computed); stats: sizes and phase times.
 
-    skipped: why no gradient pass ran ("zero_advantage": every advantage 0 and beta 0, so the loss and its
-    gradient are exactly 0), or None. A skipped group has loss 0.0, no logprobs ([]) and zero phase times.
-    With router_aux_coef > 0, `stats["router_aux_loss"]` is transformers' aux loss over the group's G sequences;
-    `loss` leaves the term out."""
+    skipped: why no gradient pass ran ("zero_advantage": every advantage 0 and beta 0, so the loss and its gradient are
+    exactly 0), or None. A skipped group has loss 0.0, no logprobs ([]) and zero phase times. With router_aux_coef > 0,
+    `stats["router_aux_loss"]` is transformers' aux loss over the group's G sequences; `loss` leaves the term out."""
 
     loss: float
     logprobs: list[torch.Tensor]

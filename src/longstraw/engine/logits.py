@@ -1,5 +1,4 @@
-"""A block of scored logits and its gradient, shared by every log-prob path (`logprobs`, `tp_logprobs`,
-`linear_loss`).
+"""A block of scored logits and its gradient, shared by every log-prob path (`logprobs`, `tp_logprobs`, `linear_loss`).
 
 The logits scored are softcap * tanh((hidden @ weight.T + bias) * logit_scale / softcap) / temperature, in that order,
 as transformers' forward forms them and the samplers then divide by the temperature (`logprobs`' module docstring)."""

@@ -1,12 +1,11 @@
 """Per-token log-probabilities of target ids without materialising the `[N, vocab]` logits.
 
-`chunked_logprobs` runs the output projection over blocks of `token_chunk` rows; forward keeps only the
-log-probs, backward recomputes each block's logits and softmax. Peak extra memory is one block of logits
-(`token_chunk x vocab`; two in backward with a soft-cap, whose slope 1 - tanh^2 is kept beside the softmax) instead
-of all of them (8k tokens x 150k vocab in fp32 would be 4.9 GB).
-`naive_logprobs` beside it is the plain reference the parity test compares with. An output projection split by
-vocabulary over a tensor-parallel group (a DTensor, transformers' tp_plan) goes to `tp_logprobs`, which reduces the
-log-sum-exp and the target's logit across the ranks instead of gathering logits.
+`chunked_logprobs` runs the output projection over blocks of `token_chunk` rows; forward keeps only the log-probs,
+backward recomputes each block's logits and softmax. Peak extra memory is one block of logits (`token_chunk x vocab`;
+two in backward with a soft-cap, whose slope 1 - tanh^2 is kept beside the softmax) instead of all of them (8k tokens x
+150k vocab in fp32 would be 4.9 GB). `naive_logprobs` beside it is the plain reference the parity test compares with. An
+output projection split by vocabulary over a tensor-parallel group (a DTensor, transformers' tp_plan) goes to
+`tp_logprobs`, which reduces the log-sum-exp and the target's logit across the ranks instead of gathering logits.
 
 `selected_logprobs` runs `chunked_logprobs` on the rows a boolean `keep` selects only (an agent's loss tokens: its
 observation tokens need no log-prob) and scatters them back with a placeholder elsewhere; `masked_logprobs_reference`

@@ -1,13 +1,12 @@
-"""A prefix-tree step from shape flags (`TreeShape`): a synthetic agent mini-batch — a system prompt and tools shared
-by every trajectory (S tokens), K tasks (C tokens each), G trajectories per task of T turns (each turn r response
-tokens in the loss, then o observation tokens masked out of it). Where a task's G trajectories branch is the shape's
-`fork`: "last", shaped like tau^2-bench, they share their first turns and branch B ways at each of the last log_B(G)
-turns; "first", shaped like TRL's GRPO batches (G completions sampled per prompt, each its own conversation), they
-fork G ways at the first response and share nothing after the task. From it: the tree's token counts
-(`TreeCounts`, equal to `Tree.stats()` of the batch `benchmarks.tree_batch` builds), the token-pass floor of each
-way of running the step (`token_passes`), and the forecast of a step's peak memory for the tree `exact` plan and
-for the flattened plan (every trajectory through the unmodified model, one at a time: `forecast`), which
-`longstraw plan --tree` prints.
+"""A prefix-tree step from shape flags (`TreeShape`): a synthetic agent mini-batch — a system prompt and tools shared by
+every trajectory (S tokens), K tasks (C tokens each), G trajectories per task of T turns (each turn r response tokens in
+the loss, then o observation tokens masked out of it). Where a task's G trajectories branch is the shape's `fork`:
+"last", shaped like tau^2-bench, they share their first turns and branch B ways at each of the last log_B(G) turns;
+"first", shaped like TRL's GRPO batches (G completions sampled per prompt, each its own conversation), they fork G ways
+at the first response and share nothing after the task. From it: the tree's token counts (`TreeCounts`, equal to
+`Tree.stats()` of the batch `benchmarks.tree_batch` builds), the token-pass floor of each way of running the step
+(`token_passes`), and the forecast of a step's peak memory for the tree `exact` plan and for the flattened plan (every
+trajectory through the unmodified model, one at a time: `forecast`), which `longstraw plan --tree` prints.
 
 Token passes: tokens run through the model's body, a backward counted as two forwards (the output projection and
 attention's quadratic part are not counted): `FLOOR_FORMULAS` per way of running the step, derived in docs/trees.md.

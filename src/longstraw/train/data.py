@@ -52,9 +52,8 @@ def build_task(cfg: TrainConfig, tokenizer: Any) -> Task:
 
 
 def split_rows(n_rows: int, held_out: int, where: str) -> tuple[list[int], list[int]]:
-    """(training rows, held-out rows), disjoint, as sorted indices into a jsonl file's `n_rows` rows: `held_out`
-    rows chosen by a fixed-seed shuffle are held out. ValueError naming `where` when no row would be left to train
-    on."""
+    """(training rows, held-out rows), disjoint, as sorted indices into a jsonl file's `n_rows` rows: `held_out` rows
+    chosen by a fixed-seed shuffle are held out. ValueError naming `where` when no row would be left to train on."""
     if held_out == 0:
         return list(range(n_rows)), []
     if held_out >= n_rows:

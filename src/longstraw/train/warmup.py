@@ -44,8 +44,7 @@ def warm_start_examples(cfg: TrainConfig, data: TaskData, step: int) -> list[Any
 
 
 def gold_group(data: TaskData, example: Any, stop_ids: tuple[int, ...]) -> Group:
-    """One gold response to `example` as a group of one: its observation tokens masked, advantage 1 (nll ignores
-    it)."""
+    """One gold response to `example` as a group of one: its observation tokens masked, advantage 1 (nll ignores it)."""
     gold = data.gold(example, stop_ids)
     if gold is None:
         raise ValueError(f"task {data.cfg.task.task!r} writes no gold responses: the warm start (warm_start_steps) "

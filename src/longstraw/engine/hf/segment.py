@@ -1,8 +1,7 @@
 """Run a transformers decoder over a segment of new tokens that continues a captured prompt state.
 
-We do not fork the model's code: the unmodified transformers modules compute embeddings, norms, RoPE,
-projections, MLPs/MoE, conv and recurrent kernels. Two things are swapped, both through transformers' own
-extension points:
+We do not fork the model's code: the unmodified transformers modules compute embeddings, norms, RoPE, projections,
+MLPs/MoE, conv and recurrent kernels. Two things are swapped, both through transformers' own extension points:
 
 * the cache object: a `SegmentCache` (engine/hf/cache.py) answers the layers' cache calls functionally over a fork
   of the prompt state (recurrent/conv state, MLA latents, DSA indexer keys) and collects what each layer produced;

@@ -135,12 +135,11 @@ def fused_backward(kernel: str, d_out: torch.Tensor, d_lse: torch.Tensor, q: tor
     """Gradients of one key chunk given the *global* out/lse (N, M, D)/(N, M), with a log-sum-exp gradient
     d_lse (N, M) folded in. q (N, M, D), k/v (1, N, c, D). Returns dq (N, M, D), dk/dv (N, c, D), q's dtype.
 
-    A flash backward forms dS = P * (dP − rowsum(dO * O)) with P = exp(s − lse). Appending one column — dO' =
-    [dO, 1], O' = [O, −dLSE], zero columns to q, k, v — leaves P and dP unchanged and turns the row sum into
-    rowsum(dO * O) − dLSE, exactly the gradient with dLSE included. The global lse makes P this chunk's slice of the
-    full softmax, so per-chunk gradients add up. The scale is passed explicitly because the head dim grew (CUDA: to
-    a multiple of 8; CPU: D + 1). The padded k/v are transient copies (O(c·D)) of at most `attention.BACKWARD_KEYS`
-    keys per call."""
+    A flash backward forms dS = P * (dP − rowsum(dO * O)) with P = exp(s − lse). Appending one column — dO' = [dO, 1],
+    O' = [O, −dLSE], zero columns to q, k, v — leaves P and dP unchanged and turns the row sum into rowsum(dO * O) −
+    dLSE, exactly the gradient with dLSE included. The global lse makes P this chunk's slice of the full softmax, so
+    per-chunk gradients add up. The scale is passed explicitly because the head dim grew (CUDA: to a multiple of 8; CPU:
+    D + 1). The padded k/v are transient copies (O(c·D)) of at most `attention.BACKWARD_KEYS` keys per call."""
     d, m = q.shape[-1], q.shape[-2]
     w = d + 1 if kernel == "cpu_flash" else round_up(d + 1, 8)
     d_out_aug = _pad(torch.cat([d_out, d_out.new_ones(*d_out.shape[:-1], 1)], dim=-1), w)[None]

@@ -1,7 +1,6 @@
-"""One typed entry per loss (`LOSS_KINDS`): its normaliser, its per-token policy term, its ratio's default level,
-its default clip widths and the parameters it owns. `config.LossConfig` validates options against the entry,
-and `terms` picks the normalisation and the policy term by the entry's properties (the definitions: the package
-docstring)."""
+"""One typed entry per loss (`LOSS_KINDS`): its normaliser, its per-token policy term, its ratio's default level, its
+default clip widths and the parameters it owns. `config.LossConfig` validates options against the entry, and `terms`
+picks the normalisation and the policy term by the entry's properties (the definitions: the package docstring)."""
 
 from __future__ import annotations
 

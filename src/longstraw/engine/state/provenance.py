@@ -10,9 +10,8 @@ buffer or a changed norm epsilon. Each is silently wrong otherwise, so each is r
 * identity: the config fields that fix the state's layout (`_IDENTITY_FIELDS`) and digests of the parameter and
   buffer layouts (names, shapes, dtypes).
 * config: every public entry of the config (`to_dict()`, nested dicts flattened) but `_INERT_CONFIG`'s.
-* attributes: every module's public plain attributes (int, float, bool, str, None, and tuples, lists and str-keyed
-  dicts of them: an RMSNorm's `variance_epsilon`, a LoRA layer's `scaling`) but `training` and
-  `gradient_checkpointing`.
+* attributes: every module's public plain attributes (int, float, bool, str, None, and tuples, lists and str-keyed dicts
+  of them: an RMSNorm's `variance_epsilon`, a LoRA layer's `scaling`) but `training` and `gradient_checkpointing`.
 * adapters: for each PEFT adapter layer, whether its adapters are disabled, which are active and which merged; for
   a `PeftModel`, its own disabled flag.
 * tensors: a checksum of every value of every parameter and buffer. Each tensor is read as a matrix of its last

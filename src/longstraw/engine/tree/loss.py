@@ -119,9 +119,8 @@ class TreeLoss:
     def _field(self, values: torch.Tensor | None, start: int, count: int, logp: torch.Tensor,
                in_loss: torch.Tensor) -> torch.Tensor:
         """A trajectory's old/ref log-probs over `count` tokens from `start`, in the loss's dtype; off its loss tokens
-        the policy's own detached log-probs (a ratio of 1 and a KL of 0 there, whatever the caller holds: NaN times
-        the mask's 0 would still be NaN). Without values (on-policy, or no reference with beta = 0): the policy's
-        own."""
+        the policy's own detached log-probs (a ratio of 1 and a KL of 0 there, whatever the caller holds: NaN times the
+        mask's 0 would still be NaN). Without values (on-policy, or no reference with beta = 0): the policy's own."""
         if values is None:
             return logp.detach().to(self.dtype)
         piece = values[start: start + count].to(device=self.device, dtype=self.dtype)

@@ -5,10 +5,9 @@ transformers' aux loss over a batch counts every token of every sequence: a tree
 counts k times. The walk runs each position once, so each run carries that multiplicity as its weight:
 
 * a node's input positions after its first (its own tokens but the last): |through(node)|;
-* a node's first input position, its parent's last token, which each child's forward runs again: |through(child)|,
-  and the first child also carries the parent's trajectories that end there (`parent.ending`: their last token is
-  run by no other forward; its routers see the same prefix and token in any child's forward, so their logits are the
-  same);
+* a node's first input position, its parent's last token, which each child's forward runs again: |through(child)|, and
+  the first child also carries the parent's trajectories that end there (`parent.ending`: their last token is run by no
+  other forward; its routers see the same prefix and token in any child's forward, so their logits are the same);
 * a leaf's replay runs all its tokens, its last one too (the batch's forward routes a sequence's last token):
   |through(leaf)| each.
 
