@@ -1,5 +1,4 @@
-"""Admission: whether LongStraw runs a model, decided before any compute (`load_model`, `backward_group`, the
-integrations).
+"""Admission: whether LongStraw runs a model, decided before any compute (`load_model`, `backward_group`, integrations).
 
 A model type on CI's list on this transformers (`architecture.on_the_ci_list`) is admitted at once; a type refused for
 a known missing mechanism (`architecture.REFUSED_MODEL_TYPES`) or too new for this transformers is refused at once;

@@ -1,7 +1,6 @@
 """`longstraw check`: the admission check of one model's config, or of every causal-LM type of this transformers.
 
-Building the parser imports neither torch nor transformers (`longstraw --help` stays fast): the check imports them
-when it runs.
+Building the parser imports neither torch nor transformers (`longstraw --help` stays fast); running the check does.
 
 `longstraw check MODEL` prints `verify`'s numbers and the verdict; `longstraw check --all` checks every type of
 transformers' causal-LM mapping and writes the table docs/architectures.md includes (which describes both)."""
@@ -22,8 +21,7 @@ from longstraw.admission.released import NOT_DECODER_ONLY_TEXT, causal_lm_types,
 
 
 def with_planner(verdict: Any, config: Any) -> Any:
-    """`verdict` with the planner's formula for its prompt state (`planner_bytes`; None where the planner does not
-    describe the family)."""
+    """`verdict` with the planner's formula for its prompt state (`planner_bytes`; None for a family it lacks)."""
     from longstraw.admission.tiny import tiny_config
     from longstraw.planner.families import spec_from_config
     from longstraw.planner.formulas import state_bytes

@@ -33,9 +33,8 @@ def released_source(model_type: str) -> str:
         return f"class defaults, checked equal to {RELEASED_EQUALS_DEFAULTS[model_type].split(' (')[0]}"
     return "class defaults: no released config found" if model_type in RELEASED_NOT_FOUND else "class defaults"
 
-# Types of the causal-LM mapping that are not decoder-only text models: encoders with a causal-LM head, the decoders of
-# encoder-decoder models, XLNet's permutation LM, and speech, music and image-captioning decoders. Listed in the table,
-# outside the count.
+# Types of the causal-LM mapping that are not decoder-only text models: encoders with a causal-LM head, encoder-decoder
+# models' decoders, XLNet's permutation LM, and speech, music and image-captioning decoders. Listed, not counted.
 NOT_DECODER_ONLY_TEXT = (
     "bart", "bert", "bert-generation", "big_bird", "bigbird_pegasus", "blenderbot", "blenderbot-small", "camembert",
     "data2vec-text", "electra", "ernie", "git", "marian", "mbart", "megatron-bert", "moshi", "moss_transcribe_diarize",

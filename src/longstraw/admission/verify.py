@@ -1,6 +1,5 @@
 """Admission by verification: a model is admitted when a tiny float64 copy of its *own* config (`tiny.tiny_config`)
-passes LongStraw's parity checks against transformers, run here in seconds (docs/architectures.md says what is kept,
-what is measured and why).
+passes LongStraw's parity checks against transformers, run here in seconds (docs/architectures.md: what, and why).
 
 `verify(config)` measures, on a 37-token prompt and responses of 5, 1 and 9 tokens in 13-token chunks, the replayed
 log-probs (`exact`) and the sampled log-probs against transformers' full forward, the `exact` gradient against the
@@ -373,8 +372,7 @@ def _read_verdict(path: Path, config: Any) -> Verdict | None:
 
 def verdict_for(config: Any, refresh: bool = False) -> Verdict:
     """The verdict for `config`, from memory, from the disk cache, or measured now (and then cached); `refresh`:
-    measured now whatever is cached. `Verdict.cache_file` is the file it was read from or written to, `from_cache`
-    whether it was read."""
+    measured now whatever is cached. `Verdict.cache_file`: the file read or written, `from_cache`: whether read."""
     key = verdict_key(config)
     if key in _VERDICTS and not refresh:
         return _VERDICTS[key]

@@ -4,10 +4,9 @@ Read top to bottom, one call is:
   1. the options (as `backward_group`'s) and the tree (`build_tree` from a list of trajectories, or a `Tree`);
   2. every refusal that needs the model, the tree or the options, before anything is computed;
   3. skip when the loss's gradient is identically zero (every advantage 0, beta = 0, no router term);
-  4. the loss (`loss.TreeLoss`: each trajectory with its group's normalisers), the first pass of a sequence-level
-     loss whose loss tokens are shared (`sequence.first_pass`: a no-grad walk; none otherwise), the router
-     load-balancing term's counting pass (`routes.count_routes`, with router_aux_coef > 0) and the plan (`plans`):
-     standard, exact or detach.
+  4. the loss (`loss.TreeLoss`: each trajectory with its group's normalisers), the first pass of a sequence-level loss
+     whose loss tokens are shared (`sequence.first_pass`: a no-grad walk), the router load-balancing term's counting
+     pass (`routes.count_routes`, with router_aux_coef > 0) and the plan (`plans`): standard, exact or detach.
 
 `backward_group` runs its group as a one-level tree through `run_tree`."""
 
@@ -98,9 +97,8 @@ def _check(model: torch.nn.Module, tree: Tree, options: BackwardOptions) -> None
 def run_tree(model: torch.nn.Module, tree: Tree, options: BackwardOptions, root_state: PromptState | None = None,
              names: str = "trajectories") -> TreeResult:
     """Steps 3–4 of the module docstring for a checked tree; root_state: the root's state, captured already (a
-    group's reused prompt state: detach's as it is, exact's as leaves); names: what errors call the trajectories.
-    A piece of the loss refused before its backward raises FloatingPointError carrying `backwards`, the pieces
-    backpropagated before it."""
+    group's reused prompt state: detach's as it is, exact's as leaves); names: what errors call the trajectories. A
+    piece of the loss refused before its backward raises FloatingPointError carrying `backwards` (pieces done)."""
     device = hf(model).get_input_embeddings().weight.device
     dtype = accumulation_dtype(hf(model).get_input_embeddings().weight.dtype)
     stats: dict[str, float | int | str] = {"plan": options.plan.name, **tree.stats(), "checkpoint": options.checkpoint,

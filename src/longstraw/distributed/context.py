@@ -13,8 +13,7 @@ communication) and the queries' gradient sums the C partials' contributions (`re
 gradients stay sharded: its reverse prompt backward walks the global chunks in reverse, and the owner of chunk c
 broadcasts the accumulated gradient of c's K/V so every rank can backpropagate the replicated recompute of c.
 
-Supported layer kinds: full attention (fused kernel path) and recurrent layers; the others are refused
-(`check_supported`)."""
+Supported layer kinds: full attention (fused kernel path) and recurrent layers; `check_supported` refuses the others."""
 
 from __future__ import annotations
 
@@ -33,8 +32,7 @@ def all_reduced(grad: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Te
 
 
 def _stacked(x: torch.Tensor, size: int, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Every rank's `x` stacked in rank order: (size, *x.shape). Contiguous buffers: the collective writes the bytes
-    in contiguous order."""
+    """Every rank's `x` stacked in rank order: (size, *x.shape); contiguous, as the collective writes bytes in order."""
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(size)]
     dist.all_gather(parts, x, group=group)

@@ -1,5 +1,4 @@
-"""FSDP2 for LongStraw: shard the unmodified model with `fully_shard`; gather every parameter once per block, or a
-layer at a time.
+"""FSDP2 for LongStraw: shard the unmodified model (`fully_shard`); gather every parameter once per block or per layer.
 
 `parallelize(model, mesh)` applies `torch.distributed.fsdp.fully_shard` to every decoder layer and then to
 the root (embeddings, final norm and the output projection, tied or not, form the root's unit). Model code is
@@ -155,10 +154,9 @@ def check_same_work(work: tuple[int, ...], group: dist.ProcessGroup | None = Non
 def _block_settings(model: FSDPModule, layers: list[Any]) -> Iterator[None]:
     """A block's FSDP settings, whoever sharded the model; the model's own restored after. Every unit: no resharding
     after a forward or backward (the block reads parameters outside module forwards), no communication from the hooks
-    (`sharded_compute` reduces once), zeros reduce-scattered for unused parameters, SUM reductions on gloo (no AVG;
-    FSDP then divides by the world size). `layers` (gather="layer") keep FSDP's defaults instead. FSDP's root is fixed
-    first: its lazy initialisation runs at the first forward through a sharded module, and the block may enter at an
-    inner module (`model.model`)."""
+    (`sharded_compute` reduces once), zeros reduce-scattered for unused parameters, SUM reductions on gloo (no AVG; FSDP
+    then divides by the world size). `layers` (gather="layer") keep FSDP's defaults instead. FSDP's root is fixed first:
+    it is set lazily at the first forward through a sharded module, and the block may enter at `model.model`."""
     state = model._get_fsdp_state()
     state._lazy_init()
     states = state._state_ctx.all_states
@@ -181,9 +179,8 @@ def _block_settings(model: FSDPModule, layers: list[Any]) -> Iterator[None]:
             layer.set_reshard_after_backward(True, recurse=False)
             layer.set_requires_gradient_sync(True, recurse=False)
             # Capture's K/V-only forwards stop inside the last layer by raising (segment.py), so FSDP's post-forward
-            # hook, which reshards, does not run there: reshard such a layer from a hook that runs even then (under
-            # no_grad; with grad, the stopped forward's graph holds the gathered parameters until its backward, whose
-            # post-backward hook reshards).
+            # hook, which reshards, does not run there: reshard such a layer from a hook that runs even then (no_grad;
+            # with grad the stopped forward's graph holds the parameters until its backward's hook reshards them).
             handles.append(layer.register_forward_hook(_reshard_if_left_gathered, always_call=True))
         yield
     finally:

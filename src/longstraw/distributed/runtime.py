@@ -142,8 +142,7 @@ class Parallel:
     device: str = "cpu"
     mesh: DeviceMesh | None = None
     watch: FailureWatch | None = field(default=None, repr=False)
-    # Context parallelism (context.py): blocks of `cp_size` consecutive ranks share each prompt; data parallelism
-    # runs over the blocks.
+    # Context parallelism (context.py): blocks of `cp_size` consecutive ranks share each prompt, blocks split the data.
     cp_size: int = 1
     context_shards: ContextParallel | None = field(default=None, repr=False)
     # Tensor parallelism (tp.py): groups of `tp_size` consecutive ranks hold one model split by heads; a block is cp
