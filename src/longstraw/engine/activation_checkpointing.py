@@ -62,8 +62,7 @@ def _wrap(layer: torch.nn.Module, index: int, config):
     def forward(*args, **kwargs):
         if not torch.is_grad_enabled():
             return inner(layer, *args, **kwargs)  # nothing is saved without grad: nothing to recompute
-        # Blocks that are not handed the `longstraw` keyword (Mamba and Falcon-Mamba pass their mixer the cache alone)
-        # find the running segment's.
+        # Without the `longstraw` keyword (Mamba, Falcon-Mamba pass their mixer the cache alone): the running segment's.
         cache = kwargs.get("longstraw") or active_cache()
         # The recompute runs in the backward, after the forward's block (`segment.attention_kernel`) has restored
         # the model's own attention kernel: it must run with the kernel of the first run.

@@ -1,5 +1,4 @@
-"""The environment of a multi-turn rollout (an agent calling tools; `sampling.py` feeds its observations in) and what
-is checked of it.
+"""The environment of a multi-turn rollout (an agent calling tools; `sampling.py` feeds observations in); its checks.
 
 What ends a tool call (`SamplingConfig.call_end`): the closing tokens' ids (the response's last ids equal them, all
 the model's own), or a callable `call_end(response_so_far) -> bool` that the task builds from its tokenizer, which can
@@ -25,9 +24,8 @@ from longstraw.engine.state.sharding import ContextShards
 # environment(i, response_so_far) -> the observation's token ids (a 1-D integer tensor or a list of ints), or None
 # to end sequence i's episode. The response so far: 1-D long ids on the CPU, as is call_end's.
 Environment = Callable[[int, torch.Tensor], "torch.Tensor | Sequence[int] | None"]
-# call_end(response_so_far) -> True when the response's last token ends a tool call (1-D ids, its model and
-# observation tokens so far; asked at the model's own tokens but stop ids); built by a task from its tokenizer, so the
-# engine needs none.
+# call_end(response_so_far) -> True when the response's last token ends a tool call (1-D ids, its model and observation
+# tokens so far; asked at the model's own tokens but stop ids); a task builds it (the engine has no tokenizer).
 CallEnd = Callable[[torch.Tensor], bool]
 
 

@@ -21,8 +21,7 @@ COMPOSITE_MODEL_TYPES = ("gemma3",)
 
 def language_config(config: Any) -> Any:
     """The language model's part of `config`: the text config of a composite (multimodal) config, else `config`
-    itself. Admission reads it (`admission/admission.py`); for the composites it admits (`COMPOSITE_MODEL_TYPES`) it is
-    `text_config`'s answer."""
+    itself (admission reads it; for `COMPOSITE_MODEL_TYPES` it is `text_config`'s answer)."""
     return config.get_text_config() if getattr(config, "text_config", None) is not None else config
 
 

@@ -4,8 +4,7 @@ transformers' torch path for these mixers runs a multi-token segment from a zero
 no initial state), and its one-token path updates the state in place in float32; no cache answer fixes that. So for
 the duration of a segment each Mamba-1 mixer's `forward` is swapped (an instance attribute, deleted after) for
 `mamba1_forward`, which runs the mixer's own submodules exactly as transformers' torch path does and replaces only
-the scan by `kernels.selective_scan`, started from the state the cache holds (decoding's one-token segments too, so
-nothing is written in place).
+the scan by `kernels.selective_scan`, started from the state the cache holds (one-token segments too: none in place).
 
 State per layer: the conv window (1, d_inner, K), kept by `SegmentCache.update_conv_state`, and the SSM state
 (1, d_inner, N) in the scan's dtype (float32, or float64 for a float64 model), read without a copy
@@ -71,8 +70,7 @@ def mamba1_forward(module: torch.nn.Module, hidden_states: torch.Tensor, cache: 
 
 
 def mamba1_mixer(layer: torch.nn.Module) -> torch.nn.Module | None:
-    """The Mamba-1 mixer of a decoder layer (`mixer` of Mamba and Falcon-Mamba blocks, `mamba` of Jamba's Mamba
-    layers), or None."""
+    """The Mamba-1 mixer of a decoder layer (`mixer` of Mamba and Falcon-Mamba blocks, `mamba` of Jamba's), or None."""
     for name in ("mixer", "mamba"):
         mixer = getattr(layer, name, None)
         if isinstance(mixer, _MIXERS):
