@@ -27,9 +27,8 @@ def scaled_logits(logits: torch.Tensor, logit_scale: float, temperature: float,
 
 def scored_block(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, logit_scale: float,
                  temperature: float, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The scored logits (c, V) of h (c, d) and, with a soft-cap, its slope 1 - tanh^2 (c, V), which the logits'
-    gradient needs (d(cap * tanh(x / cap)) / dx). weight (V, d) is a plain tensor (one rank's rows under tensor
-    parallelism)."""
+    """The scored logits (c, V) of h (c, d) and, with a soft-cap, its slope 1 - tanh^2 (c, V) for the logits' gradient
+    (d(cap * tanh(x / cap)) / dx). weight (V, d): a plain tensor (one rank's rows under tensor parallelism)."""
     logits = scaled_logits(accumulated_product(h, weight, bias), logit_scale, 1.0)
     slope = None
     if softcap is not None:

@@ -84,10 +84,9 @@ def chunked_logprobs(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """hidden (..., d), weight (V, d), targets (...) -> log-probs (...) of the logits (hidden @ weight.T + bias) *
-    logit_scale, soft-capped to softcap * tanh(. / softcap) if softcap is set, at `temperature`. bias (V,): the
-    output projection's (Phi-2, CodeGen, GPT-J), or None. Differentiable in hidden, weight and bias. A weight that
-    is a DTensor split by vocabulary runs `tp_logprobs.vocab_parallel_logprobs` (every rank of its group calls this
-    with the same hidden states)."""
+    logit_scale, soft-capped to softcap * tanh(. / softcap) if softcap is set, at `temperature`. bias (V,): the output
+    projection's (Phi-2, CodeGen, GPT-J), or None. Differentiable in hidden, weight and bias. A weight that is a DTensor
+    split by vocabulary runs `tp_logprobs.vocab_parallel_logprobs` (every rank of its group calls it, same hidden)."""
     check_softcap(softcap)
     shape = targets.shape
     hidden = head_input(hidden, weight)
@@ -138,7 +137,6 @@ def masked_logprobs_reference(
     temperature: float = 1.0, logit_scale: float = 1.0, fill: float = 0.0, softcap: float | None = None,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Reference for `selected_logprobs`: every row's log-prob (`naive_logprobs`), then `fill` where keep is
-    False. Same shapes."""
+    """Reference for `selected_logprobs`: every row's log-prob (`naive_logprobs`), then `fill` where not `keep`."""
     full = naive_logprobs(hidden, weight, targets, temperature, logit_scale, softcap, bias)
     return torch.where(keep, full, torch.full_like(full, fill))

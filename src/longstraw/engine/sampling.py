@@ -7,8 +7,7 @@ prompt[:-1] and can be handed straight to `backward_group`.
 
 `Decoder` is that loop: `sample_group` runs it on G trunks that never fork, `sample_tree` (`tree/rollout.py`) with a
 fork rule (a fork's children continue its state in place: `ResponseState.continued`, docs/trees.md). Each batch of
-siblings draws from its own generator: the trunks' from the seed itself, a fork's children's from the seed and their
-first node.
+siblings has its own generator: the trunks' from the seed, a fork's children's from the seed and their first node.
 
 Recorded log-probs are the policy's own (temperature 1, no top-k/top-p truncation), whatever the sampling
 temperature: they are what the training step recomputes, so they serve as `old_logprobs`.

@@ -194,8 +194,7 @@ def _piece_backward(ctx, j: int, d_out, d_lse, row, q, out, lse, k, v, need_kv: 
 
 
 def _continues(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """b (1, N, c_b, D) follows a (1, N, c_a, D) along dim 2 in the same storage (views of one tensor,
-    `PromptState._slab`)."""
+    """b (1, N, c_b, D) follows a (1, N, c_a, D) along dim 2 in one storage (views of one `PromptState._slab`)."""
     return (a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and a.dtype == b.dtype
             and a.stride() == b.stride() and a.shape[:2] == b.shape[:2] and a.shape[3] == b.shape[3]
             and b.storage_offset() == a.storage_offset() + a.shape[2] * a.stride(2))
@@ -237,8 +236,7 @@ def _pieces(k: torch.Tensor, v: torch.Tensor, sizes: list[int], limit: int) -> l
 
 
 def _extend(head: torch.Tensor, keys: int) -> torch.Tensor:
-    """head (1, N, c, D) viewed over `keys` keys of its storage from its start (the following chunks', checked by
-    `_continues`)."""
+    """head (1, N, c, D) viewed over `keys` keys of its storage from its start (the following chunks': `_continues`)."""
     return head.detach().as_strided((*head.shape[:2], keys, head.shape[3]), head.stride(), head.storage_offset())
 
 

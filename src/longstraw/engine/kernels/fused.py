@@ -87,9 +87,8 @@ def choose_kernel(q: torch.Tensor, enabled: bool = True) -> str:
 
 
 def refused(kernel: str, q: torch.Tensor, err: Exception, where: str = "forward") -> None:
-    """An op refused these inputs at run time: log it once, and route later calls with this device, dtype and head
-    dim past it (`choose_kernel`: the other CUDA op where it applies, else the portable kernel, which the caller
-    runs for this chunk)."""
+    """An op refused these inputs at run time: log it once; route later calls with this device, dtype and head dim past
+    it (`choose_kernel`: the other CUDA op if any, else the portable kernel, which the caller runs for this chunk)."""
     _refusals.add((kernel, q.device.type, q.dtype, q.shape[-1]))
     _log_once(f"{kernel}/{q.dtype}/D={q.shape[-1]}",
               f"{kernel} ({where}) refused {q.dtype} head dim {q.shape[-1]} ({str(err).splitlines()[0][:200]}); "

@@ -15,8 +15,7 @@ def _to_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x[:, torch.arange(heads, device=x.device) // (heads // x.shape[1])]
 
 
-# Same signature as `attention.masked_prefix_attention` on purpose (duplicates lists it): the parity tests call both
-# with one set of arguments.
+# `attention.masked_prefix_attention`'s signature (duplicates lists it): parity tests call both with the same arguments.
 def naive_masked_prefix_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, prefix: list[tuple[int, torch.Tensor, torch.Tensor]],
     scale: float, q_pos: torch.Tensor, own_pos: torch.Tensor, window: int | None = None,

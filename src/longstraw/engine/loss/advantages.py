@@ -1,5 +1,4 @@
-"""Advantages of one group from its rewards (`compute_advantages`), and the refusal of rewards too large to
-normalise."""
+"""Advantages of one group from its rewards (`compute_advantages`); rewards too large to normalise are refused."""
 
 from __future__ import annotations
 

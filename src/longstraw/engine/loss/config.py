@@ -104,8 +104,7 @@ def _finite(name: str, value: object, positive: bool) -> float:
 
 
 def _refuse_policy_options(entry: LossKind, **options: object) -> None:
-    """A supervised loss has no ratio, clip or KL term: every option of those must be left unset (the unused clip
-    fields' own values pass)."""
+    """A supervised loss has no ratio, clip or KL term: their options must stay unset (or, for clips, the default)."""
     given = [name for name in ("epsilon", "log_ratio_clamp", "kl_clamp") if options[name] is not None]
     given += [name for name, value in (("epsilon_low", options["epsilon_low"]),
                                        ("epsilon_high", options["epsilon_high"]))

@@ -125,9 +125,8 @@ def token_weight(cfg: LossConfig, totals: GroupTotals, loss_tokens: int) -> floa
 
 
 def is_token_level(cfg: LossConfig) -> bool:
-    """Whether a token's term depends on its own log-prob only (not on the sequence's other tokens): then the loss of
-    a sequence is a sum over any split of its tokens (a prefix tree's nodes). The sequence ratio and vespo's weight
-    read the whole sequence."""
+    """Whether a token's term depends on its own log-prob only (not on the sequence's other tokens): then the loss of a
+    sequence is a sum over any split of its tokens (a prefix tree's nodes). Not so: sequence ratio, vespo's weight."""
     return not cfg.sequence_ratio and cfg.entry.token_level
 
 
