@@ -1,5 +1,4 @@
-"""Log-probs through an output projection split by vocabulary over a tensor-parallel group, never gathering the
-`[N, V]` logits.
+"""Log-probs through an output projection split by vocabulary over a tensor-parallel group, never gathering the logits.
 
 A model sharded with transformers' tensor-parallel plan holds its output projection as a DTensor `Shard(0)` over
 the vocabulary: rank t of T keeps rows [t * ceil(V / T), ...) of the weight (and of its bias). Every rank holds the

@@ -1,5 +1,4 @@
-"""What produced a prompt state: the model's identity, config, module attributes, adapter state and every value of
-its parameters and buffers.
+"""What produced a prompt state: the model's identity, config, module attributes, adapter state, parameters, buffers.
 
 A state is only valid for the model and weights that captured it. `backward_group` accepts a reused `prompt_state`
 and must refuse one that another model captured (another architecture, layer count or head layout: K/V of the wrong
@@ -103,8 +102,7 @@ def _plain(value: object) -> bool:
 
 
 def _flat(prefix: str, entries: dict[str, Any]) -> Iterator[tuple[str, str]]:
-    """(dotted key, repr) of each public entry of a config dict, nested dicts (a composite's text_config, rope
-    parameters) flattened."""
+    """(dotted key, repr) of each public entry of a config dict, nested dicts (text_config, rope) flattened."""
     for key, value in entries.items():
         if key.startswith("_") or key in _INERT_CONFIG:
             continue

@@ -1,5 +1,4 @@
-"""Per-sequence state of the tokens a rollout has generated so far (sampling, no grad), which may grow and be
-replaced freely:
+"""Per-sequence state of the tokens a rollout has generated so far (sampling, no grad), free to grow and be replaced:
 
 * attention layers: K/V (or MLA latents) of every generated token, (B, Hkv, max_len, D), preallocated on
   the first write (its shape comes from the layer) and filled in place, plus DSA indexer keys;

@@ -33,8 +33,7 @@ class ContextShards(Protocol):
         """Rank `src`'s tensors (None: zeros) on every rank, shaped like `like`."""
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        """Every rank's `x` stacked in rank order, (C, *x.shape), on every rank (the sampler's check that the
-        ranks' environments agree)."""
+        """Every rank's `x` stacked in rank order, (C, *x.shape), on every rank (the sampler's environment check)."""
 
     def check_supported(self, model: torch.nn.Module) -> None:
         """Raise ValueError, saying what to change, if `model` has layers the sharded state does not cover."""

@@ -110,8 +110,7 @@ class Node:
     """Tokens at positions [start, start + len(tokens)), shared by every trajectory in `through`.
 
     children: the nodes that continue it (each starts at `end`). ending: the trajectories whose last token is this
-    node's last (a leaf's trajectories; an inner node's when a trajectory is a prefix of others, as successive turns
-    of one conversation are)."""
+    node's last (a leaf's; an inner node's when a trajectory is a prefix of others, e.g. successive turns of a chat)."""
 
     start: int
     tokens: torch.Tensor

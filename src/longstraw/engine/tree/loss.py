@@ -65,8 +65,7 @@ class TreeLoss:
         return idx[np.maximum(self._starts[idx], first) < np.minimum(self._ends[idx], first + count)].tolist()
 
     def _span(self, i: int, first: int, count: int) -> tuple[int, int, torch.Tensor]:
-        """Where trajectory i's loss tokens meet positions [first, first+count): [lo, hi) in that run and the loss
-        mask over it."""
+        """Where trajectory i's loss tokens meet positions [first, first+count): [lo, hi) in that run, its loss mask."""
         t = self.tree.trajectories[i]
         lo = max(t.loss_start, first)
         hi = min(t.length, first + count)

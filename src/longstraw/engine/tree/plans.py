@@ -161,9 +161,8 @@ def exact(walk: Walk) -> None:
 
 def _exact_node(walk: Walk, node: Node, state: PromptState, path: torch.Tensor,
                 captured: bool) -> Callable[[], None]:
-    """Capture `node` into the state of its parent's path (positions [0, node.input_start)) and replay its leaf
-    children; then, once its inner children are visited, recompute and backpropagate its chunks (`depth_first`'s
-    enter)."""
+    """`depth_first`'s enter: capture `node` into the state of its parent's path (positions [0, node.input_start)) and
+    replay its leaf children; then, once its inner children are visited, recompute and backpropagate its chunks."""
     above = path[: node.start]
     first = 0 if captured else state.num_chunks
     ids = node.input_ids(above[-1:] if above.numel() else None)
@@ -238,8 +237,7 @@ def _detach_node(walk: Walk, node: Node, state: PromptState, path: torch.Tensor,
 
 # --- both: the leaf children of a node ------------------------------------------------------------------------------
 def _replay_children(walk: Walk, node: Node, state: PromptState, path: torch.Tensor) -> None:
-    """Replay `node`'s leaf children from `state`, `micro_batch` siblings at a time (its inner children are
-    `depth_first`'s)."""
+    """Replay `node`'s leaf children from `state`, `micro_batch` siblings at a time (inner ones: `depth_first`'s)."""
     leaves = [c for c in node.children if c.is_leaf]
     k = walk.options.micro_batch
     t0 = time.perf_counter()

@@ -1,5 +1,4 @@
-"""The router load-balancing term (`engine/router.py`) over a prefix tree: which weight each token's routers carry,
-and the counting pass.
+"""The router load-balancing term (`engine/router.py`) over a prefix tree: per-token router weights, the counting pass.
 
 transformers' aux loss over a batch counts every token of every sequence: a tree position that k trajectories hold
 counts k times. The walk runs each position once, so each run carries that multiplicity as its weight:
