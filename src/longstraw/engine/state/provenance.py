@@ -1,4 +1,4 @@
-"""What produced a prompt state: the model's identity, config, module attributes, adapter state, parameters, buffers.
+"""What produced a prompt state: the model's identity, config, module attributes, adapter state, weights and buffers.
 
 A state is only valid for the model and weights that captured it. `backward_group` accepts a reused `prompt_state`
 and must refuse one that another model captured (another architecture, layer count or head layout: K/V of the wrong
