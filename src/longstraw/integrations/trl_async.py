@@ -137,10 +137,9 @@ def _loaded_for_longstraw(args: AsyncGRPOConfig) -> Iterator[None]:
 
 
 class SampleBatch:
-    """TRL's collator (the packer) with each rank's samples added, as tensors whose first dimension is the rank, so
-    that the dispatcher hands each rank its own: `ls_ids`, `ls_mask` (its completion_mask), `ls_old` (its old
-    log-probs, float32 as TRL packs them), all (P, S, L) zero-padded, `ls_length` (P, S) (0: no sample),
-    `ls_advantage` (P, S) float32."""
+    """TRL's collator (the packer) with each rank's samples added, as tensors whose first dimension is the rank (the
+    dispatcher hands each rank its own): `ls_ids`, `ls_mask` (its completion_mask), `ls_old` (its old log-probs, float32
+    as TRL packs them), all (P, S, L) zero-padded, `ls_length` (P, S) (0: no sample), `ls_advantage` (P, S) float32."""
 
     def __init__(self, packer: Any) -> None:
         self.packer = packer

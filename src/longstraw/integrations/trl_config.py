@@ -1,7 +1,6 @@
 """The drop-in's configuration: `LongStrawGRPOConfig` (TRL's `GRPOConfig` with LongStraw's fields), the
-`BackwardOptions` and loss that make LongStraw's loss TRL's (docs/trl.md has the table), and the refusals of what
-that loss cannot reproduce, made when the trainer is built (`config_refusals`, `fsdp_refusals`,
-`tensor_parallel_refusals`)."""
+`BackwardOptions` and loss that make LongStraw's loss TRL's (docs/trl.md), and the refusals of what that loss cannot
+reproduce, made when the trainer is built (`config_refusals`, `fsdp_refusals`, `tensor_parallel_refusals`)."""
 
 from __future__ import annotations
 
@@ -76,8 +75,7 @@ _DEFAULTS = {f.name.removeprefix("longstraw_"): f.default for f in fields(LongSt
 
 
 def option(args: Any, name: str) -> Any:
-    """`args.longstraw_<name>`, LongStrawGRPOConfig's default for a plain GRPOConfig; cp and tree_min_shared checked
-    to be integers >= 1."""
+    """`args.longstraw_<name>`, LongStrawGRPOConfig's default for a plain GRPOConfig; cp, tree_min_shared: ints >= 1."""
     value = getattr(args, f"longstraw_{name}", _DEFAULTS[name])
     if name in ("cp", "tree_min_shared") and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise ValueError(f"{type(args).__name__}'s longstraw_{name} must be an integer >= 1, got {value!r}")
@@ -85,8 +83,7 @@ def option(args: Any, name: str) -> Any:
 
 
 def backward_options(args: Any) -> BackwardOptions:
-    """backward_tree's options from the config, validated by the engine; the loss and its parameters are set per
-    micro-batch (`_loss_options`)."""
+    """backward_tree's options from the config, validated by the engine; the loss: per micro-batch (`_loss_options`)."""
     checkpoint = option(args, "checkpoint")
     if checkpoint is None:
         checkpoint = "layers" if args.gradient_checkpointing else "none"

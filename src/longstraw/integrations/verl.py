@@ -221,9 +221,8 @@ def _temperature(data: Any) -> float:
 
 
 class LongStrawFSDPEngine(FSDPEngineWithLMHead):
-    """verl's FSDP engine for the language model, whose training mini-batch runs `backward_tree` over one prefix tree
-    of its rows. Forward-only passes (old and reference log-probs), other loss functions and everything else stay
-    verl's."""
+    """verl's FSDP engine for the language model, whose training mini-batch runs `backward_tree` over one prefix tree of
+    its rows. Forward-only passes (old and reference log-probs), other loss functions and the rest stay verl's."""
 
     def forward_backward_batch(self, data: Any, loss_function: Callable[..., Any], forward_only: bool = False) -> Any:
         config = _actor_config(loss_function)
