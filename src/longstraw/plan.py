@@ -1,7 +1,6 @@
 """The backward plans as typed values: one frozen `Plan` per plan (standard, standard_batched, detach, exact) with the
 properties the planner, the distributed wrappers and the tables branch on, so code asks `plan.captures_state` rather
-than comparing names. Imports nothing at load (`longstraw --help` builds its parsers from `choices.PLANS`, derived
-from `PLANS` here)."""
+than comparing names. Imports nothing at load: `longstraw --help` builds its parsers from `choices.PLANS`, made here."""
 
 from __future__ import annotations
 
@@ -70,8 +69,7 @@ EXACT = Plan(
     description="prompt encoded once; responses replayed, then the prompt's backward chunk by chunk (exact)")
 
 PLANS: dict[str, Plan] = {plan.name: plan for plan in (STANDARD, STANDARD_BATCHED, DETACH, EXACT)}
-# How tables, plots and the planner's document list them: the baseline the others are measured against
-# (standard_batched) first.
+# How tables, plots and the planner's document list them: the baseline the others are measured against first.
 PLANS_BASELINE_FIRST: tuple[Plan, ...] = (STANDARD_BATCHED, *(p for p in PLANS.values() if p is not STANDARD_BATCHED))
 
 
@@ -83,8 +81,7 @@ def plan_named(name: str | Plan) -> Plan:
         return PLANS[name]
     import difflib
 
-    # `choices.did_you_mean`'s hint, spelled here: choices derives its PLANS from this module, so importing it back
-    # would close an import cycle.
+    # `choices.did_you_mean`'s hint, spelled here: importing choices (whose PLANS come from here) would be a cycle.
     close = difflib.get_close_matches(str(name), list(PLANS), n=3, cutoff=0.6)
     hint = f" (did you mean {' or '.join(close)}?)" if close else ""
     raise ValueError(f"unknown plan {name!r}: choose one of {', '.join(PLANS)}{hint}")

@@ -47,10 +47,9 @@ _CACHE_KEYWORDS: dict[type, str | None] = {}
 
 
 def cache_keyword(module: torch.nn.Module) -> str:
-    """The name under which `module`'s forward (a transformers decoder or causal LM) takes its cache object, read
-    from the forward's signature once per class: `cache`, or in releases up to 5.23 `past_key_values` (Mamba2:
-    `cache_params`). A forward that names none of them would drop the cache into **kwargs and run without the prompt
-    state: refused."""
+    """The name under which `module`'s forward (a transformers decoder or causal LM) takes its cache object, read from
+    the forward's signature once per class: `cache`, or in releases up to 5.23 `past_key_values` (Mamba2:
+    `cache_params`). Refused: a forward naming none, which would drop the cache into **kwargs and ignore the prompt."""
     cls = type(module)
     if cls not in _CACHE_KEYWORDS:
         parameters = inspect.signature(cls.forward).parameters
@@ -205,8 +204,7 @@ TESTED_ON_OLDEST = (
 
 
 def on_the_ci_list(model_type: str, version: str | None = None) -> bool:
-    """Whether CI's parity tests cover `model_type` on this transformers (or `version`): the fast path that skips the
-    check of a config."""
+    """Whether CI's parity tests cover `model_type` on this transformers (or `version`): then the check is skipped."""
     version = transformers.__version__ if version is None else version
     return model_type in SUPPORTED_MODEL_TYPES and (model_type in TESTED_ON_OLDEST or version == CI_TRANSFORMERS)
 
@@ -240,11 +238,10 @@ _TRAIN_ONLY_CONFIG = ("router_jitter_noise",)
 
 
 def active_dropout(model: torch.nn.Module) -> list[str]:
-    """What a forward in train() mode would do that eval() does not, one entry per cause ("name p=0.1"): dropout
-    modules with p > 0; a module's rate attribute above 0 that transformers applies only in training through
+    """What a forward in train() mode would do that eval() does not, one entry per cause ("name p=0.1"): dropout modules
+    with p > 0; a module's rate attribute above 0 that transformers applies only in training through
     `nn.functional.dropout` (`attention_dropout`, OPT's and BioGPT's `dropout` and `activation_dropout`: any attribute
-    named `*dropout` or `*layerdrop`); and the train-only config fields above. Empty: train() and eval() compute the
-    same numbers."""
+    named `*dropout` or `*layerdrop`); and the train-only config fields above. Empty: train() and eval() agree."""
     found = []
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:

@@ -1,7 +1,6 @@
-"""A model's source checked before transformers loads it: whether the hub has a model, answered within seconds
-(`check_hub`), and a config.json's values, refused in one line naming the file and the field where they would
-otherwise end in a traceback (transformers' validation, a ZeroDivisionError, a tensor-size crash, a NaN in float64)
-or need the model's own code.
+"""A model's source checked before transformers loads it: whether the hub has the model (`check_hub`, in seconds), and a
+config.json's values, refused in one line naming the file and field where they would otherwise end in a traceback
+(transformers' validation, ZeroDivisionError, a tensor-size crash, a NaN in float64) or need the model's own code.
 
 LongStraw never runs a model's own Python code (docs/architectures.md): every `from_pretrained` passes
 `trust_remote_code=False`, and a config whose `auto_map` names classes for a model type transformers does not implement
@@ -24,8 +23,7 @@ CUSTOM_CODE = ("needs custom code (config.json's auto_map: {classes}) that LongS
 
 
 def read_config_json(path: str) -> dict[str, Any]:
-    """A config.json's object; ValueError naming the file and line when it is unreadable, not UTF-8 JSON or not an
-    object."""
+    """A config.json's object; ValueError naming the file and line when unreadable, not UTF-8 JSON or not an object."""
     try:
         with open(path, "rb") as f:
             raw = f.read()
@@ -86,8 +84,7 @@ def check_head_counts(values: dict[str, Any], where: str) -> None:
     """Refuse a head count below 1 (`num_attention_heads`, `num_key_value_heads`, `linear_num_value_heads`, ..., in
     a nested text config too), or a `head_dim`, `hidden_size`, `num_hidden_layers` or `vocab_size` below 1, before
     transformers' config or model or the planner divides by it (a ZeroDivisionError or ValueError traceback) or samples
-    from an empty vocabulary; None stays allowed (transformers' "same as the heads", or a size derived from the
-    others)."""
+    from an empty vocabulary; None stays allowed (transformers' "same as the heads", or a size derived from others)."""
     for key, value in sorted(values.items()):
         if isinstance(value, dict):
             check_head_counts(value, where)
