@@ -107,8 +107,7 @@ DSA_MODEL_TYPES = ("deepseek_v32", "axk2", "hy_v4")
 MAMBA2_HYBRID_TYPES = ("bamba", "granitemoehybrid")
 # Gated-DeltaNet layers (`linear_attention`) and attention layers, Qwen3-Next's field names.
 GATED_DELTANET_TYPES = ("qwen3_5_moe_text", "olmo_hybrid", "lara_mini")
-# LFM2's gated short convolutions (`conv` layers: a (hidden, conv_L_cache) window, no recurrent state) and
-# attention layers.
+# LFM2's gated short convolutions (`conv` layers: a (hidden, conv_L_cache) window, no recurrent state) + attention.
 SHORT_CONV_TYPES = ("lfm2", "lfm3")
 # Lightning attention (`linear_attention` layers: one K^T V state per head, no conv window) and attention layers.
 LIGHTNING_TYPES = ("minimax",)
@@ -186,9 +185,8 @@ def _layer_kv(c, dims: Fields, meta: _MetaModel) -> tuple[tuple[int, int], ...]:
 
 
 def _generic_mlps(c, meta: _MetaModel) -> Fields:
-    """Dense or routed-expert MLP per layer (a layer holding `.experts.` parameters in the meta model is MoE), the
-    dense width (`_DENSE_WIDTHS`, else 4 x hidden) and the experts' count, top-k and widths under the names
-    the families use."""
+    """Dense or routed-expert MLP per layer (a layer holding `.experts.` parameters in the meta model is MoE), the dense
+    width (`_DENSE_WIDTHS`, else 4 x hidden) and the experts' count, top-k and widths, as the families name them."""
     n = c.num_hidden_layers
     dense = _first(c, _DENSE_WIDTHS) or 4 * c.hidden_size
     moe = _first(c, _EXPERT_WIDTHS) or dense

@@ -235,9 +235,8 @@ def segment_activation_bytes(spec: ModelSpec, b: int, a: int, kernel: str, token
     buffers: the MLP's four intermediate gradients and two of the hidden size, (4·I + 2·d)·b (measured on deep-smollm2:
     28.2-28.9 KB per token where this gives 28.5), or a recurrent scan's (`RecurrentBytes.backward`).
 
-    scans=False (with checkpointing): without the recurrent scans' recompute terms (their saved tensors and backward
-    transient): what the log-prob's transient (or the standard plans' logits), which ends before the first layer is
-    recomputed, coincides with."""
+    scans=False (with checkpointing): without the recurrent scans' recompute terms (saved tensors, backward transient):
+    what coincides with the log-prob's transient (or the standard plans' logits), over before any layer's recompute."""
     cached = kernel != "sdpa"
     recs = [recurrent_bytes(spec, spec.mixers[i], tokens, b, batch, cached) for i in _recurrent_layers(spec)]
     backward = max((r.backward for r in recs), default=0)

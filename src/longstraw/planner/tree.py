@@ -36,8 +36,7 @@ FORKS: tuple[Fork, ...] = ("last", "first")
 
 
 class Level(NamedTuple):
-    """One branching level of a task's subtree: each node of the level above has `fan_out` children here, each of
-    `turns` whole turns."""
+    """One branching level of a task's subtree: each node of the level above has `fan_out` children of `turns` turns."""
 
     fan_out: int
     turns: int
@@ -83,8 +82,7 @@ class TreeShape:
 
     @property
     def levels(self) -> tuple[Level, ...]:
-        """A task's branching levels, first to last (`Level`): the last is its leaves; none when G = 1 (the task is
-        its one trajectory)."""
+        """A task's branching levels, first to last (`Level`): the last is its leaves; none when G = 1."""
         return () if self.group_size == 1 else _LEVELS[self.fork](self)
 
     @property
@@ -229,10 +227,9 @@ class TreeForecast:
 
 
 def inner_loss_rows(shape: TreeShape, chunk: int) -> int:
-    """The most loss tokens one capture chunk of an inner node holds (its recompute scores them): a task's trunk
-    (its C tokens, then the shared turns) and the nodes of every branching level but the last (the leaves), each
-    chunked from its own start. 0 when no inner node has loss tokens (G = 1: every task a leaf; fork "first": the
-    trunk is the task's C tokens)."""
+    """The most loss tokens one capture chunk of an inner node holds (its recompute scores them): a task's trunk (its C
+    tokens, then the shared turns) and the nodes of every branching level but the last, each chunked from its own start.
+    0 when no inner node has loss tokens (G = 1: every task a leaf; fork "first": the trunk is the task's C tokens)."""
     turn = [True] * shape.response_tokens + [False] * shape.observation_tokens
     levels = shape.levels
     layouts = [[False] * shape.task_tokens + turn * shape.trunk_turns] if levels else []
