@@ -1,15 +1,13 @@
 """``kv``: key-value retrieval from a JSON object of random UUIDs (Liu et al. 2023, "Lost in the Middle").
 
-The prompt is a JSON object ``{"<uuid>": "<uuid>", ...}`` and asks for the value of one key. Length is set either
-by ``n_pairs`` or by ``prompt_tokens`` (the largest number of pairs whose prompt fits; one pair is ~40-50 BPE
-tokens, so the prompt lands within one pair's worth under the target). ``depth`` places the asked pair among the
-others (0: first, 1: last).
+The prompt is a JSON object ``{"<uuid>": "<uuid>", ...}`` and asks for the value of one key. Length is set either by
+``n_pairs`` or by ``prompt_tokens`` (the largest number of pairs whose prompt fits; one pair is ~40-50 BPE tokens, so
+the prompt lands within one pair's worth under the target). ``depth`` places the asked pair (0: first, 1: last).
 
 Reward: the completion's first UUID-shaped string, skipping any copy of the asked KEY (a model that restates the
-question before answering should not be scored on the key). ``partial=False`` (default): exact match, 1 or 0 —
-a UUID with a few right characters is still the wrong record, and chance agreement of hex characters (1/16 each)
-would add noise to a partial score. ``partial=True``: ``positional_match`` over the 36 characters, for curricula
-that want a denser signal."""
+question before answering should not be scored on the key). ``partial=False`` (default): exact match, 1 or 0 — a UUID
+with a few right characters is still the wrong record, and chance agreement of hex characters (1/16 each) would add
+noise to a partial score. ``partial=True``: ``positional_match`` over the 36 characters, a denser signal."""
 
 from __future__ import annotations
 

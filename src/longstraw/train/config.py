@@ -69,8 +69,7 @@ class TrainConfig:
                       for name, kind in SECTION_TYPES.items()})
 
     def to_flat(self) -> dict[str, Any]:
-        """Every option by its field name (a plan by its name): what checkpoints and comparisons store, and what
-        `from_flat` reads back."""
+        """Every option by field name (a plan by name): what checkpoints and comparisons store, `from_flat` reads."""
         return {f.name: str(value) if isinstance(value := getattr(section, f.name), Plan) else value
                 for section in (getattr(self, name) for name in SECTIONS) for f in fields(section)}
 

@@ -140,8 +140,7 @@ class TaskData:
         return [self.task.sample(rng) for rng in rngs]
 
     def held_out(self) -> list[Example]:
-        """The held-out evaluation's prompts: a jsonl file's held-out rows, or a generated task's from a seed stream
-        training never draws from."""
+        """The held-out evaluation's prompts: a jsonl file's held-out rows, or a generated task's from its own seeds."""
         if self.held_out_rows is not None:
             return list(self.held_out_rows)
         return self.task.examples(self.cfg.run.eval_prompts, seed=self.cfg.run.seed + EVAL_SEED_OFFSET)

@@ -27,9 +27,8 @@ def distributed_rules(cfg: TrainConfig, world_size: int) -> None:
 
 
 def model_config(name: str) -> Any:
-    """The transformers config `load_model(name)` builds its model from, read without any weights; None for a hub id
-    that is not in the local cache (not fetched here). ValueError for a name that is no model or a config that does not
-    load."""
+    """The transformers config `load_model(name)` builds its model from, read without any weights; None for a hub id not
+    in the local cache (not fetched here). ValueError for a name that is no model or a config that fails to load."""
     from transformers import AutoConfig
 
     from longstraw.admission.loading import check_model_name

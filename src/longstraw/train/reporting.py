@@ -281,8 +281,7 @@ def write_summary(path: Path, summary: dict[str, Any]) -> None:
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """The rows of a metrics.jsonl; ValueError naming the file and line for one that is not a JSON object (a file
-    cut short or damaged)."""
+    """The rows of a metrics.jsonl; ValueError naming file and line of a row that is no JSON object (cut, damaged)."""
     rows = []
     with path.open("rb") as f:
         for lineno, raw in enumerate(f, start=1):

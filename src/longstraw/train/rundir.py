@@ -271,8 +271,7 @@ SUMMARY_FIX = ("`longstraw train --resume` with the run's options writes it agai
 
 
 def read_summary(path: Path, fix: str = SUMMARY_FIX) -> dict[str, Any]:
-    """A run's summary.json; ValueError naming the file, in one line ending with `fix`, when it is cut short, damaged
-    or not a JSON object."""
+    """A run's summary.json; ValueError naming the file, in one line ending with `fix`, unless an intact JSON object."""
     raw = path.read_bytes()
     try:
         summary = json.loads(raw)
