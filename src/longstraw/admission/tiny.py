@@ -63,8 +63,7 @@ def _layer_index_fields(data: dict[str, Any], n: int) -> list[str]:
 
 
 def _field(config: Any, key: str) -> Any:
-    """config.key through the config's attribute map (GPT-2's n_embd answers hidden_size); None where the config has
-    no such field or only per-layer values of it."""
+    """config.key via the config's attribute map (GPT-2's n_embd answers hidden_size); None if absent or per-layer."""
     try:
         return getattr(config, key, None)
     except Exception:  # e.g. Gemma-4's per-layer head dims: no single value

@@ -43,8 +43,7 @@ _VOLATILE = ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "a
 
 
 def composite_refusal(config: Any) -> str | None:
-    """Why LongStraw does not run a composite (multimodal) config's text tower, or None: it finds the text decoder of
-    `composite.COMPOSITE_MODEL_TYPES` only."""
+    """Why LongStraw does not run a composite config's text tower (it runs `COMPOSITE_MODEL_TYPES`' only), or None."""
     text = language_config(config)
     if text is config or config.model_type in COMPOSITE_MODEL_TYPES:
         return None
@@ -317,8 +316,7 @@ def verify(config: Any, seed: int = 0) -> Verdict:
 
 
 _VERDICTS: dict[str, Verdict] = {}
-# The code a verdict depends on: the check itself, the engine it measures and the model handling (a change to any of
-# them re-checks every cached config).
+# The code a verdict depends on (a change re-checks every cached config): the check, the engine, the model handling.
 _DECIDING_CODE = ("admission", "engine", "models")
 KINDS = ("exact", "exact within float32 kernels", "refused")
 

@@ -37,9 +37,8 @@ def options_with(options: BackwardOptions | None, settings: dict[str, Any], call
 
 
 def check_model_options(model: torch.nn.Module, options: BackwardOptions) -> None:
-    """The refusals that need the model and the options but no batch, so a trainer can make them when it is built:
-    nothing to train, the exact plan's one-token chunks on a recurrent model, and a router term on a model whose
-    router logits LongStraw cannot record."""
+    """The refusals that need the model and the options but no batch, made when a trainer is built: nothing to train,
+    the exact plan's one-token chunks on a recurrent model, a router term on unrecordable router logits."""
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("no parameter of the model requires grad, so there is nothing to train: unfreeze the "
                          "parameters to train (param.requires_grad_(True)) or add an adapter")

@@ -7,8 +7,7 @@ sharded (accelerate's FSDP2 for TRL, with its own units and settings) gets the b
 
 `sharded_compute(model, gather=...)` runs a block of LongStraw work (backward_group calls, sampling) on it.
 
-Gradients are averaged over ranks (FSDP's default divide-by-world-size); callers scale for their own
-normalisation (see `trainer.py`)."""
+Gradients are averaged over ranks (FSDP's default); callers scale for their own normalisation (see `trainer.py`)."""
 
 from __future__ import annotations
 

@@ -37,8 +37,7 @@ def describe(environment: object) -> str:
 
 def check_environment(environment: object, call_end: tuple[int, ...] | CallEnd, stop_ids: tuple[int, ...],
                       vocab: int) -> None:
-    """At the start of a rollout: a callable environment and call_end ids the model can sample that no stop id
-    pre-empts."""
+    """At the start of a rollout: a callable environment; call_end ids the model can sample, no stop id pre-empting."""
     if not callable(environment):
         raise TypeError(f"environment must be callable as environment(i, response_so_far) -> the observation's token "
                         f"ids or None, got {describe(environment)} ({type(environment).__name__})")

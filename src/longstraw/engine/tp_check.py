@@ -32,8 +32,7 @@ def grad_allreduce_hooked(model: torch.nn.Module) -> list[str]:
 
 
 def check_tensor_parallel_model(model: torch.nn.Module) -> None:
-    """Raise ValueError, saying what to change, for a tensor-parallel model the engine cannot run exactly (module
-    docstring); nothing for any other model."""
+    """Raise ValueError saying what to change for a tensor-parallel model the engine cannot run exactly (see above)."""
     if not is_tensor_parallel(model):
         return
     model_type = getattr(model.config, "model_type", None)  # its own type: a multimodal wrapper is not its text tower

@@ -142,8 +142,7 @@ def _clip_widths(entry: LossKind, epsilon: float | None, epsilon_low: float | No
 
 
 def _own_parameters(entry: LossKind, given: dict[str, float | None]) -> dict[str, float]:
-    """Every loss-owned parameter (`given`, None: its default), refused when set, to another value than its default,
-    for a loss that does not own it."""
+    """Every loss-owned parameter (`given`, None: default); refused if set off its default for a loss not owning it."""
     out = {}
     for name, value in given.items():
         owner, parameter = OWN_PARAMETERS[name]

@@ -22,8 +22,7 @@ class PathSlab:
     tensors: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
 
     def write(self, name: str, layer: int, start: int, end: int, part: torch.Tensor) -> torch.Tensor:
-        """Store `part` (1, Hkv, end − start, D) at its positions; returns the stored view (no grad: the path's
-        gradient is read with `gradient`)."""
+        """Store `part` (1, Hkv, end − start, D) at its positions; returns the stored view (no grad: see `gradient`)."""
         slab = self.tensors.get((name, layer))
         if slab is None:
             slab = part.new_zeros((*part.shape[:2], self.capacity, part.shape[3]))
@@ -38,8 +37,7 @@ class PathSlab:
         return slab.detach()[:, :, start - self.start: end - self.start]
 
     def read(self, layer: int, end: int) -> tuple[int, torch.Tensor, torch.Tensor]:
-        """(start, key, value) of positions start … end − 1, each (1, Hkv, end − start, D), differentiable into the
-        path's gradient when grad is on."""
+        """(start, key, value) of positions start … end − 1 as (1, Hkv, end − start, D); differentiable under grad."""
         n = end - self.start
         return self.start, self.tensors[("key", layer)][:, :, :n], self.tensors[("value", layer)][:, :, :n]
 
