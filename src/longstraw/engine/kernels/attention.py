@@ -44,10 +44,9 @@ _Run = tuple[torch.Tensor, torch.Tensor, list[int]]
 
 
 def _portable_forward(q, k, v, scale: float, causal: bool):
-    """One key chunk, key blocks with an online softmax. q (N, M, D), k/v (N, c, D) -> out (N, M, D), lse (N, M).
-
-    causal (own tokens, M == c): row r sees keys 0 … r; a key block starting at key0 only touches rows >= key0,
-    so every processed row sees at least one key of every block it is in (no all-masked rows, no NaN)."""
+    """One key chunk, key blocks with an online softmax. q (N, M, D), k/v (N, c, D) -> out (N, M, D), lse (N, M). causal
+    (own tokens, M == c): row r sees keys 0 … r; a key block starting at key0 only touches rows >= key0, so every
+    processed row sees at least one key of every block it is in (no all-masked rows, no NaN)."""
     n, m, d = q.shape
     run_max = torch.full((n, m), float("-inf"), dtype=q.dtype, device=q.device)
     run_sum = torch.zeros((n, m), dtype=q.dtype, device=q.device)
@@ -74,9 +73,8 @@ def _causal_mask(rows: int, row0: int, key0: int, length: int, device) -> torch.
 
 
 def _portable_backward(d_out, row, q, k, v, lse, scale: float, causal: bool, need_kv: bool):
-    """Gradients of one key chunk given the *global* out/lse: p = exp(s − lse) is this chunk's slice of the
-    full softmax, and dS = p * (dP − row) with row = rowsum(dO * O) − dLSE. Returns dq, dk, dv (dk/dv None
-    unless need_kv)."""
+    """Gradients of one key chunk given the *global* out/lse: p = exp(s − lse) is this chunk's slice of the full
+    softmax, and dS = p * (dP − row) with row = rowsum(dO * O) − dLSE. dk/dv are None unless need_kv."""
     m = q.shape[1]
     dq = torch.zeros_like(q)
     dk = torch.zeros_like(k) if need_kv else None
@@ -267,8 +265,7 @@ def prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         if sinks is not None:
             out = with_sinks(out, lse, sinks.view(1, hkv, g, 1))
         return out.to(query.dtype).reshape(b, h, t, d)
-    # Prefix: fold batch, group and time into one row set, (B, Hkv, g, T, D) -> (Hkv, B*g*T, D), so the
-    # shared prefix K/V (Hkv, P, D) is read once for all sequences and heads, never expanded or copied.
+    # Prefix: fold batch, group and time into one row set (module docstring), (B, Hkv, g, T, D) -> (Hkv, B*g*T, D).
     q_rows = query.view(b, hkv, g, t, d).permute(1, 0, 2, 3, 4).reshape(hkv, b * g * t, d)
     n = len(prefix_keys)
     if context_shards is None:
@@ -315,12 +312,11 @@ def naive_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 
 # --- The masked path: sliding windows, DSA top-k selection, latent (MLA) prefixes, logit soft-capping --------
-#
-# These need a per-(query, key) mask or a per-chunk transform of the prefix, which the fused kernel does not take:
-# plain PyTorch, a masked softmax per key part merged by log-sum-exp, each prefix chunk under activation
-# checkpointing (only the query and the state stay saved, never a chunk's scores or an expanded MLA chunk). Masked
-# scores use the dtype's most negative finite value (as transformers' eager path does): a row that sees nothing in one
-# part gets weight exp(lse_part - lse_total) = 0 exactly in the merge, with no NaN in forward or backward.
+# These need a per-(query, key) mask or a per-chunk transform of the prefix, which the fused kernel does not take: plain
+# PyTorch, a masked softmax per key part merged by log-sum-exp, each prefix chunk under activation checkpointing (only
+# the query and the state stay saved, never a chunk's scores or an expanded MLA chunk). Masked scores use the dtype's
+# most negative finite value (as transformers' eager path does): a row that sees nothing in one part gets weight
+# exp(lse_part - lse_total) = 0 exactly in the merge, with no NaN in forward or backward.
 
 
 def _masked_part(q, k, v, visible, scale: float, softcap: float | None, expand):
