@@ -36,9 +36,8 @@ def _parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
 # A Hugging Face model id as the hub spells them: owner/name, letters, digits, '-', '_' and '.'.
 HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
 def check_model_name(name: str) -> str:
-    """Where `load_model(name)` will read from: "preset", "packaged", "gguf", "local" or "hub".
-
-    Refuses at once (no network) a name that is none of these, or a path that does not exist."""
+    """Where `load_model(name)` will read from: "preset", "packaged", "gguf", "local" or "hub". Refuses at once (no
+    network) a name that is none of these, or a path that does not exist."""
     if name in PRESETS:
         return "preset"
     elif name in PACKAGED_GGUF:

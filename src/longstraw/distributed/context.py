@@ -97,9 +97,8 @@ class ContextParallel:
 
     def merge(self, out: torch.Tensor | None, lse: torch.Tensor | None, like_out: torch.Tensor,
               like_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Merge every rank's partial attention over its slice: out (N, M, D), lse (N, M) -> global ones.
-
-        A rank without prompt chunks contributes (0, most negative finite), which weighs exactly 0."""
+        """Merge every rank's partial attention over its slice: out (N, M, D), lse (N, M) -> global ones. A rank without
+        prompt chunks contributes (0, most negative finite), which weighs exactly 0."""
         if out is None:
             out = torch.zeros_like(like_out)
             lse = torch.full_like(like_lse, torch.finfo(like_lse.dtype).min)

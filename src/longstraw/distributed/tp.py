@@ -111,9 +111,8 @@ def adopt(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _sum_gradients_over(module: torch.nn.Module, group: dist.ProcessGroup) -> None:
-    """Each backward's gradient of `module`'s own parameters summed over `group` before it is accumulated.
-
-    Registered on the parameter objects the forward sees (FSDP2 swaps in unsharded ones), once per object."""
+    """Each backward's gradient of `module`'s own parameters summed over `group` before it is accumulated. Registered on
+    the parameter objects the forward sees (FSDP2 swaps in unsharded ones), once per object."""
     hooked: dict[str, torch.Tensor] = {}
 
     def pre_forward(mod: torch.nn.Module, args: Any) -> None:

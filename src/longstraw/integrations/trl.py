@@ -56,9 +56,8 @@ __all__ = ["LongStrawGRPOConfig", "LongStrawGRPOTrainer"]
 
 class LongStrawGRPOTrainer(GRPOTrainer):
     """`trl.GRPOTrainer` whose loss and backward are `longstraw.backward_tree` over each micro-batch's prefix tree.
-
-    Takes GRPOTrainer's arguments; `args` may be a `LongStrawGRPOConfig` or a plain `GRPOConfig` (its defaults).
-    Raises ValueError, listing every reason, for what it cannot train."""
+    Takes GRPOTrainer's arguments; `args` may be a `LongStrawGRPOConfig` or a plain `GRPOConfig` (its defaults). Raises
+    ValueError, listing every reason, for what it cannot train."""
 
     # For mypy: Trainer types `args` as TrainingArguments and leaves `model`, `num_generations` (which GRPOConfig
     # requires) and `_buffered_inputs` (None at first) unannotated.

@@ -165,9 +165,8 @@ class SampleBatch:
 
 
 class LongStrawAsyncGRPOTrainer(AsyncGRPOTrainer):
-    """TRL's `AsyncGRPOTrainer` whose loss and backward are `longstraw.backward_tree` over each rank's samples.
-
-    Takes AsyncGRPOTrainer's arguments; `args` may be a `LongStrawAsyncGRPOConfig` or a plain `AsyncGRPOConfig` (its
+    """TRL's `AsyncGRPOTrainer` whose loss and backward are `longstraw.backward_tree` over each rank's samples. Takes
+    AsyncGRPOTrainer's arguments; `args` may be a `LongStrawAsyncGRPOConfig` or a plain `AsyncGRPOConfig` (its
     defaults). Raises ValueError, listing every reason, for what it cannot train."""
 
     args: AsyncGRPOConfig

@@ -219,10 +219,9 @@ def known_recurrence(model_type: str) -> bool | None:
 
 
 def check_eval_mode(model: torch.nn.Module) -> None:
-    """Refuse a model any of whose modules is in train() mode, naming the first one.
-
-    `model.eval()` sets every submodule, but `model.layers[3].train()` (or a library that flips one module)
-    leaves the root in eval mode: dropout there would make the gradients random and unreproducible."""
+    """Refuse a model any of whose modules is in train() mode, naming the first one. `model.eval()` sets every
+    submodule, but `model.layers[3].train()` (or a library that flips one module) leaves the root in eval mode: dropout
+    there would make the gradients random and unreproducible."""
     for name, module in model.named_modules():
         if module.training:
             where = "the model" if not name else f"submodule {name!r} ({type(module).__name__})"

@@ -99,11 +99,10 @@ def state_parts(spec: ModelSpec, positions: int, b: int, chunk: int, exact: bool
 
 
 def state_bytes(spec: ModelSpec, positions: int, b: int, chunk: int, exact: bool) -> tuple[int, int]:
-    """(prompt state, its gradient in the exact plan) for `positions` prompt tokens, one sequence.
-
-    Attention K/V and MLA latents grow with P (sliding layers in detach: the chunks reaching into the last W-1
-    positions); DSA indexer keys grow but carry no gradient; recurrent layers hold one state (detach) or one per
-    chunk boundary (exact), and their gradient is one state's worth."""
+    """(prompt state, its gradient in the exact plan) for `positions` prompt tokens, one sequence. Attention K/V and MLA
+    latents grow with P (sliding layers in detach: the chunks reaching into the last W-1 positions); DSA indexer keys
+    grow but carry no gradient; recurrent layers hold one state (detach) or one per chunk boundary (exact), and their
+    gradient is one state's worth."""
     return state_parts(spec, positions, b, chunk, exact).per_rank(1)
 
 

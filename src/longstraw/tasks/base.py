@@ -45,10 +45,9 @@ class Task:
 
 # ----------------------------------------------------------------------------------------------------- tokenizers
 def _as_id_list(out: Any) -> list[int]:
-    """Flatten what a tokenizer returned into a list of ints.
-
-    Handles a list of ints, a batch of one (``[[...]]``), a dict/BatchEncoding with ``input_ids`` (transformers 5's
-    ``apply_chat_template`` returns one by default), a ``tokenizers.Encoding`` (``.ids``) and tensors/arrays."""
+    """Flatten what a tokenizer returned into a list of ints. Handles a list of ints, a batch of one (``[[...]]``), a
+    dict/BatchEncoding with ``input_ids`` (transformers 5's ``apply_chat_template`` returns one by default), a
+    ``tokenizers.Encoding`` (``.ids``) and tensors/arrays."""
     if isinstance(out, Mapping) or hasattr(out, "keys") and "input_ids" in out.keys():  # BatchEncoding is a UserDict
         out = out["input_ids"]
     if hasattr(out, "ids") and not isinstance(out, (list, tuple)):
@@ -64,10 +63,9 @@ def _as_id_list(out: Any) -> list[int]:
 
 
 def encode(tokenizer: Any, text: str) -> list[int]:
-    """Token ids of ``text`` without special tokens (no BOS/EOS), so lengths add up across pieces of a prompt.
-
-    Works with transformers tokenizers (``encode(text, add_special_tokens=False)``), ``tokenizers.Tokenizer``
-    (``encode`` returns an ``Encoding``), and any callable returning ``{"input_ids": ...}``."""
+    """Token ids of ``text`` without special tokens (no BOS/EOS), so lengths add up across pieces of a prompt. Works
+    with transformers tokenizers (``encode(text, add_special_tokens=False)``), ``tokenizers.Tokenizer`` (``encode``
+    returns an ``Encoding``), and any callable returning ``{"input_ids": ...}``."""
     if hasattr(tokenizer, "encode"):
         try:
             return _as_id_list(tokenizer.encode(text, add_special_tokens=False))
@@ -84,11 +82,10 @@ def count_tokens(tokenizer: Any, text: str) -> int:
 
 
 def format_prompt(tokenizer: Any, text: str) -> list[int]:
-    """Token ids of ``text`` as a single user turn, ready for generation or for a ``Group``'s prompt.
-
-    With a chat template: ``apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)``
-    (the template itself decides BOS and any system preamble). Without one: ``tokenizer.encode(text)`` with the
-    tokenizer's default special tokens. Always returns a flat ``list[int]``."""
+    """Token ids of ``text`` as a single user turn, ready for generation or for a ``Group``'s prompt. With a chat
+    template: ``apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)`` (the template
+    itself decides BOS and any system preamble). Without one: ``tokenizer.encode(text)`` with the tokenizer's default
+    special tokens. Always returns a flat ``list[int]``."""
     if getattr(tokenizer, "chat_template", None):
         return _as_id_list(tokenizer.apply_chat_template([{"role": "user", "content": text}],
                                                          add_generation_prompt=True, tokenize=True))
@@ -118,9 +115,8 @@ def positional_match(found: str, answer: str) -> float:
 
 
 def digit_reward(completion: str, answer: str) -> float:
-    """Partial-credit reward for a numeric answer: ``positional_match`` of the completion's FIRST number.
-
-    Only the first number counts, so listing several guesses does not help; no number scores 0."""
+    """Partial-credit reward for a numeric answer: ``positional_match`` of the completion's FIRST number. Only the first
+    number counts, so listing several guesses does not help; no number scores 0."""
     found = first_number(completion)
     return 0.0 if found is None else positional_match(found, answer)
 

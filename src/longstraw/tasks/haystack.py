@@ -129,9 +129,8 @@ def _check_common(prompt_tokens: int, digits: int, depth: float | None) -> None:
 
 @dataclass
 class PasskeyTask(Task):
-    """One random ``digits``-digit pass key hidden at ``depth`` in ~``prompt_tokens`` tokens of filler.
-
-    ``depth=None`` draws a uniform depth per example. Reward: ``digit_reward`` on the completion's first number."""
+    """One random ``digits``-digit pass key hidden at ``depth`` in ~``prompt_tokens`` tokens of filler. ``depth=None``
+    draws a uniform depth per example. Reward: ``digit_reward`` on the completion's first number."""
 
     tokenizer: Any
     prompt_tokens: int = 1024
@@ -159,12 +158,11 @@ class PasskeyTask(Task):
 
 @dataclass
 class MultikeyTask(Task):
-    """``n_keys`` named pass keys ("The pass key for Rosa is 40213.") in the haystack; the question asks for one.
-
-    The asked key sits at ``depth`` (``None``: uniform per example); the other ``n_keys - 1`` are distractors at
-    uniform random depths. All keys are distinct. ``repeat=True`` states each key twice in its sentence (the
-    passkey style), which makes retrieval easier. Reward: ``digit_reward`` on the completion's first number, so
-    answering with a distractor's key earns only the digits it shares by chance with the asked one."""
+    """``n_keys`` named pass keys ("The pass key for Rosa is 40213.") in the haystack; the question asks for one. The
+    asked key sits at ``depth`` (``None``: uniform per example); the other ``n_keys - 1`` are distractors at uniform
+    random depths. All keys are distinct. ``repeat=True`` states each key twice in its sentence (the passkey style),
+    which makes retrieval easier. Reward: ``digit_reward`` on the completion's first number, so answering with a
+    distractor's key earns only the digits it shares by chance with the asked one."""
 
     tokenizer: Any
     prompt_tokens: int = 1024

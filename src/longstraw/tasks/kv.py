@@ -64,9 +64,8 @@ class KVTask(Task):
 
     def _fit_pairs(self, pairs: list[tuple[str, str]], depth: float,
                    rng: random.Random) -> tuple[str, int, int, int]:
-        """(prompt, tokens, asked index, pair count) for the largest count of pairs that fits ``prompt_tokens``.
-
-        Grows ``pairs`` in place from ``rng``; ``pairs[0]`` is the asked pair."""
+        """(prompt, tokens, asked index, pair count) for the largest count of pairs that fits ``prompt_tokens``. Grows
+        ``pairs`` in place from ``rng``; ``pairs[0]`` is the asked pair."""
         assert self.prompt_tokens is not None
 
         def build(n: int) -> tuple[str, int, int, int]:

@@ -30,9 +30,8 @@ class TrainingInterrupted(KeyboardInterrupt):
 
 
 class StopSignals:
-    """Context manager installing the handlers (main thread only; elsewhere signals keep their defaults).
-
-    `busy()` tells whether a signal must be held; `check()` raises a held signal, called once `busy()` is False."""
+    """Context manager installing the handlers (main thread only; elsewhere signals keep their defaults). `busy()` tells
+    whether a signal must be held; `check()` raises a held signal, called once `busy()` is False."""
 
     def __init__(self, busy: Callable[[], bool], describe: Callable[[], str]) -> None:
         self.busy, self.describe = busy, describe

@@ -35,9 +35,8 @@ _NORMED = (FalconMambaMixer, JambaMambaMixer)  # RMS norms on dt, B and C before
 
 def mamba1_forward(module: torch.nn.Module, hidden_states: torch.Tensor, cache: object = None,
                    attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
-    """The mixer's output (b, T, hidden) for `hidden_states` (b, T, hidden) continuing the cache's state.
-
-    Without a `SegmentCache` (a plain forward of the model inside the block) the mixer's own forward runs."""
+    """The mixer's output (b, T, hidden) for `hidden_states` (b, T, hidden) continuing the cache's state. Without a
+    `SegmentCache` (a plain forward of the model inside the block) the mixer's own forward runs."""
     cache = kwargs.pop("cache_params", None) if cache is None else cache
     if not isinstance(cache, SegmentCache):
         return type(module).forward(module, hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)

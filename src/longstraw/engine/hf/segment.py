@@ -161,12 +161,10 @@ def _indexer_mask(batch: int, t: int, start: int, device) -> torch.Tensor:
 def run_segment(model: torch.nn.Module, input_ids: torch.Tensor, start: int, state: PromptState,
                 collect: Collected | None = None, generated: ResponseState | None = None,
                 kv_only: bool = False) -> torch.Tensor | None:
-    """Hidden states after the final norm for `input_ids` (B, T) at positions start..start+T-1.
-
-    Every sequence of the batch continues the same prompt state (batch 1, shared). With `generated`
-    (sampling), T must be 1 and the step also attends to, and appends to, the sequences' generated state.
-    With `kv_only` (needs `collect`), the forward stops as soon as every layer's state is in `collect` and
-    None is returned. Returns (B, T, hidden) otherwise."""
+    """Hidden states after the final norm for `input_ids` (B, T) at positions start..start+T-1. Every sequence of the
+    batch continues the same prompt state (batch 1, shared). With `generated` (sampling), T must be 1 and the step also
+    attends to, and appends to, the sequences' generated state. With `kv_only` (needs `collect`), the forward stops as
+    soon as every layer's state is in `collect` and None is returned. Returns (B, T, hidden) otherwise."""
     model_type = hf(model).config.model_type
     check_transformers_for(model_type)
     b, t = input_ids.shape

@@ -69,7 +69,6 @@ def naive_selective_scan(
 
 def _chunk_states(decay: torch.Tensor, inputs: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
     """decay, inputs (b, d, L, N), state (1 or b, d, N) before the chunk -> the states after each token (b, d, L, N).
-
     Doubling scan: after the step of stride k, position t holds the product of the decays over (t - 2k, t] and the
     recurrence's value over that window from a zero state; after ceil(log2 L) steps every window reaches the chunk's
     start, and the state before the chunk enters through the decays' product."""

@@ -14,13 +14,12 @@ _DEFAULT_CLIP = (0.2, 0.2)  # the clip fields' values for a loss without a lower
 
 @dataclass(frozen=True, init=False)
 class LossConfig:
-    """Which loss and its coefficients, validated when built: `LossConfig("dapo", epsilon_high=0.3, beta=0.04)`.
-
-    An option left None takes the loss's own default (dapo's clip-higher widths, gspo's sequence ratio, sapo's
-    temperatures ...), so the fields always hold the values the loss computes with. `epsilon` sets both clip sides;
-    `epsilon_low`/`epsilon_high` override one (cispo takes `epsilon_high` only, its weight cap; sapo and vespo have
-    no clip). An option another loss owns, or one this loss has no use for, is refused unless it equals the value
-    the loss would use anyway (so `dataclasses.replace` of a built config works)."""
+    """Which loss and its coefficients, validated when built: `LossConfig("dapo", epsilon_high=0.3, beta=0.04)`. An
+    option left None takes the loss's own default (dapo's clip-higher widths, gspo's sequence ratio, sapo's temperatures
+    ...), so the fields always hold the values the loss computes with. `epsilon` sets both clip sides;
+    `epsilon_low`/`epsilon_high` override one (cispo takes `epsilon_high` only, its weight cap; sapo and vespo have no
+    clip). An option another loss owns, or one this loss has no use for, is refused unless it equals the value the loss
+    would use anyway (so `dataclasses.replace` of a built config works)."""
 
     kind: str  # the loss's name (its entry: `entry`)
     epsilon_low: float  # lower clip: ratio >= 1 - epsilon_low (unused by cispo, sapo, vespo)

@@ -90,9 +90,8 @@ def _policy_term(logp: torch.Tensor, log_ratio: torch.Tensor, ratio: torch.Tenso
 def response_loss(logp: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor, totals: GroupTotals,
                   cfg: LossConfig, old_logp: torch.Tensor | None = None,
                   ref_logp: torch.Tensor | None = None) -> torch.Tensor:
-    """This batch's share of the group loss (a scalar); shares of disjoint batches add up to the group loss.
-
-    logp, mask, old_logp, ref_logp: (B, T), right-padded, mask True on real tokens; advantages: (B,)."""
+    """This batch's share of the group loss (a scalar); shares of disjoint batches add up to the group loss. logp, mask,
+    old_logp, ref_logp: (B, T), right-padded, mask True on real tokens; advantages: (B,)."""
     per_token = token_terms(logp, mask, advantages, cfg, old_logp, ref_logp)  # (B, T)
     lengths = mask.to(logp.dtype).sum(-1)  # (B,)
     g = totals.num_responses

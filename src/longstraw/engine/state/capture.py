@@ -26,13 +26,12 @@ def chunk_bounds(length: int, chunk_size: int) -> list[tuple[int, int]]:
 def capture_prompt(model: torch.nn.Module, ids: torch.Tensor, chunk_size: int,
                    keep_boundaries: bool = True, context_shards: ContextShards | None = None,
                    offload: bool = False, leaves: bool = False, keep_graph: int = 0) -> PromptState:
-    """The state of every layer for `ids` (N,), computed chunk by chunk under no_grad (but for `keep_graph`).
-
-    Chunk c continues from the state of the chunks before it, so peak activation memory is one chunk's, and the
-    result does not depend on the chunk size (up to float reassociation). keep_boundaries: keep the recurrent state
-    at every chunk boundary (the exact plan needs them; `PromptState`). context_shards: every rank runs every chunk,
-    and keeps the attention parts of its own contiguous slice of chunks only. offload: keep the state in host memory,
-    read on the model's device (`PromptState.device`).
+    """The state of every layer for `ids` (N,), computed chunk by chunk under no_grad (but for `keep_graph`). Chunk c
+    continues from the state of the chunks before it, so peak activation memory is one chunk's, and the result does not
+    depend on the chunk size (up to float reassociation). keep_boundaries: keep the recurrent state at every chunk
+    boundary (the exact plan needs them; `PromptState`). context_shards: every rank runs every chunk, and keeps the
+    attention parts of its own contiguous slice of chunks only. offload: keep the state in host memory, read on the
+    model's device (`PromptState.device`).
 
     leaves (the exact plan): store every part as a leaf that requires grad (`PromptState.as_leaves`) as it is
     captured, so that later chunks read leaves. keep_graph (needs leaves): the last `keep_graph` chunks run with

@@ -107,10 +107,9 @@ def _number(name: str, value: object, integer: bool) -> float:
 
 @dataclass(repr=False)
 class Node:
-    """Tokens at positions [start, start + len(tokens)), shared by every trajectory in `through`.
-
-    children: the nodes that continue it (each starts at `end`). ending: the trajectories whose last token is this
-    node's last (a leaf's; an inner node's when a trajectory is a prefix of others, e.g. successive turns of a chat)."""
+    """Tokens at positions [start, start + len(tokens)), shared by every trajectory in `through`. children: the nodes
+    that continue it (each starts at `end`). ending: the trajectories whose last token is this node's last (a leaf's; an
+    inner node's when a trajectory is a prefix of others, e.g. successive turns of a chat)."""
 
     start: int
     tokens: torch.Tensor
