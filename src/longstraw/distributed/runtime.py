@@ -38,8 +38,7 @@ from longstraw.distributed.fsdp import clip_grad_norm, parallelize, sharded_comp
 
 FAILURE_KEY = "longstraw/failure"
 ACK_KEY = "longstraw/failure_seen"
-# The launcher's PID, set by `longstraw train --nproc` (launch.py) for its ranks: a rank whose parent is no longer it
-# was orphaned before it could ask to be signalled.
+# The launcher's PID, set by `longstraw train --nproc` (launch.py): a rank whose parent differs was orphaned early.
 LAUNCHER_PID_ENV = "LONGSTRAW_LAUNCHER_PID"
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 PARENT_DEATH_SIGNAL = signal.SIGHUP

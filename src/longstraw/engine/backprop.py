@@ -88,8 +88,7 @@ def prompt_backward(model: torch.nn.Module, ids: torch.Tensor, leaves: PromptSta
 
 def _owner_gradients(context_shards: ContextShards, owner: int, upstream: list, recomputed: list) -> list:
     """Context parallelism: a chunk's K/V gradients live on its owner (rank `owner`); every rank needs them to
-    backpropagate its (replicated) recompute of the chunk. Recurrent parts are replicated, so their gradients are local.
-    GRAD_PARTS order per layer: key, value, conv, recurrent."""
+    backpropagate its (replicated) recompute of the chunk. Recurrent parts are replicated: their gradients are local."""
     attention = [i for i, out in enumerate(recomputed) if out is not None and i % len(GRAD_PARTS) < 2]
     shared = context_shards.broadcast_from([upstream[i] for i in attention], [recomputed[i] for i in attention],
                                            owner)

@@ -69,8 +69,7 @@ class Group:
             if not isinstance(value, (list, tuple)) or len(value) != g:
                 raise ValueError(f"{name} must be a list of {g} tensors, one per response")
             for i, (lp, r) in enumerate(zip(value, self.responses)):
-                # Masked tokens' log-probs never reach the loss: checked on the loss tokens only (the NaN that
-                # GroupResult.logprobs holds at masked tokens is accepted).
+                # Masked tokens' log-probs never reach the loss: checked on the loss tokens only (NaN allowed there).
                 in_loss = None if self.loss_masks is None else self.loss_masks[i]
                 _check_float(f"{name}[{i}]", lp, (r.numel(),), in_loss)
                 if (lp > 0).any():
