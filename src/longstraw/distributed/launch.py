@@ -5,12 +5,11 @@ called in-process): torchrun's agent starts the workers with their RANK / WORLD_
 others when one fails and reports which rank failed and why. For several machines, run torchrun yourself with its
 rendezvous flags (docs/distributed.md).
 
-Stopping: SIGTERM or SIGINT to the launcher is forwarded by torchrun's agent to every rank (each in its own session,
-so a terminal's Ctrl-C reaches the launcher only); the ranks finish the current step, save it together and exit,
-and the launcher then exits 128 + signal with one line. The agent waits `SHUTDOWN_TIMEOUT_S` for that (torchrun's
-own default of 30 s is too short for a large step and its checkpoint) before it kills the ranks; a second signal
-stops the ranks at once. If the launcher itself is killed, the ranks get SIGTERM from the kernel
-(`runtime.end_with_launcher`) and do the same."""
+Stopping: SIGTERM or SIGINT to the launcher is forwarded by torchrun's agent to every rank (each in its own session, so
+a terminal's Ctrl-C reaches the launcher only); the ranks finish the current step, save it together and exit, and the
+launcher then exits 128 + signal with one line. The agent waits `SHUTDOWN_TIMEOUT_S` for that (torchrun's own default of
+30 s is too short for a large step and its checkpoint) before it kills the ranks; a second signal stops the ranks at
+once. If the launcher itself is killed, the ranks get SIGTERM from the kernel (`end_with_launcher`) and do the same."""
 
 from __future__ import annotations
 
