@@ -127,8 +127,7 @@ def load_model(
                                                      attn_implementation=attn)
         model = model.to(dtype)
     elif source in ("packaged", "gguf"):
-        model = AutoModelForCausalLM.from_pretrained(converted_gguf(name_or_path), dtype=dtype,
-                                                     trust_remote_code=False)
+        model = AutoModelForCausalLM.from_pretrained(converted_gguf(name_or_path), dtype=dtype, trust_remote_code=False)
     elif source == "local":
         declared_max_positions(name_or_path)  # refuses a config.json that needs custom code, or is unreadable
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, trust_remote_code=False)

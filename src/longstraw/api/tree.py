@@ -114,8 +114,7 @@ def run_tree(model: torch.nn.Module, tree: Tree, options: BackwardOptions, root_
     first = first_pass(model, tree, loss, options)  # sequence-level losses over shared loss tokens (sequence.py)
     loss.linear = first.linear
     router = _router(model, tree, options, stats)
-    walk = Walk(model=model, tree=tree, loss=loss, options=options, router=router, root_state=root_state,
-                names=names)
+    walk = Walk(model=model, tree=tree, loss=loss, options=options, router=router, root_state=root_state, names=names)
     with checkpointed_layers(model, enabled=options.checkpoint == "layers"), \
             router.aux.tap.hooked() if router is not None else nullcontext():
         try:

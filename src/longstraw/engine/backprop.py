@@ -90,8 +90,7 @@ def _owner_gradients(context_shards: ContextShards, owner: int, upstream: list, 
     """Context parallelism: a chunk's K/V gradients live on its owner (rank `owner`); every rank needs them to
     backpropagate its (replicated) recompute of the chunk. Recurrent parts are replicated: their gradients are local."""
     attention = [i for i, out in enumerate(recomputed) if out is not None and i % len(GRAD_PARTS) < 2]
-    shared = context_shards.broadcast_from([upstream[i] for i in attention], [recomputed[i] for i in attention],
-                                           owner)
+    shared = context_shards.broadcast_from([upstream[i] for i in attention], [recomputed[i] for i in attention], owner)
     upstream = list(upstream)
     for i, g in zip(attention, shared):
         upstream[i] = g

@@ -69,8 +69,7 @@ class _HandOver(torch.autograd.Function):
     shape: the backward gathers them and queues their partitioning for after DeepSpeed's hooks reduced the gradients."""
 
     @staticmethod
-    def forward(ctx: Any, total: torch.Tensor, grads: Sequence[torch.Tensor],
-                *params: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, total: torch.Tensor, grads: Sequence[torch.Tensor], *params: torch.Tensor) -> torch.Tensor:
         ctx.grads, ctx.params = grads, params
         return total.clone()
 

@@ -61,8 +61,7 @@ def converted_gguf(path: str) -> Path:
 
     folder, file = os.path.split(os.path.abspath(path))
     print(f"converting {file} to a cached transformers checkpoint in {target} (once)", file=sys.stderr)
-    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32,
-                                                  trust_remote_code=False)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32, trust_remote_code=False)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file, trust_remote_code=False)
     # transformers refuses save_pretrained on a GGUF-loaded model; its weights are already de-quantised fp32,
     # so move them into a plain model built from the same config and save that.

@@ -226,8 +226,7 @@ def _state_on_device(spec: ModelSpec, inp: PlanInputs, plan: Plan, z: _Step) -> 
     return state, state_grad, host
 
 
-def _replay_bytes(spec: ModelSpec, inp: PlanInputs, plan: Plan, z: _Step, m: _Resident,
-                  comp: dict[str, int]) -> int:
+def _replay_bytes(spec: ModelSpec, inp: PlanInputs, plan: Plan, z: _Step, m: _Resident, comp: dict[str, int]) -> int:
     """A replay micro-batch's forward+backward above the resident bytes (records its components in `comp`)."""
     b, a, r, g, v, d = z.b, z.a, z.r, z.g, z.v, z.d
     k = min(inp.micro_batch, g)

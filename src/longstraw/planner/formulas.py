@@ -205,8 +205,7 @@ def chunk_activation_bytes(spec: ModelSpec, b: int, a: int, kernel: str, tokens:
     last = _norm(spec.hidden, b)
     if spec.qk_norm and spec.mixers[last_layer] in ("attention", "sliding", "chunked"):
         last += (4 + b) * (spec.heads + spec.kv_heads) * spec.head_dim
-    rec = sum(recurrent_bytes(spec, spec.mixers[i], tokens, b).saved for i in _recurrent_layers(spec)
-              if i < last_layer)
+    rec = sum(recurrent_bytes(spec, spec.mixers[i], tokens, b).saved for i in _recurrent_layers(spec) if i < last_layer)
     tail = recurrent_bytes(spec, spec.mixers[last_layer], tokens, b)
     return tokens * (layers + last + 8) + rec + tail.saved - tail.tail
 

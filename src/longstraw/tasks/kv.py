@@ -62,8 +62,7 @@ class KVTask(Task):
         if self.depth is not None and not 0.0 <= self.depth <= 1.0:
             raise ValueError(f"depth must be a fraction in [0, 1] or None (random), got {self.depth}")
 
-    def _fit_pairs(self, pairs: list[tuple[str, str]], depth: float,
-                   rng: random.Random) -> tuple[str, int, int, int]:
+    def _fit_pairs(self, pairs: list[tuple[str, str]], depth: float, rng: random.Random) -> tuple[str, int, int, int]:
         """(prompt, tokens, asked index, pair count) for the largest count of pairs that fits ``prompt_tokens``. Grows
         ``pairs`` in place from ``rng``; ``pairs[0]`` is the asked pair."""
         assert self.prompt_tokens is not None

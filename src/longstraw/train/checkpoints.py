@@ -147,8 +147,7 @@ def load_checkpoint(run_dir: str | Path) -> dict[str, Any]:
         raise ValueError(f"checkpoint {path} lacks {', '.join(repr(k) for k in missing)}: it is incomplete or was "
                          "written by another program; delete it to start over, or restore a good copy")
     if data["format"] == 1:  # written before checksums existed (still read without running code)
-        warnings.warn(f"checkpoint {path} predates checksums (format 1): its contents cannot be verified",
-                      stacklevel=2)
+        warnings.warn(f"checkpoint {path} predates checksums (format 1): its contents cannot be verified", stacklevel=2)
         return data
     stored = data.pop("integrity", None)
     if not isinstance(stored, Mapping) or "sha256" not in stored:

@@ -59,8 +59,7 @@ def compute_advantages(rewards: torch.Tensor, kind: str = "grpo", eps: float = 1
         raise ValueError(f"unknown advantage kind {kind!r}: choose one of {', '.join(ADVANTAGES)}")
     if not (bool(torch.isfinite(centered).all()) and (spread is None or bool(torch.isfinite(spread)))
             and bool(torch.isfinite(advantages).all())):
-        raise UnnormalisableRewards(rewards,
-                                    f"their {kind} advantages overflow {dtype_name(rewards.dtype)} on the way")
+        raise UnnormalisableRewards(rewards, f"their {kind} advantages overflow {dtype_name(rewards.dtype)} on the way")
     if loss_dtype is not None:
         limit = math.sqrt(torch.finfo(loss_dtype).max)
         largest = float(advantages.abs().max())

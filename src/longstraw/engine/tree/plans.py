@@ -159,8 +159,7 @@ def exact(walk: Walk) -> None:
     depth_first(walk, True, _exact_node)
 
 
-def _exact_node(walk: Walk, node: Node, state: PromptState, path: torch.Tensor,
-                captured: bool) -> Callable[[], None]:
+def _exact_node(walk: Walk, node: Node, state: PromptState, path: torch.Tensor, captured: bool) -> Callable[[], None]:
     """`depth_first`'s enter: capture `node` into the state of its parent's path (positions [0, node.input_start)) and
     replay its leaf children; then, once its inner children are visited, recompute and backpropagate its chunks."""
     above = path[: node.start]
@@ -194,8 +193,7 @@ def detach(walk: Walk) -> None:
     depth_first(walk, False, _detach_node)
 
 
-def _detach_node(walk: Walk, node: Node, state: PromptState, path: torch.Tensor,
-                 captured: bool) -> Callable[[], None]:
+def _detach_node(walk: Walk, node: Node, state: PromptState, path: torch.Tensor, captured: bool) -> Callable[[], None]:
     """Capture `node` as a constant continuing its parent's path; its own loss tokens' terms are backpropagated
     from their chunk's forward (into the parameters only). The router term's share is the leaves' only: like every
     path through a node's state, the node tokens' share is left out (`depth_first`'s enter)."""
