@@ -80,8 +80,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
 
 def chunked_logprobs(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, token_chunk: int = DEFAULT_TOKEN_CHUNK,
-    temperature: float = 1.0, logit_scale: float = 1.0, softcap: float | None = None,
-    bias: torch.Tensor | None = None,
+    temperature: float = 1.0, logit_scale: float = 1.0, softcap: float | None = None, bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """hidden (..., d), weight (V, d), targets (...) -> log-probs (...) of the logits (hidden @ weight.T + bias) *
     logit_scale, soft-capped to softcap * tanh(. / softcap) if softcap is set, at `temperature`. bias (V,): the output

@@ -120,8 +120,7 @@ def _config(model: torch.nn.Module) -> _Items:
 
 def _attributes(model: torch.nn.Module) -> _Items:
     return tuple((f"{name}.{key}" if name else key, repr(value))
-                 for name, module in model.named_modules()
-                 for key, value in vars(module).items()
+                 for name, module in model.named_modules() for key, value in vars(module).items()
                  if not key.startswith("_") and key not in _INERT_ATTRIBUTES and _plain(value))
 
 
