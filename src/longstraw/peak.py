@@ -1,8 +1,7 @@
 """Peak-memory measurement as docs/design.md §5 defines it.
 
-CPU: the process's high-water RSS (VmHWM), reset to the current RSS through /proc/self/clear_refs before
-the measured region (Linux >= 4.0), minus the RSS just before it. CUDA: `torch.cuda.max_memory_allocated`
-after a reset, minus what was allocated before."""
+CPU: the high-water RSS (VmHWM), reset to the current RSS via /proc/self/clear_refs before the region (Linux >= 4.0),
+minus the RSS before it. CUDA: `torch.cuda.max_memory_allocated` after a reset, minus what was allocated before."""
 
 from __future__ import annotations
 
@@ -24,8 +23,7 @@ def proc_status_bytes(name: str) -> int | None:
 
 
 def reset_cpu_peak() -> bool:
-    """Reset VmHWM to the current RSS. False when the kernel or sandbox refuses (the peak then includes
-    anything earlier in the process)."""
+    """Reset VmHWM to the current RSS; False when the kernel or sandbox refuses (the peak then includes earlier use)."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")

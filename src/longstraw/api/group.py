@@ -1,8 +1,7 @@
 """`backward_group`: one GRPO group's gradient, accumulated into the model's parameters.
 
-A group is a one-level prefix tree: the prompt is the root, each response a leaf (`Trajectory(prompt + o_i,
-loss_start = P)`), and the tree walk (`api/tree.run_tree`, `engine/tree/`) is the one engine that runs it. Read top
-to bottom, one call is:
+A group is a one-level prefix tree (prompt the root, each response a leaf: `Trajectory(prompt + o_i, loss_start=P)`)
+run by the one engine, the tree walk (`api/tree.run_tree`, `engine/tree/`). One call, top to bottom:
   1. the options (`options.BackwardOptions`, validated on construction), then everything that depends on the model,
      the group and a reused prompt state (`_check`), including value ranges that would overflow the loss's dtype
      (fp32 for a bf16/fp16 model): nothing is computed or touched before the inputs are known good;

@@ -1,9 +1,8 @@
 """`longstraw train ... --nproc N`: start N ranks on this machine through torchrun's own launcher.
 
-It is exactly `torchrun --standalone --nproc-per-node N -m longstraw.cli train ...` (torch.distributed.run's API,
-called in-process): torchrun's agent starts the workers with their RANK / WORLD_SIZE / ... environment, stops the
-others when one fails and reports which rank failed and why. For several machines, run torchrun yourself with its
-rendezvous flags (docs/distributed.md).
+It is exactly `torchrun --standalone --nproc-per-node N -m longstraw.cli train ...` (torch.distributed.run's API, called
+in-process): torchrun's agent starts the workers with their RANK / WORLD_SIZE / ... environment, stops the others when
+one fails, and says which and why. Several machines: torchrun with its rendezvous flags (docs/distributed.md).
 
 Stopping: SIGTERM or SIGINT to the launcher is forwarded by torchrun's agent to every rank (each in its own session, so
 a terminal's Ctrl-C reaches the launcher only); the ranks finish the current step, save it together and exit, and the

@@ -3,12 +3,11 @@ gradient its readers left on its state (docs/design.md §3).
 
 After every reader (a response's replay, a child node) ran against the state as grad-requiring leaves, each leaf's
 `.grad` holds dL/dS for its part of the state (K/V or latent chunks, and for recurrent layers the state after each
-chunk). For chunk c = last … first the chunk's forward is recomputed with grad from the state before it (all
-leaves) and what chunk c produced — its K/V slice and its end-of-chunk recurrent/conv state — is backpropagated with
-the upstream gradients accumulated so far: parameters receive the chunk's share of the gradient, and the state
-before chunk c receives its share, ready for the next iteration. Peak: one chunk's activations + one copy of the
-state's gradient. A chunk whose capture kept its graph (`PromptState.graphs`, keep_prompt_graph) is backpropagated
-through that graph instead of a recompute."""
+chunk). For chunk c = last … first the chunk's forward is recomputed with grad from the state before it (all leaves) and
+what chunk c produced — its K/V slice and its end-of-chunk recurrent/conv state — is backpropagated with the upstream
+gradients accumulated so far: parameters receive the chunk's share of the gradient, and the state before chunk c
+receives its share. Peak: one chunk's activations + one copy of the state's gradient. A chunk whose capture kept its
+graph (`PromptState.graphs`, keep_prompt_graph) is backpropagated through that graph instead of a recompute."""
 
 from __future__ import annotations
 

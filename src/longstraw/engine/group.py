@@ -37,8 +37,7 @@ class Group:
     given, are one (R_i,) tensor per response: the sampling policy's log-probs (PPO clipping, GSPO) and a frozen
     reference model's (KL penalty). loss_masks, when given, is one (R_i,) bool tensor per response, True where the token
     is the policy's action: False tokens (an agent's tool outputs and observations) run through the model as context but
-    add no loss, and every normaliser counts only True tokens (docs/design.md §5). Each response needs at least one True
-    token."""
+    add no loss, and every normaliser counts only True tokens (docs/design.md §5). Each response needs a True token."""
 
     prompt: torch.Tensor
     responses: list[torch.Tensor]

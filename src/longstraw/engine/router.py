@@ -130,9 +130,8 @@ def _aux(counts: RouterCounts, prob_sums: torch.Tensor) -> torch.Tensor:
 
 
 class RouterAux:
-    """One backward's load-balancing term: `coef` · aux over a batch whose counts are `counts`. A walk calls
-    `tap.clear()` before a forward with grad and `term(weights)` after it, and adds the term to what it
-    backpropagates."""
+    """One backward's load-balancing term, `coef` · aux over a batch with `counts`. A walk calls `tap.clear()` before a
+    forward with grad, `term(weights)` after it, and adds the term to what it backpropagates."""
 
     def __init__(self, model: torch.nn.Module, counts: RouterCounts, coef: float) -> None:
         self.tap = RouterTap(model)

@@ -44,9 +44,8 @@ def cache_root() -> Path:
 
 def converted_gguf(path: str) -> Path:
     """A transformers directory (safetensors + tokenizer) converted from a .gguf file, made once and cached.
-    transformers de-quantises GGUF to fp32 on every load (~30 s for a 135M model on 2 cores); the cached directory loads
-    in about a second. Written to a temporary directory, then renamed, so an interrupted conversion never leaves a
-    half-written cache."""
+    transformers de-quantises GGUF to fp32 on every load (~30 s for a 135M model on 2 cores); the cached one loads in a
+    second. Written to a temporary directory, then renamed: an interruption never leaves a half-written cache."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file not found: {path}")
     target = cache_root() / "gguf" / f"{Path(path).stem}-{Path(path).stat().st_size}"  # keyed by name and size

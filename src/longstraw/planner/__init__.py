@@ -13,8 +13,7 @@ gradient, runtime) plus the largest of the phases a step goes through:
   transient (forward: logits and logsumexp's temporary, 2·c·V; backward: recomputed logits + the output
   projection's weight-gradient temporary, c·V + V·d). Parameter gradients are resident from the second
   micro-batch on; with a single micro-batch they grow while activations are freed (max, not sum);
-* prompt backward (exact): one chunk's activations recomputed with grad (the last layer stops at its K/V)
-  + the state gradient;
+* prompt backward (exact): one chunk's activations recomputed with grad (up to the last layer's K/V) + state gradient;
 * standard: the activations of full `P + R` sequences (one, or all G when batched) + three `[R, V]`
   log-softmax tensors alive at the start of the backward.
 

@@ -285,11 +285,10 @@ def _prompt_backward(spec: ModelSpec, inp: PlanInputs, z: _Step, recurrent: list
     attending = masked_layers(spec) - (spec.mixers[last_state_layer(spec)] in MASKED_MIXERS)
     chunk_acts += masked_score_bytes(spec, a, chunk, chunk if p - 1 > inp.chunk_size else 0, 1,
                                      inp.checkpoint_layers, attending)
-    # Kept capture graphs: the last N chunks' saved activations, from their capture until their backward
-    # (the first ones the prompt backward reaches): the capture and the replays hold them all, and the
-    # backward of the last chunk runs with all of them alive and its own transient on top.
-    # A kept chunk holds what its forward saved: every layer's activations, or with checkpointing every
-    # layer's input (L·d·b per token); its backward adds the rest of `chunk_acts` on top.
+    # Kept capture graphs: the last N chunks' saved activations, from capture to backward (the first ones the prompt
+    # backward reaches): the capture and the replays hold them all, and the backward of the last chunk runs with all of
+    # them alive plus its own transient. A kept chunk holds what its forward saved: every layer's activations, or with
+    # checkpointing every layer's input (L·d·b per token); its backward adds the rest of `chunk_acts`.
     saved = (chunk * spec.num_layers * d * b if inp.checkpoint_layers else chunk_acts - backward_transient)
     kept_tokens = _trailing_tokens(p - 1, inp.chunk_size, inp.keep_prompt_graph)
     kept = math.ceil(saved * kept_tokens / chunk)

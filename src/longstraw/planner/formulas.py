@@ -325,16 +325,15 @@ def masked_layers(spec: ModelSpec) -> int:
 
 def masked_score_bytes(spec: ModelSpec, a: int, tokens: int, part: int, batch: int, checkpoint_layers: bool,
                        layers: int | None = None) -> int:
-    """Score tensors of the masked path in a forward+backward with grad over `batch` rows of `tokens` queries, in
-    the accumulation dtype (`a` bytes); `layers`: masked layers whose attention runs (default all; a prompt-backward
-    chunk stops at the last layer's state, so a masked last layer never attends there). Located with
-    torch.profiler on b1-deepseek-v3 (exact at P = 4096: the peak holds 9 score-sized tensors, 1152 MiB): the own
-    part (tokens x tokens) saves its masked scores and probabilities (2 per layer) until the backward reaches the
-    layer; the backward of the first layer it reaches holds 5 score-sized tensors of one part (tokens x `part` keys,
-    a prefix part recomputed under activation checkpointing, or the own part) — its scores and the gradients of
-    the masked scores, probabilities and products — while every layer below still holds its own part. With
-    per-layer checkpointing no other layer holds its own part. A sliding window does not shrink the parts: a chunk
-    the window touches is scored in full and then masked."""
+    """Score tensors of the masked path in a forward+backward with grad over `batch` rows of `tokens` queries, in the
+    accumulation dtype (`a` bytes); `layers`: masked layers whose attention runs (default all; a prompt-backward chunk
+    stops at the last layer's state, so a masked last layer never attends there). Located with torch.profiler on
+    b1-deepseek-v3 (exact at P = 4096: the peak holds 9 score-sized tensors, 1152 MiB): the own part (tokens x tokens)
+    saves its masked scores and probabilities (2 per layer) until the backward reaches the layer; the backward of the
+    first layer it reaches holds 5 score-sized tensors of one part (tokens x `part` keys, a prefix part recomputed under
+    activation checkpointing, or the own part) — its scores and the gradients of the masked scores, probabilities and
+    products — while each layer below still holds its own. With per-layer checkpointing no other layer holds its own
+    part. A sliding window does not shrink the parts: a chunk the window touches is scored whole, then masked."""
     m = masked_layers(spec) if layers is None else layers
     if m <= 0:
         return 0

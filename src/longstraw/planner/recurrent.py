@@ -71,13 +71,12 @@ def _mamba2_bytes(spec: ModelSpec, tokens: int, b: int, batch: int, cached: bool
     state = h * hd * n * 4
     tp = _padded(tokens, c)
     nc = tp // c
-    # Counted on `mamba2_chunk_scan` with saved-tensor hooks (b1-mamba2: 104.96 KB per token and layer at
-    # T = 2048, 168.8 KB at T = 128, i.e. 256 padded; tiny-mamba2 and a 768-wide, 24-head, N = 128 shape
-    # within 1.3%): per token the in_proj output, the conv input (cached: concatenated with the window), its
-    # output and activation, the gated norm's four fp32 tensors and the output projection's input, dt; per
-    # padded token three fp32 (c x c) matrices per head (the decay L, C·Bᵀ, the masked product copied for
-    # bmm), B and C repeated to the heads with their bmm copies (5 x H·N; 3 with a single chunk in the batch),
-    # four H x hd tensors (3 with a single chunk); two chunk states per chunk.
+    # Counted on `mamba2_chunk_scan` with saved-tensor hooks (b1-mamba2: 104.96 KB per token and layer at T = 2048,
+    # 168.8 KB at T = 128, i.e. 256 padded; tiny-mamba2 and a 768-wide, 24-head, N = 128 shape within 1.3%): per token
+    # the in_proj output, the conv input (cached: concatenated with the window), its output and activation, the gated
+    # norm's four fp32 tensors and the output projection's input, dt; per padded token three fp32 (c x c) matrices per
+    # head (the decay L, C·Bᵀ, the masked product copied for bmm), B and C repeated to the heads with their bmm copies
+    # (5 x H·N; 3 with a single chunk), four H x hd tensors (3 with a single chunk); two chunk states per chunk.
     multi = batch * nc > 1
     per_token = proj * b + (3 if cached else 2) * conv * b + 4 * inner * 4 + inner * b + 3 * h * 4
     per_padded = (3 * c + (5 if multi else 3) * n + (4 if multi else 3) * hd + 2) * h * 4

@@ -152,9 +152,8 @@ class TreeCounts:
 
 def counts(shape: TreeShape) -> TreeCounts:
     """The prefix tree of `shape`: a root of S tokens when K > 1 (of S + C + the shared turns when K = 1), a node per
-    task of C + the shared turns (K > 1), then per branching level (`TreeShape.levels`) K · (the fan-outs so far)
-    nodes of its turns (fork "last": K · B^j one-turn nodes at the j-th branching turn; fork "first": K · G leaves
-    of T turns)."""
+    task of C + shared turns (K > 1), then per branching level (`TreeShape.levels`) K · (fan-outs so far) nodes of its
+    turns (fork "last": K · B^j one-turn nodes at the j-th branching turn; "first": K · G leaves of T turns)."""
     s, k, g, m = shape.system_tokens, shape.tasks, shape.group_size, shape.branch_turns
     shared_turns = shape.trunk_turns * shape.turn_tokens
     trunk = shape.task_tokens + shared_turns  # a task's tokens before its first branch

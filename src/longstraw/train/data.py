@@ -150,9 +150,8 @@ class TaskData:
 
     @property
     def call_end(self) -> tuple[int, ...] | CallEnd:
-        """What ends an agent task's tool call (`SamplingConfig.call_end`): the lookup task's `CallEnd`, which reads
-        the decoded response, so every way the tokenizer splits the closing tag hands the response to the
-        environment; () for single-turn tasks."""
+        """What ends an agent task's tool call (`SamplingConfig.call_end`): the lookup task's `CallEnd`, which reads the
+        decoded response, so any tokenizer split of the closing tag ends the call; () for single-turn tasks."""
         return CallEnd(self.decode_ids) if isinstance(self.task, LookupTask) else ()
 
     def decode_ids(self, ids: list[int]) -> str:

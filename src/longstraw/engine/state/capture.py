@@ -33,11 +33,10 @@ def capture_prompt(model: torch.nn.Module, ids: torch.Tensor, chunk_size: int,
     attention parts of its own contiguous slice of chunks only. offload: keep the state in host memory, read on the
     model's device (`PromptState.device`).
 
-    leaves (the exact plan): store every part as a leaf that requires grad (`PromptState.as_leaves`) as it is
-    captured, so that later chunks read leaves. keep_graph (needs leaves): the last `keep_graph` chunks run with
-    grad and their autograd graph is kept in `state.graphs[j]` (`PromptState.graphs`): the exact plan's prompt
-    backward then backpropagates through it instead of recomputing chunk j's forward, at the cost of those chunks'
-    activations from here until their backward."""
+    leaves (the exact plan): store every part as a leaf that requires grad (`PromptState.as_leaves`) as it is captured,
+    so that later chunks read leaves. keep_graph (needs leaves): the last `keep_graph` chunks run with grad, their
+    autograd graph kept in `PromptState.graphs`: the exact plan's prompt backward then backpropagates through it instead
+    of recomputing chunk j's forward, at the cost of those chunks' activations from here until their backward."""
     if keep_graph and not leaves:
         raise ValueError("keep_graph keeps the graph from the state's leaves: capture with leaves=True")
     device = hf(model).get_input_embeddings().weight.device if offload else None

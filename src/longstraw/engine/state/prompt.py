@@ -219,13 +219,12 @@ class PromptState:
             self._drop_unneeded()
 
     def _slab(self, name: str, layer: int, part: torch.Tensor | None) -> torch.Tensor | None:
-        """The (1, Hkv, capacity, D) tensor a full-attention layer's key or value chunks are written into, allocated
-        at its first chunk; None where chunks are kept as computed. Chunk j is its view [start_j, end_j), so adjacent
-        chunks are one run (`attention.adjacent_runs`) that every reader reads with one kernel call, not one per chunk;
-        the exact plan's leaves stay one per chunk (`ChunkAttention` splits a run's gradient back into its chunks).
-        Chunks are written through `.data`, an alias with its own version counter: each region is written once,
-        before anything reads it, and a kept capture graph that saved earlier chunks' leaves must not see the later
-        writes as in-place changes of them.
+        """The (1, Hkv, capacity, D) tensor a full-attention layer's key or value chunks are written into, allocated at
+        its first chunk; None where chunks are kept as computed. Chunk j is its view [start_j, end_j), so adjacent
+        chunks are one run (`attention.adjacent_runs`) that readers read with one kernel call; the exact plan's leaves
+        stay one per chunk (`ChunkAttention` splits a run's gradient back into its chunks). Chunks are written through
+        `.data`, an alias with its own version counter: each region is written once, before anything reads it, and a
+        kept capture graph that saved earlier chunks' leaves must not see the later writes as in-place changes of them.
 
         Not for: sliding-window layers (their old chunks are dropped, which a shared tensor would not free), a
         context-parallel or offloaded state (chunks dropped, or copied to the device one by one), a state without

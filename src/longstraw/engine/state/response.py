@@ -4,8 +4,7 @@
   the first write (its shape comes from the layer) and filled in place, plus DSA indexer keys;
 * recurrent layers: the current conv window and recurrent state of each sequence, replaced every step.
 
-A row of it continues a prompt state in place (`continued`): a tree rollout's fork reads its parent's generated
-K/V where the parent wrote them."""
+A row of it continues a prompt state in place (`continued`): a tree rollout's fork reads its parent's K/V in place."""
 
 from __future__ import annotations
 

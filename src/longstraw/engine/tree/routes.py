@@ -7,8 +7,7 @@ counts k times. The walk runs each position once, so each run carries that multi
 * a node's first input position, its parent's last token, which each child's forward runs again: |through(child)|, and
   the first child also carries the parent's trajectories that end there (`parent.ending`: their last token is run by no
   other forward; its routers see the same prefix and token in any child's forward, so their logits are the same);
-* a leaf's replay runs all its tokens, its last one too (the batch's forward routes a sequence's last token):
-  |through(leaf)| each.
+* a leaf's replay runs all its tokens, the last too (the batch's forward routes it): |through(leaf)| each.
 
 A packed forward of the tree (TRL's `AsyncGRPOTrainer` runs its rows as one prefix trie, `count="packed"`) routes
 each trie position once, a trie node being a token together with its next token (or the sequence's end): every run
