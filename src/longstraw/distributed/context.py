@@ -116,8 +116,7 @@ class ContextParallel:
         """The owner's tensors (None → zeros) on every rank, shaped like `like`."""
         out = []
         for t, ref in zip(tensors, like):
-            # Contiguous on every side: empty_like would copy a transposed view's strides, and the collective
-            # writes the bytes in contiguous order.
+            # Contiguous both sides: empty_like copies a transposed view's strides; collectives write bytes in order.
             if self.rank == src:
                 buf = (t if t is not None else torch.zeros_like(ref)).detach().contiguous().clone()
             else:

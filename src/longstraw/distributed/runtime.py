@@ -5,10 +5,9 @@ full checkpoints, and make a failure on one rank stop every rank.
 `Parallel.start(device)` joins the process group that torchrun (or any launcher setting RANK, WORLD_SIZE, MASTER_ADDR,
 MASTER_PORT) describes: gloo on CPU, nccl on CUDA (one GPU per rank, `cuda:LOCAL_RANK`).
 
-Failure propagation: a rank that raises writes "rank R failed: <error>" to the process group's key-value store; a
-watcher thread on every other rank prints it and exits with status 1, rather than block in its next collective until
-the group's timeout (30 minutes). torchrun stops a failed job's other local workers too; the watcher covers the
-message, and ranks on other nodes.
+Failure propagation: a rank that raises writes "rank R failed: <error>" to the group's key-value store; a watcher thread
+on every other rank prints it and exits with status 1, rather than block in a collective until the group's timeout (30
+minutes). torchrun stops a failed job's other local workers too; the watcher adds the message, and other nodes.
 
 A rank ends with its launcher (`end_with_launcher`, first thing in `Parallel.start`): a launcher killed with SIGKILL
 leaves no rank training on its own."""

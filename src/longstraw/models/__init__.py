@@ -1,2 +1,1 @@
-"""Models: loading (presets, packaged and hub weights, GGUF), the tokenizer, and the architecture checks the engine
-runs before it builds any state."""
+"""Models: loading (presets, packaged and hub weights, GGUF), the tokenizer, architecture checks before any state."""

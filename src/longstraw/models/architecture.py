@@ -166,8 +166,7 @@ MIN_TRANSFORMERS_BY_MODEL_TYPE: dict[str, tuple[tuple[int, int, int], str]] = {
 
 
 def transformers_too_old(model_type: str, version: str | None = None) -> str | None:
-    """Why this transformers (or `version`) is too old for LongStraw to run `model_type`, with what to install;
-    None where it is recent enough."""
+    """Why this transformers (or `version`) is too old for `model_type`, with what to install; None if recent enough."""
     version = transformers.__version__ if version is None else version
     need, why = MIN_TRANSFORMERS_BY_MODEL_TYPE.get(model_type, ((0, 0, 0), ""))  # other types: none needed
     if _version(version) >= need:

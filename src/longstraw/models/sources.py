@@ -147,8 +147,7 @@ def validation_error(err: Exception, where: str) -> ValueError:
 
 
 def remote_code_error(err: Exception, name: str) -> ValueError | None:
-    """transformers' refusal under `trust_remote_code=False` (a cached hub model that needs its own code) as one
-    line; None for any other error."""
+    """transformers' `trust_remote_code=False` refusal (a cached model needing its own code) in one line; else None."""
     if "trust_remote_code" not in str(err):
         return None
     return ValueError(f"model {name!r} " + CUSTOM_CODE.format(classes="see its config.json"))

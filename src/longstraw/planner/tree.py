@@ -87,8 +87,7 @@ class TreeShape:
 
     @property
     def branch_turns(self) -> int:
-        """The turns at whose start trajectories branch: the last m = log_B(G) (fork "last"), the first (fork
-        "first"); 0 when G = 1."""
+        """Turns at whose start trajectories branch: the last log_B(G) (fork "last") or the first; 0 when G = 1."""
         return len(self.levels)
 
     @property

@@ -13,12 +13,11 @@ buffer or a changed norm epsilon. Each is silently wrong otherwise, so each is r
   of them: an RMSNorm's `variance_epsilon`, a LoRA layer's `scaling`) but `training` and `gradient_checkpointing`.
 * adapters: for each PEFT adapter layer, whether its adapters are disabled, which are active and which merged; for
   a `PeftModel`, its own disabled flag.
-* tensors: a checksum of every value of every parameter and buffer. Each tensor is read as a matrix of its last
-  dimension (0- and 1-D tensors as one row), reinterpreted as 32-bit integers (16- or 8-bit where its rows' bytes
-  do not divide), and summed along each row and each column modulo 2**32 (exact, and the same in any order, on any
-  device): a changed value changes its row's sum, a permutation of rows the order of the row sums, one within a row
-  the column sums (only changes that keep every sum go unseen). The sums are hashed per tensor on the host, so a
-  refusal names the tensors that changed.
+* tensors: a checksum of every parameter and buffer value. Each tensor is read as a matrix of its last dimension (0- and
+  1-D tensors as one row), reinterpreted as 32-bit integers (16- or 8-bit where its rows' bytes do not divide), and
+  summed along each row and each column modulo 2**32 (exact, order- and device-independent): a changed value changes its
+  row's sum, a permutation of rows the order of the row sums, one within a row the column sums (only changes that keep
+  every sum go unseen). The sums are hashed per tensor on the host, so a refusal names the changed tensors.
 
 Cheaper signals cannot be trusted alone (measured on torch 2.13): a tensor's version counter is not moved by fused
 AdamW, by writes through `p.data` or by a NumPy view; 8 sampled values per tensor miss the sparse update of a few

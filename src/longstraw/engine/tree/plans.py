@@ -1,13 +1,12 @@
 """The plans of a prefix tree (docs/trees.md §3).
 
 * `standard`: every trajectory a full sequence through the unmodified model — the reference.
-* `exact`: depth first. A node's chunks are captured without grad and appended to the walk's one state, which holds
-  the current root-to-node path (`depth_first`); its leaf children are replayed from it with grad (sibling leaves
-  `micro_batch` at a time), its inner children visited the same way; then its own chunks are recomputed with grad,
-  last first, and backpropagated with the gradient its descendants left on them plus its own tokens' loss
-  (`backprop.prompt_backward` with a `ChunkLoss`): the gradient reaches its parent's chunks, and the node's chunks
-  are dropped. The memory held is the states of the nodes on one root-to-leaf path and one chunk's activations,
-  whatever the tree's width.
+* `exact`: depth first. A node's chunks are captured without grad and appended to the walk's one state, which holds the
+  current root-to-node path (`depth_first`); its leaf children are replayed from it with grad (sibling leaves
+  `micro_batch` at a time), its inner children visited the same way; then its own chunks are recomputed with grad, last
+  first, and backpropagated with the gradient its descendants left on them plus its own tokens' loss
+  (`backprop.prompt_backward` with a `ChunkLoss`): the gradient reaches its parent's chunks, and the node's chunks are
+  dropped. Memory: one root-to-leaf path's node states and one chunk's activations, whatever the tree's width.
 * `detach`: the same walk with every state a constant: a node's own loss tokens get their gradient from their chunk's
   forward (the parent's state constant), each leaf from its replay; no gradient flows into a node's state."""
 
