@@ -62,11 +62,10 @@ def _check_ranges(group: Group, dtype: torch.dtype) -> None:
     """Refuse finite inputs that overflow the loss's dtype (the model's accumulation dtype: fp32 for a bf16/fp16
     model, precision.py) where the bound is sure.
 
-    Advantages: |A| < sqrt(largest value), leaving room for the products of the backward (a GRPO advantage is
-    a few units). old_logprobs: the ratio exp(logp - old) is at most exp(-old) (logp <= 0), so -old + log|A|
-    must stay below log(largest value): in float32 that refuses log-probs below about -88, a probability under
-    1e-38 that no sampler draws. (A float16 model's loss runs in float32 too, so its tighter bound, e^11, which
-    ordinary sampled tokens would break, never applies.)"""
+    Advantages: |A| < sqrt(largest value), room for the backward's products (a GRPO advantage is a few units).
+    old_logprobs: the ratio exp(logp - old) is at most exp(-old) (logp <= 0), so -old + log|A| must stay below
+    log(largest value): in float32 that refuses log-probs below about -88, a probability under 1e-38 no sampler draws.
+    (A float16 model's loss runs in float32 too: its tighter bound, e^11, which sampled tokens break, never applies.)"""
     finfo = torch.finfo(dtype)
     largest = float(group.advantages.abs().max())
     if not largest < math.sqrt(finfo.max):

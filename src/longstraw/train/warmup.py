@@ -1,11 +1,10 @@
 """The supervised warm start: `warm_start_steps` steps of the nll loss on gold trajectories before GRPO.
 
-A small model may never write a tool call (SmolLM2-135M-Instruct made none in 96 samples on `lookup`), so every
-group's rewards are equal, every advantage 0, and GRPO has nothing to learn from. The task writes the gold response
-itself (`TaskData.gold`: the environment knows the ids and the answer): call -> observation -> answer, the
-observation's tokens masked out of the loss as in a rollout. Each gold response is a group of one through
-`backward_group(loss="nll")` with the run's plan (exact: the gradient through the shared prompt too), so the warm
-start uses the engine, the prompt state and the masks GRPO uses.
+A small model may never write a tool call (SmolLM2-135M-Instruct made none in 96 samples on `lookup`), so every group's
+rewards are equal, every advantage 0: nothing to learn. The task writes the gold response itself (`TaskData.gold`: the
+environment knows the ids and the answer): call -> observation -> answer, the observation's tokens masked out of the
+loss as in a rollout. Each gold response is a group of one through `backward_group(loss="nll")` with the run's plan
+(exact: the gradient through the shared prompt too), so the warm start uses GRPO's engine, prompt state and masks.
 
 A warm-start step: `warm_start_batch` prompts from their own seed stream (never GRPO's or the held-out one's), one
 gold response each, the mean of their gradients, the norm clipped at `max_grad_norm`, one AdamW step at
