@@ -59,8 +59,7 @@ def _check_model_and_group(model: torch.nn.Module, group: Group, beta: float) ->
 
 
 def _check_ranges(group: Group, dtype: torch.dtype) -> None:
-    """Refuse finite inputs that overflow the loss's dtype (the model's accumulation dtype: fp32 for a bf16/fp16
-    model, precision.py) where the bound is sure.
+    """Refuse finite inputs overflowing the loss's dtype (the accumulation dtype, precision.py) where the bound is sure.
 
     Advantages: |A| < sqrt(largest value), room for the backward's products (a GRPO advantage is a few units).
     old_logprobs: the ratio exp(logp - old) is at most exp(-old) (logp <= 0), so -old + log|A| must stay below

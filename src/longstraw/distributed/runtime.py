@@ -9,8 +9,7 @@ Failure propagation: a rank that raises writes "rank R failed: <error>" to the g
 on every other rank prints it and exits with status 1, rather than block in a collective until the group's timeout (30
 minutes). torchrun stops a failed job's other local workers too; the watcher adds the message, and other nodes.
 
-A rank ends with its launcher (`end_with_launcher`, first thing in `Parallel.start`): a launcher killed with SIGKILL
-leaves no rank training on its own."""
+A rank ends with its launcher (`end_with_launcher`, in `Parallel.start`): no rank outlives a SIGKILLed launcher."""
 
 from __future__ import annotations
 

@@ -99,8 +99,7 @@ def check_head_counts(values: dict[str, Any], where: str) -> None:
 
 
 def check_head_grouping(values: dict[str, Any], where: str) -> None:
-    """Refuse key/value heads that do not divide the attention heads (in a nested text config too): a tensor-size
-    crash inside the attention otherwise."""
+    """Refuse key/value heads not dividing the attention heads (in a nested text config too): they crash attention."""
     for value in values.values():
         if isinstance(value, dict):
             check_head_grouping(value, where)

@@ -40,9 +40,8 @@ NOTED_FIELDS = ("steps", "device", "chunk_size", "micro_batch", "checkpoint_laye
 
 
 class RunLock:
-    """An exclusive lock on a run directory, held from `acquire` until `release` (or this process's end: the kernel
-    drops an flock with its last file descriptor). One per directory and process: acquiring a directory this process
-    already holds returns the same lock."""
+    """An exclusive lock on a run directory, from `acquire` to `release` (or this process's end: the kernel drops an
+    flock with its last file descriptor). One per directory and process: re-acquiring returns the same lock."""
 
     _held: weakref.WeakValueDictionary[str, RunLock] = weakref.WeakValueDictionary()
 

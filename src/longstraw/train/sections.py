@@ -149,8 +149,7 @@ class TaskSection:
 
 @dataclass
 class RolloutSection:
-    """[rollout]: what is sampled per prompt, a group of independent responses or a tree that branches
-    (engine/tree/rollout.py), and how."""
+    """[rollout]: what a prompt samples, independent responses or a branching tree (engine/tree/rollout.py), and how."""
 
     group_size: int = _f(8, "responses sampled per prompt (G)")
     prompts_per_step: int = _f(1, "prompts (groups) per optimizer step")

@@ -1,5 +1,4 @@
-"""The per-token terms of a loss and their normalisation: `token_terms`, `response_loss` (a batch's share of the
-group loss), `token_weight`, `is_token_level`, `k3_kl`. The policy term and the normaliser are the loss entry's
+"""The per-token terms of a loss and their normalisation. The policy term and the normaliser are the loss entry's
 (`kinds`); the definitions are docs/design.md §5's."""
 
 from __future__ import annotations

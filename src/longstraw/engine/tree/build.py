@@ -141,8 +141,7 @@ class Node:
         return max(self.start - 1, 0)
 
     def walk(self) -> list[Node]:
-        """This node and its descendants, depth first (parents before children, siblings in order); an explicit
-        stack, so a tree of any depth is walked."""
+        """This node and its descendants, depth first (parents first, siblings in order), stack-based: any depth."""
         out: list[Node] = []
         stack = [self]
         while stack:
