@@ -141,9 +141,8 @@ def _first(c, names: tuple[str, ...]) -> int:
 
 def _layer_mixers(c, mt: str, linear: str = "") -> tuple[tuple[str, ...], int]:
     """(mixer per layer, sliding window) from `layer_types` (`full_attention`, `sliding_attention`; `linear_attention`
-    as `linear`; `conv` for the short-convolution families), or without it every layer full attention, or sliding
-    where the config sets `sliding_window` and does not turn it off (`use_sliding_window`). ValueError naming a layer
-    type the planner does not model."""
+    as `linear`; `conv` for the short-convolution families), else all full attention, or sliding where the config sets
+    `sliding_window` not turned off by `use_sliding_window`. ValueError for a layer type the planner does not model."""
     n = c.num_hidden_layers
     window = 0 if mt in WINDOW_UNUSED_TYPES else getattr(c, "sliding_window", None) or 0
     types = list(getattr(c, "layer_types", None) or [])

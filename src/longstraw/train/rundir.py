@@ -193,8 +193,7 @@ def check_resume_config(saved: dict[str, Any], current: dict[str, Any], force: b
     def changed(names: list[str]) -> list[str]:
         return [f"{k}: {saved[k]!r} -> {current[k]!r}" for k in names]
 
-    # A jsonl file's held-out rows are `eval_prompts` rows that training never draws (data.split_rows): there the
-    # count changes which rows are trained on.
+    # A jsonl file's held-out rows (`eval_prompts`, data.split_rows) are never trained on: the count changes which are.
     ignored = [k for k in IGNORED_FIELDS if not (k == "eval_prompts" and current.get("task") == "jsonl")]
     common = [k for k in current if k in saved and saved[k] != current[k] and k not in ignored]
     noted = [k for k in common if k in NOTED_FIELDS]

@@ -96,9 +96,8 @@ class Sampler:
 
     def step_groups(self, model: torch.nn.Module, step: int, progress: Progress,
                     log: StepLog) -> list[ScoredGroup | ScoredTree]:
-        """This rank's prompts of 0-based `step` (all of them in one process), sampled and scored, each counted in
-        `log`; the groups (trees with --rollout tree) kept for the gradient passes (dynamic sampling drops those whose
-        rewards are all equal)."""
+        """This rank's prompts of 0-based `step` (all in one process), sampled and scored, each counted in `log`; the
+        groups (trees with --rollout tree) to train on (dynamic sampling drops groups of equal rewards)."""
         examples = self.data.examples(step)
         mine = self.par.share(len(examples))  # this rank's prompts
         kept: list[ScoredGroup | ScoredTree] = []
