@@ -57,11 +57,10 @@ def meta_model(config: Any) -> torch.nn.Module:
 
 
 def check_before_ranks(cfg: TrainConfig, world_size: int) -> None:
-    """The model and task checks of every rank, run once: the config read (`model_config`), the model built from it
-    on the meta device, then `admission.admit` and, with --tp, `tp.check_tensor_parallel`, and `TaskData` built (the
-    task, a prompt against the model's positions). ValueError or FileNotFoundError saying what to change. Loads the
-    config and the tokenizer, never the weights; creates no run directory; a hub id not in the local cache is not
-    fetched (the ranks load and check it)."""
+    """The model and task checks of every rank, run once: the config read (`model_config`), the model built from it on
+    the meta device, then `admission.admit`, with --tp `tp.check_tensor_parallel`, and `TaskData` (the task, a prompt
+    against the model's positions). ValueError or FileNotFoundError saying what to change. Loads config and tokenizer,
+    never weights; creates no run directory; fetches no uncached hub id (the ranks load and check it)."""
     from longstraw.admission.admission import admit
     from longstraw.models.tokenizer import load_tokenizer
     from longstraw.train.data import TaskData
