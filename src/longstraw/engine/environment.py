@@ -59,9 +59,8 @@ def check_environment(environment: object, call_end: tuple[int, ...] | CallEnd, 
 
 
 def ends_call(call_end: tuple[int, ...] | CallEnd, ids: list[int], observed: list[bool], i: int) -> bool:
-    """Whether sequence i's response so far, `ids` (its last token the model's own; `observed`: which ids were
-    observation tokens), ends a tool call: its last ids equal `call_end`'s, all the model's own, or the `call_end`
-    callable says True of it."""
+    """Whether sequence i's response so far, `ids` (its last token the model's own; `observed` flags observations),
+    ends a tool call: its last ids are `call_end`'s, all the model's own, or the callable `call_end` says so."""
     if callable(call_end):
         said = call_end(torch.tensor(ids, dtype=torch.long))
         if not isinstance(said, bool):

@@ -142,8 +142,7 @@ class TreeRollout:
 def tree_advantages(rewards: torch.Tensor, rollout: TreeRollout, mode: str = "grpo", estimator: str = "grpo",
                     loss_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Advantages (L,) of the leaves from their rewards (L,) (module docstring). mode ``grpo``: `compute_advantages`
-    with `estimator` over every leaf; ``siblings``: each leaf's reward minus the mean over the leaves below its
-    parent node (Tree-GRPO's intra-tree comparison)."""
+    with `estimator` over every leaf; ``siblings``: each leaf's reward minus the mean of the leaves below its parent."""
     rewards = torch.as_tensor(rewards, dtype=torch.float64).flatten()
     if rewards.numel() != len(rollout.leaves):
         raise ValueError(f"rewards has {rewards.numel()} values for {len(rollout.leaves)} leaves: one per leaf")
