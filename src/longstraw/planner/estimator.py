@@ -356,8 +356,7 @@ def _standard_plan_phases(spec: ModelSpec, inp: PlanInputs, plan: Plan, z: _Step
 
 
 def estimate(spec: ModelSpec, inp: PlanInputs, plan: str | Plan) -> PlanEstimate:
-    """Predict one plan's per-GPU memory for `inp` (see the package docstring, `longstraw.planner`, for the
-    composition). `plan`: a Plan or its name."""
+    """One plan's predicted per-GPU memory for `inp` (composition: `longstraw.planner`); `plan`: a Plan or its name."""
     plan = plan_named(plan)
     z = _step_sizes(spec, inp)
     m = _resident(spec, inp, plan, z)

@@ -1,5 +1,4 @@
-"""The planner's bytes of the recurrent token mixers (gated DeltaNet / KDA, Mamba2, Mamba-1, lightning attention)
-over a segment: `RecurrentBytes`, `recurrent_bytes`."""
+"""The planner's bytes of recurrent mixers (gated DeltaNet / KDA, Mamba2, Mamba-1, lightning attention) per segment."""
 
 from __future__ import annotations
 

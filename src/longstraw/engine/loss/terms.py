@@ -1,5 +1,4 @@
-"""The per-token terms of a loss and their normalisation. The policy term and the normaliser are the loss entry's
-(`kinds`); the definitions are docs/design.md §5's."""
+"""The per-token terms of a loss and their normalisation (each loss entry's, `kinds`; defined in docs/design.md §5)."""
 
 from __future__ import annotations
 
