@@ -14,10 +14,8 @@ any g: its blocks run twice (log-probs, then gradients), the reference's count. 
 vocabulary over a tensor-parallel group (a DTensor) runs the same pass on each rank's rows, with the log-sum-exp and
 the target's logit reduced over the group (`tp_logprobs`) and the hidden states' gradient summed over it.
 
-The weight's gradient is a new (V, d) tensor per call, freed once autograd has added it to the weight's `.grad`. One
-buffer reused across a walk's calls would save the allocation (page faults on CPU under a fixed mmap threshold; a
-GPU's caching allocator reuses the block anyway) but stays alive through each replay's backward, where it raised
-Bench B1's detach peak at the embedding's backward (docs/benchmarks.md, "Where a step's time goes"): no buffer.
+The weight's gradient (V, d) is formed in a walk's `GradBuffers` buffer when one is given (`engine/grad_buffers.py`:
+one allocation per walk, not per call), else in a new tensor.
 
 The parity test (tests/engine/test_linear_loss.py) compares values and every gradient with the reference path."""
 
@@ -29,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
+from longstraw.engine.grad_buffers import GradBuffers
 from longstraw.engine.logits import accumulate_block, logits_gradient, scored_block, softmax_gradient
 from longstraw.engine.logprobs import DEFAULT_TOKEN_CHUNK, check_softcap, selected_logprobs
 from longstraw.engine.precision import accumulation_dtype, head_input
@@ -49,6 +48,7 @@ class _Pass:
     group: object | None = None  # the tensor-parallel process group of a vocabulary-split weight
     start: int = 0  # the first vocabulary id of this rank's rows
     empty: bool = False
+    buffers: GradBuffers | None = None  # where the weight's gradient is formed (a new tensor without)
 
     def score(self, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
               targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
@@ -93,7 +93,7 @@ class _LinearLoss(torch.autograd.Function):
         c, n = run.token_chunk, hidden.shape[0]
         logp = torch.zeros(n, dtype=accumulation_dtype(hidden.dtype), device=hidden.device)
         d_hidden = torch.empty_like(hidden) if need_h else None
-        d_weight = torch.zeros_like(weight) if need_w else None
+        d_weight = None if not need_w else torch.zeros_like(weight) if run.buffers is None else run.buffers.take(weight)
         d_bias = torch.zeros_like(bias) if need_b and bias is not None else None
         blocks = range(0, n, c)
         value = None
@@ -124,28 +124,32 @@ class _LinearLoss(torch.autograd.Function):
 
             dist.all_reduce(d_hidden, group=run.group)  # each rank's vocabulary share
         ctx.grads = (d_hidden, d_weight, d_bias)
+        ctx.weight, ctx.buffers = weight, run.buffers
         ctx.mark_non_differentiable(logp)
         return value, logp
 
     @staticmethod
     def backward(ctx, grad_value: torch.Tensor, grad_logp: torch.Tensor):
-        grads = ctx.grads
-        del ctx.grads  # a second backward through this pass is an error, as for a freed graph
+        grads, weight, buffers = ctx.grads, ctx.weight, ctx.buffers
+        del ctx.grads, ctx.weight, ctx.buffers  # a second backward through this pass is an error, as for a freed graph
         for t in grads:
             if t is not None:
                 t.mul_(grad_value.to(t.dtype))
+        if buffers is not None and grads[1] is not None:
+            buffers.give(weight, grads[1])
         return (*grads, None, None)
 
 
 def linear_loss(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, keep: torch.Tensor, loss_of: LossOf,
     token_level: bool, token_chunk: int = DEFAULT_TOKEN_CHUNK, temperature: float = 1.0, logit_scale: float = 1.0,
-    softcap: float | None = None, bias: torch.Tensor | None = None,
+    softcap: float | None = None, bias: torch.Tensor | None = None, buffers: GradBuffers | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """hidden (..., d), weight (V, d), targets (...), keep (...) bool; loss_of: log-probs (...) (0 off keep) -> the
     loss (a scalar, differentiable in its argument) or None; token_level: whether each token's term reads its own
     log-prob only. Returns (loss_of's value, differentiable in hidden, weight and bias, or None; the log-probs (...),
-    detached, 0 off keep). Without grad (or nothing that needs one) it is `selected_logprobs` then `loss_of`."""
+    detached, 0 off keep). buffers: where the weight's gradient is formed. Without grad (or nothing that needs one)
+    it is `selected_logprobs` then `loss_of`."""
     check_softcap(softcap)
     shape = targets.shape
     hidden = head_input(hidden, weight)
@@ -161,7 +165,8 @@ def linear_loss(
         logp = selected_logprobs(hidden, weight, targets, keep, token_chunk, temperature, logit_scale, softcap=softcap,
                                  bias=bias)
         return loss_of(logp), logp
-    run = _Pass(lambda kept: loss_of(spread(kept)), token_level, token_chunk, temperature, logit_scale, softcap)
+    run = _Pass(lambda kept: loss_of(spread(kept)), token_level, token_chunk, temperature, logit_scale, softcap,
+                buffers=buffers)
     local, local_bias = weight, bias
     if isinstance(weight, DTensor):  # split by vocabulary over a tensor-parallel group
         from longstraw.engine.tp_logprobs import local_head

@@ -20,6 +20,7 @@ from functools import partial
 import torch
 
 from longstraw.engine.backprop import prompt_backward
+from longstraw.engine.grad_buffers import GradBuffers, row_grad_embedding
 from longstraw.engine.hf.composite import text_config
 from longstraw.engine.hf.segment import run_segment
 from longstraw.engine.linear_loss import LossOf, linear_loss
@@ -54,6 +55,7 @@ class Walk:
     root_state: PromptState | None = None  # the root's state, captured already (a group's reused prompt state)
     names: str = "trajectories"  # what errors call the trajectories (a group's: "responses")
     backwards: int = 0  # pieces of the loss backpropagated so far
+    buffers: GradBuffers | None = None  # where the replays form the head's weight gradient (`detach`)
 
     def hold(self, state: PromptState, first: int) -> int:
         """Count the bytes of `state`'s chunks first … (what a node's capture added) as held on the current path;
@@ -98,25 +100,27 @@ def depth_first(walk: Walk, exact: bool, enter: Enter) -> None:
     path_end = walk.tree.path_end
     try:
         state.floor = base
-        stack = [(enter(walk, root, state, buffer[: root.end], captured), _inner(root), base)]
-        if path_end is not None:  # nodes below the root: their chunks continue the root's state in place
-            state.attach_path(path_end, leaves=exact)
-        while stack:
-            leave, inner, count = stack[-1]
-            child = next(inner, None)
-            if child is None:
-                stack.pop()
-                leave()
-                if stack:  # the node's chunks (the root's stay)
-                    state.truncate(count)
-                continue
-            buffer[child.start: child.end] = child.tokens
-            count = state.floor = state.num_chunks
-            stack.append((enter(walk, child, state, buffer[: child.end], False), _inner(child), count))
+        with row_grad_embedding(hf(walk.model).get_input_embeddings()):
+            stack = [(enter(walk, root, state, buffer[: root.end], captured), _inner(root), base)]
+            if path_end is not None:  # nodes below the root: their chunks continue the root's state in place
+                state.attach_path(path_end, leaves=exact)
+            while stack:
+                leave, inner, count = stack[-1]
+                child = next(inner, None)
+                if child is None:
+                    stack.pop()
+                    leave()
+                    if stack:  # the node's chunks (the root's stay)
+                        state.truncate(count)
+                    continue
+                buffer[child.start: child.end] = child.tokens
+                count = state.floor = state.num_chunks
+                stack.append((enter(walk, child, state, buffer[: child.end], False), _inner(child), count))
     finally:
         if state.path is not None:
             state.detach_path()
         state.floor = 0
+        walk.buffers = None
 
 
 def _inner(node: Node) -> Iterator[Node]:
@@ -189,6 +193,10 @@ def _exact_node(walk: Walk, node: Node, state: PromptState, path: torch.Tensor, 
 
 # --- detach -------------------------------------------------------------------------------------------------------
 def detach(walk: Walk) -> None:
+    """The detach walk. Its replays form the head's weight gradient in one reused buffer; exact's do not: there an
+    idle (V, d) buffer between a replay's head and its embedding backward raised Bench B1's peak (the replay's
+    backward holds the prompt state's gradient), docs/benchmarks.md."""
+    walk.buffers = GradBuffers()
     depth_first(walk, False, _detach_node)
 
 
@@ -299,7 +307,7 @@ def _scored(walk: Walk, hidden: torch.Tensor, targets: torch.Tensor, keep: torch
     linear-and-loss pass (`engine/linear_loss.py`)."""
     weight, bias, scale, softcap = walk.head()
     return linear_loss(hidden, weight, targets, keep, loss_of, walk.loss.token_level(through),
-                       walk.options.token_chunk, walk.options.temperature, scale, softcap, bias)
+                       walk.options.token_chunk, walk.options.temperature, scale, softcap, bias, walk.buffers)
 
 
 def _check_finite(logp: torch.Tensor, keep: torch.Tensor, term: torch.Tensor, where: str) -> None:
