@@ -43,10 +43,6 @@ class GradBuffers:
         if eligible(weight):
             self._idle[_key(weight)] = buffer
 
-    def clear(self) -> None:
-        """Free the idle buffers (before a phase that needs none, so that they do not add to its peak)."""
-        self._idle.clear()
-
 
 def _key(weight: torch.Tensor) -> tuple:
     return tuple(weight.shape), weight.dtype, weight.device
@@ -64,8 +60,7 @@ class _RowGradEmbedding(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        (ids,) = ctx.saved_tensors
-        weight = ctx.weight
+        (ids,), weight = ctx.saved_tensors, ctx.weight
         del ctx.weight
         rows = ids.reshape(-1)  # (n,)
         values = grad.reshape(-1, grad.shape[-1]).to(weight.dtype)  # (n, d)

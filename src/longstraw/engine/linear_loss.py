@@ -14,8 +14,7 @@ any g: its blocks run twice (log-probs, then gradients), the reference's count. 
 vocabulary over a tensor-parallel group (a DTensor) runs the same pass on each rank's rows, with the log-sum-exp and
 the target's logit reduced over the group (`tp_logprobs`) and the hidden states' gradient summed over it.
 
-The weight's gradient (V, d) is formed in a walk's `GradBuffers` buffer when one is given (`engine/grad_buffers.py`:
-one allocation per walk, not per call), else in a new tensor.
+The weight's gradient (V, d) is formed in a walk's `GradBuffers` buffer when one is given, else in a new tensor.
 
 The parity test (tests/engine/test_linear_loss.py) compares values and every gradient with the reference path."""
 
