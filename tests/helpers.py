@@ -628,6 +628,12 @@ def run_ranks(args: list[str], world: int, timeout: float = 300.0, cwd: Path | N
     return results
 
 
+def assert_ranks_ok(ranks: list[tuple[int, str]]) -> None:
+    """Every rank exited 0; else the tail of every failed rank's output (the first failure is often another's)."""
+    failed = [f"rank {i} exited {code}:\n{output[-3000:]}" for i, (code, output) in enumerate(ranks) if code != 0]
+    assert not failed, "\n---\n".join(failed)
+
+
 def child_pids(pid: int) -> list[int]:
     """The direct children of process `pid` (Linux /proc)."""
     out: list[int] = []

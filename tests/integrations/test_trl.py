@@ -29,7 +29,7 @@ pytest.importorskip("trl", reason="TRL is an optional extra: pip install 'longst
 
 import trl.trainer.utils  # noqa: E402
 from datasets import Dataset  # noqa: E402
-from helpers import assert_close, rel_err, run_ranks, tiny_model  # noqa: E402
+from helpers import assert_close, assert_ranks_ok, rel_err, run_ranks, tiny_model  # noqa: E402
 from router_helpers import patch_routers  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
@@ -392,8 +392,7 @@ def _launch(cases: dict, model_dir: str, out: Path, cpu: bool = True) -> Path:
     ranks = run_ranks([str(here / "trl_ddp_child.py"), model_dir, str(out), json.dumps(cases)], 2, timeout=900,
                       paths=[here, here.parent, Path(ROOT), Path(ROOT) / "src"],
                       env={"ACCELERATE_USE_CPU": "1"} if cpu else {})
-    for code, output in ranks:
-        assert code == 0, output[-4000:]
+    assert_ranks_ok(ranks)
     return out
 
 
@@ -506,8 +505,7 @@ def test_fsdp2_example_trains_two_steps_on_two_processes(tmp_path, cp, gather):
                        "--gather", gather],
                       2, timeout=600, cwd=tmp_path, paths=[here, here.parent, Path(ROOT), Path(ROOT) / "src"],
                       env={"ACCELERATE_USE_CPU": "1", "OUTPUT_DIR": str(tmp_path / "out")})
-    for code, output in ranks:
-        assert code == 0, output[-4000:]
+    assert_ranks_ok(ranks)
     assert (f"trained 2 steps on 2 processes (FSDP, context-parallel blocks of {cp}, FSDP gathering {gather})"
             in ranks[0][1])
 
@@ -535,8 +533,7 @@ def test_ddp_example_trains_under_deepspeed_zero3(tmp_path):
            "ACCELERATE_MIXED_PRECISION": "no", "OUTPUT_DIR": str(tmp_path / "out")}
     ranks = run_ranks([str(here / "cpu_shim.py"), os.path.join(ROOT, "examples", "trl_ddp.py")], 2, timeout=600,
                       cwd=tmp_path, paths=[here, here.parent, Path(ROOT), Path(ROOT) / "src"], env=env)
-    for code, output in ranks:
-        assert code == 0, output[-4000:]
+    assert_ranks_ok(ranks)
     assert "trained 2 steps on 2 processes (DEEPSPEED)" in ranks[0][1]
 
 
@@ -544,8 +541,7 @@ def test_ddp_example_trains_two_steps_on_two_processes(tmp_path):
     """examples/trl_ddp.py as documented (torchrun's environment, ACCELERATE_USE_CPU=1), 2 processes over gloo."""
     ranks = run_ranks([os.path.join(ROOT, "examples", "trl_ddp.py")], 2, timeout=600, cwd=tmp_path,
                       paths=[Path(ROOT) / "src"], env={"ACCELERATE_USE_CPU": "1", "OUTPUT_DIR": str(tmp_path / "out")})
-    for code, output in ranks:
-        assert code == 0, output[-4000:]
+    assert_ranks_ok(ranks)
     assert "trained 2 steps on 2 processes" in ranks[0][1]
 
 

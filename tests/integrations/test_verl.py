@@ -22,7 +22,7 @@ pytest.importorskip("verl", reason="the verl extra is not installed here: `make 
                                    "its own venv (verl 0.9 pins transformers < 5.11)")
 
 import torch  # noqa: E402
-from helpers import assert_close, free_port, gradient_tolerance, rel_err, run_ranks  # noqa: E402
+from helpers import assert_close, assert_ranks_ok, free_port, gradient_tolerance, rel_err, run_ranks  # noqa: E402
 
 from longstraw.integrations.verl import config_refusals, settings_from_environment  # noqa: E402
 from longstraw.plan import DETACH, EXACT  # noqa: E402
@@ -330,6 +330,5 @@ def _ranks_updates(tmp_path: Path, cases: dict, processes: int) -> dict:
     out = tmp_path / "updates.pt"
     ranks = run_ranks([str(here / "verl_child.py"), str(out), json.dumps(cases)], processes, timeout=900,
                       paths=[here, here.parent, here.parents[1], here.parents[1] / "src"])
-    for code, output in ranks:
-        assert code == 0, output[-4000:]
+    assert_ranks_ok(ranks)
     return torch.load(out, weights_only=False)
