@@ -32,7 +32,7 @@ class GradBuffers:
     def take(self, weight: torch.Tensor) -> torch.Tensor:
         """A zeroed tensor like `weight`: the idle buffer once nothing else references it, else a fresh one."""
         buffer = self._idle.get(_key(weight)) if eligible(weight) else None
-        if buffer is not None and buffer._use_count() == 1:  # type: ignore[attr-defined]  # the pool's only
+        if buffer is not None and buffer._use_count() == 1:  # type: ignore[attr-defined]  # only the pool holds it
             del self._idle[_key(weight)]
             return buffer.zero_()
         self.allocated += 1
