@@ -98,6 +98,9 @@ def depth_first(walk: Walk, exact: bool, enter: Enter) -> None:
     buffer = root.tokens.new_empty(max(t.length for t in walk.tree.trajectories))
     buffer[: root.end] = root.tokens
     path_end = walk.tree.path_end
+    # detach's replays form the head's weight gradient in one reused buffer; exact's do not: there a buffer idle
+    # between a replay's head and embedding backward, beside the prompt state's gradient, raised Bench B1's peak
+    walk.buffers = None if exact else GradBuffers()
     try:
         state.floor = base
         with row_grad_embedding(hf(walk.model).get_input_embeddings()):
@@ -193,10 +196,6 @@ def _exact_node(walk: Walk, node: Node, state: PromptState, path: torch.Tensor, 
 
 # --- detach -------------------------------------------------------------------------------------------------------
 def detach(walk: Walk) -> None:
-    """The detach walk. Its replays form the head's weight gradient in one reused buffer; exact's do not: there an
-    idle (V, d) buffer between a replay's head and its embedding backward raised Bench B1's peak (the replay's
-    backward holds the prompt state's gradient), docs/benchmarks.md."""
-    walk.buffers = GradBuffers()
     depth_first(walk, False, _detach_node)
 
 
