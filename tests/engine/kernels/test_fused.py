@@ -261,3 +261,62 @@ def test_out_of_memory_is_not_swallowed(emulated_cuda, monkeypatch):
     q, k, v, pk, pv = _inputs(1, 4, 2, 6, [4], 8)
     with pytest.raises(torch.OutOfMemoryError):
         prefix_attention(q, k, v, pk, pv, 0.3)
+
+
+def _chunk_reference(q, k, v, scale):
+    """softmax(q Kᵀ · scale) V and its log-sum-exp over one chunk: q (N, M, D), k/v (1, N, c, D)."""
+    s = q @ k[0].transpose(-1, -2) * scale
+    return torch.softmax(s, -1) @ v[0], torch.logsumexp(s, -1)
+
+
+@pytest.mark.parametrize("zero_row", [False, True])
+@pytest.mark.parametrize("lse_weight", [0.0, 1.0])
+def test_cpu_backward_folds_the_lse_gradient_at_the_head_dim(monkeypatch, zero_row, lse_weight):
+    """On CPU the log-sum-exp gradient is folded into out at D (no extra column) where it can be; a row with dLSE ≠ 0
+    and dO = 0 cannot be folded and takes the appended column. Both against the plain reference, float64."""
+    widths = []
+    real = fused._FLASH_CPU_BWD
+    monkeypatch.setattr(fused, "_FLASH_CPU_BWD",
+                        lambda g, q, *a, **kw: (widths.append(q.shape[-1]), real(g, q, *a, **kw))[1])
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 6, 12, generator=gen, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(1, 2, 9, 12, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    w_out, w_lse = torch.randn(2, 6, 12, dtype=torch.float64), lse_weight * torch.randn(2, 6, dtype=torch.float64)
+    if zero_row:
+        w_out[1, 3] = 0.0
+        w_lse[1, 3] = 1.0
+    out, lse = attention.ChunkAttention.apply(q, 0.4, False, 1, k, v)
+    r_out, r_lse = _chunk_reference(q, k, v, 0.4)
+    g = torch.autograd.grad((out * w_out).sum() + (lse * w_lse).sum(), [q, k, v])
+    g_ref = torch.autograd.grad((r_out * w_out).sum() + (r_lse * w_lse).sum(), [q, k, v])
+    for x, y in zip(g, g_ref):
+        assert (x - y).abs().max() < 1e-12
+    assert widths == [13 if zero_row else 12]
+
+
+def test_fold_is_refused_in_half_precision():
+    d_out, out = torch.randn(2, 3, 8, dtype=torch.bfloat16), torch.randn(2, 3, 8, dtype=torch.bfloat16)
+    assert fused.fold_lse_gradient(d_out, out, torch.ones(2, 3)) is None
+    assert fused.fold_lse_gradient(d_out.float(), out.float(), torch.zeros(2, 3)) is not None
+
+
+@pytest.mark.parametrize("query_tile", [2**18, 24])  # 24: several row tiles, one ragged, beside the ragged key blocks
+def test_cpu_state_without_grad_takes_the_query_only_backward(monkeypatch, query_tile):
+    """A prompt state without grad (detach) gets dq alone in tiles, never the flash backward (which forms dk/dv too);
+    dq equals the plain reference in float64, with own tokens beside the prefix."""
+    monkeypatch.setattr(attention, "KEY_BLOCK", 4)
+    monkeypatch.setattr(attention, "QUERY_TILE", query_tile)
+    calls = []
+    real = fused._FLASH_CPU_BWD
+    monkeypatch.setattr(fused, "_FLASH_CPU_BWD",
+                        lambda g, q, k, *a, **kw: (calls.append(k.shape[2]), real(g, q, k, *a, **kw))[1])
+    q, k, v, pk, pv = _inputs(2, 4, 2, 6, [5, 11], 8)
+    pk, pv = [t.detach() for t in pk], [t.detach() for t in pv]
+    weight = torch.randn(2, 4, 6, 8, dtype=torch.float64)
+    fast = prefix_attention(q, k, v, pk, pv, 0.3)
+    ref = naive_attention(q, k, v, pk, pv, 0.3)
+    g = torch.autograd.grad((fast * weight).sum(), [q, k, v])
+    g_ref = torch.autograd.grad((ref * weight).sum(), [q, k, v])
+    for x, y in zip(g, g_ref):
+        assert (x - y).abs().max() < 1e-12
+    assert calls == [6], "only the own tokens' causal chunk goes to the flash backward"
