@@ -5,6 +5,7 @@ reference log-probs, the KL term, logit scale, soft-cap, temperature, bias and b
 import pytest
 import torch
 
+from longstraw.engine.grad_buffers import GradBuffers
 from longstraw.engine.linear_loss import linear_loss
 from longstraw.engine.logprobs import selected_logprobs
 from longstraw.engine.loss.config import LossConfig
@@ -122,3 +123,19 @@ def test_the_logits_are_formed_once_per_block(monkeypatch):
     loss_of(selected_logprobs(hidden, weight, targets, keep, 4)).backward()
     assert fused == int(keep.sum())
     assert sum(formed) == 2 * int(keep.sum())
+
+
+@pytest.mark.parametrize("token_level", [True, False])
+def test_no_kept_row_gives_zero_weight_and_bias_gradients(token_level):
+    """The first block writes the weight's and bias's gradients (no zero fill); with no kept row no block runs, and
+    they are zero, not whatever the reused buffer or fresh memory held."""
+    hidden, weight, b, targets, keep, old, ref, adv = _inputs(0, True)
+    buffers = GradBuffers()
+    stale = buffers.take(weight).fill_(7.0)
+    buffers.give(weight, stale)
+    del stale
+    nothing = torch.zeros_like(keep)
+    value, _ = linear_loss(hidden, weight, targets, nothing, lambda logp: (logp * 2.0).sum(), token_level,
+                           bias=b, buffers=buffers)
+    g_weight, g_bias = torch.autograd.grad(value, [weight, b], allow_unused=True)
+    assert float(g_weight.abs().max()) == 0 and float(g_bias.abs().max()) == 0

@@ -23,20 +23,21 @@ def eligible(weight: torch.Tensor) -> bool:
 
 
 class GradBuffers:
-    """At most one idle tensor per weight shape, taken (zeroed) for one backward's gradient and given back after it."""
+    """At most one idle tensor per weight shape, taken (unset) for one backward's gradient and given back after it."""
 
     def __init__(self) -> None:
         self._idle: dict[tuple, torch.Tensor] = {}
         self.allocated = 0  # tensors allocated; the other takes reused one
 
     def take(self, weight: torch.Tensor) -> torch.Tensor:
-        """A zeroed tensor like `weight`: the idle buffer once nothing else references it, else a fresh one."""
+        """A tensor like `weight`, its values unset (the caller writes every element): the idle buffer once nothing
+        else references it, else a fresh one."""
         buffer = self._idle.get(_key(weight)) if eligible(weight) else None
         if buffer is not None and buffer._use_count() == 1:  # type: ignore[attr-defined]  # only the pool holds it
             del self._idle[_key(weight)]
-            return buffer.zero_()
+            return buffer
         self.allocated += 1
-        return torch.zeros_like(weight, memory_format=torch.contiguous_format)
+        return torch.empty_like(weight, memory_format=torch.contiguous_format)
 
     def give(self, weight: torch.Tensor, buffer: torch.Tensor) -> None:
         """Keep `buffer`, which autograd now holds as `weight`'s gradient, for a later `take`."""

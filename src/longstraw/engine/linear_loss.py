@@ -92,8 +92,10 @@ class _LinearLoss(torch.autograd.Function):
         c, n = run.token_chunk, hidden.shape[0]
         logp = torch.zeros(n, dtype=accumulation_dtype(hidden.dtype), device=hidden.device)
         d_hidden = torch.empty_like(hidden) if need_h else None
-        d_weight = None if not need_w else torch.zeros_like(weight) if run.buffers is None else run.buffers.take(weight)
-        d_bias = torch.zeros_like(bias) if need_b and bias is not None else None
+        # Written by the first block (`accumulate_block`), so neither is zero-filled; zeroed below if no block runs.
+        d_weight = (None if not need_w else run.buffers.take(weight) if run.buffers is not None
+                    else torch.empty_like(weight, memory_format=torch.contiguous_format))
+        d_bias = torch.empty_like(bias) if need_b and bias is not None else None
         blocks = range(0, n, c)
         value = None
         if run.token_level:
@@ -103,7 +105,7 @@ class _LinearLoss(torch.autograd.Function):
                 value, g = run.gradient(logp)  # exact at rows < s + c: their terms read their own log-probs
                 d_logits = softmax_gradient(probs, slope, tgt, g[s : s + c], run.temperature, run.logit_scale,
                                             run.start)
-                accumulate_block(d_logits.to(weight.dtype), h, weight, s, d_hidden, d_weight, d_bias)
+                accumulate_block(d_logits.to(weight.dtype), h, weight, s, d_hidden, d_weight, d_bias, s == 0)
         else:
             lses = []
             for s in blocks:  # every log-prob first: each g reads its whole row
@@ -115,9 +117,12 @@ class _LinearLoss(torch.autograd.Function):
                 logits, slope = scored_block(h, weight, bias, run.logit_scale, run.temperature, run.softcap)
                 d_logits = logits_gradient(logits, slope, lse, tgt, g[s : s + c], run.temperature,
                                            run.logit_scale, run.start)
-                accumulate_block(d_logits.to(weight.dtype), h, weight, s, d_hidden, d_weight, d_bias)
+                accumulate_block(d_logits.to(weight.dtype), h, weight, s, d_hidden, d_weight, d_bias, s == 0)
         if value is None:  # no kept row
             value, _ = run.gradient(logp)
+        for grad in (d_weight, d_bias) if n == 0 else ():  # no block wrote them
+            if grad is not None:
+                grad.zero_()
         if run.group is not None and d_hidden is not None:
             import torch.distributed as dist
 
