@@ -9,16 +9,20 @@ the faster plan saves exactly the work it skips.
 * head: 2·V·d per scored token (`Costs.head`), a loss token's log-prob.
 * a backward is two forwards: a token with grad costs 3 body passes and 3 head products (logits, their gradients
   with respect to the hidden state and to the weight). No recompute is counted: the floor is the work itself.
+* a pair whose key and value are constants (a detached prompt state) needs the query's gradient alone: 2 passes, not
+  3 (the forward, and dP = dO·Vᵀ with dQ = dS·K; no dK, dV).
 
 Per group (P prompt tokens, G responses of R):
   standard  G · 3 · (body(P + R − 1) + head·R)
-  detach    body(P − 1) + G · 3 · (body(R after P − 1) + head·R)          the prompt once, without grad
+  detach    body(P − 1) + G · 3 · (body(R after P − 1) + head·R)          the prompt once, without grad,
+              − G · pair · R · (P − 1)                                   its pairs with the replies in 2 passes
   exact     4 · body(P − 1) + G · 3 · (body(R after P − 1) + head·R)      + the prompt's recompute and backward
   shared    3 · body(P − 1) + G · 3 · (...)                              the prompt once with grad (Prefix Grouper)
 Activation checkpointing adds one forward of what it checkpoints (`checkpointed`).
 Per prefix tree, node by node (its inputs after its input start; the loss tokens its inputs predict):
   flattened every trajectory as standard; packed 3 passes of every node; tree_exact 4 of an inner node and 3 of a
-  leaf; tree_detach 1 of an inner node without loss tokens, 3 of the others; group per task as a group.
+  leaf; tree_detach 1 of an inner node without loss tokens, 3 of the others (2 of their pairs with earlier nodes,
+  whose states are constants); group per task as a group.
 Norms, activations, RoPE, softmax and the loss are elementwise and not counted. A model with a layer that is not full
 attention or an MLP that is not dense (hybrids, MoE, MLA) has no count here (`costs` returns None).
 """
@@ -32,12 +36,13 @@ DENSE_ATTENTION = ("llama", "qwen2", "qwen3")  # model types whose every layer i
 
 GROUP_FORMULAS = {
     "standard": "G * 3 * (body(P + R - 1) + head * R)",
-    "detach": "body(P - 1) + G * 3 * (body(R after P - 1) + head * R)",
+    "detach": "body(P - 1) + G * (3 * (body(R after P - 1) + head * R) - pair * R * (P - 1))",
     "exact": "4 * body(P - 1) + G * 3 * (body(R after P - 1) + head * R)",
     "shared": "3 * body(P - 1) + G * 3 * (body(R after P - 1) + head * R)",
 }
 NOTE = ("FLOP floor: the matrix products a plan must run (benchmarks/flops.py): the body's projections and MLP, "
-        "attention's quadratic part, the output projection on loss tokens; a backward as two forwards, no recompute")
+        "attention's quadratic part, the output projection on loss tokens; a backward as two forwards (one where the "
+        "keys are constants), no recompute")
 
 
 @dataclass(frozen=True)
@@ -81,8 +86,8 @@ def group_flops(c: Costs, plan: str, prompt: int, response: int, group_size: int
     replies = group_size * 3 * (c.body(response, prompt - 1) + c.head * scored)
     if plan == "standard":
         return group_size * 3 * (c.body(prompt + response - 1) + c.head * scored)
-    if plan == "detach":
-        return c.body(prompt - 1) + replies
+    if plan == "detach":  # the replies' pairs with the constant prompt state: dQ alone in the backward
+        return c.body(prompt - 1) + replies - group_size * c.pair * response * (prompt - 1)
     if plan == "exact":
         return 4 * c.body(prompt - 1) + replies
     if plan == "shared":  # the prompt once with grad, every response attending to it (Prefix Grouper)
@@ -148,6 +153,8 @@ def tree_flops(c: Costs, row: str, trajectories: list[Any]) -> int:
         else:
             raise ValueError(f"no FLOP count for row {row!r}")
         total += passes * body + 3 * c.head * loss
+        if row == "tree_detach" and passes == 3:  # its pairs with the constant states above it: dQ alone
+            total -= c.pair * n * node.input_start
     return total
 
 
