@@ -298,25 +298,3 @@ def test_fold_is_refused_in_half_precision():
     d_out, out = torch.randn(2, 3, 8, dtype=torch.bfloat16), torch.randn(2, 3, 8, dtype=torch.bfloat16)
     assert fused.fold_lse_gradient(d_out, out, torch.ones(2, 3)) is None
     assert fused.fold_lse_gradient(d_out.float(), out.float(), torch.zeros(2, 3)) is not None
-
-
-@pytest.mark.parametrize("query_tile", [2**18, 24])  # 24: several row tiles, one ragged, beside the ragged key blocks
-def test_cpu_state_without_grad_takes_the_query_only_backward(monkeypatch, query_tile):
-    """A prompt state without grad (detach) gets dq alone in tiles, never the flash backward (which forms dk/dv too);
-    dq equals the plain reference in float64, with own tokens beside the prefix."""
-    monkeypatch.setattr(attention, "KEY_BLOCK", 4)
-    monkeypatch.setattr(attention, "QUERY_TILE", query_tile)
-    calls = []
-    real = fused._FLASH_CPU_BWD
-    monkeypatch.setattr(fused, "_FLASH_CPU_BWD",
-                        lambda g, q, k, *a, **kw: (calls.append(k.shape[2]), real(g, q, k, *a, **kw))[1])
-    q, k, v, pk, pv = _inputs(2, 4, 2, 6, [5, 11], 8)
-    pk, pv = [t.detach() for t in pk], [t.detach() for t in pv]
-    weight = torch.randn(2, 4, 6, 8, dtype=torch.float64)
-    fast = prefix_attention(q, k, v, pk, pv, 0.3)
-    ref = naive_attention(q, k, v, pk, pv, 0.3)
-    g = torch.autograd.grad((fast * weight).sum(), [q, k, v])
-    g_ref = torch.autograd.grad((ref * weight).sum(), [q, k, v])
-    for x, y in zip(g, g_ref):
-        assert (x - y).abs().max() < 1e-12
-    assert calls == [6], "only the own tokens' causal chunk goes to the flash backward"
