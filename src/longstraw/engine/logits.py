@@ -74,20 +74,13 @@ def accumulate_block(d_logits: torch.Tensor, h: torch.Tensor, weight: torch.Tens
                      first: bool = False) -> None:
     """Add a block's share of the gradients from d_logits (c, V), in the weight's dtype (the two products run in the
     model's dtype): rows s … s + c − 1 of d_hidden (N, d), and d_weight (V, d), d_bias (V,) where they are wanted.
-    first: the first block writes d_weight and d_bias instead of adding to them, which then need no zero fill (a
-    (V, d) memset per pass)."""
+    first: the block writes d_weight and d_bias instead of adding, so they need no (V, d) zero fill."""
     if d_hidden is not None:
         d_hidden[s : s + h.shape[0]] = d_logits @ weight
-    if d_weight is not None:
-        if first:
-            torch.mm(d_logits.t(), h, out=d_weight)
-        else:
-            d_weight.addmm_(d_logits.t(), h)
+    if d_weight is not None:  # beta = 0: what d_weight held is ignored, NaN included
+        d_weight.addmm_(d_logits.t(), h, beta=0.0 if first else 1.0)
     if d_bias is not None:  # d(projection) / d(bias): one per row
-        if first:
-            torch.sum(d_logits, 0, out=d_bias)
-        else:
-            d_bias.add_(d_logits.sum(0))
+        (d_bias.copy_ if first else d_bias.add_)(d_logits.sum(0))
 
 
 def chunked_backward(ctx: Any, grad_out: torch.Tensor,
