@@ -1,22 +1,16 @@
 """The output projection, the log-probs and the loss in one chunked pass: each block of logits is formed once.
 
 `linear_loss(hidden, weight, targets, keep, loss_of, token_level)` returns `loss_of`'s value on the log-probs of the
-`keep` positions and those log-probs. Its forward runs, for each block of `token_chunk` kept rows, the scored projection
+`keep` positions and those log-probs. Per block of `token_chunk` kept rows the forward forms the scored projection
 (`logits.scored_block`: bias, logit scale, soft-cap, temperature), the log-sum-exp and the log-probs; for a token-level
-loss (a token's term reads its own log-prob only) the block's g = ∂loss/∂logp by autograd through `loss_of` on the
-(small) log-prob vector, and then, from the same logits, d logits = g (onehot − softmax) and the block's share of the
-gradients of the hidden states (rows, d), the weight (V, d) and the bias (V,). The backward multiplies these stored
-gradients by the incoming one: no block of logits is formed again. The reference path (`logprobs.selected_logprobs`,
-then the loss, then autograd) forms every block twice, once in its forward and once in its backward.
-
-A sequence-level loss (the sequence ratio, vespo's weight: a term reads its whole row) needs every log-prob before
-any g: its blocks run twice (log-probs, then gradients), the reference's count. An output projection split by
-vocabulary over a tensor-parallel group (a DTensor) runs the same pass on each rank's rows, with the log-sum-exp and
-the target's logit reduced over the group (`tp_logprobs`) and the hidden states' gradient summed over it.
-
-The weight's gradient (V, d) is formed in a walk's `GradBuffers` buffer when one is given, else in a new tensor.
-
-The parity test (tests/engine/test_linear_loss.py) compares values and every gradient with the reference path."""
+loss (a term reads its own log-prob only) g = ∂loss/∂logp by autograd through `loss_of` on the log-prob vector, then
+from the same logits d logits = g (onehot − softmax) and the block's share of the gradients of the hidden states, the
+weight (V, d; in a walk's `GradBuffers` buffer when given) and the bias. The backward scales these stored gradients:
+no block is formed again, where the reference (`logprobs.selected_logprobs`, the loss, autograd) forms each twice. A
+sequence-level loss (the sequence ratio, vespo's weight) needs every log-prob before any g: its blocks run twice, as
+the reference's do. A projection split by vocabulary over a tensor-parallel group (a DTensor) runs the same pass on
+each rank's rows, the log-sum-exp and target logit reduced over the group (`tp_logprobs`), the hidden states' gradient
+summed. The parity test: tests/engine/test_linear_loss.py."""
 
 from __future__ import annotations
 

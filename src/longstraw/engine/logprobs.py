@@ -11,15 +11,13 @@ output projection split by vocabulary over a tensor-parallel group (a DTensor, t
 observation tokens need no log-prob) and scatters them back with a placeholder elsewhere; `masked_logprobs_reference`
 beside it computes every row and overwrites the others, the plain statement it must equal.
 
-`temperature` scores log_softmax(logits / temperature), as samplers that draw at a temperature (and TRL's trainer,
-which scores at its sampling temperature) define the policy's log-probs; 1.0 leaves the logits as they are.
-
-`logit_scale` is a factor the model's own forward applies to the projection before anything else (Cohere's
-`logits = lm_head(h) * logit_scale`, Granite's `/ logits_scaling`: `models.architecture.logit_scale` says which factor a
-model uses). `softcap` is the final-logit soft-capping of Gemma-2 (`final_logit_softcapping`,
-`models.architecture.logit_softcap`): softcap * tanh(logits / softcap). The logits scored are then
-softcap * tanh((hidden @ weight.T) * logit_scale / softcap) / temperature, in that order, as transformers' forward
-forms them and the samplers then divide by the temperature."""
+`temperature` scores log_softmax(logits / temperature), as samplers that draw at a temperature (and TRL's trainer)
+define the policy's log-probs. `logit_scale` is a factor the model's own forward applies to the projection before
+anything else (Cohere's `logits = lm_head(h) * logit_scale`, Granite's `/ logits_scaling`:
+`models.architecture.logit_scale` says which factor a model uses). `softcap` is the final-logit soft-capping of Gemma-2
+(`final_logit_softcapping`, `models.architecture.logit_softcap`): softcap * tanh(logits / softcap). The logits scored
+are then softcap * tanh((hidden @ weight.T) * logit_scale / softcap) / temperature, in that order, as transformers'
+forward forms them and the samplers then divide by the temperature."""
 
 from __future__ import annotations
 

@@ -9,15 +9,13 @@ prompt[:-1] and can be handed straight to `backward_group`.
 fork rule (a fork's children continue its state in place: `ResponseState.continued`, docs/trees.md). Each batch of
 siblings has its own generator: the trunks' from the seed, a fork's children's from the seed and their first node.
 
-Recorded log-probs are the policy's own (temperature 1, no top-k/top-p truncation), whatever the sampling
-temperature: they are what the training step recomputes, so they serve as `old_logprobs`.
-
-Multi-turn rollouts (`environment.py`): a sequence whose generated tokens end a tool call hands its response so far to
-the environment, which returns the observation's ids (None: the episode ends). They are fed into that sequence's own
-state one per decode step, in place of a sample and in lockstep with the other sequences, so the prompt state is never
-re-encoded or copied; they are in the response with `loss_masks` False. Up to `max_turns` model turns;
-`max_new_tokens` counts generated and observation tokens. Under context parallelism the ranks compare their
-environments' observations at every step (`environment.agree`)."""
+Recorded log-probs are the policy's own (temperature 1, no top-k/top-p), whatever the sampling temperature: what the
+training step recomputes, so they serve as `old_logprobs`. Multi-turn rollouts (`environment.py`): a sequence whose
+generated tokens end a tool call hands its response so far to the environment, which returns the observation's ids
+(None: the episode ends). They are fed into that sequence's own state one per decode step, in place of a sample and in
+lockstep with the other sequences, so the prompt state is never re-encoded or copied; they are in the response with
+`loss_masks` False. Up to `max_turns` model turns; `max_new_tokens` counts generated and observation tokens. Under
+context parallelism the ranks compare their environments' observations at every step (`environment.agree`)."""
 
 from __future__ import annotations
 

@@ -3,12 +3,9 @@
     from longstraw.integrations.trl_async import LongStrawAsyncGRPOConfig, LongStrawAsyncGRPOTrainer
     trainer = LongStrawAsyncGRPOTrainer("Qwen/Qwen3.5-0.8B", args=LongStrawAsyncGRPOConfig(...), ...)
 
-TRL's trainer packs each rank's samples into a prefix trie and runs the whole trie at once with a FlashAttention-3
-tree kernel: CUDA only, every activation of the trie held together, and no model with a recurrent or convolutional
-layer or attention sinks. Here the same trie (the rank's samples: their shared system prompt, prompt and earlier
-turns encoded once) runs as one `backward_tree`, one root-to-leaf path in memory, on any model LongStraw admits.
-
-What changes, and only that:
+TRL's trainer runs each rank's prefix trie at once with a FlashAttention-3 tree kernel: CUDA only, every activation of
+the trie held together, no model with a recurrent or convolutional layer or attention sinks. Here the same trie runs
+as one `backward_tree`, one root-to-leaf path in memory, on any model LongStraw admits. What changes, and only that:
 * the model loads with the attention the user asks for (`model_init_kwargs["attn_implementation"]`, else
   transformers' default) instead of TRL's tree kernel, and LongStraw's admission check replaces TRL's refusals of
   recurrent layers and sinks (`_loaded_for_longstraw`);

@@ -1,12 +1,10 @@
 """Memory planner behind `longstraw plan`: per-GPU bytes of one GRPO step for every plan, before renting GPUs.
 
-From a transformers config (a preset, a built-in description of a paper-scale model, a directory or
-`config.json`, or a cached hub id) this module derives a `ModelSpec` (layer kinds, dimensions, parameter counts
-from a meta-device instantiation: no weights are allocated) and predicts, per plan, the peak of one
-`backward_group` call plus the optimizer state that lives beside it.
-
-How the peak is composed (`PlanEstimate.phases`): a resident part (weights, optimizer, prompt state and its
-gradient, runtime) plus the largest of the phases a step goes through:
+From a transformers config (a preset, a built-in paper-scale model, a directory or `config.json`, or a cached hub id)
+it derives a `ModelSpec` (layer kinds, dimensions, parameter counts from a meta-device instantiation: no weights) and
+predicts, per plan, the peak of one `backward_group` call plus the optimizer state beside it. The peak
+(`PlanEstimate.phases`): a resident part (weights, optimizer, prompt state and its gradient, runtime) plus the largest
+of the phases a step goes through:
 
 * capture (detach/exact): the state being built + one no-grad chunk's transient tensors;
 * replay (detach/exact): the saved activations of one micro-batch of k responses + the chunked log-prob's
@@ -17,9 +15,8 @@ gradient, runtime) plus the largest of the phases a step goes through:
 * standard: the activations of full `P + R` sequences (one, or all G when batched) + three `[R, V]`
   log-softmax tensors alive at the start of the backward.
 
-What each term counts, the multi-GPU assumptions (FSDP/ZeRO-3, `fsdp_gather`, context and tensor parallelism),
-the memory levers, the measurements the formulas are validated against and which module holds what: docs/planner.md
-and the functions of `formulas` and `recurrent`."""
+What each term counts, the multi-GPU assumptions (FSDP/ZeRO-3, `fsdp_gather`, context and tensor parallelism), the
+levers and the measurements behind the formulas: docs/planner.md, `formulas` and `recurrent`."""
 
 from __future__ import annotations
 

@@ -132,8 +132,7 @@ class ModelSpec:
     `mamba_head_dim` 1) | none (Nemotron-H's MLP/MoE blocks); `mlps[l]`: dense | moe | none.
     `layer_kv[l]`: (key, value) elements per token of the K/V layer l keeps, where layers differ (per-layer head
     dims and K/V head counts, KV-shared layers keeping none: (0, 0)); empty: every attention layer keeps
-    kv_heads x (head_dim + v_head_dim).
-    Sizes are element counts."""
+    kv_heads x (head_dim + v_head_dim). Sizes are element counts."""
 
     name: str
     model_type: str

@@ -10,14 +10,12 @@ computes the exact plan's gradient of the same groups at the same weights, and r
   bias_norm_ratio ||g_detach|| / ||g_exact|| (< 1: detach sees only part of the gradient);
   time_bias_s     the meter's own time.
 
-It must not change the run: the detach step's `.grad` tensors are put back as the very same objects (so the
-clip and the optimizer see bit-identical gradients) and every RNG state is restored afterwards (the exact pass
-draws nothing in eval mode, but a model with active dropout would). The exact pass recaptures the prompt (the
-rollout's state was captured without the chunk boundaries the exact plan needs) and allocates one more gradient
-and the exact plan's prompt state, so a metered step's peak memory is higher than an unmetered one's.
-
-One process only: under FSDP the gradients are sharded and reduced at the end of a pass, which the meter would
-have to repeat; the trainer refuses `bias_every` in a distributed run."""
+It must not change the run: the detach step's `.grad` tensors are put back as the very same objects (the clip and
+the optimizer see bit-identical gradients) and every RNG state is restored (a model with active dropout draws). The
+exact pass recaptures the prompt (the rollout's state has no chunk boundaries) and allocates one more gradient and
+the exact plan's prompt state: a metered step's peak is higher. One process only: under FSDP the gradients are
+sharded and reduced at the end of a pass, which the meter would have to repeat; the trainer refuses `bias_every` in a
+distributed run."""
 
 from __future__ import annotations
 

@@ -6,14 +6,12 @@ A replayed segment (a response, or one prompt chunk during capture) attends to t
   shared by every sequence of a micro-batch (no expand, no concatenation, no mask: all of it is visible);
 * its **own** tokens: causal attention within the segment.
 
-The two partial softmaxes are merged exactly with their log-sum-exp. Both parts run through one custom autograd
-function, `ChunkAttention` (flash-attention style: online softmax over chunks, recomputation in backward), so neither
-a `[T, P]` nor a `[T, T]` score matrix nor a copy of the prefix K/V is held; its log-sum-exp output is differentiable
-(torch's SDPA offers none). `naive_attention` is the plain reference the parity tests compare with.
-
-Shapes: B sequences, H query heads, Hkv key/value heads (GQA: H = Hkv * g), T new tokens, P prefix tokens,
-D head dim. For the prefix, queries of all B sequences and all g heads of a KV group are folded into one
-row set `M = B * g * T`, so the prefix K/V of shape (Hkv, P, D) is read once for all of them."""
+The two partial softmaxes are merged exactly by their log-sum-exp. Both run through one custom autograd function,
+`ChunkAttention` (online softmax over chunks, recomputation in backward), so no `[T, P]` or `[T, T]` score matrix nor
+a copy of the prefix K/V is held; its log-sum-exp output is differentiable (torch's SDPA offers none). `naive_attention`
+is the plain reference the parity tests compare with. Shapes: B sequences, H query heads, Hkv key/value heads (GQA:
+H = Hkv * g), T new tokens, P prefix tokens, D head dim. For the prefix, queries of all B sequences and all g heads of
+a KV group are folded into one row set `M = B * g * T`, so the prefix K/V (Hkv, P, D) is read once for all of them."""
 
 from __future__ import annotations
 

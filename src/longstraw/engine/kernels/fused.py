@@ -8,13 +8,11 @@ merge of a prefix part with an own part needs (torch's public SDPA does not retu
 * ``cuda_efficient``: ``_scaled_dot_product_efficient_attention`` (fp32, or fp16/bf16 head dims flash refuses).
 
 Everything else (fp64 on CUDA, other devices, a refusal at run time) takes the portable blocked kernel in
-`attention.py`, the reason logged once per (kernel, dtype, head dim). All share one layout, q (N, M, D), k/v
-(1, N, c, D) (N heads, M query rows, c keys), which the ops see as batch 1 with N heads.
-
-Their backward ops do not take a gradient of the log-sum-exp; `fused_backward` folds it in exactly (see there).
-The CUDA paths have not run on a GPU yet: the CPU suite checks them against emulations of the CUDA ops built from
-the CPU op (same semantics, the CUDA ops' head-dim and log-sum-exp-padding rules asserted) and their calls
-against the real ops' schemas on the meta device (tests/engine/kernels/test_fused.py); tests/gpu/ run them on CUDA."""
+`attention.py`, the reason logged once per (kernel, dtype, head dim). One layout: q (N, M, D), k/v (1, N, c, D) (N
+heads, M query rows, c keys), batch 1 with N heads to the ops. Their backward ops take no log-sum-exp gradient;
+`fused_backward` folds it in exactly. The CUDA paths have not run on a GPU yet: the CPU suite checks them against
+emulations built from the CPU op (the CUDA ops' head-dim and log-sum-exp-padding rules asserted) and their calls
+against the real ops' schemas on the meta device (tests/engine/kernels/test_fused.py); tests/gpu/ runs them on CUDA."""
 
 from __future__ import annotations
 
@@ -129,11 +127,9 @@ def fused_forward(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 
 def fold_lse_gradient(d_out: torch.Tensor, out: torch.Tensor, d_lse: torch.Tensor) -> torch.Tensor | None:
-    """out' = out − c·dO per row with c = dLSE / |dO|², so that rowsum(dO * out') = rowsum(dO * out) − dLSE: the CPU
-    flash backward reads out only for that row sum, so it then folds dLSE in at the head dim D, without the extra
-    column `fused_backward` appends otherwise (D + 1 is ~25% slower on CPU). None where the fold does not hold exactly
-    enough: half precision (out' rounds coarsely and may overflow) or a row with dLSE ≠ 0 and dO = 0.
-    d_out/out (N, M, D), d_lse (N, M)."""
+    """out' = out − (dLSE / |dO|²)·dO per row, d_out/out (N, M, D), d_lse (N, M): rowsum(dO * out') = rowsum(dO * out) −
+    dLSE, the only use the CPU flash backward makes of out, so dLSE enters at D (D + 1 is ~25% slower). None in half
+    precision (out' rounds coarsely) or for a row with dLSE ≠ 0 and dO = 0."""
     if out.dtype not in (torch.float32, torch.float64):
         return None
     if not bool(d_lse.any()):
@@ -154,9 +150,8 @@ def fused_backward(kernel: str, d_out: torch.Tensor, d_lse: torch.Tensor, q: tor
     A flash backward forms dS = P * (dP − rowsum(dO * O)) with P = exp(s − lse). Appending one column — dO' = [dO, 1],
     O' = [O, −dLSE], zero columns to q, k, v — leaves P and dP unchanged and turns the row sum into rowsum(dO * O) −
     dLSE, exactly the gradient with dLSE included (on CPU `fold_lse_gradient` folds it in at D where it can). The global
-    lse makes P this chunk's slice of the full softmax, so per-chunk gradients add up. The scale is passed explicitly
-    because the head dim grew (CUDA: to a multiple of 8; CPU: D + 1). The padded k/v are transient copies (O(c·D)) of
-    at most `attention.BACKWARD_KEYS` keys per call."""
+    lse makes P this chunk's slice of the full softmax: per-chunk gradients add up. The scale is explicit as the head
+    dim grew (CUDA: to a multiple of 8; CPU: D + 1); the padded k/v are copies of ≤ `attention.BACKWARD_KEYS` keys."""
     d, m = q.shape[-1], q.shape[-2]
     if kernel == "cpu_flash":
         folded = fold_lse_gradient(d_out, out, d_lse)

@@ -14,17 +14,14 @@ exactly these chunk boundaries, and a fork is a new set of lists over the same t
 kept at every chunk boundary when `keep_boundaries` (the exact plan recomputes chunk j from the state after chunk j-1);
 otherwise only the last one is kept, and sliding-window layers drop the K/V chunks no later token can see.
 
-Offloaded state (`device` set): every part lives in host memory (pinned when the compute device is a GPU) and is
-copied to `device` where it is read (a layer's chunks at a time by the attention kernel, a recurrent state at a time
-by the cache). The copy is differentiable, so the exact plan's leaves and their gradients stay on the host. With
-per-layer activation checkpointing the device then holds one layer's copies of the prompt K/V (and their gradient)
-at a time; without it every layer's copy is saved for the backward and nothing is gained (the planner says so).
-
-Prefetch (`prefetch`, on by default when the compute device is a GPU): when an attention layer reads its chunks, the
-next attention layer's copies start at once, on CUDA on a side stream that only the reading layer waits for. They
-follow the reads (up the layers in a forward, down them in a checkpointed backward's recomputes), at most one layer
-ahead, so the device holds two layers' copies. On the CPU the copies are made at once (no overlap): the option runs
-there only so that its bookkeeping and gradients are tested everywhere."""
+Offloaded state (`device` set): every part lives in host memory (pinned for a GPU) and is copied to `device` where it
+is read (a layer's chunks by the attention kernel, a recurrent state by the cache), differentiably, so the exact
+plan's leaves and gradients stay on the host. With per-layer activation checkpointing the device holds one layer's
+copies (and their gradient) at a time; without it every layer's copy is saved and nothing is gained (the planner says
+so). Prefetch (`prefetch`, default on a GPU): an attention layer's read starts the next attention layer's copies, on
+CUDA on a side stream only the reading layer waits for, following the reads (up the layers in a forward, down in a
+checkpointed backward's recomputes) at most one layer ahead: two layers' copies on the device. On the CPU the copies
+are made at once (no overlap); the option runs there so that its bookkeeping and gradients are tested everywhere."""
 
 from __future__ import annotations
 

@@ -46,8 +46,7 @@ TREE_ADVANTAGES = ("grpo", "siblings")
 class TreeConfig:
     """The shape of a tree rollout. trunks: sequences sampled from the prompt (N). branching: continuations per
     fork (B >= 2). depth: segments on a root-to-leaf path at most (1: no fork). leaves: the leaf budget (>= trunks).
-    trigger: ``tool_call`` (fork once a call's observation is fed) or ``tokens`` (every `every` tokens of a
-    segment)."""
+    trigger: ``tool_call`` (fork once a call's observation is fed) or ``tokens`` (every `every` tokens of a segment)."""
 
     trunks: int = 2
     branching: int = 2
