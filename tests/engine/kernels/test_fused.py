@@ -271,13 +271,17 @@ def _chunk_reference(q, k, v, scale):
 
 @pytest.mark.parametrize("zero_row", [False, True])
 @pytest.mark.parametrize("lse_weight", [0.0, 1.0])
-def test_cpu_backward_folds_the_lse_gradient_at_the_head_dim(monkeypatch, zero_row, lse_weight):
-    """On CPU the log-sum-exp gradient is folded into out at D (no extra column) where it can be; a row with dLSE ≠ 0
-    and dO = 0 cannot be folded and takes the appended column. Both against the plain reference, float64."""
-    widths = []
-    real = fused._FLASH_CPU_BWD
+@pytest.mark.parametrize("piece_keys", [16384, 4])
+def test_cpu_backward_folds_the_lse_gradient_at_the_head_dim(monkeypatch, zero_row, lse_weight, piece_keys):
+    """On CPU the log-sum-exp gradient is folded into out at D (no extra column) where it can be, once per call however
+    many backward pieces the keys take; a row with dLSE ≠ 0 and dO = 0 cannot be folded and takes the appended column.
+    Both against the plain reference, float64."""
+    widths, folds = [], []
+    real, real_fold = fused._FLASH_CPU_BWD, attention.fold_lse_gradient
     monkeypatch.setattr(fused, "_FLASH_CPU_BWD",
                         lambda g, q, *a, **kw: (widths.append(q.shape[-1]), real(g, q, *a, **kw))[1])
+    monkeypatch.setattr(attention, "fold_lse_gradient", lambda *a: (folds.append(1), real_fold(*a))[1])
+    monkeypatch.setattr(attention, "BACKWARD_KEYS", piece_keys)
     gen = torch.Generator().manual_seed(5)
     q = torch.randn(2, 6, 12, generator=gen, dtype=torch.float64, requires_grad=True)
     k, v = (torch.randn(1, 2, 9, 12, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(2))
@@ -291,7 +295,23 @@ def test_cpu_backward_folds_the_lse_gradient_at_the_head_dim(monkeypatch, zero_r
     g_ref = torch.autograd.grad((r_out * w_out).sum() + (r_lse * w_lse).sum(), [q, k, v])
     for x, y in zip(g, g_ref):
         assert (x - y).abs().max() < 1e-12
-    assert widths == [13 if zero_row else 12]
+    assert widths == [13 if zero_row else 12] * (1 if piece_keys > 9 else 3)
+    assert len(folds) == 1
+
+
+def test_fold_in_float32_matches_float64():
+    """The fold formed in float32 (no float64 temporaries) keeps the gradient to float32's rounding."""
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randn(2, 6, 12, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(1, 2, 40, 12, generator=gen, dtype=torch.float64) for _ in range(2))
+    w_out, w_lse = torch.randn(2, 6, 12, dtype=torch.float64), 3.0 * torch.randn(2, 6, dtype=torch.float64)
+    grads = []
+    for dtype in (torch.float32, torch.float64):
+        xs = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        out, lse = attention.ChunkAttention.apply(xs[0], 0.4, False, 1, xs[1], xs[2])
+        grads.append(torch.autograd.grad((out * w_out.to(dtype)).sum() + (lse * w_lse.to(dtype)).sum(), xs))
+    for x, y in zip(*grads):
+        assert ((x.double() - y).abs().max() / y.abs().max()) < 1e-5
 
 
 def test_fold_is_refused_in_half_precision():

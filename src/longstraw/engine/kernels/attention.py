@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from longstraw.engine.kernels.fused import choose_kernel, fused_backward, fused_forward, refused
+from longstraw.engine.kernels.fused import choose_kernel, fold_lse_gradient, fused_backward, fused_forward, refused
 from longstraw.engine.kernels.naive import naive_masked_prefix_attention
 from longstraw.engine.precision import accumulation_dtype
 
@@ -97,9 +97,9 @@ def _portable_backward(d_out, row, q, k, v, lse, scale: float, causal: bool, nee
 class ChunkAttention(torch.autograd.Function):
     """softmax(q K^T * scale) V over a list of key/value chunks, returning the output and its log-sum-exp.
 
-    Inputs: q (N, M, D); scale; causal; n; then n key chunks and n value chunks, each (1, N, c_j, D). causal =
-    False: every key is visible (the prompt prefix); True (one chunk, M == c): the segment's own tokens. Outputs:
-    out (N, M, D), lse (N, M), both differentiable, in the accumulation dtype (`precision.py`).
+    Inputs: q (N, M, D); scale; causal; n; then n key chunks and n value chunks, each (1, N, c_j, D). causal = False:
+    every key is visible (the prompt prefix); True (one chunk, M == c): the segment's own tokens. Outputs: out (N, M,
+    D), lse (N, M), both differentiable, in the accumulation dtype (`precision.py`).
 
     Adjacent views of one tensor (`adjacent_runs`) are read as one run; runs are combined with an online softmax, so
     only the final out/lse are saved; backward runs each run's backward against the global out/lse, in pieces of at
@@ -149,13 +149,14 @@ class ChunkAttention(torch.autograd.Function):
         d_out = torch.zeros_like(out) if d_out is None else d_out.to(out.dtype).contiguous()
         d_lse = torch.zeros_like(lse) if d_lse is None else d_lse.to(lse.dtype)
         row = (d_out * out).sum(-1) - d_lse  # (N, M), used by the portable kernel
+        fold = fold_lse_gradient(d_out.to(q.dtype), out.to(q.dtype), d_lse) if "cpu_flash" in ctx.kernels else None
         dq = torch.zeros_like(out)
         dks: list[torch.Tensor | None] = []
         dvs: list[torch.Tensor | None] = []
         pieces = [(j, k, v, sizes) for j, run in enumerate(adjacent_runs(kv[:n], kv[n:]))
                   for k, v, sizes in _pieces(*run, BACKWARD_KEYS)]
         for j, k, v, sizes in pieces:
-            dq_j, dk_j, dv_j = _piece_backward(ctx, j, d_out, d_lse, row, q, out, lse, k, v, need_kv)
+            dq_j, dk_j, dv_j = _piece_backward(ctx, j, d_out, d_lse, row, q, out, lse, k, v, need_kv, fold)
             dq += dq_j
             # One gradient per input chunk: a piece's gradient split back along the keys (views; a leaf's
             # AccumulateGrad copies a non-contiguous view into its own .grad).
@@ -164,23 +165,23 @@ class ChunkAttention(torch.autograd.Function):
         return (dq.to(q.dtype), None, None, None, *dks, *dvs)
 
 
-def _piece_backward(ctx, j: int, d_out, d_lse, row, q, out, lse, k, v, need_kv: bool):
+def _piece_backward(ctx, j: int, d_out, d_lse, row, q, out, lse, k, v, need_kv: bool, fold):
     """dq (N, M, D), dk and dv (N, c, D) (None unless need_kv) of one piece of run j, keys k/v (1, N, c, D), with its
     run's kernel (dropout is 0: its random state is never read). A piece longer than `BACKWARD_KEYS` (one long chunk:
     a walk's path, `PromptState.attach_path`) goes in pieces of that many keys, their gradients joined (not a causal
-    one: its rows and keys are aligned)."""
+    one: its rows and keys are aligned). fold: out with d_lse folded in for the CPU op (`fold_lse_gradient`) or None."""
     if k.shape[2] > BACKWARD_KEYS and not ctx.causal:
+        cut = range(0, k.shape[2], BACKWARD_KEYS)
         parts = [_piece_backward(ctx, j, d_out, d_lse, row, q, out, lse, k[:, :, a: a + BACKWARD_KEYS],
-                                 v[:, :, a: a + BACKWARD_KEYS], need_kv) for a in range(0, k.shape[2], BACKWARD_KEYS)]
+                                 v[:, :, a: a + BACKWARD_KEYS], need_kv, fold) for a in cut]
         dq = torch.stack([p[0] for p in parts]).sum(0)
-        if not need_kv:
-            return dq, None, None
-        return dq, torch.cat([p[1] for p in parts], dim=1), torch.cat([p[2] for p in parts], dim=1)
+        dk, dv = (torch.cat([p[i] for p in parts], dim=1) if need_kv else None for i in (1, 2))
+        return dq, dk, dv
     scale, causal = ctx.scale, ctx.causal
     if ctx.kernels[j] != "portable":  # the ops work in q's dtype, with an fp32 log-sum-exp for bf16/fp16
         try:
             return fused_backward(ctx.kernels[j], d_out.to(q.dtype), d_lse, q, k, v, out.to(q.dtype),
-                                  lse if lse.dtype == q.dtype else lse.float(), scale, causal, ctx.aux[j])
+                                  lse if lse.dtype == q.dtype else lse.float(), scale, causal, ctx.aux[j], fold)
         except torch.OutOfMemoryError:
             raise
         except RuntimeError as err:

@@ -127,25 +127,26 @@ def fused_forward(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 
 def fold_lse_gradient(d_out: torch.Tensor, out: torch.Tensor, d_lse: torch.Tensor) -> torch.Tensor | None:
-    """out' = out − (dLSE / |dO|²)·dO per row, d_out/out (N, M, D), d_lse (N, M): rowsum(dO * out') = rowsum(dO * out) −
-    dLSE, the only use the CPU flash backward makes of out, so dLSE enters at D (D + 1 is ~25% slower). None in half
-    precision (out' rounds coarsely) or for a row with dLSE ≠ 0 and dO = 0."""
+    """out' = out − (dLSE / |dO|²)·dO per row (one tensor, out's dtype), d_out/out (N, M, D), d_lse (N, M): rowsum(dO *
+    out') = rowsum(dO * out) − dLSE, the only use the CPU flash backward makes of out, so dLSE enters at D (D + 1: ~25%
+    slower). None in half precision (out' rounds coarsely) or for a row with dLSE ≠ 0 and |dO|² below the normals."""
     if out.dtype not in (torch.float32, torch.float64):
         return None
     if not bool(d_lse.any()):
         return out
-    norm = d_out.double().square().sum(-1)  # (N, M)
-    if bool(((norm == 0) & (d_lse != 0)).any()):
+    norm = d_out.square().sum(-1)  # (N, M)
+    tiny = torch.finfo(out.dtype).tiny
+    if bool(((norm < tiny) & (d_lse != 0)).any()):
         return None
-    coef = torch.where(norm > 0, d_lse.double() / norm.clamp_min(torch.finfo(torch.float64).tiny), 0.0)
-    return (out.double() - coef.unsqueeze(-1) * d_out.double()).to(out.dtype)
+    return torch.addcmul(out, (d_lse.to(out.dtype) / norm.clamp_min(tiny)).unsqueeze(-1), d_out, value=-1.0)
 
 
 def fused_backward(kernel: str, d_out: torch.Tensor, d_lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                    v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, scale: float, causal: bool,
-                   aux: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   aux: Any, folded: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one key chunk given the *global* out/lse (N, M, D)/(N, M), with a log-sum-exp gradient
-    d_lse (N, M) folded in. q (N, M, D), k/v (1, N, c, D). Returns dq (N, M, D), dk/dv (N, c, D), q's dtype.
+    d_lse (N, M) folded in. q (N, M, D), k/v (1, N, c, D). Returns dq (N, M, D), dk/dv (N, c, D), q's dtype. folded:
+    on CPU, `fold_lse_gradient`'s out', formed once per call by the caller (None: the extra column).
 
     A flash backward forms dS = P * (dP − rowsum(dO * O)) with P = exp(s − lse). Appending one column — dO' = [dO, 1],
     O' = [O, −dLSE], zero columns to q, k, v — leaves P and dP unchanged and turns the row sum into rowsum(dO * O) −
@@ -153,11 +154,9 @@ def fused_backward(kernel: str, d_out: torch.Tensor, d_lse: torch.Tensor, q: tor
     lse makes P this chunk's slice of the full softmax: per-chunk gradients add up. The scale is explicit as the head
     dim grew (CUDA: to a multiple of 8; CPU: D + 1); the padded k/v are copies of ≤ `attention.BACKWARD_KEYS` keys."""
     d, m = q.shape[-1], q.shape[-2]
-    if kernel == "cpu_flash":
-        folded = fold_lse_gradient(d_out, out, d_lse)
-        if folded is not None:
-            dq, dk, dv = _FLASH_CPU_BWD(d_out[None], q[None], k, v, folded[None], lse[None], 0.0, causal, scale=scale)
-            return dq[0], dk[0], dv[0]
+    if kernel == "cpu_flash" and folded is not None:
+        dq, dk, dv = _FLASH_CPU_BWD(d_out[None], q[None], k, v, folded[None], lse[None], 0.0, causal, scale=scale)
+        return dq[0], dk[0], dv[0]
     w = d + 1 if kernel == "cpu_flash" else round_up(d + 1, 8)
     d_out_aug = _pad(torch.cat([d_out, d_out.new_ones(*d_out.shape[:-1], 1)], dim=-1), w)[None]
     out_aug = _pad(torch.cat([out, -d_lse.unsqueeze(-1).to(out.dtype)], dim=-1), w)[None]
