@@ -318,3 +318,51 @@ def test_fold_is_refused_in_half_precision():
     d_out, out = torch.randn(2, 3, 8, dtype=torch.bfloat16), torch.randn(2, 3, 8, dtype=torch.bfloat16)
     assert fused.fold_lse_gradient(d_out, out, torch.ones(2, 3)) is None
     assert fused.fold_lse_gradient(d_out.float(), out.float(), torch.zeros(2, 3)) is not None
+
+
+@pytest.mark.parametrize("query_tile", [2**18, 24])  # 24: several row tiles, one ragged, beside the ragged key blocks
+def test_cpu_state_without_grad_takes_the_query_only_backward(monkeypatch, query_tile):
+    """A prompt state without grad (detach) gets dq alone in tiles, never the flash backward (which forms dk/dv too);
+    dq equals the plain reference in float64, with own tokens beside the prefix."""
+    monkeypatch.setattr(attention, "KEY_BLOCK", 4)
+    monkeypatch.setattr(attention, "QUERY_TILE", query_tile)
+    monkeypatch.setattr(attention, "query_backward_fits", lambda: True)
+    calls = []
+    real = fused._FLASH_CPU_BWD
+    monkeypatch.setattr(fused, "_FLASH_CPU_BWD",
+                        lambda g, q, k, *a, **kw: (calls.append(k.shape[2]), real(g, q, k, *a, **kw))[1])
+    q, k, v, pk, pv = _inputs(2, 4, 2, 6, [5, 11], 8)
+    pk, pv = [t.detach() for t in pk], [t.detach() for t in pv]
+    weight = torch.randn(2, 4, 6, 8, dtype=torch.float64)
+    fast = prefix_attention(q, k, v, pk, pv, 0.3)
+    ref = naive_attention(q, k, v, pk, pv, 0.3)
+    g = torch.autograd.grad((fast * weight).sum(), [q, k, v])
+    g_ref = torch.autograd.grad((ref * weight).sum(), [q, k, v])
+    for x, y in zip(g, g_ref):
+        assert (x - y).abs().max() < 1e-12
+    assert calls == [6], "only the own tokens' causal chunk goes to the flash backward"
+
+
+def test_query_only_backward_in_float32_against_float64():
+    """The tiles in float32 (the benches' dtype): dq within float32's rounding of the float64 result."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, s, 16, generator=gen, dtype=torch.float64) for s in (40, 300, 300))
+    d_out = torch.randn(2, 40, 16, generator=gen, dtype=torch.float64)
+    s = q @ k.transpose(-1, -2) * 0.25
+    lse = torch.logsumexp(s, -1)
+    row = (d_out * (torch.softmax(s, -1) @ v)).sum(-1)
+    exact = attention._query_backward(d_out, row, q, k, v, lse, 0.25)
+    single = attention._query_backward(*(t.float() for t in (d_out, row, q, k, v, lse)), 0.25)
+    assert (single.double() - exact).abs().max() < 1e-5 * exact.abs().max()
+
+
+@pytest.mark.parametrize(("threads", "policy", "fits"), [(1, "PASSIVE", True), (2, "PASSIVE", False),
+                                                         (2, "passive", False), (2, "ACTIVE", True), (2, None, True)])
+def test_query_only_backward_only_where_threads_spin(monkeypatch, threads, policy, fits):
+    """Two threads under PASSIVE keep the flash backward (each small op would wake the sleeping threads)."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    if policy is None:
+        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    else:
+        monkeypatch.setenv("OMP_WAIT_POLICY", policy)
+    assert attention.query_backward_fits() is fits

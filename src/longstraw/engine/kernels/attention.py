@@ -15,6 +15,7 @@ a KV group are folded into one row set `M = B * g * T`, so the prefix K/V (Hkv, 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -37,6 +38,9 @@ KEY_BLOCK = 512
 # width, ~4x a piece's K) stay those of 16K keys instead of a layer's whole prefix (1 GB+ per layer at 10^6 tokens),
 # while each call has enough keys to keep a GPU busy.
 BACKWARD_KEYS = 16384
+# Scores per tile of the query-only backward on CPU (`_query_backward`): two fp32 tiles of 1 MiB, no more transient
+# memory than the flash backward's own (its dK, dV and padded copies).
+QUERY_TILE = 2**18
 # A run of adjacent chunks: key (1, N, c, D), value (1, N, c, D) and its chunks' key counts.
 _Run = tuple[torch.Tensor, torch.Tensor, list[int]]
 
@@ -105,7 +109,9 @@ class ChunkAttention(torch.autograd.Function):
     only the final out/lse are saved; backward runs each run's backward against the global out/lse, in pieces of at
     most `BACKWARD_KEYS` keys, and hands every input chunk its slice of the gradient. Per run a fused op runs where one
     takes q's device, dtype and head dim (`fused.choose_kernel`), else the portable blocked kernel above (same math);
-    an op that refuses its inputs at run time is logged once, and that run and every later one run the portable one."""
+    an op that refuses its inputs at run time is logged once, and that run and every later one run the portable one.
+    On CPU, key chunks without grad (a detached prompt state) take `_query_backward`, which forms dq alone, where
+    `query_backward_fits`."""
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, scale: float, causal: bool, n: int, *kv: torch.Tensor):
@@ -165,6 +171,38 @@ class ChunkAttention(torch.autograd.Function):
         return (dq.to(q.dtype), None, None, None, *dks, *dvs)
 
 
+def query_backward_fits() -> bool:
+    """Whether a constant prompt state's CPU backward takes `_query_backward` (~5 small ops per tile) rather than the
+    flash backward (one call that also forms the unused dK, dV): with one torch thread, or while OpenMP's threads spin
+    between ops (OMP_WAIT_POLICY not PASSIVE). Under PASSIVE every small op wakes the sleeping threads, which made
+    B1's detach step 8% slower at P 4096 than the flash backward (docs/benchmarks.md)."""
+    return torch.get_num_threads() == 1 or os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE"
+
+
+def _query_backward(d_out, row, q, k, v, lse, scale: float):
+    """dq (N, M, D) alone of one non-causal key chunk, q (N, M, D), k/v (N, c, D), in tiles of at most `QUERY_TILE`
+    scores: p = exp(s − lse), dS = p * (dO Vᵀ − row), dq = scale · dS K. A prompt state without grad (detach) needs no
+    dk/dv; the flash backward, which always forms them, runs five products where this runs three."""
+    n, m, _ = q.shape
+    keys = min(k.shape[1], KEY_BLOCK)
+    rows = min(m, max(1, QUERY_TILE // (n * keys)))
+    dq = torch.zeros_like(q)
+    tile = q.new_empty(2, n * rows * keys)  # the score and gradient tiles, reused
+    neg_lse = -lse.unsqueeze(-1)  # (N, M, 1)
+    for r0 in range(0, m, rows):
+        r1 = min(m, r0 + rows)
+        for key0 in range(0, k.shape[1], keys):
+            key1 = min(k.shape[1], key0 + keys)
+            shape = (n, r1 - r0, key1 - key0)
+            p = tile[0, : shape[0] * shape[1] * shape[2]].view(shape)
+            ds = tile[1, : p.numel()].view(shape)
+            torch.baddbmm(neg_lse[:, r0:r1], q[:, r0:r1], k[:, key0:key1].transpose(-1, -2), alpha=scale, out=p).exp_()
+            torch.bmm(d_out[:, r0:r1], v[:, key0:key1].transpose(-1, -2), out=ds)
+            ds.sub_(row[:, r0:r1].unsqueeze(-1)).mul_(p)
+            dq[:, r0:r1].baddbmm_(ds, k[:, key0:key1], alpha=scale)
+    return dq
+
+
 def _piece_backward(ctx, j: int, d_out, d_lse, row, q, out, lse, k, v, need_kv: bool, fold):
     """dq (N, M, D), dk and dv (N, c, D) (None unless need_kv) of one piece of run j, keys k/v (1, N, c, D), with its
     run's kernel (dropout is 0: its random state is never read). A piece longer than `BACKWARD_KEYS` (one long chunk:
@@ -178,6 +216,9 @@ def _piece_backward(ctx, j: int, d_out, d_lse, row, q, out, lse, k, v, need_kv: 
         dk, dv = (torch.cat([p[i] for p in parts], dim=1) if need_kv else None for i in (1, 2))
         return dq, dk, dv
     scale, causal = ctx.scale, ctx.causal
+    if ctx.kernels[j] == "cpu_flash" and not need_kv and not causal and query_backward_fits():
+        acc = out.dtype
+        return _query_backward(d_out, row, q.to(acc), k[0].to(acc), v[0].to(acc), lse, scale), None, None
     if ctx.kernels[j] != "portable":  # the ops work in q's dtype, with an fp32 log-sum-exp for bf16/fp16
         try:
             return fused_backward(ctx.kernels[j], d_out.to(q.dtype), d_lse, q, k, v, out.to(q.dtype),
