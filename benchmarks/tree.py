@@ -72,7 +72,11 @@ from benchmarks.launch import describe_exit, worker_command, worker_env
 from benchmarks.registry import Benchmark
 from longstraw.choices import DTYPES, PRESET_NAMES
 from longstraw.planner import positive_int
-from longstraw.planner.tree import FLOOR_FORMULAS, FLOOR_NOTE, FORKS, ROWS, Fork, TreeShape, counts, token_passes
+from longstraw.planner.tree import FLOOR_FORMULAS, FORKS, ROWS, Fork, TreeShape, counts, token_passes
+
+FLOOR_NOTE = ("token passes: tokens run through the model's body, a backward counted as two forwards; E the tree's "
+              "encoded tokens, I / L its inner nodes' / leaves' inputs, I_loss the inner nodes' inputs that predict "
+              "loss-region tokens; the output projection and attention's quadratic part are not counted")
 
 FLAT_TOLERANCE = 0.05  # tree_exact's peak may grow this much when G doubles
 FLOOR_SHARE = 0.8  # tree_exact's time ratio over flattened must reach this share of its floor ratio

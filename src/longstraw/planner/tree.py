@@ -205,9 +205,6 @@ FLOOR_FORMULAS = {
     "flattened": "3 * sum_i (N_i - 1)", "group": "K * (4 * (S + C - 1) + 3 * G * T * (r + o))", "packed": "3 * E",
     "tree_exact": "4 * I + 3 * L", "tree_detach": "(I - I_loss) + 3 * (I_loss + L)",
 }
-FLOOR_NOTE = ("token passes: tokens run through the model's body, a backward counted as two forwards; E the tree's "
-              "encoded tokens, I / L its inner nodes' / leaves' inputs, I_loss the inner nodes' inputs that predict "
-              "loss-region tokens; the output projection and attention's quadratic part are not counted")
 
 
 @dataclass(frozen=True)

@@ -38,9 +38,7 @@ KEY_BLOCK = 512
 # width, ~4x a piece's K) stay those of 16K keys instead of a layer's whole prefix (1 GB+ per layer at 10^6 tokens),
 # while each call has enough keys to keep a GPU busy.
 BACKWARD_KEYS = 16384
-# Scores per tile of the query-only backward on CPU (`_query_backward`): two fp32 tiles of 1 MiB, no more transient
-# memory than the flash backward's own (its dK, dV and padded copies).
-QUERY_TILE = 2**18
+QUERY_TILE = 2**18  # scores per tile of `_query_backward`: two fp32 tiles of 1 MiB
 # A run of adjacent chunks: key (1, N, c, D), value (1, N, c, D) and its chunks' key counts.
 _Run = tuple[torch.Tensor, torch.Tensor, list[int]]
 
@@ -172,30 +170,24 @@ class ChunkAttention(torch.autograd.Function):
 
 
 def query_backward_fits() -> bool:
-    """Whether a constant prompt state's CPU backward takes `_query_backward` (~5 small ops per tile) rather than the
-    flash backward (one call that also forms the unused dK, dV): with one torch thread, or while OpenMP's threads spin
-    between ops (OMP_WAIT_POLICY not PASSIVE). Under PASSIVE every small op wakes the sleeping threads, which made
-    B1's detach step 8% slower at P 4096 than the flash backward (docs/benchmarks.md)."""
+    """Whether a constant prompt state's CPU backward takes `_query_backward` rather than the flash backward: with one
+    thread, or unless OMP_WAIT_POLICY is PASSIVE, where each small op wakes sleeping threads (docs/benchmarks.md)."""
     return torch.get_num_threads() == 1 or os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE"
 
 
 def _query_backward(d_out, row, q, k, v, lse, scale: float):
-    """dq (N, M, D) alone of one non-causal key chunk, q (N, M, D), k/v (N, c, D), in tiles of at most `QUERY_TILE`
-    scores: p = exp(s − lse), dS = p * (dO Vᵀ − row), dq = scale · dS K. A prompt state without grad (detach) needs no
-    dk/dv; the flash backward, which always forms them, runs five products where this runs three."""
+    """dq (N, M, D) alone of one non-causal chunk, q (N, M, D), k/v (N, c, D), in tiles of ≤ `QUERY_TILE` scores: p =
+    exp(s − lse), dS = p * (dO Vᵀ − row), dq = scale · dS K: three products where the flash backward runs five."""
     n, m, _ = q.shape
     keys = min(k.shape[1], KEY_BLOCK)
     rows = min(m, max(1, QUERY_TILE // (n * keys)))
-    dq = torch.zeros_like(q)
-    tile = q.new_empty(2, n * rows * keys)  # the score and gradient tiles, reused
-    neg_lse = -lse.unsqueeze(-1)  # (N, M, 1)
+    dq, tile, neg_lse = torch.zeros_like(q), q.new_empty(2, n * rows * keys), -lse.unsqueeze(-1)  # tiles reused
     for r0 in range(0, m, rows):
         r1 = min(m, r0 + rows)
         for key0 in range(0, k.shape[1], keys):
             key1 = min(k.shape[1], key0 + keys)
             shape = (n, r1 - r0, key1 - key0)
-            p = tile[0, : shape[0] * shape[1] * shape[2]].view(shape)
-            ds = tile[1, : p.numel()].view(shape)
+            p, ds = (tile[i, : n * shape[1] * shape[2]].view(shape) for i in (0, 1))
             torch.baddbmm(neg_lse[:, r0:r1], q[:, r0:r1], k[:, key0:key1].transpose(-1, -2), alpha=scale, out=p).exp_()
             torch.bmm(d_out[:, r0:r1], v[:, key0:key1].transpose(-1, -2), out=ds)
             ds.sub_(row[:, r0:r1].unsqueeze(-1)).mul_(p)
