@@ -366,3 +366,10 @@ def test_query_only_backward_only_where_threads_spin(monkeypatch, threads, polic
     else:
         monkeypatch.setenv("OMP_WAIT_POLICY", policy)
     assert attention.query_backward_fits() is fits
+
+
+def test_query_only_backward_of_an_empty_chunk_is_zero():
+    q, d_out = torch.randn(2, 5, 8, dtype=torch.float64), torch.randn(2, 5, 8, dtype=torch.float64)
+    k = v = torch.empty(2, 0, 8, dtype=torch.float64)
+    dq = attention._query_backward(d_out, torch.zeros(2, 5, dtype=torch.float64), q, k, v, torch.zeros(2, 5), 0.3)
+    assert dq.shape == q.shape and not dq.any()

@@ -179,7 +179,7 @@ def _query_backward(d_out, row, q, k, v, lse, scale: float):
     """dq (N, M, D) alone of one non-causal chunk, q (N, M, D), k/v (N, c, D), in tiles of ≤ `QUERY_TILE` scores: p =
     exp(s − lse), dS = p * (dO Vᵀ − row), dq = scale · dS K: three products where the flash backward runs five."""
     n, m, _ = q.shape
-    keys = min(k.shape[1], KEY_BLOCK)
+    keys = max(1, min(k.shape[1], KEY_BLOCK))  # an empty chunk: no tile runs
     rows = min(m, max(1, QUERY_TILE // (n * keys)))
     dq, tile, neg_lse = torch.zeros_like(q), q.new_empty(2, n * rows * keys), -lse.unsqueeze(-1)  # tiles reused
     for r0 in range(0, m, rows):
