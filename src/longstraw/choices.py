@@ -1,7 +1,7 @@
 """The names the command line offers (plans, losses, advantage estimators, checkpointing, tasks, dtypes, model
-presets), and `did_you_mean` for a mistyped one, in a module that imports nothing at load: `longstraw --help` and
-`--version` build every parser from these without importing torch (~5 s on a small CPU machine). The modules that
-implement them re-export them (`longstraw.PLANS`, `longstraw.planner.PLANS`, ...)."""
+presets), `did_you_mean` for a mistyped one and `int_at_least` for a count, in a module that imports nothing at load:
+`longstraw --help` and `--version` build every parser from these without importing torch (~5 s on a small CPU
+machine). The modules that implement them re-export them (`longstraw.PLANS`, `longstraw.planner.PLANS`, ...)."""
 
 from __future__ import annotations
 
@@ -53,3 +53,10 @@ def did_you_mean(name: object, known: Iterable[object], what: str = "", n: int =
         return ""
     names = close[0] if len(close) == 1 else ", ".join(close[:-1]) + " or " + close[-1]
     return f" ({what + ': ' if what else ''}did you mean {names}?)"
+
+
+def int_at_least(name: str, value: object, low: int, what: str = "") -> int:
+    """`value` if it is an int (not a bool) >= low, else a ValueError naming `name` (and `what` it counts)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}{what}, got {value!r}")
+    return value

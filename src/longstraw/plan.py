@@ -24,14 +24,14 @@ class Plan:
     name: str
     captures_state: bool
     exact_gradient: bool
-    needs_chunk_boundaries: bool
-    batched: bool
-    supports_context_parallel: bool
-    supports_tensor_parallel: bool
-    supports_offload: bool
-    supports_kept_graphs: bool
     peak_key: str
     description: str
+    needs_chunk_boundaries: bool = False
+    batched: bool = False
+    supports_context_parallel: bool = False
+    supports_tensor_parallel: bool = True
+    supports_offload: bool = False
+    supports_kept_graphs: bool = False
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, str):
@@ -48,24 +48,18 @@ class Plan:
 
 
 STANDARD = Plan(
-    name="standard", captures_state=False, exact_gradient=True, needs_chunk_boundaries=False, batched=False,
-    supports_context_parallel=False, supports_tensor_parallel=True, supports_offload=False,
-    supports_kept_graphs=False, peak_key="sdpa",
+    name="standard", captures_state=False, exact_gradient=True, peak_key="sdpa",
     description="each response as a full prompt+response sequence, one at a time (exact, slow)")
 STANDARD_BATCHED = Plan(
-    name="standard_batched", captures_state=False, exact_gradient=True, needs_chunk_boundaries=False, batched=True,
-    supports_context_parallel=False, supports_tensor_parallel=True, supports_offload=False,
-    supports_kept_graphs=False, peak_key="sdpa",
+    name="standard_batched", captures_state=False, exact_gradient=True, peak_key="sdpa", batched=True,
     description="the whole group in one padded batch, as an unmodified trainer runs it (the baseline)")
 DETACH = Plan(
-    name="detach", captures_state=True, exact_gradient=False, needs_chunk_boundaries=False, batched=False,
-    supports_context_parallel=True, supports_tensor_parallel=True, supports_offload=True,
-    supports_kept_graphs=False, peak_key="replay",
-    description="prompt encoded once without gradient; responses replayed from its state (biased gradient)")
+    name="detach", captures_state=True, exact_gradient=False, peak_key="replay", supports_context_parallel=True,
+    supports_offload=True, description="prompt encoded once without gradient; responses replayed from its state "
+    "(biased gradient)")
 EXACT = Plan(
-    name="exact", captures_state=True, exact_gradient=True, needs_chunk_boundaries=True, batched=False,
-    supports_context_parallel=True, supports_tensor_parallel=True, supports_offload=True,
-    supports_kept_graphs=True, peak_key="replay",
+    name="exact", captures_state=True, exact_gradient=True, peak_key="replay", needs_chunk_boundaries=True,
+    supports_context_parallel=True, supports_offload=True, supports_kept_graphs=True,
     description="prompt encoded once; responses replayed, then the prompt's backward chunk by chunk (exact)")
 
 PLANS: dict[str, Plan] = {plan.name: plan for plan in (STANDARD, STANDARD_BATCHED, DETACH, EXACT)}

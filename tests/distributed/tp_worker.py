@@ -130,7 +130,7 @@ def run_tp(quick: bool) -> dict:
     rollout = sample_group(model, group.prompt, 3, SamplingConfig(**SAMPLING), seed=5, chunk_size=CHUNK)
     results["sample"] = {"responses": rollout.responses, "logprobs": rollout.logprobs,
                          "state_bytes": rollout.state.nbytes()}
-    from longstraw.integrations.trl import tensor_parallel_refusals  # the drop-in's refusal of a split model
+    from longstraw.integrations.trl_shared import tensor_parallel_refusals  # the drop-in's refusal of a split model
 
     results["trl_refusals"] = (tensor_parallel_refusals(model), tensor_parallel_refusals(tp_model("llama")))
     return results

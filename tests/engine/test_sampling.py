@@ -172,7 +172,7 @@ def test_multi_turn_rollout_trains_with_its_masks():
 def test_an_environment_needs_a_call_end():
     with pytest.raises(ValueError, match="needs SamplingConfig.call_end"):
         sample_group(tiny_model("llama"), torch.arange(10), 2, SamplingConfig(), environment=_Lookup())
-    with pytest.raises(ValueError, match="max_turns must be >= 1"):
+    with pytest.raises(ValueError, match="max_turns must be an integer >= 1"):
         SamplingConfig(max_turns=0)
 
 

@@ -17,13 +17,12 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from longstraw.api.checks import check_model_options, check_tokens, options_with
-from longstraw.api.tree import run_tree
+from longstraw.api.tree import TreeResult, run_tree
 from longstraw.engine.group import Group
 from longstraw.engine.options import BackwardOptions
 from longstraw.engine.precision import accumulation_dtype, dtype_name
@@ -34,19 +33,13 @@ from longstraw.engine.tree.build import group_tree
 from longstraw.models.architecture import eval_mode_when_equal, hf
 
 
-@dataclass
-class GroupResult:
-    """loss: the group loss (float); logprobs: detached (R_i,) per response, NaN at the tokens a loss mask marks
-    False (their log-probs are not computed); stats: sizes and phase times.
+class GroupResult(TreeResult):
+    """A group's `TreeResult`. loss: the group loss (float); logprobs: detached (R_i,) per response, NaN at the tokens
+    a loss mask marks False (their log-probs are not computed); stats: sizes and phase times.
 
     skipped: why no gradient pass ran ("zero_advantage": every advantage 0 and beta 0, so the loss and its gradient are
     exactly 0), or None. A skipped group has loss 0.0, no logprobs ([]) and zero phase times. With router_aux_coef > 0,
     `stats["router_aux_loss"]` is transformers' aux loss over the group's G sequences; `loss` leaves the term out."""
-
-    loss: float
-    logprobs: list[torch.Tensor]
-    stats: dict[str, float | int | str] = field(default_factory=dict)
-    skipped: str | None = None
 
 
 def _check_model_and_group(model: torch.nn.Module, group: Group, beta: float) -> None:

@@ -9,19 +9,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 
-from longstraw.choices import MIN_TEMPERATURE
+from longstraw.choices import MIN_TEMPERATURE, int_at_least
 from longstraw.engine.activation_checkpointing import check_checkpoint
 from longstraw.engine.logprobs import DEFAULT_TOKEN_CHUNK
 from longstraw.engine.loss.config import LossConfig
 from longstraw.engine.state.sharding import ContextShards
 from longstraw.plan import EXACT, Plan, plan_named
-
-
-def _int_at_least(name: str, value: object, low: int, what: str = "") -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} must be an integer >= {low}{what}, got {value!r}")
-    return value
-
 
 ROUTER_COUNTS = ("sequences", "packed")
 
@@ -73,7 +66,7 @@ class BackwardOptions:
             raise TypeError(f"loss must be a LossConfig (e.g. LossConfig('dapo', beta=0.04)) or a loss's name, got "
                             f"{type(self.loss).__name__}")
         for name in ("chunk_size", "micro_batch", "token_chunk"):
-            _int_at_least(name, getattr(self, name), 1)
+            int_at_least(name, getattr(self, name), 1)
         object.__setattr__(self, "checkpoint", check_checkpoint(self.checkpoint))
         temperature = self.temperature
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
@@ -90,7 +83,7 @@ class BackwardOptions:
         if self.offload_state and not plan.supports_offload:
             raise ValueError(f"offload_state moves the prompt state to host memory: the {plan} plan has none; use "
                              "plan detach or exact")
-        _int_at_least("keep_prompt_graph", keep, 0, " (capture chunks whose graph is kept)")
+        int_at_least("keep_prompt_graph", keep, 0, " (capture chunks whose graph is kept)")
         if keep and not plan.supports_kept_graphs:
             raise ValueError(f"keep_prompt_graph keeps capture graphs for the exact plan's prompt backward; the {plan} "
                              "plan has none: pass keep_prompt_graph=0 or plan='exact'")

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from longstraw.choices import MIN_TEMPERATURE
+from longstraw.choices import MIN_TEMPERATURE, int_at_least
 from longstraw.engine.environment import CallEnd, Environment, agree, check_environment, ends_call, observation_ids
 from longstraw.engine.hf.segment import run_segment
 from longstraw.engine.logits import scaled_logits
@@ -55,16 +55,14 @@ class SamplingConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_new_tokens", "max_turns"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+            int_at_least(name, getattr(self, name), 1)
         if not self.temperature >= MIN_TEMPERATURE:
             raise ValueError(f"temperature must be >= {MIN_TEMPERATURE}, got {self.temperature}: below it sampling is "
                              "already greedy in all but name, and logits / temperature can overflow to inf; for greedy "
                              "sampling use top_k=1")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        int_at_least("top_k", self.top_k, 0, " (0 disables it)")
         if callable(self.call_end):
             return
         if not isinstance(self.call_end, tuple):
@@ -135,8 +133,7 @@ def sample_group(model: torch.nn.Module, prompt: torch.Tensor, group_size: int, 
     state (detach-only training can save that memory with False). context_shards: the prompt state is sharded over
     that group's ranks, which all call this with the same arguments and get the same samples. environment:
     multi-turn rollouts (module docstring), deterministic for the ranks of a context-parallel group to agree."""
-    if group_size < 1:
-        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    int_at_least("group_size", group_size, 1)
     prompt = check_inputs(model, prompt, state, "sample_group", sampling, environment)
     if state is None:
         state = capture_prompt(model, prompt[:-1], chunk_size, keep_boundaries=keep_boundaries,

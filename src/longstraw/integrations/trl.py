@@ -47,10 +47,9 @@ from longstraw.integrations.trl_config import (
     option,
     refuse,
     steps_per_generation,
-    tensor_parallel_refusals,
     work_of,
 )
-from longstraw.integrations.trl_shared import autocast_of, average_gradients, model_refusals, policy_of
+from longstraw.integrations.trl_shared import autocast_of, average_gradients, model_refusals, policy_of, router_refusals
 
 __all__ = ["LongStrawGRPOConfig", "LongStrawGRPOTrainer"]
 
@@ -94,19 +93,12 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                        "distributes them; use DDP (accelerate's MULTI_GPU / MULTI_CPU) or FSDP2")
         if self._is_vlm:
             out.append("a multimodal processor: LongStraw replays text-only completions")
-        if self.aux_loss_enabled and self.router_aux_loss_coef < 0:
-            out.append(f"router_aux_loss_coef={self.router_aux_loss_coef}: LongStraw's router term takes a "
-                       "coefficient >= 0")
+        out.extend(router_refusals(self, bool(option(self.args, "keep_prompt_graph"))))
         if self.aux_loss_enabled and cp > 1:
             out.append("a Mixture-of-Experts load-balancing loss (router_aux_loss_coef != 0) with longstraw_cp > 1: "
                        "LongStraw's router term is not supported with context parallelism; set longstraw_cp=1 or "
                        "router_aux_loss_coef=0.0")
-        if self.aux_loss_enabled and option(self.args, "keep_prompt_graph"):
-            out.append("a Mixture-of-Experts load-balancing loss (router_aux_loss_coef != 0) with "
-                       "longstraw_keep_prompt_graph > 0: the router term's prompt share needs every prompt chunk "
-                       "recomputed to its last layer; set longstraw_keep_prompt_graph=0")
         policy = self._policy()
-        out.extend(tensor_parallel_refusals(policy))
         out.extend(model_refusals(policy, backward_options(self.args), bool(self.args.bf16)))
         if cp > 1 and world % cp:
             out.append(f"longstraw_cp={cp} needs a number of processes that is a multiple of {cp}, got {world}: launch "

@@ -43,8 +43,8 @@ from longstraw.api.tree import backward_tree
 from longstraw.engine.loss.config import LossConfig
 from longstraw.engine.precision import accumulation_dtype
 from longstraw.engine.tree.build import Trajectory, build_tree
-from longstraw.integrations.trl_config import LongStrawOptions, backward_options, option, tensor_parallel_refusals
-from longstraw.integrations.trl_shared import autocast_of, average_gradients, model_refusals, policy_of
+from longstraw.integrations.trl_config import LongStrawOptions, backward_options, option, refuse
+from longstraw.integrations.trl_shared import autocast_of, average_gradients, model_refusals, policy_of, router_refusals
 from longstraw.models.architecture import hf
 
 __all__ = ["LongStrawAsyncGRPOConfig", "LongStrawAsyncGRPOTrainer"]
@@ -72,12 +72,6 @@ def config_refusals(args: AsyncGRPOConfig) -> list[str]:
                    "average); LongStraw's FSDP2 and ZeRO paths are in the synchronous drop-in "
                    "(longstraw.integrations.trl)")
     return out
-
-
-def refuse(reasons: list[str]) -> None:
-    if reasons:
-        raise ValueError("LongStrawAsyncGRPOTrainer cannot train this configuration with LongStraw's backward:\n- "
-                         + "\n- ".join(reasons))
 
 
 @contextmanager
@@ -174,11 +168,11 @@ class LongStrawAsyncGRPOTrainer(AsyncGRPOTrainer):
         named = bound.arguments
         if named.get("args") is None:
             named["args"] = LongStrawAsyncGRPOConfig(f"{str(named['model']).rstrip('/').split('/')[-1]}-AsyncGRPO")
-        refuse(config_refusals(named["args"]))
+        refuse(config_refusals(named["args"]), "LongStrawAsyncGRPOTrainer")
         self._longstraw = backward_options(named["args"])
         with _loaded_for_longstraw(named["args"]):
             super().__init__(*bound.args[1:], **bound.kwargs)
-        refuse(self._model_refusals())
+        refuse(self._model_refusals(), "LongStrawAsyncGRPOTrainer")
 
     def _policy(self) -> torch.nn.Module:
         return policy_of(self.accelerator, self.model)
@@ -191,18 +185,12 @@ class LongStrawAsyncGRPOTrainer(AsyncGRPOTrainer):
                        "MULTI_CPU) or one process")
         if self._is_vlm:
             out.append("a multimodal model: LongStraw replays text-only samples")
-        if self.aux_loss_enabled and self.router_aux_loss_coef < 0:
-            out.append(f"router_aux_loss_coef={self.router_aux_loss_coef}: LongStraw's router term takes a "
-                       "coefficient >= 0")
-        if self.aux_loss_enabled and self._longstraw.keep_prompt_graph:
-            out.append("a Mixture-of-Experts load-balancing loss with longstraw_keep_prompt_graph > 0: the router "
-                       "term's prompt share needs every prompt chunk recomputed; set longstraw_keep_prompt_graph=0")
+        out.extend(router_refusals(self, bool(self._longstraw.keep_prompt_graph)))
         if self.aux_loss_enabled and not self._longstraw.plan.captures_state:
             out.append(f"a Mixture-of-Experts load-balancing loss with longstraw_plan={self._longstraw.plan.name!r}: "
                        "TRL counts each position of its packed trie once, which the tree walk's plans (exact, "
                        "detach) reproduce and the full-sequence plans do not")
         policy = self._policy()
-        out.extend(tensor_parallel_refusals(policy))
         options = self._longstraw
         if self.aux_loss_enabled and self.router_aux_loss_coef > 0:
             try:  # the router term's own checks (a model whose router logits LongStraw can record)

@@ -1,13 +1,11 @@
 """The drop-in's configuration: `LongStrawGRPOConfig` (TRL's `GRPOConfig` with LongStraw's fields), the
 `BackwardOptions` and loss that make LongStraw's loss TRL's (docs/trl.md), and the refusals of what that loss cannot
-reproduce, made when the trainer is built (`config_refusals`, `fsdp_refusals`, `tensor_parallel_refusals`)."""
+reproduce, made when the trainer is built (`config_refusals`, `fsdp_refusals`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from typing import Any
-
-import torch
 
 try:
     from trl import GRPOConfig
@@ -237,19 +235,8 @@ def fsdp_refusals(plugin: Any) -> list[str]:
     return out
 
 
-def tensor_parallel_refusals(model: torch.nn.Module) -> list[str]:
-    """A model split by tensor parallelism (DTensor parameters) is refused: no TRL run here can configure it (the
-    message says why), and the drop-in's gradient average over processes takes plain tensors."""
-    from torch.distributed.tensor import DTensor
-
-    if any(isinstance(p, DTensor) for p in model.parameters()):
-        return ["a tensor-parallel model (DTensor parameters): the TRL drop-in does not run tensor parallelism "
-                "(accelerate refuses it on CPU processes and its FSDP2 x TP path needs a transformers class this "
-                "release lacks); train it with `longstraw train --tp T`, or load it without tp_plan/tp_size"]
-    return []
-
-
-def refuse(reasons: list[str]) -> None:
+def refuse(reasons: list[str], trainer: str = "LongStrawGRPOTrainer") -> None:
+    """ValueError listing every reason `trainer` cannot train this configuration (none: returns)."""
     if reasons:
-        raise ValueError("LongStrawGRPOTrainer cannot train this configuration with LongStraw's backward:\n- "
+        raise ValueError(f"{trainer} cannot train this configuration with LongStraw's backward:\n- "
                          + "\n- ".join(reasons))

@@ -47,11 +47,23 @@ def average_gradients(policy: torch.nn.Module, processes: int) -> None:
         p.grad = part.view_as(g)
 
 
+def tensor_parallel_refusals(model: torch.nn.Module) -> list[str]:
+    """A model split by tensor parallelism (DTensor parameters) is refused: no TRL run here can configure it (the
+    message says why), and the drop-in's gradient average over processes takes plain tensors."""
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        return ["a tensor-parallel model (DTensor parameters): the TRL drop-in does not run tensor parallelism "
+                "(accelerate refuses it on CPU processes and its FSDP2 x TP path needs a transformers class this "
+                "release lacks); train it with `longstraw train --tp T`, or load it without tp_plan/tp_size"]
+    return []
+
+
 def model_refusals(policy: torch.nn.Module, options: BackwardOptions, bf16: bool) -> list[str]:
-    """Why LongStraw cannot train this loaded model with these options (empty: it can): bf16 autocast over a
-    parameter dtype it does not run over, an architecture admission refuses (dropout on, mixed dtypes, soft-cap ...),
-    and what backward_tree would refuse on its first batch."""
-    out = []
+    """Why LongStraw cannot train this loaded model with these options (empty: it can): a tensor-parallel split, bf16
+    autocast over a parameter dtype it does not run over, an architecture admission refuses (dropout on, mixed dtypes,
+    soft-cap ...), and what backward_tree would refuse on its first batch."""
+    out = tensor_parallel_refusals(policy)
     dtype = hf(policy).get_input_embeddings().weight.dtype
     if bf16 and dtype not in (torch.bfloat16, torch.float32):
         out.append(f"bf16=True with {dtype_name(dtype)} parameters: bf16 autocast runs over "
@@ -66,3 +78,17 @@ def model_refusals(policy: torch.nn.Module, options: BackwardOptions, bf16: bool
     except ValueError as err:
         out.append(str(err))
     return out
+
+
+def router_refusals(trainer: Any, keep_prompt_graph: bool) -> list[str]:
+    """Why LongStraw cannot add a TRL trainer's Mixture-of-Experts load-balancing term (router_aux_loss_coef != 0)."""
+    if not trainer.aux_loss_enabled:
+        return []
+    coef = trainer.router_aux_loss_coef
+    out = [] if coef >= 0 else [f"router_aux_loss_coef={coef}: LongStraw's router term takes a coefficient >= 0"]
+    if keep_prompt_graph:
+        out.append("a Mixture-of-Experts load-balancing loss (router_aux_loss_coef != 0) with "
+                   "longstraw_keep_prompt_graph > 0: the router term's prompt share needs every prompt chunk "
+                   "recomputed to its last layer; set longstraw_keep_prompt_graph=0")
+    return out
+

@@ -20,16 +20,11 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal, NamedTuple
 
+from longstraw.choices import int_at_least
 from longstraw.plan import EXACT, STANDARD
 from longstraw.planner.estimator import PlanEstimate, PlanInputs, estimate
 from longstraw.planner.parsing import parse_size, positive_int
 from longstraw.planner.spec import ModelSpec
-
-
-def _check_int(name: str, value: object, least: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
-
 
 Fork = Literal["last", "first"]
 FORKS: tuple[Fork, ...] = ("last", "first")
@@ -64,9 +59,9 @@ class TreeShape:
 
     def __post_init__(self) -> None:
         for name in ("system_tokens", "tasks", "task_tokens", "group_size", "turns", "response_tokens"):
-            _check_int(name, getattr(self, name), 1)
-        _check_int("observation_tokens", self.observation_tokens, 0)
-        _check_int("branching", self.branching, 2)
+            int_at_least(name, getattr(self, name), 1)
+        int_at_least("observation_tokens", self.observation_tokens, 0)
+        int_at_least("branching", self.branching, 2)
         if self.fork not in FORKS:
             raise ValueError(f"fork must be one of {', '.join(FORKS)}, got {self.fork!r}")
         if self.fork == "first":  # a G-way fork fits any G and any T

@@ -106,9 +106,7 @@ class SegmentCache:
         """Run decoder layer `index` for the first time, or again as a checkpointing recompute, which starts from the
         recurrent parts the layer held when it first ran and collects nothing (no second `kv_only` stop)."""
         if recompute:
-            for key in [k for k in self.handed_out if k[1] == index]:
-                del self.handed_out[key]
-            self.handed_out.update(self._entry.get(index, {}))
+            self._restore_entry(index)
         else:
             self._entry[index] = {k: t for k, t in self.handed_out.items() if k[1] == index}
         self.recomputing = recompute
@@ -120,9 +118,13 @@ class SegmentCache:
                 # Drop what the recompute handed out and produced: a recurrent layer's final state is not on the
                 # backward's path, so its recomputed graph (and the activations refilled into it) would otherwise
                 # stay alive through this cache, which the checkpoint keeps until the whole backward ends.
-                for key in [k for k in self.handed_out if k[1] == index]:
-                    del self.handed_out[key]
-                self.handed_out.update(self._entry.get(index, {}))
+                self._restore_entry(index)
+
+    def _restore_entry(self, index: int) -> None:
+        """Layer `index`'s handed-out recurrent parts back to those it held when it first ran."""
+        for key in [k for k in self.handed_out if k[1] == index]:
+            del self.handed_out[key]
+        self.handed_out.update(self._entry.get(index, {}))
 
     def _asked(self, layer: int, *parts: str) -> None:
         self.asked.setdefault(layer, set()).update(parts)

@@ -22,6 +22,7 @@ from functools import cmp_to_key
 import numpy as np
 import torch
 
+from longstraw.choices import int_at_least
 from longstraw.engine.group import Group, _check_float, _check_ids
 
 
@@ -212,8 +213,7 @@ def build_tree(trajectories: list[Trajectory], min_shared: int = 1) -> Tree:
     for i, t in enumerate(trajectories):
         if not isinstance(t, Trajectory):
             raise TypeError(f"trajectories[{i}] must be a longstraw Trajectory, got {type(t).__name__}")
-    if isinstance(min_shared, bool) or not isinstance(min_shared, int) or min_shared < 1:
-        raise ValueError(f"min_shared must be an integer >= 1, got {min_shared!r}")
+    int_at_least("min_shared", min_shared, 1)
     ids = [t.ids.detach().to("cpu", torch.long) for t in trajectories]
     root = _trie(ids)
     if min_shared > 1:

@@ -221,12 +221,8 @@ def _detach_node(walk: Walk, node: Node, state: PromptState, path: torch.Tensor,
             if term is not None and term.requires_grad:
                 term.backward()
         del hidden, term
-        for layer, parts in collect.items():
-            window = parts.pop("window", None)
-            if window is not None:
-                state.windows[layer] = window  # type: ignore[call-overload]  # an int riding in the tensor dict
-            for name in list(parts):
-                parts[name] = parts[name].detach()
+        for parts in collect.values():  # a constant: no graph back into the chunk's forward (a window is an int)
+            parts.update({name: t.detach() for name, t in parts.items() if isinstance(t, torch.Tensor)})
         state.append_chunk(start, end, collect)
         keep_owned(state, j, len(bounds))
     walk.capture_s += time.perf_counter() - t0

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from longstraw.choices import int_at_least
 from longstraw.engine.environment import Environment
 from longstraw.engine.loss.advantages import compute_advantages
 from longstraw.engine.sampling import Decoder, RolloutNode, SamplingConfig, check_inputs
@@ -57,18 +58,14 @@ class TreeConfig:
 
     def __post_init__(self) -> None:
         for name, low in (("trunks", 1), ("branching", 2), ("depth", 1), ("leaves", 1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"tree {name} must be an integer >= {low}, got {value!r}")
+            int_at_least(f"tree {name}", getattr(self, name), low)
         if self.leaves < self.trunks:
             raise ValueError(f"the leaf budget ({self.leaves}) is below the trunks ({self.trunks}): every trunk is a "
                              "leaf until it forks; raise the leaves or lower the trunks")
         if self.trigger not in TRIGGERS:
             raise ValueError(f"tree trigger must be one of {', '.join(TRIGGERS)}, got {self.trigger!r}")
-        if self.trigger == "tokens" and (isinstance(self.every, bool) or not isinstance(self.every, int)
-                                         or self.every < 1):
-            raise ValueError(f"trigger 'tokens' forks every `every` tokens: every must be an integer >= 1, got "
-                             f"{self.every!r}")
+        if self.trigger == "tokens":
+            int_at_least("every", self.every, 1, " (trigger 'tokens' forks every `every` tokens)")
         if self.trigger == "tool_call" and self.every:
             raise ValueError(f"every={self.every} applies to trigger 'tokens'; trigger 'tool_call' forks at tool "
                              "calls: drop every or set trigger='tokens'")
