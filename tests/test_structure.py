@@ -1,7 +1,8 @@
 """The package's layering as folder rules: the engine (one group's gradient) imports nothing from the trainer,
 distributed or integrations folders nor from the benchmarks (a package outside the library); models/, planner/,
 admission/ and tasks/ none of those either; nothing in the library imports the benchmarks; the top level holds few
-modules; and the context-parallel group implements the protocol through which the engine uses it."""
+modules; modules and functions stay small; and the context-parallel group implements the protocol through which the
+engine uses it."""
 
 from __future__ import annotations
 
@@ -70,6 +71,21 @@ def test_the_top_level_holds_the_cli_and_few_modules():
     folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
     assert folders == {"api", "engine", "models", "admission", "train", "tasks", "planner", "distributed",
                        "integrations"}
+
+
+def test_modules_and_functions_stay_small():
+    """No module of the library over 500 lines, no function over 80 (its whole span, docstring included)."""
+    long_modules, long_functions = [], []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text()
+        name = str(path.relative_to(PACKAGE))
+        if text.count("\n") > 500:
+            long_modules.append(name)
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno is not None:
+                if node.end_lineno - node.lineno + 1 > 80:
+                    long_functions.append(f"{name}:{node.name}")
+    assert not long_modules and not long_functions, (long_modules, long_functions)
 
 
 def test_the_walk_sees_function_level_imports(tmp_path):
