@@ -50,7 +50,7 @@ def verdict_lines(checks: dict[str, Any]) -> tuple[list[str], bool]:
 
 # Modules of this package that declare benchmarks: each holds `BENCHMARKS`, a tuple of `Benchmark` values.
 MODULES = ("memory", "sweeps", "cp", "peers", "trl_scale", "verl_update", "decode", "provenance", "tree", "stress",
-           "gpu", "versus", "work", "compare", "agent_results")
+           "gpu", "versus", "work", "threads", "compare", "agent_results")
 
 
 def benchmarks() -> dict[str, Benchmark]:

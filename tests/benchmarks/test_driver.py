@@ -17,7 +17,7 @@ RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 def test_every_module_declares_its_benchmarks_once():
     found = benchmarks()
     assert {"memory", "prompt", "pareto", "arch", "cp", "peers", "trl-scale", "verl", "decode", "provenance", "tree",
-            "stress", "gpu", "versus", "work", "compare", "agent-results"} == set(found)
+            "stress", "gpu", "versus", "work", "threads", "compare", "agent-results"} == set(found)
     assert len(MODULES) == len(set(MODULES))
     names = build_parser()._subparsers._group_actions[0].choices  # type: ignore[union-attr]
     assert list(names) == list(found)
