@@ -174,6 +174,15 @@ def write_results(out: str, document: dict[str, Any], what: str) -> str | None:
     return path
 
 
+def finish_run(document: dict[str, Any], table: Callable[[dict[str, Any]], str], out: str, what: str) -> int:
+    """A run's end: stamp `finished`, print the table, write the results file (`write_results`, its folder made);
+    the exit status, 1 when nothing was written."""
+    document["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    print(table(document))
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    return 0 if write_results(out, document, what) is not None else 1
+
+
 def mib_text(value: float | None, width: int = 9) -> str:
     """A size in MiB for a table cell, or "-" where there is none."""
     return f"{'-':>{width}}" if value is None else f"{value / MIB:{width}.1f}"

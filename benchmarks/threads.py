@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import default_out, write_results
+from benchmarks.common import default_out, finish_run
 from benchmarks.flops import group_floor, preset_costs
 from benchmarks.machine import machine_info
 from benchmarks.registry import Benchmark
@@ -137,11 +137,7 @@ def run(args: argparse.Namespace) -> int:
               for plan in args.plans}
     document["runs"] = {str(n): rows for n, rows in runs.items()}
     document["results"] = summarize(runs, floors)
-    document["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
-    print(table(document))
-    out = args.out or default_out("threads", False)
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    return 0 if write_results(out, document, "threads") is not None else 1
+    return finish_run(document, table, args.out or default_out("threads", False), "threads")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

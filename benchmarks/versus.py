@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import default_out, write_results
+from benchmarks.common import default_out, finish_run
 from benchmarks.machine import machine_info
 from benchmarks.registry import Benchmark
 from longstraw.planner import positive_int
@@ -186,11 +186,8 @@ def run(args: argparse.Namespace) -> int:
     # every round's two result documents as the bench wrote them (their own ratios, floors and checks)
     document["documents"] = rounds
     document["results"] = compare(rounds, KEYS[args.bench])
-    document["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
-    print(table(document))
-    out = args.out or default_out(f"versus-{args.bench}", "--smoke" in bench_args)
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    return 0 if write_results(out, document, "versus") is not None else 1
+    return finish_run(document, table, args.out or default_out(f"versus-{args.bench}", "--smoke" in bench_args),
+                      "versus")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import default_out, write_results
+from benchmarks.common import default_out, finish_run
 from benchmarks.machine import machine_info
 from benchmarks.registry import Benchmark
 from benchmarks.versus import baseline_tree
@@ -129,11 +129,7 @@ def run(args: argparse.Namespace) -> int:
         {"plan": b["plan"], "group_size": b["group_size"], "status": "ok", "baseline": b, "this": t,
          "flops_ratio": t["matmul_flops"] / b["matmul_flops"]}
         for b, t in zip(sides["baseline"], sides["this"])]
-    document["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
-    print(table(document))
-    out = args.out or default_out("work", False)
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    return 0 if write_results(out, document, "work") is not None else 1
+    return finish_run(document, table, args.out or default_out("work", False), "work")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

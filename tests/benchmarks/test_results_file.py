@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from benchmarks.common import finished_rows, write_results
+from benchmarks.common import finish_run, finished_rows, write_results
 
 
 def _doc(*statuses: str) -> dict:
@@ -31,3 +31,12 @@ def test_a_results_file_is_written_only_with_a_finished_row_and_never_over_more(
     assert other != str(tmp_path / "mine.json") and (tmp_path / "mine.json").read_text() == "not json"
     assert "is not a results file" in capsys.readouterr().err
     assert finished_rows({"bench": "provenance", "result": {"x": 1}}) == 1  # a document of one result
+
+
+def test_finish_run_stamps_prints_and_writes_into_a_new_folder(tmp_path, capsys):
+    out = str(tmp_path / "new" / "r.json")
+    assert finish_run(_doc("ok"), lambda d: f"table of {len(d['results'])}", out, "bench x") == 0
+    written = json.loads((tmp_path / "new" / "r.json").read_text())
+    assert "finished" in written and capsys.readouterr().out == "table of 1\n"
+    assert finish_run(_doc("failed"), lambda d: "", str(tmp_path / "other.json"), "bench x") == 1  # nothing finished
+    assert not (tmp_path / "other.json").exists()
