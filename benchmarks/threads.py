@@ -76,8 +76,9 @@ def measure(threads: int, args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def summarize(runs: dict[int, list[dict[str, Any]]], floors: dict[str, float | None]) -> list[dict[str, Any]]:
-    """One result per plan: time per thread count, speedup over one thread, share of the FLOP floor per thread count
-    (standard's time over the plan's, over the floor), and the ops that lose the most against a perfect speedup."""
+    """One result per plan: time per thread count, speedup from the lowest count to the highest, share of the FLOP
+    floor per thread count (standard's time over the plan's, over the floor), and the ops that lose the most against
+    a perfect speedup."""
     counts = sorted(runs)
     low, high = counts[0], counts[-1]
     by = {n: {r["plan"]: r for r in rows} for n, rows in runs.items()}
@@ -109,7 +110,7 @@ def table(document: dict[str, Any]) -> str:
         floor = f"{r['floor']:6.2f}" if r["floor"] else f"{'-':>6}"
         lines.append(f"{r['plan']:>9} | " + " ".join(f"{r['time_s'][str(n)]:8.3f}" for n in counts)
                      + f" | {r['speedup']:7.2f} | {shares} | {floor} | {r['lost_s']:.3f}")
-    lines.append(f"ops losing the most time at {hi} threads against {lo}'s self time over {int(hi) // int(lo)} "
+    lines.append(f"ops losing the most time at {hi} threads against {lo}'s self time over {int(hi) / int(lo):g} "
                  f"(self s @{lo}, @{hi}, calls, lost s):")
     for r in document["results"]:
         for name, shapes, one, many, calls, lost in r["top_lost"]:
