@@ -315,10 +315,30 @@ def end_process_group() -> None:
     """Destroy the default process group, if any; call it once the trainer is out of scope. gloo's worker threads must
     be joined before interpreter exit (else: "terminate called without an active exception"), and a DDP model's reducer
     freed after the group joins them while holding the GIL that a thread still releasing a tensor needs (a deadlock).
-    So: collect the trainer first, then destroy the group."""
+    So: collect the trainer first, then destroy the group (through DeepSpeed where it runs: `_end_deepspeed`)."""
     gc.collect()
-    if dist.is_initialized():
+    if not dist.is_initialized():
+        return
+    if not _end_deepspeed():
         dist.destroy_process_group()
+
+
+def _end_deepspeed() -> bool:
+    """Under DeepSpeed, end the process group with its gloo threads joined now, not in the interpreter's teardown
+    (False where DeepSpeed's communication is not in use). A finished engine stays alive after its trainer is collected,
+    ZeRO-3 keeps its top module in `parameter_offload.FWD_MODULE_STACK` (read only inside a forward) and DeepSpeed its
+    world group in a module global, and their parameters and modules hold the groups: destroy every engine (removes its
+    hooks), empty the stack, end the groups through DeepSpeed (drops its own references) and collect."""
+    comm, engine = (sys.modules.get(f"deepspeed.{name}") for name in ("comm", "runtime.engine"))
+    if comm is None or engine is None or not comm.is_initialized():
+        return False
+    for obj in gc.get_objects():
+        if isinstance(obj, engine.DeepSpeedEngine):
+            obj.destroy()
+    getattr(sys.modules.get("deepspeed.runtime.zero.parameter_offload"), "FWD_MODULE_STACK", []).clear()
+    comm.destroy_process_group()
+    gc.collect()
+    return True
 
 
 _exit_hook = threading.Event()  # set once `end_at_exit` is registered
