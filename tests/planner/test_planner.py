@@ -406,7 +406,7 @@ RECORDED = (
     "memory-deep-smollm2-16k-exact-ckpt-20261130", "memory-deep-smollm2-16k-standard-ckpt-20261130",
     "memory-b1-mamba2-4k-recurrent-20261130", "memory-b1-mamba2-8k-r100-chunk1024-recurrent-20261130",
     "memory-b1-qwen3-next-4k-recurrent-20261130", "memory-b1-qwen3-next-8k-r100-chunk1024-recurrent-20261130",
-    "memory-b1-llama-4k-20261129-1300", "pareto-b1-llama-4k-quiet-20261129", "pareto-b1-llama-4k-levers-20261130",
+    "memory-b1-llama-4k-20261129-1300", "pareto-b1-llama-4k-20261206", "pareto-b1-llama-4k-levers-20261130",
     "prompt-b1-llama-1GiB-20261129",
     "stress-tiny-llama-long-exact-20261129", "stress-tiny-mamba2-131k-exact-20261130",
     "memory-b1-deepseek-v3-4k-20261129-1213", "memory-b1-deepseek-v3-4k-20261129-1240",
@@ -414,7 +414,7 @@ RECORDED = (
     # exact with kept capture graphs (keep_prompt_graph 0/1/2, with and without checkpointing)
     "pareto-b1-llama-4k-keep-20261130", "pareto-deep-smollm2-2k-keep-20261130",
     # multi-turn groups (3 turns of 64 generated + 128 observation tokens per response), G = 2, 8 and 16
-    "memory-b1-llama-8k-agent-turns-20261201", "memory-b1-llama-8k-agent-turns-g16-20261201",
+    "memory-b1-llama-8k-agent-turns-20261206", "memory-b1-llama-8k-agent-turns-g16-20261206",
     # routed-expert families read generically (config.json beside the results: bench/results/b1-qwen3-moe/,
     # b1-gpt-oss/): standard, detach, exact at P = 4096, and with per-layer checkpointing
     "memory-b1-qwen3-moe-4k-20261202", "memory-b1-qwen3-moe-4k-ckpt-20261202", "memory-b1-gpt-oss-4k-20261202",
@@ -465,7 +465,7 @@ def test_recorded_multi_turn_peak_is_flat_in_group_size():
     """The recorded multi-turn groups (b1-llama, P = 8192, 3 turns of 64 generated + 128 observation tokens): exact's
     peak grows by at most 5% from G = 2 to G = 16, as the file's `peak_growth` says and its peaks show."""
     document = json.loads((Path(__file__).resolve().parents[2] / "bench" / "results" /
-                           "memory-b1-llama-8k-agent-turns-g16-20261201.json").read_text())
+                           "memory-b1-llama-8k-agent-turns-g16-20261206.json").read_text())
     growth = document["ratios"]["peak_growth"]["exact"]
     assert (growth["from_g"], growth["to_g"]) == (2, 16) and growth["pct"] <= 5.0
     peaks = {e["group_size"]: e["peak_bytes"] for e in document["results"]
@@ -490,7 +490,8 @@ def test_observation_tokens_cost_what_response_tokens_cost(capsys):
         other = plain["plans"][name]
         if name in ("detach", "exact"):
             assert plan["components"]["logprob_chunk"] < other["components"]["logprob_chunk"]
-            assert plan["total_bytes"] < other["total_bytes"]
+            assert plan["phases"]["replay"] < other["phases"]["replay"]
+            assert plan["total_bytes"] <= other["total_bytes"]  # (exact's peak may be its prompt backward's)
             assert plan["components"]["replay_activations"] == other["components"]["replay_activations"]
         else:
             assert plan["total_bytes"] == other["total_bytes"], name

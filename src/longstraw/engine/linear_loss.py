@@ -100,6 +100,7 @@ class _LinearLoss(torch.autograd.Function):
                 d_logits = softmax_gradient(probs, slope, tgt, g[s : s + c], run.temperature, run.logit_scale,
                                             run.start)
                 accumulate_block(d_logits.to(weight.dtype), h, weight, s, d_hidden, d_weight, d_bias, s == 0)
+                del probs, slope, d_logits  # freed before the next block's logits: one (c, V) block at a time
         else:
             lses = []
             for s in blocks:  # every log-prob first: each g reads its whole row
@@ -112,6 +113,7 @@ class _LinearLoss(torch.autograd.Function):
                 d_logits = logits_gradient(logits, slope, lse, tgt, g[s : s + c], run.temperature,
                                            run.logit_scale, run.start)
                 accumulate_block(d_logits.to(weight.dtype), h, weight, s, d_hidden, d_weight, d_bias, s == 0)
+                del logits, slope, d_logits
         if value is None:  # no kept row
             value, _ = run.gradient(logp)
         for grad in (d_weight, d_bias) if n == 0 else ():  # no block wrote them

@@ -7,10 +7,10 @@ predicts, per plan, the peak of one `backward_group` call plus the optimizer sta
 of the phases a step goes through:
 
 * capture (detach/exact): the state being built + one no-grad chunk's transient tensors;
-* replay (detach/exact): the saved activations of one micro-batch of k responses + the chunked log-prob's
-  transient (forward: logits and logsumexp's temporary, 2·c·V; backward: recomputed logits + the output
-  projection's weight-gradient temporary, c·V + V·d). Parameter gradients are resident from the second
-  micro-batch on; with a single micro-batch they grow while activations are freed (max, not sum);
+* replay (detach/exact): the saved activations of one micro-batch of k responses + the fused log-prob pass's
+  transient (a block of c rows' logits, softmax, then gradient, in place, beside the (V, d) weight gradient: c·V +
+  V·d; a soft-cap's slope adds c·V). Parameter gradients are resident from the second micro-batch on; with a single
+  micro-batch they grow while activations are freed (max, not sum);
 * prompt backward (exact): one chunk's activations recomputed with grad (up to the last layer's K/V) + state gradient;
 * standard: the activations of full `P + R` sequences (one, or all G when batched) + three `[R, V]`
   log-softmax tensors alive at the start of the backward.

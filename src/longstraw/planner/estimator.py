@@ -191,12 +191,14 @@ def _resident(spec: ModelSpec, inp: PlanInputs, plan: Plan, z: _Step) -> _Reside
     return _Resident(weights, grads, optimizer, gathered, layer_reduce, runtime)
 
 
-def _logprob_bytes(inp: PlanInputs, z: _Step, rows: int) -> int:
-    """The chunked log-prob's transient for `rows` scored rows, with the (V, d) weight gradient."""
+def _logprob_bytes(spec: ModelSpec, inp: PlanInputs, z: _Step, rows: int) -> int:
+    """The fused log-prob pass's transient for `rows` scored rows (`engine/linear_loss.py`): a block of c rows (its
+    logits, softmax, then gradient, in place; a soft-cap's slope beside them) and the (V, d) weight gradient."""
     c = min(inp.token_chunk, rows)
+    slope = c * z.v * z.a if spec.logit_softcap else 0
     if z.a > z.b:  # bf16/fp16: fp32 logits beside the model-dtype product, then beside the gradient's cast
-        return c * z.v * (z.a + z.b) + z.v * z.d * z.b  # (precision.py)
-    return max(2 * c * z.v * z.b, c * z.v * z.b + z.v * z.d * z.b)
+        return c * z.v * (z.a + z.b) + slope + z.v * z.d * z.b  # (precision.py)
+    return c * z.v * z.b + slope + z.v * z.d * z.b
 
 
 def _state_on_device(spec: ModelSpec, inp: PlanInputs, plan: Plan, z: _Step) -> tuple[int, int, int]:
@@ -237,7 +239,7 @@ def _replay_bytes(spec: ModelSpec, inp: PlanInputs, plan: Plan, z: _Step, m: _Re
     # its input only): they count against it with a max (attention-only models: acts).
     during_logprob = (segment_activation_bytes(spec, b, a, plan.peak_key, r, k, True, scans=False)
                       if inp.checkpoint_layers else acts)
-    logprob = _logprob_bytes(inp, z, k * max(r - inp.observation_tokens, 1))  # the rows the output projection scores
+    logprob = _logprob_bytes(spec, inp, z, k * max(r - inp.observation_tokens, 1))  # rows the head scores
     dsa = any(mixer == "dsa" for mixer in spec.mixers)
     indexer = DSA_SCORE_ROWS * math.ceil(z.p / inp.cp) * 4 if dsa else 0
     steady = math.ceil(g / k) > 1  # gradients already resident while the next micro-batch runs
@@ -295,7 +297,7 @@ def _prompt_backward(spec: ModelSpec, inp: PlanInputs, z: _Step, recurrent: list
     if kept:
         comp["kept_prompt_graphs"] = kept
     if inp.prompt_loss_tokens:
-        chunk_acts += _logprob_bytes(inp, z, inp.prompt_loss_tokens)
+        chunk_acts += _logprob_bytes(spec, inp, z, inp.prompt_loss_tokens)
     recompute = chunk_acts if kept_tokens < p - 1 else 0
     first = kept + chunk_acts - saved if kept else 0  # the last chunk's backward, every kept graph alive
     comp["prompt_backward_chunk"] = chunk_acts

@@ -239,6 +239,7 @@ def spec_from_config(config, name: str = "") -> ModelSpec:
         "params": meta.total, "expert_params": meta.expert, "max_layer_params": meta.max_layer,
         "tied": bool(getattr(c, "tie_word_embeddings", False)), "eager_attention": meta.eager_attention,
         "max_positions": int(getattr(c, "max_position_embeddings", 0) or 0),
+        "logit_softcap": bool(getattr(c, "final_logit_softcapping", None)),
     }
     types = list(getattr(c, "layer_types", None) or [])
     if mt not in _READERS:

@@ -176,6 +176,7 @@ class ModelSpec:
     max_positions: int = 0  # the config's max_position_embeddings (0: none given)
     # No SDPA path in transformers (gpt-oss: its sinks): the standard plans' attention materialises its scores
     eager_attention: bool = False
+    logit_softcap: bool = False  # final_logit_softcapping (Gemma-2): the log-prob pass keeps the cap's slope too
     layer_kv: tuple[tuple[int, int], ...] = field(default_factory=tuple)
 
     @property
