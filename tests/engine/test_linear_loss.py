@@ -126,6 +126,31 @@ def test_the_logits_are_formed_once_per_block(monkeypatch):
 
 
 @pytest.mark.parametrize("token_level", [True, False])
+def test_one_block_of_logits_is_alive_at_a_time(monkeypatch, token_level):
+    """The pass frees each block's (c, V) logits (softmax, gradient, in place) before forming the next: when a block's
+    product is formed, no earlier block's is still referenced (two alive at once doubled the replay's log-prob peak)."""
+    import weakref
+
+    import longstraw.engine.logits as logits
+
+    hidden, weight, _, targets, keep, old, ref, adv = _inputs(3, False)
+    loss_of = _loss_of(LossConfig("grpo"), keep, old, ref, adv)
+    earlier: list[weakref.ref] = []
+    alive_at_formation = []
+    product = logits.accumulated_product
+
+    def tracked(h, w, b=None):
+        alive_at_formation.append(sum(r() is not None for r in earlier))
+        out = product(h, w, b)
+        earlier.append(weakref.ref(out))
+        return out
+
+    monkeypatch.setattr(logits, "accumulated_product", tracked)
+    linear_loss(hidden, weight, targets, keep, loss_of, token_level, 4)[0].backward()
+    assert len(alive_at_formation) >= 3 and alive_at_formation == [0] * len(alive_at_formation)
+
+
+@pytest.mark.parametrize("token_level", [True, False])
 def test_no_kept_row_gives_zero_weight_and_bias_gradients(token_level):
     """The first block writes the weight's and bias's gradients (no zero fill); with no kept row no block runs, and
     they are zero, not whatever the reused buffer or fresh memory held."""
